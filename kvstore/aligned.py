@@ -1,0 +1,102 @@
+"""Page-aligned memory for O_DIRECT and io_uring.
+
+O_DIRECT needs buffer addresses, lengths and offsets aligned to the device's
+logical block (we use 4096). Allocations from torch or numpy are not page
+aligned, so every buffer that meets the disk comes from mmap: anonymous for
+private scratch, a file under /dev/shm for a slab other processes map too.
+Anonymous maps ask for transparent huge pages so a large read stays one request
+instead of splitting at the block layer's segment limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+from kvstore.errors import DeviceError
+from kvstore.record import BLOCK, round_up
+
+SHM_DIR = "/dev/shm"
+
+
+class AlignedBuffer:
+    """A page-aligned, zero-filled byte region; `view` is a writable memoryview."""
+
+    def __init__(self, nbytes: int, shm_name: str | None = None) -> None:
+        self.nbytes = round_up(max(nbytes, BLOCK))
+        self.shm_path = os.path.join(SHM_DIR, shm_name) if shm_name else None
+        if self.shm_path is None:
+            self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+        else:
+            self._map = _map_shared(self.shm_path, self.nbytes)
+        self.view = memoryview(self._map)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self._map, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap; the shm file (if any) stays for other processes until `unlink`."""
+        self.view.release()
+        # A caller may still hold a view into the region; the map is then freed with it.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+    def unlink(self) -> None:
+        if self.shm_path and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
+
+
+def _map_shared(path: str, nbytes: int) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise DeviceError(path, f"cannot create shared-memory slab: {exc.strerror}") from exc
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise DeviceError(path, f"cannot reserve {nbytes} bytes in {SHM_DIR}: "
+                                  f"{exc.strerror}") from exc
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
+def is_aligned(view: memoryview, alignment: int = BLOCK) -> bool:
+    """True when `view` starts on an `alignment` boundary."""
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else None
+    return address is not None and address % alignment == 0
+
+
+def pin_for_cuda(buffer: AlignedBuffer) -> bool:
+    """Register the region as CUDA pinned memory when CUDA is present (faster H2D/D2H)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    result = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 0)
+    return int(result) == 0
+
+
+def byte_view(obj: object) -> memoryview:
+    """A flat writable byte view of a buffer, numpy array or CPU torch tensor (no copy)."""
+    if type(obj).__module__.startswith("torch"):
+        import torch
+
+        tensor = obj
+        assert isinstance(tensor, torch.Tensor)
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("torch buffers must be contiguous CPU tensors")
+        obj = tensor.view(torch.uint8).numpy()
+    view = memoryview(obj)  # type: ignore[arg-type]
+    if not view.contiguous:
+        raise ValueError("buffers must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

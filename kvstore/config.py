@@ -1,0 +1,175 @@
+"""The one configuration schema (YAML file, JSON text or dict), validated on load.
+
+Every error is a ConfigError that names the dotted field and the bad value, because
+a config is usually written by hand and read by a service that fails at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvstore.errors import ConfigError
+from kvstore.units import parse_size
+
+IO_ENGINES = ("auto", "uring", "threads")
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    """DRAM tier. `shm_name` puts the slab in /dev/shm so other processes can map it."""
+
+    capacity: int
+    shm_name: str | None = None
+
+
+@dataclass(frozen=True)
+class DiskPathConfig:
+    """One disk path: a directory (a preallocated file inside) or a raw block device."""
+
+    path: str
+    capacity: int
+
+
+@dataclass(frozen=True)
+class IoConfig:
+    engine: str = "auto"
+    queue_depth: int = 64
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    chunk_tokens: int = 256
+    host: HostTierConfig | None = None
+    disk: tuple[DiskPathConfig, ...] = ()
+    io: IoConfig = field(default_factory=IoConfig)
+    # Bound on DRAM->disk demotions waiting to be written; past it a demotion is
+    # dropped (counted) so that a put never waits on the disk.
+    write_behind_chunks: int = 64
+    promote_on_hit: bool = True
+
+
+def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:
+    """Accept a StoreConfig, a dict, JSON/YAML text, or a path to a .yaml/.json file."""
+    if isinstance(source, StoreConfig):
+        return source
+    if isinstance(source, dict):
+        return _parse_root(source)
+    text = str(source)
+    path = Path(text)
+    if "\n" not in text and (path.suffix in (".yaml", ".yml", ".json") or path.exists()):
+        if not path.is_file():
+            raise ConfigError("config", text, "file not found")
+        text = path.read_text()
+    try:
+        data = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError("config", str(source)[:80], f"not valid YAML/JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("config", data, "must be a mapping")
+    return _parse_root(data)
+
+
+def _check_keys(where: str, data: dict[str, Any], allowed: set[str]) -> None:
+    for key in data:
+        if key not in allowed:
+            name = f"{where}.{key}" if where else str(key)
+            raise ConfigError(name, data[key], f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _size(where: str, value: Any, minimum: int = 1) -> int:
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(where, value, str(exc)) from None
+    if size < minimum:
+        raise ConfigError(where, value, f"must be at least {minimum} bytes")
+    return size
+
+
+def _int(where: str, value: Any, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(where, value, "must be an integer")
+    if not minimum <= value <= maximum:
+        raise ConfigError(where, value, f"must be between {minimum} and {maximum}")
+    return value
+
+
+def _mapping(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(where, value, "must be a mapping")
+    return value
+
+
+def _parse_root(data: dict[str, Any]) -> StoreConfig:
+    _check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit"})
+    tiers = _mapping("tiers", data.get("tiers", {}))
+    _check_keys("tiers", tiers, {"host", "disk"})
+    host = _parse_host(tiers["host"]) if tiers.get("host") is not None else None
+    disk = _parse_disks(tiers.get("disk") or [])
+    if host is None and not disk:
+        raise ConfigError("tiers", tiers, "configure at least one tier (host or disk)")
+    promote = data.get("promote_on_hit", True)
+    if not isinstance(promote, bool):
+        raise ConfigError("promote_on_hit", promote, "must be true or false")
+    return StoreConfig(
+        chunk_tokens=_int("chunk_tokens", data.get("chunk_tokens", 256), 1, 1 << 20),
+        host=host,
+        disk=disk,
+        io=_parse_io(_mapping("io", data.get("io", {}))),
+        write_behind_chunks=_int("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
+        promote_on_hit=promote,
+    )
+
+
+def _parse_host(value: Any) -> HostTierConfig:
+    host = _mapping("tiers.host", value)
+    _check_keys("tiers.host", host, {"capacity", "shm_name"})
+    if "capacity" not in host:
+        raise ConfigError("tiers.host.capacity", None, "required")
+    shm_name = host.get("shm_name")
+    if shm_name is not None and (not isinstance(shm_name, str) or "/" in shm_name or not shm_name):
+        raise ConfigError("tiers.host.shm_name", shm_name, "must be a plain file name under /dev/shm")
+    return HostTierConfig(capacity=_size("tiers.host.capacity", host["capacity"]), shm_name=shm_name)
+
+
+def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
+    entries = [value] if isinstance(value, dict) else value
+    if not isinstance(entries, list):
+        raise ConfigError("tiers.disk", value, "must be a list of {path, capacity}")
+    disks = []
+    for i, entry in enumerate(entries):
+        where = f"tiers.disk[{i}]"
+        entry = _mapping(where, entry)
+        _check_keys(where, entry, {"path", "capacity"})
+        path = entry.get("path")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.path", path, "required: a directory or a block device")
+        if "capacity" not in entry:
+            raise ConfigError(f"{where}.capacity", None, "required")
+        disks.append(DiskPathConfig(path=path, capacity=_size(f"{where}.capacity", entry["capacity"])))
+    paths = [os.path.realpath(d.path) for d in disks]
+    if len(set(paths)) != len(paths):
+        raise ConfigError("tiers.disk", [d.path for d in disks], "the same path is listed twice")
+    return tuple(disks)
+
+
+def _parse_io(io: dict[str, Any]) -> IoConfig:
+    _check_keys("io", io, {"engine", "queue_depth", "timeout_s"})
+    engine = io.get("engine", "auto")
+    if engine not in IO_ENGINES:
+        raise ConfigError("io.engine", engine, f"must be one of {', '.join(IO_ENGINES)}")
+    timeout = io.get("timeout_s", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise ConfigError("io.timeout_s", timeout, "must be a positive number of seconds")
+    return IoConfig(
+        engine=engine,
+        queue_depth=_int("io.queue_depth", io.get("queue_depth", 64), 1, 4096),
+        timeout_s=float(timeout),
+    )

@@ -1,0 +1,158 @@
+"""`uring` engine: batches of readv/writev through io_uring (the `liburing` package).
+
+Each calling thread gets its own ring, so concurrent callers (a get and the
+write-behind flusher) never share submission state. Completions are awaited by
+polling an eventfd registered with the ring: poll() releases the GIL, whereas
+liburing's submit_and_wait would hold it and stall every other Python thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Sequence
+
+import liburing as L
+
+from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest, OnComplete
+
+log = logging.getLogger(__name__)
+_CANCEL_GRACE_S = 1.0
+
+
+class _Ring:
+    """One io_uring instance plus the eventfd its completions signal."""
+
+    def __init__(self, entries: int) -> None:
+        self.ring = L.Ring()
+        L.io_uring_queue_init(entries, self.ring)
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        L.io_uring_register_eventfd(self.ring, self.eventfd)
+        self.poller = select.poll()
+        self.poller.register(self.eventfd, select.POLLIN)
+        self.cqe = L.Cqe()
+
+    def reap(self) -> list[tuple[int, int]]:
+        """Drain ready completions as (user_data, result) without blocking."""
+        done = []
+        iterator = L.io_uring_cqe_iter_init(self.ring)
+        while L.io_uring_cqe_iter_next(iterator, self.cqe):
+            entry = self.cqe[0]
+            try:
+                result = entry.res
+            except OSError as exc:  # the binding raises for negative results
+                result = -(exc.errno or errno.EIO)
+            done.append((entry.user_data, result))
+        if done:
+            L.io_uring_cq_advance(self.ring, len(done))
+        return done
+
+    def wait(self, timeout_s: float | None) -> None:
+        self.poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)))
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.eventfd)
+
+    def close(self) -> None:
+        L.io_uring_queue_exit(self.ring)
+        os.close(self.eventfd)
+
+
+class UringEngine(IoEngine):
+    name = "uring"
+
+    def __init__(self, queue_depth: int) -> None:
+        super().__init__(queue_depth)
+        self._local = threading.local()
+        self._rings: list[_Ring] = []
+        self._lock = threading.Lock()
+        self._leaked: list[object] = []  # buffers of requests abandoned in flight
+        self._ring()  # fail now, in the constructor, if io_uring is unavailable
+
+    def _ring(self) -> _Ring:
+        ring = getattr(self._local, "ring", None)
+        if ring is None:
+            ring = _Ring(self.queue_depth)
+            self._local.ring = ring
+            with self._lock:
+                self._rings.append(ring)
+        return ring
+
+    def run(
+        self,
+        requests: Sequence[IoRequest],
+        timeout_s: float | None = None,
+        on_complete: OnComplete | None = None,
+    ) -> list[int]:
+        ring = self._ring()
+        results = [TIMED_OUT] * len(requests)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        in_flight: dict[int, L.Iovec] = {}  # user_data -> iovec kept alive until completion
+        next_index = 0
+        while next_index < len(requests) or in_flight:
+            queued = 0
+            while next_index < len(requests) and len(in_flight) < self.queue_depth:
+                request = requests[next_index]
+                sqe = L.io_uring_get_sqe(ring.ring)
+                if sqe is None:
+                    break
+                iovec = L.Iovec(request.buffers)
+                prep = L.io_uring_prep_writev if request.write else L.io_uring_prep_readv
+                prep(sqe, request.fd, iovec, request.offset)
+                L.io_uring_sqe_set_data64(sqe, next_index)
+                in_flight[next_index] = iovec
+                next_index += 1
+                queued += 1
+            if queued:
+                L.io_uring_submit(ring.ring)
+            completed = ring.reap()
+            if not completed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self._abandon(ring, in_flight)
+                    break
+                ring.wait(remaining)
+                continue
+            for index, result in completed:
+                if in_flight.pop(index, None) is None:
+                    continue  # a completion left over from an earlier cancel
+                results[index] = result
+                if on_complete is not None:
+                    on_complete(index, result)
+        return results
+
+    def _abandon(self, ring: _Ring, in_flight: dict[int, L.Iovec]) -> None:
+        """Deadline passed: cancel what is in flight; if it will not die, retire the ring.
+
+        A request the kernel still owns may write its buffers later, so its iovec
+        (and through it the buffers) is kept alive forever rather than freed.
+        """
+        for index in in_flight:
+            sqe = L.io_uring_get_sqe(ring.ring)
+            if sqe is not None:
+                L.io_uring_prep_cancel64(sqe, index, 0)
+                L.io_uring_sqe_set_data64(sqe, 1 << 62)
+        L.io_uring_submit(ring.ring)
+        grace_end = time.monotonic() + _CANCEL_GRACE_S
+        while in_flight and time.monotonic() < grace_end:
+            for index, _ in ring.reap():
+                in_flight.pop(index, None)
+            if in_flight:
+                ring.wait(grace_end - time.monotonic())
+        if in_flight:
+            log.warning("io_uring: %d requests stuck past their deadline; retiring the ring",
+                        len(in_flight))
+            self._leaked.extend(in_flight.values())
+            self._local.ring = None  # the stuck ring is never reused (nor closed)
+            with self._lock:
+                self._rings.remove(ring)
+
+    def close(self) -> None:
+        with self._lock:
+            for ring in self._rings:
+                ring.close()
+            self._rings.clear()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates .venv and installs kvstore with its test tools. Idempotent: a second run
+# only checks what is there. On a machine without an NVIDIA GPU it installs the CPU
+# build torch==2.13.0 first so the torch range in pyproject.toml pulls nothing more.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v fio >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    # fio is optional: `kvstore bench` compares against it when present.
+    (apt-get update -qq && apt-get install -y -qq fio) >/dev/null 2>&1 \
+        || echo "setup: could not install fio; kvstore bench will skip its fio comparison" >&2
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+py=.venv/bin/python
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "setup: NVIDIA GPU found; install your CUDA build of torch into .venv, then rerun" >&2
+        exit 1
+    fi
+    "$py" -m pip install -q torch==2.13.0
+fi
+stamp=.venv/.kvstore-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    "$py" -m pip install -q -e ".[dev]"
+    touch "$stamp"
+fi
