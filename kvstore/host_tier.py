@@ -8,7 +8,7 @@ and is registered as CUDA pinned memory when CUDA is present.
 
 from __future__ import annotations
 
-from kvstore.aligned import AlignedBuffer, pin_for_cuda
+from kvstore.aligned import AlignedBuffer, copy_bytes, pin_for_cuda
 from kvstore.errors import ConfigError
 from kvstore.record import HEADER_BLOCK, RecordHeader, pack_header, parse_header
 from kvstore.slots import SlotTable
@@ -36,7 +36,7 @@ class HostTier:
         """Fill a reserved slot with a record (caller holds no lock: this is a copy)."""
         view = self.slot_view(slot)
         pack_header(header, view)
-        view[HEADER_BLOCK : HEADER_BLOCK + len(payload)] = payload
+        copy_bytes(view[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload, parallel=True)
 
     def read(self, slot: int, key: bytes, out: memoryview) -> RecordHeader | None:
         """Copy a pinned slot's payload to `out`; None if the slot holds another key.
@@ -48,7 +48,7 @@ class HostTier:
         _, header = parse_header(view)
         if header is None or header.key != key or header.payload_len != len(out):
             return None
-        out[:] = view[HEADER_BLOCK : HEADER_BLOCK + header.payload_len]
+        copy_bytes(out, view[HEADER_BLOCK : HEADER_BLOCK + header.payload_len], parallel=True)
         return header
 
     def close(self) -> None:

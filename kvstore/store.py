@@ -11,11 +11,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.aligned import byte_view
+from kvstore.aligned import byte_view, copy_bytes
 from kvstore.config import StoreConfig, load_config
 from kvstore.devices import DATA_FILE
 from kvstore.disk_tier import DiskTier, DiskWrite, RecoveryReport
@@ -133,7 +134,9 @@ class TieredStore:
                 if tier is not None:
                     tier.table.lru.touch_chain(keys)
         for i, slot in host_hits:
+            started = time.perf_counter()
             ok[i] = self._read_host(keys[i], slot, views[i])
+            self.stats.observe("host.read", time.perf_counter() - started)
         for start in range(0, len(disk_hits), self._wave):
             self._read_disk(keys, views, disk_hits[start : start + self._wave], ok)
         self.stats.add("get.chunks", len(keys))
@@ -161,13 +164,17 @@ class TieredStore:
         promote_to: list[int | None] = []
         with self._lock:
             for _ in hits:
-                reserved = self._reserve_host() if self.config.promote_on_hit else None
+                promote = self.config.promote_on_hit and self.host is not None
+                reserved = self._reserve_host() if promote else None
                 promote_to.append(reserved)
         dests = [self.host.slot_view(h) if h is not None and self.host else self._staging.acquire()
                  for h in promote_to]
         headers: list[RecordHeader | None] = [None] * len(hits)
 
+        started = time.perf_counter()
+
         def verify_and_copy(j: int, result: int) -> None:
+            self.stats.observe("disk.read", time.perf_counter() - started)
             index, slot = hits[j]
             if result != self.slot_bytes:
                 self.stats.miss("disk", MissReason.IO_ERROR, f"slot {slot}: result {result}")
@@ -179,7 +186,7 @@ class TieredStore:
             if reason is not None:
                 self.stats.miss("disk", reason, f"slot {slot} of {self.disk.devices[0].path}")
                 return
-            views[index][:] = dest[HEADER_BLOCK : HEADER_BLOCK + len(views[index])]
+            copy_bytes(views[index], dest[HEADER_BLOCK : HEADER_BLOCK + len(views[index])])
             headers[j] = header
             ok[index] = True
 
@@ -268,7 +275,7 @@ class TieredStore:
         images = [self._staging.acquire() for _ in items]
         for (i, header), image in zip(items, images, strict=True):
             pack_header(header, image)
-            image[HEADER_BLOCK : HEADER_BLOCK + len(views[i])] = views[i]
+            copy_bytes(image[HEADER_BLOCK : HEADER_BLOCK + len(views[i])], views[i])
         self._write_disk([(h.key, h.parent, h.seq, image) for (_, h), image in zip(items, images,
                                                                                     strict=True)],
                          on_done=lambda j, ok: stored.__setitem__(items[j][0], ok))

@@ -1,0 +1,87 @@
+"""The `kvstore` command: bench, fsck, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvstore.errors import KVStoreError
+from kvstore.units import format_size, parse_size
+
+
+def _fsck(args: argparse.Namespace) -> int:
+    from kvstore.fsck import fsck
+
+    counts = fsck(args.path)
+    if args.json:
+        print(json.dumps(counts))
+    else:
+        print(", ".join(f"{n} {name}" for name, n in counts.items()))
+    return 1 if counts["corrupt"] else 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from kvstore.store import TieredStore
+
+    with TieredStore(args.config, parse_size(args.chunk_size)) as store:
+        info = store.info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"chunk {format_size(info['chunk_bytes'])}, io engine {info['io_engine']}")
+    for tier in info["tiers"]:
+        print(f"  {tier['name']:5} {tier['chunks']:>8} chunks  {format_size(tier['used_bytes'])} "
+              f"used of {format_size(tier['capacity_bytes'])}")
+    recovery = info["recovery"]
+    print(f"  recovered {recovery['records']} records ({recovery['torn']} torn) in "
+          f"{recovery['seconds'] * 1000:.1f} ms")
+    for name, value in sorted(info["counters"].items()):
+        print(f"  {name} = {value}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench import storage
+
+    return storage.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser("bench", help="storage benchmark with fio/copy/serial baselines")
+    from bench.storage import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(handler=_bench)
+
+    check = commands.add_parser("fsck", help="verify every record of a disk-tier path")
+    check.add_argument("path", help="disk-tier directory, data file or block device")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(handler=_fsck)
+
+    info = commands.add_parser("info", help="tiers, capacity, usage and counters of a config")
+    info.add_argument("--config", required=True, help="kvstore config (YAML or JSON file)")
+    info.add_argument("--chunk-size", required=True, help="chunk payload bytes, e.g. 4MiB")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(handler=_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except KVStoreError as exc:
+        print(f"kvstore: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
