@@ -252,7 +252,8 @@ class TieredStore:
                 self.host.table.publish(slot, keys[i], parents[i], seq)
                 self.host.table.unpin(slot)
                 stored[i] = True
-        self.stats.add("host.bytes_written", len(to_host) * self.chunk_bytes)
+        if to_host:
+            self.stats.add("host.bytes_written", len(to_host) * self.chunk_bytes)
         if to_disk and self.disk:
             for start in range(0, len(to_disk), self._wave):
                 self._put_disk([(i, headers[i]) for i in to_disk[start : start + self._wave]],

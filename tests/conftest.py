@@ -1,0 +1,72 @@
+"""Shared fixtures: real O_DIRECT directories, both I/O engines, small chunk stores."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.store import TieredStore
+
+CHUNK_BYTES = 64 * 1024
+NAMESPACE = KVNamespace(model="test-model", kv_dtype="uint8", kv_layout="flat", chunk_tokens=16)
+
+
+@pytest.fixture
+def disk_dir(tmp_path) -> str:
+    """A directory on a filesystem that takes O_DIRECT (tmpfs does not)."""
+    probe = tmp_path / "probe"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT)
+        os.close(fd)
+    except OSError:
+        pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
+    probe.unlink()
+    return str(tmp_path)
+
+
+@pytest.fixture(params=["uring", "threads"])
+def engine(request) -> str:
+    return request.param
+
+
+def make_keys(count: int, seed: int = 0) -> list[bytes]:
+    tokens = np.random.default_rng(seed).integers(0, 32000, count * NAMESPACE.chunk_tokens)
+    return chunk_keys(tokens, NAMESPACE)
+
+
+def make_payloads(count: int, seed: int = 0, chunk_bytes: int = CHUNK_BYTES) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed + 1000)
+    return [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(count)]
+
+
+def read_back(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list[np.ndarray]]:
+    outs = [np.zeros(store.chunk_bytes, np.uint8) for _ in keys]
+    return store.get_many(keys, outs), outs
+
+
+def disk_config(path: str, capacity: int | str, engine: str = "auto", host: int | None = None,
+                **extra) -> dict:
+    tiers: dict = {"disk": [{"path": path, "capacity": capacity}]}
+    if host is not None:
+        tiers["host"] = {"capacity": host}
+    return {"tiers": tiers, "io": {"engine": engine, "queue_depth": 8, "timeout_s": 5}, **extra}
+
+
+@pytest.fixture
+def store_factory() -> Iterator:
+    """Opens stores and closes whatever a test left open."""
+    opened: list[TieredStore] = []
+
+    def open_store(config, chunk_bytes: int = CHUNK_BYTES, **kwargs) -> TieredStore:
+        store = TieredStore(config, chunk_bytes, **kwargs)
+        opened.append(store)
+        return store
+
+    yield open_store
+    for store in opened:
+        if store.host is not None or store.disk is not None:
+            store.close()

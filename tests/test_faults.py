@@ -1,0 +1,102 @@
+"""Every failure the hardware can produce is a counted miss: never wrong data, never a hang."""
+
+import errno
+import time
+
+import numpy as np
+import pytest
+from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+
+from kvstore.io import make_engine
+from kvstore.io.faulty import Fault, FaultyEngine
+from kvstore.record import record_bytes
+
+SLOT = record_bytes(CHUNK_BYTES)
+
+
+@pytest.fixture
+def faulty(engine):
+    wrapper = FaultyEngine(make_engine(engine, 8))
+    yield wrapper
+    wrapper.release()  # teardown frees anything left hanging
+
+
+def _filled(disk_dir, faulty, store_factory, count=6, timeout_s=5.0):
+    config = disk_config(disk_dir, 32 * SLOT)
+    config["io"]["timeout_s"] = timeout_s
+    store = store_factory(config, engine=faulty)
+    keys, payloads = make_keys(count), make_payloads(count)
+    assert all(store.put_many(keys, payloads))
+    return store, keys, payloads
+
+
+@pytest.mark.parametrize("kind,reason", [("error", "io_error"), ("short", "io_error")])
+def test_read_faults_are_counted_misses(disk_dir, faulty, store_factory, kind, reason):
+    store, keys, payloads = _filled(disk_dir, faulty, store_factory)
+    faulty.add(Fault(kind, error=errno.EIO, remaining=2))
+    ok, outs = read_back(store, keys)
+    assert sum(ok) == len(keys) - 2
+    for served, out, payload in zip(ok, outs, payloads, strict=True):
+        if served:
+            assert np.array_equal(out, payload)
+    assert store.stats.snapshot()[f"disk.miss.{reason}"] == 2
+    assert store.lookup(keys).count < len(keys)  # failed chunks are dropped, not retried forever
+
+
+def test_torn_write_is_never_served(disk_dir, faulty, store_factory):
+    config = disk_config(disk_dir, 32 * SLOT)
+    store = store_factory(config, engine=faulty)
+    keys, payloads = make_keys(3), make_payloads(3)
+    # Tear the payload write of the second chunk; the engine reports success.
+    faulty.add(Fault("torn_write", reads=False, writes=True, remaining=1,
+                     match=lambda r: r.nbytes > 4096 and r.offset == _payload_offset(store, 1)))
+    store.put_many(keys, payloads)
+    ok, outs = read_back(store, keys)
+    assert ok == [True, False, True]
+    assert np.array_equal(outs[0], payloads[0]) and np.array_equal(outs[2], payloads[2])
+    assert store.stats.snapshot()["disk.miss.bad_checksum"] == 1
+
+
+def _payload_offset(store, nth_reserved: int) -> int:
+    """Slots are handed out lowest first on a fresh device."""
+    fd, offset = store.disk.locate(nth_reserved)
+    return offset + 4096
+
+
+def test_slow_device_still_serves(disk_dir, faulty, store_factory):
+    store, keys, payloads = _filled(disk_dir, faulty, store_factory)
+    faulty.add(Fault("latency", delay_s=0.2))
+    ok, outs = read_back(store, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+
+
+def test_a_hung_read_becomes_a_miss_within_the_deadline(disk_dir, faulty, store_factory):
+    store, keys, _ = _filled(disk_dir, faulty, store_factory, timeout_s=0.5)
+    faulty.add(Fault("hang", remaining=1))
+    started = time.monotonic()
+    ok, _ = read_back(store, keys)
+    assert time.monotonic() - started < 5
+    assert sum(ok) == len(keys) - 1
+    assert store.stats.snapshot()["disk.miss.timeout"] == 1
+
+
+def test_failed_disk_write_is_not_published(disk_dir, faulty, store_factory):
+    store = store_factory(disk_config(disk_dir, 32 * SLOT), engine=faulty)
+    faulty.add(Fault("error", reads=False, writes=True, error=errno.ENOSPC, remaining=1))
+    keys = make_keys(2)
+    assert store.put_many(keys, make_payloads(2)) == [False, True]  # the first write fails
+    assert [store.contains(k) for k in keys] == [False, True]
+    assert store.stats.snapshot()["disk.miss.io_error"] == 1
+
+
+def test_bit_rot_on_disk_is_a_counted_miss(disk_dir, engine, store_factory):
+    store = store_factory(disk_config(disk_dir, 16 * SLOT, engine))
+    keys, payloads = make_keys(2), make_payloads(2)
+    store.put_many(keys, payloads)
+    fd, offset = store.disk.locate(store.disk.table.index[keys[1]])
+    with open(store.disk.devices[0].path, "r+b") as raw:
+        raw.seek(offset + 4096 + 12345)
+        raw.write(b"\x00\xff\x00")
+    ok, outs = read_back(store, keys)
+    assert ok == [True, False]
+    assert store.stats.snapshot()["disk.miss.bad_checksum"] == 1

@@ -1,0 +1,68 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.record import (
+    HEADER_BLOCK,
+    HEADER_LEN,
+    HeaderState,
+    MissReason,
+    RecordHeader,
+    check_record,
+    invalidate_header,
+    pack_header,
+    parse_header,
+    payload_checksum,
+)
+
+key_st = st.binary(min_size=16, max_size=16)
+
+
+def _record(payload: bytes, key: bytes = b"k" * 16) -> bytearray:
+    block = bytearray(HEADER_BLOCK)
+    header = RecordHeader(key, b"n" * 16, b"p" * 16, 7, len(payload), payload_checksum(payload),
+                          "bfloat16", (2, len(payload) // 2))
+    pack_header(header, memoryview(block))
+    return block
+
+
+@given(key_st, key_st, key_st, st.integers(0, 2**64 - 1), st.binary(max_size=512),
+       st.lists(st.integers(0, 2**40), max_size=8))
+def test_header_round_trip(key, namespace, parent, seq, payload, shape):
+    header = RecordHeader(key, namespace, parent, seq, len(payload), payload_checksum(payload),
+                          "float16", tuple(shape))
+    block = bytearray(HEADER_BLOCK)
+    pack_header(header, memoryview(block))
+    assert parse_header(block) == (HeaderState.VALID, header)
+    assert check_record(block, payload, key) == (header, None)
+
+
+@given(st.integers(0, HEADER_LEN - 1), st.integers(1, 255))
+def test_any_corrupted_header_byte_is_never_valid(position, flip):
+    block = _record(b"x" * 64)
+    block[position] ^= flip
+    state, header = parse_header(block)
+    assert state is not HeaderState.VALID and header is None
+
+
+@given(st.binary(min_size=1, max_size=256), st.data())
+def test_a_corrupted_payload_is_a_checksum_miss(payload, data):
+    block = _record(payload)
+    position = data.draw(st.integers(0, len(payload) - 1))
+    bad = bytearray(payload)
+    bad[position] ^= 0x5A
+    assert check_record(block, bytes(bad), b"k" * 16)[1] is MissReason.BAD_CHECKSUM
+
+
+def test_wrong_key_and_empty_and_invalidated():
+    block = _record(b"abc")
+    assert check_record(block, b"abc", b"q" * 16)[1] is MissReason.WRONG_KEY
+    assert parse_header(bytes(HEADER_BLOCK))[0] is HeaderState.EMPTY
+    invalidate_header(memoryview(block))
+    assert parse_header(block)[0] is HeaderState.EMPTY
+
+
+def test_header_refuses_what_it_cannot_encode():
+    with pytest.raises(ValueError, match="dimensions"):
+        pack_header(RecordHeader(b"k" * 16, b"n" * 16, b"p" * 16, 0, 0, 0, "u8", (1,) * 9),
+                    memoryview(bytearray(HEADER_BLOCK)))

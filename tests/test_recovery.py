@@ -1,0 +1,145 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+
+from kvstore.cli import main as cli_main
+from kvstore.record import MAGIC, record_bytes
+
+SLOT = record_bytes(CHUNK_BYTES)
+
+
+def test_clean_restart_uses_the_checkpoint(disk_dir, engine, store_factory):
+    config = disk_config(disk_dir, 32 * SLOT, engine)
+    keys, payloads = make_keys(10), make_payloads(10)
+    store = store_factory(config)
+    store.put_many(keys, payloads)
+    store.close()
+    reopened = store_factory(config)
+    assert reopened.recovery.from_checkpoint == 1 and reopened.recovery.records == 10
+    ok, outs = read_back(reopened, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+
+
+def test_unclean_restart_scans_and_new_writes_win(disk_dir, store_factory):
+    config = disk_config(disk_dir, 32 * SLOT)
+    keys, payloads = make_keys(6), make_payloads(6)
+    store = store_factory(config)
+    store.put_many(keys, payloads)
+    _crash(store)
+    reopened = store_factory(config)
+    assert reopened.recovery.scanned == 1 and reopened.recovery.records == 6
+    assert all(read_back(reopened, keys)[0])
+    assert reopened.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
+
+
+CHILD = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from conftest import make_keys, disk_config
+    from kvstore.store import TieredStore
+    store = TieredStore(disk_config({path!r}, {capacity}, {engine!r}), {chunk})
+    keys = make_keys(4000)
+    for i in range(0, 4000, 4):
+        store.put_many(keys[i:i + 4], [np.full({chunk}, (j * 7) % 251, np.uint8)
+                                       for j in range(i, i + 4)], parent=keys[i - 1] if i else None)
+        print(i + 4, flush=True)
+""")
+
+
+def test_kill_9_during_writes_then_recovery(disk_dir, engine, store_factory):
+    capacity = 400 * SLOT  # smaller than what the child writes: eviction runs too
+    script = CHILD.format(tests=os.path.dirname(__file__), path=disk_dir, capacity=capacity,
+                          engine=engine, chunk=CHUNK_BYTES)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    written = 0
+    deadline = time.monotonic() + 60
+    while written < 600 and time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        written = int(line)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert written >= 600, "the child never got going"
+    store = store_factory(disk_config(disk_dir, capacity, engine))
+    assert store.recovery.scanned == 1
+    keys = make_keys(4000)
+    present = [i for i, k in enumerate(keys) if store.contains(k)]
+    assert len(present) > 100
+    ok, outs = read_back(store, [keys[i] for i in present])
+    for i, served, out in zip(present, ok, outs, strict=True):
+        if served:  # every record served is exactly what was written
+            assert (out == (i * 7) % 251).all()
+    assert sum(ok) >= len(present) - 8  # at most the writes in flight were torn
+    newest = [i for i in range(written - 4, written)]
+    assert all(store.contains(keys[i]) for i in newest)  # acknowledged writes survived
+
+
+def _crash(store) -> None:
+    """Drop a store the way kill -9 would: no checkpoint, superblock left dirty."""
+    store.disk._close_devices()
+    store.disk = store.host = None
+
+
+def test_torn_header_is_detected_and_its_slot_reused(disk_dir, store_factory):
+    config = disk_config(disk_dir, 8 * SLOT)
+    store = store_factory(config)
+    slots = store.disk.table.capacity
+    keys = make_keys(slots)
+    store.put_many(keys, make_payloads(slots))
+    data_offset, path = store.disk.layouts[0].sb.data_offset, store.disk.devices[0].path
+    _crash(store)
+    with open(path, "r+b") as raw:  # a header write cut short: magic, then garbage
+        raw.seek(data_offset + 2 * SLOT)
+        raw.write(MAGIC + b"\x01" * 60)
+    reopened = store_factory(config)
+    assert (reopened.recovery.records, reopened.recovery.torn) == (slots - 1, 1)
+    assert not reopened.contains(keys[2])
+    new_key, new_payload = make_keys(1, seed=5), make_payloads(1, seed=5)
+    assert reopened.put_many(new_key, new_payload) == [True]
+    assert reopened.stats.snapshot().get("disk.evictions", 0) == 0  # it took the torn slot
+
+
+def test_fsck_reports_valid_corrupt_torn(disk_dir, store_factory, capsys):
+    store = store_factory(disk_config(disk_dir, 8 * SLOT))
+    store.put_many(make_keys(3), make_payloads(3))
+    data_offset, path = store.disk.layouts[0].sb.data_offset, store.disk.devices[0].path
+    store.close()
+    assert cli_main(["fsck", disk_dir, "--json"]) == 0
+    assert '"valid": 3, "corrupt": 0' in capsys.readouterr().out
+    with open(path, "r+b") as raw:
+        raw.seek(data_offset + SLOT + 4096 + 100)  # a payload byte of slot 1
+        raw.write(b"\xff\xfe")
+        raw.seek(data_offset + 2 * SLOT + 20)  # a header byte of slot 2
+        raw.write(b"\x00\x01")
+    assert cli_main(["fsck", disk_dir, "--json"]) == 1
+    out = capsys.readouterr().out
+    assert '"valid": 1, "corrupt": 1, "torn": 1' in out
+
+
+@pytest.mark.slow
+def test_recovery_of_100k_records(disk_dir, store_factory):
+    """Prints scan and checkpoint recovery times for 100k records (docs/benchmarks.md)."""
+    chunk, count = 4096, 100_000
+    config = disk_config(disk_dir, (count + 64) * record_bytes(chunk) + (8 << 20), "uring")
+    config["io"]["queue_depth"] = 64
+    store = store_factory(config, chunk_bytes=chunk)
+    keys = make_keys(count)
+    payload = [np.full(chunk, 7, np.uint8)] * 1000
+    for start in range(0, count, 1000):
+        store.put_many(keys[start:start + 1000], payload)
+    store.close()
+    by_checkpoint = store_factory(config, chunk_bytes=chunk)
+    assert by_checkpoint.recovery.records == count and by_checkpoint.recovery.from_checkpoint
+    _crash(by_checkpoint)  # leave it dirty: the next open must scan
+    by_scan = store_factory(config, chunk_bytes=chunk)
+    assert by_scan.recovery.records == count and by_scan.recovery.scanned == 1
+    print(f"\nrecovery of {count} records: checkpoint {by_checkpoint.recovery.seconds:.3f} s, "
+          f"header scan {by_scan.recovery.seconds:.3f} s")

@@ -1,0 +1,126 @@
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+
+from kvstore.errors import ConfigError, DeviceError, ShapeError
+from kvstore.record import record_bytes
+
+SLOT = record_bytes(CHUNK_BYTES)
+
+
+def test_host_only_round_trip_with_torch_buffers(store_factory):
+    store = store_factory({"tiers": {"host": {"capacity": 8 * SLOT}}})
+    keys, payloads = make_keys(4), make_payloads(4)
+    assert store.put_many(keys, [torch.from_numpy(p) for p in payloads]) == [True] * 4
+    outs = [torch.zeros(CHUNK_BYTES, dtype=torch.uint8) for _ in keys]
+    assert store.get_many(keys, outs) == [True] * 4
+    assert all(np.array_equal(o.numpy(), p) for o, p in zip(outs, payloads, strict=True))
+    assert store.lookup(keys).tiers == ("host",) * 4
+
+
+def test_disk_only_round_trip_both_engines(disk_dir, engine, store_factory):
+    store = store_factory(disk_config(disk_dir, 40 * SLOT, engine))
+    keys, payloads = make_keys(20), make_payloads(20)
+    assert all(store.put_many(keys, payloads))
+    ok, outs = read_back(store, keys)
+    assert all(ok)
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+    assert store.engine.name == engine
+
+
+def test_dram_victims_go_down_to_disk_and_come_back_up(disk_dir, engine, store_factory):
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, engine, host=4 * SLOT))
+    keys, payloads = make_keys(12), make_payloads(12)
+    for start in range(0, 12, 2):
+        assert all(store.put_many(keys[start:start + 2], payloads[start:start + 2],
+                                  parent=keys[start - 1] if start else None))
+        assert store.flush(10)
+    counters = store.stats.snapshot()
+    assert counters["writeback.written"] >= 8
+    assert store.lookup(keys).count == 12
+    ok, outs = read_back(store, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+    assert store.stats.snapshot()["disk.hits"] >= 8
+    assert "host" in store.lookup(keys).tiers  # promoted on the way up
+
+
+def test_lookup_counts_the_leading_run_only(store_factory):
+    store = store_factory({"tiers": {"host": {"capacity": 16 * SLOT}}})
+    keys, payloads = make_keys(6), make_payloads(6)
+    store.put_many(keys[:2] + keys[3:], payloads[:2] + payloads[3:])
+    assert store.lookup(keys).count == 2
+    assert store.contains(keys[4]) and not store.contains(keys[2])
+
+
+def test_delete_survives_restart(disk_dir, store_factory):
+    config = disk_config(disk_dir, 16 * SLOT)
+    store = store_factory(config)
+    keys, payloads = make_keys(3), make_payloads(3)
+    store.put_many(keys, payloads)
+    assert store.delete([keys[1]]) == 1
+    store.close()
+    reopened = store_factory(config)
+    assert [reopened.contains(k) for k in keys] == [True, False, True]
+
+
+def test_capacity_is_never_exceeded_under_concurrent_writers(disk_dir, engine, store_factory):
+    capacity = 24 * SLOT
+    store = store_factory(disk_config(disk_dir, capacity, engine))
+    errors = []
+
+    def writer(seed: int) -> None:
+        try:
+            keys, payloads = make_keys(30, seed), make_payloads(30, seed)
+            for start in range(0, 30, 3):
+                store.put_many(keys[start:start + 3], payloads[start:start + 3])
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    info = store.info()["tiers"][0]
+    assert info["used_bytes"] <= info["capacity_bytes"] <= capacity
+    import os
+    assert os.path.getsize(store.disk.devices[0].path) <= capacity
+    keys = [k for seed in range(4) for k in make_keys(30, seed)]
+    present = [k for k in keys if store.contains(k)]
+    assert len(present) == store.disk.table.capacity
+    ok, _ = read_back(store, present)
+    assert all(ok)
+
+
+def test_wrong_buffer_sizes_are_refused_before_any_io(store_factory):
+    store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
+    with pytest.raises(ShapeError, match="buffer 0 has 10 bytes"):
+        store.put_many(make_keys(1), [np.zeros(10, np.uint8)])
+    with pytest.raises(ShapeError, match="2 keys but 1 buffers"):
+        store.get_many(make_keys(2), [np.zeros(CHUNK_BYTES, np.uint8)])
+
+
+def test_a_path_in_use_by_another_store_is_refused(disk_dir, store_factory):
+    store_factory(disk_config(disk_dir, 8 * SLOT))
+    with pytest.raises(DeviceError, match="in use by another kvstore process"):
+        store_factory(disk_config(disk_dir, 8 * SLOT))
+
+
+def test_changed_chunk_size_does_not_destroy_stored_data(disk_dir, store_factory):
+    store = store_factory(disk_config(disk_dir, 16 * SLOT))
+    store.put_many(make_keys(2), make_payloads(2))
+    store.close()
+    with pytest.raises(DeviceError, match="chunk size or capacity changed"):
+        store_factory(disk_config(disk_dir, 16 * SLOT), chunk_bytes=2 * CHUNK_BYTES)
+    assert store_factory(disk_config(disk_dir, 16 * SLOT)).lookup(make_keys(2)).count == 2
+
+
+def test_missing_path_and_too_small_host_tier_are_clear(tmp_path, store_factory):
+    with pytest.raises(DeviceError, match="does not exist"):
+        store_factory(disk_config(str(tmp_path / "no" / "such" / "dir"), 8 * SLOT))
+    with pytest.raises(ConfigError, match="tiers.host.capacity"):
+        store_factory({"tiers": {"host": {"capacity": 4096}}})
