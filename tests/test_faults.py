@@ -59,7 +59,7 @@ def test_torn_write_is_never_served(disk_dir, faulty, store_factory):
 
 def _payload_offset(store, nth_reserved: int) -> int:
     """Slots are handed out lowest first on a fresh device."""
-    fd, offset = store.disk.locate(nth_reserved)
+    _fd, offset = store.disk.locate(nth_reserved)
     return offset + 4096
 
 
@@ -93,10 +93,10 @@ def test_bit_rot_on_disk_is_a_counted_miss(disk_dir, engine, store_factory):
     store = store_factory(disk_config(disk_dir, 16 * SLOT, engine))
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
-    fd, offset = store.disk.locate(store.disk.table.index[keys[1]])
+    _fd, offset = store.disk.locate(store.disk.table.index[keys[1]])
     with open(store.disk.devices[0].path, "r+b") as raw:
         raw.seek(offset + 4096 + 12345)
         raw.write(b"\x00\xff\x00")
-    ok, outs = read_back(store, keys)
+    ok, _outs = read_back(store, keys)
     assert ok == [True, False]
     assert store.stats.snapshot()["disk.miss.bad_checksum"] == 1

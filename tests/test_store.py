@@ -122,5 +122,5 @@ def test_changed_chunk_size_does_not_destroy_stored_data(disk_dir, store_factory
 def test_missing_path_and_too_small_host_tier_are_clear(tmp_path, store_factory):
     with pytest.raises(DeviceError, match="does not exist"):
         store_factory(disk_config(str(tmp_path / "no" / "such" / "dir"), 8 * SLOT))
-    with pytest.raises(ConfigError, match="tiers.host.capacity"):
+    with pytest.raises(ConfigError, match=r"tiers\.host\.capacity"):
         store_factory({"tiers": {"host": {"capacity": 4096}}})
