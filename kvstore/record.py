@@ -80,6 +80,16 @@ class RecordHeader:
     shape: tuple[int, ...] = ()
 
 
+KEY_OFFSET = 16
+_PAYLOAD_LEN = struct.Struct("<Q")
+_PAYLOAD_LEN_OFFSET = 72
+
+
+def read_payload_len(block: memoryview) -> int:
+    """The payload length field alone, for the DRAM fast path (trusted memory)."""
+    return _PAYLOAD_LEN.unpack_from(block, _PAYLOAD_LEN_OFFSET)[0]
+
+
 def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 

@@ -133,29 +133,32 @@ class TieredStore:
             for tier in (self.host, self.disk):
                 if tier is not None:
                     tier.table.lru.touch_chain(keys)
-        for i, slot in host_hits:
-            started = time.perf_counter()
-            ok[i] = self._read_host(keys[i], slot, views[i])
-            self.stats.observe("host.read", time.perf_counter() - started)
+        if host_hits:
+            self._read_host(keys, views, host_hits, ok)
         for start in range(0, len(disk_hits), self._wave):
             self._read_disk(keys, views, disk_hits[start : start + self._wave], ok)
         self.stats.add("get.chunks", len(keys))
         self.stats.add("get.hits", sum(ok))
         return ok
 
-    def _read_host(self, key: bytes, slot: int, out: memoryview) -> bool:
+    def _read_host(self, keys: Sequence[bytes], views: list[memoryview],
+                   hits: list[tuple[int, int]], ok: list[bool]) -> None:
         assert self.host is not None
-        header = self.host.read(slot, key, out)
+        for i, slot in hits:
+            started = time.perf_counter()
+            ok[i] = self.host.read(slot, keys[i], views[i])
+            self.stats.observe("host.read", time.perf_counter() - started)
         with self._lock:
-            self.host.table.unpin(slot)
-            if header is None:
-                self.host.table.unpublish(key)
-        if header is None:
-            self.stats.miss("host", MissReason.WRONG_KEY, f"slot {slot}")
-            return False
-        self.stats.add("host.hits")
-        self.stats.add("host.bytes_read", len(out))
-        return True
+            for i, slot in hits:
+                self.host.table.unpin(slot)
+                if not ok[i] and self.host.table.index.get(keys[i]) == slot:
+                    self.host.table.unpublish(keys[i])
+        served = sum(ok[i] for i, _ in hits)
+        for i, slot in hits:
+            if not ok[i]:
+                self.stats.miss("host", MissReason.WRONG_KEY, f"slot {slot}")
+        self.stats.add("host.hits", served)
+        self.stats.add("host.bytes_read", served * self.chunk_bytes)
 
     def _read_disk(self, keys: Sequence[bytes], views: list[memoryview],
                    hits: list[tuple[int, int]], ok: list[bool]) -> None:

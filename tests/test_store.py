@@ -124,3 +124,15 @@ def test_missing_path_and_too_small_host_tier_are_clear(tmp_path, store_factory)
         store_factory(disk_config(str(tmp_path / "no" / "such" / "dir"), 8 * SLOT))
     with pytest.raises(ConfigError, match=r"tiers\.host\.capacity"):
         store_factory({"tiers": {"host": {"capacity": 4096}}})
+
+
+def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
+    store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
+    keys, payloads = make_keys(2), make_payloads(2)
+    store.put_many(keys, payloads)
+    slot = store.host.table.index[keys[1]]
+    store.host.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
+    ok, outs = read_back(store, keys)
+    assert ok == [True, False]
+    assert store.stats.snapshot()["host.miss.wrong_key"] == 1
+    assert not store.contains(keys[1])
