@@ -15,8 +15,6 @@ import ctypes
 import mmap
 import os
 
-import numpy as np
-
 from kvstore.errors import DeviceError
 from kvstore.record import BLOCK, round_up
 
@@ -37,9 +35,6 @@ class AlignedBuffer:
             self._map = _map_shared(self.shm_path, self.nbytes)
         self.view = memoryview(self._map)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-
-    def numpy(self) -> np.ndarray:
-        return np.frombuffer(self._map, dtype=np.uint8)
 
     def close(self) -> None:
         """Unmap; the shm file (if any) stays for other processes until `unlink`."""
@@ -68,12 +63,6 @@ def _map_shared(path: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
-
-
-def is_aligned(view: memoryview, alignment: int = BLOCK) -> bool:
-    """True when `view` starts on an `alignment` boundary."""
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else None
-    return address is not None and address % alignment == 0
 
 
 def pin_for_cuda(buffer: AlignedBuffer) -> bool:

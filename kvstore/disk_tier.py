@@ -21,7 +21,7 @@ from kvstore.config import DiskPathConfig
 from kvstore.devices import DATA_FILE, Device, open_device
 from kvstore.disk_layout import CHECKPOINT_DTYPE, DeviceLayout
 from kvstore.io.base import IoEngine, IoRequest
-from kvstore.record import HEADER_BLOCK, HeaderState, parse_header, round_up
+from kvstore.record import HEADER_BLOCK, HeaderState, invalidate_header, parse_header, round_up
 from kvstore.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class DiskTier:
             raise
         self.table = SlotTable([layout.sb.num_slots for layout in self.layouts])
         self._zero_header = AlignedBuffer(HEADER_BLOCK)
+        invalidate_header(self._zero_header.view)
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(fd, byte offset) of a slot."""

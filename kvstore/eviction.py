@@ -21,12 +21,6 @@ class PrefixLRU:
         self._order: OrderedDict[bytes, bytes | None] = OrderedDict()  # key -> parent
         self._children: dict[bytes, int] = {}
 
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._order
-
     def add(self, key: bytes, parent: bytes | None) -> None:
         """Track `key` as most recently used; re-adding only touches it."""
         if key in self._order:
@@ -50,9 +44,6 @@ class PrefixLRU:
         for key in reversed(list(keys)):
             if key in self._order:
                 self._order.move_to_end(key)
-
-    def is_leaf(self, key: bytes) -> bool:
-        return key not in self._children
 
     def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:
         """The least recently used leaf not skipped (e.g. pinned), or None."""

@@ -51,9 +51,6 @@ class SlotTable:
                 return group, slot - self.group_start[group]
         raise IndexError(slot)
 
-    def free_count(self) -> int:
-        return sum(len(f) for f in self.free)
-
     def next_group(self) -> int:
         """Round-robin group for striping consecutive chunks over devices."""
         group = self._next_group

@@ -132,7 +132,7 @@ def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
     store.put_many(keys, payloads)
     slot = store.host.table.index[keys[1]]
     store.host.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
-    ok, outs = read_back(store, keys)
+    ok, _ = read_back(store, keys)
     assert ok == [True, False]
     assert store.stats.snapshot()["host.miss.wrong_key"] == 1
     assert not store.contains(keys[1])
