@@ -67,7 +67,7 @@ def _payloads(count: int, chunk_bytes: int) -> list[torch.Tensor]:
 
 
 def disk_case(paths: list[str], engine: str, chunk_bytes: int, queue_depth: int, total: int,
-              keep: bool, progress: bool) -> tuple[CaseResult, dict[str, object]]:
+              progress: bool) -> tuple[CaseResult, dict[str, object]]:
     count = max(1, total // chunk_bytes)
     per_path = (count // len(paths) + 2) * (chunk_bytes + 8192) + (1 << 20)
     for path in paths:
@@ -104,10 +104,7 @@ def disk_case(paths: list[str], engine: str, chunk_bytes: int, queue_depth: int,
               f"read {gib / read['wall']:.2f} GiB/s", file=sys.stderr)
     result = CaseResult("disk", engine, chunk_bytes, queue_depth, gib / read["wall"],
                         gib / wrote["wall"], read["cpu"] / gib, p50, p99)
-    if not keep:
-        for path in paths:
-            _remove_data(path)
-    return result, geometry
+    return result, geometry  # records stay for fio and the serial baseline; run() removes them
 
 
 def serial_case(geometry: dict[str, object], chunk_bytes: int, count: int) -> CaseResult:
@@ -229,8 +226,7 @@ def run(args: argparse.Namespace) -> int:
         for depth in depths:
             geometry: dict[str, object] = {}
             for engine in engines:
-                result, geometry = disk_case(paths, engine, chunk, depth, total, keep=True,
-                                             progress=True)
+                result, geometry = disk_case(paths, engine, chunk, depth, total, progress=True)
                 results.append(result)
             fio = None if args.no_fio else fio_randread(
                 str(geometry["file"]), int(geometry["offset"]), int(geometry["size"]),

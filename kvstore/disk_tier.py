@@ -72,6 +72,11 @@ class DiskTier:
         layout = self.layouts[group]
         return layout.device.fd, layout.slot_offset(local)
 
+    def describe(self, slot: int) -> str:
+        """Where a slot lives, for log lines an operator can act on."""
+        group, local = self.table.group_of(slot)
+        return f"slot {local} of {self.devices[group].path}"
+
     def read_slots(self, slots: Sequence[int], dests: Sequence[memoryview], timeout_s: float,
                    on_complete: Callable[[int, int], None]) -> list[int]:
         """Read whole slots into aligned `dests`; results as the engine gives them."""

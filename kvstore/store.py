@@ -180,14 +180,14 @@ class TieredStore:
             self.stats.observe("disk.read", time.perf_counter() - started)
             index, slot = hits[j]
             if result != self.slot_bytes:
-                self.stats.miss("disk", MissReason.IO_ERROR, f"slot {slot}: result {result}")
+                self.stats.miss("disk", MissReason.IO_ERROR, f"{self.disk.describe(slot)}: result {result}")
                 return
             dest = dests[j]
             header, reason = check_record(dest[:HEADER_BLOCK], dest[HEADER_BLOCK:], keys[index])
             if reason is None and header is not None and header.payload_len != len(views[index]):
                 reason = MissReason.BAD_HEADER
             if reason is not None:
-                self.stats.miss("disk", reason, f"slot {slot} of {self.disk.devices[0].path}")
+                self.stats.miss("disk", reason, self.disk.describe(slot))
                 return
             copy_bytes(views[index], dest[HEADER_BLOCK : HEADER_BLOCK + len(views[index])])
             headers[j] = header

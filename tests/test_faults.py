@@ -100,3 +100,19 @@ def test_bit_rot_on_disk_is_a_counted_miss(disk_dir, engine, store_factory):
     ok, _outs = read_back(store, keys)
     assert ok == [True, False]
     assert store.stats.snapshot()["disk.miss.bad_checksum"] == 1
+
+
+def test_a_miss_names_the_device_the_chunk_was_on(tmp_path, engine, store_factory, caplog):
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    store = store_factory({"tiers": {"disk": [{"path": p, "capacity": 8 * SLOT} for p in paths]},
+                           "io": {"engine": engine, "queue_depth": 4}})
+    keys = make_keys(2)
+    store.put_many(keys, make_payloads(2))
+    second = store.disk.table.index[keys[1]]  # striped: chunk 1 is on the second path
+    _, offset = store.disk.locate(second)
+    with open(store.disk.devices[1].path, "r+b") as raw:
+        raw.seek(offset + 4096 + 7)
+        raw.write(b"\xaa")
+    with caplog.at_level("WARNING"):
+        assert read_back(store, keys)[0] == [True, False]
+    assert store.disk.devices[1].path in caplog.text
