@@ -24,7 +24,7 @@ SHM_DIR = "/dev/shm"
 class AlignedBuffer:
     """A page-aligned, zero-filled byte region; `view` is a writable memoryview."""
 
-    def __init__(self, nbytes: int, shm_name: str | None = None) -> None:
+    def __init__(self, nbytes: int, shm_name: str | None = None, *, create: bool = True) -> None:
         self.nbytes = round_up(max(nbytes, BLOCK))
         self.shm_path = os.path.join(SHM_DIR, shm_name) if shm_name else None
         if self.shm_path is None:
@@ -32,7 +32,7 @@ class AlignedBuffer:
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 self._map.madvise(mmap.MADV_HUGEPAGE)
         else:
-            self._map = _map_shared(self.shm_path, self.nbytes)
+            self._map = _map_shared(self.shm_path, self.nbytes, create)
         self.view = memoryview(self._map)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
@@ -48,13 +48,15 @@ class AlignedBuffer:
             os.unlink(self.shm_path)
 
 
-def _map_shared(path: str, nbytes: int) -> mmap.mmap:
+def _map_shared(path: str, nbytes: int, create: bool) -> mmap.mmap:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     except OSError as exc:
-        raise DeviceError(path, f"cannot create shared-memory slab: {exc.strerror}") from exc
+        raise DeviceError(path, f"cannot open shared-memory region: {exc.strerror}") from exc
     try:
         if os.fstat(fd).st_size < nbytes:
+            if not create:
+                raise DeviceError(path, f"shared-memory region is smaller than {nbytes} bytes")
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:

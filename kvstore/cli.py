@@ -1,4 +1,4 @@
-"""The `kvstore` command: bench, fsck, info."""
+"""The `kvstore` command: bench, fsck, info, serve, stop."""
 
 from __future__ import annotations
 
@@ -42,6 +42,41 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _service_config(args: argparse.Namespace):  # -> StoreConfig
+    import dataclasses
+
+    from kvstore.config import load_config
+
+    config = load_config(args.config_json or args.config)
+    if args.socket:
+        config = dataclasses.replace(config, service=dataclasses.replace(config.service,
+                                                                         socket=args.socket))
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvstore.service import StoreService
+
+    logging.getLogger("kvstore").setLevel(logging.INFO)
+    StoreService(_service_config(args)).serve_forever()
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvstore.client import ServiceUnavailable, StoreClient
+
+    config = _service_config(args)
+    config = dataclasses.replace(config, service=dataclasses.replace(config.service, spawn=False))
+    try:
+        StoreClient(config).shutdown()
+    except ServiceUnavailable as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from bench import storage
 
@@ -69,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--chunk-size", required=True, help="chunk payload bytes, e.g. 4MiB")
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=_info)
+
+    for name, handler, text in (("serve", _serve, "run the per-host storage service"),
+                                ("stop", _stop, "ask a running service to drain and exit")):
+        command = commands.add_parser(name, help=text)
+        source = command.add_mutually_exclusive_group(required=True)
+        source.add_argument("--config", help="kvstore config (YAML or JSON file)")
+        source.add_argument("--config-json", help="the config as JSON text")
+        command.add_argument("--socket", help="override service.socket")
+        command.set_defaults(handler=handler)
     return parser
 
 

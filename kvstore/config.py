@@ -44,6 +44,19 @@ class IoConfig:
 
 
 @dataclass(frozen=True)
+class ServiceConfig:
+    """The per-host service (`kvstore serve`) that engine plugins talk to.
+
+    `socket` is where it listens; `spawn` lets a client start it on demand;
+    `staging` is the shared-memory window each client moves chunks through.
+    """
+
+    socket: str = field(default_factory=lambda: f"/tmp/kvstore-{os.getuid()}.sock")
+    spawn: bool = True
+    staging: int = 256 << 20
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     chunk_tokens: int = 256
     host: HostTierConfig | None = None
@@ -53,6 +66,7 @@ class StoreConfig:
     # dropped (counted) so that a put never waits on the disk.
     write_behind_chunks: int = 64
     promote_on_hit: bool = True
+    service: ServiceConfig = field(default_factory=ServiceConfig)
 
 
 def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:
@@ -108,7 +122,8 @@ def _mapping(where: str, value: Any) -> dict[str, Any]:
 
 
 def _parse_root(data: dict[str, Any]) -> StoreConfig:
-    _check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit"})
+    _check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit",
+                           "service"})
     tiers = _mapping("tiers", data.get("tiers", {}))
     _check_keys("tiers", tiers, {"host", "disk"})
     host = _parse_host(tiers["host"]) if tiers.get("host") is not None else None
@@ -125,6 +140,7 @@ def _parse_root(data: dict[str, Any]) -> StoreConfig:
         io=_parse_io(_mapping("io", data.get("io", {}))),
         write_behind_chunks=_int("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
         promote_on_hit=promote,
+        service=_parse_service(_mapping("service", data.get("service", {}))),
     )
 
 
@@ -173,3 +189,39 @@ def _parse_io(io: dict[str, Any]) -> IoConfig:
         queue_depth=_int("io.queue_depth", io.get("queue_depth", 64), 1, 4096),
         timeout_s=float(timeout),
     )
+
+
+def _parse_service(service: dict[str, Any]) -> ServiceConfig:
+    _check_keys("service", service, {"socket", "spawn", "staging"})
+    default = ServiceConfig()
+    socket = service.get("socket", default.socket)
+    if not isinstance(socket, str) or not socket or len(socket.encode()) > 107:
+        raise ConfigError("service.socket", socket, "must be a Unix socket path of at most 107 bytes")
+    spawn = service.get("spawn", True)
+    if not isinstance(spawn, bool):
+        raise ConfigError("service.spawn", spawn, "must be true or false")
+    return ServiceConfig(socket=socket, spawn=spawn,
+                         staging=_size("service.staging", service.get("staging", default.staging),
+                                       minimum=1 << 20))
+
+
+def dump_config(config: StoreConfig) -> dict[str, Any]:
+    """The schema form of a config (what `load_config` reads back), for handing to
+    a spawned service and for comparing two configs."""
+    tiers: dict[str, Any] = {}
+    if config.host is not None:
+        tiers["host"] = {"capacity": config.host.capacity}
+        if config.host.shm_name:
+            tiers["host"]["shm_name"] = config.host.shm_name
+    if config.disk:
+        tiers["disk"] = [{"path": d.path, "capacity": d.capacity} for d in config.disk]
+    return {
+        "chunk_tokens": config.chunk_tokens,
+        "tiers": tiers,
+        "io": {"engine": config.io.engine, "queue_depth": config.io.queue_depth,
+               "timeout_s": config.io.timeout_s},
+        "write_behind_chunks": config.write_behind_chunks,
+        "promote_on_hit": config.promote_on_hit,
+        "service": {"socket": config.service.socket, "spawn": config.service.spawn,
+                    "staging": config.service.staging},
+    }

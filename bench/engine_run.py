@@ -1,0 +1,91 @@
+"""Run prompts through one fresh vLLM engine and print what happened, as JSON.
+
+Each call is its own process on purpose: vLLM's own prefix cache lives as long as
+the engine, so only a fresh process shows what kvstore supplies. Used by the
+end-to-end tests, the README demo and `kvstore ttft`.
+
+  python -m bench.engine_run --model DIR --prompts prompts.json [--connector JSON]
+      [--single-process] [--max-num-batched-tokens N] [--max-tokens 8]
+
+prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "ttft_s": t}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "enforce_eager": True, "disable_log_stats": False, "seed": 0,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        kwargs["enable_chunked_prefill"] = True
+    if args.single_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    if args.connector is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": json.loads(args.connector)}
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    llm = LLM(**_engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    results = []
+    for tokens in prompts:  # one at a time: TTFT of a request alone, not of a batch
+        started = time.perf_counter()
+        output = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - started
+        metrics = output.metrics
+        ttft = getattr(metrics, "first_token_latency", 0.0) or wall
+        results.append({"token_ids": list(output.outputs[0].token_ids),
+                        "num_cached_tokens": output.num_cached_tokens, "ttft_s": ttft,
+                        "wall_s": wall})
+    return {"results": results}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    parser.add_argument("--connector", help="kv_connector_extra_config as JSON (omit: no kvstore)")
+    parser.add_argument("--single-process", action="store_true",
+                        help="scheduler and worker in this process (default: vLLM's multi-process)")
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    # float16, not bfloat16: vLLM 0.32's CPU attention crashes (SIGILL on an AMX tile
+    # instruction) on AMX machines when a fresh engine's first attention reads loaded KV.
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    return parser
+
+
+def main() -> int:
+    result = run(build_parser().parse_args())
+    sys.stdout.flush()
+    print("KVSTORE_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

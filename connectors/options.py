@@ -1,0 +1,54 @@
+"""The connector's configuration: a kvstore config plus a few engine-side options.
+
+An engine passes one mapping (vLLM: `kv_connector_extra_config`). Its `config` key
+names a kvstore YAML/JSON file or holds the config inline; without `config`, the
+store keys may sit at the top level. Engine-side keys:
+  load_async: true   read chunks while the request waits, outside the batch
+  model_id:   str    identity used in chunk keys (default: the engine's model path)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.config import StoreConfig, load_config
+from kvstore.errors import ConfigError
+
+_ENGINE_KEYS = {"load_async", "model_id"}
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    store: StoreConfig
+    load_async: bool = True
+    model_id: str | None = None
+
+
+def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
+    extra = dict(extra or {})
+    load_async = extra.pop("load_async", True)
+    if not isinstance(load_async, bool):
+        raise ConfigError("load_async", load_async, "must be true or false")
+    model_id = extra.pop("model_id", None)
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigError("model_id", model_id, "must be a non-empty string")
+    if "config" in extra:
+        source = extra.pop("config")
+        if extra:
+            raise ConfigError(next(iter(extra)), extra[next(iter(extra))],
+                              f"unknown key next to 'config' (allowed: config, "
+                              f"{', '.join(sorted(_ENGINE_KEYS))})")
+    else:
+        source = extra
+    if not source:
+        raise ConfigError("config", None, "required: a kvstore config file or mapping")
+    return ConnectorOptions(store=load_config(source), load_async=load_async, model_id=model_id)
+
+
+def check_chunk_size(chunk_tokens: int, block_size: int) -> int:
+    """Blocks per chunk; a chunk must cover whole engine blocks (a load fills blocks)."""
+    if chunk_tokens % block_size:
+        raise ConfigError("chunk_tokens", chunk_tokens,
+                          f"must be a multiple of the engine's KV block size ({block_size} tokens)")
+    return chunk_tokens // block_size

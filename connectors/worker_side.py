@@ -1,0 +1,215 @@
+"""Worker-side transfers: chunks between the store's staging window and KV blocks.
+
+Loads: the service fills window slots (DRAM copy or O_DIRECT read, checksummed),
+then the layout scatters each verified chunk into its blocks. A chunk that did
+not verify, went missing or timed out is reported by its block ids, and the
+engine recomputes those tokens. With `load_async`, loads run on a thread while
+the request waits outside the batch; otherwise before the forward pass.
+
+Saves never block the forward pass beyond one copy: after the step, each chunk's
+blocks are gathered into a free window slot (copy out), and a writer thread hands
+the slots to the service (write behind). With no free slot the rest of that run
+is dropped and counted: a dropped save is only a future miss.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from connectors.plan import SKIP, Transfer
+from kvstore.client import StoreClient
+from kvstore.errors import KVStoreError
+from kvstore.stats import Stats
+
+log = logging.getLogger("vllm.kvstore.worker")
+RECONNECT_INTERVAL_S = 5.0
+
+
+class KVLayout(Protocol):
+    """How one worker's paged KV tensors turn into chunk bytes and back."""
+
+    chunk_bytes: int
+
+    def gather(self, blocks: Sequence[int], out: memoryview) -> None: ...
+
+    def scatter(self, src: memoryview, blocks: Sequence[int]) -> None: ...
+
+
+class _Link:
+    """A StoreClient that is re-created (at most every few seconds) after a failure."""
+
+    def __init__(self, make: Callable[[], StoreClient]) -> None:
+        self._make = make
+        self._client: StoreClient | None = None
+        self._next_try = 0.0
+
+    def get(self) -> StoreClient | None:
+        if self._client is None and time.monotonic() >= self._next_try:
+            try:
+                self._client = self._make()
+            except KVStoreError as exc:
+                log.warning("kvstore service unavailable (%s); loads miss and saves drop", exc)
+                self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
+        return self._client
+
+    def fail(self) -> None:
+        """Forget a client whose service stopped answering. Only its connection is
+        closed: another thread may still be copying through its window, which is
+        unmapped when the last reference goes."""
+        if self._client is not None:
+            self._client.disconnect()
+            self._client = None
+            self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+@dataclass(frozen=True)
+class _Write:
+    client: StoreClient
+    keys: tuple[bytes, ...]
+    slots: list[int]
+    parent: bytes | None
+
+
+class WorkerCore:
+    def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient],
+                 load_async: bool) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.stats = Stats()
+        self._loader = _Link(make_client)
+        self._saver = _Link(make_client)
+        if self._loader.get() is None:  # fail fast at start-up if the service cannot start
+            raise KVStoreError("kvstore service unavailable at start-up (see the warning above)")
+        self._lock = threading.Lock()
+        self._finished_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
+        # Free slots of one client's window; a new client (after a failure) brings a
+        # new window, and slots of the old one are never handed out again.
+        self._window_owner: StoreClient | None = None
+        self._free_slots: list[int] = []
+        self._writes: queue.Queue[_Write | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-save", daemon=True)
+        self._writer.start()
+        # Engines do not always call shutdown before exiting; queued saves must still land.
+        atexit.register(self.close)
+
+    # -- loads -----------------------------------------------------------------------
+
+    def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
+        for transfer in loads:
+            if load_async and self._load_pool is not None:
+                self._load_pool.submit(self._load, transfer, True)
+            else:
+                self._load(transfer, False)
+
+    def _load(self, transfer: Transfer, report_finished: bool) -> None:
+        failed: list[int] = []
+        try:
+            client = self._loader.get()
+            keys = transfer.keys[self.rank]
+            wave = client.slots if client else 1
+            for start in range(0, transfer.num_chunks, wave):
+                end = min(start + wave, transfer.num_chunks)
+                found = self._get(client, keys[start:end])
+                for i, ok in enumerate(found):
+                    blocks = transfer.blocks[start + i]
+                    if ok and client is not None:
+                        self.layout.scatter(client.slot(i), blocks)
+                    else:
+                        failed.extend(b for b in blocks if b != SKIP)
+            self.stats.add("load.chunks", transfer.num_chunks)
+        except Exception:  # never let a load bug kill the engine: recompute instead
+            log.exception("kvstore load for %s failed; its tokens will be recomputed",
+                          transfer.req_id)
+            failed = [b for blocks in transfer.blocks for b in blocks if b != SKIP]
+        with self._lock:
+            if failed:
+                self.stats.add("load.failed_blocks", len(failed))
+                self._failed_blocks.update(failed)
+            if report_finished:
+                self._finished_loads.add(transfer.req_id)
+
+    def _get(self, client: StoreClient | None, keys: Sequence[bytes]) -> list[bool]:
+        if client is None:
+            return [False] * len(keys)
+        try:
+            return client.get(keys, range(len(keys)))
+        except KVStoreError as exc:
+            log.warning("kvstore get failed (%s); recomputing", exc)
+            self._loader.fail()
+            return [False] * len(keys)
+
+    def take_finished_loads(self) -> set[str]:
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- saves -----------------------------------------------------------------------
+
+    def save(self, saves: Sequence[Transfer]) -> None:
+        """Copy each chunk out of its blocks into a free window slot; queue the write."""
+        client = self._saver.get()
+        if client is None:
+            self.stats.add("save.dropped", sum(t.num_chunks for t in saves))
+            return
+        with self._lock:
+            if self._window_owner is not client:
+                self._window_owner, self._free_slots = client, list(range(client.slots))
+        for transfer in saves:
+            with self._lock:
+                count = min(transfer.num_chunks, len(self._free_slots))
+                slots = [self._free_slots.pop() for _ in range(count)]
+            for slot, blocks in zip(slots, transfer.blocks, strict=False):
+                self.layout.gather(blocks, client.slot(slot))
+            if count < transfer.num_chunks:
+                self.stats.add("save.dropped", transfer.num_chunks - count)
+            if count:
+                keys = transfer.keys[self.rank][:count]
+                self._writes.put(_Write(client, keys, slots, transfer.parents[self.rank]))
+
+    def _write_loop(self) -> None:
+        while (write := self._writes.get()) is not None:
+            try:
+                stored = write.client.put(write.keys, write.slots, write.parent)
+                self.stats.add("save.chunks", sum(stored))
+            except Exception as exc:  # a failed save is a future miss, never an engine crash
+                log.warning("kvstore put failed (%s); %d chunks not saved", exc, len(write.keys))
+                self._saver.fail()
+            with self._lock:
+                if self._window_owner is write.client:
+                    self._free_slots.extend(write.slots)
+            self._writes.task_done()
+
+    def flush(self) -> None:
+        """Wait until queued saves reached the service (tests, shutdown)."""
+        self._writes.join()
+
+    def close(self) -> None:
+        """Drain queued saves (bounded wait), then release both connections."""
+        if not self._writer.is_alive():
+            return
+        self._writes.put(None)
+        self._writer.join(timeout=30)
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=True)
+        self._loader.close()
+        self._saver.close()

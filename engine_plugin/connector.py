@@ -1,0 +1,208 @@
+"""TieredKVConnector: kvstore behind vLLM's KV connector interface (v1).
+
+vLLM creates one instance with role SCHEDULER (in the engine-core process) and one
+with role WORKER per tensor-parallel rank (in each worker process). They share no
+Python objects: both talk to the per-host kvstore service (kvstore/service.py),
+the scheduler for lookups, the workers for loads and saves. vLLM carries this
+step's plan (connectors.plan.StepPlan) from one to the others.
+
+Turn it on with
+  --kv-transfer-config '{"kv_connector":"TieredKVConnector","kv_role":"kv_both",
+                         "kv_connector_extra_config":{"config":"kvstore.yaml"}}'
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connectors.options import check_chunk_size, parse_options
+from connectors.plan import StepPlan
+from connectors.scheduler_side import SchedulerCore
+from connectors.worker_side import WorkerCore
+from kvstore.client import StoreClient
+from kvstore.errors import KVStoreError
+from kvstore.keys import KVNamespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvstore")
+
+
+@dataclass
+class TieredMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.options = parse_options(self._kv_transfer_config.kv_connector_extra_config)
+        store = self.options.store
+        self.block_size = vllm_config.cache_config.block_size
+        self.blocks_per_chunk = check_chunk_size(store.chunk_tokens, self.block_size)
+        # kvstore is a cache: a chunk that fails to load is recomputed, never fatal.
+        self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._model_id = self.options.model_id or str(vllm_config.model_config.model)
+        self._kv_layout = _layout_signature(vllm_config, kv_cache_config)
+        self._tp_world = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerCore | None = None
+        self._worker: WorkerCore | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            client = StoreClient(store)  # starts the service if needed: errors surface now
+            self._lookup_client: StoreClient | None = client
+            self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
+                                            self._lookup, self.options.load_async)
+        log.info("kvstore connector (%s): chunk %d tokens, socket %s", role.name,
+                 store.chunk_tokens, store.service.socket)
+
+    @functools.cache  # noqa: B019 - one small entry per salt, for the connector's lifetime
+    def _namespaces(self, salt: str) -> tuple[KVNamespace, ...]:
+        return tuple(
+            KVNamespace(model=self._model_id, kv_dtype=str(self._kv_dtype()),
+                        kv_layout=self._kv_layout, chunk_tokens=self.options.store.chunk_tokens,
+                        tp_rank=rank, tp_world_size=self._tp_world, salt=salt)
+            for rank in range(self._tp_world))
+
+    def _kv_dtype(self) -> torch.dtype:
+        return self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        try:
+            if self._lookup_client is None:
+                self._lookup_client = StoreClient(self.options.store)
+            return self._lookup_client.lookup(keys)
+        except KVStoreError as exc:
+            log.warning("kvstore lookup failed (%s); treating as a miss", exc)
+            if self._lookup_client is not None:
+                self._lookup_client.disconnect()
+            self._lookup_client = None
+            return 0
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        count = self._scheduler.num_new_matched_tokens(
+            request.request_id, request.prompt_token_ids or [], num_computed_tokens,
+            salt=_salt(request))
+        return count, self.options.load_async and count > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._scheduler.on_scheduled(new.req_id, new.block_ids[0], True,
+                                         new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            self._scheduler.on_scheduled(req_id, new_blocks[0] if new_blocks else None,
+                                         req_id in cached.resumed_req_ids,
+                                         cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return TieredMetadata(plan=self._scheduler.take_plan())
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks can be freed at once: saves copy chunks out within their step."""
+        assert self._scheduler is not None
+        self._scheduler.on_finished(request.request_id)
+        return False, None
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from engine_plugin.layout import PagedKVLayout
+
+        layout = PagedKVLayout(kv_caches, self._kv_cache_config.num_blocks, self.blocks_per_chunk)
+        rank = get_tensor_model_parallel_rank()
+        namespace = self._namespaces("")[rank].digest()
+
+        def make_client() -> StoreClient:
+            return StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
+                               dtype=str(self._kv_dtype()), shape=(layout.chunk_bytes,))
+
+        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async)
+        log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
+                 layout.chunk_bytes)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if self._worker is not None and plan.loads:
+            self._worker.start_loads(plan.loads, plan.load_async)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads fill whole chunks (all layers) before the request runs."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Saves take whole chunks after the step (wait_for_save), not layer by layer."""
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if self._worker is not None and plan.saves:
+            self._worker.save(plan.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._scheduler is not None and self._lookup_client is not None:
+            self._lookup_client.close()
+            self._lookup_client = None
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, TieredMetadata)
+        return metadata.plan
+
+
+def _salt(request: Request) -> str:
+    """What changes a prompt's KV besides its tokens: LoRA adapter, cache salt."""
+    lora = request.lora_request.lora_name if request.lora_request else ""
+    return f"{lora}|{request.cache_salt or ''}" if lora or request.cache_salt else ""
+
+
+def _layout_signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """What fixes a chunk's byte layout, known to scheduler and workers alike."""
+    parts = [vllm_config.device_config.device_type]
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        parts.append(f"{type(spec).__name__}:L{len(group.layer_names)}:b{spec.block_size}:"
+                     f"h{getattr(spec, 'num_kv_heads', '')}:d{getattr(spec, 'head_size', '')}:"
+                     f"{getattr(spec, 'dtype', '')}")
+    if kv_cache_config.kv_cache_layout:
+        parts.append(kv_cache_config.kv_cache_layout)
+    return "/".join(parts)

@@ -1,0 +1,166 @@
+"""Client of the per-host service: connect (or start it), then lookup/get/put.
+
+A client is used by one thread at a time (a connection carries one request at a
+time); an engine worker keeps one for loads and one for saves. Every request has
+a deadline: a service that does not answer in time costs a miss, never a hang,
+and the connection is dropped so a late answer cannot be taken for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from kvstore.aligned import AlignedBuffer
+from kvstore.config import StoreConfig, dump_config
+from kvstore.errors import KVStoreError
+from kvstore.service import Hello
+
+SPAWN_TIMEOUT_S = 60.0
+
+
+class ServiceUnavailable(KVStoreError):
+    """The service did not answer (not running, crashed, or past the deadline)."""
+
+
+def connect(config: StoreConfig) -> Connection:
+    """Connect to the service at config.service.socket, starting it if allowed."""
+    path = config.service.socket
+    with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+        return Client(path, family="AF_UNIX")
+    if not config.service.spawn:
+        raise ServiceUnavailable(f"no kvstore service at {path} (service.spawn is false: start it "
+                                 f"with `kvstore serve --config ...`)")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one spawner per socket; the others then connect
+        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+            return Client(path, family="AF_UNIX")
+        return _spawn(config)
+
+
+def _spawn(config: StoreConfig) -> Connection:
+    path = config.service.socket
+    log_path = path + ".log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "serve", "--config-json",
+             json.dumps(dump_config(config))],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True,  # outlives the engine: its DRAM tier is the point
+        )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise KVStoreError(f"kvstore service failed to start: {_last_line(log_path)}")
+        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+            return Client(path, family="AF_UNIX")
+        time.sleep(0.05)
+    process.kill()
+    raise ServiceUnavailable(f"kvstore service at {path} did not come up in {SPAWN_TIMEOUT_S:.0f} s "
+                             f"(log: {log_path})")
+
+
+def _last_line(log_path: str) -> str:
+    with open(log_path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else f"no output (see {log_path})"
+
+
+class StoreClient:
+    """One connection plus, for data clients, a staging window of whole chunks.
+
+    With `chunk_bytes` None the client can only `lookup` and `info` (a scheduler).
+    `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view) with chunk
+    keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
+    """
+
+    def __init__(self, config: StoreConfig, chunk_bytes: int | None = None, *,
+                 namespace: bytes = bytes(16), dtype: str = "uint8",
+                 shape: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = 2 * config.io.timeout_s
+        self.window: AlignedBuffer | None = None
+        self.slots = 0
+        if chunk_bytes is not None:
+            self.slots = max(1, config.service.staging // chunk_bytes)
+            name = f"kvstore-window-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.window = AlignedBuffer(self.slots * chunk_bytes, name)
+        self._hello = Hello(config=dump_config(config), chunk_bytes=chunk_bytes,
+                            window=os.path.basename(self.window.shm_path or "") if self.window else None,
+                            window_bytes=self.window.nbytes if self.window else 0,
+                            namespace=namespace, dtype=dtype, shape=shape)
+        self._conn: Connection | None = None
+        try:
+            self._connect()
+        finally:
+            if self.window is not None:
+                self.window.unlink()  # the service mapped it (or failed): no file left behind
+
+    def _connect(self) -> None:
+        conn = connect(self.config)
+        self._conn = conn
+        self._request("hello", self._hello)
+
+    def slot(self, index: int) -> memoryview:
+        assert self.window is not None and self.chunk_bytes is not None
+        start = index * self.chunk_bytes
+        return self.window.view[start : start + self.chunk_bytes]
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return int(self._request("lookup", list(keys)))
+
+    def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        return list(self._request("get", list(keys), list(slots)))
+
+    def put(self, keys: Sequence[bytes], slots: Sequence[int],
+            parent: bytes | None = None) -> list[bool]:
+        return list(self._request("put", list(keys), list(slots), parent))
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._request("info"))
+
+    def shutdown(self) -> None:
+        """Ask the service to drain, checkpoint and exit."""
+        self._request("shutdown")
+        self.close()
+
+    def close(self) -> None:
+        self.disconnect()
+        if self.window is not None:
+            self.window.close()
+            self.window = None
+
+    def _request(self, op: str, *args: Any) -> Any:
+        if self._conn is None:
+            raise ServiceUnavailable("connection to the kvstore service was dropped")
+        try:
+            self._conn.send((op, *args))
+            if not self._conn.poll(self.timeout_s):
+                raise ServiceUnavailable(f"kvstore service gave no answer to '{op}' "
+                                         f"in {self.timeout_s:.0f} s")
+            status, value = self._conn.recv()
+        except (OSError, EOFError) as exc:
+            self.disconnect()
+            raise ServiceUnavailable(f"kvstore service connection lost during '{op}': {exc}") from exc
+        except ServiceUnavailable:
+            self.disconnect()
+            raise
+        if status != "ok":
+            raise KVStoreError(f"kvstore service: {value}")
+        return value
+
+    def disconnect(self) -> None:
+        """Close the connection; the window stays mapped for copies still in flight."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

