@@ -15,9 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+RESULT_PREFIX = "KVSTORE_RESULT "
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,6 +67,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"results": results}
 
 
+@dataclass
+class EngineRun:
+    returncode: int
+    output: str
+    results: list[dict[str, Any]]
+
+
+def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
+              *, single_process: bool = False, max_num_batched_tokens: int | None = None,
+              max_model_len: int = 4096, timeout_s: float = 600, check: bool = True) -> EngineRun:
+    """Run this module in a new process (a cold engine) and parse its result line."""
+    command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
+               "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
+    if connector is not None:
+        command += ["--connector", json.dumps(connector)]
+    if single_process:
+        command.append("--single-process")
+    if max_num_batched_tokens:
+        command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               HF_HUB_OFFLINE="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    results = []
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            results = json.loads(line[len(RESULT_PREFIX):])["results"]
+    output = done.stdout + done.stderr
+    if check and (done.returncode != 0 or not results):
+        raise RuntimeError(f"engine run failed (rc={done.returncode}):\n{output[-4000:]}")
+    return EngineRun(done.returncode, output, results)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     result = run(build_parser().parse_args())
     sys.stdout.flush()
-    print("KVSTORE_RESULT " + json.dumps(result), flush=True)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The `kvstore` command: bench, fsck, info, serve, stop."""
+"""The `kvstore` command: demo, bench, fsck, info, serve, stop."""
 
 from __future__ import annotations
 
@@ -63,16 +63,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    import dataclasses
+    from kvstore.client import stop_service
 
-    from kvstore.client import ServiceUnavailable, StoreClient
-
-    config = _service_config(args)
-    config = dataclasses.replace(config, service=dataclasses.replace(config.service, spawn=False))
-    try:
-        StoreClient(config).shutdown()
-    except ServiceUnavailable as exc:
-        print(f"kvstore: {exc}", file=sys.stderr)
+    if not stop_service(_service_config(args)):
+        print("kvstore: no service is running there", file=sys.stderr)
         return 1
     return 0
 
@@ -81,6 +75,12 @@ def _bench(args: argparse.Namespace) -> int:
     from bench import storage
 
     return storage.run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from bench import demo
+
+    return demo.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(handler=_bench)
+
+    show = commands.add_parser("demo", help="cold vs DRAM vs disk on a real vLLM engine (tiny model)")
+    from bench.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(show)
+    show.set_defaults(handler=_demo)
 
     check = commands.add_parser("fsck", help="verify every record of a disk-tier path")
     check.add_argument("path", help="disk-tier directory, data file or block device")

@@ -9,6 +9,7 @@ and the connection is dropped so a late answer cannot be taken for the next one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -164,3 +165,18 @@ class StoreClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def attach(config: StoreConfig) -> StoreClient:
+    """A lookup-only client of a running service; never starts one."""
+    service = dataclasses.replace(config.service, spawn=False)
+    return StoreClient(dataclasses.replace(config, service=service))
+
+
+def stop_service(config: StoreConfig) -> bool:
+    """Ask the service at config.service.socket to drain and exit; False if none runs."""
+    try:
+        attach(config).shutdown()
+    except ServiceUnavailable:
+        return False
+    return True

@@ -187,7 +187,8 @@ class StoreService:
     def _handle(self, op: str, args: tuple[Any, ...], window: AlignedBuffer | None) -> Any:
         store = self.store
         if op == "info":
-            return store.info() if store else {"tiers": [], "counters": {}}
+            info = store.info() if store else {"tiers": [], "counters": {}}
+            return {**info, "service_pid": os.getpid(), "socket": self.socket_path}
         if op == "lookup":
             return store.lookup(args[0]).count if store else 0
         if store is None or window is None:

@@ -358,6 +358,17 @@ class TieredStore:
 
         self._write_disk(records, on_done=release)
 
+    def _demote_all(self) -> None:
+        if self.host is None or self.disk is None:
+            return
+        with self._lock:
+            items = [(key, slot) for key, slot in self.host.table.index.items()
+                     if key not in self.disk.table.index]
+            for _, slot in items:
+                self.host.table.pin(slot)
+        for start in range(0, len(items), self._wave):
+            self._demote(items[start : start + self._wave])
+
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove chunks from every tier (on disk too, so a restart does not revive them)."""
         removed = 0
@@ -400,11 +411,16 @@ class TieredStore:
                 "recovery": self.recovery.__dict__}
 
     def close(self) -> None:
-        """Drain write-behind, checkpoint the disk index, release everything."""
+        """Drain write-behind, write DRAM-only chunks down, checkpoint, release everything.
+
+        DRAM does not survive the process; the disk does. Writing DRAM's chunks down
+        on a clean shutdown means a restarted service still serves them.
+        """
         if self._writeback is not None:
             if not self._writeback.close(self.config.io.timeout_s):
                 log.warning("close: write-behind did not drain in time; queued chunks dropped")
             self._writeback = None
+        self._demote_all()
         if self.disk is not None:
             with self._lock:
                 self.disk.checkpoint()

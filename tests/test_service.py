@@ -1,0 +1,76 @@
+"""The per-host service: started on demand, shared by clients, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from engine_harness import service_client, stop_service
+
+from kvstore.client import ServiceUnavailable, StoreClient
+from kvstore.config import load_config
+from kvstore.errors import KVStoreError
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture
+def config(tmp_path, disk_dir):
+    raw = {"tiers": {"host": {"capacity": "4MiB"},
+                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "16MiB"}]},
+           "io": {"timeout_s": 0.5},
+           "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    yield raw
+    stop_service(raw)
+
+
+def test_clients_share_one_spawned_service(config):
+    writer = StoreClient(load_config(config), CHUNK)
+    reader = StoreClient(load_config(config), CHUNK)
+    scheduler = StoreClient(load_config(config))
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for i in range(4):
+        writer.slot(i)[:] = bytes([i + 1]) * CHUNK
+    assert writer.put(keys, [0, 1, 2, 3]) == [True] * 4
+    assert scheduler.lookup(keys) == 4
+    assert scheduler.lookup([b"\xff" * 16, *keys]) == 0
+    assert reader.get(keys[::-1], [5, 6, 7, 8]) == [True] * 4
+    assert bytes(reader.slot(5)[:2]) == b"\4\4" and bytes(reader.slot(8)[:2]) == b"\1\1"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvstore-window-{os.getpid()}-")]
+    for client in (writer, reader, scheduler):
+        client.close()
+
+
+def test_a_service_with_another_config_is_refused(config):
+    StoreClient(load_config(config), CHUNK).close()
+    other = {**config, "write_behind_chunks": 3}
+    with pytest.raises(KVStoreError, match="another config"):
+        StoreClient(load_config(other), CHUNK)
+    with pytest.raises(KVStoreError, match=f"chunks of {CHUNK} bytes"):
+        StoreClient(load_config(config), 2 * CHUNK)
+
+
+def test_no_service_and_no_spawn_is_a_clear_error(config):
+    with pytest.raises(ServiceUnavailable, match="no kvstore service at"):
+        service_client(config)
+
+
+def test_an_unusable_disk_path_fails_at_spawn_naming_the_field(config):
+    config["tiers"]["disk"][0]["path"] = "/etc/hostname/kvstore"
+    with pytest.raises(KVStoreError, match=r"'tiers.disk\[0\].path'"):
+        StoreClient(load_config(config), CHUNK)
+
+
+def test_a_hung_service_costs_a_deadline_not_a_hang(config):
+    client = StoreClient(load_config(config), CHUNK)
+    pid = client.info()["service_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ServiceUnavailable, match="no answer"):
+            client.get([b"k" * 16], [0])
+        with pytest.raises(ServiceUnavailable):  # the connection is dropped, not reused
+            client.lookup([b"k" * 16])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        client.close()
