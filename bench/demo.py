@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -92,6 +91,3 @@ def _print(rows: list[dict[str, Any]], prompt_tokens: int) -> None:
     for row in rows:
         print(f"{row['mode']:<10} {row['ttft_p50_s'] * 1000:>8.1f}ms {row['speedup']:>7.2f}x "
               f"{row['loaded_tokens']:>11} of {prompt_tokens:<6}  {row['outputs_match']}")
-    if os.cpu_count() and os.cpu_count() <= 4:
-        print("\n(a tiny model on a small CPU: recompute is cheap here, so the gap is small; "
-              "`kvstore ttft --model ...` measures a real model)")

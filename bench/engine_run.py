@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,8 +89,18 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
         command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                HF_HUB_OFFLINE="1")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
+    # Its own process group: on a timeout the engine's core and worker processes go
+    # too, instead of living on as orphans that busy-poll a CPU each.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env, cwd=Path(__file__).resolve().parent.parent,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise RuntimeError(f"engine run passed its {timeout_s:.0f} s deadline:\n{stderr[-4000:]}") from None
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     results = []
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):

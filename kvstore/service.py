@@ -80,11 +80,32 @@ def check_paths_usable(config: StoreConfig) -> None:
             raise ConfigError(field, path, "does not exist, and its parent is not writable")
 
 
+def _unpin_from_parent() -> None:
+    """Run on every CPU the host allows.
+
+    A service started on demand by an engine worker inherits that worker's CPU
+    mask, and vLLM pins each CPU worker to its own cores, where it busy-polls: the
+    service then got a fraction of one core and answered nothing within deadlines.
+    """
+    cpus = set(range(os.cpu_count() or 1))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # a cpuset may forbid some CPUs: keep what we have
+        log.info("kept the inherited CPU mask %s (%s)", sorted(os.sched_getaffinity(0)), exc)
+
+
 class StoreService:
     """Accepts clients on a Unix socket; one thread per client; one TieredStore."""
 
     def __init__(self, config: StoreConfig) -> None:
         check_paths_usable(config)
+        _unpin_from_parent()
+        # One copy thread per client request. torch's intra-op pool would spin at its
+        # barriers against the engine's own busy-polling processes on the same cores
+        # (seen: 1 MiB DRAM copies taking minutes on a 2-core host next to vLLM).
+        import torch
+
+        torch.set_num_threads(1)
         self.config = config
         self.socket_path = config.service.socket
         self.store: TieredStore | None = None
@@ -150,13 +171,17 @@ class StoreService:
                     else:
                         reply = self._handle(op, request[1:], window)
                 except KVStoreError as exc:
-                    conn.send(("error", str(exc)))
-                    continue
+                    reply, status = str(exc), "error"
                 except Exception as exc:  # a bug must not take the whole service down
                     log.exception("request %s failed", op)
-                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
-                    continue
-                conn.send(("ok", reply))
+                    reply, status = f"{type(exc).__name__}: {exc}", "error"
+                else:
+                    status = "ok"
+                try:
+                    conn.send((status, reply))
+                except OSError:
+                    log.warning("a client left before its '%s' was answered (past its deadline?)", op)
+                    return
         finally:
             if window is not None:
                 window.close()
