@@ -41,6 +41,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TieredKVConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": json.loads(args.connector)}
+        if args.module_path:  # find the class by module, not through the plugin's registration
+            kwargs["kv_transfer_config"]["kv_connector_module_path"] = "engine_plugin.connector"
     return kwargs
 
 
@@ -77,7 +79,8 @@ class EngineRun:
 
 def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
               *, single_process: bool = False, max_num_batched_tokens: int | None = None,
-              max_model_len: int = 4096, timeout_s: float = 600, check: bool = True) -> EngineRun:
+              max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
+              check: bool = True) -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
                "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
@@ -85,6 +88,8 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
         command += ["--connector", json.dumps(connector)]
     if single_process:
         command.append("--single-process")
+    if module_path:
+        command.append("--module-path")
     if max_num_batched_tokens:
         command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -117,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
     parser.add_argument("--connector", help="kv_connector_extra_config as JSON (omit: no kvstore)")
+    parser.add_argument("--module-path", action="store_true",
+                        help="load the connector via kv_connector_module_path")
     parser.add_argument("--single-process", action="store_true",
                         help="scheduler and worker in this process (default: vLLM's multi-process)")
     parser.add_argument("--max-num-batched-tokens", type=int)

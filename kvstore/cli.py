@@ -1,4 +1,4 @@
-"""The `kvstore` command: demo, bench, fsck, info, serve, stop."""
+"""The `kvstore` command: demo, bench, replay, fsck, info, serve, stop."""
 
 from __future__ import annotations
 
@@ -77,6 +77,12 @@ def _bench(args: argparse.Namespace) -> int:
     return storage.run(args)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from bench import replay
+
+    return replay.run(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from bench import demo
 
@@ -99,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(show)
     show.set_defaults(handler=_demo)
+
+    trace = commands.add_parser("replay", help="hit ratios of a request trace for given tier sizes")
+    from bench.replay import add_arguments as add_replay_arguments
+
+    add_replay_arguments(trace)
+    trace.set_defaults(handler=_replay)
 
     check = commands.add_parser("fsck", help="verify every record of a disk-tier path")
     check.add_argument("path", help="disk-tier directory, data file or block device")

@@ -13,6 +13,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,26 +49,44 @@ def connect(config: StoreConfig) -> Connection:
         return _spawn(config)
 
 
+# Starts the service and exits at once, so the service is no descendant of the
+# engine: vLLM kills its workers' whole process trees on shutdown, and the
+# service (with its DRAM tier) must outlive the engine that happened to start it.
+_LAUNCHER = ("import subprocess, sys\n"
+             "log = open(sys.argv[1], 'ab')\n"
+             "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,"
+             " start_new_session=True)\n"
+             "print(p.pid)")
+
+
 def _spawn(config: StoreConfig) -> Connection:
     path = config.service.socket
     log_path = path + ".log"
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", "--config-json",
-             json.dumps(dump_config(config))],
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-            start_new_session=True,  # outlives the engine: its DRAM tier is the point
-        )
+    service = [sys.executable, "-m", "kvstore.cli", "serve", "--config-json",
+               json.dumps(dump_config(config))]
+    launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service],
+                              capture_output=True, text=True, timeout=30, check=True)
+    pid = int(launched.stdout)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if not _alive(pid):
             raise KVStoreError(f"kvstore service failed to start: {_last_line(log_path)}")
         with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
             return Client(path, family="AF_UNIX")
         time.sleep(0.05)
-    process.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     raise ServiceUnavailable(f"kvstore service at {path} did not come up in {SPAWN_TIMEOUT_S:.0f} s "
                              f"(log: {log_path})")
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (an exited orphan may linger as a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def _last_line(log_path: str) -> str:

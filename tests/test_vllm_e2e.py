@@ -86,14 +86,19 @@ def counters(config: dict) -> dict[str, int]:
         client.close()
 
 
-@pytest.mark.parametrize("single_process", [False, True], ids=["multiprocess", "single-process"])
+@pytest.mark.parametrize("single_process", [False, True],
+                         ids=["multiprocess-by-name", "single-process-by-module-path"])
 def test_store_then_load_in_a_fresh_process(model, prompts, reference, store_config, single_process):
+    """vLLM's default layout finds the connector by its registered name; the
+    single-process run finds it through kv_connector_module_path."""
     config = store_config()
-    stored = run_engine(model, prompts["long"], connector(config), single_process=single_process)
+    stored = run_engine(model, prompts["long"], connector(config), single_process=single_process,
+                        module_path=single_process)
     assert stored.results[0]["token_ids"] == reference["long"]
     assert stored.results[0]["num_cached_tokens"] == 0
 
-    loaded = run_engine(model, prompts["long"], connector(config), single_process=single_process)
+    loaded = run_engine(model, prompts["long"], connector(config), single_process=single_process,
+                        module_path=single_process)
     assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
     assert loaded.results[0]["token_ids"] == reference["long"]
     assert counters(config).get("get.hits", 0) == FULL_CHUNKS

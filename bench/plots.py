@@ -1,0 +1,36 @@
+"""PNG plots for `kvstore replay --sweep` and `kvstore ttft` (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot():  # imported late: only the plotting commands need matplotlib
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Token hit ratio against total capacity, one line per tier and one for all tiers."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    capacity = [sum(t["capacity_bytes"] for t in row["tiers"]) / 2**30 for row in rows]
+    axes.plot(capacity, [row["hit_ratio"] for row in rows], marker="o", label="all tiers")
+    for i, tier in enumerate(rows[0]["tiers"]):
+        axes.plot(capacity, [row["tiers"][i]["hit_ratio"] for row in rows], marker=".",
+                  linestyle="--", label=f"from {tier['name']}")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("total capacity of all tiers (GiB)")
+    axes.set_ylabel("prompt tokens served from kvstore")
+    axes.set_ylim(0, 1)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
