@@ -34,3 +34,22 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def plot_ttft(rows: list[dict[str, Any]], value: str, path: Path) -> Path:
+    """TTFT against context length, one line per mode."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        points = sorted((r["context_tokens"], r[value]) for r in rows if r["mode"] == mode)
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=mode)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("context (tokens)")
+    axes.set_ylabel("time to first token (s)")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -145,11 +145,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-promote", action="store_true", help="lower-tier hits stay put")
     parser.add_argument("--sweep", action="store_true",
                         help="also scale every tier by 1/64 .. 4x and report the hit-ratio curve")
+    parser.add_argument("--ttft", action="store_true",
+                        help="also estimate TTFT and throughput for no cache, then each tier added")
+    parser.add_argument("--hardware", default="h100", help="profile for --ttft: h100, h200, mi300x, rtx4090")
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help="for --ttft: a preset (llama-3.1-8b, ...) or a config.json; its KV "
+                             "bytes per token replace --kv-bytes-per-token")
+    parser.add_argument("--budget", type=int, default=8192, help="scheduler tokens per step (--ttft)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply arrival times (--ttft): >1 spreads a cluster's trace over one GPU")
     parser.add_argument("--json", help="write the results here (a PNG plot goes next to it)")
 
 
 def run(args: argparse.Namespace) -> int:
     tiers = [parse_tier(t) for t in args.tier]
+    if args.ttft:
+        from bench.ttft_model import model_spec
+
+        args.kv_bytes_per_token = model_spec(args.model).kv_bytes_per_token
     started = time.perf_counter()
     result = _replay(args, tiers)
     result["seconds"] = time.perf_counter() - started
@@ -158,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         result["sweep"] = [{"factor": f, **_replay(args, [(n, int(c * f)) for n, c in tiers])}
                            for f in SWEEP_FACTORS]
         _print_sweep(result["sweep"])
+    if args.ttft:
+        result["ttft"] = _ttft_rows(args, tiers)
+        _print_ttft(result["ttft"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         if args.sweep:
@@ -171,6 +187,45 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> dict[str,
     replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens,
                         promote_on_hit=not args.no_promote)
     return replayer.run(read_trace(args.trace, args.block_tokens, args.limit))
+
+
+TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk": "disk",
+              "nvme": "disk", "ssd": "disk", "nvmeof": "nvmeof", "fabric": "nvmeof"}
+
+
+def _ttft_rows(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """One row per configuration: no cache, then the tiers added one at a time, top first."""
+    from bench.sched_model import SimRequest, simulate
+    from bench.ttft_model import PROFILES, model_spec
+
+    if args.hardware not in PROFILES:
+        raise ConfigError("--hardware", args.hardware, f"known: {', '.join(PROFILES)}")
+    unknown = [name for name, _ in tiers if name not in TIER_PATHS]
+    if unknown:
+        raise ConfigError("--tier", unknown[0], f"--ttft needs a known tier kind: {', '.join(TIER_PATHS)}")
+    model, hardware = model_spec(args.model), PROFILES[args.hardware]
+    rows = []
+    for count in range(len(tiers) + 1):
+        config = tiers[:count]
+        replayer = Replayer(config, args.kv_bytes_per_token, args.block_tokens,
+                            promote_on_hit=not args.no_promote) if config else None
+        requests = []
+        for request in read_trace(args.trace, args.block_tokens, args.limit):
+            hits: dict[str, int] = {}
+            for tier in replayer.serve(request) if replayer else []:
+                hits[config[tier][0]] = hits.get(config[tier][0], 0) + args.block_tokens
+            requests.append(SimRequest(request.arrival_s * args.time_scale, request.input_tokens,
+                                       max(1, request.output_tokens), hits))
+        summary = simulate(requests, model, hardware, {n: TIER_PATHS[n] for n, _ in config}, args.budget)
+        rows.append({"config": " + ".join(n for n, _ in config) or "no cache", **summary})
+    return rows
+
+
+def _print_ttft(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'configuration':<28} {'TTFT p50':>10} {'TTFT p90':>10} {'output tok/s':>13}")
+    for row in rows:
+        print(f"{row['config']:<28} {row['ttft_p50_s']:>9.2f}s {row['ttft_p90_s']:>9.2f}s "
+              f"{row['throughput_tokens_per_s']:>13.0f}")
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -8,7 +8,8 @@ Formulas (n = context tokens; all rates are sustained, not peak, via `mfu`/`effi
   load_s(n, t)  = latency_t + kv_bytes(n) / bandwidth_t
       bandwidth_t is the narrowest link on tier t's path into HBM: host DRAM crosses
       PCIe; local NVMe is min(drives x drive bandwidth, PCIe); NVMe-oF is min(NIC, PCIe).
-  crossover     = the smallest context (in the list) where load_s < prefill_s.
+  crossover     = the smallest context (searched on a 1.05x grid from 16 tokens up to
+                  the largest context asked for) from which load_s < prefill_s.
 Prefill grows faster than linearly in n, a load linearly: past the crossover, loading
 wins by more the longer the context.
 """
@@ -67,6 +68,11 @@ MODELS = {
     "llama-3.1-70b": ModelSpec("llama-3.1-70b", 70.6e9, 80, 64, 8, 128),
     "qwen2.5-32b": ModelSpec("qwen2.5-32b", 32.8e9, 64, 40, 8, 128),
 }
+
+
+def model_spec(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a Hugging Face config.json (or its directory)."""
+    return MODELS[name_or_path] if name_or_path in MODELS else ModelSpec.from_hf_config(name_or_path)
 
 
 @dataclass(frozen=True)
@@ -133,9 +139,13 @@ def estimate(model: ModelSpec, hw: HardwareProfile, contexts: list[int],
         results.extend({"mode": tier, "context_tokens": tokens,
                         "ttft_s": load_s(model, hw, tokens, tier) + prefill_s(model, hw, 1)}
                        for tier in tiers)
+    grid, tokens = [], 16.0
+    while tokens <= max(contexts):
+        grid.append(int(tokens))
+        tokens *= 1.05
     crossover = {}
     for tier in tiers:
-        wins = [n for n in contexts if load_s(model, hw, n, tier) < prefill_s(model, hw, n)]
+        wins = [n for n in grid if load_s(model, hw, n, tier) < prefill_s(model, hw, n)]
         crossover[tier] = min(wins) if wins else None
     return {"model": asdict(model), "hardware": asdict(hw),
             "kv_bytes_per_token": model.kv_bytes_per_token, "results": results,

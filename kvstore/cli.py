@@ -1,4 +1,4 @@
-"""The `kvstore` command: demo, bench, replay, fsck, info, serve, stop."""
+"""The `kvstore` command: demo, bench, ttft, replay, fsck, info, serve, stop."""
 
 from __future__ import annotations
 
@@ -83,6 +83,12 @@ def _replay(args: argparse.Namespace) -> int:
     return replay.run(args)
 
 
+def _ttft(args: argparse.Namespace) -> int:
+    from bench import ttft
+
+    return ttft.run(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from bench import demo
 
@@ -111,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replay_arguments(trace)
     trace.set_defaults(handler=_replay)
+
+    compare = commands.add_parser("ttft", help="recompute vs offload TTFT, measured or estimated")
+    from bench.ttft import add_arguments as add_ttft_arguments
+
+    add_ttft_arguments(compare)
+    compare.set_defaults(handler=_ttft)
 
     check = commands.add_parser("fsck", help="verify every record of a disk-tier path")
     check.add_argument("path", help="disk-tier directory, data file or block device")

@@ -85,3 +85,14 @@ def test_bad_tier_and_bad_trace_are_named(tmp_path):
     bad.write_text('{"timestamp": 0}\n')
     with pytest.raises(KVStoreError, match=r"bad\.jsonl:1: not a Mooncake trace line"):
         list(read_trace(bad))
+
+
+def test_ttft_compares_each_added_tier(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [([1, 2, 3, 4], 2049)] * 4)
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", trace, "--tier", "gpu=1GiB", "--tier", "host=64GiB", "--ttft",
+                     "--block-tokens", "512", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["ttft"]
+    assert [r["config"] for r in rows] == ["no cache", "gpu", "gpu + host"]
+    assert rows[1]["ttft_p50_s"] < rows[0]["ttft_p50_s"]  # repeats hit: less to compute
+    assert cli_main(["replay", trace, "--tier", "tape=1TiB", "--ttft"]) == 2  # named on stderr

@@ -1,0 +1,164 @@
+"""`kvstore ttft`: recompute vs offload, measured on a real engine or estimated.
+
+Measure mode, for each context length, each run a fresh vLLM engine process (vLLM's
+own prefix cache dies with it, so only kvstore can supply the KV):
+  recompute   no connector: the reference TTFT and greedy tokens
+  save        connector on, nothing stored yet: prefill, then the chunks are saved
+  dram        a fresh engine; chunks come from the service's DRAM tier
+  disk        the service restarted (DRAM gone); chunks come from disk with O_DIRECT
+              reads, so the page cache is out of the way
+`save` runs whenever dram or disk is asked for (it fills the store). The estimate
+mode (--estimate) applies bench/ttft_model.py to a model and a hardware profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.engine_run import run_fresh
+from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from kvstore.client import stop_service
+from kvstore.config import dump_config, load_config
+from kvstore.errors import ConfigError
+
+MEASURED_MODES = ("recompute", "dram", "disk")
+DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384"
+
+
+def default_config(workdir: Path) -> dict[str, Any]:
+    return {"chunk_tokens": 256,
+            "tiers": {"host": {"capacity": "2GiB"},
+                      "disk": [{"path": str(workdir / "disk"), "capacity": "4GiB"}]},
+            "service": {"socket": str(workdir / "kvstore.sock")}}
+
+
+def demo_model(workdir: Path) -> Path:
+    """The default model: a 4-layer random-weight Llama, built locally."""
+    return build_tiny_llama(workdir / "model", layers=4, hidden=512, heads=8, kv_heads=4)
+
+
+def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], prompts: int,
+            config: dict[str, Any], single_process: bool = False,
+            progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Rows {mode, context_tokens, ttft_p50_s, ttft_p90_s, speedup, loaded_tokens, outputs_match}."""
+    unknown = set(modes) - set(MEASURED_MODES)
+    if unknown:
+        raise ConfigError("--modes", ",".join(sorted(unknown)),
+                          f"measurable modes are {', '.join(MEASURED_MODES)} "
+                          "(disk+prefetch needs the prefetcher, not built yet)")
+    store = load_config(config)
+    rows = []
+    for context in contexts:
+        prompts_file = workdir / f"prompts-{context}.json"
+        prompts_file.write_text(json.dumps([prompt_token_ids(context, seed=1000 * context + i)
+                                            for i in range(prompts)]))
+
+        def engine(mode: str, connector: bool, context: int = context,
+                   prompts_file: Path = prompts_file) -> tuple[str, list[dict[str, Any]]]:
+            progress(f"  {context} tokens, {mode}: a fresh vLLM engine ...")
+            run = run_fresh(model, prompts_file, {"config": dump_config(store)} if connector else None,
+                            single_process=single_process, max_model_len=context + 64)
+            return mode, run.results
+
+        stop_service(store)  # start from an empty DRAM tier and a known disk state
+        runs = [engine("recompute", False)]
+        if "dram" in modes or "disk" in modes:
+            runs.append(engine("save", True))
+        if "dram" in modes:
+            runs.append(engine("dram", True))
+        if "disk" in modes:
+            stop_service(store)  # writes DRAM down, checkpoints; the next run starts a new one
+            runs.append(engine("disk", True))
+        stop_service(store)
+        rows.extend(_rows(context, runs))
+    return rows
+
+
+def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    reference = [r["token_ids"] for r in runs[0][1]]
+    base = statistics.median(r["ttft_s"] for r in runs[0][1])
+    rows = []
+    for mode, results in runs:
+        ttfts = sorted(r["ttft_s"] for r in results)
+        p50 = statistics.median(ttfts)
+        rows.append({"mode": mode, "context_tokens": context, "ttft_p50_s": p50,
+                     "ttft_p90_s": ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))],
+                     "speedup": base / p50,
+                     "loaded_tokens": min(r["num_cached_tokens"] for r in results),
+                     "outputs_match": [r["token_ids"] for r in results] == reference})
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'context':>8} {'mode':<10} {'TTFT p50':>10} {'TTFT p90':>10} {'vs recompute':>12} "
+          f"{'from kvstore':>12}  outputs match")
+    for row in rows:
+        print(f"{row['context_tokens']:>8} {row['mode']:<10} {row['ttft_p50_s'] * 1000:>8.1f}ms "
+              f"{row['ttft_p90_s'] * 1000:>8.1f}ms {row['speedup']:>11.2f}x "
+              f"{row['loaded_tokens']:>12}  {row['outputs_match']}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", default="recompute,dram,disk",
+                        help="measure: recompute,dram,disk; --estimate: recompute,dram,disk,nvmeof")
+    parser.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="context lengths in tokens")
+    parser.add_argument("--model", help="measure: a local model directory (default: the tiny "
+                        "model); --estimate: a config.json/directory or a preset name")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per context (measure)")
+    parser.add_argument("--config", help="kvstore config for the tiers (default: a temp directory)")
+    parser.add_argument("--workdir", help="where the model, prompts and tiers go (default: temp)")
+    parser.add_argument("--single-process", action="store_true")
+    parser.add_argument("--estimate", action="store_true",
+                        help="estimate from a model config and a hardware profile instead")
+    parser.add_argument("--hardware", default="h100", help="h100, h200, mi300x, rtx4090 (--estimate)")
+    parser.add_argument("--json", help="write results here; a PNG plot goes next to it")
+
+
+def run(args: argparse.Namespace) -> int:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if args.estimate:
+        return _run_estimate(args, contexts, modes)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-ttft-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else demo_model(workdir)
+    config = load_config(args.config) if args.config else load_config(default_config(workdir))
+    rows = measure(model, workdir, contexts, modes, args.prompts, dump_config(config),
+                   args.single_process)
+    print_rows(rows)
+    _write(args.json, {"model": str(model), "results": rows}, rows, "ttft_p50_s")
+    return 0 if all(row["outputs_match"] for row in rows) else 1
+
+
+def _run_estimate(args: argparse.Namespace, contexts: list[int], modes: list[str]) -> int:
+    from bench.ttft_model import PROFILES, estimate, model_spec
+
+    if args.hardware not in PROFILES:
+        raise ConfigError("--hardware", args.hardware, f"known: {', '.join(PROFILES)}")
+    model = model_spec(args.model or "llama-3.1-8b")
+    result = estimate(model, PROFILES[args.hardware], contexts, [m for m in modes if m != "recompute"])
+    print(f"{model.name} on {PROFILES[args.hardware].name}: {model.kv_bytes_per_token} KV bytes/token")
+    print(f"{'context':>8} " + " ".join(f"{m:>10}" for m in ["recompute", *result['crossover_context']]))
+    for context in contexts:
+        cells = [r["ttft_s"] for r in result["results"] if r["context_tokens"] == context]
+        print(f"{context:>8} " + " ".join(f"{c * 1000:>8.1f}ms" for c in cells))
+    print("loading beats recomputing from: " + ", ".join(
+        f"{tier} {n if n else 'never (in this range)'}" for tier, n in result["crossover_context"].items()))
+    _write(args.json, result, result["results"], "ttft_s")
+    return 0
+
+
+def _write(json_path: str | None, document: dict[str, Any], rows: list[dict[str, Any]],
+           value: str) -> None:
+    if not json_path:
+        return
+    Path(json_path).write_text(json.dumps(document, indent=2))
+    from bench.plots import plot_ttft
+
+    print(f"results: {json_path}, plot: {plot_ttft(rows, value, Path(json_path).with_suffix('.png'))}")
