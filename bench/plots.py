@@ -15,6 +15,15 @@ def _pyplot():  # imported late: only the plotting commands need matplotlib
     return plt
 
 
+def _save(plt: Any, figure: Any, axes: Any, path: Path) -> Path:
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     """Token hit ratio against total capacity, one line per tier and one for all tiers."""
     plt = _pyplot()
@@ -28,12 +37,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     axes.set_xlabel("total capacity of all tiers (GiB)")
     axes.set_ylabel("prompt tokens served from kvstore")
     axes.set_ylim(0, 1)
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, axes, path)
 
 
 def plot_ttft(rows: list[dict[str, Any]], value: str, path: Path) -> Path:
@@ -47,9 +51,4 @@ def plot_ttft(rows: list[dict[str, Any]], value: str, path: Path) -> Path:
     axes.set_yscale("log")
     axes.set_xlabel("context (tokens)")
     axes.set_ylabel("time to first token (s)")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, axes, path)

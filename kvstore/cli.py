@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -71,28 +72,13 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from bench import storage
-
-    return storage.run(args)
-
-
-def _replay(args: argparse.Namespace) -> int:
-    from bench import replay
-
-    return replay.run(args)
-
-
-def _ttft(args: argparse.Namespace) -> int:
-    from bench import ttft
-
-    return ttft.run(args)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from bench import demo
-
-    return demo.run(args)
+# Commands whose module (in bench/) has add_arguments(parser) and run(args) -> exit code.
+_BENCH_COMMANDS = (
+    ("demo", "bench.demo", "cold vs DRAM vs disk on a real vLLM engine (tiny model)"),
+    ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
+    ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
+    ("replay", "bench.replay", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,29 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    bench = commands.add_parser("bench", help="storage benchmark with fio/copy/serial baselines")
-    from bench.storage import add_arguments
-
-    add_arguments(bench)
-    bench.set_defaults(handler=_bench)
-
-    show = commands.add_parser("demo", help="cold vs DRAM vs disk on a real vLLM engine (tiny model)")
-    from bench.demo import add_arguments as add_demo_arguments
-
-    add_demo_arguments(show)
-    show.set_defaults(handler=_demo)
-
-    trace = commands.add_parser("replay", help="hit ratios of a request trace for given tier sizes")
-    from bench.replay import add_arguments as add_replay_arguments
-
-    add_replay_arguments(trace)
-    trace.set_defaults(handler=_replay)
-
-    compare = commands.add_parser("ttft", help="recompute vs offload TTFT, measured or estimated")
-    from bench.ttft import add_arguments as add_ttft_arguments
-
-    add_ttft_arguments(compare)
-    compare.set_defaults(handler=_ttft)
+    for name, module_name, text in _BENCH_COMMANDS:
+        module = importlib.import_module(module_name)
+        command = commands.add_parser(name, help=text)
+        module.add_arguments(command)
+        command.set_defaults(handler=module.run)
 
     check = commands.add_parser("fsck", help="verify every record of a disk-tier path")
     check.add_argument("path", help="disk-tier directory, data file or block device")
