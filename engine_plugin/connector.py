@@ -30,7 +30,6 @@ from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
 from kvstore.client import StoreClient
-from kvstore.errors import KVStoreError
 from kvstore.keys import KVNamespace
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             if self._lookup_client is None:
                 self._lookup_client = StoreClient(self.options.store)
             return self._lookup_client.lookup(keys)
-        except KVStoreError as exc:
+        except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             if self._lookup_client is not None:
                 self._lookup_client.disconnect()
