@@ -18,19 +18,18 @@ import atexit
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from connectors.link import ServiceLink
 from connectors.plan import SKIP, Transfer
 from kvstore.client import StoreClient
 from kvstore.errors import KVStoreError
 from kvstore.stats import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
-RECONNECT_INTERVAL_S = 5.0
 
 
 class KVLayout(Protocol):
@@ -41,38 +40,6 @@ class KVLayout(Protocol):
     def gather(self, blocks: Sequence[int], out: memoryview) -> None: ...
 
     def scatter(self, src: memoryview, blocks: Sequence[int]) -> None: ...
-
-
-class _Link:
-    """A StoreClient that is re-created (at most every few seconds) after a failure."""
-
-    def __init__(self, make: Callable[[], StoreClient]) -> None:
-        self._make = make
-        self._client: StoreClient | None = None
-        self._next_try = 0.0
-
-    def get(self) -> StoreClient | None:
-        if self._client is None and time.monotonic() >= self._next_try:
-            try:
-                self._client = self._make()
-            except KVStoreError as exc:
-                log.warning("kvstore service unavailable (%s); loads miss and saves drop", exc)
-                self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
-        return self._client
-
-    def fail(self) -> None:
-        """Forget a client whose service stopped answering. Only its connection is
-        closed: another thread may still be copying through its window, which is
-        unmapped when the last reference goes."""
-        if self._client is not None:
-            self._client.disconnect()
-            self._client = None
-            self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
 
 
 @dataclass(frozen=True)
@@ -89,10 +56,9 @@ class WorkerCore:
         self.layout = layout
         self.rank = rank
         self.stats = Stats()
-        self._loader = _Link(make_client)
-        self._saver = _Link(make_client)
-        if self._loader.get() is None:  # fail fast at start-up if the service cannot start
-            raise KVStoreError("kvstore service unavailable at start-up (see the warning above)")
+        self._loader = ServiceLink(make_client)
+        self._saver = ServiceLink(make_client)
+        self._loader.start()
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connectors.link import ServiceLink
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
@@ -64,8 +65,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
         if role == KVConnectorRole.SCHEDULER:
-            client = StoreClient(store)  # starts the service if needed: errors surface now
-            self._lookup_client: StoreClient | None = client
+            self._lookup_link = ServiceLink(lambda: StoreClient(store))
+            self._lookup_link.start()  # starts the service if needed: config errors surface now
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
                                             self._lookup, self.options.load_async)
         log.info("kvstore connector (%s): chunk %d tokens, socket %s", role.name,
@@ -85,15 +86,14 @@ class TieredKVConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
 
     def _lookup(self, keys: list[bytes]) -> int:
+        client = self._lookup_link.get()
+        if client is None:
+            return 0
         try:
-            if self._lookup_client is None:
-                self._lookup_client = StoreClient(self.options.store)
-            return self._lookup_client.lookup(keys)
+            return client.lookup(keys)
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
-            if self._lookup_client is not None:
-                self._lookup_client.disconnect()
-            self._lookup_client = None
+            self._lookup_link.fail()
             return 0
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -178,9 +178,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._scheduler is not None and self._lookup_client is not None:
-            self._lookup_client.close()
-            self._lookup_client = None
+        if self._scheduler is not None:
+            self._lookup_link.close()
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()

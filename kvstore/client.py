@@ -14,12 +14,13 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Sequence
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvstore.aligned import AlignedBuffer
@@ -28,24 +29,42 @@ from kvstore.errors import KVStoreError
 from kvstore.service import Hello
 
 SPAWN_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
 
 
 class ServiceUnavailable(KVStoreError):
     """The service did not answer (not running, crashed, or past the deadline)."""
 
 
+def open_socket(path: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+    """Connect with a deadline: a Unix connect() blocks while the listener's backlog
+    is full, which is what a hung service looks like."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+    except TimeoutError:
+        sock.close()
+        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection") from None
+    except OSError:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return Connection(sock.detach())
+
+
 def connect(config: StoreConfig) -> Connection:
     """Connect to the service at config.service.socket, starting it if allowed."""
     path = config.service.socket
     with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-        return Client(path, family="AF_UNIX")
+        return open_socket(path)
     if not config.service.spawn:
         raise ServiceUnavailable(f"no kvstore service at {path} (service.spawn is false: start it "
                                  f"with `kvstore serve --config ...`)")
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one spawner per socket; the others then connect
         with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-            return Client(path, family="AF_UNIX")
+            return open_socket(path)
         return _spawn(config)
 
 
@@ -72,7 +91,7 @@ def _spawn(config: StoreConfig) -> Connection:
         if not _alive(pid):
             raise KVStoreError(f"kvstore service failed to start: {_last_line(log_path)}")
         with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-            return Client(path, family="AF_UNIX")
+            return open_socket(path)
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)

@@ -113,7 +113,7 @@ class StoreService:
         self._stopping = threading.Event()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)  # a stale socket of a dead service (callers hold the lock)
-        self._listener = Listener(self.socket_path, family="AF_UNIX")
+        self._listener = Listener(self.socket_path, family="AF_UNIX", backlog=64)
         os.chmod(self.socket_path, 0o600)
 
     def serve_forever(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from engine_harness import run_engine, service_client, stop_service
@@ -58,14 +59,14 @@ def store_config(tmp_path, disk_dir):
     """Makes kvstore configs, each with its own service socket; services stop after the test."""
     configs: list[dict] = []
 
-    def make(host: bool = True, disk: bool = True) -> dict:
+    def make(host: bool = True, disk: bool = True, **extra) -> dict:
         tiers: dict = {}
         if host:
             tiers["host"] = {"capacity": "256MiB"}
         if disk:
             tiers["disk"] = [{"path": os.path.join(disk_dir, "disk"), "capacity": "512MiB"}]
         config = {"chunk_tokens": CHUNK, "tiers": tiers,
-                  "service": {"socket": str(tmp_path / f"kvstore{len(configs)}.sock")}}
+                  "service": {"socket": str(tmp_path / f"kvstore{len(configs)}.sock")}, **extra}
         configs.append(config)
         return config
 
@@ -140,6 +141,24 @@ def test_shared_prefix_loads_only_the_shared_chunks(model, prompts, reference, s
     branch = run_engine(model, prompts["branch"], connector(config))
     assert branch.results[0]["num_cached_tokens"] == SHARED_CHUNKS * CHUNK
     assert branch.results[0]["token_ids"] == reference["branch"]
+
+
+def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store_config):
+    """The service stops answering (SIGSTOP): the engine still starts, serves the prompt
+    by recomputing it, and matches the reference, each request bounded by the deadline."""
+    config = store_config(io={"timeout_s": 0.5})
+    run_engine(model, prompts["long"], connector(config))
+    client = service_client(config)
+    pid = client.info()["service_pid"]
+    client.close()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        loaded = run_engine(model, prompts["long"], connector(config))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert loaded.results[0]["num_cached_tokens"] == 0
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    assert "kvstore service unavailable" in loaded.output
 
 
 def _corrupt_first_record(directory: str) -> None:
