@@ -24,12 +24,29 @@ def _fsck(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    """From the running service when one answers (it holds the tiers' locks), else by
+    opening the tiers directly, which needs their chunk size."""
+    from kvstore.client import ServiceUnavailable, attach
+    from kvstore.config import load_config
     from kvstore.store import TieredStore
 
-    with TieredStore(args.config, parse_size(args.chunk_size)) as store:
-        info = store.info()
+    config = load_config(args.config)
+    try:
+        client = attach(config)
+        info = client.info()
+        client.close()
+    except ServiceUnavailable:
+        if not args.chunk_size:
+            print(f"kvstore: no service at {config.service.socket}; give --chunk-size to open "
+                  "the tiers directly", file=sys.stderr)
+            return 2
+        with TieredStore(config, parse_size(args.chunk_size)) as store:
+            info = store.info()
     if args.json:
         print(json.dumps(info, indent=2))
+        return 0
+    if "chunk_bytes" not in info:
+        print(f"service at {info['socket']} (pid {info['service_pid']}): no engine has connected yet")
         return 0
     print(f"chunk {format_size(info['chunk_bytes'])}, io engine {info['io_engine']}")
     for tier in info["tiers"]:
@@ -99,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="tiers, capacity, usage and counters of a config")
     info.add_argument("--config", required=True, help="kvstore config (YAML or JSON file)")
-    info.add_argument("--chunk-size", required=True, help="chunk payload bytes, e.g. 4MiB")
+    info.add_argument("--chunk-size", help="chunk payload bytes, e.g. 4MiB (only without a "
+                      "running service)")
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=_info)
 

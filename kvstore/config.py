@@ -54,6 +54,7 @@ class ServiceConfig:
     socket: str = field(default_factory=lambda: f"/tmp/kvstore-{os.getuid()}.sock")
     spawn: bool = True
     staging: int = 256 << 20
+    metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ def _parse_io(io: dict[str, Any]) -> IoConfig:
 
 
 def _parse_service(service: dict[str, Any]) -> ServiceConfig:
-    _check_keys("service", service, {"socket", "spawn", "staging"})
+    _check_keys("service", service, {"socket", "spawn", "staging", "metrics_port"})
     default = ServiceConfig()
     socket = service.get("socket", default.socket)
     if not isinstance(socket, str) or not socket or len(socket.encode()) > 107:
@@ -202,7 +203,8 @@ def _parse_service(service: dict[str, Any]) -> ServiceConfig:
         raise ConfigError("service.spawn", spawn, "must be true or false")
     return ServiceConfig(socket=socket, spawn=spawn,
                          staging=_size("service.staging", service.get("staging", default.staging),
-                                       minimum=1 << 20))
+                                       minimum=1 << 20),
+                         metrics_port=_int("service.metrics_port", service.get("metrics_port", 0), 0, 65535))
 
 
 def dump_config(config: StoreConfig) -> dict[str, Any]:
@@ -223,5 +225,5 @@ def dump_config(config: StoreConfig) -> dict[str, Any]:
         "write_behind_chunks": config.write_behind_chunks,
         "promote_on_hit": config.promote_on_hit,
         "service": {"socket": config.service.socket, "spawn": config.service.spawn,
-                    "staging": config.service.staging},
+                    "staging": config.service.staging, "metrics_port": config.service.metrics_port},
     }

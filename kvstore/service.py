@@ -115,6 +115,10 @@ class StoreService:
             os.unlink(self.socket_path)  # a stale socket of a dead service (callers hold the lock)
         self._listener = Listener(self.socket_path, family="AF_UNIX", backlog=64)
         os.chmod(self.socket_path, 0o600)
+        if config.service.metrics_port:
+            from kvstore.metrics import serve_metrics
+
+            serve_metrics(config.service.metrics_port, lambda: self.store)
 
     def serve_forever(self) -> None:
         """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT."""

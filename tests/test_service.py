@@ -74,3 +74,39 @@ def test_a_hung_service_costs_a_deadline_not_a_hang(config):
     finally:
         os.kill(pid, signal.SIGCONT)
         client.close()
+
+
+def test_metrics_are_scraped_from_the_store(config):
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config["service"]["metrics_port"] = port
+    client = StoreClient(load_config(config), CHUNK)
+    keys = [bytes([i + 1]) * 16 for i in range(3)]
+    assert client.put(keys, [0, 1, 2]) == [True] * 3
+    assert client.get(keys, [3, 4, 5]) == [True] * 3
+    client.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "kvstore_host_hits_total 3.0" in text
+    assert 'kvstore_tier_chunks{tier="host"} 3.0' in text
+    assert 'kvstore_read_latency_seconds{quantile="0.5",tier="host"}' in text
+
+
+def test_info_asks_the_running_service(config, tmp_path, capsys):
+    import json as json_module
+
+    from kvstore.cli import main as cli_main
+
+    path = tmp_path / "kvstore.json"
+    path.write_text(json_module.dumps(config))
+    assert cli_main(["info", "--config", str(path)]) == 2  # no service, no chunk size
+    client = StoreClient(load_config(config), CHUNK)
+    client.put([b"a" * 16], [0])
+    capsys.readouterr()
+    assert cli_main(["info", "--config", str(path), "--json"]) == 0
+    info = json_module.loads(capsys.readouterr().out)
+    assert info["chunk_bytes"] == CHUNK and info["tiers"][0]["chunks"] == 1
+    client.close()

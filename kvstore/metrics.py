@@ -1,0 +1,66 @@
+"""Prometheus metrics of a running service, read from the store at scrape time.
+
+A collector, not counters updated on the data path: the store already counts
+everything in `Stats`, so a scrape turns that snapshot into metric families and
+the hot path pays nothing extra.
+  kvstore_<counter>_total           every Stats counter ("host.hits" -> kvstore_host_hits_total)
+  kvstore_tier_chunks{tier}         chunks stored
+  kvstore_tier_used_bytes{tier}     bytes used, metadata included
+  kvstore_tier_capacity_bytes{tier}
+  kvstore_read_latency_seconds{tier,quantile}  per-chunk read latency, recent samples
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvstore.store import TieredStore
+
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def _name(counter: str) -> str:
+    return "kvstore_" + re.sub(r"[^a-zA-Z0-9_]", "_", counter)
+
+
+class StoreCollector(Collector):
+    def __init__(self, store: Callable[[], TieredStore | None]) -> None:
+        self._store = store  # the service creates its store on the first worker's hello
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        store = self._store()
+        if store is None:
+            return
+        info = store.info()
+        for counter, value in sorted(info["counters"].items()):
+            family = CounterMetricFamily(_name(counter), f"kvstore counter {counter}")
+            family.add_metric([], value)
+            yield family
+        for field, text in (("chunks", "chunks stored"), ("used_bytes", "bytes used"),
+                            ("capacity_bytes", "bytes the tier may use")):
+            gauge = GaugeMetricFamily(f"kvstore_tier_{field}", text, labels=["tier"])
+            for tier in info["tiers"]:
+                gauge.add_metric([tier["name"]], tier[field])
+            yield gauge
+        latency = GaugeMetricFamily("kvstore_read_latency_seconds",
+                                    "per-chunk read latency over recent reads",
+                                    labels=["tier", "quantile"])
+        for tier in info["tiers"]:
+            for quantile, ms in zip(QUANTILES, store.stats.latency_ms(f"{tier['name']}.read", QUANTILES),
+                                    strict=True):
+                if ms == ms:  # NaN: no samples yet
+                    latency.add_metric([tier["name"], str(quantile)], ms / 1000)
+        yield latency
+
+
+def serve_metrics(port: int, store: Callable[[], TieredStore | None]) -> None:
+    """Expose /metrics on `port` (all interfaces) from a daemon thread."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    start_http_server(port, registry=registry)
