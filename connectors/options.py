@@ -4,6 +4,7 @@ An engine passes one mapping (vLLM: `kv_connector_extra_config`). Its `config` k
 names a kvstore YAML/JSON file or holds the config inline; without `config`, the
 store keys may sit at the top level. Engine-side keys:
   load_async: true   read chunks while the request waits, outside the batch
+  prefetch:   true   a lookup that finds chunks on disk starts promoting them to DRAM
   model_id:   str    identity used in chunk keys (default: the engine's model path)
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import ConfigError
 
-_ENGINE_KEYS = {"load_async", "model_id"}
+_ENGINE_KEYS = {"load_async", "model_id", "prefetch"}
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,15 @@ class ConnectorOptions:
     store: StoreConfig
     load_async: bool = True
     model_id: str | None = None
+    prefetch: bool = True
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     extra = dict(extra or {})
-    load_async = extra.pop("load_async", True)
-    if not isinstance(load_async, bool):
-        raise ConfigError("load_async", load_async, "must be true or false")
+    load_async, prefetch = extra.pop("load_async", True), extra.pop("prefetch", True)
+    for name, value in (("load_async", load_async), ("prefetch", prefetch)):
+        if not isinstance(value, bool):
+            raise ConfigError(name, value, "must be true or false")
     model_id = extra.pop("model_id", None)
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigError("model_id", model_id, "must be a non-empty string")
@@ -43,7 +46,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
         source = extra
     if not source:
         raise ConfigError("config", None, "required: a kvstore config file or mapping")
-    return ConnectorOptions(store=load_config(source), load_async=load_async, model_id=model_id)
+    return ConnectorOptions(store=load_config(source), load_async=load_async, model_id=model_id,
+                            prefetch=prefetch)
 
 
 def check_chunk_size(chunk_tokens: int, block_size: int) -> int:

@@ -90,7 +90,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         if client is None:
             return 0
         try:
-            return client.lookup(keys)
+            return client.lookup(keys, prefetch=self.options.prefetch)
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self._lookup_link.fail()

@@ -155,8 +155,9 @@ class StoreClient:
         start = index * self.chunk_bytes
         return self.window.view[start : start + self.chunk_bytes]
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        return int(self._request("lookup", list(keys)))
+    def lookup(self, keys: Sequence[bytes], prefetch: bool = False) -> int:
+        """Leading chunks present; `prefetch` starts moving their disk part up to DRAM."""
+        return int(self._request("lookup", list(keys), prefetch))
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         return list(self._request("get", list(keys), list(slots)))

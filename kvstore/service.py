@@ -14,7 +14,8 @@ that window.
 
 Requests (tuples, pickled by multiprocessing.connection):
   ("hello", Hello)            -> None; maps the window, creates the store on first use
-  ("lookup", [key, ...])      -> leading present count
+  ("lookup", keys, prefetch)  -> leading present count; with prefetch, the disk part of
+                                 that run is promoted to DRAM in the background
   ("get", keys, slots)        -> [bool]: window slot slots[i] now holds chunk keys[i]
   ("put", keys, slots, parent)-> [bool]: chunk keys[i] (in window slot slots[i]) is stored
   ("info",)                   -> store.info()
@@ -30,6 +31,7 @@ import os
 import signal
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
@@ -109,6 +111,9 @@ class StoreService:
         self.config = config
         self.socket_path = config.service.socket
         self.store: TieredStore | None = None
+        # One prefetch at a time, in lookup order: its wave bounds the bytes in flight,
+        # and a get for the same chunks never waits on it (it reads them itself).
+        self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
         self._store_lock = threading.Lock()
         self._stopping = threading.Event()
         with contextlib.suppress(FileNotFoundError):
@@ -146,6 +151,7 @@ class StoreService:
 
     def _close(self) -> None:
         self._listener.close()
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         with self._store_lock:
             if self.store is not None:
                 self.store.close()
@@ -219,7 +225,13 @@ class StoreService:
             info = store.info() if store else {"tiers": [], "counters": {}}
             return {**info, "service_pid": os.getpid(), "socket": self.socket_path}
         if op == "lookup":
-            return store.lookup(args[0]).count if store else 0
+            if store is None:
+                return 0
+            keys, prefetch = args[0], len(args) > 1 and args[1]
+            found = store.lookup(keys)
+            if prefetch and "disk" in found.tiers:
+                self._prefetcher.submit(store.prefetch, keys[: found.count])
+            return found.count
         if store is None or window is None:
             raise KVStoreError(f"'{op}' needs a hello with a chunk size first")
         keys, slots = args[0], args[1]

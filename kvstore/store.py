@@ -136,7 +136,8 @@ class TieredStore:
         if host_hits:
             self._read_host(keys, views, host_hits, ok)
         for start in range(0, len(disk_hits), self._wave):
-            self._read_disk(keys, views, disk_hits[start : start + self._wave], ok)
+            self._read_disk(keys, views, disk_hits[start : start + self._wave], ok,
+                            promote=self.config.promote_on_hit)
         self.stats.add("get.chunks", len(keys))
         self.stats.add("get.hits", sum(ok))
         return ok
@@ -160,15 +161,15 @@ class TieredStore:
         self.stats.add("host.hits", served)
         self.stats.add("host.bytes_read", served * self.chunk_bytes)
 
-    def _read_disk(self, keys: Sequence[bytes], views: list[memoryview],
-                   hits: list[tuple[int, int]], ok: list[bool]) -> None:
-        """One wave of disk reads: each into a DRAM slot (promotion) or staging."""
+    def _read_disk(self, keys: Sequence[bytes], views: list[memoryview] | None,
+                   hits: list[tuple[int, int]], ok: list[bool], promote: bool) -> None:
+        """One wave of disk reads: each into a DRAM slot (promotion) or staging, then
+        verified and copied to views[index] (views None: a prefetch, promotion only)."""
         assert self.disk is not None
         promote_to: list[int | None] = []
         with self._lock:
             for _ in hits:
-                promote = self.config.promote_on_hit and self.host is not None
-                reserved = self._reserve_host() if promote else None
+                reserved = self._reserve_host() if promote and self.host is not None else None
                 promote_to.append(reserved)
         dests = [self.host.slot_view(h) if h is not None and self.host else self._staging.acquire()
                  for h in promote_to]
@@ -184,12 +185,13 @@ class TieredStore:
                 return
             dest = dests[j]
             header, reason = check_record(dest[:HEADER_BLOCK], dest[HEADER_BLOCK:], keys[index])
-            if reason is None and header is not None and header.payload_len != len(views[index]):
+            if reason is None and header is not None and header.payload_len != self.chunk_bytes:
                 reason = MissReason.BAD_HEADER
             if reason is not None:
                 self.stats.miss("disk", reason, self.disk.describe(slot))
                 return
-            copy_bytes(views[index], dest[HEADER_BLOCK : HEADER_BLOCK + len(views[index])])
+            if views is not None:
+                copy_bytes(views[index], dest[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes])
             headers[j] = header
             ok[index] = True
 
@@ -212,8 +214,30 @@ class TieredStore:
                     self._staging.retire(dests[j])
                 else:
                     self._staging.release(dests[j])
-        self.stats.add("disk.hits", sum(h is not None for h in headers))
+        if views is not None:  # a prefetch counts as prefetch.chunks, its get as a host hit
+            self.stats.add("disk.hits", sum(h is not None for h in headers))
         self.stats.add("disk.bytes_read", self.slot_bytes * sum(r > 0 for r in results))
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
+        that will want it (a request waiting to be scheduled). Returns chunks promoted."""
+        if self.host is None or self.disk is None:
+            return 0
+        hits: list[tuple[int, int]] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self.host.table.index:
+                    continue
+                slot = self.disk.table.index.get(key)
+                if slot is None:
+                    break
+                self.disk.table.pin(slot)
+                hits.append((i, slot))
+        ok = [False] * len(keys)
+        for start in range(0, len(hits), self._wave):
+            self._read_disk(keys, None, hits[start : start + self._wave], ok, promote=True)
+        self.stats.add("prefetch.chunks", sum(ok))
+        return sum(ok)
 
     # -- writes --------------------------------------------------------------------
 

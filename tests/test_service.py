@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from engine_harness import service_client, stop_service
@@ -109,4 +110,22 @@ def test_info_asks_the_running_service(config, tmp_path, capsys):
     assert cli_main(["info", "--config", str(path), "--json"]) == 0
     info = json_module.loads(capsys.readouterr().out)
     assert info["chunk_bytes"] == CHUNK and info["tiers"][0]["chunks"] == 1
+    client.close()
+
+
+def test_a_lookup_with_prefetch_warms_dram(config):
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+    client = StoreClient(load_config(config), CHUNK)
+    assert client.put(keys, [0, 1, 2, 3]) == [True] * 4
+    client.shutdown()  # DRAM written down to disk
+    client = StoreClient(load_config(config), CHUNK)
+    assert client.lookup(keys) == 4
+    assert client.info()["tiers"][0]["chunks"] == 0  # DRAM empty after the restart
+    assert client.lookup(keys, prefetch=True) == 4
+    deadline = time.monotonic() + 10
+    while client.info()["tiers"][0]["chunks"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.info()["counters"]["prefetch.chunks"] == 4
+    assert client.get(keys, [0, 1, 2, 3]) == [True] * 4
+    assert client.info()["counters"]["host.hits"] == 4
     client.close()

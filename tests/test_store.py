@@ -7,6 +7,7 @@ from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_ba
 
 from kvstore.errors import ConfigError, DeviceError, ShapeError
 from kvstore.record import record_bytes
+from kvstore.store import TieredStore
 
 SLOT = record_bytes(CHUNK_BYTES)
 
@@ -136,3 +137,20 @@ def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
     assert ok == [True, False]
     assert store.stats.snapshot()["host.miss.wrong_key"] == 1
     assert not store.contains(keys[1])
+
+
+def test_prefetch_promotes_the_leading_disk_run_to_dram(disk_dir):
+    config = disk_config(disk_dir, "16MiB", host=4 << 20)
+    keys, payloads = make_keys(6), make_payloads(6)
+    with TieredStore(config, CHUNK_BYTES) as store:
+        store.put_many(keys[:4], payloads[:4])
+    with TieredStore(config, CHUNK_BYTES) as store:  # a restart: DRAM empty, disk recovered
+        assert store.lookup(keys).tiers == ("disk",) * 4
+        assert store.prefetch(keys) == 4
+        assert store.lookup(keys).tiers == ("host",) * 4
+        found, outs = read_back(store, keys[:4])
+        assert found == [True] * 4
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads[:4], strict=True))
+        counters = store.stats.snapshot()
+        assert counters["host.hits"] == 4 and "disk.hits" not in counters
+        assert store.prefetch(keys) == 0  # already in DRAM
