@@ -169,10 +169,17 @@ class StoreClient:
     def info(self) -> dict[str, Any]:
         return dict(self._request("info"))
 
-    def shutdown(self) -> None:
-        """Ask the service to drain, checkpoint and exit."""
+    def shutdown(self, timeout_s: float = 300.0) -> None:
+        """Ask the service to drain, checkpoint and exit; return once it has (its socket
+        is gone), so a successor can take the tiers at once."""
         self._request("shutdown")
         self.close()
+        deadline = time.monotonic() + timeout_s
+        while os.path.exists(self.config.service.socket):
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"kvstore service at {self.config.service.socket} did not "
+                                         f"exit within {timeout_s:.0f} s")
+            time.sleep(0.02)
 
     def close(self) -> None:
         self.disconnect()

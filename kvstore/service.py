@@ -150,12 +150,14 @@ class StoreService:
             Client(self.socket_path, family="AF_UNIX").close()
 
     def _close(self) -> None:
-        self._listener.close()
+        """Store first, socket last: while the socket exists the tiers are still held,
+        so whoever waits for it to vanish (`kvstore stop`) can start a successor."""
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         with self._store_lock:
             if self.store is not None:
                 self.store.close()
                 self.store = None
+        self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
