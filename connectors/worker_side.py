@@ -165,16 +165,13 @@ class WorkerCore:
                     self._free_slots.extend(write.slots)
             self._writes.task_done()
 
-    def flush(self) -> None:
-        """Wait until queued saves reached the service (tests, shutdown)."""
-        self._writes.join()
-
     def close(self) -> None:
         """Drain queued saves (bounded wait), then release both connections."""
         if not self._writer.is_alive():
             return
         self._writes.put(None)
         self._writer.join(timeout=30)
+        log.info("kvstore worker %d: %s", self.rank, self.stats.snapshot())
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=True)
         self._loader.close()
