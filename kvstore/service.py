@@ -102,9 +102,10 @@ class StoreService:
     def __init__(self, config: StoreConfig) -> None:
         check_paths_usable(config)
         _unpin_from_parent()
-        # One copy thread per client request. torch's intra-op pool would spin at its
-        # barriers against the engine's own busy-polling processes on the same cores
-        # (seen: 1 MiB DRAM copies taking minutes on a 2-core host next to vLLM).
+        # Each client request already copies on its own thread; torch's intra-op pool
+        # on top would add spinning threads on cores the engine's processes busy-poll.
+        # (The minutes-long copies once seen here came from the inherited CPU mask,
+        # fixed above; this setting was not measured on its own.)
         import torch
 
         torch.set_num_threads(1)
