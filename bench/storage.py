@@ -10,19 +10,26 @@ import argparse
 import json
 import os
 import random
+import stat
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from bench.fio import fio_randread
+from bench.loopdev import LoopNamespaces, loop_devices_unavailable
 from kvstore.aligned import AlignedBuffer
+from kvstore.config import load_config
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.nvmeof.config import dump_nvmeof, parse_nvmeof
+from kvstore.nvmeof.tier import namespace_plans
 from kvstore.store import TieredStore
 from kvstore.units import format_size, parse_size
 
@@ -55,8 +62,10 @@ def _clock() -> Iterator[dict[str, float]]:
     timing["cpu"] = time.process_time() - cpu
 
 
-def _keys(count: int, chunk_tokens: int = 16) -> list[bytes]:
-    namespace = KVNamespace("bench", "uint8", "flat", chunk_tokens)
+def _keys(count: int, case: str = "", chunk_tokens: int = 16) -> list[bytes]:
+    """Keys of one case; another case's keys differ, so records a block device kept
+    from an earlier case are never mistaken for this case's."""
+    namespace = KVNamespace(f"bench{case}", "uint8", "flat", chunk_tokens)
     return chunk_keys(np.arange(count * chunk_tokens) % 50000, namespace)
 
 
@@ -66,15 +75,20 @@ def _payloads(count: int, chunk_bytes: int) -> list[torch.Tensor]:
     return [distinct[i % 4] for i in range(count)]
 
 
-def disk_case(paths: list[str], engine: str, chunk_bytes: int, queue_depth: int, total: int,
-              progress: bool) -> tuple[CaseResult, dict[str, object]]:
+def _capacity(count: int, devices: int, chunk_bytes: int) -> int:
+    """Bytes per device for `count` chunks striped over `devices`, with headroom."""
+    return (count // devices + 2) * (chunk_bytes + 8192) + (1 << 20)
+
+
+def disk_case(tiers: dict[str, object], tier_name: str, engine: str, chunk_bytes: int,
+              queue_depth: int, total: int, progress: bool, keep: bool = False,
+              case_id: str = "") -> tuple[CaseResult, dict[str, object]]:
+    """Write then randomly read `total` bytes through a store with only `tiers` (a disk
+    or nvmeof block); the records are deleted afterwards unless `keep`."""
     count = max(1, total // chunk_bytes)
-    per_path = (count // len(paths) + 2) * (chunk_bytes + 8192) + (1 << 20)
-    for path in paths:
-        _remove_data(path)  # every case writes its own records
-    config = {"tiers": {"disk": [{"path": p, "capacity": per_path} for p in paths]},
-              "io": {"engine": engine, "queue_depth": queue_depth}}
-    keys, payloads = _keys(count), _payloads(count, chunk_bytes)
+    config = {"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth}}
+    keys = _keys(count, f"-{tier_name}{case_id}-{engine}-{chunk_bytes}-{queue_depth}")
+    payloads = _payloads(count, chunk_bytes)
     outs = [AlignedBuffer(chunk_bytes).view[:chunk_bytes] for _ in range(2 * queue_depth)]
     batch = 2 * queue_depth
     store = TieredStore(config, chunk_bytes)
@@ -96,15 +110,43 @@ def disk_case(paths: list[str], engine: str, chunk_bytes: int, queue_depth: int,
         geometry = {"file": layout.device.path, "offset": layout.sb.data_offset,
                     "size": layout.sb.num_slots * store.slot_bytes,
                     "block": store.slot_bytes} if layout else {}
+        if not keep:
+            store.delete(keys)  # a block device keeps no file to remove: zero the headers
     finally:
         store.close()
     gib = count * chunk_bytes / 2**30
     if progress:
-        print(f"  disk {engine:8} chunk {format_size(chunk_bytes):>7} qd {queue_depth:3}: "
+        print(f"  {tier_name} {engine:8} chunk {format_size(chunk_bytes):>7} qd {queue_depth:3}: "
               f"read {gib / read['wall']:.2f} GiB/s", file=sys.stderr)
-    result = CaseResult("disk", engine, chunk_bytes, queue_depth, gib / read["wall"],
+    result = CaseResult(tier_name, engine, chunk_bytes, queue_depth, gib / read["wall"],
                         gib / wrote["wall"], read["cpu"] / gib, p50, p99)
-    return result, geometry  # records stay for fio and the serial baseline; run() removes them
+    return result, geometry  # the slots' bytes stay for fio and the serial baseline
+
+
+def nvmeof_cases(tier: dict[str, Any], engines: list[str], chunk_bytes: int, queue_depth: int,
+                 total: int, fio_seconds: float | None) -> list[CaseResult]:
+    """The same load over one namespace and over all of them (striped), in one run;
+    fio on the first namespace (unless `fio_seconds` is None) is the yardstick."""
+    namespaces = tier["namespaces"]
+    count = max(1, total // chunk_bytes)
+    results = []
+    for used in sorted({1, len(namespaces)}):
+        capacity = _capacity(count, used, chunk_bytes)
+        subset = {**tier, "namespaces": [{**ns, "capacity": capacity} for ns in namespaces[:used]]}
+        devices = [plan.path for plan in namespace_plans(parse_nvmeof(subset))]
+        for engine in engines:
+            for device in devices:
+                _remove_data(device)
+            result, geometry = disk_case({"nvmeof": subset}, "nvmeof", engine, chunk_bytes,
+                                         queue_depth, total, progress=True, case_id=f"x{used}")
+            result.extra["namespaces"] = used
+            results.append(result)
+        if used == 1 and fio_seconds is not None:
+            _add_fio(results[-len(engines):], geometry, queue_depth, fio_seconds)
+    for result in results:
+        single = next(r for r in results if r.engine == result.engine and r.extra["namespaces"] == 1)
+        result.extra["vs_one_namespace"] = result.read_gibps / single.read_gibps
+    return results
 
 
 def serial_case(geometry: dict[str, object], chunk_bytes: int, count: int) -> CaseResult:
@@ -181,9 +223,19 @@ def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:
 
 
 def _remove_data(path: str) -> None:
+    """Start the next case empty: remove a directory's data file, or zero a block
+    device's superblock (its record headers are already zeroed by the case's delete)."""
     data = os.path.join(path, "kvstore.data")
     if os.path.isfile(data):
         os.unlink(data)
+    elif os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode):
+        zeros = AlignedBuffer(4096)
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        try:
+            os.pwritev(fd, [zeros.view[:4096]], 0)
+        finally:
+            os.close(fd)
+            zeros.close()
 
 
 def _sizes(values: list[str]) -> list[int]:
@@ -204,6 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--keep", action="store_true",
                         help="leave the records in the disk tier (for kvstore fsck)")
+    parser.add_argument("--nvmeof", metavar="CONFIG",
+                        help="also measure the NVMe-oF namespaces of this config's tiers.nvmeof, "
+                             "one and all of them striped")
+    parser.add_argument("--nvmeof-loop", type=int, metavar="N",
+                        help="also measure N loop devices standing in for NVMe-oF namespaces "
+                             "(root; resolved through a generated sysfs tree)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
     parser.add_argument("--fio-seconds", type=float, default=5.0)
 
@@ -214,56 +272,110 @@ def run(args: argparse.Namespace) -> int:
     engines = args.engine.split(",")
     tiers = args.tiers.split(",")
     total = parse_size(args.total)
-    temp = None if args.path else tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir="/var/tmp")
-    paths = args.path or [temp.name]  # type: ignore[union-attr]
+    temp = tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir="/var/tmp")
+    paths = args.path or [temp.name]
     results: list[CaseResult] = []
     print(f"kvstore bench: {format_size(total)} per case on {', '.join(paths)}", file=sys.stderr)
-    for chunk in chunk_sizes:
-        if "host" in tiers:
-            results.append(host_case(chunk, total, progress=True))
-        if "disk" not in tiers:
-            continue
-        for depth in depths:
-            geometry: dict[str, object] = {}
-            for engine in engines:
-                result, geometry = disk_case(paths, engine, chunk, depth, total, progress=True)
-                results.append(result)
-            fio = None if args.no_fio else fio_randread(
-                str(geometry["file"]), int(geometry["offset"]), int(geometry["size"]),
-                int(geometry["block"]), depth, args.fio_seconds)
-            for result in results[-len(engines):]:
-                if fio:
-                    result.extra.update({"fio_read_gibps": fio["read_gibps"],
-                                         "fio_cpu_s_per_gib_read": fio["cpu_s_per_gib_read"],
-                                         "fraction_of_fio": result.read_gibps / fio["read_gibps"]})
-        results.append(serial_case(geometry, chunk, max(8, total // chunk // 2)))
-        if not args.keep:
-            for path in paths:
-                _remove_data(path)
+    with _nvmeof_tier(args, temp.name, total, max(chunk_sizes)) as nvmeof:
+        results = _run_cases(args, chunk_sizes, depths, engines, tiers, total, paths, nvmeof)
     lookup = lookup_ms()
     print_table(results, lookup)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"results": [r.row() for r in results], "lookup_512_keys_ms": lookup,
                        "paths": paths, "total_bytes": total}, handle, indent=2)
-    if temp is not None and not args.keep:
-        temp.cleanup()
-    elif args.keep:
+    if args.keep and args.path:
         print(f"records kept in {', '.join(paths)} (check with: kvstore fsck PATH)", file=sys.stderr)
+    else:
+        temp.cleanup()
     return 0
 
 
+@contextmanager
+def _nvmeof_tier(args: argparse.Namespace, workdir: str, total: int,
+                 chunk_bytes: int) -> Iterator[dict[str, Any] | None]:
+    """The `tiers.nvmeof` block to measure: from --nvmeof, from loop stand-ins, or None."""
+    if args.nvmeof:
+        config = load_config(args.nvmeof)
+        if config.nvmeof is None:
+            raise ConfigError("tiers.nvmeof", None, f"{args.nvmeof} has no nvmeof tier")
+        yield dump_nvmeof(config.nvmeof)
+    elif args.nvmeof_loop:
+        reason = loop_devices_unavailable()
+        if reason:
+            raise KVStoreError(f"--nvmeof-loop: {reason}")
+        size = _capacity(max(1, total // chunk_bytes), 1, chunk_bytes) + (1 << 20)
+        with LoopNamespaces(workdir, args.nvmeof_loop, size) as fake:
+            print(f"nvmeof stand-ins: {', '.join(fake.devices)}", file=sys.stderr)
+            yield fake.tier_config(capacity=size)
+    else:
+        yield None
+
+
+def _run_cases(args: argparse.Namespace, chunk_sizes: list[int], depths: list[int],
+               engines: list[str], tiers: list[str], total: int, paths: list[str],
+               nvmeof: dict[str, Any] | None) -> list[CaseResult]:
+    results: list[CaseResult] = []
+    for chunk in chunk_sizes:
+        if "host" in tiers:
+            results.append(host_case(chunk, total, progress=True))
+        if "disk" in tiers:
+            results += _disk_cases(args, chunk, depths, engines, total, paths)
+        if nvmeof is not None:
+            for depth in depths:
+                results += nvmeof_cases(nvmeof, engines, chunk, depth, total,
+                                        None if args.no_fio else args.fio_seconds)
+    return results
+
+
+def _add_fio(results: list[CaseResult], geometry: dict[str, object], queue_depth: int,
+             seconds: float) -> None:
+    """fio randread over the slots the cases just used; each result gets its fraction."""
+    fio = fio_randread(str(geometry["file"]), int(geometry["offset"]), int(geometry["size"]),
+                       int(geometry["block"]), queue_depth, seconds)
+    for result in results:
+        if fio:
+            result.extra.update({"fio_read_gibps": fio["read_gibps"],
+                                 "fio_cpu_s_per_gib_read": fio["cpu_s_per_gib_read"],
+                                 "fraction_of_fio": result.read_gibps / fio["read_gibps"]})
+
+
+def _disk_cases(args: argparse.Namespace, chunk: int, depths: list[int], engines: list[str],
+                total: int, paths: list[str]) -> list[CaseResult]:
+    """Each engine and depth on the disk paths, then fio and the serial baseline there."""
+    results: list[CaseResult] = []
+    count = max(1, total // chunk)
+    tier = {"disk": [{"path": p, "capacity": _capacity(count, len(paths), chunk)} for p in paths]}
+    geometry: dict[str, object] = {}
+    for depth in depths:
+        for engine in engines:
+            for path in paths:
+                _remove_data(path)  # every case writes its own records
+            result, geometry = disk_case(tier, "disk", engine, chunk, depth, total, progress=True,
+                                         keep=args.keep)
+            results.append(result)
+        if not args.no_fio:
+            _add_fio(results[-len(engines):], geometry, depth, args.fio_seconds)
+    results.append(serial_case(geometry, chunk, max(8, total // chunk // 2)))
+    if not args.keep:
+        for path in paths:
+            _remove_data(path)
+    return results
+
+
 def print_table(results: list[CaseResult], lookup: float) -> None:
-    header = (f"{'tier':5} {'engine':8} {'chunk':>8} {'qd':>3} {'write GiB/s':>11} "
+    header = (f"{'tier':9} {'engine':8} {'chunk':>8} {'qd':>3} {'write GiB/s':>11} "
               f"{'read GiB/s':>10} {'cpu s/GiB':>9} {'p50 ms':>7} {'p99 ms':>7} {'vs fio':>7} "
-              f"{'vs copy':>7}")
+              f"{'vs copy':>7} {'vs 1 ns':>7}")
     print(header)
+
+    def ratio(value: object) -> str:
+        return "" if value is None else f"{value:.0%}"
+
     for r in results:
-        vs_fio = r.extra.get("fraction_of_fio")
-        vs_copy = r.extra.get("fraction_of_copy")
-        print(f"{r.tier:5} {r.engine:8} {format_size(r.chunk_bytes):>8} {r.queue_depth:>3} "
+        tier = f"{r.tier} x{r.extra['namespaces']}" if "namespaces" in r.extra else r.tier
+        print(f"{tier:9} {r.engine:8} {format_size(r.chunk_bytes):>8} {r.queue_depth:>3} "
               f"{r.write_gibps:>11.2f} {r.read_gibps:>10.2f} {r.cpu_s_per_gib_read:>9.3f} "
-              f"{r.p50_ms:>7.2f} {r.p99_ms:>7.2f} "
-              f"{'' if vs_fio is None else f'{vs_fio:.0%}':>7} "
-              f"{'' if vs_copy is None else f'{vs_copy:.0%}':>7}")
+              f"{r.p50_ms:>7.2f} {r.p99_ms:>7.2f} {ratio(r.extra.get('fraction_of_fio')):>7} "
+              f"{ratio(r.extra.get('fraction_of_copy')):>7} {ratio(r.extra.get('vs_one_namespace')):>7}")
     print(f"lookup of 512 keys: {lookup:.3f} ms (median)")

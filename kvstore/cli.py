@@ -1,4 +1,4 @@
-"""The `kvstore` command: demo, bench, ttft, replay, fsck, info, serve, stop."""
+"""The `kvstore` command: demo, bench, ttft, replay, nvmeof, fsck, info, serve, stop."""
 
 from __future__ import annotations
 
@@ -89,12 +89,13 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-# Commands whose module (in bench/) has add_arguments(parser) and run(args) -> exit code.
-_BENCH_COMMANDS = (
+# Commands whose module has add_arguments(parser) and run(args) -> exit code.
+_MODULE_COMMANDS = (
     ("demo", "bench.demo", "cold vs DRAM vs disk on a real vLLM engine (tiny model)"),
     ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
     ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
     ("replay", "bench.replay", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
+    ("nvmeof", "kvstore.nvmeof.command", "connect, disconnect and check the NVMe-oF namespaces"),
 )
 
 
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    for name, module_name, text in _BENCH_COMMANDS:
+    for name, module_name, text in _MODULE_COMMANDS:
         module = importlib.import_module(module_name)
         command = commands.add_parser(name, help=text)
         module.add_arguments(command)

@@ -6,6 +6,7 @@ a config is usually written by hand and read by a service that fails at start-up
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from typing import Any
 import yaml
 
 from kvstore.errors import ConfigError
-from kvstore.units import parse_size
+from kvstore.fields import check_keys, int_field, mapping_field, seconds_field, size_field
+from kvstore.nvmeof.config import NvmeofConfig, dump_nvmeof, parse_nvmeof
 
 IO_ENGINES = ("auto", "uring", "threads")
 
@@ -40,7 +42,11 @@ class DiskPathConfig:
 class IoConfig:
     engine: str = "auto"
     queue_depth: int = 64
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0  # deadline of one batch of tier I/O; past it the chunks are misses
+    # A device whose I/O faults this many times in a row is taken out of service (its
+    # chunks become misses) and probed again after the cooldown.
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class StoreConfig:
     chunk_tokens: int = 256
     host: HostTierConfig | None = None
     disk: tuple[DiskPathConfig, ...] = ()
+    nvmeof: NvmeofConfig | None = None
     io: IoConfig = field(default_factory=IoConfig)
     # Bound on DRAM->disk demotions waiting to be written; past it a demotion is
     # dropped (counted) so that a put never waits on the disk.
@@ -91,69 +98,40 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
     return _parse_root(data)
 
 
-def _check_keys(where: str, data: dict[str, Any], allowed: set[str]) -> None:
-    for key in data:
-        if key not in allowed:
-            name = f"{where}.{key}" if where else str(key)
-            raise ConfigError(name, data[key], f"unknown key (allowed: {', '.join(sorted(allowed))})")
-
-
-def _size(where: str, value: Any, minimum: int = 1) -> int:
-    try:
-        size = parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(where, value, str(exc)) from None
-    if size < minimum:
-        raise ConfigError(where, value, f"must be at least {minimum} bytes")
-    return size
-
-
-def _int(where: str, value: Any, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(where, value, "must be an integer")
-    if not minimum <= value <= maximum:
-        raise ConfigError(where, value, f"must be between {minimum} and {maximum}")
-    return value
-
-
-def _mapping(where: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(where, value, "must be a mapping")
-    return value
-
-
 def _parse_root(data: dict[str, Any]) -> StoreConfig:
-    _check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit",
+    check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit",
                            "service"})
-    tiers = _mapping("tiers", data.get("tiers", {}))
-    _check_keys("tiers", tiers, {"host", "disk"})
+    tiers = mapping_field("tiers", data.get("tiers", {}))
+    check_keys("tiers", tiers, {"host", "disk", "nvmeof"})
     host = _parse_host(tiers["host"]) if tiers.get("host") is not None else None
     disk = _parse_disks(tiers.get("disk") or [])
-    if host is None and not disk:
-        raise ConfigError("tiers", tiers, "configure at least one tier (host or disk)")
+    nvmeof = parse_nvmeof(tiers["nvmeof"]) if tiers.get("nvmeof") is not None else None
+    if host is None and not disk and nvmeof is None:
+        raise ConfigError("tiers", tiers, "configure at least one tier (host, disk or nvmeof)")
     promote = data.get("promote_on_hit", True)
     if not isinstance(promote, bool):
         raise ConfigError("promote_on_hit", promote, "must be true or false")
     return StoreConfig(
-        chunk_tokens=_int("chunk_tokens", data.get("chunk_tokens", 256), 1, 1 << 20),
+        chunk_tokens=int_field("chunk_tokens", data.get("chunk_tokens", 256), 1, 1 << 20),
         host=host,
         disk=disk,
-        io=_parse_io(_mapping("io", data.get("io", {}))),
-        write_behind_chunks=_int("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
+        nvmeof=nvmeof,
+        io=_parse_io(mapping_field("io", data.get("io", {}))),
+        write_behind_chunks=int_field("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
         promote_on_hit=promote,
-        service=_parse_service(_mapping("service", data.get("service", {}))),
+        service=_parse_service(mapping_field("service", data.get("service", {}))),
     )
 
 
 def _parse_host(value: Any) -> HostTierConfig:
-    host = _mapping("tiers.host", value)
-    _check_keys("tiers.host", host, {"capacity", "shm_name"})
+    host = mapping_field("tiers.host", value)
+    check_keys("tiers.host", host, {"capacity", "shm_name"})
     if "capacity" not in host:
         raise ConfigError("tiers.host.capacity", None, "required")
     shm_name = host.get("shm_name")
     if shm_name is not None and (not isinstance(shm_name, str) or "/" in shm_name or not shm_name):
         raise ConfigError("tiers.host.shm_name", shm_name, "must be a plain file name under /dev/shm")
-    return HostTierConfig(capacity=_size("tiers.host.capacity", host["capacity"]), shm_name=shm_name)
+    return HostTierConfig(capacity=size_field("tiers.host.capacity", host["capacity"]), shm_name=shm_name)
 
 
 def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
@@ -163,14 +141,14 @@ def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
     disks = []
     for i, entry in enumerate(entries):
         where = f"tiers.disk[{i}]"
-        entry = _mapping(where, entry)
-        _check_keys(where, entry, {"path", "capacity"})
+        entry = mapping_field(where, entry)
+        check_keys(where, entry, {"path", "capacity"})
         path = entry.get("path")
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{where}.path", path, "required: a directory or a block device")
         if "capacity" not in entry:
             raise ConfigError(f"{where}.capacity", None, "required")
-        disks.append(DiskPathConfig(path=path, capacity=_size(f"{where}.capacity", entry["capacity"])))
+        disks.append(DiskPathConfig(path=path, capacity=size_field(f"{where}.capacity", entry["capacity"])))
     paths = [os.path.realpath(d.path) for d in disks]
     if len(set(paths)) != len(paths):
         raise ConfigError("tiers.disk", [d.path for d in disks], "the same path is listed twice")
@@ -178,22 +156,22 @@ def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
 
 
 def _parse_io(io: dict[str, Any]) -> IoConfig:
-    _check_keys("io", io, {"engine", "queue_depth", "timeout_s"})
+    check_keys("io", io, {"engine", "queue_depth", "timeout_s", "breaker_threshold",
+                          "breaker_cooldown_s"})
     engine = io.get("engine", "auto")
     if engine not in IO_ENGINES:
         raise ConfigError("io.engine", engine, f"must be one of {', '.join(IO_ENGINES)}")
-    timeout = io.get("timeout_s", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise ConfigError("io.timeout_s", timeout, "must be a positive number of seconds")
     return IoConfig(
         engine=engine,
-        queue_depth=_int("io.queue_depth", io.get("queue_depth", 64), 1, 4096),
-        timeout_s=float(timeout),
+        queue_depth=int_field("io.queue_depth", io.get("queue_depth", 64), 1, 4096),
+        timeout_s=seconds_field("io.timeout_s", io.get("timeout_s", 30.0)),
+        breaker_threshold=int_field("io.breaker_threshold", io.get("breaker_threshold", 3), 1, 1 << 20),
+        breaker_cooldown_s=seconds_field("io.breaker_cooldown_s", io.get("breaker_cooldown_s", 5.0)),
     )
 
 
 def _parse_service(service: dict[str, Any]) -> ServiceConfig:
-    _check_keys("service", service, {"socket", "spawn", "staging", "metrics_port"})
+    check_keys("service", service, {"socket", "spawn", "staging", "metrics_port"})
     default = ServiceConfig()
     socket = service.get("socket", default.socket)
     if not isinstance(socket, str) or not socket or len(socket.encode()) > 107:
@@ -202,9 +180,10 @@ def _parse_service(service: dict[str, Any]) -> ServiceConfig:
     if not isinstance(spawn, bool):
         raise ConfigError("service.spawn", spawn, "must be true or false")
     return ServiceConfig(socket=socket, spawn=spawn,
-                         staging=_size("service.staging", service.get("staging", default.staging),
+                         staging=size_field("service.staging", service.get("staging", default.staging),
                                        minimum=1 << 20),
-                         metrics_port=_int("service.metrics_port", service.get("metrics_port", 0), 0, 65535))
+                         metrics_port=int_field("service.metrics_port", service.get("metrics_port", 0),
+                                                0, 65535))
 
 
 def dump_config(config: StoreConfig) -> dict[str, Any]:
@@ -217,11 +196,12 @@ def dump_config(config: StoreConfig) -> dict[str, Any]:
             tiers["host"]["shm_name"] = config.host.shm_name
     if config.disk:
         tiers["disk"] = [{"path": d.path, "capacity": d.capacity} for d in config.disk]
+    if config.nvmeof is not None:
+        tiers["nvmeof"] = dump_nvmeof(config.nvmeof)
     return {
         "chunk_tokens": config.chunk_tokens,
         "tiers": tiers,
-        "io": {"engine": config.io.engine, "queue_depth": config.io.queue_depth,
-               "timeout_s": config.io.timeout_s},
+        "io": dataclasses.asdict(config.io),
         "write_behind_chunks": config.write_behind_chunks,
         "promote_on_hit": config.promote_on_hit,
         "service": {"socket": config.service.socket, "spawn": config.service.spawn,

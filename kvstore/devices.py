@@ -13,11 +13,23 @@ import stat
 import struct
 from dataclasses import dataclass
 
+from kvstore.device_health import Probe
 from kvstore.errors import DeviceError
 from kvstore.units import format_size
 
 DATA_FILE = "kvstore.data"
 _BLKSSZGET = 0x1268  # ioctl: logical block size of a block device
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """A device the disk tier should open: a local path, or a resolved NVMe-oF namespace."""
+
+    path: str
+    capacity: int
+    kind: str = "disk"  # "disk" or "nvmeof": how lookups and info name its chunks
+    label: str = ""  # how operators know it (defaults to the path)
+    probe: Probe | None = None  # whether it is usable right now (NVMe-oF controller state)
 
 
 @dataclass

@@ -15,6 +15,7 @@ can have been written since it was taken; otherwise the slots are scanned.
 
 from __future__ import annotations
 
+import os
 import struct
 import uuid
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import xxhash
 from kvstore.aligned import AlignedBuffer
 from kvstore.devices import Device
 from kvstore.errors import DeviceError
-from kvstore.io.base import IoEngine, IoRequest
+from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
 from kvstore.record import BLOCK, round_up
 from kvstore.units import format_size
 
@@ -85,21 +86,24 @@ def _data_offset(num_slots: int) -> int:
 class DeviceLayout:
     """A device's superblock plus reads and writes of its metadata."""
 
-    def __init__(self, device: Device, engine: IoEngine, superblock: Superblock) -> None:
+    def __init__(self, device: Device, engine: IoEngine, superblock: Superblock,
+                 timeout_s: float | None) -> None:
         self.device = device
         self.engine = engine
         self.sb = superblock
+        self.timeout_s = timeout_s  # every metadata I/O has this deadline (None: none)
 
     @classmethod
-    def open(cls, device: Device, engine: IoEngine, slot_bytes: int) -> DeviceLayout:
+    def open(cls, device: Device, engine: IoEngine, slot_bytes: int,
+             timeout_s: float | None = None) -> DeviceLayout:
         num_slots, data_offset = geometry(device.size, slot_bytes)
         if num_slots == 0:
             raise DeviceError(device.path, f"capacity {format_size(device.size)} holds no "
                                            f"{format_size(slot_bytes)} record slot")
-        found = Superblock.unpack(_read_block(engine, device, 0), device.path)
+        found = Superblock.unpack(_read_block(engine, device, timeout_s), device.path)
         if found is None:
             layout = cls(device, engine, Superblock(slot_bytes, num_slots, data_offset,
-                                                    device_id=uuid.uuid4().bytes))
+                                                    device_id=uuid.uuid4().bytes), timeout_s)
             layout.write_superblock()
             return layout
         if (found.slot_bytes, found.num_slots) != (slot_bytes, num_slots):
@@ -108,7 +112,19 @@ class DeviceLayout:
                               f"{format_size(found.slot_bytes)}, but this config needs {num_slots}"
                               f" of {format_size(slot_bytes)} (chunk size or capacity changed); "
                               f"use another path, or delete {where} to start empty")
-        return cls(device, engine, found)
+        return cls(device, engine, found, timeout_s)
+
+    def still_ours(self) -> str | None:
+        """None when the device still holds this layout's superblock; else what is wrong.
+        A namespace that comes back must be the same one, not a reformatted or swapped one."""
+        try:
+            found = Superblock.unpack(_read_block(self.engine, self.device, self.timeout_s),
+                                      self.device.path)
+        except DeviceError as exc:
+            return str(exc)
+        if found is None or found.device_id != self.sb.device_id:
+            return "superblock changed (another device, or reformatted)"
+        return None
 
     def slot_offset(self, slot: int) -> int:
         return self.sb.data_offset + slot * self.sb.slot_bytes
@@ -116,8 +132,8 @@ class DeviceLayout:
     def write_superblock(self) -> None:
         buffer = AlignedBuffer(BLOCK)
         buffer.view[:BLOCK] = self.sb.pack()
-        _check(self.engine.run([IoRequest(self.device.fd, 0, [buffer.view[:BLOCK]], write=True)]),
-               self.device.path, "superblock write")
+        _check(self.engine.run([IoRequest(self.device.fd, 0, [buffer.view[:BLOCK]], write=True)],
+                               self.timeout_s), self.device.path, "superblock write")
         buffer.close()
 
     def take_checkpoint(self) -> np.ndarray | None:
@@ -126,7 +142,8 @@ class DeviceLayout:
         if self.sb.clean:
             nbytes = round_up(max(self.sb.checkpoint_entries * CHECKPOINT_DTYPE.itemsize, 1))
             buffer = AlignedBuffer(nbytes)
-            results = self.engine.run([IoRequest(self.device.fd, BLOCK, [buffer.view[:nbytes]])])
+            results = self.engine.run([IoRequest(self.device.fd, BLOCK, [buffer.view[:nbytes]])],
+                                      self.timeout_s)
             raw = bytes(buffer.view[: self.sb.checkpoint_entries * CHECKPOINT_DTYPE.itemsize])
             buffer.close()
             if results[0] == nbytes and xxhash.xxh3_64_intdigest(raw) == self.sb.checkpoint_checksum:
@@ -140,8 +157,8 @@ class DeviceLayout:
         nbytes = round_up(max(len(raw), 1))
         buffer = AlignedBuffer(nbytes)
         buffer.view[: len(raw)] = raw
-        _check(self.engine.run([IoRequest(self.device.fd, BLOCK, [buffer.view[:nbytes]],
-                                          write=True)]), self.device.path, "checkpoint write")
+        _check(self.engine.run([IoRequest(self.device.fd, BLOCK, [buffer.view[:nbytes]], write=True)],
+                               self.timeout_s), self.device.path, "checkpoint write")
         buffer.close()
         self.sb.clean = True
         self.sb.checkpoint_entries = len(entries)
@@ -149,9 +166,9 @@ class DeviceLayout:
         self.write_superblock()
 
 
-def _read_block(engine: IoEngine, device: Device, offset: int) -> bytes:
+def _read_block(engine: IoEngine, device: Device, timeout_s: float | None) -> bytes:
     buffer = AlignedBuffer(BLOCK)
-    _check(engine.run([IoRequest(device.fd, offset, [buffer.view[:BLOCK]])]), device.path,
+    _check(engine.run([IoRequest(device.fd, 0, [buffer.view[:BLOCK]])], timeout_s), device.path,
            "superblock read")
     data = bytes(buffer.view[:BLOCK])
     buffer.close()
@@ -159,5 +176,7 @@ def _read_block(engine: IoEngine, device: Device, offset: int) -> bytes:
 
 
 def _check(results: list[int], path: str, what: str) -> None:
+    if results[0] == TIMED_OUT:
+        raise DeviceError(path, f"{what} did not finish within its deadline")
     if results[0] < 0:
-        raise DeviceError(path, f"{what} failed: errno {-results[0]}")
+        raise DeviceError(path, f"{what} failed: {os.strerror(-results[0])}")

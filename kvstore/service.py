@@ -38,7 +38,8 @@ from typing import Any
 
 from kvstore.aligned import AlignedBuffer
 from kvstore.config import StoreConfig, dump_config
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, DeviceError, KVStoreError
+from kvstore.nvmeof.tier import namespace_plans
 from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ def check_paths_usable(config: StoreConfig) -> None:
     The store itself is created when the first worker says its chunk size, which
     is too late for a clear start-up error.
     """
+    if config.nvmeof is not None:
+        try:
+            namespace_plans(config.nvmeof)
+        except DeviceError as exc:
+            raise ConfigError("tiers.nvmeof", exc.path, str(exc)) from None
     for i, disk in enumerate(config.disk):
         field, path = f"tiers.disk[{i}].path", disk.path
         if os.path.exists(path):
@@ -232,7 +238,7 @@ class StoreService:
                 return 0
             keys, prefetch = args[0], len(args) > 1 and args[1]
             found = store.lookup(keys)
-            if prefetch and "disk" in found.tiers:
+            if prefetch and any(tier != "host" for tier in found.tiers):
                 self._prefetcher.submit(store.prefetch, keys[: found.count])
             return found.count
         if store is None or window is None:

@@ -39,6 +39,7 @@ class SlotTable:
         self.index: dict[bytes, int] = {}
         self.lru = PrefixLRU()
         self._next_group = 0
+        self.disabled: set[int] = set()  # groups out of service: nothing is reserved there
 
     @property
     def capacity(self) -> int:
@@ -51,11 +52,17 @@ class SlotTable:
                 return group, slot - self.group_start[group]
         raise IndexError(slot)
 
+    def group_slots(self, group: int) -> range:
+        return range(self.group_start[group], self.group_start[group] + self.group_sizes[group])
+
     def next_group(self) -> int:
-        """Round-robin group for striping consecutive chunks over devices."""
-        group = self._next_group
-        self._next_group = (group + 1) % len(self.group_sizes)
-        return group
+        """Round-robin group for striping consecutive chunks over devices in service."""
+        for _ in range(len(self.group_sizes)):
+            group = self._next_group
+            self._next_group = (group + 1) % len(self.group_sizes)
+            if group not in self.disabled:
+                return group
+        return 0  # all disabled: reserve() finds nothing
 
     def reserve(
         self, preferred_group: int = 0, claim_victim: Callable[[bytes, int], bool] | None = None
@@ -68,7 +75,7 @@ class SlotTable:
         """
         groups = range(len(self.free))
         for group in [preferred_group, *(g for g in groups if g != preferred_group)]:
-            if self.free[group]:
+            if self.free[group] and group not in self.disabled:
                 slot = self.free[group].pop()
                 self.slots[slot].pins = 1
                 return slot, None

@@ -18,12 +18,14 @@ from typing import Any
 
 from kvstore.aligned import byte_view, copy_bytes
 from kvstore.config import StoreConfig, load_config
-from kvstore.devices import DATA_FILE
+from kvstore.devices import DATA_FILE, DevicePlan
 from kvstore.disk_tier import DiskTier, DiskWrite, RecoveryReport
 from kvstore.errors import ShapeError
+from kvstore.health_monitor import HealthMonitor
 from kvstore.host_tier import HostTier
 from kvstore.io import IoEngine, make_engine
 from kvstore.io.base import TIMED_OUT
+from kvstore.nvmeof.tier import namespace_plans
 from kvstore.record import (
     HEADER_BLOCK,
     MissReason,
@@ -76,16 +78,26 @@ class TieredStore:
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         self._writeback: WriteBehind[tuple[bytes, int]] | None = None
+        self._monitor: HealthMonitor | None = None
         try:
             if self.config.host is not None:
                 self.host = HostTier(self.config.host.capacity, self.slot_bytes,
                                      self.config.host.shm_name)
-            if self.config.disk:
-                self.disk = DiskTier(self.config.disk, self.slot_bytes, self.engine, file_name)
+            plans = [DevicePlan(d.path, d.capacity) for d in self.config.disk]
+            if self.config.nvmeof is not None:
+                plans += namespace_plans(self.config.nvmeof)
+            if plans:
+                self.disk = DiskTier(plans, self.slot_bytes, self.engine, lock=self._lock,
+                                     stats=self.stats, timeout_s=io.timeout_s,
+                                     breaker_threshold=io.breaker_threshold, file_name=file_name)
         except BaseException:
             self._close_tiers()
             raise
         self.recovery = self.disk.recover(io.timeout_s) if self.disk else RecoveryReport()
+        if self.disk is not None:
+            interval = min(io.breaker_cooldown_s, self.config.nvmeof.health_interval_s
+                           if self.config.nvmeof else 1.0)
+            self._monitor = HealthMonitor(self.disk, interval, io.breaker_cooldown_s)
         self._seq = itertools.count(self.recovery.max_seq + 1)
         self._wave = max(io.queue_depth, min(2 * io.queue_depth, _STAGING_BYTES // self.slot_bytes))
         self._staging = StagingPool(self.slot_bytes, min(self._wave, io.queue_depth))
@@ -101,8 +113,8 @@ class TieredStore:
             for key in keys:
                 if self.host and key in self.host.table.index:
                     tiers.append("host")
-                elif self.disk and key in self.disk.table.index:
-                    tiers.append("disk")
+                elif self.disk and (slot := self.disk.table.index.get(key)) is not None:
+                    tiers.append(self.disk.kind_of(slot))
                 else:
                     break
         return Lookup(len(tiers), tuple(tiers))
@@ -316,6 +328,7 @@ class TieredStore:
         assert self.disk is not None
         table = self.disk.table
         writes: list[tuple[int, DiskWrite]] = []
+        epochs: list[int] = []
         with self._lock:
             for j, (key, _, _, image) in enumerate(records):
                 if key in table.index:
@@ -330,11 +343,15 @@ class TieredStore:
                 if evicted is not None:
                     self.stats.add("disk.evictions")
                 writes.append((j, DiskWrite(slot, image, self.chunk_bytes)))
+                epochs.append(self.disk.epoch_of(slot))
         results = self.disk.write_records([w for _, w in writes], self.config.io.timeout_s)
         with self._lock:
-            for (j, write), landed in zip(writes, results, strict=True):
+            for (j, write), landed, epoch in zip(writes, results, epochs, strict=True):
                 key, parent, seq, _ = records[j]
-                if landed:
+                if landed and not self.disk.still_serving(write.slot, epoch):
+                    landed = False  # its device was lost meanwhile: never serve this slot
+                    self.stats.add("disk.write_dropped_device_lost")
+                elif landed:
                     table.publish(write.slot, key, parent, seq)
                 else:
                     self.stats.miss("disk", MissReason.IO_ERROR, f"write to slot {write.slot}")
@@ -429,7 +446,9 @@ class TieredStore:
                 tiers.append({"name": "disk", "chunks": len(self.disk.table.index),
                               "capacity_bytes": self.disk.capacity_bytes(),
                               "used_bytes": self.disk.used_bytes(),
-                              "paths": [d.path for d in self.disk.devices]})
+                              "paths": [d.path for d in self.disk.devices],
+                              "devices": [{"path": d.path, **h.describe()} for d, h in
+                                          zip(self.disk.devices, self.disk.health, strict=True)]})
         return {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes,
                 "io_engine": self.engine.name, "tiers": tiers, "counters": self.stats.snapshot(),
                 "recovery": self.recovery.__dict__}
@@ -440,6 +459,9 @@ class TieredStore:
         DRAM does not survive the process; the disk does. Writing DRAM's chunks down
         on a clean shutdown means a restarted service still serves them.
         """
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
         if self._writeback is not None:
             if not self._writeback.close(self.config.io.timeout_s):
                 log.warning("close: write-behind did not drain in time; queued chunks dropped")

@@ -1,13 +1,13 @@
 """The disk tier on real block devices: loop devices with direct I/O and 4 KiB sectors."""
 
 import os
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 
+from bench.loopdev import loop_devices_unavailable
 from kvstore.errors import DeviceError
 from kvstore.record import record_bytes
 
@@ -15,17 +15,9 @@ pytestmark = pytest.mark.loopdev
 SLOT = record_bytes(CHUNK_BYTES)
 
 
-def _losetup_works() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    if shutil.which("losetup") is None:
-        return "losetup is not installed"
-    return None
-
-
 @pytest.fixture
 def loop_devices(disk_dir):
-    reason = _losetup_works()
+    reason = loop_devices_unavailable()
     if reason:
         pytest.skip(f"loop devices unavailable: {reason}")
     devices = []

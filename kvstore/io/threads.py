@@ -1,13 +1,16 @@
-"""`threads` engine: os.preadv/os.pwritev in a bounded thread pool.
+"""`threads` engine: os.preadv/os.pwritev in bounded thread pools, one per file.
 
 Works everywhere (containers often forbid io_uring). The syscalls release the
-GIL, so `queue_depth` threads keep that many requests at the device.
+GIL, so `queue_depth` threads keep that many requests at the device. One pool per
+file descriptor: a device whose requests never return (a lost NVMe-oF path) ties
+up its own threads, at most `queue_depth` of them, never another device's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 from collections.abc import Sequence
 
 from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest, OnComplete
@@ -27,7 +30,17 @@ class ThreadsEngine(IoEngine):
 
     def __init__(self, queue_depth: int) -> None:
         super().__init__(queue_depth)
-        self._pool = cf.ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kvstore-io")
+        self._pools: dict[int, cf.ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def _pool(self, fd: int) -> cf.ThreadPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(fd)
+            if pool is None:
+                pool = cf.ThreadPoolExecutor(max_workers=self.queue_depth,
+                                             thread_name_prefix=f"kvstore-io-fd{fd}")
+                self._pools[fd] = pool
+            return pool
 
     def run(
         self,
@@ -36,7 +49,7 @@ class ThreadsEngine(IoEngine):
         on_complete: OnComplete | None = None,
     ) -> list[int]:
         results = [TIMED_OUT] * len(requests)
-        futures = {self._pool.submit(_execute, r): i for i, r in enumerate(requests)}
+        futures = {self._pool(r.fd).submit(_execute, r): i for i, r in enumerate(requests)}
         try:
             for future in cf.as_completed(futures, timeout=timeout_s):
                 index = futures[future]
@@ -49,4 +62,7 @@ class ThreadsEngine(IoEngine):
 
     def close(self) -> None:
         # Do not wait: a thread stuck in uninterruptible sleep must not hang close().
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for pool in self._pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
+            self._pools.clear()

@@ -1,0 +1,76 @@
+"""Per-device health: fault counting, the circuit breaker, and in/out of service.
+
+A device that faults (EIO, ENOLINK, ENODEV, ENXIO, ETIMEDOUT, a missed deadline,
+a short transfer) `threshold` times in a row is taken out of service: its chunks
+become misses at once instead of each costing a deadline. A device is also taken
+out when its probe (an NVMe-oF controller's state) says it is not usable. It comes
+back only through revalidation (see DiskTier.revalidate). Mutated under the
+owning store's lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.io.base import TIMED_OUT
+
+FAULT_ERRNOS = frozenset({errno.EIO, errno.ENOLINK, errno.ENODEV, errno.ENXIO, errno.ETIMEDOUT})
+IN_SERVICE, TRIPPED, OFFLINE = "in_service", "tripped", "offline"
+
+# Returns (usable, why not); for NVMe-oF, whether a controller of the namespace is live.
+Probe = Callable[[], tuple[bool, str]]
+
+
+def is_fault(result: int, expected: int) -> bool:
+    """A result that says the device (or the path to it) is failing, not the record."""
+    if result == TIMED_OUT or (result < 0 and -result in FAULT_ERRNOS):
+        return True
+    return 0 <= result < expected
+
+
+@dataclass
+class DeviceHealth:
+    label: str  # how an operator knows it: a path, or an NVMe-oF subsystem and namespace
+    kind: str  # "disk" or "nvmeof"
+    probe: Probe | None = None
+    state: str = IN_SERVICE
+    reason: str = ""
+    consecutive_faults: int = 0
+    faults: int = 0
+    trips: int = 0
+    since: float = field(default_factory=time.monotonic)
+    # Bumped each time the device leaves service: a write reserved in an older epoch
+    # lands on a device that was declared lost, so it is never published.
+    epoch: int = 0
+
+    @property
+    def in_service(self) -> bool:
+        return self.state == IN_SERVICE
+
+    def record(self, fault: bool, threshold: int) -> bool:
+        """Count one result; True when this fault trips the breaker."""
+        if not fault:
+            self.consecutive_faults = 0
+            return False
+        self.faults += 1
+        self.consecutive_faults += 1
+        return self.in_service and self.consecutive_faults >= threshold
+
+    def take_out(self, state: str, reason: str) -> None:
+        self.state, self.reason = state, reason
+        self.since = time.monotonic()
+        self.epoch += 1
+        if state == TRIPPED:
+            self.trips += 1
+
+    def put_back(self) -> None:
+        self.state, self.reason = IN_SERVICE, ""
+        self.consecutive_faults = 0
+        self.since = time.monotonic()
+
+    def describe(self) -> dict[str, object]:
+        return {"label": self.label, "kind": self.kind, "state": self.state, "reason": self.reason,
+                "faults": self.faults, "trips": self.trips}

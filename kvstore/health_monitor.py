@@ -1,0 +1,60 @@
+"""The thread that moves disk-tier devices out of and back into service.
+
+Every `interval_s` it asks each device's probe (for NVMe-oF: is a controller of
+the namespace live?). A device in service whose probe fails is taken out. A
+device out of service is revalidated once its probe passes and, if its breaker
+tripped, once `cooldown_s` has passed since it last failed. All device I/O it
+does has the tier's deadline, so a hung device cannot hang it for long.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvstore.device_health import OFFLINE, TRIPPED
+from kvstore.disk_tier import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(self, disk: DiskTier, interval_s: float, cooldown_s: float) -> None:
+        self.disk = disk
+        self.interval_s = interval_s
+        self.cooldown_s = cooldown_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvstore-health", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception:  # a monitor that dies silently would leave devices out forever
+                log.exception("health monitor: check failed; retrying next interval")
+
+    def check_once(self) -> None:
+        for group, health in enumerate(self.disk.health):
+            usable, why = True, ""
+            if health.probe is not None:
+                try:
+                    usable, why = health.probe()
+                except Exception as exc:  # a probe reads sysfs: treat its failure as "unknown, out"
+                    usable, why = False, f"probe failed: {exc}"
+            if health.in_service:
+                if not usable:
+                    with self.disk.lock:
+                        self.disk.take_out(group, OFFLINE, why)
+                continue
+            if not usable:
+                health.reason = why
+                continue
+            if health.state == TRIPPED and time.monotonic() - health.since < self.cooldown_s:
+                continue
+            self.disk.revalidate(group)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.disk.timeout_s * 3 + self.interval_s)

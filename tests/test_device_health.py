@@ -1,0 +1,137 @@
+"""A failing device costs only its own chunks, within a deadline, and comes back verified.
+
+Faults are injected by the FaultyEngine on one device's file descriptor; every
+other request is real O_DIRECT I/O.
+"""
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+
+from kvstore.device_health import IN_SERVICE, OFFLINE, TRIPPED
+from kvstore.io import make_engine
+from kvstore.io.faulty import Fault, FaultyEngine
+from kvstore.record import record_bytes
+
+SLOT = record_bytes(CHUNK_BYTES)
+
+
+@pytest.fixture
+def faulty(engine):
+    wrapper = FaultyEngine(make_engine(engine, 8))
+    yield wrapper
+    wrapper.release()  # teardown frees anything left hanging
+
+
+def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8):
+    paths = [os.path.join(disk_dir, name) for name in ("a", "b")]
+    config = {"tiers": {"disk": [{"path": p, "capacity": 32 * SLOT} for p in paths]},
+              "io": {"queue_depth": 8, "timeout_s": timeout_s, "breaker_threshold": 2,
+                     "breaker_cooldown_s": 0.05}}
+    store = store_factory(config, engine=faulty)
+    store._monitor.close()  # the test drives check_once itself, deterministically
+    keys, payloads = make_keys(count), make_payloads(count)
+    assert all(store.put_many(keys, payloads))
+    return store, keys, payloads
+
+
+def _device_of(store, key) -> int:
+    return store.disk.table.group_of(store.disk.table.index[key])[0]
+
+
+def _served_match(ok, outs, payloads):
+    return all(np.array_equal(out, p) for served, out, p in zip(ok, outs, payloads, strict=True) if served)
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ENOLINK, errno.ENODEV, errno.ENXIO, errno.ETIMEDOUT])
+def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, faulty, store_factory,
+                                                                     error):
+    store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
+    on_a = [i for i, k in enumerate(keys) if _device_of(store, k) == 0]
+    assert len(on_a) == 4  # striped: half the chunks on each device
+    fd_a = store.disk.devices[0].fd
+    faulty.add(Fault("error", error=error, match=lambda r: r.fd == fd_a))
+
+    ok, outs = read_back(store, keys)
+    assert [i for i, served in enumerate(ok) if not served] == on_a
+    assert _served_match(ok, outs, payloads)
+    health = store.disk.health[0]
+    assert health.state == TRIPPED and health.trips == 1
+    assert store.disk.health[1].state == IN_SERVICE
+    counters = store.stats.snapshot()
+    assert counters["disk.trips"] == 1
+    # Device b's chunks are still served; device a's are misses without any I/O.
+    injected = faulty.injected
+    ok, outs = read_back(store, keys)
+    assert sum(ok) == 4 and _served_match(ok, outs, payloads) and faulty.injected == injected
+    assert store.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
+    assert all(_device_of(store, k) == 1 for k in make_keys(2, seed=9))  # nothing placed on a
+
+    store._monitor.check_once()  # still failing: the probe read fails, a stays out
+    time.sleep(0.06)
+    store._monitor.check_once()
+    assert health.state == TRIPPED and "revalidation failed" in health.reason
+
+    faulty.clear()
+    time.sleep(0.06)  # the cooldown
+    store._monitor.check_once()
+    assert health.state == IN_SERVICE
+    ok, outs = read_back(store, keys)
+    assert all(ok) and _served_match(ok, outs, payloads)
+    assert store.stats.snapshot()["disk.revalidated_chunks"] == 4  # the faults removed 0 of a's
+
+
+def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, faulty, store_factory):
+    store, keys, payloads = _two_devices(disk_dir, faulty, store_factory, timeout_s=0.5)
+    fd_a = store.disk.devices[0].fd
+    faulty.add(Fault("hang", match=lambda r: r.fd == fd_a))
+    started = time.monotonic()
+    ok, outs = read_back(store, keys)
+    first = time.monotonic() - started
+    assert sum(ok) == 4 and _served_match(ok, outs, payloads)
+    assert first < 5, f"a get took {first:.1f} s past a 0.5 s deadline"
+    assert store.disk.health[0].state == TRIPPED
+    started = time.monotonic()
+    ok, _ = read_back(store, keys)
+    assert sum(ok) == 4 and time.monotonic() - started < first  # no second deadline
+
+
+def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, store_factory):
+    store, _, _ = _two_devices(disk_dir, faulty, store_factory, count=2)
+    fd_a = store.disk.devices[0].fd
+    faulty.add(Fault("latency", reads=False, writes=True, delay_s=0.5, match=lambda r: r.fd == fd_a))
+    keys, payloads = make_keys(2, seed=5), make_payloads(2, seed=5)
+    result = {}
+    writer = threading.Thread(target=lambda: result.update(stored=store.put_many(keys, payloads)))
+    writer.start()
+    time.sleep(0.2)  # the write to device a is now in flight
+    with store._lock:
+        store.disk.take_out(0, OFFLINE, "test: controller lost")
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    faulty.clear()
+    lost = [k for k in keys if store.lookup([k]).count == 0]
+    assert len(lost) == 1  # the chunk striped onto device a
+    assert store.stats.snapshot()["disk.write_dropped_device_lost"] == 1
+    assert store.disk.revalidate(0)
+    # Its bytes did land, but its header was zeroed before the device served again.
+    assert store.lookup(lost).count == 0
+    ok, _ = read_back(store, lost)
+    assert ok == [False]
+
+
+def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir, faulty, store_factory):
+    store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
+    config = store.config
+    with store._lock:
+        store.disk.take_out(0, OFFLINE, "test")
+    store.close()
+    reopened = store_factory(config, engine=faulty)
+    assert reopened.recovery.from_checkpoint == 1 and reopened.recovery.scanned == 1
+    ok, outs = read_back(reopened, keys)
+    assert all(ok) and _served_match(ok, outs, payloads)

@@ -1,0 +1,198 @@
+"""NVMe-oF without a fabric: config validation, sysfs resolution and health against
+generated sysfs trees, and the nvme-cli command lines `kvstore nvmeof` builds."""
+
+import json
+import os
+
+import pytest
+
+from bench.loopdev import SUBNQN, FakeNamespace, set_controller_state, write_sysfs
+from kvstore.cli import main
+from kvstore.config import dump_config, load_config
+from kvstore.errors import ConfigError, DeviceError
+from kvstore.nvmeof.config import parse_nvmeof
+from kvstore.nvmeof.nvme_cli import NvmeCliError, connect_plan, disconnect_plan, preflight
+from kvstore.nvmeof.sysfs import resolve
+from kvstore.nvmeof.tier import namespace_plans
+
+BASE = {"transport": "tcp", "traddr": "192.0.2.10", "subnqn": SUBNQN}
+
+
+def _tier(sysfs_root: str, *namespaces: dict, **shared) -> dict:
+    return {**BASE, "sysfs_root": sysfs_root, **shared, "namespaces": list(namespaces)}
+
+
+@pytest.fixture
+def sysfs(tmp_path):
+    """Two namespaces behind two controllers (two paths), native multipath layout."""
+    root = str(tmp_path / "sys")
+    write_sysfs(root, [FakeNamespace("nvme0n1", 1, "nvme0"), FakeNamespace("nvme0n2", 2, "nvme1")])
+    return root
+
+
+# -- config ----------------------------------------------------------------------------
+
+
+def test_config_shares_fields_and_round_trips():
+    config = load_config({"tiers": {"nvmeof": {**BASE, "hostnqn": "nqn.2014-08.org.nvmexpress:host1",
+                                               "nr_io_queues": 8, "queue_size": 128,
+                                               "ctrl_loss_tmo": 60, "reconnect_delay": 2,
+                                               "namespaces": [{"nsid": 1, "capacity": "1GiB"},
+                                                              {"nsid": 2, "capacity": "2GiB",
+                                                               "traddr": "192.0.2.11"}]}}})
+    first, second = config.nvmeof.namespaces
+    assert (first.traddr, second.traddr) == ("192.0.2.10", "192.0.2.11")
+    assert first.fast_io_fail_tmo == 5 and second.ctrl_loss_tmo == 60 and second.capacity == 2 << 30
+    assert load_config(dump_config(config)) == config
+
+
+@pytest.mark.parametrize("change,field,words", [
+    ({"transport": "fc"}, "tiers.nvmeof.transport", "tcp, rdma"),
+    ({"traddr": "array.local"}, "tiers.nvmeof.traddr", "IP address"),
+    ({"subnqn": "kv-array"}, "tiers.nvmeof.subnqn", "nqn."),
+    ({"trsvcid": 70000}, "tiers.nvmeof.trsvcid", "between"),
+    ({"ctrl_loss_tmo": 3}, "namespaces[0].fast_io_fail_tmo", "must not exceed ctrl_loss_tmo"),
+    ({"namespaces": [{"capacity": "1GiB"}]}, "namespaces[0].nsid", "exactly one of nsid or uuid"),
+    ({"namespaces": [{"nsid": 1}]}, "namespaces[0].capacity", "required"),
+    ({"namespaces": [{"uuid": "not-a-uuid", "capacity": "1GiB"}]}, "namespaces[0].uuid", "UUID"),
+    ({"namespaces": [{"nsid": 1, "capacity": "1GiB"}, {"nsid": 1, "capacity": "1GiB"}]},
+     "namespaces[1]", "same namespace"),
+    ({"namespaces": []}, "tiers.nvmeof.namespaces", "non-empty"),
+    ({"nsqn": "x"}, "tiers.nvmeof.nsqn", "unknown key"),
+])
+def test_bad_nvmeof_config_names_the_field(change, field, words):
+    tier = {**BASE, "namespaces": [{"nsid": 1, "capacity": "1GiB"}], **change}
+    with pytest.raises(ConfigError) as caught:
+        parse_nvmeof(tier)
+    assert field in caught.value.field and words in str(caught.value)
+
+
+# -- sysfs resolution and health ---------------------------------------------------------
+
+
+def test_resolves_by_nsid_and_uuid_never_by_name(sysfs, tmp_path):
+    by_nsid = parse_nvmeof(_tier(sysfs, {"nsid": 2, "capacity": "1GiB"})).namespaces[0]
+    found = resolve(by_nsid, sysfs, "/dev")
+    assert found.device == "/dev/nvme0n2" and found.logical_block_size == 4096 and found.live
+    assert [c.name for c in found.controllers] == ["nvme0", "nvme1"]
+    with open(os.path.join(sysfs, "class/nvme-subsystem/nvme-subsys0/nvme0n1/uuid")) as handle:
+        uuid = handle.read().strip()
+    by_uuid = parse_nvmeof(_tier(sysfs, {"uuid": uuid.upper(), "capacity": "1GiB"})).namespaces[0]
+    assert resolve(by_uuid, sysfs, "/dev").block_name == "nvme0n1"
+    other = parse_nvmeof({**_tier(sysfs, {"nsid": 1, "capacity": "1GiB"}), "subnqn": "nqn.other"})
+    assert resolve(other.namespaces[0], sysfs, "/dev") is None
+
+
+def test_non_multipath_layout_and_hidden_path_devices(tmp_path):
+    root = str(tmp_path / "sys")
+    controller = os.path.join(root, "class", "nvme", "nvme3")
+    for sub in ("nvme3n1", "nvme3c3n1"):  # the block device, and a hidden per-path node
+        os.makedirs(os.path.join(controller, sub))
+        with open(os.path.join(controller, sub, "nsid"), "w") as handle:
+            handle.write("1\n")
+    for name, value in (("subsysnqn", SUBNQN), ("state", "live"), ("transport", "rdma"),
+                        ("address", "traddr=192.0.2.10,trsvcid=4420")):
+        with open(os.path.join(controller, name), "w") as handle:
+            handle.write(value + "\n")
+    ns = parse_nvmeof(_tier(root, {"nsid": 1, "capacity": "1GiB"})).namespaces[0]
+    found = resolve(ns, root, "/dev")
+    assert found.block_name == "nvme3n1" and found.live and found.controllers[0].transport == "rdma"
+
+
+def test_live_while_any_path_is_live(sysfs):
+    ns = parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"})).namespaces[0]
+    set_controller_state(sysfs, "nvme0", "connecting")
+    assert resolve(ns, sysfs, "/dev").live  # nvme1 still live
+    set_controller_state(sysfs, "nvme1", "resetting")
+    found = resolve(ns, sysfs, "/dev")
+    assert not found.live and found.state == "connecting,resetting"
+
+
+def test_probe_follows_controller_state_and_renames(sysfs, tmp_path):
+    dev_root = tmp_path / "dev"
+    dev_root.mkdir()
+    config = parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"}, dev_root=str(dev_root)))
+    (plan,) = namespace_plans(config)
+    assert plan.kind == "nvmeof" and plan.path == str(dev_root / "nvme0n1") and plan.probe() == (True, "")
+    for controller in ("nvme0", "nvme1"):
+        set_controller_state(sysfs, controller, "connecting")
+    assert plan.probe() == (False, "controller state connecting")
+    for controller in ("nvme0", "nvme1"):
+        set_controller_state(sysfs, controller, "live")
+    subsystem = os.path.join(sysfs, "class/nvme-subsystem/nvme-subsys0")
+    os.rename(os.path.join(subsystem, "nvme0n1"), os.path.join(subsystem, "nvme0n7"))
+    usable, why = plan.probe()
+    assert not usable and "reappeared as" in why
+
+
+def test_start_up_names_a_namespace_that_is_missing_or_down(sysfs):
+    with pytest.raises(DeviceError, match=f"{SUBNQN} nsid 9: no such namespace.*nvmeof connect"):
+        namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 9, "capacity": "1GiB"})))
+    for controller in ("nvme0", "nvme1"):
+        set_controller_state(sysfs, controller, "dead")
+    with pytest.raises(DeviceError, match="no controller is live"):
+        namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"})))
+
+
+# -- nvme-cli -------------------------------------------------------------------------------
+
+
+def test_connect_command_lines(tmp_path):
+    config = parse_nvmeof(_tier(str(tmp_path / "empty-sys"), {"nsid": 1, "capacity": "1GiB"},
+                                {"nsid": 2, "capacity": "1GiB"},
+                                {"nsid": 1, "capacity": "1GiB", "subnqn": "nqn.2026-12.io.example:b",
+                                 "transport": "rdma", "trsvcid": 4421},
+                                hostnqn="nqn.2014-08.org.nvmexpress:host1", nr_io_queues=8,
+                                queue_size=256, ctrl_loss_tmo=120, reconnect_delay=2))
+    steps = connect_plan(config)
+    assert [" ".join(s.argv) for s in steps] == [
+        f"nvme connect --transport=tcp --traddr=192.0.2.10 --trsvcid=4420 --nqn={SUBNQN} "
+        "--hostnqn=nqn.2014-08.org.nvmexpress:host1 --nr-io-queues=8 --queue-size=256 "
+        "--ctrl-loss-tmo=120 --reconnect-delay=2 --fast_io_fail_tmo=5",
+        "nvme connect --transport=rdma --traddr=192.0.2.10 --trsvcid=4421 --nqn=nqn.2026-12.io.example:b "
+        "--hostnqn=nqn.2014-08.org.nvmexpress:host1 --nr-io-queues=8 --queue-size=256 "
+        "--ctrl-loss-tmo=120 --reconnect-delay=2 --fast_io_fail_tmo=5",
+    ]  # two namespaces of one subsystem share one connection
+    assert not any(s.skip_reason for s in steps)
+    assert [" ".join(s.argv) for s in disconnect_plan(config)] == [
+        f"nvme disconnect --nqn={SUBNQN}", "nvme disconnect --nqn=nqn.2026-12.io.example:b"]
+
+
+def test_connect_skips_a_connection_that_is_already_live(sysfs):
+    steps = connect_plan(parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"})))
+    assert steps[0].skip_reason == "already connected and live"
+
+
+def test_missing_nvme_cli_or_kernel_module_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    config_path = tmp_path / "kv.json"
+    config_path.write_text(json.dumps({"tiers": {"nvmeof": _tier(str(tmp_path / "sys"),
+                                                                 {"nsid": 1, "capacity": "1GiB"})}}))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    assert main(["nvmeof", "connect", "--config", str(config_path)]) == 2
+    assert "nvme-cli not found" in capsys.readouterr().err
+    assert main(["nvmeof", "connect", "--config", str(config_path), "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("nvme connect --transport=tcp")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvme").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvme").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(NvmeCliError, match="kernel module nvme_tcp is not loaded"):
+        preflight(load_config(str(config_path)).nvmeof)
+
+
+def test_status_json(sysfs, tmp_path, capsys):
+    config_path = tmp_path / "kv.json"
+    config_path.write_text(json.dumps({"tiers": {"nvmeof": _tier("/nonexistent",
+                                                                 {"nsid": 1, "capacity": "1GiB"},
+                                                                 {"nsid": 5, "capacity": "1GiB"})},
+                                       "service": {"socket": str(tmp_path / "none.sock"),
+                                                   "spawn": False}}))
+    code = main(["nvmeof", "status", "--config", str(config_path), "--sysfs-root", sysfs, "--json"])
+    rows = json.loads(capsys.readouterr().out)["namespaces"]
+    assert code == 0
+    assert rows[0]["device"] == "/dev/nvme0n1" and rows[0]["state"] == "live"
+    assert rows[0]["transport"] == "tcp" and rows[0]["address"].startswith("traddr=192.0.2.10")
+    assert rows[0]["tier"] == "no service running" and len(rows[0]["controllers"]) == 2
+    assert rows[1]["device"] is None and rows[1]["state"] == "not connected"
+    assert main(["nvmeof", "status", "--config", str(config_path), "--sysfs-root", sysfs]) == 1

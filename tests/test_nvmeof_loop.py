@@ -1,0 +1,100 @@
+"""The NVMe-oF tier end to end on loop devices standing in for namespaces: resolution
+through a generated sysfs tree, raw O_DIRECT block I/O, striping, controller loss
+and return, restart."""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+
+from bench.loopdev import LoopNamespaces, loop_devices_unavailable
+from kvstore.device_health import IN_SERVICE, OFFLINE
+from kvstore.record import record_bytes
+
+pytestmark = pytest.mark.loopdev
+SLOT = record_bytes(CHUNK_BYTES)
+
+
+@pytest.fixture
+def namespaces(disk_dir):
+    reason = loop_devices_unavailable()
+    if reason:
+        pytest.skip(f"loop devices unavailable: {reason}")
+    with LoopNamespaces(disk_dir, count=2, size=16 << 20) as fake:
+        yield fake
+
+
+def _config(fake, engine):
+    return {"tiers": {"nvmeof": fake.tier_config(capacity="12MiB")},
+            "io": {"engine": engine, "queue_depth": 8, "timeout_s": 5}}
+
+
+def test_striped_namespaces_lose_and_regain_one_path(namespaces, engine, store_factory):
+    store = store_factory(_config(namespaces, engine))
+    store._monitor.close()  # driven by check_once below
+    assert [d.path for d in store.disk.devices] == namespaces.devices
+    assert all(d.is_block and d.logical_block == 4096 for d in store.disk.devices)
+    keys, payloads = make_keys(40), make_payloads(40)
+    assert all(store.put_many(keys, payloads))
+    groups = [store.disk.table.group_of(store.disk.table.index[k])[0] for k in keys]
+    assert groups.count(0) == groups.count(1) == 20  # one prompt's chunks use both namespaces
+    assert store.lookup(keys).tiers == ("nvmeof",) * 40
+
+    namespaces.set_state(0, "connecting")
+    store._monitor.check_once()
+    health = store.disk.health[0]
+    assert health.state == OFFLINE and health.reason == "controller state connecting"
+    ok, outs = read_back(store, keys)
+    assert ok == [g == 1 for g in groups]  # only namespace 0's chunks are lost
+    assert all(np.array_equal(o, p) for served, o, p in zip(ok, outs, payloads, strict=True) if served)
+
+    namespaces.set_state(0, "live")
+    store._monitor.check_once()
+    assert health.state == IN_SERVICE
+    ok, outs = read_back(store, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+    store.close()
+
+    reopened = store_factory(_config(namespaces, engine))
+    assert reopened.recovery.records == 40 and reopened.recovery.from_checkpoint == 2
+    ok, outs = read_back(reopened, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+
+
+def test_the_monitor_thread_acts_on_its_own(namespaces, store_factory):
+    store = store_factory(_config(namespaces, "auto"))
+    keys, payloads = make_keys(4), make_payloads(4)
+    assert all(store.put_many(keys, payloads))
+    namespaces.set_state(1, "resetting")
+    deadline = time.monotonic() + 10
+    while store.disk.health[1].in_service and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.disk.health[1].state == OFFLINE
+    assert store.lookup(keys).count == 1  # chunk 1 sat on namespace 1: the run stops there
+    namespaces.set_state(1, "live")
+    while not store.disk.health[1].in_service and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.lookup(keys).count == 4
+
+
+def test_bench_reports_one_and_all_namespaces(disk_dir, tmp_path):
+    reason = loop_devices_unavailable()
+    if reason:
+        pytest.skip(f"loop devices unavailable: {reason}")
+    before = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "--tiers", "nvmeof",
+                           "--nvmeof-loop", "2", "--chunk-size", "256KiB", "--queue-depth", "4",
+                           "--total", "8MiB", "--fio-seconds", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert sorted((r["namespaces"], r["engine"]) for r in rows) == [
+        (1, "threads"), (1, "uring"), (2, "threads"), (2, "uring")]
+    assert all(r["tier"] == "nvmeof" and r["read_gibps"] > 0 and "vs_one_namespace" in r for r in rows)
+    assert "nvmeof x2" in done.stdout
+    assert subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout == before
