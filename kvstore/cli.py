@@ -52,6 +52,10 @@ def _info(args: argparse.Namespace) -> int:
     for tier in info["tiers"]:
         print(f"  {tier['name']:5} {tier['chunks']:>8} chunks  {format_size(tier['used_bytes'])} "
               f"used of {format_size(tier['capacity_bytes'])}")
+        for device in tier.get("devices", []):
+            why = f" ({device['reason']})" if device["reason"] else ""
+            print(f"        {device['kind']} {device['label']}: {device['state']}{why}, "
+                  f"{device['faults']} faults, {device['trips']} breaker trips")
     recovery = info["recovery"]
     print(f"  recovered {recovery['records']} records ({recovery['torn']} torn) in "
           f"{recovery['seconds'] * 1000:.1f} ms")

@@ -8,6 +8,8 @@ the hot path pays nothing extra.
   kvstore_tier_used_bytes{tier}     bytes used, metadata included
   kvstore_tier_capacity_bytes{tier}
   kvstore_read_latency_seconds{tier,quantile}  per-chunk read latency, recent samples
+  kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
+  kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ class StoreCollector(Collector):
                 if ms == ms:  # NaN: no samples yet
                     latency.add_metric([tier["name"], str(quantile)], ms / 1000)
         yield latency
+        yield from _device_families(info)
+
+
+def _device_families(info: dict) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    devices = [d for tier in info["tiers"] for d in tier.get("devices", [])]
+    labels = ["device", "kind"]
+    in_service = GaugeMetricFamily("kvstore_device_in_service", "1 while the device serves chunks",
+                                   labels=labels)
+    faults = CounterMetricFamily("kvstore_device_faults", "I/Os that faulted", labels=labels)
+    trips = CounterMetricFamily("kvstore_device_trips", "circuit-breaker trips", labels=labels)
+    for device in devices:
+        key = [device["label"], device["kind"]]
+        in_service.add_metric(key, float(device["state"] == "in_service"))
+        faults.add_metric(key, device["faults"])
+        trips.add_metric(key, device["trips"])
+    yield from (in_service, faults, trips)
 
 
 def serve_metrics(port: int, store: Callable[[], TieredStore | None]) -> None:

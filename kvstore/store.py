@@ -221,7 +221,12 @@ class TieredStore:
                 if host_slot is not None and self.host is not None:
                     if header is not None:
                         self.host.table.publish(host_slot, key, header.parent, header.seq)
-                    self.host.table.unpin(host_slot)
+                    if results[j] == TIMED_OUT:
+                        # The kernel may still write into this DRAM slot: keep it pinned
+                        # (never reused) rather than let a late read overwrite a new record.
+                        self.stats.add("host.slots_retired")
+                    else:
+                        self.host.table.unpin(host_slot)
                 elif results[j] == TIMED_OUT:
                     self._staging.retire(dests[j])
                 else:

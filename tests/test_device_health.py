@@ -135,3 +135,20 @@ def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir,
     assert reopened.recovery.from_checkpoint == 1 and reopened.recovery.scanned == 1
     ok, outs = read_back(reopened, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
+
+
+def test_a_timed_out_promotion_never_reuses_its_dram_slot(disk_dir, faulty, store_factory):
+    config = {"tiers": {"host": {"capacity": 8 * SLOT}, "disk": [{"path": disk_dir, "capacity": 32 * SLOT}]},
+              "io": {"queue_depth": 8, "timeout_s": 0.3, "breaker_threshold": 100}}
+    keys, payloads = make_keys(2), make_payloads(2)
+    first = store_factory(config, engine=faulty)
+    assert all(first.put_many(keys, payloads))
+    first.close()  # DRAM's chunks go down to disk
+    store = store_factory(config, engine=faulty)
+    faulty.add(Fault("hang", remaining=2))
+    ok, _ = read_back(store, keys)
+    assert ok == [False, False]
+    assert store.stats.snapshot()["host.slots_retired"] == 2
+    # The two DRAM slots the reads were aimed at stay pinned: no new record can land there
+    # while the kernel might still write into them.
+    assert sum(info.pins > 0 for info in store.host.table.slots) == 2

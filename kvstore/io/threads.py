@@ -1,16 +1,19 @@
-"""`threads` engine: os.preadv/os.pwritev in bounded thread pools, one per file.
+"""`threads` engine: os.preadv/os.pwritev on bounded worker threads, one set per file.
 
 Works everywhere (containers often forbid io_uring). The syscalls release the
-GIL, so `queue_depth` threads keep that many requests at the device. One pool per
-file descriptor: a device whose requests never return (a lost NVMe-oF path) ties
-up its own threads, at most `queue_depth` of them, never another device's.
+GIL, so `queue_depth` workers keep that many requests at the device. Workers are
+per file descriptor, so a device whose requests never return (a lost NVMe-oF
+path) ties up its own workers, at most `queue_depth`, never another device's.
+They are daemon threads: a worker stuck in uninterruptible sleep must not keep
+the process from exiting (a ThreadPoolExecutor joins its workers at exit).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
+import queue
 import threading
+import time
 from collections.abc import Sequence
 
 from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest, OnComplete
@@ -25,22 +28,49 @@ def _execute(request: IoRequest) -> int:
         return -(exc.errno or 5)
 
 
+class _Batch:
+    """One `run` call: where its results go, and whether its caller gave up waiting."""
+
+    def __init__(self) -> None:
+        self.results: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self.abandoned = False
+
+
+class _Workers:
+    """`count` daemon threads serving one file descriptor's requests in FIFO order."""
+
+    def __init__(self, fd: int, count: int) -> None:
+        self.jobs: queue.SimpleQueue[tuple[int, IoRequest, _Batch] | None] = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, name=f"kvstore-io-fd{fd}", daemon=True)
+                        for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            index, request, batch = job
+            if not batch.abandoned:  # its caller timed out: do not start it late
+                batch.results.put((index, _execute(request)))
+
+    def stop(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+
+
 class ThreadsEngine(IoEngine):
     name = "threads"
 
     def __init__(self, queue_depth: int) -> None:
         super().__init__(queue_depth)
-        self._pools: dict[int, cf.ThreadPoolExecutor] = {}
+        self._workers: dict[int, _Workers] = {}
         self._lock = threading.Lock()
 
-    def _pool(self, fd: int) -> cf.ThreadPoolExecutor:
+    def _for(self, fd: int) -> _Workers:
         with self._lock:
-            pool = self._pools.get(fd)
-            if pool is None:
-                pool = cf.ThreadPoolExecutor(max_workers=self.queue_depth,
-                                             thread_name_prefix=f"kvstore-io-fd{fd}")
-                self._pools[fd] = pool
-            return pool
+            workers = self._workers.get(fd)
+            if workers is None:
+                workers = self._workers[fd] = _Workers(fd, self.queue_depth)
+            return workers
 
     def run(
         self,
@@ -49,20 +79,25 @@ class ThreadsEngine(IoEngine):
         on_complete: OnComplete | None = None,
     ) -> list[int]:
         results = [TIMED_OUT] * len(requests)
-        futures = {self._pool(r.fd).submit(_execute, r): i for i, r in enumerate(requests)}
-        try:
-            for future in cf.as_completed(futures, timeout=timeout_s):
-                index = futures[future]
-                results[index] = future.result()
-                if on_complete is not None:
-                    on_complete(index, results[index])
-        except TimeoutError:
-            pass  # the stragglers keep TIMED_OUT
+        batch = _Batch()
+        for index, request in enumerate(requests):
+            self._for(request.fd).jobs.put((index, request, batch))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for _ in requests:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                index, result = batch.results.get(timeout=remaining)
+            except queue.Empty:
+                batch.abandoned = True  # stragglers keep TIMED_OUT
+                break
+            results[index] = result
+            if on_complete is not None:
+                on_complete(index, result)
         return results
 
     def close(self) -> None:
-        # Do not wait: a thread stuck in uninterruptible sleep must not hang close().
+        # Never join: a worker stuck in uninterruptible sleep must not hang close().
         with self._lock:
-            for pool in self._pools.values():
-                pool.shutdown(wait=False, cancel_futures=True)
-            self._pools.clear()
+            for workers in self._workers.values():
+                workers.stop()
+            self._workers.clear()
