@@ -4,19 +4,24 @@ An engine passes one mapping (vLLM: `kv_connector_extra_config`). Its `config` k
 names a kvstore YAML/JSON file or holds the config inline; without `config`, the
 store keys may sit at the top level. Engine-side keys:
   load_async: true   read chunks while the request waits, outside the batch
-  prefetch:   true   a lookup that finds chunks on disk starts promoting them to DRAM
+  prefetch:   true   a request's arrival starts promoting its stored chunks to DRAM
+  prefetch_policy: wait        best_effort | wait | timeout (connectors/prefetch.py)
+  prefetch_max_wait_s: 10      the longest a request is held for its prefetch
+  prefetch_timeout_s_per_1k_tokens: 0.05   the `timeout` policy's budget per 1k tokens
   model_id:   str    identity used in chunk keys (default: the engine's model path)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.prefetch import PrefetchPolicy
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import ConfigError
 
-_ENGINE_KEYS = {"load_async", "model_id", "prefetch"}
+_ENGINE_KEYS = {"load_async", "model_id", "prefetch", "prefetch_policy", "prefetch_max_wait_s",
+                "prefetch_timeout_s_per_1k_tokens"}
 
 
 @dataclass(frozen=True)
@@ -24,11 +29,14 @@ class ConnectorOptions:
     store: StoreConfig
     load_async: bool = True
     model_id: str | None = None
-    prefetch: bool = True
+    prefetch: PrefetchPolicy | None = field(default_factory=PrefetchPolicy)  # None: prefetch off
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     extra = dict(extra or {})
+    policy = PrefetchPolicy(name=extra.pop("prefetch_policy", "wait"),
+                            max_wait_s=extra.pop("prefetch_max_wait_s", 10.0),
+                            timeout_s_per_1k_tokens=extra.pop("prefetch_timeout_s_per_1k_tokens", 0.05))
     load_async, prefetch = extra.pop("load_async", True), extra.pop("prefetch", True)
     for name, value in (("load_async", load_async), ("prefetch", prefetch)):
         if not isinstance(value, bool):
@@ -47,7 +55,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     if not source:
         raise ConfigError("config", None, "required: a kvstore config file or mapping")
     return ConnectorOptions(store=load_config(source), load_async=load_async, model_id=model_id,
-                            prefetch=prefetch)
+                            prefetch=policy if prefetch else None)
 
 
 def check_chunk_size(chunk_tokens: int, block_size: int) -> int:

@@ -9,6 +9,9 @@ Invariants (each holds per request):
 - A chunk is saved once, in the step in which its last token is computed
   (chunked prefill spreads a prompt over steps), and only if the store did not
   already hold it when the request arrived. Only prompt tokens are saved.
+- With a prefetch policy, a request's arrival starts promoting its stored chunks to
+  DRAM, and the policy (connectors/prefetch.py) decides whether the scheduler asks
+  again later and how many stored chunks to count; never a blocking wait.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from connectors.plan import SKIP, StepPlan, Transfer
+from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from kvstore.keys import KVNamespace, chunk_keys
+
+# (keys of one rank, start a promotion to DRAM?) -> what the store holds of them
+Lookup = Callable[[list[bytes], bool], Residency]
 
 
 @dataclass
@@ -32,29 +39,61 @@ class _Request:
 class SchedulerCore:
     """Per-request bookkeeping behind get_num_new_matched_tokens and friends.
 
-    `lookup(keys)` returns how many leading keys the store holds; `namespaces(salt)`
-    gives one namespace per tensor-parallel rank for a request's salt.
+    `lookup(keys, prefetch)` says what the store holds of one rank's keys;
+    `namespaces(salt)` gives one namespace per tensor-parallel rank for a request's
+    salt. `prefetch` None: no promotion, every stored chunk counts at once.
     """
 
     def __init__(self, chunk_tokens: int, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]],
-                 lookup: Callable[[list[bytes]], int], load_async: bool) -> None:
+                 lookup: Lookup, load_async: bool, prefetch: PrefetchPolicy | None = None) -> None:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
         self._namespaces = namespaces
         self._lookup = lookup
         self.load_async = load_async
+        self.prefetch = PrefetchTracker(prefetch) if prefetch is not None else None
+        self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan(load_async=load_async)
 
+    def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
+        return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
+
+    def _residency(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
+        if not keys[0]:
+            return Residency(0, 0)
+        return Residency.across_ranks([self._lookup(rank_keys, prefetch) for rank_keys in keys])
+
+    def on_arrival(self, req_id: str, prompt: Sequence[int], salt: str = "") -> None:
+        """A request entered the waiting queue: start promoting its stored chunks now,
+        long before the scheduler reaches it."""
+        if self.prefetch is None:
+            return
+        keys = self._arrived[req_id] = self._keys(prompt, salt)
+        self.prefetch.arrived(req_id, self._residency(keys, prefetch=True))
+
+    def hint(self, prompt: Sequence[int], salt: str = "") -> None:
+        """Tokens a future request will start with: promote what the store holds of them."""
+        self._residency(self._keys(prompt, salt), prefetch=True)
+
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               salt: str = "") -> int:
-        """Tokens beyond `num_computed` (the engine's own hit) that the store can supply."""
-        keys = [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
-        stored = min(self._lookup(rank_keys) for rank_keys in keys) if keys[0] else 0
-        load_end = min(stored, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        self._requests[req_id] = _Request(keys, len(prompt), load_end, saved_chunks=stored)
+                               salt: str = "") -> int | None:
+        """Tokens beyond `num_computed` (the engine's own hit) that the store can supply,
+        or None: the prefetch policy holds the request, ask again later."""
+        arrived = self._arrived.get(req_id)
+        keys = arrived if arrived is not None else self._keys(prompt, salt)
+        residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None)
+        usable = residency.stored
+        if self.prefetch is not None:
+            decided = self.prefetch.decide(req_id, residency, len(prompt))
+            if decided is None:
+                self._arrived[req_id] = keys
+                return None
+            usable = decided
+        load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
+        self._requests[req_id] = _Request(keys, len(prompt), load_end, saved_chunks=residency.stored)
         return max(0, load_end - num_computed)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
@@ -99,7 +138,15 @@ class SchedulerCore:
         return plan
 
     def on_finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        """Forget the request; with prefetch on, keep its prompt's chunks warm in DRAM (the
+        next turn of its conversation starts with them)."""
+        request = self._requests.pop(req_id, None)
+        self._arrived.pop(req_id, None)
+        if self.prefetch is None:
+            return
+        self.prefetch.forget(req_id)
+        if request is not None and request.saved_chunks:
+            self._residency([k[: request.saved_chunks] for k in request.keys], prefetch=True)
 
     def _chunk_blocks(self, request: _Request, chunk: int) -> tuple[int, ...]:
         start = chunk * self.blocks_per_chunk

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.link import ServiceLink
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
+from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
 from kvstore.client import StoreClient
@@ -68,7 +69,8 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._lookup_link = ServiceLink(lambda: StoreClient(store))
             self._lookup_link.start()  # starts the service if needed: config errors surface now
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
-                                            self._lookup, self.options.load_async)
+                                            self._lookup, self.options.load_async,
+                                            self.options.prefetch)
         log.info("kvstore connector (%s): chunk %d tokens, socket %s", role.name,
                  store.chunk_tokens, store.service.socket)
 
@@ -85,16 +87,25 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes]) -> int:
+    def _lookup(self, keys: list[bytes], prefetch: bool) -> Residency:
         client = self._lookup_link.get()
         if client is None:
-            return 0
+            return Residency(0, 0)
         try:
-            return client.lookup(keys, prefetch=self.options.prefetch)
+            return Residency(*client.residency(keys, prefetch=prefetch))
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self._lookup_link.fail()
-            return 0
+            return Residency(0, 0)
+
+    def on_new_request(self, request: Request) -> None:
+        """Arrival: start promoting its stored chunks, and those of any hinted tokens
+        (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]})."""
+        assert self._scheduler is not None
+        salt = _salt(request)
+        self._scheduler.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
+        for tokens in _hinted_token_ids(request):
+            self._scheduler.hint(tokens, salt)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -102,7 +113,22 @@ class TieredKVConnector(KVConnectorBase_V1):
         count = self._scheduler.num_new_matched_tokens(
             request.request_id, request.prompt_token_ids or [], num_computed_tokens,
             salt=_salt(request))
+        self._report_prefetch_counters()
+        if count is None:
+            return None, False
         return count, self.options.load_async and count > 0
+
+    def _report_prefetch_counters(self) -> None:
+        """Scheduler-side timeliness counters go to the service (kvstore info, Prometheus)."""
+        tracker = self._scheduler.prefetch if self._scheduler else None
+        client = self._lookup_link.get() if tracker is not None and tracker.counters else None
+        if tracker is None or client is None:
+            return
+        counters = tracker.take_counters()
+        try:
+            client.count(counters)
+        except Exception as exc:
+            log.debug("kvstore: prefetch counters not reported (%s)", exc)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -185,6 +211,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TieredMetadata)
         return metadata.plan
+
+
+def _hinted_token_ids(request: Request) -> list[list[int]]:
+    """Token lists a request's kv_transfer_params announce (a future turn's prefix)."""
+    hint = (request.kv_transfer_params or {}).get("kvstore_prefetch_token_ids")
+    if not hint:
+        return []
+    lists = hint if isinstance(hint[0], list) else [hint]
+    return [[int(t) for t in tokens] for tokens in lists]
 
 
 def _salt(request: Request) -> str:

@@ -159,6 +159,17 @@ class StoreClient:
         """Leading chunks present; `prefetch` starts moving their disk part up to DRAM."""
         return int(self._request("lookup", list(keys), prefetch))
 
+    def residency(self, keys: Sequence[bytes], prefetch: bool = False) -> tuple[int, int, bool]:
+        """(leading chunks present, of those already in DRAM, whether a promotion of that
+        run is queued or running); `prefetch` as in lookup. Also the hint API:
+        prefetch=True on the keys of a request that will come."""
+        stored, resident, pending = self._request("residency", list(keys), prefetch)
+        return int(stored), int(resident), bool(pending)
+
+    def count(self, counters: dict[str, float]) -> None:
+        """Add to the service's counters (shown by `kvstore info` and Prometheus)."""
+        self._request("count", dict(counters))
+
     def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         return list(self._request("get", list(keys), list(slots)))
 

@@ -74,6 +74,8 @@ class StoreConfig:
     # dropped (counted) so that a put never waits on the disk.
     write_behind_chunks: int = 64
     promote_on_hit: bool = True
+    # Bound on the bytes one prefetch reads at a time (a prefetch goes in waves of this).
+    prefetch_inflight: int = 256 << 20
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
 
@@ -100,7 +102,7 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
 
 def _parse_root(data: dict[str, Any]) -> StoreConfig:
     check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit",
-                           "service"})
+                          "prefetch_inflight", "service"})
     tiers = mapping_field("tiers", data.get("tiers", {}))
     check_keys("tiers", tiers, {"host", "disk", "nvmeof"})
     host = _parse_host(tiers["host"]) if tiers.get("host") is not None else None
@@ -119,6 +121,7 @@ def _parse_root(data: dict[str, Any]) -> StoreConfig:
         io=_parse_io(mapping_field("io", data.get("io", {}))),
         write_behind_chunks=int_field("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
         promote_on_hit=promote,
+        prefetch_inflight=size_field("prefetch_inflight", data.get("prefetch_inflight", 256 << 20)),
         service=_parse_service(mapping_field("service", data.get("service", {}))),
     )
 
@@ -204,6 +207,7 @@ def dump_config(config: StoreConfig) -> dict[str, Any]:
         "io": dataclasses.asdict(config.io),
         "write_behind_chunks": config.write_behind_chunks,
         "promote_on_hit": config.promote_on_hit,
+        "prefetch_inflight": config.prefetch_inflight,
         "service": {"socket": config.service.socket, "spawn": config.service.spawn,
                     "staging": config.service.staging, "metrics_port": config.service.metrics_port},
     }

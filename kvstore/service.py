@@ -121,6 +121,7 @@ class StoreService:
         # One prefetch at a time, in lookup order: its wave bounds the bytes in flight,
         # and a get for the same chunks never waits on it (it reads them itself).
         self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
+        self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
         self._store_lock = threading.Lock()
         self._stopping = threading.Event()
         with contextlib.suppress(FileNotFoundError):
@@ -228,19 +229,46 @@ class StoreService:
             raise KVStoreError("a client with a chunk size must bring a staging window")
         return AlignedBuffer(hello.window_bytes, hello.window, create=False)
 
+    def _prefetch(self, store: TieredStore, run: tuple[bytes, ...]) -> None:
+        """Queue a promotion of `run` to DRAM unless the same run is queued: a request
+        waiting to be scheduled, or a hint, asks for the same chunks again."""
+        with self._store_lock:
+            if not run or run in self._prefetch_queued:
+                return
+            self._prefetch_queued.add(run)
+
+        def promote() -> None:
+            try:
+                store.prefetch(run)
+            finally:
+                with self._store_lock:
+                    self._prefetch_queued.discard(run)
+
+        self._prefetcher.submit(promote)
+
     def _handle(self, op: str, args: tuple[Any, ...], window: AlignedBuffer | None) -> Any:
         store = self.store
         if op == "info":
             info = store.info() if store else {"tiers": [], "counters": {}}
             return {**info, "service_pid": os.getpid(), "socket": self.socket_path}
-        if op == "lookup":
+        if op in ("lookup", "residency"):
             if store is None:
-                return 0
+                return 0 if op == "lookup" else (0, 0)
             keys, prefetch = args[0], len(args) > 1 and args[1]
             found = store.lookup(keys)
-            if prefetch and any(tier != "host" for tier in found.tiers):
-                self._prefetcher.submit(store.prefetch, keys[: found.count])
-            return found.count
+            run = tuple(keys[: found.count])
+            if prefetch:
+                self._prefetch(store, run)
+            if op == "lookup":
+                return found.count
+            with self._store_lock:
+                pending = run in self._prefetch_queued
+            return found.count, found.resident, pending
+        if op == "count":  # counters a client keeps (the scheduler's prefetch timeliness)
+            if store is not None:
+                for name, amount in args[0].items():
+                    store.stats.add(name, amount)
+            return None
         if store is None or window is None:
             raise KVStoreError(f"'{op}' needs a hello with a chunk size first")
         keys, slots = args[0], args[1]

@@ -45,10 +45,15 @@ _STAGING_BYTES = 256 << 20  # bound on staging memory one disk-read wave may use
 
 @dataclass(frozen=True)
 class Lookup:
-    """How many leading chunks are present, and the tier ('host'/'disk') of each."""
+    """How many leading chunks are present, and the tier ('host', 'disk' or 'nvmeof') of each."""
 
     count: int
     tiers: tuple[str, ...]
+
+    @property
+    def resident(self) -> int:
+        """Leading chunks already in DRAM: what a get serves without touching a device."""
+        return next((i for i, tier in enumerate(self.tiers) if tier != "host"), self.count)
 
 
 class TieredStore:
@@ -79,6 +84,9 @@ class TieredStore:
         self.disk: DiskTier | None = None
         self._writeback: WriteBehind[tuple[bytes, int]] | None = None
         self._monitor: HealthMonitor | None = None
+        # Keys promoted by prefetch and not read since: a read counts prefetch.used, an
+        # eviction first counts prefetch.wasted_bytes (the read bought nothing).
+        self._prefetched: set[bytes] = set()
         try:
             if self.config.host is not None:
                 self.host = HostTier(self.config.host.capacity, self.slot_bytes,
@@ -161,11 +169,17 @@ class TieredStore:
             started = time.perf_counter()
             ok[i] = self.host.read(slot, keys[i], views[i])
             self.stats.observe("host.read", time.perf_counter() - started)
+        used = 0
         with self._lock:
             for i, slot in hits:
                 self.host.table.unpin(slot)
                 if not ok[i] and self.host.table.index.get(keys[i]) == slot:
                     self.host.table.unpublish(keys[i])
+                if ok[i] and keys[i] in self._prefetched:
+                    self._prefetched.discard(keys[i])
+                    used += 1
+        if used:
+            self.stats.add("prefetch.used", used)
         served = sum(ok[i] for i, _ in hits)
         for i, slot in hits:
             if not ok[i]:
@@ -237,11 +251,13 @@ class TieredStore:
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
-        that will want it (a request waiting to be scheduled). Returns chunks promoted."""
+        that will want it (a request waiting to be scheduled); chunks already in DRAM
+        are touched so eviction keeps them. Returns chunks promoted."""
         if self.host is None or self.disk is None:
             return 0
         hits: list[tuple[int, int]] = []
         with self._lock:
+            self.host.table.lru.touch_chain(keys)
             for i, key in enumerate(keys):
                 if key in self.host.table.index:
                     continue
@@ -251,9 +267,13 @@ class TieredStore:
                 self.disk.table.pin(slot)
                 hits.append((i, slot))
         ok = [False] * len(keys)
-        for start in range(0, len(hits), self._wave):
-            self._read_disk(keys, None, hits[start : start + self._wave], ok, promote=True)
+        wave = max(1, self.config.prefetch_inflight // self.slot_bytes)  # the cap on bytes in flight
+        for start in range(0, len(hits), wave):
+            self._read_disk(keys, None, hits[start : start + wave], ok, promote=True)
+        with self._lock:
+            self._prefetched.update(key for key, promoted in zip(keys, ok, strict=True) if promoted)
         self.stats.add("prefetch.chunks", sum(ok))
+        self.stats.add("prefetch.bytes", sum(ok) * self.chunk_bytes)
         return sum(ok)
 
     # -- writes --------------------------------------------------------------------
@@ -373,7 +393,14 @@ class TieredStore:
         slot, evicted = reserved
         if evicted is not None:
             self.stats.add("host.evictions")
+            self._evicted_from_host(evicted)
         return slot
+
+    def _evicted_from_host(self, key: bytes) -> None:
+        """A key left DRAM (store lock held)."""
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.stats.add("prefetch.wasted_bytes", self.chunk_bytes)
 
     def _claim_for_demotion(self, key: bytes, slot: int) -> bool:
         if self.disk is None or key in self.disk.table.index:
@@ -399,6 +426,7 @@ class TieredStore:
             key, slot = items[j]
             if landed and host.index.get(key) == slot:
                 host.unpublish(key)
+                self._evicted_from_host(key)
             host.unpin(slot)
             self.stats.add("writeback.written" if landed else "writeback.failed")
 

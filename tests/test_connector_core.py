@@ -6,6 +6,7 @@ import pytest
 
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import SKIP
+from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore
 from kvstore.errors import ConfigError
 from kvstore.keys import KVNamespace, chunk_keys
@@ -16,15 +17,16 @@ NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size
 
 
 def core(stored: dict[bytes, bool] | None = None, load_async: bool = True) -> SchedulerCore:
+    """A scheduler over a store holding `stored` (all in DRAM), prefetch off."""
     present = stored if stored is not None else {}
 
-    def lookup(keys: list[bytes]) -> int:
+    def lookup(keys: list[bytes], prefetch: bool) -> Residency:
         count = 0
         for key in keys:
             if key not in present:
                 break
             count += 1
-        return count
+        return Residency(count, count)
 
     return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async)
 

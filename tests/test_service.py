@@ -124,11 +124,16 @@ def test_a_lookup_with_prefetch_warms_dram(config):
     client = StoreClient(load_config(config), CHUNK)
     assert client.lookup(keys) == 4
     assert client.info()["tiers"][0]["chunks"] == 0  # DRAM empty after the restart
-    assert client.lookup(keys, prefetch=True) == 4
+    stored, resident, pending = client.residency(keys, prefetch=True)
+    assert (stored, resident) == (4, 0)
     deadline = time.monotonic() + 10
-    while client.info()["tiers"][0]["chunks"] < 4 and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline:
         time.sleep(0.05)
+        stored, resident, pending = client.residency(keys)
+    assert (stored, resident, pending) == (4, 4, False)  # promoted, and no longer pending
     assert client.info()["counters"]["prefetch.chunks"] == 4
+    client.count({"prefetch.requests": 1})
+    assert client.info()["counters"]["prefetch.requests"] == 1
     assert client.get(keys, [0, 1, 2, 3]) == [True] * 4
     assert client.info()["counters"]["host.hits"] == 4
     client.close()

@@ -1,0 +1,119 @@
+"""Prefetch policies: how long a request whose chunks sit on disk waits for the
+service to promote them to DRAM, and how timely that promotion was.
+
+The scheduler never blocks on I/O. Waiting means answering "ask again later" (vLLM:
+None from get_num_new_matched_tokens): the request stays queued, holding no KV blocks,
+while the promotion that its arrival started runs and other requests are scheduled.
+  best_effort  count only the chunks in DRAM now; the rest is recomputed this time
+  wait         hold the request while its promotion runs (at most max_wait_s), then load
+               every stored chunk (what did not reach DRAM is read from disk)
+  timeout      hold it at most timeout_s_per_1k_tokens x prompt length / 1000 (a budget
+               that grows with the prefill it saves), then load what is in DRAM
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+
+POLICIES = ("best_effort", "wait", "timeout")
+
+
+@dataclass(frozen=True)
+class Residency:
+    stored: int  # leading chunks present in any tier
+    resident: int  # leading chunks already in DRAM
+    pending: bool = False  # a promotion of this run is queued or running
+
+    @staticmethod
+    def across_ranks(per_rank: list[Residency]) -> Residency:
+        """A chunk is usable only when every tensor-parallel rank's copy is."""
+        return Residency(min(r.stored for r in per_rank), min(r.resident for r in per_rank),
+                         any(r.pending for r in per_rank))
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    name: str = "wait"
+    max_wait_s: float = 10.0
+    timeout_s_per_1k_tokens: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ConfigError("prefetch_policy", self.name, f"must be one of {', '.join(POLICIES)}")
+        for field_name in ("max_wait_s", "timeout_s_per_1k_tokens"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"prefetch_{field_name}", value, "must be a number >= 0")
+
+    def budget_s(self, prompt_tokens: int) -> float:
+        if self.name == "wait":
+            return self.max_wait_s
+        if self.name == "timeout":
+            return min(self.max_wait_s, self.timeout_s_per_1k_tokens * prompt_tokens / 1000)
+        return 0.0
+
+
+@dataclass
+class _Tracked:
+    disk_chunks: int  # stored but not in DRAM when the request was first seen
+    resident_at_arrival: int
+    first_ask: float | None = None
+
+
+class PrefetchTracker:
+    """Per-request decisions and timeliness counters (reset by take_counters):
+    prefetch.requests / disk_chunks / resident_chunks: requests that had chunks on disk
+    at arrival, those chunks, and how many of them were in DRAM when admitted
+    (resident_fraction = resident_chunks / disk_chunks); prefetch.ready_requests (all
+    there at the first ask) and prefetch.late_requests with prefetch.late_ms (how long
+    they were held, or would have needed to be)."""
+
+    def __init__(self, policy: PrefetchPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._tracked: dict[str, _Tracked] = {}
+        self.counters: Counter[str] = Counter()
+
+    def arrived(self, req_id: str, residency: Residency) -> None:
+        self._tracked.setdefault(req_id, _Tracked(residency.stored - residency.resident,
+                                                  residency.resident))
+
+    def decide(self, req_id: str, residency: Residency, prompt_tokens: int) -> int | None:
+        """Chunks to load now, or None: ask again later."""
+        self.arrived(req_id, residency)
+        tracked = self._tracked[req_id]
+        now = self._clock()
+        if tracked.first_ask is None:
+            tracked.first_ask = now
+        waited = now - tracked.first_ask
+        if (residency.resident < residency.stored and residency.pending
+                and waited < self.policy.budget_s(prompt_tokens)):
+            return None
+        self._record(tracked, residency, waited)
+        del self._tracked[req_id]
+        return residency.stored if self.policy.name == "wait" else residency.resident
+
+    def forget(self, req_id: str) -> None:
+        self._tracked.pop(req_id, None)
+
+    def _record(self, tracked: _Tracked, residency: Residency, waited: float) -> None:
+        if tracked.disk_chunks <= 0:
+            return
+        ready = min(max(residency.resident - tracked.resident_at_arrival, 0), tracked.disk_chunks)
+        self.counters["prefetch.requests"] += 1
+        self.counters["prefetch.disk_chunks"] += tracked.disk_chunks
+        self.counters["prefetch.resident_chunks"] += ready
+        if ready == tracked.disk_chunks and waited == 0:
+            self.counters["prefetch.ready_requests"] += 1
+        else:
+            self.counters["prefetch.late_requests"] += 1
+            self.counters["prefetch.late_ms"] += round(waited * 1000)
+
+    def take_counters(self) -> dict[str, int]:
+        counters, self.counters = dict(self.counters), Counter()
+        return counters
