@@ -5,7 +5,11 @@ the engine, so only a fresh process shows what kvstore supplies. Used by the
 end-to-end tests, the README demo and `kvstore ttft`.
 
   python -m bench.engine_run --model DIR --prompts prompts.json [--connector JSON]
-      [--single-process] [--max-num-batched-tokens N] [--max-tokens 8]
+      [--single-process] [--max-num-batched-tokens N] [--max-tokens 8] [--busy busy.json]
+
+Prompts run one at a time (TTFT of a request alone), unless --busy names prompts to
+submit first: then the busy prompts and all measured prompts go in at once, and the
+measured ones queue behind a busy engine (results are for the measured ones only).
 
 prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "ttft_s": t}, ...]}
 """
@@ -57,17 +61,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = json.load(f)
     llm = LLM(**_engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    if args.busy:
+        with open(args.busy) as f:
+            busy = json.load(f)
+        started = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": t} for t in busy + prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        return {"results": [_result(output, wall) for output in outputs[len(busy):]]}
     results = []
     for tokens in prompts:  # one at a time: TTFT of a request alone, not of a batch
         started = time.perf_counter()
         output = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
-        wall = time.perf_counter() - started
-        metrics = output.metrics
-        ttft = getattr(metrics, "first_token_latency", 0.0) or wall
-        results.append({"token_ids": list(output.outputs[0].token_ids),
-                        "num_cached_tokens": output.num_cached_tokens, "ttft_s": ttft,
-                        "wall_s": wall})
+        results.append(_result(output, time.perf_counter() - started))
     return {"results": results}
+
+
+def _result(output: Any, wall: float) -> dict[str, Any]:
+    """TTFT from the request's arrival (vLLM's own metric), which includes queueing."""
+    ttft = getattr(output.metrics, "first_token_latency", 0.0) or wall
+    return {"token_ids": list(output.outputs[0].token_ids), "num_cached_tokens": output.num_cached_tokens,
+            "ttft_s": ttft, "wall_s": wall}
 
 
 @dataclass
@@ -80,10 +93,12 @@ class EngineRun:
 def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
               *, single_process: bool = False, max_num_batched_tokens: int | None = None,
               max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
-              check: bool = True) -> EngineRun:
+              check: bool = True, busy_file: str | Path | None = None) -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
                "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
+    if busy_file is not None:
+        command += ["--busy", str(busy_file)]
     if connector is not None:
         command += ["--connector", json.dumps(connector)]
     if single_process:
@@ -133,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     # instruction) on AMX machines when a fresh engine's first attention reads loaded KV.
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")
     return parser
 
 

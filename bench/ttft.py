@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.engine_run import run_fresh
+from bench.queued import measure_queued
+from bench.summary import p50_p90
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from kvstore.client import stop_service
 from kvstore.config import dump_config, load_config
 from kvstore.errors import ConfigError
 
-MEASURED_MODES = ("recompute", "dram", "disk")
+MEASURED_MODES = ("recompute", "dram", "disk", "disk+prefetch")
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384"
 
 
@@ -50,8 +51,7 @@ def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], p
     unknown = set(modes) - set(MEASURED_MODES)
     if unknown:
         raise ConfigError("--modes", ",".join(sorted(unknown)),
-                          f"measurable modes are {', '.join(MEASURED_MODES)} "
-                          "(disk+prefetch needs the prefetcher, not built yet)")
+                          f"measurable modes are {', '.join(MEASURED_MODES)}")
     store = load_config(config)
     rows = []
     for context in contexts:
@@ -68,27 +68,28 @@ def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], p
 
         stop_service(store)  # start from an empty DRAM tier and a known disk state
         runs = [engine("recompute", False)]
-        if "dram" in modes or "disk" in modes:
+        if {"dram", "disk", "disk+prefetch"} & set(modes):
             runs.append(engine("save", True))
         if "dram" in modes:
             runs.append(engine("dram", True))
         if "disk" in modes:
             stop_service(store)  # writes DRAM down, checkpoints; the next run starts a new one
             runs.append(engine("disk", True))
-        stop_service(store)
         rows.extend(_rows(context, runs))
+        if "disk+prefetch" in modes:
+            rows.extend(measure_queued(model, workdir, context, prompts_file, store, single_process,
+                                       progress))
+        stop_service(store)
     return rows
 
 
 def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
     reference = [r["token_ids"] for r in runs[0][1]]
-    base = statistics.median(r["ttft_s"] for r in runs[0][1])
+    base, _ = p50_p90(r["ttft_s"] for r in runs[0][1])
     rows = []
     for mode, results in runs:
-        ttfts = sorted(r["ttft_s"] for r in results)
-        p50 = statistics.median(ttfts)
-        rows.append({"mode": mode, "context_tokens": context, "ttft_p50_s": p50,
-                     "ttft_p90_s": ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))],
+        p50, p90 = p50_p90(r["ttft_s"] for r in results)
+        rows.append({"mode": mode, "context_tokens": context, "ttft_p50_s": p50, "ttft_p90_s": p90,
                      "speedup": base / p50,
                      "loaded_tokens": min(r["num_cached_tokens"] for r in results),
                      "outputs_match": [r["token_ids"] for r in results] == reference})
@@ -96,12 +97,15 @@ def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]]]]) -> list[di
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'context':>8} {'mode':<10} {'TTFT p50':>10} {'TTFT p90':>10} {'vs recompute':>12} "
-          f"{'from kvstore':>12}  outputs match")
+    print(f"\n{'context':>8} {'mode':<22} {'TTFT p50':>10} {'TTFT p90':>10} {'ratio':>15} "
+          f"{'from kvstore':>12} {'from DRAM':>9}  outputs match")
     for row in rows:
-        print(f"{row['context_tokens']:>8} {row['mode']:<10} {row['ttft_p50_s'] * 1000:>8.1f}ms "
-              f"{row['ttft_p90_s'] * 1000:>8.1f}ms {row['speedup']:>11.2f}x "
-              f"{row['loaded_tokens']:>12}  {row['outputs_match']}")
+        ratio = (f"{row['speedup']:.2f}x faster" if "speedup" in row
+                 else f"{row['vs_dram']:.2f}x of dram")
+        resident = row.get("resident_fraction")
+        print(f"{row['context_tokens']:>8} {row['mode']:<22} {row['ttft_p50_s'] * 1000:>8.1f}ms "
+              f"{row['ttft_p90_s'] * 1000:>8.1f}ms {ratio:>15} {row['loaded_tokens']:>12} "
+              f"{'' if resident is None else f'{resident:.0%}':>9}  {row['outputs_match']}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
         return _parse_root(source)
     text = str(source)
     path = Path(text)
-    if "\n" not in text and (path.suffix in (".yaml", ".yml", ".json") or path.exists()):
+    if _names_a_file(text, path):
         if not path.is_file():
             raise ConfigError("config", text, "file not found")
         text = path.read_text()
@@ -98,6 +98,17 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
     if not isinstance(data, dict):
         raise ConfigError("config", data, "must be a mapping")
     return _parse_root(data)
+
+
+def _names_a_file(text: str, path: Path) -> bool:
+    """A one-line source that is not inline JSON/YAML names a file. (Inline JSON can be
+    longer than a path may be: asking the file system about it would fail.)"""
+    if "\n" in text or text.lstrip().startswith("{"):
+        return False
+    try:
+        return path.suffix in (".yaml", ".yml", ".json") or path.exists()
+    except OSError:
+        return False
 
 
 def _parse_root(data: dict[str, Any]) -> StoreConfig:

@@ -62,3 +62,14 @@ def test_sizes():
         with pytest.raises(ValueError):
             parse_size(bad)
     assert format_size(4 << 20) == "4MiB"
+
+
+def test_inline_json_longer_than_a_file_name_is_read_as_json():
+    import json
+
+    long_socket = "/tmp/" + "s" * 90 + ".sock"
+    text = json.dumps({"tiers": {"host": {"capacity": "1GiB"}}, "service": {"socket": long_socket},
+                       "write_behind_chunks": 64, "promote_on_hit": True, "prefetch_inflight": "256MiB",
+                       "io": {"engine": "auto", "queue_depth": 64, "timeout_s": 30.0}})
+    assert len(text) > 255
+    assert load_config(text).service.socket == long_socket

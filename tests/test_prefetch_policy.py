@@ -159,7 +159,7 @@ def test_options_parse_and_reject_bad_policies():
     assert options.prefetch == PrefetchPolicy("timeout", timeout_s_per_1k_tokens=0.2)
     assert parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}},
                           "prefetch": False}).prefetch is None
-    with pytest.raises(ConfigError, match="prefetch_policy.*best_effort, wait, timeout"):
+    with pytest.raises(ConfigError, match=r"prefetch_policy.*best_effort, wait, timeout"):
         parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}, "prefetch_policy": "eager"})
     with pytest.raises(ConfigError, match="prefetch_max_wait_s"):
         PrefetchPolicy(max_wait_s=-1)

@@ -200,3 +200,35 @@ def test_bad_config_fails_at_start_up_naming_the_field(model, prompts, store_con
     failed = run_engine(model, prompts["long"], connector(config), expect_ok=False)
     assert failed.returncode != 0
     assert f"config field '{field}'" in failed.output
+
+
+@pytest.mark.parametrize("policy", ["wait", "timeout", "best_effort"])
+def test_prefetch_policies_load_from_a_restarted_service(model, prompts, reference, store_config, policy):
+    """Chunks only on disk: the request's arrival promotes them; `wait` (and `timeout`
+    with a generous budget) hold it until they are in DRAM, `best_effort` never waits.
+    Every policy gives the reference tokens."""
+    config = store_config()
+    run_engine(model, prompts["long"], connector(config))
+    stop_service(config)
+    loaded = run_engine(model, prompts["long"], connector(config, prefetch_policy=policy,
+                                                          prefetch_timeout_s_per_1k_tokens=5.0))
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    read = counters(config)
+    assert read["prefetch.chunks"] == FULL_CHUNKS and read["prefetch.requests"] == 1
+    assert read["prefetch.disk_chunks"] == FULL_CHUNKS
+    if policy != "best_effort":
+        assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
+        assert read["prefetch.resident_chunks"] == FULL_CHUNKS  # every chunk was in DRAM in time
+        assert read["host.hits"] == FULL_CHUNKS and "disk.hits" not in read
+
+
+def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, reference, store_config):
+    config = store_config()
+    run_engine(model, prompts["long"], connector(config))
+    stop_service(config)
+    _corrupt_first_record(config["tiers"]["disk"][0]["path"])
+    loaded = run_engine(model, prompts["long"], connector(config, prefetch_policy="wait"))
+    assert loaded.results[0]["token_ids"] == reference["long"]
+    read = counters(config)
+    assert read.get("disk.miss.bad_checksum", 0) == 1
+    assert loaded.results[0]["num_cached_tokens"] < FULL_CHUNKS * CHUNK

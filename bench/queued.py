@@ -1,0 +1,80 @@
+"""The prefetch experiment of `kvstore ttft --modes ...,disk+prefetch`: requests whose
+long prefixes sit in kvstore queue behind a busy engine.
+
+Every run is a fresh engine given the same batch at once: `busy` prompts (new tokens,
+nothing stored) first, then the measured prompts. While the engine prefills the busy
+ones, the measured ones wait; with prefetch on, their arrival has already started
+promoting their chunks from disk to DRAM. Three runs, one row each:
+  dram (queued)           chunks in DRAM: the target
+  disk (queued)           DRAM emptied (service restarted), prefetch off: disk reads at load
+  disk+prefetch (queued)  DRAM emptied, prefetch on (the connector's policy)
+`resident_fraction` is the share of the measured requests' loaded chunks that came from
+DRAM rather than disk (the service's host.hits / (host.hits + disk.hits) in that run).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.engine_run import run_fresh
+from bench.summary import p50_p90
+from bench.tiny_model import prompt_token_ids
+from kvstore.client import ServiceUnavailable, attach, stop_service
+from kvstore.config import StoreConfig, dump_config
+
+BUSY_PROMPTS = 2
+
+
+def _service_counters(store: StoreConfig) -> dict[str, int]:
+    try:
+        client = attach(store)
+    except ServiceUnavailable:
+        return {}
+    try:
+        return dict(client.info()["counters"])
+    finally:
+        client.close()
+
+
+def measure_queued(model: Path, workdir: Path, context: int, prompts_file: Path, store: StoreConfig,
+                   single_process: bool, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Rows for the three runs; the measured prompts must already be stored (a save run)."""
+    runs = []
+    for n, (mode, prefetch, restart) in enumerate((("dram (queued)", True, False),
+                                                   ("disk (queued)", False, True),
+                                                   ("disk+prefetch (queued)", True, True))):
+        # New busy prompts per run: the connector stores each run's, and a stored busy
+        # prompt would load instead of keeping the engine busy.
+        busy_file = workdir / f"busy-{context}-{n}.json"
+        seed = 7_000_000 + 1000 * context + 10 * n
+        busy = [prompt_token_ids(context, seed=seed + i) for i in range(BUSY_PROMPTS)]
+        busy_file.write_text(json.dumps(busy))
+        if restart:
+            stop_service(store)  # DRAM written down and emptied: the chunks are on disk only
+        before = _service_counters(store)
+        progress(f"  {context} tokens, {mode}: {BUSY_PROMPTS} busy prompts ahead, a fresh vLLM engine ...")
+        run = run_fresh(model, prompts_file, {"config": dump_config(store), "prefetch": prefetch},
+                        single_process=single_process, max_model_len=context + 64, busy_file=busy_file)
+        after = _service_counters(store)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        runs.append((mode, run.results, delta))
+    return _rows(context, runs)
+
+
+def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]], dict[str, int]]]) -> list[dict[str, Any]]:
+    reference = [r["token_ids"] for r in runs[0][1]]
+    dram_p50, _ = p50_p90(r["ttft_s"] for r in runs[0][1])
+    rows = []
+    for mode, results, counters in runs:
+        host, disk = counters.get("host.hits", 0), counters.get("disk.hits", 0)
+        p50, p90 = p50_p90(r["ttft_s"] for r in results)
+        rows.append({"mode": mode, "context_tokens": context, "busy_prompts": BUSY_PROMPTS,
+                     "ttft_p50_s": p50, "ttft_p90_s": p90, "vs_dram": p50 / dram_p50,
+                     "resident_fraction": host / (host + disk) if host + disk else None,
+                     "prefetch_counters": {k: v for k, v in counters.items() if k.startswith("prefetch.")},
+                     "loaded_tokens": min(r["num_cached_tokens"] for r in results),
+                     "outputs_match": [r["token_ids"] for r in results] == reference})
+    return rows
