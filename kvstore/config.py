@@ -20,6 +20,7 @@ from kvstore.fields import check_keys, int_field, mapping_field, seconds_field, 
 from kvstore.nvmeof.config import NvmeofConfig, dump_nvmeof, parse_nvmeof
 
 IO_ENGINES = ("auto", "uring", "threads")
+WRITE_POLICIES = ("write_back", "write_through")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class StoreConfig:
     promote_on_hit: bool = True
     # Bound on the bytes one prefetch reads at a time (a prefetch goes in waves of this).
     prefetch_inflight: int = 256 << 20
+    # write_back: a chunk reaches disk when DRAM evicts it (or at shutdown);
+    # write_through: also as soon as it is stored, so a killed service loses nothing.
+    write_policy: str = "write_back"
+    disk_min_seen: int = 1  # admission: a chunk goes to disk once stored or read this often
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
 
@@ -113,7 +118,7 @@ def _names_a_file(text: str, path: Path) -> bool:
 
 def _parse_root(data: dict[str, Any]) -> StoreConfig:
     check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit",
-                          "prefetch_inflight", "service"})
+                          "prefetch_inflight", "write_policy", "disk_min_seen", "service"})
     tiers = mapping_field("tiers", data.get("tiers", {}))
     check_keys("tiers", tiers, {"host", "disk", "nvmeof"})
     host = _parse_host(tiers["host"]) if tiers.get("host") is not None else None
@@ -133,8 +138,16 @@ def _parse_root(data: dict[str, Any]) -> StoreConfig:
         write_behind_chunks=int_field("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
         promote_on_hit=promote,
         prefetch_inflight=size_field("prefetch_inflight", data.get("prefetch_inflight", 256 << 20)),
+        write_policy=_choice("write_policy", data.get("write_policy", "write_back"), WRITE_POLICIES),
+        disk_min_seen=int_field("disk_min_seen", data.get("disk_min_seen", 1), 1, 1 << 20),
         service=_parse_service(mapping_field("service", data.get("service", {}))),
     )
+
+
+def _choice(where: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(where, value, f"must be one of {', '.join(allowed)}")
+    return value
 
 
 def _parse_host(value: Any) -> HostTierConfig:
@@ -172,9 +185,7 @@ def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
 def _parse_io(io: dict[str, Any]) -> IoConfig:
     check_keys("io", io, {"engine", "queue_depth", "timeout_s", "breaker_threshold",
                           "breaker_cooldown_s"})
-    engine = io.get("engine", "auto")
-    if engine not in IO_ENGINES:
-        raise ConfigError("io.engine", engine, f"must be one of {', '.join(IO_ENGINES)}")
+    engine = _choice("io.engine", io.get("engine", "auto"), IO_ENGINES)
     return IoConfig(
         engine=engine,
         queue_depth=int_field("io.queue_depth", io.get("queue_depth", 64), 1, 4096),
@@ -219,6 +230,8 @@ def dump_config(config: StoreConfig) -> dict[str, Any]:
         "write_behind_chunks": config.write_behind_chunks,
         "promote_on_hit": config.promote_on_hit,
         "prefetch_inflight": config.prefetch_inflight,
+        "write_policy": config.write_policy,
+        "disk_min_seen": config.disk_min_seen,
         "service": {"socket": config.service.socket, "spawn": config.service.spawn,
                     "staging": config.service.staging, "metrics_port": config.service.metrics_port},
     }

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.admission import AdmissionFilter
 from kvstore.aligned import byte_view, copy_bytes
 from kvstore.config import StoreConfig, load_config
 from kvstore.devices import DATA_FILE, DevicePlan
@@ -82,7 +83,10 @@ class TieredStore:
         self.engine = engine or make_engine(io.engine, io.queue_depth)
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
-        self._writeback: WriteBehind[tuple[bytes, int]] | None = None
+        # (key, DRAM slot, move): move frees the DRAM slot once on disk (an eviction);
+        # otherwise the chunk stays in DRAM too (write_through).
+        self._writeback: WriteBehind[tuple[bytes, int, bool]] | None = None
+        self._admission = AdmissionFilter(self.config.disk_min_seen)
         self._monitor: HealthMonitor | None = None
         # Keys promoted by prefetch and not read since: a read counts prefetch.used, an
         # eviction first counts prefetch.wasted_bytes (the read bought nothing).
@@ -158,6 +162,11 @@ class TieredStore:
         for start in range(0, len(disk_hits), self._wave):
             self._read_disk(keys, views, disk_hits[start : start + self._wave], ok,
                             promote=self.config.promote_on_hit)
+        if self._admission.min_seen > 1:
+            with self._lock:
+                for key, served in zip(keys, ok, strict=True):
+                    if served:
+                        self._admission.see(key)
         self.stats.add("get.chunks", len(keys))
         self.stats.add("get.hits", sum(ok))
         return ok
@@ -292,6 +301,7 @@ class TieredStore:
         to_disk: list[int] = []
         with self._lock:
             for i, key in enumerate(keys):
+                self._admission.see(key)
                 if (self.host and key in self.host.table.index) or (
                         self.disk and key in self.disk.table.index):
                     stored[i] = True
@@ -314,11 +324,19 @@ class TieredStore:
             for i, slot in to_host:
                 assert self.host is not None
                 self.host.table.publish(slot, keys[i], parents[i], seq)
+                if (self._writeback is not None and self.config.write_policy == "write_through"
+                        and self._admission.admit(keys[i])
+                        and not self._queue_disk_write(keys[i], slot, move=False)):
+                    self.stats.add("writethrough.dropped")  # written when evicted instead
                 self.host.table.unpin(slot)
                 stored[i] = True
         if to_host:
             self.stats.add("host.bytes_written", len(to_host) * self.chunk_bytes)
         if to_disk and self.disk:
+            with self._lock:
+                admitted = [i for i in to_disk if self._admission.admit(keys[i])]
+            self.stats.add("disk.not_admitted", len(to_disk) - len(admitted))
+            to_disk = admitted
             for start in range(0, len(to_disk), self._wave):
                 self._put_disk([(i, headers[i]) for i in to_disk[start : start + self._wave]],
                                views, stored)
@@ -403,28 +421,38 @@ class TieredStore:
             self.stats.add("prefetch.wasted_bytes", self.chunk_bytes)
 
     def _claim_for_demotion(self, key: bytes, slot: int) -> bool:
+        """A DRAM victim: queue it for disk (True), or let it be evicted now (False)."""
         if self.disk is None or key in self.disk.table.index:
             return False  # nowhere to go, or already on disk: evict now
-        if self._writeback is not None and self._writeback.offer((key, slot)):
-            self.host.table.pin(slot)  # type: ignore[union-attr]
+        if not self._admission.admit(key):
+            self.stats.add("disk.not_admitted")
+            return False
+        if self._queue_disk_write(key, slot, move=True):
             return True
         self.stats.add("writeback.dropped")
         return False
 
-    def _demote(self, items: list[tuple[bytes, int]]) -> None:
-        """Write-behind thread: copy DRAM victims to disk, then free their DRAM slots."""
+    def _queue_disk_write(self, key: bytes, slot: int, move: bool) -> bool:
+        """Offer a DRAM chunk to the write-behind thread, pinning its slot (lock held)."""
+        if self._writeback is not None and self._writeback.offer((key, slot, move)):
+            self.host.table.pin(slot)  # type: ignore[union-attr]
+            return True
+        return False
+
+    def _demote(self, items: list[tuple[bytes, int, bool]]) -> None:
+        """Write-behind thread: copy DRAM chunks to disk; an eviction's slot is freed."""
         assert self.host is not None
         host = self.host.table
         records = []
         with self._lock:
-            for key, slot in items:
+            for key, slot, _ in items:
                 info = host.slots[slot]
                 records.append((key, info.parent or bytes(16), info.seq,
                                 self.host.slot_view(slot)))
 
         def release(j: int, landed: bool) -> None:  # runs under self._lock
-            key, slot = items[j]
-            if landed and host.index.get(key) == slot:
+            key, slot, move = items[j]
+            if landed and move and host.index.get(key) == slot:
                 host.unpublish(key)
                 self._evicted_from_host(key)
             host.unpin(slot)
@@ -436,9 +464,9 @@ class TieredStore:
         if self.host is None or self.disk is None:
             return
         with self._lock:
-            items = [(key, slot) for key, slot in self.host.table.index.items()
-                     if key not in self.disk.table.index]
-            for _, slot in items:
+            items = [(key, slot, True) for key, slot in self.host.table.index.items()
+                     if key not in self.disk.table.index and self._admission.admit(key)]
+            for _, slot, _ in items:
                 self.host.table.pin(slot)
         for start in range(0, len(items), self._wave):
             self._demote(items[start : start + self._wave])

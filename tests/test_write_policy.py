@@ -1,0 +1,61 @@
+"""Write policies and disk admission: what reaches the disk, and when."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+
+from kvstore.errors import ConfigError
+from kvstore.record import record_bytes
+
+SLOT = record_bytes(CHUNK_BYTES)
+
+
+def _config(disk_dir: str, host_slots: int = 8, **extra) -> dict:
+    return {"tiers": {"host": {"capacity": host_slots * SLOT},
+                      "disk": [{"path": disk_dir, "capacity": 64 * SLOT}]},
+            "io": {"queue_depth": 8, "timeout_s": 5}, **extra}
+
+
+def test_write_back_reaches_disk_only_on_eviction(disk_dir, store_factory):
+    store = store_factory(_config(disk_dir))
+    keys, payloads = make_keys(4), make_payloads(4)
+    assert all(store.put_many(keys, payloads))
+    store.flush()
+    assert len(store.disk.table.index) == 0 and store.lookup(keys).tiers == ("host",) * 4
+
+
+def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, store_factory):
+    store = store_factory(_config(disk_dir, write_policy="write_through"))
+    keys, payloads = make_keys(4), make_payloads(4)
+    assert all(store.put_many(keys, payloads))
+    assert store.flush()
+    assert all(k in store.disk.table.index for k in keys)
+    assert store.lookup(keys).tiers == ("host",) * 4  # still served from DRAM
+    # A service killed now loses nothing: the disk alone serves every chunk.
+    store.host.table.index.clear()
+    ok, outs = read_back(store, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+
+
+def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
+    store = store_factory(_config(disk_dir, host_slots=4, disk_min_seen=2))
+    popular, popular_payloads = make_keys(2, seed=1), make_payloads(2, seed=1)
+    store.put_many(popular, popular_payloads)
+    read_back(store, popular)  # seen twice: stored once, read once
+    one_off, one_off_payloads = make_keys(8, seed=2), make_payloads(8, seed=2)
+    store.put_many(one_off, one_off_payloads)  # pushes everything out of the 4 DRAM slots
+    store.flush()
+    assert all(k in store.disk.table.index for k in popular)
+    assert not any(k in store.disk.table.index for k in one_off[:4])  # evicted, never written
+    assert store.stats.snapshot()["disk.not_admitted"] >= 4
+
+
+def test_bad_write_policy_names_the_field(disk_dir):
+    from kvstore.config import load_config
+
+    with pytest.raises(ConfigError, match=r"write_policy.*write_back, write_through"):
+        load_config(_config(disk_dir, write_policy="always"))
+    with pytest.raises(ConfigError, match="disk_min_seen"):
+        load_config(_config(disk_dir, disk_min_seen=0))
