@@ -10,6 +10,9 @@ promoting their chunks from disk to DRAM. Three runs, one row each:
   disk+prefetch (queued)  DRAM emptied, prefetch on (the connector's policy)
 `resident_fraction` is the share of the measured requests' loaded chunks that came from
 DRAM rather than disk (the service's host.hits / (host.hits + disk.hits) in that run).
+With `device_staging` (bytes), the runs also stage chunks into the workers' device pools
+on arrival, and `device_resident_fraction` is the share of loaded chunks taken from there
+(staging.hits / staging.loaded_chunks).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def _service_counters(store: StoreConfig) -> dict[str, int]:
 
 
 def measure_queued(model: Path, workdir: Path, context: int, prompts_file: Path, store: StoreConfig,
-                   single_process: bool, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+                   single_process: bool, progress: Callable[[str], None],
+                   device_staging: int = 0) -> list[dict[str, Any]]:
     """Rows for the three runs; the measured prompts must already be stored (a save run)."""
     runs = []
     for n, (mode, prefetch, restart) in enumerate((("dram (queued)", True, False),
@@ -56,7 +60,9 @@ def measure_queued(model: Path, workdir: Path, context: int, prompts_file: Path,
             stop_service(store)  # DRAM written down and emptied: the chunks are on disk only
         before = _service_counters(store)
         progress(f"  {context} tokens, {mode}: {BUSY_PROMPTS} busy prompts ahead, a fresh vLLM engine ...")
-        run = run_fresh(model, prompts_file, {"config": dump_config(store), "prefetch": prefetch},
+        options = {"config": dump_config(store), "prefetch": prefetch,
+                   "device_staging": device_staging if prefetch else 0}
+        run = run_fresh(model, prompts_file, options,
                         single_process=single_process, max_model_len=context + 64, busy_file=busy_file)
         after = _service_counters(store)
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -74,7 +80,10 @@ def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]], dict[str, in
         rows.append({"mode": mode, "context_tokens": context, "busy_prompts": BUSY_PROMPTS,
                      "ttft_p50_s": p50, "ttft_p90_s": p90, "vs_dram": p50 / dram_p50,
                      "resident_fraction": host / (host + disk) if host + disk else None,
-                     "prefetch_counters": {k: v for k, v in counters.items() if k.startswith("prefetch.")},
+                     "device_resident_fraction": (counters["staging.hits"] / counters["staging.loaded_chunks"]
+                                                  if counters.get("staging.loaded_chunks") else None),
+                     "prefetch_counters": {k: v for k, v in counters.items()
+                                           if k.startswith(("prefetch.", "staging."))},
                      "loaded_tokens": min(r["num_cached_tokens"] for r in results),
                      "outputs_match": [r["token_ids"] for r in results] == reference})
     return rows

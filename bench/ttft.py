@@ -27,6 +27,7 @@ from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from kvstore.client import stop_service
 from kvstore.config import dump_config, load_config
 from kvstore.errors import ConfigError
+from kvstore.units import parse_size
 
 MEASURED_MODES = ("recompute", "dram", "disk", "disk+prefetch")
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384"
@@ -46,7 +47,7 @@ def demo_model(workdir: Path) -> Path:
 
 def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], prompts: int,
             config: dict[str, Any], single_process: bool = False,
-            progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+            progress: Callable[[str], None] = print, device_staging: int = 0) -> list[dict[str, Any]]:
     """Rows {mode, context_tokens, ttft_p50_s, ttft_p90_s, speedup, loaded_tokens, outputs_match}."""
     unknown = set(modes) - set(MEASURED_MODES)
     if unknown:
@@ -78,7 +79,7 @@ def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], p
         rows.extend(_rows(context, runs))
         if "disk+prefetch" in modes:
             rows.extend(measure_queued(model, workdir, context, prompts_file, store, single_process,
-                                       progress))
+                                       progress, device_staging))
         stop_service(store)
     return rows
 
@@ -98,14 +99,18 @@ def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]]]]) -> list[di
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'context':>8} {'mode':<22} {'TTFT p50':>10} {'TTFT p90':>10} {'ratio':>15} "
-          f"{'from kvstore':>12} {'from DRAM':>9}  outputs match")
+          f"{'from kvstore':>12} {'from DRAM':>9} {'on device':>9}  outputs match")
+
+    def percent(value: float | None) -> str:
+        return "" if value is None else f"{value:.0%}"
+
     for row in rows:
         ratio = (f"{row['speedup']:.2f}x faster" if "speedup" in row
                  else f"{row['vs_dram']:.2f}x of dram")
-        resident = row.get("resident_fraction")
         print(f"{row['context_tokens']:>8} {row['mode']:<22} {row['ttft_p50_s'] * 1000:>8.1f}ms "
               f"{row['ttft_p90_s'] * 1000:>8.1f}ms {ratio:>15} {row['loaded_tokens']:>12} "
-              f"{'' if resident is None else f'{resident:.0%}':>9}  {row['outputs_match']}")
+              f"{percent(row.get('resident_fraction')):>9} {percent(row.get('device_resident_fraction')):>9}"
+              f"  {row['outputs_match']}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="kvstore config for the tiers (default: a temp directory)")
     parser.add_argument("--workdir", help="where the model, prompts and tiers go (default: temp)")
     parser.add_argument("--single-process", action="store_true")
+    parser.add_argument("--device-staging", default="0",
+                        help="disk+prefetch: also stage chunks into a device pool of this size")
     parser.add_argument("--estimate", action="store_true",
                         help="estimate from a model config and a hardware profile instead")
     parser.add_argument("--hardware", default="h100", help="h100, h200, mi300x, rtx4090 (--estimate)")
@@ -134,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else demo_model(workdir)
     config = load_config(args.config) if args.config else load_config(default_config(workdir))
     rows = measure(model, workdir, contexts, modes, args.prompts, dump_config(config),
-                   args.single_process)
+                   args.single_process, device_staging=parse_size(args.device_staging))
     print_rows(rows)
     _write(args.json, {"model": str(model), "results": rows}, rows, "ttft_p50_s")
     return 0 if all(row["outputs_match"] for row in rows) else 1

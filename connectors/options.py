@@ -8,6 +8,8 @@ store keys may sit at the top level. Engine-side keys:
   prefetch_policy: wait        best_effort | wait | timeout (connectors/prefetch.py)
   prefetch_max_wait_s: 10      the longest a request is held for its prefetch
   prefetch_timeout_s_per_1k_tokens: 0.05   the `timeout` policy's budget per 1k tokens
+  device_staging: 0  bytes of device memory (HBM; CPU memory on the CPU engine) for
+                     chunks staged ahead of loads; 0: off (connectors/device_staging.py)
   model_id:   str    identity used in chunk keys (default: the engine's model path)
 """
 
@@ -19,9 +21,10 @@ from typing import Any
 from connectors.prefetch import PrefetchPolicy
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import ConfigError
+from kvstore.fields import size_field
 
 _ENGINE_KEYS = {"load_async", "model_id", "prefetch", "prefetch_policy", "prefetch_max_wait_s",
-                "prefetch_timeout_s_per_1k_tokens"}
+                "prefetch_timeout_s_per_1k_tokens", "device_staging"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class ConnectorOptions:
     load_async: bool = True
     model_id: str | None = None
     prefetch: PrefetchPolicy | None = field(default_factory=PrefetchPolicy)  # None: prefetch off
+    device_staging: int = 0  # bytes of the workers' device staging pools; 0: off
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -38,6 +42,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
                             max_wait_s=extra.pop("prefetch_max_wait_s", 10.0),
                             timeout_s_per_1k_tokens=extra.pop("prefetch_timeout_s_per_1k_tokens", 0.05))
     load_async, prefetch = extra.pop("load_async", True), extra.pop("prefetch", True)
+    device_staging = size_field("device_staging", extra.pop("device_staging", 0), minimum=0)
     for name, value in (("load_async", load_async), ("prefetch", prefetch)):
         if not isinstance(value, bool):
             raise ConfigError(name, value, "must be true or false")
@@ -55,7 +60,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     if not source:
         raise ConfigError("config", None, "required: a kvstore config file or mapping")
     return ConnectorOptions(store=load_config(source), load_async=load_async, model_id=model_id,
-                            prefetch=policy if prefetch else None)
+                            prefetch=policy if prefetch else None, device_staging=device_staging)
 
 
 def check_chunk_size(chunk_tokens: int, block_size: int) -> int:

@@ -31,8 +31,17 @@ class Transfer:
         return len(self.blocks)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """Chunks to fetch into the workers' device pools ahead of a load (keys[rank][i])."""
+
+    req_id: str
+    keys: tuple[tuple[bytes, ...], ...]
+
+
 @dataclass
 class StepPlan:
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
     load_async: bool = True

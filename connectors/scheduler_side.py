@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from connectors.plan import SKIP, StepPlan, Transfer
+from connectors.plan import SKIP, Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from kvstore.keys import KVNamespace, chunk_keys
 
@@ -46,7 +46,8 @@ class SchedulerCore:
 
     def __init__(self, chunk_tokens: int, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]],
-                 lookup: Lookup, load_async: bool, prefetch: PrefetchPolicy | None = None) -> None:
+                 lookup: Lookup, load_async: bool, prefetch: PrefetchPolicy | None = None,
+                 stage_on_arrival: bool = False) -> None:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
@@ -54,6 +55,7 @@ class SchedulerCore:
         self._lookup = lookup
         self.load_async = load_async
         self.prefetch = PrefetchTracker(prefetch) if prefetch is not None else None
+        self.stage_on_arrival = stage_on_arrival  # workers have device staging pools
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan(load_async=load_async)
@@ -68,11 +70,15 @@ class SchedulerCore:
 
     def on_arrival(self, req_id: str, prompt: Sequence[int], salt: str = "") -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,
-        long before the scheduler reaches it."""
-        if self.prefetch is None:
+        long before the scheduler reaches it, and have the workers stage them."""
+        if self.prefetch is None and not self.stage_on_arrival:
             return
         keys = self._arrived[req_id] = self._keys(prompt, salt)
-        self.prefetch.arrived(req_id, self._residency(keys, prefetch=True))
+        residency = self._residency(keys, prefetch=self.prefetch is not None)
+        if self.prefetch is not None:
+            self.prefetch.arrived(req_id, residency)
+        if self.stage_on_arrival and residency.stored:
+            self._plan.stages.append(Stage(req_id, tuple(tuple(k[: residency.stored]) for k in keys)))
 
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
         """Tokens a future request will start with: promote what the store holds of them."""

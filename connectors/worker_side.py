@@ -6,6 +6,10 @@ not verify, went missing or timed out is reported by its block ids, and the
 engine recomputes those tokens. With `load_async`, loads run on a thread while
 the request waits outside the batch; otherwise before the forward pass.
 
+With a device staging pool (connectors/device_staging.py), chunks a request's arrival
+asked to stage are fetched ahead by a thread of their own, and a load copies those
+from the pool (device to device), asking the service only for the others.
+
 Saves never block the forward pass beyond one copy: after the step, each chunk's
 blocks are gathered into a free window slot (copy out), and a writer thread hands
 the slots to the service (write behind). With no free slot the rest of that run
@@ -23,8 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from connectors.device_staging import DeviceStagingPool
 from connectors.link import ServiceLink
-from connectors.plan import SKIP, Transfer
+from connectors.plan import SKIP, Stage, Transfer
 from kvstore.client import StoreClient
 from kvstore.errors import KVStoreError
 from kvstore.stats import Stats
@@ -39,7 +46,7 @@ class KVLayout(Protocol):
 
     def gather(self, blocks: Sequence[int], out: memoryview) -> None: ...
 
-    def scatter(self, src: memoryview, blocks: Sequence[int]) -> None: ...
+    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,13 @@ class _Write:
 
 class WorkerCore:
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient],
-                 load_async: bool) -> None:
+                 load_async: bool, staging: DeviceStagingPool | None = None) -> None:
         self.layout = layout
         self.rank = rank
-        self.stats = Stats()
+        self.stats = staging.stats if staging is not None else Stats()
+        self.staging = staging
+        self._stager = ServiceLink(make_client) if staging is not None else None
+        self._stage_pool = ThreadPoolExecutor(1, "kvstore-stage") if staging is not None else None
         self._loader = ServiceLink(make_client)
         self._saver = ServiceLink(make_client)
         self._loader.start()
@@ -82,22 +92,47 @@ class WorkerCore:
             else:
                 self._load(transfer, False)
 
+    def start_stages(self, stages: Sequence[Stage]) -> None:
+        if self._stage_pool is not None:
+            for stage in stages:
+                self._stage_pool.submit(self._stage, stage)
+
+    def _stage(self, stage: Stage) -> None:
+        """Fetch a request's chunks into the device pool before its load needs them."""
+        assert self.staging is not None and self._stager is not None
+        try:
+            client = self._stager.get()
+            keys = [k for k in stage.keys[self.rank] if k not in self.staging]
+            if client is None:
+                return
+            for start in range(0, len(keys), client.slots):
+                wave = keys[start : start + client.slots]
+                found = client.get(wave, range(len(wave)))
+                served = [i for i, ok in enumerate(found) if ok]
+                self.staging.stage([wave[i] for i in served], [client.slot(i) for i in served])
+        except Exception as exc:  # staging is an optimisation: the load falls back to the service
+            log.warning("kvstore staging for %s failed (%s)", stage.req_id, exc)
+            if self._stager is not None:
+                self._stager.fail()
+
     def _load(self, transfer: Transfer, report_finished: bool) -> None:
         failed: list[int] = []
         try:
-            client = self._loader.get()
             keys = transfer.keys[self.rank]
+            pending = [i for i in range(transfer.num_chunks) if not self._load_staged(keys[i],
+                                                                                      transfer.blocks[i])]
+            client = self._loader.get() if pending else None
             wave = client.slots if client else 1
-            for start in range(0, transfer.num_chunks, wave):
-                end = min(start + wave, transfer.num_chunks)
-                found = self._get(client, keys[start:end])
-                for i, ok in enumerate(found):
-                    blocks = transfer.blocks[start + i]
+            for start in range(0, len(pending), wave):
+                chunks = pending[start : start + wave]
+                found = self._get(client, [keys[i] for i in chunks])
+                for slot, (i, ok) in enumerate(zip(chunks, found, strict=True)):
                     if ok and client is not None:
-                        self.layout.scatter(client.slot(i), blocks)
+                        self.layout.scatter(client.slot(slot), transfer.blocks[i])
                     else:
-                        failed.extend(b for b in blocks if b != SKIP)
+                        failed.extend(b for b in transfer.blocks[i] if b != SKIP)
             self.stats.add("load.chunks", transfer.num_chunks)
+            self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         except Exception:  # never let a load bug kill the engine: recompute instead
             log.exception("kvstore load for %s failed; its tokens will be recomputed",
                           transfer.req_id)
@@ -108,6 +143,30 @@ class WorkerCore:
                 self._failed_blocks.update(failed)
             if report_finished:
                 self._finished_loads.add(transfer.req_id)
+
+    def _report_staging(self, staged: int, loaded: int) -> None:
+        """Tell the service how much of this load the device pool served (its counters
+        staging.hits / staging.loaded_chunks are the device tier's resident fraction)."""
+        client = self._loader.get() if self.staging is not None else None
+        if client is None:
+            return
+        try:
+            client.count({"staging.hits": staged, "staging.loaded_chunks": loaded})
+        except KVStoreError as exc:
+            log.debug("kvstore: staging counters not reported (%s)", exc)
+
+    def _load_staged(self, key: bytes, blocks: Sequence[int]) -> bool:
+        """Copy a staged chunk from the device pool into its blocks; False if not staged."""
+        slot = self.staging.take(key) if self.staging is not None else None
+        if slot is None:
+            return False
+        assert self.staging is not None
+        try:
+            self.layout.scatter(self.staging.slot(slot), blocks)
+        finally:
+            self.staging.release(slot)
+        self.stats.add("staging.hits")
+        return True
 
     def _get(self, client: StoreClient | None, keys: Sequence[bytes]) -> list[bool]:
         if client is None:
@@ -172,7 +231,9 @@ class WorkerCore:
         self._writes.put(None)
         self._writer.join(timeout=30)
         log.info("kvstore worker %d: %s", self.rank, self.stats.snapshot())
-        if self._load_pool is not None:
-            self._load_pool.shutdown(wait=True)
-        self._loader.close()
-        self._saver.close()
+        for pool in (self._load_pool, self._stage_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        for link in (self._loader, self._saver, self._stager):
+            if link is not None:
+                link.close()

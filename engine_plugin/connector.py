@@ -25,14 +25,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connectors.device_staging import DeviceStagingPool
 from connectors.link import ServiceLink
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
+from kvstore.aligned import pin_for_cuda
 from kvstore.client import StoreClient
 from kvstore.keys import KVNamespace
+from kvstore.stats import Stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,7 +73,8 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._lookup_link.start()  # starts the service if needed: config errors surface now
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
                                             self._lookup, self.options.load_async,
-                                            self.options.prefetch)
+                                            self.options.prefetch,
+                                            stage_on_arrival=self.options.device_staging > 0)
         log.info("kvstore connector (%s): chunk %d tokens, socket %s", role.name,
                  store.chunk_tokens, store.service.socket)
 
@@ -168,15 +172,24 @@ class TieredKVConnector(KVConnectorBase_V1):
         namespace = self._namespaces("")[rank].digest()
 
         def make_client() -> StoreClient:
-            return StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
-                               dtype=str(self._kv_dtype()), shape=(layout.chunk_bytes,))
+            client = StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
+                                 dtype=str(self._kv_dtype()), shape=(layout.chunk_bytes,))
+            if layout.device.type == "cuda" and client.window is not None:
+                pin_for_cuda(client.window)  # host-to-device copies from it run asynchronously
+            return client
 
-        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async)
+        staging = None
+        if self.options.device_staging:
+            staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device,
+                                        Stats())
+        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging)
         log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
                  layout.chunk_bytes)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
+        if self._worker is not None and plan.stages:
+            self._worker.start_stages(plan.stages)
         if self._worker is not None and plan.loads:
             self._worker.start_loads(plan.loads, plan.load_async)
 

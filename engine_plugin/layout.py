@@ -68,15 +68,16 @@ class PagedKVLayout:
             part.copy_(layer.index_select(0, index))
             offset += size
 
-    def scatter(self, src: memoryview, blocks: Sequence[int]) -> None:
-        """Write the chunk's bytes into its blocks, leaving SKIP positions untouched."""
-        if len(src) != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
-            raise ShapeError(f"chunk of {len(src)} bytes / {len(blocks)} blocks does not fit "
+    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int]) -> None:
+        """Write the chunk's bytes (host memory, or a uint8 tensor such as a device
+        staging slot) into its blocks, leaving SKIP positions untouched."""
+        source = src if isinstance(src, torch.Tensor) else torch.frombuffer(src, dtype=torch.uint8)
+        if source.numel() != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
+            raise ShapeError(f"chunk of {source.numel()} bytes / {len(blocks)} blocks does not fit "
                              f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
-        source = torch.frombuffer(src, dtype=torch.uint8)
         keep = [i for i, block in enumerate(blocks) if block != SKIP]
         index = torch.tensor([blocks[i] for i in keep], device=self.device)
-        positions = torch.tensor(keep)
+        positions = torch.tensor(keep, device=source.device)
         offset = 0
         for layer, block_bytes in zip(self.layers, self.block_bytes, strict=True):
             size = len(blocks) * block_bytes

@@ -14,6 +14,7 @@ import signal
 import pytest
 from engine_harness import run_engine, service_client, stop_service
 
+from bench.engine_run import run_fresh
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from kvstore.devices import DATA_FILE
 from kvstore.disk_layout import Superblock
@@ -232,3 +233,23 @@ def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, ref
     read = counters(config)
     assert read.get("disk.miss.bad_checksum", 0) == 1
     assert loaded.results[0]["num_cached_tokens"] < FULL_CHUNKS * CHUNK
+
+
+def test_device_staging_serves_a_queued_request(model, prompts, reference, store_config, tmp_path):
+    """A stored prompt queued behind a busy prompt: its arrival stages its chunks into
+    the worker's device pool (CPU memory here, the same code as HBM), and its load copies
+    them from there. Tokens match the same batch run without kvstore."""
+    config = store_config()
+    run_engine(model, prompts["long"], connector(config))
+    stop_service(config)  # chunks on disk only
+    busy = tmp_path / "busy.json"
+    busy.write_text(json.dumps([prompt_token_ids(PROMPT_LEN, seed=99)]))
+    batched_reference = run_fresh(model, prompts["long"], None, single_process=True, busy_file=busy,
+                                  timeout_s=300)
+    loaded = run_fresh(model, prompts["long"], connector(config, device_staging="64MiB"),
+                       single_process=True, busy_file=busy, timeout_s=300)
+    assert loaded.results[0]["token_ids"] == batched_reference.results[0]["token_ids"]
+    assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
+    read = counters(config)
+    assert read["staging.loaded_chunks"] == FULL_CHUNKS
+    assert read["staging.hits"] == FULL_CHUNKS  # every chunk was on the device in time

@@ -1,0 +1,116 @@
+"""The device tier: chunks staged into device memory ahead of a load, which then
+copies them device to device and asks the service only for the rest. On this
+machine the device is the CPU (the same code path); tests marked `cuda` run the
+pinned-window, side-stream path where a GPU exists."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from engine_harness import stop_service
+
+from connectors.device_staging import DeviceStagingPool
+from connectors.plan import Stage, Transfer
+from connectors.worker_side import WorkerCore
+from engine_plugin.layout import PagedKVLayout
+from kvstore.client import StoreClient
+from kvstore.config import load_config
+from kvstore.stats import Stats
+
+NUM_BLOCKS, BLOCKS_PER_CHUNK = 16, 2
+
+
+def _sources(count: int, chunk_bytes: int, seed: int = 0) -> list[memoryview]:
+    rng = np.random.default_rng(seed)
+    return [memoryview(bytearray(rng.integers(0, 256, chunk_bytes, dtype=np.uint8).tobytes()))
+            for _ in range(count)]
+
+
+def _pool(slots: int, chunk_bytes: int = 4096, device: str = "cpu") -> DeviceStagingPool:
+    return DeviceStagingPool(chunk_bytes, slots * chunk_bytes, torch.device(device), Stats())
+
+
+def test_staged_chunks_are_taken_once_and_slots_come_back():
+    pool = _pool(3)
+    keys, sources = [bytes([i]) * 16 for i in range(3)], _sources(3, 4096)
+    assert pool.stage(keys, sources) == 3
+    assert pool.stage(keys[:1], sources[:1]) == 0  # already staged
+    slot = pool.take(keys[1])
+    assert slot is not None and bytes(pool.slot(slot).numpy()) == bytes(sources[1])
+    assert pool.take(keys[1]) is None and keys[1] not in pool
+    pool.release(slot)
+    assert pool.stage([b"x" * 16], _sources(1, 4096, seed=1)) == 1  # the released slot
+
+
+def test_a_full_pool_evicts_the_oldest_unused_chunk_but_never_a_taken_one():
+    pool = _pool(2)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    pool.stage(keys[:2], _sources(2, 4096))
+    taken = pool.take(keys[0])
+    assert pool.stage(keys[2:3], _sources(1, 4096, seed=2)) == 1  # evicts keys[1], not the taken one
+    assert keys[1] not in pool and keys[2] in pool
+    assert pool.stats.snapshot()["staging.evicted_unused"] == 1
+    assert pool.take(keys[2]) is not None
+    assert pool.stage(keys[3:], _sources(1, 4096)) == 0  # both slots taken by loads
+    pool.release(taken)
+
+
+@pytest.fixture
+def service_config(tmp_path, disk_dir):
+    raw = {"tiers": {"host": {"capacity": "8MiB"},
+                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "16MiB"}]},
+           "io": {"timeout_s": 5}, "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    yield raw
+    stop_service(raw)
+
+
+def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config):
+    torch.manual_seed(0)
+    caches = {f"layers.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64).half() for i in range(2)}
+    source = PagedKVLayout(caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service_config)
+    keys = tuple(bytes([i + 1]) * 16 for i in range(4))
+    blocks = ((0, 1), (2, 3), (4, 5), (6, 7))
+    writer = StoreClient(config, source.chunk_bytes)
+    for slot, chunk_blocks in enumerate(blocks):
+        source.gather(chunk_blocks, writer.slot(slot))
+    assert writer.put(keys, range(4)) == [True] * 4
+    writer.close()
+
+    target_caches = {name: torch.zeros_like(t) for name, t in caches.items()}
+    target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    pool = DeviceStagingPool(target.chunk_bytes, 8 * target.chunk_bytes, target.device, Stats())
+    worker = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False,
+                        staging=pool)
+    try:
+        worker.start_stages([Stage("r", (keys[:3],))])
+        worker._stage_pool.submit(lambda: None).result(timeout=30)  # staging done
+        assert all(k in pool for k in keys[:3]) and keys[3] not in pool
+        load_blocks = ((8, 9), (10, 11), (12, 13), (14, 15))
+        worker.start_loads([Transfer("r", (keys,), (None,), load_blocks)], load_async=False)
+        assert worker.take_failed_blocks() == set()
+        for name in caches:
+            for src, dst in zip(blocks, load_blocks, strict=True):
+                assert torch.equal(target_caches[name][list(dst)], caches[name][list(src)])
+        assert worker.stats.snapshot()["staging.hits"] == 3  # the fourth came from the service
+        assert not any(k in pool for k in keys)  # taken by the load
+    finally:
+        worker.close()
+
+
+@pytest.mark.cuda
+def test_cuda_staging_round_trip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pool = _pool(4, chunk_bytes=1 << 20, device="cuda")
+    assert pool.stream is not None
+    sources = _sources(4, 1 << 20)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    assert pool.stage(keys, sources) == 4
+    for key, source in zip(keys, sources, strict=True):
+        slot = pool.take(key)
+        assert bytes(pool.slot(slot).cpu().numpy()) == bytes(source)
+        pool.release(slot)
