@@ -73,33 +73,48 @@ def loop_devices_unavailable() -> str | None:
     return None
 
 
-class LoopNamespaces:
-    """`count` loop devices of `size` bytes under a fake sysfs; detached on exit."""
+class LoopDevices:
+    """`count` loop devices of `size` bytes each (sparse files in `workdir`, direct I/O,
+    4 KiB sectors, like an NVMe namespace); detached on exit."""
 
     def __init__(self, workdir: str, count: int, size: int) -> None:
         self.workdir = workdir
         self.count, self.size = count, size
-        self.sysfs_root = os.path.join(workdir, "sysfs")
         self.devices: list[str] = []
-        self.namespaces: list[FakeNamespace] = []
 
-    def __enter__(self) -> LoopNamespaces:
+    def __enter__(self) -> LoopDevices:
         try:
             for i in range(self.count):
                 backing = os.path.join(self.workdir, f"namespace{i}.img")
                 with open(backing, "wb") as handle:
                     handle.truncate(self.size)
-                device = subprocess.run(["losetup", "--find", "--show", "--direct-io=on",
-                                         "--sector-size", "4096", backing], check=True,
-                                        capture_output=True, text=True, timeout=30).stdout.strip()
-                self.devices.append(device)
-                self.namespaces.append(FakeNamespace(os.path.basename(device), nsid=1,
-                                                     controller=f"nvme{i}"))
+                self.devices.append(subprocess.run(
+                    ["losetup", "--find", "--show", "--direct-io=on", "--sector-size", "4096", backing],
+                    check=True, capture_output=True, text=True, timeout=30).stdout.strip())
         except BaseException:
             self.__exit__()
             raise
-        for i, ns in enumerate(self.namespaces):  # one subsystem each: a path loss hits one
-            write_sysfs(self.sysfs_root, [ns], self.subnqn(i), subsystem_index=i)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for device in self.devices:
+            subprocess.run(["losetup", "--detach", device], check=False, capture_output=True, timeout=30)
+        self.devices.clear()
+
+
+class LoopNamespaces(LoopDevices):
+    """Loop devices under a generated sysfs tree, one NVMe-oF subsystem each."""
+
+    def __init__(self, workdir: str, count: int, size: int) -> None:
+        super().__init__(workdir, count, size)
+        self.sysfs_root = os.path.join(workdir, "sysfs")
+        self.namespaces: list[FakeNamespace] = []
+
+    def __enter__(self) -> LoopNamespaces:
+        super().__enter__()
+        for i, device in enumerate(self.devices):  # one subsystem each: a path loss hits one
+            self.namespaces.append(FakeNamespace(os.path.basename(device), nsid=1, controller=f"nvme{i}"))
+            write_sysfs(self.sysfs_root, [self.namespaces[-1]], self.subnqn(i), subsystem_index=i)
         return self
 
     @staticmethod
@@ -115,8 +130,3 @@ class LoopNamespaces:
 
     def set_state(self, index: int, state: str) -> None:
         set_controller_state(self.sysfs_root, self.namespaces[index].controller, state)
-
-    def __exit__(self, *exc: object) -> None:
-        for device in self.devices:
-            subprocess.run(["losetup", "--detach", device], check=False, capture_output=True, timeout=30)
-        self.devices.clear()

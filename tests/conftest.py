@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
+from bench.loopdev import LoopDevices, loop_devices_unavailable
+from kvstore.io import make_engine
+from kvstore.io.faulty import FaultyEngine
 from kvstore.keys import KVNamespace, chunk_keys
 from kvstore.store import TieredStore
 
@@ -31,6 +36,34 @@ def disk_dir(tmp_path) -> str:
 @pytest.fixture(params=["uring", "threads"])
 def engine(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def faulty(engine) -> Iterator[FaultyEngine]:
+    """A real engine behind a fault injector; teardown frees anything left hanging."""
+    wrapper = FaultyEngine(make_engine(engine, 8))
+    yield wrapper
+    wrapper.release()
+
+
+def require_loop_devices() -> None:
+    reason = loop_devices_unavailable()
+    if reason:
+        pytest.skip(f"loop devices unavailable: {reason}")
+
+
+@contextmanager
+def attached(loops: LoopDevices) -> Iterator[LoopDevices]:
+    """Attach loop devices for a test, or skip it where the machine cannot."""
+    require_loop_devices()
+    try:
+        loops.__enter__()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"loop devices unavailable: {exc.stderr.strip()}")
+    try:
+        yield loops
+    finally:
+        loops.__exit__()
 
 
 def make_keys(count: int, seed: int = 0) -> list[bytes]:

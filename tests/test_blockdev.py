@@ -1,13 +1,11 @@
 """The disk tier on real block devices: loop devices with direct I/O and 4 KiB sectors."""
 
-import os
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back
 
-from bench.loopdev import loop_devices_unavailable
+from bench.loopdev import LoopDevices
 from kvstore.errors import DeviceError
 from kvstore.record import record_bytes
 
@@ -17,25 +15,8 @@ SLOT = record_bytes(CHUNK_BYTES)
 
 @pytest.fixture
 def loop_devices(disk_dir):
-    reason = loop_devices_unavailable()
-    if reason:
-        pytest.skip(f"loop devices unavailable: {reason}")
-    devices = []
-    try:
-        for i in range(2):
-            backing = os.path.join(disk_dir, f"backing{i}.img")
-            with open(backing, "wb") as handle:
-                handle.truncate(16 << 20)
-            done = subprocess.run(["losetup", "--find", "--show", "--direct-io=on",
-                                   "--sector-size", "4096", backing],
-                                  capture_output=True, text=True, timeout=30)
-            if done.returncode != 0:
-                pytest.skip(f"loop devices unavailable: {done.stderr.strip()}")
-            devices.append(done.stdout.strip())
-        yield devices
-    finally:
-        for device in devices:
-            subprocess.run(["losetup", "-d", device], timeout=30, check=False)
+    with attached(LoopDevices(disk_dir, count=2, size=16 << 20)) as loops:
+        yield loops.devices
 
 
 def test_striped_block_devices_round_trip_and_recover(loop_devices, engine, store_factory):

@@ -14,18 +14,10 @@ import pytest
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from kvstore.device_health import IN_SERVICE, OFFLINE, TRIPPED
-from kvstore.io import make_engine
-from kvstore.io.faulty import Fault, FaultyEngine
+from kvstore.io.faulty import Fault
 from kvstore.record import record_bytes
 
 SLOT = record_bytes(CHUNK_BYTES)
-
-
-@pytest.fixture
-def faulty(engine):
-    wrapper = FaultyEngine(make_engine(engine, 8))
-    yield wrapper
-    wrapper.release()  # teardown frees anything left hanging
 
 
 def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8):

@@ -7,18 +7,10 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
-from kvstore.io import make_engine
-from kvstore.io.faulty import Fault, FaultyEngine
+from kvstore.io.faulty import Fault
 from kvstore.record import record_bytes
 
 SLOT = record_bytes(CHUNK_BYTES)
-
-
-@pytest.fixture
-def faulty(engine):
-    wrapper = FaultyEngine(make_engine(engine, 8))
-    yield wrapper
-    wrapper.release()  # teardown frees anything left hanging
 
 
 def _filled(disk_dir, faulty, store_factory, count=6, timeout_s=5.0):

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
 
-from bench.loopdev import LoopNamespaces, loop_devices_unavailable
+from bench.loopdev import LoopNamespaces
 from kvstore.device_health import IN_SERVICE, OFFLINE
 from kvstore.record import record_bytes
 
@@ -21,10 +21,7 @@ SLOT = record_bytes(CHUNK_BYTES)
 
 @pytest.fixture
 def namespaces(disk_dir):
-    reason = loop_devices_unavailable()
-    if reason:
-        pytest.skip(f"loop devices unavailable: {reason}")
-    with LoopNamespaces(disk_dir, count=2, size=16 << 20) as fake:
+    with attached(LoopNamespaces(disk_dir, count=2, size=16 << 20)) as fake:
         yield fake
 
 
@@ -82,9 +79,7 @@ def test_the_monitor_thread_acts_on_its_own(namespaces, store_factory):
 
 
 def test_bench_reports_one_and_all_namespaces(disk_dir, tmp_path):
-    reason = loop_devices_unavailable()
-    if reason:
-        pytest.skip(f"loop devices unavailable: {reason}")
+    require_loop_devices()
     before = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "--tiers", "nvmeof",
