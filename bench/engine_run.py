@@ -68,10 +68,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outputs = llm.generate([{"prompt_token_ids": t} for t in busy + prompts], params, use_tqdm=False)
         wall = time.perf_counter() - started
         return {"results": [_result(output, wall) for output in outputs[len(busy):]]}
+    hints = [None] * len(prompts)
+    if args.hints:
+        with open(args.hints) as f:
+            hints = json.load(f)
     results = []
-    for tokens in prompts:  # one at a time: TTFT of a request alone, not of a batch
+    for tokens, hint in zip(prompts, hints, strict=True):  # one at a time: TTFT alone, not in a batch
+        request_params = params
+        if hint:  # tokens a later request will start with (connectors/prefetch.py: hints)
+            request_params = params.clone()
+            request_params.extra_args = {"kv_transfer_params": {"kvstore_prefetch_token_ids": hint}}
         started = time.perf_counter()
-        output = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        output = llm.generate([{"prompt_token_ids": tokens}], request_params, use_tqdm=False)[0]
         results.append(_result(output, time.perf_counter() - started))
     return {"results": results}
 
@@ -93,12 +101,15 @@ class EngineRun:
 def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
               *, single_process: bool = False, max_num_batched_tokens: int | None = None,
               max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
-              check: bool = True, busy_file: str | Path | None = None) -> EngineRun:
+              check: bool = True, busy_file: str | Path | None = None,
+              hints_file: str | Path | None = None) -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
                "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
     if busy_file is not None:
         command += ["--busy", str(busy_file)]
+    if hints_file is not None:
+        command += ["--hints", str(hints_file)]
     if connector is not None:
         command += ["--connector", json.dumps(connector)]
     if single_process:
@@ -149,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")
+    parser.add_argument("--hints", help="JSON: per prompt, token ids to hint with it (or null)")
     return parser
 
 

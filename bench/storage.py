@@ -8,119 +8,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
-import stat
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
-from bench.fio import fio_randread
 from bench.loopdev import LoopNamespaces, loop_devices_unavailable
-from kvstore.aligned import AlignedBuffer
+from bench.storage_cases import (
+    CaseResult,
+    add_fio,
+    capacity_for,
+    disk_case,
+    engine_case,
+    host_case,
+    lookup_ms,
+    remove_data,
+    serial_case,
+)
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import KVNamespace, chunk_keys
 from kvstore.nvmeof.config import dump_nvmeof, parse_nvmeof
 from kvstore.nvmeof.tier import namespace_plans
-from kvstore.store import TieredStore
 from kvstore.units import format_size, parse_size
-
-
-@dataclass
-class CaseResult:
-    tier: str
-    engine: str
-    chunk_bytes: int
-    queue_depth: int
-    read_gibps: float
-    write_gibps: float = float("nan")
-    cpu_s_per_gib_read: float = float("nan")
-    p50_ms: float = float("nan")
-    p99_ms: float = float("nan")
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def row(self) -> dict[str, object]:
-        out = asdict(self)
-        out.update(out.pop("extra"))
-        return out
-
-
-@contextmanager
-def _clock() -> Iterator[dict[str, float]]:
-    timing: dict[str, float] = {}
-    wall, cpu = time.perf_counter(), time.process_time()
-    yield timing
-    timing["wall"] = time.perf_counter() - wall
-    timing["cpu"] = time.process_time() - cpu
-
-
-def _keys(count: int, case: str = "", chunk_tokens: int = 16) -> list[bytes]:
-    """Keys of one case; another case's keys differ, so records a block device kept
-    from an earlier case are never mistaken for this case's."""
-    namespace = KVNamespace(f"bench{case}", "uint8", "flat", chunk_tokens)
-    return chunk_keys(np.arange(count * chunk_tokens) % 50000, namespace)
-
-
-def _payloads(count: int, chunk_bytes: int) -> list[torch.Tensor]:
-    """A few distinct random buffers reused round-robin (content is not the point)."""
-    distinct = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8) for _ in range(4)]
-    return [distinct[i % 4] for i in range(count)]
-
-
-def _capacity(count: int, devices: int, chunk_bytes: int) -> int:
-    """Bytes per device for `count` chunks striped over `devices`, with headroom."""
-    return (count // devices + 2) * (chunk_bytes + 8192) + (1 << 20)
-
-
-def disk_case(tiers: dict[str, object], tier_name: str, engine: str, chunk_bytes: int,
-              queue_depth: int, total: int, progress: bool, keep: bool = False,
-              case_id: str = "") -> tuple[CaseResult, dict[str, object]]:
-    """Write then randomly read `total` bytes through a store with only `tiers` (a disk
-    or nvmeof block); the records are deleted afterwards unless `keep`."""
-    count = max(1, total // chunk_bytes)
-    config = {"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth}}
-    keys = _keys(count, f"-{tier_name}{case_id}-{engine}-{chunk_bytes}-{queue_depth}")
-    payloads = _payloads(count, chunk_bytes)
-    outs = [AlignedBuffer(chunk_bytes).view[:chunk_bytes] for _ in range(2 * queue_depth)]
-    batch = 2 * queue_depth
-    store = TieredStore(config, chunk_bytes)
-    try:
-        with _clock() as wrote:
-            for start in range(0, count, batch):
-                store.put_many(keys[start : start + batch], payloads[start : start + batch])
-        order = random.Random(0).sample(range(count), count)
-        store.stats.reset_latency()
-        served = 0
-        with _clock() as read:
-            for start in range(0, count, batch):
-                picked = [keys[i] for i in order[start : start + batch]]
-                served += sum(store.get_many(picked, outs[: len(picked)]))
-        if served != count:
-            raise RuntimeError(f"bench: only {served} of {count} chunks read back")
-        p50, p99 = store.stats.latency_ms("disk.read")
-        layout = store.disk.layouts[0] if store.disk else None
-        geometry = {"file": layout.device.path, "offset": layout.sb.data_offset,
-                    "size": layout.sb.num_slots * store.slot_bytes,
-                    "block": store.slot_bytes} if layout else {}
-        if not keep:
-            store.delete(keys)  # a block device keeps no file to remove: zero the headers
-    finally:
-        store.close()
-    gib = count * chunk_bytes / 2**30
-    if progress:
-        print(f"  {tier_name} {engine:8} chunk {format_size(chunk_bytes):>7} qd {queue_depth:3}: "
-              f"read {gib / read['wall']:.2f} GiB/s", file=sys.stderr)
-    result = CaseResult(tier_name, engine, chunk_bytes, queue_depth, gib / read["wall"],
-                        gib / wrote["wall"], read["cpu"] / gib, p50, p99)
-    return result, geometry  # the slots' bytes stay for fio and the serial baseline
 
 
 def nvmeof_cases(tier: dict[str, Any], engines: list[str], chunk_bytes: int, queue_depth: int,
@@ -131,111 +41,22 @@ def nvmeof_cases(tier: dict[str, Any], engines: list[str], chunk_bytes: int, que
     count = max(1, total // chunk_bytes)
     results = []
     for used in sorted({1, len(namespaces)}):
-        capacity = _capacity(count, used, chunk_bytes)
+        capacity = capacity_for(count, used, chunk_bytes)
         subset = {**tier, "namespaces": [{**ns, "capacity": capacity} for ns in namespaces[:used]]}
         devices = [plan.path for plan in namespace_plans(parse_nvmeof(subset))]
         for engine in engines:
             for device in devices:
-                _remove_data(device)
+                remove_data(device)
             result, geometry = disk_case({"nvmeof": subset}, "nvmeof", engine, chunk_bytes,
                                          queue_depth, total, progress=True, case_id=f"x{used}")
             result.extra["namespaces"] = used
             results.append(result)
         if used == 1 and fio_seconds is not None:
-            _add_fio(results[-len(engines):], geometry, queue_depth, fio_seconds)
+            add_fio(results[-len(engines):], geometry, queue_depth, fio_seconds)
     for result in results:
         single = next(r for r in results if r.engine == result.engine and r.extra["namespaces"] == 1)
         result.extra["vs_one_namespace"] = result.read_gibps / single.read_gibps
     return results
-
-
-def serial_case(geometry: dict[str, object], chunk_bytes: int, count: int) -> CaseResult:
-    """One O_DIRECT pread at a time over the same slots: the no-parallelism baseline."""
-    path, offset, block = str(geometry["file"]), int(geometry["offset"]), int(geometry["block"])
-    slots = int(geometry["size"]) // block
-    buffer = AlignedBuffer(block)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    latencies = []
-    try:
-        with _clock() as read:
-            for slot in random.Random(1).sample(range(slots), min(count, slots)):
-                started = time.perf_counter()
-                os.preadv(fd, [buffer.view[:block]], offset + slot * block)
-                latencies.append(time.perf_counter() - started)
-    finally:
-        os.close(fd)
-        buffer.close()
-    latencies.sort()
-    gib = len(latencies) * block / 2**30
-    return CaseResult("disk", "serial", chunk_bytes, 1, gib / read["wall"],
-                      cpu_s_per_gib_read=read["cpu"] / gib,
-                      p50_ms=1000 * latencies[len(latencies) // 2],
-                      p99_ms=1000 * latencies[int(0.99 * (len(latencies) - 1))])
-
-
-def host_case(chunk_bytes: int, total: int, progress: bool) -> CaseResult:
-    """DRAM-tier get against a plain torch copy of the same bytes."""
-    count = max(1, total // chunk_bytes)
-    store = TieredStore({"tiers": {"host": {"capacity": (count + 1) * (chunk_bytes + 8192)}}},
-                        chunk_bytes)
-    keys, payloads = _keys(count), _payloads(count, chunk_bytes)
-    outs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(count)]
-    try:
-        with _clock() as wrote:
-            store.put_many(keys, payloads)
-        store.get_many(keys, outs)  # warm the destination pages
-        with _clock() as read:
-            served = sum(store.get_many(keys, outs))
-        if served != count:
-            raise RuntimeError(f"bench: only {served} of {count} host chunks read back")
-        p50, p99 = store.stats.latency_ms("host.read")
-        sources = [torch.empty(chunk_bytes, dtype=torch.uint8).copy_(p) for p in payloads]
-        with _clock() as copied:
-            for source, out in zip(sources, outs, strict=True):
-                out.copy_(source)
-    finally:
-        store.close()
-    gib = count * chunk_bytes / 2**30
-    copy_gibps = gib / copied["wall"]
-    if progress:
-        print(f"  host chunk {format_size(chunk_bytes):>7}: get {gib / read['wall']:.2f} GiB/s, "
-              f"torch copy {copy_gibps:.2f} GiB/s", file=sys.stderr)
-    return CaseResult("host", "memcpy", chunk_bytes, 0, gib / read["wall"], gib / wrote["wall"],
-                      read["cpu"] / gib, p50, p99,
-                      {"torch_copy_gibps": copy_gibps,
-                       "fraction_of_copy": gib / read["wall"] / copy_gibps})
-
-
-def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:
-    """Median time of `lookup` over a prompt of `keys_per_lookup` chunks, all present."""
-    chunk_bytes = 4096
-    store = TieredStore({"tiers": {"host": {"capacity": (keys_per_lookup + 1) * 3 * chunk_bytes}}},
-                        chunk_bytes)
-    keys = _keys(keys_per_lookup)
-    store.put_many(keys, _payloads(keys_per_lookup, chunk_bytes))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        assert store.lookup(keys).count == keys_per_lookup
-        times.append(time.perf_counter() - started)
-    store.close()
-    return 1000 * sorted(times)[repeats // 2]
-
-
-def _remove_data(path: str) -> None:
-    """Start the next case empty: remove a directory's data file, or zero a block
-    device's superblock (its record headers are already zeroed by the case's delete)."""
-    data = os.path.join(path, "kvstore.data")
-    if os.path.isfile(data):
-        os.unlink(data)
-    elif os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode):
-        zeros = AlignedBuffer(4096)
-        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-        try:
-            os.pwritev(fd, [zeros.view[:4096]], 0)
-        finally:
-            os.close(fd)
-            zeros.close()
 
 
 def _sizes(values: list[str]) -> list[int]:
@@ -304,7 +125,7 @@ def _nvmeof_tier(args: argparse.Namespace, workdir: str, total: int,
         reason = loop_devices_unavailable()
         if reason:
             raise KVStoreError(f"--nvmeof-loop: {reason}")
-        size = _capacity(max(1, total // chunk_bytes), 1, chunk_bytes) + (1 << 20)
+        size = capacity_for(max(1, total // chunk_bytes), 1, chunk_bytes) + (1 << 20)
         with LoopNamespaces(workdir, args.nvmeof_loop, size) as fake:
             print(f"nvmeof stand-ins: {', '.join(fake.devices)}", file=sys.stderr)
             yield fake.tier_config(capacity=size)
@@ -328,38 +149,27 @@ def _run_cases(args: argparse.Namespace, chunk_sizes: list[int], depths: list[in
     return results
 
 
-def _add_fio(results: list[CaseResult], geometry: dict[str, object], queue_depth: int,
-             seconds: float) -> None:
-    """fio randread over the slots the cases just used; each result gets its fraction."""
-    fio = fio_randread(str(geometry["file"]), int(geometry["offset"]), int(geometry["size"]),
-                       int(geometry["block"]), queue_depth, seconds)
-    for result in results:
-        if fio:
-            result.extra.update({"fio_read_gibps": fio["read_gibps"],
-                                 "fio_cpu_s_per_gib_read": fio["cpu_s_per_gib_read"],
-                                 "fraction_of_fio": result.read_gibps / fio["read_gibps"]})
-
-
 def _disk_cases(args: argparse.Namespace, chunk: int, depths: list[int], engines: list[str],
                 total: int, paths: list[str]) -> list[CaseResult]:
     """Each engine and depth on the disk paths, then fio and the serial baseline there."""
     results: list[CaseResult] = []
     count = max(1, total // chunk)
-    tier = {"disk": [{"path": p, "capacity": _capacity(count, len(paths), chunk)} for p in paths]}
+    tier = {"disk": [{"path": p, "capacity": capacity_for(count, len(paths), chunk)} for p in paths]}
     geometry: dict[str, object] = {}
     for depth in depths:
         for engine in engines:
             for path in paths:
-                _remove_data(path)  # every case writes its own records
+                remove_data(path)  # every case writes its own records
             result, geometry = disk_case(tier, "disk", engine, chunk, depth, total, progress=True,
                                          keep=args.keep)
             results.append(result)
+        results += [engine_case(geometry, engine, chunk, depth, count) for engine in engines]
         if not args.no_fio:
-            _add_fio(results[-len(engines):], geometry, depth, args.fio_seconds)
+            add_fio(results[-2 * len(engines):], geometry, depth, args.fio_seconds)
     results.append(serial_case(geometry, chunk, max(8, total // chunk // 2)))
     if not args.keep:
         for path in paths:
-            _remove_data(path)
+            remove_data(path)
     return results
 
 

@@ -14,7 +14,7 @@ def test_bench_writes_the_documented_json(disk_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())["results"]
     engines = {r["engine"] for r in results}
-    assert {"uring", "threads", "serial", "memcpy"} <= engines
+    assert {"uring", "threads", "uring-raw", "threads-raw", "serial", "memcpy"} <= engines
     for row in results:
         for field in ("tier", "engine", "chunk_bytes", "queue_depth", "read_gibps", "write_gibps",
                       "cpu_s_per_gib_read", "p50_ms", "p99_ms"):

@@ -93,3 +93,25 @@ def test_bench_reports_one_and_all_namespaces(disk_dir, tmp_path):
     assert all(r["tier"] == "nvmeof" and r["read_gibps"] > 0 and "vs_one_namespace" in r for r in rows)
     assert "nvmeof x2" in done.stdout
     assert subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout == before
+
+
+def test_status_shows_the_running_services_view(namespaces, tmp_path, capsys):
+    from engine_harness import stop_service
+
+    from kvstore.cli import main
+    from kvstore.client import StoreClient
+    from kvstore.config import load_config
+
+    raw = {"tiers": {"nvmeof": namespaces.tier_config(capacity="12MiB")},
+           "service": {"socket": str(tmp_path / "kv.sock"), "staging": "1MiB"}}
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(raw))
+    client = StoreClient(load_config(raw), CHUNK_BYTES)  # starts the service on the namespaces
+    try:
+        assert main(["nvmeof", "status", "--config", str(path), "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["namespaces"]
+        assert [r["device"] for r in rows] == namespaces.devices
+        assert all(r["state"] == "live" and r["tier"]["state"] == "in_service" for r in rows)
+    finally:
+        client.close()
+        stop_service(raw)

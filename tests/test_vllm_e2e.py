@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 from engine_harness import run_engine, service_client, stop_service
@@ -253,3 +254,21 @@ def test_device_staging_serves_a_queued_request(model, prompts, reference, store
     read = counters(config)
     assert read["staging.loaded_chunks"] == FULL_CHUNKS
     assert read["staging.hits"] == FULL_CHUNKS  # every chunk was on the device in time
+
+
+def test_a_hint_promotes_a_later_requests_chunks(model, prompts, reference, store_config, tmp_path):
+    """A short request carries kv_transfer_params naming the long prompt's tokens (the
+    next turn of a chat): its arrival promotes the long prompt's chunks from disk."""
+    config = store_config()
+    run_engine(model, prompts["long"], connector(config))
+    stop_service(config)  # chunks on disk only
+    short, hints = tmp_path / "short.json", tmp_path / "hints.json"
+    short.write_text(json.dumps([prompt_token_ids(40, seed=5)]))
+    with open(prompts["long"]) as f:
+        hints.write_text(json.dumps([json.load(f)[0]]))
+    run_fresh(model, short, connector(config), single_process=True, hints_file=hints, timeout_s=300)
+    deadline = time.monotonic() + 10  # the promotion runs in the service, after the arrival
+    while (read := counters(config)).get("prefetch.chunks", 0) < FULL_CHUNKS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert read["prefetch.chunks"] == FULL_CHUNKS  # promoted on the hint alone
+    assert read.get("disk.hits", 0) == 0 and read.get("host.hits", 0) == 0  # nothing was loaded
