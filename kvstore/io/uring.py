@@ -99,23 +99,8 @@ class UringEngine(IoEngine):
         results = [TIMED_OUT] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         in_flight: dict[int, L.Iovec] = {}  # user_data -> iovec kept alive until completion
-        next_index = 0
-        while next_index < len(requests) or in_flight:
-            queued = 0
-            while next_index < len(requests) and len(in_flight) < self.queue_depth:
-                request = requests[next_index]
-                sqe = L.io_uring_get_sqe(ring.ring)
-                if sqe is None:
-                    break
-                iovec = L.Iovec(request.buffers)
-                prep = L.io_uring_prep_writev if request.write else L.io_uring_prep_readv
-                prep(sqe, request.fd, iovec, request.offset)
-                L.io_uring_sqe_set_data64(sqe, next_index)
-                in_flight[next_index] = iovec
-                next_index += 1
-                queued += 1
-            if queued:
-                L.io_uring_submit(ring.ring)
+        next_index = self._fill(ring, requests, 0, in_flight)
+        while in_flight:
             completed = ring.reap()
             if not completed:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -124,13 +109,39 @@ class UringEngine(IoEngine):
                     break
                 ring.wait(remaining)
                 continue
+            done = []
             for index, result in completed:
                 if in_flight.pop(index, None) is None:
                     continue  # a completion left over from an earlier cancel
                 results[index] = result
-                if on_complete is not None:
+                done.append((index, result))
+            # Refill the queue before the callbacks: the device reads the next chunks
+            # while this thread verifies and copies the finished ones.
+            next_index = self._fill(ring, requests, next_index, in_flight)
+            if on_complete is not None:
+                for index, result in done:
                     on_complete(index, result)
         return results
+
+    def _fill(self, ring: _Ring, requests: Sequence[IoRequest], next_index: int,
+              in_flight: dict[int, L.Iovec]) -> int:
+        """Queue requests from `next_index` until `queue_depth` are in flight; submit them."""
+        queued = 0
+        while next_index < len(requests) and len(in_flight) < self.queue_depth:
+            sqe = L.io_uring_get_sqe(ring.ring)
+            if sqe is None:
+                break
+            request = requests[next_index]
+            iovec = L.Iovec(request.buffers)
+            prep = L.io_uring_prep_writev if request.write else L.io_uring_prep_readv
+            prep(sqe, request.fd, iovec, request.offset)
+            L.io_uring_sqe_set_data64(sqe, next_index)
+            in_flight[next_index] = iovec
+            next_index += 1
+            queued += 1
+        if queued:
+            L.io_uring_submit(ring.ring)
+        return next_index
 
     def _abandon(self, ring: _Ring, in_flight: dict[int, L.Iovec]) -> None:
         """Deadline passed: cancel what is in flight; if it will not die, retire the ring.
