@@ -8,6 +8,7 @@ the hot path pays nothing extra.
   kvstore_tier_used_bytes{tier}     bytes used, metadata included
   kvstore_tier_capacity_bytes{tier}
   kvstore_read_latency_seconds{tier,quantile}  per-chunk read latency, recent samples
+  kvstore_read_seconds{tier}        histogram of per-chunk read latency since start
   kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
   kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvstore.store import TieredStore
@@ -33,7 +34,7 @@ class StoreCollector(Collector):
     def __init__(self, store: Callable[[], TieredStore | None]) -> None:
         self._store = store  # the service creates its store on the first worker's hello
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         store = self._store()
         if store is None:
             return
@@ -57,6 +58,12 @@ class StoreCollector(Collector):
                 if ms == ms:  # NaN: no samples yet
                     latency.add_metric([tier["name"], str(quantile)], ms / 1000)
         yield latency
+        histogram = HistogramMetricFamily("kvstore_read_seconds", "per-chunk read latency",
+                                          labels=["tier"])
+        for tier in info["tiers"]:
+            buckets, seconds = store.stats.histogram(f"{tier['name']}.read")
+            histogram.add_metric([tier["name"]], buckets, seconds)
+        yield histogram
         yield from _device_families(info)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 from collections import Counter, deque
@@ -10,6 +12,9 @@ from kvstore.record import MissReason
 
 log = logging.getLogger("kvstore")
 LATENCY_SAMPLES = 65536
+# Upper bounds (seconds) of the cumulative latency histograms Prometheus scrapes.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Stats:
@@ -18,6 +23,8 @@ class Stats:
         self._counters: Counter[str] = Counter()
         self._logged: set[tuple[str, MissReason]] = set()
         self._latency: dict[str, deque[float]] = {}
+        # name -> (count per bucket, +Inf last; sum of seconds): totals since start
+        self._histograms: dict[str, tuple[list[int], list[float]]] = {}
 
     def add(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -33,12 +40,26 @@ class Stats:
                                               tier, reason.value, detail)
 
     def observe(self, name: str, seconds: float) -> None:
-        """Record a latency sample (the most recent LATENCY_SAMPLES are kept per name)."""
+        """Record a latency sample: the most recent LATENCY_SAMPLES are kept per name (for
+        quantiles), and every sample counts in the name's histogram."""
         with self._lock:
             samples = self._latency.get(name)
             if samples is None:
                 samples = self._latency[name] = deque(maxlen=LATENCY_SAMPLES)
+                self._histograms[name] = ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
             samples.append(seconds)
+            counts, total = self._histograms[name]
+            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            total[0] += seconds
+
+    def histogram(self, name: str) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative (upper bound, count) pairs ending with +Inf, and the sum of seconds."""
+        with self._lock:
+            counts, total = self._histograms.get(name, ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]))
+            counts = list(counts)
+            seconds = total[0]
+        bounds = [f"{b:g}" for b in LATENCY_BUCKETS] + ["+Inf"]
+        return list(zip(bounds, itertools.accumulate(counts), strict=True)), seconds
 
     def latency_ms(self, name: str, quantiles: tuple[float, ...] = (0.5, 0.99)) -> list[float]:
         with self._lock:

@@ -94,6 +94,8 @@ def test_metrics_are_scraped_from_the_store(config):
     assert "kvstore_host_hits_total 3.0" in text
     assert 'kvstore_tier_chunks{tier="host"} 3.0' in text
     assert 'kvstore_read_latency_seconds{quantile="0.5",tier="host"}' in text
+    assert 'kvstore_read_seconds_bucket{le="+Inf",tier="host"} 3.0' in text
+    assert 'kvstore_read_seconds_count{tier="host"} 3.0' in text
     disk_path = config["tiers"]["disk"][0]["path"]
     assert f'kvstore_device_in_service{{device="{disk_path}",kind="disk"}} 1.0' in text
     assert f'kvstore_device_trips_total{{device="{disk_path}",kind="disk"}} 0.0' in text
