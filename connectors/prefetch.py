@@ -77,6 +77,7 @@ class PrefetchTracker:
         self.policy = policy
         self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
+        self._admitted: set[str] = set()  # counted once, even if preempted and asked again
         self.counters: Counter[str] = Counter()
 
     def arrived(self, req_id: str, residency: Residency) -> None:
@@ -94,12 +95,15 @@ class PrefetchTracker:
         if (residency.resident < residency.stored and residency.pending
                 and waited < self.policy.budget_s(prompt_tokens)):
             return None
-        self._record(tracked, residency, waited)
+        if req_id not in self._admitted:
+            self._record(tracked, residency, waited)
+            self._admitted.add(req_id)
         del self._tracked[req_id]
         return residency.stored if self.policy.name == "wait" else residency.resident
 
     def forget(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
+        self._admitted.discard(req_id)
 
     def _record(self, tracked: _Tracked, residency: Residency, waited: float) -> None:
         if tracked.disk_chunks <= 0:

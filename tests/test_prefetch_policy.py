@@ -170,3 +170,15 @@ def test_tracker_across_ranks_needs_every_rank():
     assert combined == Residency(6, 2, True)
     tracker = PrefetchTracker(PrefetchPolicy("best_effort"))
     assert tracker.decide("x", combined, 100) == 2
+
+
+def test_a_preempted_request_asked_again_is_counted_once():
+    store, clock = FakeStore(on_disk=8), Clock()
+    core = scheduler(store, "best_effort", clock)
+    core.on_arrival("r", PROMPT)
+    assert core.num_new_matched_tokens("r", PROMPT, 0) == 0
+    store.finish_promotion()
+    assert core.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK  # re-admitted after preemption
+    assert core.prefetch.take_counters()["prefetch.requests"] == 1
+    core.on_finished("r")
+    assert core.prefetch._admitted == set()
