@@ -11,6 +11,7 @@ import fcntl
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.device_health import Probe
@@ -25,11 +26,13 @@ _BLKSSZGET = 0x1268  # ioctl: logical block size of a block device
 class DevicePlan:
     """A device the disk tier should open: a local path, or a resolved NVMe-oF namespace."""
 
-    path: str
+    path: str | None  # None: not present now (an NVMe-oF namespace not connected yet)
     capacity: int
     kind: str = "disk"  # "disk" or "nvmeof": how lookups and info name its chunks
     label: str = ""  # how operators know it (defaults to the path)
     probe: Probe | None = None  # whether it is usable right now (NVMe-oF controller state)
+    # Where it is now: a namespace can come back under another device name.
+    locate: Callable[[], str | None] | None = None
 
 
 @dataclass

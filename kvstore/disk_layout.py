@@ -148,9 +148,13 @@ class DeviceLayout:
             buffer.close()
             if results[0] == nbytes and xxhash.xxh3_64_intdigest(raw) == self.sb.checkpoint_checksum:
                 entries = np.frombuffer(raw, dtype=CHECKPOINT_DTYPE)
+        self.mark_dirty()
+        return entries
+
+    def mark_dirty(self) -> None:
+        """Before the first write: a checkpoint on the device no longer describes it."""
         self.sb.clean = False
         self.write_superblock()
-        return entries
 
     def write_checkpoint(self, entries: np.ndarray) -> None:
         raw = entries.astype(CHECKPOINT_DTYPE).tobytes()

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.aligned import AlignedBuffer
-from kvstore.device_health import TRIPPED, DeviceHealth, is_fault
+from kvstore.device_health import OFFLINE, TRIPPED, DeviceHealth, is_fault
 from kvstore.devices import DATA_FILE, Device, DevicePlan, open_device
-from kvstore.disk_layout import CHECKPOINT_DTYPE, DeviceLayout
+from kvstore.disk_layout import CHECKPOINT_DTYPE, DeviceLayout, geometry
 from kvstore.errors import DeviceError
 from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
 from kvstore.record import HEADER_BLOCK, HeaderState, invalidate_header, parse_header, round_up
@@ -70,20 +70,32 @@ class DiskTier:
         self.stats = stats
         self.timeout_s = timeout_s
         self.breaker_threshold = breaker_threshold
+        self.plans = list(plans)
+        self.file_name = file_name
         self.devices: list[Device] = []
+        self.layouts: list[DeviceLayout | None] = []  # None: not opened yet (absent at start)
         try:
             for plan in plans:
+                if plan.path is None:
+                    self.devices.append(Device(plan.label, -1, plan.capacity, True, 4096))
+                    self.layouts.append(None)
+                    continue
                 self.devices.append(open_device(plan.path, plan.capacity, file_name))
-            self.layouts = [DeviceLayout.open(d, engine, slot_bytes, timeout_s) for d in self.devices]
+                self.layouts.append(DeviceLayout.open(self.devices[-1], engine, slot_bytes, timeout_s))
         except BaseException:
             self._close_devices()
             raise
-        self.table = SlotTable([layout.sb.num_slots for layout in self.layouts])
-        self.health = [DeviceHealth(plan.label or plan.path, plan.kind, plan.probe) for plan in plans]
+        self.table = SlotTable([geometry(plan.capacity, slot_bytes)[0] if layout is None
+                                else layout.sb.num_slots for plan, layout in zip(plans, self.layouts,
+                                                                               strict=True)])
+        self.health = [DeviceHealth(plan.label or plan.path or "", plan.kind, plan.probe) for plan in plans]
         # Per device: slots reserved for a write when it left service (zeroed on revalidation).
         self._in_flight_at_loss: list[set[int]] = [set() for _ in plans]
         self._zero_header = AlignedBuffer(HEADER_BLOCK)
         invalidate_header(self._zero_header.view)
+        for group, layout in enumerate(self.layouts):
+            if layout is None:  # served once it appears (health_monitor.py)
+                self.take_out(group, OFFLINE, "not present at start-up")
 
     def kind_of(self, slot: int) -> str:
         return self.health[self.table.group_of(slot)[0]].kind
@@ -98,9 +110,10 @@ class DiskTier:
         return health.in_service and health.epoch == epoch
 
     def locate(self, slot: int) -> tuple[int, int]:
-        """(fd, byte offset) of a slot."""
+        """(fd, byte offset) of a slot (of an opened device: others have no slots in use)."""
         group, local = self.table.group_of(slot)
         layout = self.layouts[group]
+        assert layout is not None
         return layout.device.fd, layout.slot_offset(local)
 
     def describe(self, slot: int) -> str:
@@ -116,6 +129,40 @@ class DiskTier:
         results = self.engine.run(requests, timeout_s, on_complete)
         self._account(slots, results, [len(d) for d in dests])
         return results
+
+    def moved_to(self, group: int) -> str | None:
+        """Where a device is now, if not where it was opened (an NVMe-oF namespace back
+        under another name); None if it has not moved or cannot be found."""
+        locate = self.plans[group].locate
+        where = locate() if locate is not None else None
+        return where if where is not None and where != self.devices[group].path else None
+
+    def _open_where_it_is(self, group: int) -> tuple[str | None, bool]:
+        """Open a device absent until now, or moved: (problem or None, reopened?)."""
+        device, plan = self.devices[group], self.plans[group]
+        moved = self.moved_to(group)
+        if device.fd >= 0 and moved is None:
+            return None, False
+        path = moved or (plan.locate() if plan.locate is not None else device.path)
+        if path is None:
+            return "not present", False
+        device.close()  # first: the old node may be the same device (it holds the flock)
+        try:
+            opened = open_device(path, plan.capacity, self.file_name)
+        except DeviceError as exc:
+            return str(exc), False
+        try:
+            layout = DeviceLayout.open(opened, self.engine, self.slot_bytes, self.timeout_s)
+            if layout.sb.num_slots != self.table.group_sizes[group]:
+                raise DeviceError(path, f"holds {layout.sb.num_slots} slots, this tier expects "
+                                        f"{self.table.group_sizes[group]}")
+            layout.mark_dirty()  # it is about to be written: its checkpoint would go stale
+        except DeviceError as exc:
+            opened.close()
+            return str(exc), False
+        self.devices[group], self.layouts[group] = opened, layout
+        log.warning("disk tier: %s opened at %s", self.health[group].label, path)
+        return None, True
 
     def _account(self, slots: Sequence[int], results: Sequence[int], expected: Sequence[int]) -> None:
         """Feed results to each device's breaker; trip the ones that keep faulting."""
@@ -154,20 +201,23 @@ class DiskTier:
         Waits for nothing: if an I/O from before the loss still holds a slot, or any
         check fails, the device stays out and the caller tries again later.
         """
-        health, layout = self.health[group], self.layouts[group]
+        health = self.health[group]
         with self.lock:
             if health.in_service or any(self.table.slots[s].pins for s in self.table.group_slots(group)):
                 return health.in_service
             self.table.free[group] = []
             suspects = sorted(self._in_flight_at_loss[group])
-        problem = layout.still_ours()
+        problem, reopened = self._open_where_it_is(group)
+        layout = self.layouts[group]
+        if problem is None and layout is not None and not reopened:
+            problem = layout.still_ours()
         if problem is None and suspects:
             zeroed = self.engine.run([IoRequest(*self.locate(s), [self._zero_header.view[:HEADER_BLOCK]],
                                                 write=True) for s in suspects], self.timeout_s)
             if any(r != HEADER_BLOCK for r in zeroed):
                 problem = "could not zero the headers of writes in flight at the loss"
         report = RecoveryReport()
-        records = self._scan(group, layout, report, self.timeout_s) if problem is None else []
+        records = self._scan(group, layout, report, self.timeout_s) if problem is None and layout else []
         if problem is None and report.io_errors:
             problem = f"{report.io_errors} header reads failed"
         with self.lock:
@@ -222,6 +272,8 @@ class DiskTier:
         start = time.perf_counter()
         found: dict[bytes, tuple[int, int, bytes]] = {}  # key -> (seq, slot, parent)
         for group, layout in enumerate(self.layouts):
+            if layout is None:
+                continue
             base = self.table.group_start[group]
             entries = layout.take_checkpoint()
             if entries is not None:
@@ -286,7 +338,7 @@ class DiskTier:
             info = self.table.slots[slot]
             per_group[group].append((local, info.seq, key, info.parent or bytes(16)))
         for layout, rows, health in zip(self.layouts, per_group, self.health, strict=True):
-            if not health.in_service:
+            if not health.in_service or layout is None:
                 continue
             try:
                 layout.write_checkpoint(np.array(rows, dtype=CHECKPOINT_DTYPE))

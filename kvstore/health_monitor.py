@@ -1,9 +1,10 @@
 """The thread that moves disk-tier devices out of and back into service.
 
 Every `interval_s` it asks each device's probe (for NVMe-oF: is a controller of
-the namespace live?). A device in service whose probe fails is taken out. A
-device out of service is revalidated once its probe passes and, if its breaker
-tripped, once `cooldown_s` has passed since it last failed. All device I/O it
+the namespace live?). A device in service whose probe fails, or that now sits at
+another device path, is taken out. A device out of service (including one absent
+at start-up) is revalidated, and opened where it now is, once its probe passes
+and, if its breaker tripped, once `cooldown_s` has passed since it last failed. All device I/O it
 does has the tier's deadline, so a hung device cannot hang it for long.
 """
 
@@ -44,9 +45,10 @@ class HealthMonitor:
                 except Exception as exc:  # a probe reads sysfs: treat its failure as "unknown, out"
                     usable, why = False, f"probe failed: {exc}"
             if health.in_service:
-                if not usable:
+                moved = self.disk.moved_to(group) if usable else None
+                if not usable or moved is not None:
                     with self.disk.lock:
-                        self.disk.take_out(group, OFFLINE, why)
+                        self.disk.take_out(group, OFFLINE, why or f"moved to {moved}")
                 continue
             if not usable:
                 health.reason = why

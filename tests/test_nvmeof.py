@@ -108,7 +108,7 @@ def test_live_while_any_path_is_live(sysfs):
     assert not found.live and found.state == "connecting,resetting"
 
 
-def test_probe_follows_controller_state_and_renames(sysfs, tmp_path):
+def test_probe_follows_controller_state_and_locate_follows_renames(sysfs, tmp_path):
     dev_root = tmp_path / "dev"
     dev_root.mkdir()
     config = parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"}, dev_root=str(dev_root)))
@@ -121,17 +121,24 @@ def test_probe_follows_controller_state_and_renames(sysfs, tmp_path):
         set_controller_state(sysfs, controller, "live")
     subsystem = os.path.join(sysfs, "class/nvme-subsystem/nvme-subsys0")
     os.rename(os.path.join(subsystem, "nvme0n1"), os.path.join(subsystem, "nvme0n7"))
-    usable, why = plan.probe()
-    assert not usable and "reappeared as" in why
+    assert plan.probe() == (True, "") and plan.locate() == str(dev_root / "nvme0n7")
 
 
-def test_start_up_names_a_namespace_that_is_missing_or_down(sysfs):
-    with pytest.raises(DeviceError, match=f"{SUBNQN} nsid 9: no such namespace.*nvmeof connect"):
-        namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 9, "capacity": "1GiB"})))
+def test_a_namespace_missing_or_down_at_start_up_is_planned_absent(sysfs, caplog):
+    (missing,) = namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 9, "capacity": "1GiB"})))
+    assert missing.path is None and missing.locate() is None
+    assert f"{SUBNQN} nsid 9: no such namespace" in caplog.text and "nvmeof connect" in caplog.text
     for controller in ("nvme0", "nvme1"):
         set_controller_state(sysfs, controller, "dead")
-    with pytest.raises(DeviceError, match="no controller is live"):
-        namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"})))
+    (down,) = namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"})))
+    assert down.path is None and down.probe() == (False, "controller state dead")
+
+
+def test_a_logical_block_size_that_cannot_work_is_an_error(tmp_path):
+    root = str(tmp_path / "sys")
+    write_sysfs(root, [FakeNamespace("nvme0n1", 1, "nvme0", logical_block_size=8192)])
+    with pytest.raises(DeviceError, match="logical block size 8192 does not divide 4096"):
+        namespace_plans(parse_nvmeof(_tier(root, {"nsid": 1, "capacity": "1GiB"})))
 
 
 # -- nvme-cli -------------------------------------------------------------------------------

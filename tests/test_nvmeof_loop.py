@@ -3,6 +3,7 @@ through a generated sysfs tree, raw O_DIRECT block I/O, striping, controller los
 and return, restart."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
 
-from bench.loopdev import LoopNamespaces
+from bench.loopdev import FakeNamespace, LoopDevices, LoopNamespaces, write_sysfs
 from kvstore.device_health import IN_SERVICE, OFFLINE
 from kvstore.record import record_bytes
 
@@ -115,3 +116,54 @@ def test_status_shows_the_running_services_view(namespaces, tmp_path, capsys):
     finally:
         client.close()
         stop_service(raw)
+
+
+def test_a_namespace_absent_at_start_up_is_added_when_it_appears(namespaces, disk_dir, store_factory):
+    config = _config(namespaces, "auto")
+    config["tiers"]["nvmeof"]["namespaces"].append(
+        {"subnqn": LoopNamespaces.subnqn(2), "nsid": 1, "capacity": "12MiB"})
+    store = store_factory(config)  # starts without the third namespace
+    store._monitor.close()
+    assert store.disk.health[2].state == OFFLINE
+    keys, payloads = make_keys(6), make_payloads(6)
+    assert all(store.put_many(keys, payloads))  # striped over the two present ones
+    later = os.path.join(disk_dir, "later")
+    os.mkdir(later)
+    with LoopDevices(later, count=1, size=16 << 20) as third:
+        write_sysfs(namespaces.sysfs_root, [FakeNamespace(os.path.basename(third.devices[0]), 1, "nvme2")],
+                    LoopNamespaces.subnqn(2), subsystem_index=2)
+        store._monitor.check_once()
+        assert store.disk.health[2].state == IN_SERVICE and store.disk.devices[2].path == third.devices[0]
+        more, more_payloads = make_keys(6, seed=4), make_payloads(6, seed=4)
+        assert all(store.put_many(more, more_payloads))
+        assert {store.disk.table.group_of(store.disk.table.index[k])[0] for k in more} == {0, 1, 2}
+        ok, outs = read_back(store, keys + more)
+        assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads + more_payloads,
+                                                                   strict=True))
+        store.close()
+
+
+def test_a_namespace_back_under_another_name_is_reopened(namespaces, tmp_path, store_factory):
+    """After ctrl_loss_tmo a reconnect can give the namespace a new device name; the
+    tier finds it by NQN and NSID, reopens it there and serves its records again."""
+    dev_root = tmp_path / "dev"
+    dev_root.mkdir()
+    for device in namespaces.devices:
+        os.symlink(device, dev_root / os.path.basename(device))
+    config = _config(namespaces, "auto")
+    config["tiers"]["nvmeof"]["dev_root"] = str(dev_root)
+    store = store_factory(config)
+    store._monitor.close()
+    keys, payloads = make_keys(8), make_payloads(8)
+    assert all(store.put_many(keys, payloads))
+    old_name = os.path.basename(namespaces.devices[0])
+    subsystem = os.path.join(namespaces.sysfs_root, "class", "nvme-subsystem", "nvme-subsys0")
+    os.rename(os.path.join(subsystem, old_name), os.path.join(subsystem, "nvme7n1"))
+    os.symlink(namespaces.devices[0], dev_root / "nvme7n1")
+    store._monitor.check_once()  # still live, but elsewhere: out
+    assert store.disk.health[0].state == OFFLINE and "moved to" in store.disk.health[0].reason
+    store._monitor.check_once()  # reopened at the new name, revalidated
+    assert store.disk.health[0].state == IN_SERVICE
+    assert store.disk.devices[0].path == str(dev_root / "nvme7n1")
+    ok, outs = read_back(store, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
