@@ -54,7 +54,8 @@ def _info(args: argparse.Namespace) -> int:
               f"used of {format_size(tier['capacity_bytes'])}")
         for device in tier.get("devices", []):
             why = f" ({device['reason']})" if device["reason"] else ""
-            print(f"        {device['kind']} {device['label']}: {device['state']}{why}, "
+            where = "" if device["path"] == device["label"] else f" at {device['path']}"
+            print(f"        {device['kind']} {device['label']}{where}: {device['state']}{why}, "
                   f"{device['faults']} faults, {device['trips']} breaker trips")
     recovery = info["recovery"]
     print(f"  recovered {recovery['records']} records ({recovery['torn']} torn) in "
