@@ -20,8 +20,19 @@ from kvstore.io.base import TIMED_OUT
 FAULT_ERRNOS = frozenset({errno.EIO, errno.ENOLINK, errno.ENODEV, errno.ENXIO, errno.ETIMEDOUT})
 IN_SERVICE, TRIPPED, OFFLINE = "in_service", "tripped", "offline"
 
-# Returns (usable, why not); for NVMe-oF, whether a controller of the namespace is live.
-Probe = Callable[[], tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class Presence:
+    """What a probe found: usable now (for NVMe-oF: a controller of the namespace is
+    live), why not, and the device path it is at now (None: unknown or absent)."""
+
+    usable: bool
+    why: str = ""
+    path: str | None = None
+
+
+Probe = Callable[[], Presence]
 
 
 def is_fault(result: int, expected: int) -> bool:
@@ -35,7 +46,6 @@ def is_fault(result: int, expected: int) -> bool:
 class DeviceHealth:
     label: str  # how an operator knows it: a path, or an NVMe-oF subsystem and namespace
     kind: str  # "disk" or "nvmeof"
-    probe: Probe | None = None
     state: str = IN_SERVICE
     reason: str = ""
     consecutive_faults: int = 0

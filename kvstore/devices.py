@@ -11,7 +11,6 @@ import fcntl
 import os
 import stat
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.device_health import Probe
@@ -30,9 +29,8 @@ class DevicePlan:
     capacity: int
     kind: str = "disk"  # "disk" or "nvmeof": how lookups and info name its chunks
     label: str = ""  # how operators know it (defaults to the path)
-    probe: Probe | None = None  # whether it is usable right now (NVMe-oF controller state)
-    # Where it is now: a namespace can come back under another device name.
-    locate: Callable[[], str | None] | None = None
+    # Whether it is usable now, and where: a namespace can come back under another name.
+    probe: Probe | None = None
 
 
 @dataclass

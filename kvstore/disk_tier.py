@@ -88,7 +88,7 @@ class DiskTier:
         self.table = SlotTable([geometry(plan.capacity, slot_bytes)[0] if layout is None
                                 else layout.sb.num_slots for plan, layout in zip(plans, self.layouts,
                                                                                strict=True)])
-        self.health = [DeviceHealth(plan.label or plan.path or "", plan.kind, plan.probe) for plan in plans]
+        self.health = [DeviceHealth(plan.label or plan.path or "", plan.kind) for plan in plans]
         # Per device: slots reserved for a write when it left service (zeroed on revalidation).
         self._in_flight_at_loss: list[set[int]] = [set() for _ in plans]
         self._zero_header = AlignedBuffer(HEADER_BLOCK)
@@ -130,22 +130,12 @@ class DiskTier:
         self._account(slots, results, [len(d) for d in dests])
         return results
 
-    def moved_to(self, group: int) -> str | None:
-        """Where a device is now, if not where it was opened (an NVMe-oF namespace back
-        under another name); None if it has not moved or cannot be found."""
-        locate = self.plans[group].locate
-        where = locate() if locate is not None else None
-        return where if where is not None and where != self.devices[group].path else None
-
-    def _open_where_it_is(self, group: int) -> tuple[str | None, bool]:
-        """Open a device absent until now, or moved: (problem or None, reopened?)."""
+    def _open_where_it_is(self, group: int, path: str | None) -> tuple[str | None, bool]:
+        """Open a device at `path` (where its probe found it; None: where it was) if it is
+        not open there yet: one absent until now, or moved. (problem or None, reopened?)"""
         device, plan = self.devices[group], self.plans[group]
-        moved = self.moved_to(group)
-        if device.fd >= 0 and moved is None:
-            return None, False
-        path = moved or (plan.locate() if plan.locate is not None else device.path)
-        if path is None:
-            return "not present", False
+        if path is None or (path == device.path and device.fd >= 0):
+            return (None, False) if device.fd >= 0 else ("not present", False)
         device.close()  # first: the old node may be the same device (it holds the flock)
         try:
             opened = open_device(path, plan.capacity, self.file_name)
@@ -195,8 +185,9 @@ class DiskTier:
         log.warning("disk tier: %s taken out of service (%s): %s; %d chunks become misses",
                     health.label, state, reason, lost)
 
-    def revalidate(self, group: int) -> bool:
-        """Bring a device back (no lock held): True when it serves again.
+    def revalidate(self, group: int, path: str | None = None) -> bool:
+        """Bring a device back (no lock held), opening it at `path` if it is not open
+        there: True when it serves again.
 
         Waits for nothing: if an I/O from before the loss still holds a slot, or any
         check fails, the device stays out and the caller tries again later.
@@ -207,7 +198,7 @@ class DiskTier:
                 return health.in_service
             self.table.free[group] = []
             suspects = sorted(self._in_flight_at_loss[group])
-        problem, reopened = self._open_where_it_is(group)
+        problem, reopened = self._open_where_it_is(group, path)
         layout = self.layouts[group]
         if problem is None and layout is not None and not reopened:
             problem = layout.still_ours()

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from kvstore.device_health import OFFLINE, TRIPPED
+from kvstore.device_health import OFFLINE, TRIPPED, Presence
 from kvstore.disk_tier import DiskTier
 
 log = logging.getLogger(__name__)
@@ -37,25 +37,25 @@ class HealthMonitor:
                 log.exception("health monitor: check failed; retrying next interval")
 
     def check_once(self) -> None:
-        for group, health in enumerate(self.disk.health):
-            usable, why = True, ""
-            if health.probe is not None:
+        for group, (health, plan) in enumerate(zip(self.disk.health, self.disk.plans, strict=True)):
+            found = Presence(True)
+            if plan.probe is not None:
                 try:
-                    usable, why = health.probe()
+                    found = plan.probe()
                 except Exception as exc:  # a probe reads sysfs: treat its failure as "unknown, out"
-                    usable, why = False, f"probe failed: {exc}"
+                    found = Presence(False, f"probe failed: {exc}")
             if health.in_service:
-                moved = self.disk.moved_to(group) if usable else None
-                if not usable or moved is not None:
+                moved = found.path not in (None, self.disk.devices[group].path)
+                if not found.usable or moved:
                     with self.disk.lock:
-                        self.disk.take_out(group, OFFLINE, why or f"moved to {moved}")
+                        self.disk.take_out(group, OFFLINE, found.why or f"moved to {found.path}")
                 continue
-            if not usable:
-                health.reason = why
+            if not found.usable:
+                health.reason = found.why
                 continue
             if health.state == TRIPPED and time.monotonic() - health.since < self.cooldown_s:
                 continue
-            self.disk.revalidate(group)
+            self.disk.revalidate(group, found.path)
 
     def close(self) -> None:
         self._stop.set()

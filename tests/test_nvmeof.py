@@ -9,6 +9,7 @@ import pytest
 from bench.loopdev import SUBNQN, FakeNamespace, set_controller_state, write_sysfs
 from kvstore.cli import main
 from kvstore.config import dump_config, load_config
+from kvstore.device_health import Presence
 from kvstore.errors import ConfigError, DeviceError
 from kvstore.nvmeof.config import parse_nvmeof
 from kvstore.nvmeof.nvme_cli import NvmeCliError, connect_plan, disconnect_plan, preflight
@@ -108,30 +109,31 @@ def test_live_while_any_path_is_live(sysfs):
     assert not found.live and found.state == "connecting,resetting"
 
 
-def test_probe_follows_controller_state_and_locate_follows_renames(sysfs, tmp_path):
+def test_probe_follows_controller_state_and_renames(sysfs, tmp_path):
     dev_root = tmp_path / "dev"
     dev_root.mkdir()
     config = parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"}, dev_root=str(dev_root)))
     (plan,) = namespace_plans(config)
-    assert plan.kind == "nvmeof" and plan.path == str(dev_root / "nvme0n1") and plan.probe() == (True, "")
+    assert plan.kind == "nvmeof" and plan.path == str(dev_root / "nvme0n1")
+    assert plan.probe() == Presence(True, "", plan.path)
     for controller in ("nvme0", "nvme1"):
         set_controller_state(sysfs, controller, "connecting")
-    assert plan.probe() == (False, "controller state connecting")
+    assert plan.probe() == Presence(False, "controller state connecting", plan.path)
     for controller in ("nvme0", "nvme1"):
         set_controller_state(sysfs, controller, "live")
     subsystem = os.path.join(sysfs, "class/nvme-subsystem/nvme-subsys0")
     os.rename(os.path.join(subsystem, "nvme0n1"), os.path.join(subsystem, "nvme0n7"))
-    assert plan.probe() == (True, "") and plan.locate() == str(dev_root / "nvme0n7")
+    assert plan.probe() == Presence(True, "", str(dev_root / "nvme0n7"))
 
 
 def test_a_namespace_missing_or_down_at_start_up_is_planned_absent(sysfs, caplog):
     (missing,) = namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 9, "capacity": "1GiB"})))
-    assert missing.path is None and missing.locate() is None
+    assert missing.path is None and missing.probe().path is None
     assert f"{SUBNQN} nsid 9: no such namespace" in caplog.text and "nvmeof connect" in caplog.text
     for controller in ("nvme0", "nvme1"):
         set_controller_state(sysfs, controller, "dead")
     (down,) = namespace_plans(parse_nvmeof(_tier(sysfs, {"nsid": 1, "capacity": "1GiB"})))
-    assert down.path is None and down.probe() == (False, "controller state dead")
+    assert down.path is None and down.probe() == Presence(False, "controller state dead", "/dev/nvme0n1")
 
 
 def test_a_logical_block_size_that_cannot_work_is_an_error(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from kvstore.device_health import Presence
 from kvstore.devices import DevicePlan
 from kvstore.errors import DeviceError
 from kvstore.nvmeof.config import NamespaceConfig, NvmeofConfig
@@ -26,13 +27,12 @@ def namespace_plans(config: NvmeofConfig) -> list[DevicePlan]:
         if found is not None and found.logical_block_size and 4096 % found.logical_block_size:
             raise DeviceError(ns.label, f"logical block size {found.logical_block_size} does not "
                                         "divide 4096")
-        usable, why = _usable(found, config)
-        if not usable:
+        presence = _presence(found, config)
+        if not presence.usable:
             log.warning("nvmeof: %s: %s; starting without it, it is added once connected and live "
-                        "(kvstore nvmeof connect --config ...)", ns.label, why)
-        plans.append(DevicePlan(found.device if usable and found else None, ns.capacity, kind="nvmeof",
-                                label=ns.label, probe=lambda ns=ns: _usable(_find(ns, config), config),
-                                locate=lambda ns=ns: _device(_find(ns, config))))
+                        "(kvstore nvmeof connect --config ...)", ns.label, presence.why)
+        plans.append(DevicePlan(presence.path if presence.usable else None, ns.capacity, kind="nvmeof",
+                                label=ns.label, probe=lambda ns=ns: _presence(_find(ns, config), config)))
     return plans
 
 
@@ -40,14 +40,10 @@ def _find(ns: NamespaceConfig, config: NvmeofConfig) -> Resolved | None:
     return resolve(ns, config.sysfs_root, config.dev_root)
 
 
-def _device(found: Resolved | None) -> str | None:
-    return found.device if found is not None else None
-
-
-def _usable(found: Resolved | None, config: NvmeofConfig) -> tuple[bool, str]:
+def _presence(found: Resolved | None, config: NvmeofConfig) -> Presence:
     if found is None:
-        return False, (f"no such namespace under {config.sysfs_root} (not connected, or its "
-                       "controller was deleted when ctrl_loss_tmo expired)")
+        return Presence(False, f"no such namespace under {config.sysfs_root} (not connected, or "
+                               "its controller was deleted when ctrl_loss_tmo expired)")
     if not found.live:
-        return False, f"controller state {found.state}"
-    return True, ""
+        return Presence(False, f"controller state {found.state}", found.device)
+    return Presence(True, "", found.device)
