@@ -155,14 +155,10 @@ class StoreClient:
         start = index * self.chunk_bytes
         return self.window.view[start : start + self.chunk_bytes]
 
-    def lookup(self, keys: Sequence[bytes], prefetch: bool = False) -> int:
-        """Leading chunks present; `prefetch` starts moving their disk part up to DRAM."""
-        return int(self._request("lookup", list(keys), prefetch))
-
     def residency(self, keys: Sequence[bytes], prefetch: bool = False) -> tuple[int, int, bool]:
         """(leading chunks present, of those already in DRAM, whether a promotion of that
-        run is queued or running); `prefetch` as in lookup. Also the hint API:
-        prefetch=True on the keys of a request that will come."""
+        run is queued or running). `prefetch` starts moving the run up to DRAM (its disk
+        part read, the rest touched): the hint API, for keys a request will want."""
         stored, resident, pending = self._request("residency", list(keys), prefetch)
         return int(stored), int(resident), bool(pending)
 

@@ -14,8 +14,10 @@ that window.
 
 Requests (tuples, pickled by multiprocessing.connection):
   ("hello", Hello)            -> None; maps the window, creates the store on first use
-  ("lookup", keys, prefetch)  -> leading present count; with prefetch, the disk part of
-                                 that run is promoted to DRAM in the background
+  ("residency", keys, prefetch) -> (leading chunks present, of those in DRAM, promotion
+                                 of that run queued or running); with prefetch, that run
+                                 is promoted to DRAM in the background
+  ("count", {name: amount})   -> None; adds to the service's counters
   ("get", keys, slots)        -> [bool]: window slot slots[i] now holds chunk keys[i]
   ("put", keys, slots, parent)-> [bool]: chunk keys[i] (in window slot slots[i]) is stored
   ("info",)                   -> store.info()
@@ -251,16 +253,14 @@ class StoreService:
         if op == "info":
             info = store.info() if store else {"tiers": [], "counters": {}}
             return {**info, "service_pid": os.getpid(), "socket": self.socket_path}
-        if op in ("lookup", "residency"):
+        if op == "residency":
             if store is None:
-                return 0 if op == "lookup" else (0, 0)
-            keys, prefetch = args[0], len(args) > 1 and args[1]
+                return 0, 0, False
+            keys, prefetch = args[0], args[1]
             found = store.lookup(keys)
             run = tuple(keys[: found.count])
             if prefetch:
                 self._prefetch(store, run)
-            if op == "lookup":
-                return found.count
             with self._store_lock:
                 pending = run in self._prefetch_queued
             return found.count, found.resident, pending

@@ -26,6 +26,12 @@ def config(tmp_path, disk_dir):
     stop_service(raw)
 
 
+def test_a_lookup_before_any_worker_said_its_chunk_size_is_a_miss(config):
+    scheduler = StoreClient(load_config(config))  # the store is created on a worker's hello
+    assert scheduler.residency([b"k" * 16], prefetch=True) == (0, 0, False)
+    scheduler.close()
+
+
 def test_clients_share_one_spawned_service(config):
     writer = StoreClient(load_config(config), CHUNK)
     reader = StoreClient(load_config(config), CHUNK)
@@ -34,8 +40,8 @@ def test_clients_share_one_spawned_service(config):
     for i in range(4):
         writer.slot(i)[:] = bytes([i + 1]) * CHUNK
     assert writer.put(keys, [0, 1, 2, 3]) == [True] * 4
-    assert scheduler.lookup(keys) == 4
-    assert scheduler.lookup([b"\xff" * 16, *keys]) == 0
+    assert scheduler.residency(keys) == (4, 4, False)
+    assert scheduler.residency([b"\xff" * 16, *keys]) == (0, 0, False)
     assert reader.get(keys[::-1], [5, 6, 7, 8]) == [True] * 4
     assert bytes(reader.slot(5)[:2]) == b"\4\4" and bytes(reader.slot(8)[:2]) == b"\1\1"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvstore-window-{os.getpid()}-")]
@@ -71,7 +77,7 @@ def test_a_hung_service_costs_a_deadline_not_a_hang(config):
         with pytest.raises(ServiceUnavailable, match="no answer"):
             client.get([b"k" * 16], [0])
         with pytest.raises(ServiceUnavailable):  # the connection is dropped, not reused
-            client.lookup([b"k" * 16])
+            client.residency([b"k" * 16])
     finally:
         os.kill(pid, signal.SIGCONT)
         client.close()
@@ -124,7 +130,7 @@ def test_a_lookup_with_prefetch_warms_dram(config):
     assert client.put(keys, [0, 1, 2, 3]) == [True] * 4
     client.shutdown()  # DRAM written down to disk
     client = StoreClient(load_config(config), CHUNK)
-    assert client.lookup(keys) == 4
+    assert client.residency(keys) == (4, 0, False)
     assert client.info()["tiers"][0]["chunks"] == 0  # DRAM empty after the restart
     stored, resident, pending = client.residency(keys, prefetch=True)
     assert (stored, resident) == (4, 0)
