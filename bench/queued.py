@@ -25,21 +25,15 @@ from typing import Any
 from bench.engine_run import run_fresh
 from bench.summary import p50_p90
 from bench.tiny_model import prompt_token_ids
-from kvstore.client import ServiceUnavailable, attach, stop_service
+from kvstore.client import service_info, stop_service
 from kvstore.config import StoreConfig, dump_config
 
 BUSY_PROMPTS = 2
 
 
 def _service_counters(store: StoreConfig) -> dict[str, int]:
-    try:
-        client = attach(store)
-    except ServiceUnavailable:
-        return {}
-    try:
-        return dict(client.info()["counters"])
-    finally:
-        client.close()
+    info = service_info(store)
+    return dict(info["counters"]) if info is not None else {}
 
 
 def measure_queued(model: Path, workdir: Path, context: int, prompts_file: Path, store: StoreConfig,

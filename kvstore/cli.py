@@ -26,16 +26,13 @@ def _fsck(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     """From the running service when one answers (it holds the tiers' locks), else by
     opening the tiers directly, which needs their chunk size."""
-    from kvstore.client import ServiceUnavailable, attach
+    from kvstore.client import service_info
     from kvstore.config import load_config
     from kvstore.store import TieredStore
 
     config = load_config(args.config)
-    try:
-        client = attach(config)
-        info = client.info()
-        client.close()
-    except ServiceUnavailable:
+    info = service_info(config)
+    if info is None:
         if not args.chunk_size:
             print(f"kvstore: no service at {config.service.socket}; give --chunk-size to open "
                   "the tiers directly", file=sys.stderr)

@@ -226,6 +226,18 @@ def attach(config: StoreConfig) -> StoreClient:
     return StoreClient(dataclasses.replace(config, service=service))
 
 
+def service_info(config: StoreConfig) -> dict[str, Any] | None:
+    """The running service's `info` (tiers, devices, counters); None when none answers."""
+    try:
+        client = attach(config)
+    except ServiceUnavailable:
+        return None
+    try:
+        return client.info()
+    finally:
+        client.close()
+
+
 def stop_service(config: StoreConfig) -> bool:
     """Ask the service at config.service.socket to drain and exit; False if none runs."""
     try:

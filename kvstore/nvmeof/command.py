@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
+from kvstore.client import service_info
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import ConfigError
 from kvstore.nvmeof.config import NvmeofConfig
@@ -69,16 +70,9 @@ def status(config: StoreConfig, nvmeof: NvmeofConfig) -> dict[str, Any]:
 
 def _service_devices(config: StoreConfig) -> dict[str, Any] | None:
     """Device path -> health as the running service sees it; None without a service."""
-    from kvstore.client import ServiceUnavailable, attach
-
-    try:
-        client = attach(config)
-    except ServiceUnavailable:
+    info = service_info(config)
+    if info is None:
         return None
-    try:
-        info = client.info()
-    finally:
-        client.close()
     return {d["path"]: {k: d[k] for k in ("state", "reason", "faults", "trips")}
             for tier in info.get("tiers", []) for d in tier.get("devices", [])}
 
