@@ -20,16 +20,12 @@ from collections import OrderedDict
 
 import torch
 
-from kvstore.stats import Stats
-
 
 class DeviceStagingPool:
-    def __init__(self, chunk_bytes: int, capacity_bytes: int, device: torch.device,
-                 stats: Stats) -> None:
+    def __init__(self, chunk_bytes: int, capacity_bytes: int, device: torch.device) -> None:
         self.num_slots = capacity_bytes // chunk_bytes
         self.chunk_bytes = chunk_bytes
         self.device = device
-        self.stats = stats
         self.buffer = torch.empty((self.num_slots, chunk_bytes), dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
@@ -40,10 +36,12 @@ class DeviceStagingPool:
         with self._lock:
             return key in self._staged
 
-    def stage(self, keys: list[bytes], sources: list[memoryview]) -> int:
+    def stage(self, keys: list[bytes], sources: list[memoryview]) -> tuple[int, int]:
         """Copy chunks (host memory the caller reuses once this returns) into free slots,
-        evicting the oldest unused staged chunks if needed. Returns chunks staged."""
+        evicting the oldest unused staged chunks if needed. Returns (chunks staged,
+        unused chunks evicted for them)."""
         placed: list[tuple[bytes, int, memoryview]] = []
+        evicted = 0
         with self._lock:
             for key, source in zip(keys, sources, strict=True):
                 if key in self._staged:
@@ -51,12 +49,12 @@ class DeviceStagingPool:
                 if not self._free and self._staged:
                     _, slot = self._staged.popitem(last=False)
                     self._free.append(slot)
-                    self.stats.add("staging.evicted_unused")
+                    evicted += 1
                 if not self._free:
                     break  # every slot is taken by a load in progress
                 placed.append((key, self._free.pop(), source))
         if not placed:
-            return 0
+            return 0, evicted
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for _, slot, source in placed:
                 self.buffer[slot].copy_(torch.frombuffer(source, dtype=torch.uint8),
@@ -66,8 +64,7 @@ class DeviceStagingPool:
         with self._lock:
             for key, slot, _ in placed:
                 self._staged[key] = slot
-        self.stats.add("staging.chunks", len(placed))
-        return len(placed)
+        return len(placed), evicted
 
     def take(self, key: bytes) -> int | None:
         """The slot holding `key`, now owned by the caller until `release`; None if absent."""

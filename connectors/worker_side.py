@@ -62,7 +62,7 @@ class WorkerCore:
                  load_async: bool, staging: DeviceStagingPool | None = None) -> None:
         self.layout = layout
         self.rank = rank
-        self.stats = staging.stats if staging is not None else Stats()
+        self.stats = Stats()
         self.staging = staging
         self._stager = ServiceLink(make_client) if staging is not None else None
         self._stage_pool = ThreadPoolExecutor(1, "kvstore-stage") if staging is not None else None
@@ -109,7 +109,10 @@ class WorkerCore:
                 wave = keys[start : start + client.slots]
                 found = client.get(wave, range(len(wave)))
                 served = [i for i, ok in enumerate(found) if ok]
-                self.staging.stage([wave[i] for i in served], [client.slot(i) for i in served])
+                staged, evicted = self.staging.stage([wave[i] for i in served],
+                                                     [client.slot(i) for i in served])
+                self.stats.add("staging.chunks", staged)
+                self.stats.add("staging.evicted_unused", evicted)
         except Exception as exc:  # staging is an optimisation: the load falls back to the service
             log.warning("kvstore staging for %s failed (%s)", stage.req_id, exc)
             if self._stager is not None:

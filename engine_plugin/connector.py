@@ -35,7 +35,6 @@ from connectors.worker_side import WorkerCore
 from kvstore.aligned import pin_for_cuda
 from kvstore.client import StoreClient
 from kvstore.keys import KVNamespace
-from kvstore.stats import Stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -180,8 +179,7 @@ class TieredKVConnector(KVConnectorBase_V1):
 
         staging = None
         if self.options.device_staging:
-            staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device,
-                                        Stats())
+            staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device)
         self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging)
         log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
                  layout.chunk_bytes)

@@ -18,7 +18,6 @@ from connectors.worker_side import WorkerCore
 from engine_plugin.layout import PagedKVLayout
 from kvstore.client import StoreClient
 from kvstore.config import load_config
-from kvstore.stats import Stats
 
 NUM_BLOCKS, BLOCKS_PER_CHUNK = 16, 2
 
@@ -30,19 +29,19 @@ def _sources(count: int, chunk_bytes: int, seed: int = 0) -> list[memoryview]:
 
 
 def _pool(slots: int, chunk_bytes: int = 4096, device: str = "cpu") -> DeviceStagingPool:
-    return DeviceStagingPool(chunk_bytes, slots * chunk_bytes, torch.device(device), Stats())
+    return DeviceStagingPool(chunk_bytes, slots * chunk_bytes, torch.device(device))
 
 
 def test_staged_chunks_are_taken_once_and_slots_come_back():
     pool = _pool(3)
     keys, sources = [bytes([i]) * 16 for i in range(3)], _sources(3, 4096)
-    assert pool.stage(keys, sources) == 3
-    assert pool.stage(keys[:1], sources[:1]) == 0  # already staged
+    assert pool.stage(keys, sources) == (3, 0)
+    assert pool.stage(keys[:1], sources[:1]) == (0, 0)  # already staged
     slot = pool.take(keys[1])
     assert slot is not None and bytes(pool.slot(slot).numpy()) == bytes(sources[1])
     assert pool.take(keys[1]) is None and keys[1] not in pool
     pool.release(slot)
-    assert pool.stage([b"x" * 16], _sources(1, 4096, seed=1)) == 1  # the released slot
+    assert pool.stage([b"x" * 16], _sources(1, 4096, seed=1)) == (1, 0)  # the released slot
 
 
 def test_a_full_pool_evicts_the_oldest_unused_chunk_but_never_a_taken_one():
@@ -50,11 +49,11 @@ def test_a_full_pool_evicts_the_oldest_unused_chunk_but_never_a_taken_one():
     keys = [bytes([i]) * 16 for i in range(4)]
     pool.stage(keys[:2], _sources(2, 4096))
     taken = pool.take(keys[0])
-    assert pool.stage(keys[2:3], _sources(1, 4096, seed=2)) == 1  # evicts keys[1], not the taken one
+    # evicts keys[1], not the taken one
+    assert pool.stage(keys[2:3], _sources(1, 4096, seed=2)) == (1, 1)
     assert keys[1] not in pool and keys[2] in pool
-    assert pool.stats.snapshot()["staging.evicted_unused"] == 1
     assert pool.take(keys[2]) is not None
-    assert pool.stage(keys[3:], _sources(1, 4096)) == 0  # both slots taken by loads
+    assert pool.stage(keys[3:], _sources(1, 4096)) == (0, 0)  # both slots taken by loads
     pool.release(taken)
 
 
@@ -82,7 +81,7 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config):
 
     target_caches = {name: torch.zeros_like(t) for name, t in caches.items()}
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    pool = DeviceStagingPool(target.chunk_bytes, 8 * target.chunk_bytes, target.device, Stats())
+    pool = DeviceStagingPool(target.chunk_bytes, 8 * target.chunk_bytes, target.device)
     worker = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False,
                         staging=pool)
     try:
@@ -109,7 +108,7 @@ def test_cuda_staging_round_trip():
     assert pool.stream is not None
     sources = _sources(4, 1 << 20)
     keys = [bytes([i]) * 16 for i in range(4)]
-    assert pool.stage(keys, sources) == 4
+    assert pool.stage(keys, sources) == (4, 0)
     for key, source in zip(keys, sources, strict=True):
         slot = pool.take(key)
         assert bytes(pool.slot(slot).cpu().numpy()) == bytes(source)
