@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.fields import choice_field
 
 POLICIES = ("best_effort", "wait", "timeout")
 
@@ -43,8 +44,7 @@ class PrefetchPolicy:
     timeout_s_per_1k_tokens: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ConfigError("prefetch_policy", self.name, f"must be one of {', '.join(POLICIES)}")
+        choice_field("prefetch_policy", self.name, POLICIES)
         for field_name in ("max_wait_s", "timeout_s_per_1k_tokens"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:

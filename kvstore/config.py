@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kvstore.errors import ConfigError
-from kvstore.fields import check_keys, int_field, mapping_field, seconds_field, size_field
+from kvstore.fields import check_keys, choice_field, int_field, mapping_field, seconds_field, size_field
 from kvstore.nvmeof.config import NvmeofConfig, dump_nvmeof, parse_nvmeof
 
 IO_ENGINES = ("auto", "uring", "threads")
@@ -138,16 +138,10 @@ def _parse_root(data: dict[str, Any]) -> StoreConfig:
         write_behind_chunks=int_field("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
         promote_on_hit=promote,
         prefetch_inflight=size_field("prefetch_inflight", data.get("prefetch_inflight", 256 << 20)),
-        write_policy=_choice("write_policy", data.get("write_policy", "write_back"), WRITE_POLICIES),
+        write_policy=choice_field("write_policy", data.get("write_policy", "write_back"), WRITE_POLICIES),
         disk_min_seen=int_field("disk_min_seen", data.get("disk_min_seen", 1), 1, 1 << 20),
         service=_parse_service(mapping_field("service", data.get("service", {}))),
     )
-
-
-def _choice(where: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ConfigError(where, value, f"must be one of {', '.join(allowed)}")
-    return value
 
 
 def _parse_host(value: Any) -> HostTierConfig:
@@ -185,7 +179,7 @@ def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
 def _parse_io(io: dict[str, Any]) -> IoConfig:
     check_keys("io", io, {"engine", "queue_depth", "timeout_s", "breaker_threshold",
                           "breaker_cooldown_s"})
-    engine = _choice("io.engine", io.get("engine", "auto"), IO_ENGINES)
+    engine = choice_field("io.engine", io.get("engine", "auto"), IO_ENGINES)
     return IoConfig(
         engine=engine,
         queue_depth=int_field("io.queue_depth", io.get("queue_depth", 64), 1, 4096),

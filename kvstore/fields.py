@@ -39,6 +39,12 @@ def seconds_field(where: str, value: Any, minimum: float = 0.0) -> float:
     return float(value)
 
 
+def choice_field(where: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(where, value, f"must be one of {', '.join(allowed)}")
+    return value
+
+
 def mapping_field(where: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(where, value, "must be a mapping")

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ConfigError
-from kvstore.fields import check_keys, int_field, mapping_field, seconds_field, size_field, text_field
+from kvstore.fields import (
+    check_keys,
+    choice_field,
+    int_field,
+    mapping_field,
+    seconds_field,
+    size_field,
+    text_field,
+)
 
 TRANSPORTS = ("tcp", "rdma")
 DEFAULT_FAST_IO_FAIL_TMO = 5
@@ -106,9 +114,7 @@ def _parse_namespace(where: str, fields: dict[str, Any], inherited: dict[str, st
     def name(key: str) -> str:
         return f"{inherited.get(key, where)}.{key}"
 
-    transport = fields.get("transport", "tcp")
-    if transport not in TRANSPORTS:
-        raise ConfigError(name("transport"), transport, f"must be one of {', '.join(TRANSPORTS)}")
+    transport = choice_field(name("transport"), fields.get("transport", "tcp"), TRANSPORTS)
     traddr = text_field(name("traddr"), fields.get("traddr"))
     try:
         ipaddress.ip_address(traddr)
