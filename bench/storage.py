@@ -43,7 +43,11 @@ def nvmeof_cases(tier: dict[str, Any], engines: list[str], chunk_bytes: int, que
     for used in sorted({1, len(namespaces)}):
         capacity = capacity_for(count, used, chunk_bytes)
         subset = {**tier, "namespaces": [{**ns, "capacity": capacity} for ns in namespaces[:used]]}
-        devices = [plan.path for plan in namespace_plans(parse_nvmeof(subset))]
+        plans = namespace_plans(parse_nvmeof(subset))
+        absent = [plan.label for plan in plans if plan.path is None]
+        if absent:
+            raise KVStoreError(f"cannot measure namespaces not connected and live: {', '.join(absent)}")
+        devices = [str(plan.path) for plan in plans]
         for engine in engines:
             for device in devices:
                 remove_data(device)

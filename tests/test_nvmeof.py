@@ -205,3 +205,10 @@ def test_status_json(sysfs, tmp_path, capsys):
     assert rows[0]["tier"] == "no service running" and len(rows[0]["controllers"]) == 2
     assert rows[1]["device"] is None and rows[1]["state"] == "not connected"
     assert main(["nvmeof", "status", "--config", str(config_path), "--sysfs-root", sysfs]) == 1
+
+
+def test_bench_refuses_a_namespace_that_is_not_connected(sysfs, tmp_path, capsys):
+    config_path = tmp_path / "kv.json"
+    config_path.write_text(json.dumps({"tiers": {"nvmeof": _tier(sysfs, {"nsid": 9, "capacity": "1GiB"})}}))
+    assert main(["bench", "--tiers", "nvmeof", "--nvmeof", str(config_path), "--no-fio"]) == 2
+    assert f"not connected and live: {SUBNQN} nsid 9" in capsys.readouterr().err
