@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
-from bench.ttft import default_config, demo_model, measure, print_rows
+from bench.ttft import default_config, demo_model, measure, print_rows, run_workdir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", help="where the model, disk tier and socket go "
-                        "(default: a new temporary directory)")
+    parser.add_argument("--workdir", help="where the model, disk tier and socket go, kept "
+                        "(default: a temporary directory, removed at the end)")
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--single-process", action="store_true",
@@ -26,13 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    print(f"kvstore demo in {workdir}: building a tiny random-weight Llama ...", flush=True)
-    model = demo_model(workdir)
-    rows = measure(model, workdir, [args.prompt_tokens], ["recompute", "dram", "disk"], args.prompts,
-                   default_config(workdir), args.single_process,
-                   progress=lambda text: print(text, flush=True))
+    with run_workdir(args.workdir, "kvstore-demo-") as workdir:
+        print(f"kvstore demo in {workdir}: building a tiny random-weight Llama ...", flush=True)
+        model = demo_model(workdir)
+        rows = measure(model, workdir, [args.prompt_tokens], ["recompute", "dram", "disk"],
+                       args.prompts, default_config(workdir, "1GiB"), args.single_process,
+                       progress=lambda text: print(text, flush=True))
     print_rows(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"results": rows}, indent=2))

@@ -14,9 +14,10 @@ mode (--estimate) applies bench/ttft_model.py to a model and a hardware profile.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,26 @@ MEASURED_MODES = ("recompute", "dram", "disk", "disk+prefetch")
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384"
 
 
-def default_config(workdir: Path) -> dict[str, Any]:
+def default_config(workdir: Path, disk_capacity: str = "4GiB") -> dict[str, Any]:
     return {"chunk_tokens": 256,
             "tiers": {"host": {"capacity": "2GiB"},
-                      "disk": [{"path": str(workdir / "disk"), "capacity": "4GiB"}]},
+                      "disk": [{"path": str(workdir / "disk"), "capacity": disk_capacity}]},
             "service": {"socket": str(workdir / "kvstore.sock")}}
+
+
+@contextlib.contextmanager
+def run_workdir(path: str | None, prefix: str) -> Iterator[Path]:
+    """The user's --workdir, kept; else a temporary one, removed with its disk tier at the end.
+
+    The disk tier reserves its whole capacity, so a run that left its temporary
+    directory behind would cost that much disk every time it ran.
+    """
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as temp:
+        yield Path(temp)
 
 
 def demo_model(workdir: Path) -> Path:
@@ -121,7 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "model); --estimate: a config.json/directory or a preset name")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per context (measure)")
     parser.add_argument("--config", help="kvstore config for the tiers (default: a temp directory)")
-    parser.add_argument("--workdir", help="where the model, prompts and tiers go (default: temp)")
+    parser.add_argument("--workdir", help="where the model, prompts and tiers go, kept "
+                        "(default: a temporary directory, removed at the end)")
+    parser.add_argument("--disk-capacity", default="4GiB",
+                        help="disk tier size without --config (reserved on disk for the run)")
     parser.add_argument("--single-process", action="store_true")
     parser.add_argument("--device-staging", default="0",
                         help="disk+prefetch: also stage chunks into a device pool of this size")
@@ -136,12 +155,11 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if args.estimate:
         return _run_estimate(args, contexts, modes)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-ttft-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else demo_model(workdir)
-    config = load_config(args.config) if args.config else load_config(default_config(workdir))
-    rows = measure(model, workdir, contexts, modes, args.prompts, dump_config(config),
-                   args.single_process, device_staging=parse_size(args.device_staging))
+    with run_workdir(args.workdir, "kvstore-ttft-") as workdir:
+        model = Path(args.model) if args.model else demo_model(workdir)
+        config = load_config(args.config or default_config(workdir, args.disk_capacity))
+        rows = measure(model, workdir, contexts, modes, args.prompts, dump_config(config),
+                       args.single_process, device_staging=parse_size(args.device_staging))
     print_rows(rows)
     _write(args.json, {"model": str(model), "results": rows}, rows, "ttft_p50_s")
     return 0 if all(row["outputs_match"] for row in rows) else 1

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench.tiny_model import build_tiny_llama
+from bench.ttft import run_workdir
 from bench.ttft_model import MODELS, PROFILES, HardwareProfile, ModelSpec, estimate, load_s, prefill_s
 from kvstore.cli import main as cli_main
 from kvstore.errors import ConfigError
@@ -71,7 +72,8 @@ def test_measure_mode_on_the_tiny_model(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "ttft.json"
     code = cli_main(["ttft", "--modes", "recompute,dram", "--contexts", "300,600", "--prompts", "1",
-                     "--single-process", "--workdir", str(tmp_path), "--json", str(out)])
+                     "--single-process", "--workdir", str(tmp_path), "--disk-capacity", "128MiB",
+                     "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert code == 0
     assert {(r["mode"], r["context_tokens"]) for r in rows} == {
@@ -80,3 +82,12 @@ def test_measure_mode_on_the_tiny_model(tmp_path):
     assert {r["context_tokens"]: r["loaded_tokens"] for r in rows if r["mode"] == "dram"} == {
         300: 256, 600: 512}
     assert {"ttft_p50_s", "ttft_p90_s"} <= set(rows[0])
+
+
+def test_a_temporary_workdir_goes_with_its_disk_tier(tmp_path):
+    with run_workdir(None, "kvstore-ttft-test-") as workdir:
+        (workdir / "disk").write_bytes(b"reserved")
+    assert not workdir.exists()
+    with run_workdir(str(tmp_path / "kept"), "unused-") as workdir:
+        (workdir / "disk").write_bytes(b"reserved")
+    assert (tmp_path / "kept" / "disk").exists()
