@@ -254,8 +254,8 @@ def test_device_staging_serves_a_queued_request(model, prompts, reference, store
     read = counters(config)
     assert read["staging.loaded_chunks"] == FULL_CHUNKS
     # How many were staged before the load ran is a race with the busy prompt (all 8 on a
-    # slow host, none on a fast one); tests/test_device_staging.py checks hits exactly.
-    assert 0 <= read.get("staging.hits", 0) <= FULL_CHUNKS
+    # slow host, none on a fast one), so staging.hits is not asserted here;
+    # tests/test_device_staging.py checks hits exactly.
 
 
 def test_a_hint_promotes_a_later_requests_chunks(model, prompts, reference, store_config, tmp_path):
