@@ -1,11 +1,19 @@
 """`kvstore replay`: what hit ratio a trace gets from tiers of given sizes.
 
 Each tier is kvstore's own SlotTable (slots, index, prefix-aware LRU), sized in
-chunks of `kv_bytes_per_token x block_tokens` bytes, and the policy is the store's:
-a new chunk enters the top tier; a victim moves down one tier unless that tier
-has it already; a hit in a lower tier is promoted to the top. For each request,
-the leading run of its full blocks present in any tier is a hit (capped so one
-prompt token is always computed); the rest is computed and stored.
+chunks of `kv_bytes_per_token x block_tokens` bytes, and every decision is the
+store's own TierPolicy (kvstore/policy.py) taken through the same SlotTable calls the
+store makes (kvstore/store.py, flusher.py), so a replay's hits are the store's:
+- a request's lookup finds the leading run of its full blocks present in any tier
+  (capped so one prompt token is always computed); its chain is touched first;
+- hits below the top tier are promoted to the top (promote_on_hit): first as the
+  connector's prefetch does on a request's arrival (a victim not yet below is written
+  down first), then, for what found no slot, as the get does (only slots whose chunk
+  the tier below already holds);
+- the put: the rest is stored in the top tier; a victim there goes down one tier
+  first unless that tier holds it or does not admit it (then it is dropped); with
+  no slot free for it, a chunk goes down directly.
+tests/test_replay.py checks this against a real TieredStore chunk for chunk.
 """
 
 from __future__ import annotations
@@ -14,13 +22,15 @@ import argparse
 import json
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 from kvstore.errors import ConfigError
-from kvstore.slots import SlotTable
+from kvstore.policy import TierPolicy
+from kvstore.slots import Fate, Reservation, SlotTable
 from kvstore.units import format_size, parse_size
 
 
@@ -44,37 +54,18 @@ class SimTier:
         self.table = SlotTable([max(1, capacity_bytes // chunk_bytes)])
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.table.index
-
-    def insert(self, key: bytes, parent: bytes | None) -> tuple[bytes, bytes | None] | None:
-        """Store `key`; returns the evicted (key, parent), if one had to go."""
-        evicted: list[tuple[bytes, bytes | None]] = []
-
-        def note_victim(victim: bytes, slot: int) -> bool:
-            evicted.append((victim, self.table.slots[slot].parent))
-            return False  # do not keep it here: reserve() evicts it
-
-        reserved = self.table.reserve(0, claim_victim=note_victim)
-        assert reserved is not None  # nothing is ever pinned in a replay
-        slot, victim = reserved
-        self.table.publish(slot, key, parent, 0)
-        self.table.unpin(slot)
-        self.stats.bytes_written += self.chunk_bytes
-        if victim is None:
-            return None
-        self.stats.evictions += 1
-        return evicted[-1]
+        return key in self.table
 
 
 class Replayer:
     def __init__(self, tiers: Sequence[tuple[str, int]], kv_bytes_per_token: int,
-                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, promote_on_hit: bool = True) -> None:
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, policy: TierPolicy | None = None) -> None:
         if not tiers:
             raise ConfigError("--tier", None, "give at least one tier, e.g. --tier host=64GiB")
         self.block_tokens = block_tokens
         self.chunk_bytes = kv_bytes_per_token * block_tokens
         self.tiers = [SimTier(name, capacity, self.chunk_bytes) for name, capacity in tiers]
-        self.promote_on_hit = promote_on_hit
+        self.policy = policy or TierPolicy()
         self.total_tokens = 0
         self.requests = 0
 
@@ -87,9 +78,10 @@ class Replayer:
         """Account one request; returns the tier index of each hit block, in order."""
         self.requests += 1
         self.total_tokens += request.input_tokens
-        usable = min(len(request.keys), (request.input_tokens - 1) // self.block_tokens)
+        keys = list(request.keys)
+        usable = min(len(keys), (request.input_tokens - 1) // self.block_tokens)
         found: list[int] = []
-        for key in request.keys[:usable]:
+        for key in keys[:usable]:
             tier = next((i for i, t in enumerate(self.tiers) if key in t), None)
             if tier is None:
                 break
@@ -97,20 +89,83 @@ class Replayer:
             stats = self.tiers[tier].stats
             stats.hit_tokens += self.block_tokens
             stats.bytes_read += self.chunk_bytes
-        for tier in self.tiers:  # first, so that storing this prompt never evicts its own head
-            tier.table.lru.touch_chain(request.keys)
-        top = self.tiers[0]
-        for i, key in enumerate(request.keys):
-            if key in top or (i < len(found) and not self.promote_on_hit):
-                continue
-            self._insert(0, key, request.keys[i - 1] if i else None)
+        parents = [None, *keys[:-1]]
+        hits = keys[: len(found)]
+        if self.policy.promote_on_hit:  # the connector's prefetch on arrival: hits move up
+            self.tiers[0].table.touch_chain(hits)
+            self._promote(found, keys, parents, "prefetch")
+        self._touch(hits)  # the get: what the prefetch left below moves up if a slot is clean
+        if self.policy.promote_on_hit:
+            self._promote(found, keys, parents, "get")
+        self._touch(hits)
+        self.policy.seen(hits)
+        self.policy.seen(keys)  # the put: the rest is stored
+        self._touch(keys)
+        new = [i for i, key in enumerate(keys) if not any(key in tier for tier in self.tiers)]
+        self._store(0, [keys[i] for i in new], [parents[i] for i in new])
+        self._touch(keys)
         return found
 
-    def _insert(self, level: int, key: bytes, parent: bytes | None) -> None:
-        victim = self.tiers[level].insert(key, parent)
+    def _promote(self, found: list[int], keys: list[bytes], parents: list[bytes | None], mode: str) -> None:
+        """Move lower-tier hits up; as in the store, they stay pinned below meanwhile (the
+        victims written down cannot evict them)."""
+        up = [i for i in range(len(found))
+              if keys[i] not in self.tiers[0] and any(keys[i] in tier for tier in self.tiers[1:])]
+        with ExitStack() as stack:
+            for tier in self.tiers[1:]:
+                stack.enter_context(tier.table.pinned(keys, up))
+            self._store(0, [keys[i] for i in up], [parents[i] for i in up], mode)
+
+    def _touch(self, keys: list[bytes]) -> None:
+        for tier in self.tiers:
+            tier.table.touch_chain(keys)
+
+    def _store(self, level: int, keys: list[bytes], parents: list[bytes | None],
+               mode: str = "put") -> None:
+        """Put chunks in tier `level` in the store's order: slots reserved first (none
+        tried after one is refused); victims that must go down first are written below
+        (in order), then the chunks are published; a put that found no slot goes one tier
+        down, a promotion ("prefetch" or "get") does not."""
+        tier = self.tiers[level]
+        reserved: list[tuple[bytes, bytes | None, Reservation | None]] = []
+        for key, parent in zip(keys, parents, strict=True):
+            reservation = None
+            if not reserved or reserved[-1][2] is not None:
+                reservation = tier.table.reserve(fate=lambda victim: self._fate(level, victim, mode))
+            reserved.append((key, parent, reservation))
+        demoting = [j for j, (_, _, r) in enumerate(reserved) if r is not None and r.victim is not None]
+        if demoting:  # the victims go down in one batch, as the store's Flusher.take_over writes them
+            victims = [reserved[j][2].victim for j in demoting]  # type: ignore[union-attr]
+            entries = [tier.table.entry(reserved[j][2].slot) for j in demoting]  # type: ignore[union-attr]
+            self._store(level + 1, victims, [e.parent if e else None for e in entries])
+            for j, victim in zip(demoting, victims, strict=True):
+                key, parent, reservation = reserved[j]
+                assert reservation is not None
+                if victim not in self.tiers[level + 1]:
+                    reservation.release()
+                    reserved[j] = (key, parent, None)
+                elif not reservation.take_over():  # (released by take_over)
+                    reserved[j] = (key, parent, None)
+        down = []
+        for key, parent, reservation in reserved:
+            if reservation is None:
+                down.append((key, parent))
+                continue
+            if reservation.evicted is not None:
+                tier.stats.evictions += 1
+            reservation.publish(key, parent, 0)
+            tier.stats.bytes_written += self.chunk_bytes
         below = level + 1
-        if victim is not None and below < len(self.tiers) and victim[0] not in self.tiers[below]:
-            self._insert(below, *victim)
+        if mode == "put" and below < len(self.tiers):
+            down = [(key, parent) for key, parent in down if self.policy.admits(key)]
+            self._store(below, [k for k, _ in down], [p for _, p in down])
+
+    def _fate(self, level: int, key: bytes, mode: str) -> Fate:
+        """The store's Flusher.put_fate (put, prefetch) / clean_fate (get) for tier `level`."""
+        below = level + 1
+        if below >= len(self.tiers) or key in self.tiers[below] or not self.policy.admits(key):
+            return Fate.EVICT
+        return Fate.SKIP if mode == "get" else Fate.DEMOTE
 
     def result(self) -> dict[str, Any]:
         for tier in self.tiers:
@@ -185,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> dict[str, Any]:
     replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens,
-                        promote_on_hit=not args.no_promote)
+                        policy=TierPolicy(promote_on_hit=not args.no_promote))
     return replayer.run(read_trace(args.trace, args.block_tokens, args.limit))
 
 
@@ -208,7 +263,7 @@ def _ttft_rows(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> list[d
     for count in range(len(tiers) + 1):
         config = tiers[:count]
         replayer = Replayer(config, args.kv_bytes_per_token, args.block_tokens,
-                            promote_on_hit=not args.no_promote) if config else None
+                            policy=TierPolicy(promote_on_hit=not args.no_promote)) if config else None
         requests = []
         for request in read_trace(args.trace, args.block_tokens, args.limit):
             hits: dict[str, int] = {}

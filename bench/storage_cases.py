@@ -17,9 +17,11 @@ import torch
 
 from bench.fio import fio_randread
 from kvstore.aligned import AlignedBuffer
+from kvstore.disk_layout import SB_COPIES
 from kvstore.io import make_engine
 from kvstore.io.base import IoRequest
 from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.record import BLOCK
 from kvstore.store import TieredStore
 from kvstore.units import format_size
 
@@ -96,7 +98,7 @@ def disk_case(tiers: dict[str, object], tier_name: str, engine: str, chunk_bytes
         if served != count:
             raise RuntimeError(f"bench: only {served} of {count} chunks read back")
         p50, p99 = store.stats.latency_ms("disk.read")
-        layout = store.disk.layouts[0] if store.disk else None
+        layout = store.disk.devices.layouts[0] if store.disk else None
         geometry = {"file": layout.device.path, "offset": layout.sb.data_offset,
                     "size": layout.sb.num_slots * store.slot_bytes,
                     "block": store.slot_bytes} if layout else {}
@@ -216,15 +218,16 @@ def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:
 
 def remove_data(path: str) -> None:
     """Start the next case empty: remove a directory's data file, or zero a block
-    device's superblock (its record headers are already zeroed by the case's delete)."""
+    device's superblocks (its record headers are already zeroed by the case's delete)."""
     data = os.path.join(path, "kvstore.data")
     if os.path.isfile(data):
         os.unlink(data)
     elif os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode):
-        zeros = AlignedBuffer(4096)
+        size = SB_COPIES * BLOCK  # every superblock copy
+        zeros = AlignedBuffer(size)
         fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
         try:
-            os.pwritev(fd, [zeros.view[:4096]], 0)
+            os.pwritev(fd, [zeros.view[:size]], 0)
         finally:
             os.close(fd)
             zeros.close()

@@ -3,10 +3,17 @@
 Each is opened with O_DIRECT (no page cache: the DRAM tier is our cache) and
 locked with an exclusive advisory flock, so a second process that opens the same
 path fails with a clear error instead of sharing, and corrupting, its slot map.
+
+Cached KV reveals the prompts it came from, and a record someone else can write is
+a record someone else chose. So a tier directory must be ours and writable by no
+one else; the data file is created 0600 without following links (O_EXCL |
+O_NOFOLLOW), and an existing one must be a regular file of ours that no one else
+can read or write. Block devices are opened exclusively (O_EXCL: not if mounted).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -47,28 +54,56 @@ class Device:
             self.fd = -1
 
 
-def open_device(path: str, capacity: int, file_name: str = DATA_FILE) -> Device:
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot be a disk-tier path for this user, or None. Checked at start-up
+    (naming the config field) and again when the device is opened."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            return "does not exist, and its parent is not a directory"
+        if not os.access(parent, os.W_OK):
+            return "does not exist, and its parent is not writable"
+        return None
+    if stat.S_ISBLK(st.st_mode):
+        return None if os.access(path, os.R_OK | os.W_OK) else "block device not readable and writable"
+    if not stat.S_ISDIR(st.st_mode):
+        return "must be a directory or a block device"
+    return _private_dir_problem(st) or (None if os.access(path, os.W_OK) else "not writable by this user")
+
+
+def _private_dir_problem(st: os.stat_result) -> str | None:
+    if st.st_uid != os.geteuid():
+        return (f"owned by uid {st.st_uid}, not this user ({os.geteuid()}): its owner could read "
+                "the cached KV or swap the data file")
+    if st.st_mode & 0o022:
+        return (f"mode {stat.S_IMODE(st.st_mode):04o} lets others write in it (chmod go-w): they "
+                "could swap the data file")
+    return None
+
+
+def open_device(path: str, capacity: int) -> Device:
     """Open `path` (a directory or a block device) for `capacity` bytes of slots."""
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
     except FileNotFoundError:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise DeviceError(path, "does not exist (and neither does its parent directory)") from None
-        _make_dir(path)
-        mode = os.stat(path).st_mode
-    if stat.S_ISBLK(mode):
+        try:
+            os.mkdir(path, 0o700)
+        except OSError as exc:
+            raise DeviceError(path, f"cannot create directory: {exc.strerror}") from exc
+        st = os.stat(path)
+    if stat.S_ISBLK(st.st_mode):
         return _open_block(path, capacity)
-    if stat.S_ISDIR(mode):
-        return _open_file(os.path.join(path, file_name), capacity)
-    raise DeviceError(path, "must be a directory or a block device")
-
-
-def _make_dir(path: str) -> None:
-    try:
-        os.mkdir(path)
-    except OSError as exc:
-        raise DeviceError(path, f"cannot create directory: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise DeviceError(path, "must be a directory or a block device")
+    problem = _private_dir_problem(st)
+    if problem:
+        raise DeviceError(path, problem)
+    return _open_file(os.path.join(path, DATA_FILE), capacity)
 
 
 def _lock(fd: int, path: str) -> None:
@@ -81,13 +116,31 @@ def _lock(fd: int, path: str) -> None:
 
 
 def _open_file(path: str, capacity: int) -> Device:
+    flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(path, flags)
     except OSError as exc:
-        raise DeviceError(path, f"cannot open for O_DIRECT read/write: {exc.strerror}") from exc
+        why = "is a symbolic link (refused)" if exc.errno == errno.ELOOP else \
+            f"cannot open for O_DIRECT read/write: {exc.strerror}"
+        raise DeviceError(path, why) from exc
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = (f"owned by uid {st.st_uid}, not this user ({os.geteuid()}): its owner could "
+                   "read the cached KV and rewrite records")
+    elif st.st_mode & 0o077:
+        problem = (f"mode {stat.S_IMODE(st.st_mode):04o} lets others read or write it (chmod 600 "
+                   "it): cached KV reveals prompts")
+    if problem:
+        os.close(fd)
+        raise DeviceError(path, problem)
     _lock(fd, path)
-    current = os.fstat(fd).st_size
-    if current < capacity:
+    if st.st_size < capacity:
         try:
             os.posix_fallocate(fd, 0, capacity)
         except OSError as exc:
@@ -101,9 +154,11 @@ def _open_file(path: str, capacity: int) -> Device:
 
 def _open_block(path: str, capacity: int) -> Device:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_EXCL)
     except OSError as exc:
-        raise DeviceError(path, f"cannot open block device: {exc.strerror}") from exc
+        why = "in use (mounted, or held open exclusively by another program)" \
+            if exc.errno == errno.EBUSY else f"cannot open block device: {exc.strerror}"
+        raise DeviceError(path, why) from exc
     _lock(fd, path)
     device_size = os.lseek(fd, 0, os.SEEK_END)
     logical = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]

@@ -27,3 +27,7 @@ class DeviceError(KVStoreError, OSError):
 
 class ShapeError(KVStoreError, ValueError):
     """A caller buffer does not fit the record it should receive or hold."""
+
+
+class BadKeyError(KVStoreError, ValueError):
+    """A chunk key is not a 16-byte key (kvstore.keys.chunk_keys makes them)."""

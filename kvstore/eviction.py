@@ -49,11 +49,11 @@ class PrefixLRU:
         """The least recently used leaf not skipped (e.g. pinned), or None."""
         fallback = None
         for key in self._order:
-            if skip(key):
+            if key in self._children:  # not a leaf: only a fallback
+                if fallback is None and not skip(key):
+                    fallback = key
                 continue
-            if key not in self._children:
+            if not skip(key):
                 return key
-            if fallback is None:
-                fallback = key
         # Every unpinned key has children (they are pinned): evict the oldest anyway.
         return fallback

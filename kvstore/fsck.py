@@ -2,7 +2,7 @@
 
 valid   header and payload verify
 corrupt header verifies, payload does not (bit rot, a foreign write)
-torn    header present but does not verify (a write cut short)
+torn    header present but does not verify (a write cut short), or unreadable
 empty   never written, or invalidated on purpose
 """
 
@@ -15,9 +15,13 @@ from collections import Counter
 
 from kvstore.aligned import AlignedBuffer
 from kvstore.devices import DATA_FILE
-from kvstore.disk_layout import Superblock
+from kvstore.disk_layout import SB_COPIES, Superblock, parse_superblock
 from kvstore.errors import DeviceError
-from kvstore.record import BLOCK, HEADER_BLOCK, HeaderState, check_record, parse_header
+from kvstore.io.threads import ThreadsEngine
+from kvstore.record import BLOCK, HEADER_BLOCK, HeaderState, check_record
+from kvstore.scanner import scan_headers
+
+_TIMEOUT_S = 60.0
 
 
 def resolve_data_path(path: str) -> str:
@@ -34,39 +38,49 @@ def resolve_data_path(path: str) -> str:
 
 def fsck(path: str) -> dict[str, int]:
     data = resolve_data_path(path)
-    fd = os.open(data, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(data, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
+    engine = ThreadsEngine(8)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DeviceError(data, "in use by a running kvstore; stop it first") from None
-        block = AlignedBuffer(BLOCK)
-        os.preadv(fd, [block.view[:BLOCK]], 0)
-        superblock = Superblock.unpack(bytes(block.view[:BLOCK]), data)
-        block.close()
-        if superblock is None:
-            raise DeviceError(data, "not formatted (no kvstore superblock)")
-        return _check_slots(fd, superblock)
+        return _check_slots(engine, fd, _superblock(fd, data))
     finally:
+        engine.close()
         os.close(fd)
 
 
-def _check_slots(fd: int, superblock: Superblock) -> dict[str, int]:
+def _superblock(fd: int, path: str) -> Superblock:
+    buffer = AlignedBuffer(SB_COPIES * BLOCK)
+    try:
+        os.preadv(fd, [buffer.view[: SB_COPIES * BLOCK]], 0)
+        raw = bytes(buffer.view[: SB_COPIES * BLOCK])
+    finally:
+        buffer.close()
+    for copy in range(SB_COPIES):
+        _, superblock = parse_superblock(raw[copy * BLOCK : (copy + 1) * BLOCK])
+        if superblock is not None:
+            return superblock
+    raise DeviceError(path, "no valid kvstore superblock (not formatted, another format, or damaged)")
+
+
+def _check_slots(engine: ThreadsEngine, fd: int, sb: Superblock) -> dict[str, int]:
     counts: Counter[str] = Counter()
-    buffer = AlignedBuffer(superblock.slot_bytes)
-    view = buffer.view[: superblock.slot_bytes]
-    for slot in range(superblock.num_slots):
-        offset = superblock.data_offset + slot * superblock.slot_bytes
-        if os.preadv(fd, [view[:HEADER_BLOCK]], offset) != HEADER_BLOCK:
-            counts["torn"] += 1
-            continue
-        state, _ = parse_header(view)
-        if state is not HeaderState.VALID:
-            counts[state.value] += 1
-            continue
-        os.preadv(fd, [view[HEADER_BLOCK:]], offset + HEADER_BLOCK)
-        _, reason = check_record(view[:HEADER_BLOCK], view[HEADER_BLOCK:], None)
-        counts["valid" if reason is None else "corrupt"] += 1
-    del view
-    buffer.close()
+    buffer = AlignedBuffer(sb.slot_bytes)
+    view = buffer.view[: sb.slot_bytes]
+    try:
+        for scanned in scan_headers(engine, fd, sb.data_offset, sb.slot_bytes, sb.num_slots, _TIMEOUT_S):
+            if scanned.state is None:
+                counts["torn"] += 1
+            elif scanned.state is not HeaderState.VALID:
+                counts[scanned.state.value] += 1
+            else:
+                offset = sb.data_offset + scanned.slot * sb.slot_bytes
+                read = os.preadv(fd, [view], offset)
+                _, reason = check_record(view[:HEADER_BLOCK], view[HEADER_BLOCK:read], None)
+                counts["valid" if reason is None and read == sb.slot_bytes else "corrupt"] += 1
+    finally:
+        view.release()
+        buffer.close()
     return {name: counts[name] for name in ("valid", "corrupt", "torn", "empty")}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvstore.device_health import OFFLINE, TRIPPED, Presence
 from kvstore.disk_tier import DiskTier
@@ -21,13 +22,16 @@ log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
-    def __init__(self, disk: DiskTier, interval_s: float, cooldown_s: float) -> None:
+    def __init__(self, disk: DiskTier, interval_s: float, cooldown_s: float, *,
+                 start: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.disk = disk
         self.interval_s = interval_s
         self.cooldown_s = cooldown_s
+        self.clock = clock  # a seam: tests move time on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstore-health", daemon=True)
-        self._thread.start()
+        if start:  # tests drive check_once themselves
+            self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -37,7 +41,8 @@ class HealthMonitor:
                 log.exception("health monitor: check failed; retrying next interval")
 
     def check_once(self) -> None:
-        for group, (health, plan) in enumerate(zip(self.disk.health, self.disk.plans, strict=True)):
+        availability, devices = self.disk.availability, self.disk.devices
+        for group, (health, plan) in enumerate(zip(availability.health, devices.plans, strict=True)):
             found = Presence(True)
             if plan.probe is not None:
                 try:
@@ -45,18 +50,18 @@ class HealthMonitor:
                 except Exception as exc:  # a probe reads sysfs: treat its failure as "unknown, out"
                     found = Presence(False, f"probe failed: {exc}")
             if health.in_service:
-                moved = found.path not in (None, self.disk.devices[group].path)
+                moved = found.path not in (None, devices.devices[group].path)
                 if not found.usable or moved:
-                    with self.disk.lock:
-                        self.disk.take_out(group, OFFLINE, found.why or f"moved to {found.path}")
+                    availability.take_out(group, OFFLINE, found.why or f"moved to {found.path}")
                 continue
             if not found.usable:
                 health.reason = found.why
                 continue
-            if health.state == TRIPPED and time.monotonic() - health.since < self.cooldown_s:
+            if health.state == TRIPPED and self.clock() - health.since < self.cooldown_s:
                 continue
-            self.disk.revalidate(group, found.path)
+            availability.revalidate(group, found.path)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.disk.timeout_s * 3 + self.interval_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.disk.timeout_s * 3 + self.interval_s)

@@ -33,11 +33,15 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvstore.checksum import xxh3_64
+from kvstore.errors import ShapeError
+
 MAGIC = b"KVR1"
 FORMAT_VERSION = 1
 BLOCK = 4096
 HEADER_BLOCK = BLOCK
 MAX_NDIM = 8
+DTYPE_BYTES = 16
 _BODY = struct.Struct("<4sHHII16s16s16sQQQ16sB7x8Q")  # everything the header checksum covers
 _CHECKSUM = struct.Struct("<Q")
 HEADER_LEN = _BODY.size + _CHECKSUM.size
@@ -91,7 +95,34 @@ def read_payload_len(block: memoryview) -> int:
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+    return xxh3_64(payload)
+
+
+@dataclass(frozen=True)
+class RecordEncoder:
+    """What every record of one store shares (namespace, dtype, shape), checked once,
+    when the store is made, so a bad value is an error before any slot is taken."""
+
+    namespace: bytes = bytes(16)
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, bytes) or len(self.namespace) != 16:
+            raise ShapeError(f"namespace must be 16 bytes, got {self.namespace!r}")
+        if not isinstance(self.dtype, str) or not self.dtype.isascii() or not self.dtype:
+            raise ShapeError(f"dtype name must be non-empty ASCII, got {self.dtype!r}")
+        if len(self.dtype) > DTYPE_BYTES:
+            raise ShapeError(f"dtype name {self.dtype!r} is {len(self.dtype)} bytes; a record "
+                             f"header holds {DTYPE_BYTES} (drop a module prefix such as 'torch.')")
+        if len(self.shape) > MAX_NDIM or any(not isinstance(d, int) or d < 0 for d in self.shape):
+            raise ShapeError(f"shape must be at most {MAX_NDIM} sizes >= 0, got {self.shape!r}")
+
+    def header(self, key: bytes, parent: bytes | None, seq: int,
+               payload: memoryview | bytes) -> RecordHeader:
+        return RecordHeader(key=key, namespace=self.namespace, parent=parent or bytes(16), seq=seq,
+                            payload_len=len(payload), payload_checksum=payload_checksum(payload),
+                            dtype=self.dtype, shape=self.shape)
 
 
 def pack_header(header: RecordHeader, block: memoryview) -> None:
@@ -99,7 +130,7 @@ def pack_header(header: RecordHeader, block: memoryview) -> None:
     if len(header.shape) > MAX_NDIM:
         raise ValueError(f"at most {MAX_NDIM} dimensions, got shape {header.shape}")
     dtype = header.dtype.encode("ascii")
-    if len(dtype) > 16:
+    if len(dtype) > DTYPE_BYTES:
         raise ValueError(f"dtype name too long: {header.dtype!r}")
     shape = tuple(header.shape) + (0,) * (MAX_NDIM - len(header.shape))
     fields = (

@@ -1,7 +1,9 @@
 """Write-behind: DRAM victims go down to disk on a background thread.
 
-The queue is bounded: `offer` refuses (and the caller counts a dropped demotion)
-rather than wait, so a put into a full DRAM tier never blocks on the disk.
+The queue is bounded: `offer` refuses rather than wait (the caller then keeps the
+victim), so a put into a full DRAM tier never blocks on the disk. Without the
+thread (`start=False`, for deterministic tests and the trace replay's checks),
+`flush` writes the queue on the calling thread.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class WriteBehind(Generic[Item]):
-    def __init__(self, write: Callable[[list[Item]], None], capacity: int, batch: int) -> None:
+    def __init__(self, write: Callable[[list[Item]], None], capacity: int, batch: int,
+                 start: bool = True) -> None:
         self._write = write
         self.capacity = capacity
         self._batch = batch
@@ -27,7 +30,8 @@ class WriteBehind(Generic[Item]):
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvstore-writeback", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     def offer(self, item: Item) -> bool:
         with self._cond:
@@ -39,6 +43,10 @@ class WriteBehind(Generic[Item]):
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything offered so far is written; False on timeout."""
+        if not self._thread.is_alive() and not self._stopping:
+            while self._take_and_write():
+                pass
+            return True
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._queue or self._busy:
@@ -53,7 +61,8 @@ class WriteBehind(Generic[Item]):
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
         return flushed
 
     def _loop(self) -> None:
@@ -63,13 +72,21 @@ class WriteBehind(Generic[Item]):
                     self._cond.wait()
                 if not self._queue:
                     return
-                items = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
-                self._busy = len(items)
-            try:
-                self._write(items)
-            except Exception:  # a failed batch is lost, never the thread
-                log.exception("write-behind batch of %d chunks failed", len(items))
-            finally:
-                with self._cond:
-                    self._busy = 0
-                    self._cond.notify_all()
+            self._take_and_write()
+
+    def _take_and_write(self) -> bool:
+        """Write one batch from the queue; False when it was empty."""
+        with self._cond:
+            if not self._queue:
+                return False
+            items = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
+            self._busy = len(items)
+        try:
+            self._write(items)
+        except Exception:  # a failed batch is lost, never the thread
+            log.exception("write-behind batch of %d chunks failed", len(items))
+        finally:
+            with self._cond:
+                self._busy = 0
+                self._cond.notify_all()
+        return True

@@ -20,20 +20,23 @@ from kvstore.record import record_bytes
 SLOT = record_bytes(CHUNK_BYTES)
 
 
-def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8):
+def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldown_passed=True):
     paths = [os.path.join(disk_dir, name) for name in ("a", "b")]
     config = {"tiers": {"disk": [{"path": p, "capacity": 32 * SLOT} for p in paths]},
               "io": {"queue_depth": 8, "timeout_s": timeout_s, "breaker_threshold": 2,
-                     "breaker_cooldown_s": 0.05}}
-    store = store_factory(config, engine=faulty)
-    store._monitor.close()  # the test drives check_once itself, deterministically
+                     "breaker_cooldown_s": 30}}
+    # The test drives the monitor's check_once itself, deterministically, on a clock
+    # that is already past every cooldown unless the test is about the cooldown.
+    store = store_factory(config, engine=faulty, background=False)
+    if cooldown_passed:
+        store.monitor.clock = lambda: time.monotonic() + 3600
     keys, payloads = make_keys(count), make_payloads(count)
     assert all(store.put_many(keys, payloads))
     return store, keys, payloads
 
 
 def _device_of(store, key) -> int:
-    return store.disk.table.group_of(store.disk.table.index[key])[0]
+    return store.disk.table.group_of(store.disk.table.find(key))[0]
 
 
 def _served_match(ok, outs, payloads):
@@ -52,9 +55,9 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     ok, outs = read_back(store, keys)
     assert [i for i, served in enumerate(ok) if not served] == on_a
     assert _served_match(ok, outs, payloads)
-    health = store.disk.health[0]
+    health = store.disk.availability.health[0]
     assert health.state == TRIPPED and health.trips == 1
-    assert store.disk.health[1].state == IN_SERVICE
+    assert store.disk.availability.health[1].state == IN_SERVICE
     counters = store.stats.snapshot()
     assert counters["disk.trips"] == 1
     # Device b's chunks are still served; device a's are misses without any I/O.
@@ -64,14 +67,11 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     assert store.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
     assert all(_device_of(store, k) == 1 for k in make_keys(2, seed=9))  # nothing placed on a
 
-    store._monitor.check_once()  # still failing: the probe read fails, a stays out
-    time.sleep(0.06)
-    store._monitor.check_once()
+    store.monitor.check_once()  # still failing: the superblock read fails, a stays out
     assert health.state == TRIPPED and "revalidation failed" in health.reason
 
     faulty.clear()
-    time.sleep(0.06)  # the cooldown
-    store._monitor.check_once()
+    store.monitor.check_once()
     assert health.state == IN_SERVICE
     ok, outs = read_back(store, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
@@ -87,7 +87,7 @@ def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, fault
     first = time.monotonic() - started
     assert sum(ok) == 4 and _served_match(ok, outs, payloads)
     assert first < 5, f"a get took {first:.1f} s past a 0.5 s deadline"
-    assert store.disk.health[0].state == TRIPPED
+    assert store.disk.availability.health[0].state == TRIPPED
     started = time.monotonic()
     ok, _ = read_back(store, keys)
     assert sum(ok) == 4 and time.monotonic() - started < first  # no second deadline
@@ -102,15 +102,14 @@ def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, st
     writer = threading.Thread(target=lambda: result.update(stored=store.put_many(keys, payloads)))
     writer.start()
     time.sleep(0.2)  # the write to device a is now in flight
-    with store._lock:
-        store.disk.take_out(0, OFFLINE, "test: controller lost")
+    store.disk.availability.take_out(0, OFFLINE, "test: controller lost")
     writer.join(timeout=10)
     assert not writer.is_alive()
     faulty.clear()
     lost = [k for k in keys if store.lookup([k]).count == 0]
     assert len(lost) == 1  # the chunk striped onto device a
     assert store.stats.snapshot()["disk.write_dropped_device_lost"] == 1
-    assert store.disk.revalidate(0)
+    assert store.disk.availability.revalidate(0)
     # Its bytes did land, but its header was zeroed before the device served again.
     assert store.lookup(lost).count == 0
     ok, _ = read_back(store, lost)
@@ -120,8 +119,7 @@ def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, st
 def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
     config = store.config
-    with store._lock:
-        store.disk.take_out(0, OFFLINE, "test")
+    store.disk.availability.take_out(0, OFFLINE, "test")
     store.close()
     reopened = store_factory(config, engine=faulty)
     assert reopened.recovery.from_checkpoint == 1 and reopened.recovery.scanned == 1
@@ -143,4 +141,20 @@ def test_a_timed_out_promotion_never_reuses_its_dram_slot(disk_dir, faulty, stor
     assert store.stats.snapshot()["host.slots_retired"] == 2
     # The two DRAM slots the reads were aimed at stay pinned: no new record can land there
     # while the kernel might still write into them.
+    assert store.host.table.retired == 2
     assert sum(info.pins > 0 for info in store.host.table.slots) == 2
+
+
+def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, faulty, store_factory):
+    store, keys, _ = _two_devices(disk_dir, faulty, store_factory, cooldown_passed=False)
+    fd_a = store.disk.devices[0].fd
+    faulty.add(Fault("error", match=lambda r: r.fd == fd_a, remaining=2))
+    read_back(store, keys)
+    health = store.disk.availability.health[0]
+    assert health.state == TRIPPED
+    store.monitor.check_once()  # healthy again, but within the cooldown: stays out
+    assert health.state == TRIPPED and health.reason.startswith("2 faults in a row")
+    later = time.monotonic() + 31
+    store.monitor.clock = lambda: later
+    store.monitor.check_once()
+    assert health.state == IN_SERVICE

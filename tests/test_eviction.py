@@ -1,3 +1,5 @@
+import pytest
+
 from kvstore.eviction import PrefixLRU
 from kvstore.slots import SlotTable
 
@@ -48,19 +50,25 @@ def test_shared_prefix_outlives_both_branches():
 
 def test_pinned_slots_are_never_reused_and_reserve_fails_when_all_are_pinned():
     table = SlotTable([2])
-    first, _ = table.reserve()
-    table.publish(first, b"a", None, 1)
-    table.unpin(first)
-    second, _ = table.reserve()
-    table.publish(second, b"b", b"a", 2)
-    table.unpin(second)
-    table.pin(table.index[b"b"])
-    slot, evicted = table.reserve()  # b is pinned, so a (its parent) is the fallback victim
-    assert evicted == b"a" and slot == first
+    first = table.reserve()
+    first.publish(b"a", None, 1)
+    second = table.reserve()
+    second.publish(b"b", b"a", 2)
+    table.pin(table.find(b"b"))
+    third = table.reserve()  # b is pinned, so a (its parent) is the fallback victim
+    assert third.evicted == b"a" and third.slot == first.slot
     assert table.reserve() is None  # slot of a reserved, b pinned
+
+
+def test_a_reservation_left_unsettled_goes_back_to_the_free_list():
+    table = SlotTable([1])
+    with pytest.raises(RuntimeError), table.reserve():
+        raise RuntimeError("the write failed")
+    reservation = table.reserve()
+    assert reservation is not None and reservation.slot == 0
 
 
 def test_striping_spreads_reservations_over_groups():
     table = SlotTable([4, 4])
-    groups = [table.group_of(table.reserve(table.next_group())[0])[0] for _ in range(6)]
+    groups = [table.group_of(table.reserve(table.next_group()).slot)[0] for _ in range(6)]
     assert groups == [0, 1, 0, 1, 0, 1]

@@ -33,7 +33,7 @@ def test_unclean_restart_scans_and_new_writes_win(disk_dir, store_factory):
     keys, payloads = make_keys(6), make_payloads(6)
     store = store_factory(config)
     store.put_many(keys, payloads)
-    _crash(store)
+    store.simulate_crash()
     reopened = store_factory(config)
     assert reopened.recovery.scanned == 1 and reopened.recovery.records == 6
     assert all(read_back(reopened, keys)[0])
@@ -83,20 +83,14 @@ def test_kill_9_during_writes_then_recovery(disk_dir, engine, store_factory):
     assert all(store.contains(keys[i]) for i in newest)  # acknowledged writes survived
 
 
-def _crash(store) -> None:
-    """Drop a store the way kill -9 would: no checkpoint, superblock left dirty."""
-    store.disk._close_devices()
-    store.disk = store.host = None
-
-
 def test_torn_header_is_detected_and_its_slot_reused(disk_dir, store_factory):
     config = disk_config(disk_dir, 8 * SLOT)
     store = store_factory(config)
     slots = store.disk.table.capacity
     keys = make_keys(slots)
     store.put_many(keys, make_payloads(slots))
-    data_offset, path = store.disk.layouts[0].sb.data_offset, store.disk.devices[0].path
-    _crash(store)
+    data_offset, path = store.disk.devices.layouts[0].sb.data_offset, store.disk.devices[0].path
+    store.simulate_crash()
     with open(path, "r+b") as raw:  # a header write cut short: magic, then garbage
         raw.seek(data_offset + 2 * SLOT)
         raw.write(MAGIC + b"\x01" * 60)
@@ -111,7 +105,7 @@ def test_torn_header_is_detected_and_its_slot_reused(disk_dir, store_factory):
 def test_fsck_reports_valid_corrupt_torn(disk_dir, store_factory, capsys):
     store = store_factory(disk_config(disk_dir, 8 * SLOT))
     store.put_many(make_keys(3), make_payloads(3))
-    data_offset, path = store.disk.layouts[0].sb.data_offset, store.disk.devices[0].path
+    data_offset, path = store.disk.devices.layouts[0].sb.data_offset, store.disk.devices[0].path
     store.close()
     assert cli_main(["fsck", disk_dir, "--json"]) == 0
     assert '"valid": 3, "corrupt": 0' in capsys.readouterr().out
@@ -139,7 +133,7 @@ def test_recovery_of_100k_records(disk_dir, store_factory):
     store.close()
     by_checkpoint = store_factory(config, chunk_bytes=chunk)
     assert by_checkpoint.recovery.records == count and by_checkpoint.recovery.from_checkpoint
-    _crash(by_checkpoint)  # leave it dirty: the next open must scan
+    by_checkpoint.simulate_crash()  # leave it dirty: the next open must scan
     by_scan = store_factory(config, chunk_bytes=chunk)
     assert by_scan.recovery.records == count and by_scan.recovery.scanned == 1
     print(f"\nrecovery of {count} records: checkpoint {by_checkpoint.recovery.seconds:.3f} s, "

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import random
 
+import numpy as np
 import pytest
 
 from bench.replay import Replayer, parse_tier
 from bench.trace import block_keys, read_trace
 from kvstore.cli import main as cli_main
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.policy import TierPolicy
+from kvstore.record import record_bytes
+from kvstore.store import TieredStore
 
 BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
 
@@ -26,8 +31,10 @@ def test_two_tier_lru_matches_the_hand_computed_run(tmp_path):
     """host holds 3 chunks, disk 4. A = ids [1, 2], B = ids [3, 4], each prompt 9 tokens.
 
     R1 A: miss, host {A1 A2}.            R2 A: 2 host hits.
-    R3 B: miss; storing B2 evicts the oldest leaf A2 to disk: host {A1 B1 B2}, disk {A2}.
-    R4 A: A1 from host, A2 from disk; promoting A2 evicts leaf B2 to disk (A1 was touched).
+    R3 B: miss; storing B2 writes the oldest leaf A2 down to disk and takes its slot:
+          host {A1 B1 B2}, disk {A2}.
+    R4 A: A1 from host, A2 from disk; promoting A2 writes leaf B2 down to disk (A1 was
+          touched) and takes its slot.
     """
     trace = write_trace(tmp_path / "t.jsonl", [([1, 2], 9), ([1, 2], 9), ([3, 4], 9), ([1, 2], 9)])
     replayer = Replayer([("host", 12), ("disk", 16)], kv_bytes_per_token=1, block_tokens=BLOCK)
@@ -96,3 +103,46 @@ def test_ttft_compares_each_added_tier(tmp_path):
     assert [r["config"] for r in rows] == ["no cache", "gpu", "gpu + host"]
     assert rows[1]["ttft_p50_s"] < rows[0]["ttft_p50_s"]  # repeats hit: less to compute
     assert cli_main(["replay", trace, "--tier", "tape=1TiB", "--ttft"]) == 2  # named on stderr
+
+
+@pytest.mark.parametrize("policy", [TierPolicy(), TierPolicy(disk_min_seen=2),
+                                    TierPolicy(promote_on_hit=False)],
+                         ids=["default", "admission", "no-promote"])
+def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
+    """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,
+    disk 10, no background threads; each request: lookup, prefetch, get, put): every
+    request's hits come from the same tiers, and both end holding the same chunks in
+    each tier."""
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(1, 5))] for _ in range(6)]
+    rows = []
+    for _ in range(200):
+        ids = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(0, 3))]
+        rows.append((ids, len(ids) * BLOCK + rng.randrange(0, BLOCK)))
+    requests = list(read_trace(write_trace(tmp_path / "t.jsonl", rows), BLOCK))
+
+    chunk = 4096
+    slot = record_bytes(chunk)
+    config = {"tiers": {"host": {"capacity": 4 * slot},
+                        "disk": [{"path": disk_dir, "capacity": 3 * 4096 + 10 * slot}]},
+              "promote_on_hit": policy.promote_on_hit, "disk_min_seen": policy.disk_min_seen,
+              "io": {"engine": "threads", "queue_depth": 16}}  # a batch holds a request
+    replayer = Replayer([("host", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,
+                        block_tokens=BLOCK, policy=policy)
+    payload = np.zeros(chunk, np.uint8)
+    with TieredStore(config, chunk, background=False) as store:
+        assert store.disk.table.capacity == 10
+        for request in requests:
+            keys = list(request.keys)
+            usable = min(len(keys), (request.input_tokens - 1) // BLOCK)
+            found = store.lookup(keys[:usable])
+            if policy.promote_on_hit:  # what the connector's prefetch does on arrival
+                store.prefetch(keys[: found.count])
+            assert store.get_many(keys[: found.count], [np.empty(chunk, np.uint8)] * found.count) == \
+                [True] * found.count
+            store.put_many(keys, [payload] * len(keys))
+            replayed = replayer.serve(request)
+            assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
+        assert set(store.host.table.index) == set(replayer.tiers[0].table.index)
+        assert set(store.disk.table.index) == set(replayer.tiers[1].table.index)
+        assert store.stats.snapshot().get("host.evictions", 0) > 10  # the tiers were full

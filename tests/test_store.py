@@ -40,7 +40,7 @@ def test_dram_victims_go_down_to_disk_and_come_back_up(disk_dir, engine, store_f
                                   parent=keys[start - 1] if start else None))
         assert store.flush(10)
     counters = store.stats.snapshot()
-    assert counters["writeback.written"] >= 8
+    assert counters["host.demoted"] >= 8
     assert store.lookup(keys).count == 12
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
@@ -131,7 +131,7 @@ def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
     store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
-    slot = store.host.table.index[keys[1]]
+    slot = store.host.table.find(keys[1])
     store.host.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
     ok, _ = read_back(store, keys)
     assert ok == [True, False]
