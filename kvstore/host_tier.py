@@ -2,8 +2,8 @@
 
 A slot holds the exact record image that goes to disk (header block + payload),
 so demotion is one write straight from the slab and promotion one read into it,
-with no re-encoding. The slab can live in /dev/shm for other processes to map,
-and is registered as CUDA pinned memory when CUDA is present.
+with no re-encoding. The slab is the service's private anonymous memory, registered
+as CUDA pinned memory when CUDA is present.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from kvstore.units import format_size
 class HostTier:
     name = "host"
 
-    def __init__(self, capacity: int, slot_bytes: int, shm_name: str | None = None) -> None:
+    def __init__(self, capacity: int, slot_bytes: int) -> None:
         num_slots = capacity // slot_bytes
         if num_slots == 0:
             raise ConfigError("tiers.host.capacity", format_size(capacity),
                               f"smaller than one record slot ({format_size(slot_bytes)})")
         self.slot_bytes = slot_bytes
-        self.slab = AlignedBuffer(num_slots * slot_bytes, shm_name)
+        self.slab = AlignedBuffer(num_slots * slot_bytes)
         self.pinned = pin_for_cuda(self.slab)
         self.table = SlotTable([num_slots])
 
@@ -59,4 +59,3 @@ class HostTier:
 
     def close(self) -> None:
         self.slab.close()
-        self.slab.unlink()

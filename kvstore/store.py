@@ -93,8 +93,7 @@ class TieredStore:
         self._prefetched: set[bytes] = set()
         try:
             if self.config.host is not None:
-                self.host = HostTier(self.config.host.capacity, self.slot_bytes,
-                                     self.config.host.shm_name)
+                self.host = HostTier(self.config.host.capacity, self.slot_bytes)
             plans = [DevicePlan(d.path, d.capacity) for d in self.config.disk]
             if self.config.nvmeof is not None:
                 plans += namespace_plans(self.config.nvmeof)
