@@ -24,7 +24,8 @@ class ConnectorOptions(Schema):
 
     store: StoreConfig = Field(
         alias="config", description="a kvstore YAML/JSON file, or the config as a mapping (its keys may "
-                                    "also sit at the top level, without `config`)")
+                                    "also sit at the top level, without `config`)",
+        json_schema_extra={"doc_type": "file or mapping"})
     load_async: Bool = Field(
         True, description="read chunks while the request waits outside the batch (vLLM's "
                           "`WAITING_FOR_REMOTE_KVS`); false: read them just before the forward pass "
@@ -37,7 +38,8 @@ class ConnectorOptions(Schema):
         default_factory=PrefetchPolicy,
         description="a request's arrival (vLLM's `on_new_request`) starts promoting its stored chunks "
                     "from disk to DRAM in the service, so a request that waits to be scheduled (a busy "
-                    "engine) is loaded from DRAM; false: disk chunks are read when the load runs",
+                    "engine) is loaded from DRAM; so do hints and finished requests (their prompts are "
+                    "kept warm); false: disk chunks are read when the load runs",
         json_schema_extra={"doc_type": "true/false", "doc_default": "true"})
     device_staging: Annotated[int, size(0)] = Field(
         0, description="bytes of a device-memory pool (HBM; CPU memory on the CPU engine) per worker "

@@ -124,8 +124,8 @@ class StoreConfig(Schema):
     tiers: TiersConfig = Field({}, validate_default=True, description="where chunks live")
     io: IoConfig = Field(default_factory=IoConfig, description="tier I/O")
     write_behind_chunks: Annotated[int, integer(1, 1 << 20)] = Field(
-        64, description="bound on DRAM victims queued for writing to disk; past it a demotion is "
-                        "dropped and counted (`writeback.dropped`) so puts never wait")
+        64, description="bound on DRAM victims queued for writing to disk (at least 1); past it a "
+                        "demotion is dropped and counted (`writeback.dropped`) so puts never wait")
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit")
     prefetch_inflight: Annotated[int, size()] = Field(
