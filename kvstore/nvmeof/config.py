@@ -79,7 +79,7 @@ class _Connection(Schema):
                        "of waiting (at most `ctrl_loss_tmo`); -1: off; null: the kernel's default (off)")
 
 
-SHARED_KEYS = frozenset(_Connection.model_fields)
+_SHARED_KEYS = frozenset(_Connection.model_fields)
 
 
 class NamespaceConfig(_Connection):
@@ -130,7 +130,7 @@ class NvmeofConfig(Schema):
 
     @classmethod
     def written_keys(cls) -> set[str]:
-        return super().written_keys() | SHARED_KEYS
+        return super().written_keys() | _SHARED_KEYS
 
     @classmethod
     def reshape(cls, data: Any) -> Any:
@@ -140,8 +140,8 @@ class NvmeofConfig(Schema):
             return {"namespaces": data}
         if not isinstance(data, dict):
             return data
-        shared = {key: value for key, value in data.items() if key in SHARED_KEYS}
-        tier = {key: value for key, value in data.items() if key not in SHARED_KEYS}
+        shared = {key: value for key, value in data.items() if key in _SHARED_KEYS}
+        tier = {key: value for key, value in data.items() if key not in _SHARED_KEYS}
         if isinstance(tier.get("namespaces"), list):
             tier["namespaces"] = [{**shared, **entry} if isinstance(entry, dict) else entry
                                   for entry in tier["namespaces"]]
