@@ -64,7 +64,8 @@ def size(minimum: int = 1) -> Kind:
             raise ValueError(f"must be at least {minimum} bytes")
         return nbytes
 
-    return Kind("size", check, lambda nbytes: format_size(nbytes) if nbytes else "0")
+    text = f"size, at least {format_size(minimum)}" if minimum > 1 else "size"
+    return Kind(text, check, lambda nbytes: format_size(nbytes) if nbytes else "0")
 
 
 def seconds(*, zero: bool = False) -> Kind:
@@ -76,7 +77,7 @@ def seconds(*, zero: bool = False) -> Kind:
             raise ValueError("must be a number of seconds " + ("of at least 0" if zero else "above 0"))
         return float(value)
 
-    return Kind("seconds", check, lambda value: f"{value:g}")
+    return Kind("seconds, " + ("at least 0" if zero else "above 0"), check, lambda value: f"{value:g}")
 
 
 def choice(*allowed: str) -> Kind:
