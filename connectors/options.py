@@ -2,65 +2,78 @@
 
 An engine passes one mapping (vLLM: `kv_connector_extra_config`). Its `config` key
 names a kvstore YAML/JSON file or holds the config inline; without `config`, the
-store keys may sit at the top level. Engine-side keys:
-  load_async: true   read chunks while the request waits, outside the batch
-  prefetch:   true   a request's arrival starts promoting its stored chunks to DRAM
-  prefetch_policy: wait        best_effort | wait | timeout (connectors/prefetch.py)
-  prefetch_max_wait_s: 10      the longest a request is held for its prefetch
-  prefetch_timeout_s_per_1k_tokens: 0.05   the `timeout` policy's budget per 1k tokens
-  device_staging: 0  bytes of device memory (HBM; CPU memory on the CPU engine) for
-                     chunks staged ahead of loads; 0: off (connectors/device_staging.py)
-  model_id:   str    identity used in chunk keys (default: the engine's model path)
+store keys may sit at the top level. The engine-side keys, their defaults and their
+meaning are the fields of ConnectorOptions (and PrefetchPolicy's `prefetch_*` keys);
+docs/vllm.md's table of them is generated from these models.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from connectors.prefetch import PrefetchPolicy
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import ConfigError
-from kvstore.fields import size_field
-
-_ENGINE_KEYS = {"load_async", "model_id", "prefetch", "prefetch_policy", "prefetch_max_wait_s",
-                "prefetch_timeout_s_per_1k_tokens", "device_staging"}
+from kvstore.schema import Bool, Refused, Schema, Text, size, validate
 
 
-@dataclass(frozen=True)
-class ConnectorOptions:
-    store: StoreConfig
-    load_async: bool = True
-    model_id: str | None = None
-    prefetch: PrefetchPolicy | None = field(default_factory=PrefetchPolicy)  # None: prefetch off
-    device_staging: int = 0  # bytes of the workers' device staging pools; 0: off
+class ConnectorOptions(Schema):
+    """The engine plugin's options, as given in `kv_connector_extra_config`."""
+
+    store: StoreConfig = Field(
+        alias="config", description="a kvstore YAML/JSON file, or the config as a mapping (its keys may "
+                                    "also sit at the top level, without `config`)",
+        json_schema_extra={"doc_type": "file or mapping"})
+    load_async: Bool = Field(
+        True, description="read chunks while the request waits outside the batch (vLLM's "
+                          "`WAITING_FOR_REMOTE_KVS`); false: read them just before the forward pass "
+                          "that needs them")
+    model_id: Text | None = Field(
+        None, description="the model identity in chunk keys (none: the engine's model path); set it "
+                          "when one model is served from different paths, so they share chunks",
+        json_schema_extra={"doc_default": "the model path"})
+    prefetch: PrefetchPolicy | None = Field(
+        default_factory=PrefetchPolicy,
+        description="a request's arrival (vLLM's `on_new_request`) starts promoting its stored chunks "
+                    "from disk to DRAM in the service, so a request that waits to be scheduled (a busy "
+                    "engine) is loaded from DRAM; so do hints and finished requests (their prompts are "
+                    "kept warm); false: disk chunks are read when the load runs",
+        json_schema_extra={"doc_type": "true/false", "doc_default": "true"})
+    device_staging: Annotated[int, size(0)] = Field(
+        0, description="bytes of a device-memory pool (HBM; CPU memory on the CPU engine) per worker "
+                       "into which arriving requests' chunks are staged; loads copy them device to "
+                       "device (connectors/device_staging.py); 0: off")
+
+    @classmethod
+    def written_keys(cls) -> set[str]:
+        return super().written_keys() | PrefetchPolicy.written_keys()
+
+    @classmethod
+    def reshape(cls, data: Any) -> Any:
+        """`prefetch: true|false` and the `prefetch_*` keys make the policy (or None)."""
+        if not isinstance(data, dict):
+            return data
+        policy_keys = PrefetchPolicy.written_keys()
+        options = {key: value for key, value in data.items() if key not in policy_keys}
+        enabled = options.get("prefetch", True)
+        if not isinstance(enabled, bool):
+            raise Refused("must be true or false", "prefetch", value=enabled)
+        policy = PrefetchPolicy(**{key: value for key, value in data.items() if key in policy_keys})
+        return {**options, "prefetch": policy if enabled else None}
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
-    extra = dict(extra or {})
-    policy = PrefetchPolicy(name=extra.pop("prefetch_policy", "wait"),
-                            max_wait_s=extra.pop("prefetch_max_wait_s", 10.0),
-                            timeout_s_per_1k_tokens=extra.pop("prefetch_timeout_s_per_1k_tokens", 0.05))
-    load_async, prefetch = extra.pop("load_async", True), extra.pop("prefetch", True)
-    device_staging = size_field("device_staging", extra.pop("device_staging", 0), minimum=0)
-    for name, value in (("load_async", load_async), ("prefetch", prefetch)):
-        if not isinstance(value, bool):
-            raise ConfigError(name, value, "must be true or false")
-    model_id = extra.pop("model_id", None)
-    if model_id is not None and (not isinstance(model_id, str) or not model_id):
-        raise ConfigError("model_id", model_id, "must be a non-empty string")
-    if "config" in extra:
-        source = extra.pop("config")
-        if extra:
-            raise ConfigError(next(iter(extra)), extra[next(iter(extra))],
-                              f"unknown key next to 'config' (allowed: config, "
-                              f"{', '.join(sorted(_ENGINE_KEYS))})")
-    else:
-        source = extra
+    options = dict(extra or {})
+    if "config" in options:
+        source = options.pop("config")
+    else:  # the store keys at the top level
+        engine_keys = ConnectorOptions.written_keys()
+        source = {key: options.pop(key) for key in list(options) if key not in engine_keys}
     if not source:
         raise ConfigError("config", None, "required: a kvstore config file or mapping")
-    return ConnectorOptions(store=load_config(source), load_async=load_async, model_id=model_id,
-                            prefetch=policy if prefetch else None, device_staging=device_staging)
+    return validate(ConnectorOptions, {**options, "config": load_config(source)})
 
 
 def check_chunk_size(chunk_tokens: int, block_size: int) -> int:

@@ -17,9 +17,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated, Any
 
-from kvstore.errors import ConfigError
-from kvstore.fields import choice_field
+from pydantic import Field, ValidationError
+
+from kvstore.schema import Schema, choice, config_error, seconds
 
 POLICIES = ("best_effort", "wait", "timeout")
 
@@ -37,18 +39,32 @@ class Residency:
                          any(r.pending for r in per_rank))
 
 
-@dataclass(frozen=True)
-class PrefetchPolicy:
-    name: str = "wait"
-    max_wait_s: float = 10.0
-    timeout_s_per_1k_tokens: float = 0.05
+class PrefetchPolicy(Schema):
+    """How long a request waits for its prefetch; its keys are the engine-side
+    `prefetch_*` options (connectors/options.py)."""
 
-    def __post_init__(self) -> None:
-        choice_field("prefetch_policy", self.name, POLICIES)
-        for field_name in ("max_wait_s", "timeout_s_per_1k_tokens"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ConfigError(f"prefetch_{field_name}", value, "must be a number >= 0")
+    name: Annotated[str, choice(*POLICIES)] = Field(
+        "wait", alias="prefetch_policy",
+        description="`wait`: hold the request (vLLM: \"ask again later\", no KV blocks taken) while its "
+                    "promotion runs; `timeout`: the same up to a budget per prompt token, then recompute "
+                    "what is not in DRAM; `best_effort`: never hold it. See [prefetch.md](prefetch.md)")
+    max_wait_s: Annotated[float, seconds(zero=True)] = Field(
+        10.0, alias="prefetch_max_wait_s", description="the longest any policy holds a request")
+    timeout_s_per_1k_tokens: Annotated[float, seconds(zero=True)] = Field(
+        0.05, alias="prefetch_timeout_s_per_1k_tokens",
+        description="the `timeout` policy's budget per 1,000 prompt tokens")
+
+    def __init__(self, name: str | None = None, /, **values: Any) -> None:
+        """PrefetchPolicy("timeout", max_wait_s=5): by field name (or key), `name` also
+        positionally; a bad value is a ConfigError naming the key."""
+        if name is not None:
+            values["name"] = name
+        keys = {field: info.alias for field, info in type(self).model_fields.items() if info.alias}
+        values = {keys.get(key, key): value for key, value in values.items()}
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise config_error(exc, values) from None
 
     def budget_s(self, prompt_tokens: int) -> float:
         if self.name == "wait":

@@ -3,7 +3,8 @@
 O_DIRECT needs buffer addresses, lengths and offsets aligned to the device's
 logical block (we use 4096). Allocations from torch or numpy are not page
 aligned, so every buffer that meets the disk comes from mmap: anonymous for
-private scratch, a file under /dev/shm for a slab other processes map too.
+private scratch and the DRAM slab, a file under /dev/shm for the staging window
+a client and the service both map.
 Anonymous maps ask for transparent huge pages so a large read stays one request
 instead of splitting at the block layer's segment limit.
 """

@@ -63,15 +63,10 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _service_config(args: argparse.Namespace):  # -> StoreConfig
-    import dataclasses
-
-    from kvstore.config import load_config
+    from kvstore.config import load_config, with_service
 
     config = load_config(args.config_json or args.config)
-    if args.socket:
-        config = dataclasses.replace(config, service=dataclasses.replace(config.service,
-                                                                         socket=args.socket))
-    return config
+    return with_service(config, socket=args.socket) if args.socket else config
 
 
 def _serve(args: argparse.Namespace) -> int:

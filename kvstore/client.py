@@ -9,7 +9,6 @@ and the connection is dropped so a late answer cannot be taken for the next one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import os
@@ -24,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvstore.aligned import AlignedBuffer
-from kvstore.config import StoreConfig, dump_config
+from kvstore.config import StoreConfig, dump_config, with_service
 from kvstore.errors import KVStoreError
 from kvstore.service import Hello
 
@@ -222,8 +221,7 @@ class StoreClient:
 
 def attach(config: StoreConfig) -> StoreClient:
     """A lookup-only client of a running service; never starts one."""
-    service = dataclasses.replace(config.service, spawn=False)
-    return StoreClient(dataclasses.replace(config, service=service))
+    return StoreClient(with_service(config, spawn=False))
 
 
 def service_info(config: StoreConfig) -> dict[str, Any] | None:

@@ -1,87 +1,163 @@
-"""The one configuration schema (YAML file, JSON text or dict), validated on load.
+"""The store's config schema (YAML file, JSON text or dict), validated on load.
 
 Every error is a ConfigError that names the dotted field and the bad value, because
 a config is usually written by hand and read by a service that fails at start-up.
+The models below are the only statement of the keys, their defaults and their meaning:
+docs/configuration.md's key table is generated from them (`python -m kvstore.config_doc`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import Field, field_validator, model_validator
 
 from kvstore.errors import ConfigError
-from kvstore.fields import check_keys, choice_field, int_field, mapping_field, seconds_field, size_field
-from kvstore.nvmeof.config import NvmeofConfig, dump_nvmeof, parse_nvmeof
-
-IO_ENGINES = ("auto", "uring", "threads")
-WRITE_POLICIES = ("write_back", "write_through")
+from kvstore.nvmeof.config import NvmeofConfig
+from kvstore.schema import Bool, Kind, Refused, Schema, Text, choice, integer, seconds, size, validate
 
 
-@dataclass(frozen=True)
-class HostTierConfig:
-    """DRAM tier. `shm_name` puts the slab in /dev/shm so other processes can map it."""
+class HostTierConfig(Schema):
+    """The DRAM tier: one slab of private memory in the service."""
 
-    capacity: int
-    shm_name: str | None = None
+    removed_keys = {"shm_name": "removed: the DRAM slab is the service's private memory "
+                                "(nothing mapped /dev/shm/NAME); delete this key"}
+
+    capacity: Annotated[int, size()] = Field(
+        description="DRAM slab size; sizes take `B`, `KiB`, `MiB`, `GiB`, `TiB` (and decimal `KB`, "
+                    "`MB`, ...) or a number of bytes")
 
 
-@dataclass(frozen=True)
-class DiskPathConfig:
+class DiskPathConfig(Schema):
     """One disk path: a directory (a preallocated file inside) or a raw block device."""
 
-    path: str
-    capacity: int
+    path: Text = Field(
+        description="a directory (kvstore creates it if its parent exists, and a preallocated "
+                    "`kvstore.data` inside) or a raw block device")
+    capacity: Annotated[int, size()] = Field(
+        description="bytes kvstore may use on that path, metadata included; never exceeded")
 
 
-@dataclass(frozen=True)
-class IoConfig:
-    engine: str = "auto"
-    queue_depth: int = 64
-    timeout_s: float = 30.0  # deadline of one batch of tier I/O; past it the chunks are misses
-    # A device whose I/O faults this many times in a row is taken out of service (its
-    # chunks become misses) and probed again after the cooldown.
-    breaker_threshold: int = 3
-    breaker_cooldown_s: float = 5.0
+class TiersConfig(Schema):
+    """Where chunks live: at least one of DRAM, disk paths, NVMe-oF namespaces."""
+
+    host: HostTierConfig | None = Field(None, description="the DRAM tier; none: no DRAM tier")
+    disk: tuple[DiskPathConfig, ...] = Field(
+        (), description="disk paths (one mapping, or a list) striped round-robin with the "
+                        "NVMe-oF namespaces as one block tier")
+    nvmeof: NvmeofConfig | None = Field(
+        None, description="NVMe-over-Fabrics namespaces to stripe over, found by subsystem NQN and "
+                          "NSID or UUID: see [nvmeof.md](nvmeof.md) for every key")
+
+    @classmethod
+    def reshape(cls, data: Any) -> Any:
+        """`disk` may be one mapping, or null for none."""
+        if isinstance(data, dict) and "disk" in data and not isinstance(data["disk"], list):
+            return {**data, "disk": [data["disk"]] if isinstance(data["disk"], dict) else
+                    data["disk"] or []}
+        return data
+
+    @model_validator(mode="after")
+    def _usable(self) -> TiersConfig:
+        if self.host is None and not self.disk and self.nvmeof is None:
+            raise Refused("configure at least one tier (host, disk or nvmeof)")
+        paths = [os.path.realpath(d.path) for d in self.disk]
+        if len(set(paths)) != len(paths):
+            raise Refused("the same path is listed twice", "disk", value=[d.path for d in self.disk])
+        return self
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    """The per-host service (`kvstore serve`) that engine plugins talk to.
+class IoConfig(Schema):
+    """How tier I/O runs, and when a faulting device is taken out of service."""
 
-    `socket` is where it listens; `spawn` lets a client start it on demand;
-    `staging` is the shared-memory window each client moves chunks through.
-    """
+    engine: Annotated[str, choice("auto", "uring", "threads")] = Field(
+        "auto", description="`uring` (io_uring), `threads` (preadv/pwritev pool), or `auto`: io_uring "
+                            "if a ring can be set up, else threads with a logged reason")
+    queue_depth: Annotated[int, integer(1, 4096)] = Field(
+        64, description="requests in flight per batch (and threads in the `threads` pool)")
+    timeout_s: Annotated[float, seconds()] = Field(
+        30.0, description="deadline of every disk batch; a request past it is a counted miss")
+    breaker_threshold: Annotated[int, integer(1, 1 << 20)] = Field(
+        3, description="a disk or NVMe-oF device whose I/O faults (EIO, ENOLINK, ENODEV, ENXIO, "
+                       "ETIMEDOUT, a missed deadline, a short transfer) this many times in a row is "
+                       "taken out of service: its chunks become misses at once")
+    breaker_cooldown_s: Annotated[float, seconds()] = Field(
+        5.0, description="a tripped device is probed and revalidated after this long "
+                         "(see [nvmeof.md](nvmeof.md))")
 
-    socket: str = field(default_factory=lambda: f"/tmp/kvstore-{os.getuid()}.sock")
-    spawn: bool = True
-    staging: int = 256 << 20
-    metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off
+
+def _socket_path(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value.encode()) > 107:
+        raise ValueError("must be a Unix socket path of at most 107 bytes")
+    return value
 
 
-@dataclass(frozen=True)
-class StoreConfig:
-    chunk_tokens: int = 256
-    host: HostTierConfig | None = None
-    disk: tuple[DiskPathConfig, ...] = ()
-    nvmeof: NvmeofConfig | None = None
-    io: IoConfig = field(default_factory=IoConfig)
-    # Bound on DRAM->disk demotions waiting to be written; past it a demotion is
-    # dropped (counted) so that a put never waits on the disk.
-    write_behind_chunks: int = 64
-    promote_on_hit: bool = True
-    # Bound on the bytes one prefetch reads at a time (a prefetch goes in waves of this).
-    prefetch_inflight: int = 256 << 20
-    # write_back: a chunk reaches disk when DRAM evicts it (or at shutdown);
-    # write_through: also as soon as it is stored, so a killed service loses nothing.
-    write_policy: str = "write_back"
-    disk_min_seen: int = 1  # admission: a chunk goes to disk once stored or read this often
-    service: ServiceConfig = field(default_factory=ServiceConfig)
+class ServiceConfig(Schema):
+    """The per-host service (`kvstore serve`) that engine plugins talk to."""
+
+    socket: Annotated[str, Kind("path", _socket_path)] = Field(
+        default_factory=lambda: f"/tmp/kvstore-{os.getuid()}.sock",
+        description="Unix socket of the per-host service (`kvstore serve`) that engine plugins use; "
+                    "its log goes to `SOCKET.log` when a client starts it",
+        json_schema_extra={"doc_default": "`/tmp/kvstore-UID.sock`"})
+    spawn: Bool = Field(
+        True, description="a client that finds no service starts one (detached, so it outlives the "
+                          "engine and keeps its DRAM tier); false: start it yourself")
+    staging: Annotated[int, size(1 << 20)] = Field(
+        256 << 20, description="shared-memory window per client through which chunks move; a load or "
+                               "save of more chunks goes in waves of this size")
+    metrics_port: Annotated[int, integer(0, 65535)] = Field(
+        0, description="serve Prometheus metrics at `http://HOST:PORT/metrics` (counters, per-tier "
+                       "chunks/bytes/capacity, read latency quantiles and histograms, device health); "
+                       "0: off")
+
+
+class StoreConfig(Schema):
+    """A whole kvstore config: its tiers and how chunks move between them."""
+
+    chunk_tokens: Annotated[int, integer(1, 1 << 20)] = Field(
+        256, description="tokens per chunk; one chunk is one record and one key")
+    tiers: TiersConfig = Field({}, validate_default=True, description="where chunks live")
+    io: IoConfig = Field(default_factory=IoConfig, description="tier I/O")
+    write_behind_chunks: Annotated[int, integer(1, 1 << 20)] = Field(
+        64, description="bound on DRAM victims queued for writing to disk (at least 1); past it a "
+                        "demotion is dropped and counted (`writeback.dropped`) so puts never wait")
+    promote_on_hit: Bool = Field(
+        True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit")
+    prefetch_inflight: Annotated[int, size()] = Field(
+        256 << 20, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time")
+    write_policy: Annotated[str, choice("write_back", "write_through")] = Field(
+        "write_back", description="`write_back`: DRAM's chunks reach disk when evicted (and at a clean "
+                                  "shutdown); `write_through`: also as soon as they are stored, so a "
+                                  "killed service loses nothing")
+    disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
+        1, description="disk admission: a chunk is written to disk only once stored or read this many "
+                       "times (`disk.not_admitted` counts the others)")
+    service: ServiceConfig = Field(default_factory=ServiceConfig, description="the per-host service")
+
+    @field_validator("write_behind_chunks", mode="before")
+    @classmethod
+    def _some_write_behind(cls, value: Any) -> Any:
+        if value == 0 and not isinstance(value, bool):
+            raise ValueError("must be at least 1: with 0 every DRAM victim would be dropped instead "
+                             "of written to disk")
+        return value
+
+    @property
+    def host(self) -> HostTierConfig | None:
+        return self.tiers.host
+
+    @property
+    def disk(self) -> tuple[DiskPathConfig, ...]:
+        return self.tiers.disk
+
+    @property
+    def nvmeof(self) -> NvmeofConfig | None:
+        return self.tiers.nvmeof
 
 
 def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:
@@ -89,7 +165,7 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
     if isinstance(source, StoreConfig):
         return source
     if isinstance(source, dict):
-        return _parse_root(source)
+        return validate(StoreConfig, source)
     text = str(source)
     path = Path(text)
     if _names_a_file(text, path):
@@ -102,7 +178,7 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
         raise ConfigError("config", str(source)[:80], f"not valid YAML/JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError("config", data, "must be a mapping")
-    return _parse_root(data)
+    return validate(StoreConfig, data)
 
 
 def _names_a_file(text: str, path: Path) -> bool:
@@ -116,116 +192,13 @@ def _names_a_file(text: str, path: Path) -> bool:
         return False
 
 
-def _parse_root(data: dict[str, Any]) -> StoreConfig:
-    check_keys("", data, {"chunk_tokens", "tiers", "io", "write_behind_chunks", "promote_on_hit",
-                          "prefetch_inflight", "write_policy", "disk_min_seen", "service"})
-    tiers = mapping_field("tiers", data.get("tiers", {}))
-    check_keys("tiers", tiers, {"host", "disk", "nvmeof"})
-    host = _parse_host(tiers["host"]) if tiers.get("host") is not None else None
-    disk = _parse_disks(tiers.get("disk") or [])
-    nvmeof = parse_nvmeof(tiers["nvmeof"]) if tiers.get("nvmeof") is not None else None
-    if host is None and not disk and nvmeof is None:
-        raise ConfigError("tiers", tiers, "configure at least one tier (host, disk or nvmeof)")
-    promote = data.get("promote_on_hit", True)
-    if not isinstance(promote, bool):
-        raise ConfigError("promote_on_hit", promote, "must be true or false")
-    return StoreConfig(
-        chunk_tokens=int_field("chunk_tokens", data.get("chunk_tokens", 256), 1, 1 << 20),
-        host=host,
-        disk=disk,
-        nvmeof=nvmeof,
-        io=_parse_io(mapping_field("io", data.get("io", {}))),
-        write_behind_chunks=int_field("write_behind_chunks", data.get("write_behind_chunks", 64), 0, 1 << 20),
-        promote_on_hit=promote,
-        prefetch_inflight=size_field("prefetch_inflight", data.get("prefetch_inflight", 256 << 20)),
-        write_policy=choice_field("write_policy", data.get("write_policy", "write_back"), WRITE_POLICIES),
-        disk_min_seen=int_field("disk_min_seen", data.get("disk_min_seen", 1), 1, 1 << 20),
-        service=_parse_service(mapping_field("service", data.get("service", {}))),
-    )
-
-
-def _parse_host(value: Any) -> HostTierConfig:
-    host = mapping_field("tiers.host", value)
-    check_keys("tiers.host", host, {"capacity", "shm_name"})
-    if "capacity" not in host:
-        raise ConfigError("tiers.host.capacity", None, "required")
-    shm_name = host.get("shm_name")
-    if shm_name is not None and (not isinstance(shm_name, str) or "/" in shm_name or not shm_name):
-        raise ConfigError("tiers.host.shm_name", shm_name, "must be a plain file name under /dev/shm")
-    return HostTierConfig(capacity=size_field("tiers.host.capacity", host["capacity"]), shm_name=shm_name)
-
-
-def _parse_disks(value: Any) -> tuple[DiskPathConfig, ...]:
-    entries = [value] if isinstance(value, dict) else value
-    if not isinstance(entries, list):
-        raise ConfigError("tiers.disk", value, "must be a list of {path, capacity}")
-    disks = []
-    for i, entry in enumerate(entries):
-        where = f"tiers.disk[{i}]"
-        entry = mapping_field(where, entry)
-        check_keys(where, entry, {"path", "capacity"})
-        path = entry.get("path")
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{where}.path", path, "required: a directory or a block device")
-        if "capacity" not in entry:
-            raise ConfigError(f"{where}.capacity", None, "required")
-        disks.append(DiskPathConfig(path=path, capacity=size_field(f"{where}.capacity", entry["capacity"])))
-    paths = [os.path.realpath(d.path) for d in disks]
-    if len(set(paths)) != len(paths):
-        raise ConfigError("tiers.disk", [d.path for d in disks], "the same path is listed twice")
-    return tuple(disks)
-
-
-def _parse_io(io: dict[str, Any]) -> IoConfig:
-    check_keys("io", io, {"engine", "queue_depth", "timeout_s", "breaker_threshold",
-                          "breaker_cooldown_s"})
-    engine = choice_field("io.engine", io.get("engine", "auto"), IO_ENGINES)
-    return IoConfig(
-        engine=engine,
-        queue_depth=int_field("io.queue_depth", io.get("queue_depth", 64), 1, 4096),
-        timeout_s=seconds_field("io.timeout_s", io.get("timeout_s", 30.0)),
-        breaker_threshold=int_field("io.breaker_threshold", io.get("breaker_threshold", 3), 1, 1 << 20),
-        breaker_cooldown_s=seconds_field("io.breaker_cooldown_s", io.get("breaker_cooldown_s", 5.0)),
-    )
-
-
-def _parse_service(service: dict[str, Any]) -> ServiceConfig:
-    check_keys("service", service, {"socket", "spawn", "staging", "metrics_port"})
-    default = ServiceConfig()
-    socket = service.get("socket", default.socket)
-    if not isinstance(socket, str) or not socket or len(socket.encode()) > 107:
-        raise ConfigError("service.socket", socket, "must be a Unix socket path of at most 107 bytes")
-    spawn = service.get("spawn", True)
-    if not isinstance(spawn, bool):
-        raise ConfigError("service.spawn", spawn, "must be true or false")
-    return ServiceConfig(socket=socket, spawn=spawn,
-                         staging=size_field("service.staging", service.get("staging", default.staging),
-                                       minimum=1 << 20),
-                         metrics_port=int_field("service.metrics_port", service.get("metrics_port", 0),
-                                                0, 65535))
-
-
 def dump_config(config: StoreConfig) -> dict[str, Any]:
-    """The schema form of a config (what `load_config` reads back), for handing to
-    a spawned service and for comparing two configs."""
-    tiers: dict[str, Any] = {}
-    if config.host is not None:
-        tiers["host"] = {"capacity": config.host.capacity}
-        if config.host.shm_name:
-            tiers["host"]["shm_name"] = config.host.shm_name
-    if config.disk:
-        tiers["disk"] = [{"path": d.path, "capacity": d.capacity} for d in config.disk]
-    if config.nvmeof is not None:
-        tiers["nvmeof"] = dump_nvmeof(config.nvmeof)
-    return {
-        "chunk_tokens": config.chunk_tokens,
-        "tiers": tiers,
-        "io": dataclasses.asdict(config.io),
-        "write_behind_chunks": config.write_behind_chunks,
-        "promote_on_hit": config.promote_on_hit,
-        "prefetch_inflight": config.prefetch_inflight,
-        "write_policy": config.write_policy,
-        "disk_min_seen": config.disk_min_seen,
-        "service": {"socket": config.service.socket, "spawn": config.service.spawn,
-                    "staging": config.service.staging, "metrics_port": config.service.metrics_port},
-    }
+    """The schema form of a config, every key written out (what `load_config` reads back),
+    for handing to a spawned service and for comparing two configs."""
+    return config.model_dump(mode="json")
+
+
+def with_service(config: StoreConfig, **changes: Any) -> StoreConfig:
+    """`config` with some `service` keys changed (validated like the config file's)."""
+    service = validate(ServiceConfig, {**config.service.model_dump(), **changes}, "service")
+    return config.model_copy(update={"service": service})

@@ -107,3 +107,26 @@ def test_options_name_the_bad_field():
         parse_options({})
     inline = parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "load_async": False})
     assert inline.store.host is not None and inline.load_async is False
+
+
+@pytest.mark.parametrize("extra,field,words", [
+    ({"prefetch": 1}, "prefetch", "true or false"),
+    ({"prefetch_max_wait_s": True}, "prefetch_max_wait_s", "seconds"),
+    ({"prefetch_timeout_s_per_1k_tokens": -0.5}, "prefetch_timeout_s_per_1k_tokens", "at least 0"),
+    ({"device_staging": "lots"}, "device_staging", "not a size"),
+    ({"model_id": ""}, "model_id", "non-empty"),
+    ({"loadAsync": True}, "loadAsync", "allowed: config, device_staging, load_async"),
+])
+def test_engine_keys_name_the_bad_field(extra, field, words):
+    with pytest.raises(ConfigError) as caught:
+        parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}, **extra})
+    assert caught.value.field == field and words in caught.value.reason
+
+
+def test_store_keys_at_the_top_level_are_checked_as_store_keys():
+    options = parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "chunk_tokens": 128,
+                             "device_staging": "64MiB", "model_id": "m"})
+    assert (options.store.chunk_tokens, options.device_staging, options.model_id) == (128, 64 << 20, "m")
+    with pytest.raises(ConfigError) as caught:
+        parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "loadAsync": True})
+    assert caught.value.field == "loadAsync" and "chunk_tokens" in caught.value.reason

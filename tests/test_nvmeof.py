@@ -11,7 +11,7 @@ from kvstore.cli import main
 from kvstore.config import dump_config, load_config
 from kvstore.device_health import Presence
 from kvstore.errors import ConfigError, DeviceError
-from kvstore.nvmeof.config import parse_nvmeof
+from kvstore.nvmeof.config import dump_nvmeof, parse_nvmeof
 from kvstore.nvmeof.nvme_cli import NvmeCliError, connect_plan, disconnect_plan, preflight
 from kvstore.nvmeof.sysfs import resolve
 from kvstore.nvmeof.tier import namespace_plans
@@ -66,6 +66,38 @@ def test_bad_nvmeof_config_names_the_field(change, field, words):
     with pytest.raises(ConfigError) as caught:
         parse_nvmeof(tier)
     assert field in caught.value.field and words in str(caught.value)
+
+
+@pytest.mark.parametrize("tier,field", [
+    ({"traddr": "array.local"}, "tiers.nvmeof.traddr"),  # shared: named at the tier level
+    ({"namespaces": [{"nsid": 1, "capacity": "1GiB"}, {"nsid": 2, "capacity": "1GiB", "traddr": "x"}]},
+     "tiers.nvmeof.namespaces[1].traddr"),  # overridden: named on its namespace
+    ({"trsvcid": True}, "tiers.nvmeof.trsvcid"),
+    ({"fast_io_fail_tmo": 30, "namespaces": [{"nsid": 1, "capacity": "1GiB", "ctrl_loss_tmo": 10}]},
+     "tiers.nvmeof.fast_io_fail_tmo"),
+    ({"reconnect_delay": 20, "ctrl_loss_tmo": 10}, "tiers.nvmeof.reconnect_delay"),
+    ({"namespaces": [{"nsid": 1, "capacity": "1GiB"}, {"nsid": "2", "capacity": "1GiB"}]},
+     "tiers.nvmeof.namespaces[1].nsid"),
+    ({"namespaces": [{"nsid": 1, "capacity": "1GiB", "hostnqn": "host1"}]},
+     "tiers.nvmeof.namespaces[0].hostnqn"),
+    ({"namespaces": [{"nsid": 1, "capacity": "1GiB", "sysfs_root": "/s"}]},
+     "tiers.nvmeof.namespaces[0].sysfs_root"),
+    ({"namespaces": "nsid 1"}, "tiers.nvmeof.namespaces"),
+])
+def test_nvmeof_errors_name_where_the_value_was_written(tier, field):
+    with pytest.raises(ConfigError) as caught:
+        load_config({"tiers": {"nvmeof": {**BASE, "namespaces": [{"nsid": 1, "capacity": "1GiB"}], **tier}}})
+    assert caught.value.field == field
+
+
+def test_a_bare_list_of_namespaces_and_null_fast_io_fail_tmo():
+    config = parse_nvmeof([{**BASE, "uuid": "1B4E28BA-2FA1-11D2-883F-0016D3CCA427", "capacity": "1GiB",
+                            "fast_io_fail_tmo": None}])
+    (ns,) = config.namespaces
+    assert ns.uuid == "1b4e28ba-2fa1-11d2-883f-0016d3cca427" and ns.fast_io_fail_tmo is None
+    assert ns.label == f"{SUBNQN} uuid {ns.uuid}"
+    assert ns.connection == ("tcp", "192.0.2.10", 4420, SUBNQN, None)
+    assert parse_nvmeof(dump_nvmeof(config)) == config
 
 
 # -- sysfs resolution and health ---------------------------------------------------------

@@ -36,7 +36,7 @@ def _configs(args: argparse.Namespace) -> tuple[StoreConfig, NvmeofConfig]:
         raise ConfigError("tiers.nvmeof", None, f"{args.config} has no nvmeof tier")
     nvmeof = config.nvmeof
     if args.sysfs_root:
-        nvmeof = dataclasses.replace(nvmeof, sysfs_root=args.sysfs_root)
+        nvmeof = nvmeof.model_copy(update={"sysfs_root": args.sysfs_root})
     return config, nvmeof
 
 

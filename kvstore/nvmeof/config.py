@@ -11,53 +11,100 @@
           - {nsid: 1, capacity: 1TiB}
           - {nsid: 2, capacity: 1TiB, traddr: 10.0.0.6}   # any field may be overridden
 
-Every connection field may sit at the tier level (shared) or on a namespace.
+Every connection field may sit at the tier level (shared) or on a namespace; an error
+about a shared one names it at the tier level (`tiers.nvmeof.traddr`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import uuid
-from dataclasses import dataclass
-from typing import Any
+import uuid as uuid_module
+from typing import Annotated, Any
 
-from kvstore.errors import ConfigError
-from kvstore.fields import (
-    check_keys,
-    choice_field,
-    int_field,
-    mapping_field,
-    seconds_field,
-    size_field,
-    text_field,
-)
+from pydantic import Field, model_validator
 
-TRANSPORTS = ("tcp", "rdma")
-DEFAULT_FAST_IO_FAIL_TMO = 5
-_CONNECTION_KEYS = {"transport", "traddr", "trsvcid", "subnqn", "hostnqn", "nr_io_queues",
-                    "queue_size", "ctrl_loss_tmo", "reconnect_delay", "fast_io_fail_tmo"}
-_NAMESPACE_KEYS = _CONNECTION_KEYS | {"nsid", "uuid", "capacity"}
-_TIER_KEYS = _CONNECTION_KEYS | {"namespaces", "sysfs_root", "dev_root", "health_interval_s"}
+from kvstore.schema import Kind, Refused, Schema, Text, choice, integer, seconds, size, validate
+
 _MAX_NQN = 223  # NVMe base spec: an NQN is at most 223 bytes
 
 
-@dataclass(frozen=True)
-class NamespaceConfig:
+def _ip_address(value: Any) -> str:
+    try:
+        ipaddress.ip_address(value if isinstance(value, str) else "")
+    except ValueError:
+        raise ValueError("must be an IP address (the kernel's initiator needs one, "
+                         "not a host name)") from None
+    return value
+
+
+def _nqn(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("nqn.") or len(value.encode()) > _MAX_NQN:
+        raise ValueError(f"must be an NVMe qualified name: 'nqn.' and at most {_MAX_NQN} bytes")
+    return value
+
+
+def _uuid(value: Any) -> str:
+    try:
+        return str(uuid_module.UUID(value if isinstance(value, str) else ""))
+    except ValueError:
+        raise ValueError("must be a namespace UUID like 1b4e28ba-2fa1-11d2-883f-0016d3cca427") from None
+
+
+IpAddress = Annotated[str, Kind("IP address", _ip_address, lambda value: f"`{value}`")]
+Nqn = Annotated[str, Kind("NQN", _nqn, lambda value: f"`{value}`")]
+
+
+class _Connection(Schema):
+    """What `nvme connect` needs: given at the tier level, on a namespace, or both."""
+
+    transport: Annotated[str, choice("tcp", "rdma")] = Field(
+        "tcp", description="the fabric transport (kernel module `nvme-tcp` or `nvme-rdma`)")
+    traddr: IpAddress = Field(description="the array's address; an IP address, as the kernel needs one")
+    trsvcid: Annotated[int, integer(1, 65535)] = Field(4420, description="the array's port")
+    subnqn: Nqn = Field(description="the subsystem's NQN (`nqn.` and at most 223 bytes)")
+    hostnqn: Nqn | None = Field(
+        None, description="this host's NQN, passed to `nvme connect`; none: `/etc/nvme/hostnqn`")
+    nr_io_queues: Annotated[int, integer(1, 1024)] | None = Field(
+        None, description="I/O queues to open; none: the kernel's choice")
+    queue_size: Annotated[int, integer(16, 65536)] | None = Field(
+        None, description="entries per I/O queue; none: the kernel's choice")
+    ctrl_loss_tmo: Annotated[int, integer(-1, 1 << 20)] | None = Field(
+        None, description="seconds the kernel keeps reconnecting a lost controller before it "
+                          "deletes it; -1: forever; none: the kernel's default (600)")
+    reconnect_delay: Annotated[int, integer(1, 1 << 20)] | None = Field(
+        None, description="seconds between reconnect attempts (at most `ctrl_loss_tmo`); "
+                          "none: the kernel's default (10)")
+    fast_io_fail_tmo: Annotated[int, integer(-1, 1 << 20)] | None = Field(
+        5, description="seconds into a path loss after which queued I/O fails (a miss) instead "
+                       "of waiting (at most `ctrl_loss_tmo`); -1: off; null: the kernel's default (off)")
+
+
+_SHARED_KEYS = frozenset(_Connection.model_fields)
+
+
+class NamespaceConfig(_Connection):
     """One remote namespace: how to reach its subsystem, which namespace, how much to use."""
 
-    transport: str
-    traddr: str
-    subnqn: str
-    capacity: int
-    trsvcid: int = 4420
-    nsid: int | None = None
-    uuid: str | None = None
-    hostnqn: str | None = None
-    nr_io_queues: int | None = None
-    queue_size: int | None = None
-    ctrl_loss_tmo: int | None = None  # -1: reconnect forever
-    reconnect_delay: int | None = None
-    fast_io_fail_tmo: int | None = DEFAULT_FAST_IO_FAIL_TMO  # -1: off
+    nsid: Annotated[int, integer(1, 0xFFFFFFFE)] | None = Field(
+        None, description="which namespace of the subsystem, by NSID; give this or `uuid`")
+    uuid: Annotated[str, Kind("UUID", _uuid)] | None = Field(
+        None, description="which namespace, by its UUID; give this or `nsid`")
+    capacity: Annotated[int, size(1 << 20)] = Field(
+        description="bytes kvstore may use on that namespace, metadata included")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NamespaceConfig:
+        if (self.nsid is None) == (self.uuid is None):
+            raise Refused("give exactly one of nsid or uuid", "nsid", value=self.nsid)
+        loss = self.ctrl_loss_tmo
+        if loss is not None and loss >= 0:
+            if self.fast_io_fail_tmo is not None and self.fast_io_fail_tmo > loss:
+                raise Refused(f"must not exceed ctrl_loss_tmo ({loss}): the kernel refuses it",
+                              "fast_io_fail_tmo", value=self.fast_io_fail_tmo)
+            if self.reconnect_delay is not None and self.reconnect_delay > loss:
+                raise Refused(f"must not exceed ctrl_loss_tmo ({loss})", "reconnect_delay",
+                              value=self.reconnect_delay)
+        return self
 
     @property
     def label(self) -> str:
@@ -71,113 +118,52 @@ class NamespaceConfig:
         return (self.transport, self.traddr, self.trsvcid, self.subnqn, self.hostnqn)
 
 
-@dataclass(frozen=True)
-class NvmeofConfig:
-    namespaces: tuple[NamespaceConfig, ...]
-    sysfs_root: str = "/sys"  # another tree for containers and tests
-    dev_root: str = "/dev"
-    health_interval_s: float = 1.0  # how often controller states are read
+class NvmeofConfig(Schema):
+    """NVMe-over-Fabrics namespaces striped as one block tier (with any `disk` paths)."""
+
+    namespaces: tuple[NamespaceConfig, ...] = Field(
+        min_length=1, description="the namespaces to stripe over, in this order")
+    sysfs_root: Text = Field("/sys", description="where sysfs is mounted (containers, tests)")
+    dev_root: Text = Field("/dev", description="where the block devices are (containers, tests)")
+    health_interval_s: Annotated[float, seconds()] = Field(
+        1.0, description="how often controller states are read")
+
+    @classmethod
+    def written_keys(cls) -> set[str]:
+        return super().written_keys() | _SHARED_KEYS
+
+    @classmethod
+    def reshape(cls, data: Any) -> Any:
+        """A bare list is the namespaces; shared connection keys go to every namespace
+        that does not set its own."""
+        if isinstance(data, list):
+            return {"namespaces": data}
+        if not isinstance(data, dict):
+            return data
+        shared = {key: value for key, value in data.items() if key in _SHARED_KEYS}
+        tier = {key: value for key, value in data.items() if key not in _SHARED_KEYS}
+        if isinstance(tier.get("namespaces"), list):
+            tier["namespaces"] = [{**shared, **entry} if isinstance(entry, dict) else entry
+                                  for entry in tier["namespaces"]]
+        return tier
+
+    @model_validator(mode="after")
+    def _distinct(self) -> NvmeofConfig:
+        seen: dict[tuple[str, int | None, str | None], int] = {}
+        for i, ns in enumerate(self.namespaces):
+            identity = (ns.subnqn, ns.nsid, ns.uuid)
+            if identity in seen:
+                raise Refused(f"the same namespace as namespaces[{seen[identity]}]", "namespaces", i,
+                              value=ns.label)
+            seen[identity] = i
+        return self
 
 
 def parse_nvmeof(value: Any) -> NvmeofConfig:
     """Validate `tiers.nvmeof` (a mapping with `namespaces`, or a bare list of namespaces)."""
-    tier = {"namespaces": value} if isinstance(value, list) else mapping_field("tiers.nvmeof", value)
-    check_keys("tiers.nvmeof", tier, _TIER_KEYS)
-    entries = tier.get("namespaces")
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError("tiers.nvmeof.namespaces", entries, "required: a non-empty list of namespaces")
-    shared = {k: v for k, v in tier.items() if k in _CONNECTION_KEYS}
-    namespaces = []
-    for i, entry in enumerate(entries):
-        where = f"tiers.nvmeof.namespaces[{i}]"
-        entry = mapping_field(where, entry)
-        check_keys(where, entry, _NAMESPACE_KEYS)
-        namespaces.append(_parse_namespace(where, {**shared, **entry},
-                                           {k: "tiers.nvmeof" for k in shared if k not in entry}))
-    seen: dict[tuple[str, int | None, str | None], int] = {}
-    for i, ns in enumerate(namespaces):
-        identity = (ns.subnqn, ns.nsid, ns.uuid)
-        if identity in seen:
-            raise ConfigError(f"tiers.nvmeof.namespaces[{i}]", ns.label,
-                              f"the same namespace as namespaces[{seen[identity]}]")
-        seen[identity] = i
-    return NvmeofConfig(
-        namespaces=tuple(namespaces),
-        sysfs_root=text_field("tiers.nvmeof.sysfs_root", tier.get("sysfs_root", "/sys")),
-        dev_root=text_field("tiers.nvmeof.dev_root", tier.get("dev_root", "/dev")),
-        health_interval_s=seconds_field("tiers.nvmeof.health_interval_s",
-                                        tier.get("health_interval_s", 1.0)),
-    )
-
-
-def _parse_namespace(where: str, fields: dict[str, Any], inherited: dict[str, str]) -> NamespaceConfig:
-    def name(key: str) -> str:
-        return f"{inherited.get(key, where)}.{key}"
-
-    transport = choice_field(name("transport"), fields.get("transport", "tcp"), TRANSPORTS)
-    traddr = text_field(name("traddr"), fields.get("traddr"))
-    try:
-        ipaddress.ip_address(traddr)
-    except ValueError:
-        raise ConfigError(name("traddr"), traddr, f"must be an IP address ({transport} needs one, "
-                                                  "not a host name)") from None
-    subnqn = _nqn(name("subnqn"), fields.get("subnqn"))
-    hostnqn = _nqn(name("hostnqn"), fields["hostnqn"]) if fields.get("hostnqn") is not None else None
-    if ("nsid" in fields) == ("uuid" in fields):
-        raise ConfigError(f"{where}.nsid", fields.get("nsid"), "give exactly one of nsid or uuid")
-    nsid = int_field(f"{where}.nsid", fields["nsid"], 1, 0xFFFFFFFE) if "nsid" in fields else None
-    ns_uuid = _uuid(f"{where}.uuid", fields["uuid"]) if "uuid" in fields else None
-    if "capacity" not in fields:
-        raise ConfigError(f"{where}.capacity", None, "required")
-
-    def optional(key: str, minimum: int, maximum: int, default: int | None = None) -> int | None:
-        value = fields.get(key, default)
-        return None if value is None else int_field(name(key), value, minimum, maximum)
-
-    ctrl_loss = optional("ctrl_loss_tmo", -1, 1 << 20)
-    fast_fail = optional("fast_io_fail_tmo", -1, 1 << 20, DEFAULT_FAST_IO_FAIL_TMO)
-    delay = optional("reconnect_delay", 1, 1 << 20)
-    if ctrl_loss is not None and ctrl_loss >= 0:
-        if fast_fail is not None and fast_fail > ctrl_loss:
-            raise ConfigError(name("fast_io_fail_tmo"), fast_fail,
-                              f"must not exceed ctrl_loss_tmo ({ctrl_loss}): the kernel refuses it")
-        if delay is not None and delay > ctrl_loss:
-            raise ConfigError(name("reconnect_delay"), delay,
-                              f"must not exceed ctrl_loss_tmo ({ctrl_loss})")
-    return NamespaceConfig(
-        transport=transport, traddr=traddr, subnqn=subnqn,
-        capacity=size_field(f"{where}.capacity", fields["capacity"], minimum=1 << 20),
-        trsvcid=int_field(name("trsvcid"), fields.get("trsvcid", 4420), 1, 65535),
-        nsid=nsid, uuid=ns_uuid, hostnqn=hostnqn,
-        nr_io_queues=optional("nr_io_queues", 1, 1024),
-        queue_size=optional("queue_size", 16, 65536),
-        ctrl_loss_tmo=ctrl_loss, reconnect_delay=delay, fast_io_fail_tmo=fast_fail,
-    )
-
-
-def _nqn(where: str, value: Any) -> str:
-    text = text_field(where, value)
-    if not text.startswith("nqn.") or len(text.encode()) > _MAX_NQN:
-        raise ConfigError(where, value, f"must be an NVMe qualified name: 'nqn.' and at most "
-                                        f"{_MAX_NQN} bytes")
-    return text
-
-
-def _uuid(where: str, value: Any) -> str:
-    try:
-        return str(uuid.UUID(str(value)))
-    except ValueError:
-        raise ConfigError(where, value, "must be a namespace UUID like "
-                                        "1b4e28ba-2fa1-11d2-883f-0016d3cca427") from None
+    return validate(NvmeofConfig, value, "tiers.nvmeof")
 
 
 def dump_nvmeof(config: NvmeofConfig) -> dict[str, Any]:
-    """The schema form, read back by parse_nvmeof."""
-    namespaces = []
-    for ns in config.namespaces:
-        entry = {k: getattr(ns, k) for k in sorted(_NAMESPACE_KEYS) if getattr(ns, k) is not None}
-        if ns.fast_io_fail_tmo is None:
-            entry["fast_io_fail_tmo"] = None
-        namespaces.append(entry)
-    return {"namespaces": namespaces, "sysfs_root": config.sysfs_root, "dev_root": config.dev_root,
-            "health_interval_s": config.health_interval_s}
+    """The schema form (each namespace with all its connection fields), read back by parse_nvmeof."""
+    return config.model_dump(mode="json")
