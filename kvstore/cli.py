@@ -65,7 +65,7 @@ def _info(args: argparse.Namespace) -> int:
 def _service_config(args: argparse.Namespace):  # -> StoreConfig
     from kvstore.config import load_config, with_service
 
-    config = load_config(args.config_json or args.config)
+    config = load_config(args.config)
     return with_service(config, socket=args.socket) if args.socket else config
 
 
@@ -122,9 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, handler, text in (("serve", _serve, "run the per-host storage service"),
                                 ("stop", _stop, "ask a running service to drain and exit")):
         command = commands.add_parser(name, help=text)
-        source = command.add_mutually_exclusive_group(required=True)
-        source.add_argument("--config", help="kvstore config (YAML or JSON file)")
-        source.add_argument("--config-json", help="the config as JSON text")
+        command.add_argument("--config", required=True, help="kvstore config (YAML or JSON file)")
         command.add_argument("--socket", help="override service.socket")
         command.set_defaults(handler=handler)
     return parser

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvstore.errors import ConfigError
 from kvstore.nvmeof.config import NvmeofConfig
+from kvstore.runtime import default_socket
 from kvstore.schema import Bool, Kind, Refused, Schema, Text, choice, integer, seconds, size, validate
 
 
@@ -100,10 +101,12 @@ class ServiceConfig(Schema):
     """The per-host service (`kvstore serve`) that engine plugins talk to."""
 
     socket: Annotated[str, Kind("path", _socket_path)] = Field(
-        default_factory=lambda: f"/tmp/kvstore-{os.getuid()}.sock",
+        default_factory=default_socket,
         description="Unix socket of the per-host service (`kvstore serve`) that engine plugins use; "
-                    "its log goes to `SOCKET.log` when a client starts it",
-        json_schema_extra={"doc_default": "`/tmp/kvstore-UID.sock`"})
+                    "its directory must be this user's and writable by no one else (it is created "
+                    "0700 if missing) and also holds `SOCKET.lock`, `SOCKET.log` and `SOCKET.json`",
+        json_schema_extra={"doc_default": "`$XDG_RUNTIME_DIR/kvstore/kvstore.sock`, else "
+                                          "`/tmp/kvstore-UID/kvstore.sock`"})
     spawn: Bool = Field(
         True, description="a client that finds no service starts one (detached, so it outlives the "
                           "engine and keeps its DRAM tier); false: start it yourself")
@@ -114,6 +117,20 @@ class ServiceConfig(Schema):
         0, description="serve Prometheus metrics at `http://HOST:PORT/metrics` (counters, per-tier "
                        "chunks/bytes/capacity, read latency quantiles and histograms, device health); "
                        "0: off")
+    metrics_host: Text = Field(
+        "127.0.0.1", description="address the metrics listen on (`0.0.0.0`: every interface; the "
+                                 "metrics name devices and count hits, so keep them off a shared "
+                                 "network unless a scraper needs them)")
+    allowed_uids: tuple[Annotated[int, integer(0, (1 << 32) - 2)], ...] = Field(
+        (), description="other users whose engines may use this service (its own user always may); "
+                        "they can read every cached chunk, so list only users who share the prompts",
+        json_schema_extra={"doc_type": "list of uids"})
+    allowed_gids: tuple[Annotated[int, integer(0, (1 << 32) - 2)], ...] = Field(
+        (), description="groups whose members' engines may use this service (see `allowed_uids`)",
+        json_schema_extra={"doc_type": "list of gids"})
+    max_clients: Annotated[int, integer(1, 1 << 16)] = Field(
+        256, description="connections served at once (a scheduler and two per worker per engine); "
+                         "past it a client is refused and retries later")
 
 
 class StoreConfig(Schema):
@@ -124,8 +141,10 @@ class StoreConfig(Schema):
     tiers: TiersConfig = Field({}, validate_default=True, description="where chunks live")
     io: IoConfig = Field(default_factory=IoConfig, description="tier I/O")
     write_behind_chunks: Annotated[int, integer(1, 1 << 20)] = Field(
-        64, description="bound on DRAM victims queued for writing to disk (at least 1); past it a "
-                        "demotion is dropped and counted (`writeback.dropped`) so puts never wait")
+        64, description="bound on chunks queued for the background disk writer (`write_through` "
+                        "copies); past it a copy is skipped (`writethrough.dropped`) and the chunk "
+                        "is written when evicted instead. (A DRAM victim not on disk yet is always "
+                        "written down before its slot is reused.)")
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit")
     prefetch_inflight: Annotated[int, size()] = Field(
@@ -143,8 +162,7 @@ class StoreConfig(Schema):
     @classmethod
     def _some_write_behind(cls, value: Any) -> Any:
         if value == 0 and not isinstance(value, bool):
-            raise ValueError("must be at least 1: with 0 every DRAM victim would be dropped instead "
-                             "of written to disk")
+            raise ValueError("must be at least 1: with 0 no write_through copy could be queued")
         return value
 
     @property

@@ -59,6 +59,8 @@ def path_problem(path: str) -> str | None:
     (naming the config field) and again when the device is opened."""
     try:
         st = os.stat(path)
+    except NotADirectoryError:
+        return "does not exist, and its parent is not a directory"
     except FileNotFoundError:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
@@ -87,10 +89,10 @@ def open_device(path: str, capacity: int) -> Device:
     """Open `path` (a directory or a block device) for `capacity` bytes of slots."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
-            raise DeviceError(path, "does not exist (and neither does its parent directory)") from None
+            raise DeviceError(path, "does not exist (and its parent is not a directory)") from None
         try:
             os.mkdir(path, 0o700)
         except OSError as exc:

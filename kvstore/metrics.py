@@ -82,10 +82,11 @@ def _device_families(info: dict) -> Iterator[CounterMetricFamily | GaugeMetricFa
     yield from (in_service, faults, trips)
 
 
-def serve_metrics(port: int, store: Callable[[], TieredStore | None]) -> None:
-    """Expose /metrics on `port` (all interfaces) from a daemon thread."""
+def serve_metrics(host: str, port: int, store: Callable[[], TieredStore | None]) -> None:
+    """Expose /metrics on host:port (service.metrics_host, loopback by default) from a
+    daemon thread."""
     from prometheus_client import start_http_server
 
     registry = CollectorRegistry()
     registry.register(StoreCollector(store))
-    start_http_server(port, registry=registry)
+    start_http_server(port, addr=host, registry=registry)

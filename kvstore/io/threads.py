@@ -47,10 +47,19 @@ class _Workers:
             thread.start()
 
     def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            index, request, batch = job
-            if not batch.abandoned:  # its caller timed out: do not start it late
-                batch.results.put((index, _execute(request)))
+        while self._serve(self.jobs.get()):
+            pass
+
+    @staticmethod
+    def _serve(job: tuple[int, IoRequest, _Batch] | None) -> bool:
+        """One job; its buffers are not kept past it (a waiting worker holding the last
+        one would keep its memory mapped, and a window's descriptor open)."""
+        if job is None:
+            return False
+        index, request, batch = job
+        if not batch.abandoned:  # its caller timed out: do not start it late
+            batch.results.put((index, _execute(request)))
+        return True
 
     def stop(self) -> None:
         for _ in self.threads:

@@ -1,9 +1,11 @@
 """`uring` engine: batches of readv/writev through io_uring (kvstore.io.ring).
 
 Each calling thread gets its own ring, so concurrent callers (a get and the
-write-behind flusher) never share submission state. Completions are awaited by
-polling an eventfd registered with the ring: poll() releases the GIL, so every
-other Python thread runs while this one waits.
+write-behind flusher) never share submission state. A ring is closed when its
+thread ends (the service serves each client on a thread of its own: rings must not
+pile up with clients). Completions are awaited by polling an eventfd registered
+with the ring: poll() releases the GIL, so every other Python thread runs while
+this one waits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 from kvstore.io import ring as R
@@ -40,6 +43,10 @@ class _Ring:
         self.ring.register_eventfd(self.eventfd)
         self.poller = select.poll()
         self.poller.register(self.eventfd, select.POLLIN)
+        # Closed when the last reference goes: its thread ended (thread-local storage is
+        # dropped with the thread) or the engine closed. Never while a request is stuck
+        # in it: the engine keeps a retired ring referenced forever.
+        self._closer = weakref.finalize(self, _close_ring, self.ring, self.eventfd)
 
     def wait(self, timeout_s: float | None) -> None:
         self.poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)))
@@ -47,8 +54,12 @@ class _Ring:
             os.eventfd_read(self.eventfd)
 
     def close(self) -> None:
-        self.ring.close()
-        os.close(self.eventfd)
+        self._closer()
+
+
+def _close_ring(ring: R.Ring, eventfd: int) -> None:
+    ring.close()
+    os.close(eventfd)
 
 
 class UringEngine(IoEngine):
@@ -57,9 +68,9 @@ class UringEngine(IoEngine):
     def __init__(self, queue_depth: int) -> None:
         super().__init__(queue_depth)
         self._local = threading.local()
-        self._rings: list[_Ring] = []
+        self._rings: weakref.WeakSet[_Ring] = weakref.WeakSet()  # the live threads' rings
         self._lock = threading.Lock()
-        self._leaked: list[object] = []  # buffers of requests abandoned in flight
+        self._leaked: list[object] = []  # retired rings, and buffers of requests stuck in them
         self._ring()  # fail now, in the constructor, if io_uring is unavailable
 
     def _ring(self) -> _Ring:
@@ -68,7 +79,7 @@ class UringEngine(IoEngine):
             ring = _Ring(self.queue_depth)
             self._local.ring = ring
             with self._lock:
-                self._rings.append(ring)
+                self._rings.add(ring)
         return ring
 
     def run(
@@ -141,13 +152,14 @@ class UringEngine(IoEngine):
         if in_flight:
             log.warning("io_uring: %d requests stuck past their deadline; retiring the ring",
                         len(in_flight))
-            self._leaked.extend(in_flight.values())
-            self._local.ring = None  # the stuck ring is never reused (nor closed)
+            self._leaked.extend([ring, *in_flight.values()])  # never closed, never reused
+            self._local.ring = None
             with self._lock:
-                self._rings.remove(ring)
+                self._rings.discard(ring)
 
     def close(self) -> None:
         with self._lock:
-            for ring in self._rings:
-                ring.close()
+            rings = list(self._rings)
             self._rings.clear()
+        for ring in rings:
+            ring.close()

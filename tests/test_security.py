@@ -1,0 +1,558 @@
+"""kvstore on a shared host: each attack of a local user (or a buggy client) replayed.
+
+As root, a throwaway unprivileged user is created for the test (and removed after);
+its code runs in a subprocess with that uid. Every attack must fail safe: a clear
+error or a miss, never code execution, never wrong KV, never a dead service.
+The numbers are those of the issue that listed the attacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from conftest import CHUNK_BYTES, make_keys, make_payloads
+
+from kvstore import protocol as P
+from kvstore.client import StoreClient, stop_service
+from kvstore.config import load_config
+from kvstore.disk_layout import SB_COPIES
+from kvstore.errors import BadKeyError, ConfigError, DeviceError, KVStoreError, ShapeError
+from kvstore.io.faulty import Fault, FaultyEngine
+from kvstore.io.threads import ThreadsEngine
+from kvstore.record import BLOCK, record_bytes
+from kvstore.store import TieredStore
+
+REPO = Path(__file__).resolve().parents[1]
+SLOT = record_bytes(CHUNK_BYTES)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
+                                reason="needs root and useradd to create a throwaway user")
+
+
+def _python_for_others() -> list[str] | None:
+    """An interpreter another user may run, with this project's packages importable: this
+    one if every directory up to it is searchable, else the system's of the same version."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        path = Path(os.path.realpath(candidate))
+        if not path.exists():
+            continue
+        if all(os.stat(p).st_mode & 0o001 for p in path.parents) and os.stat(path).st_mode & 0o001:
+            version = subprocess.run([str(path), "-c", "import sys; print(sys.version_info[:2])"],
+                                     capture_output=True, text=True).stdout.strip()
+            if version == str(sys.version_info[:2]):
+                return [str(path)]
+    return None
+
+
+SITE = sysconfig.get_paths()["purelib"]
+
+
+class User:
+    """A throwaway unprivileged user: runs Python code as itself, removed in teardown."""
+
+    def __init__(self) -> None:
+        self.name = f"kvs{uuid.uuid4().hex[:8]}"
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", self.name],
+                       check=True, capture_output=True)
+        entry = pwd.getpwnam(self.name)
+        self.uid, self.gid = entry.pw_uid, entry.pw_gid
+
+    def run(self, code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+        uid, gid = self.uid, self.gid
+
+        def drop() -> None:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+
+        environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{SITE}", "HOME": "/tmp", **env}
+        return subprocess.run([*PYTHON_FOR_OTHERS, "-c", code], preexec_fn=drop, cwd="/",
+                              env=environment, capture_output=True, text=True, timeout=timeout)
+
+    def remove(self) -> None:
+        subprocess.run(["pkill", "-KILL", "-u", self.name], capture_output=True)
+        subprocess.run(["userdel", "--force", self.name], capture_output=True)
+
+
+PYTHON_FOR_OTHERS = _python_for_others() or []
+
+
+@pytest.fixture
+def intruder():
+    """Another local user, unprivileged (in some tests the victim instead: see there)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to create a throwaway user")
+    if not PYTHON_FOR_OTHERS:
+        pytest.skip(f"no Python {sys.version_info[:2]} that another user may run (this one is "
+                    f"{sys.executable}, behind a private directory)")
+    user = User()
+    yield user
+    user.remove()
+
+
+@pytest.fixture
+def shared_tmp():
+    """A directory other users can reach (pytest's own are private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="kvstore-sec-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def service_config(tmp_path, disk_dir):
+    """A config whose service the test starts; stopped (and its leftovers killed) after."""
+    raw = {"tiers": {"host": {"capacity": 4 * SLOT},
+                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": 64 * SLOT}]},
+           "io": {"timeout_s": 5},
+           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    yield raw
+    stop_service(load_config(raw))
+
+
+def _service_pid(config: dict) -> int:
+    client = StoreClient(load_config(config))
+    try:
+        return int(client.info()["service_pid"])
+    finally:
+        client.close()
+
+
+def _raw_channel(config: dict) -> P.Channel:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(config["service"]["socket"])
+    return P.Channel(sock)
+
+
+def _hello(config: dict, chunk: int | None = CHUNK_BYTES) -> P.Hello:
+    from kvstore.config import dump_config
+
+    return P.Hello(P.PROTOCOL_VERSION, dump_config(load_config(config)), chunk)
+
+
+# -- 1. socket squatting ------------------------------------------------------------------
+
+@needs_root
+def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp):
+    """Another user pre-creates the victim's default runtime directory in /tmp and
+    listens there: the victim's client refuses the directory instead of connecting."""
+    victim = User()
+    try:
+        squat = f"/tmp/kvstore-{victim.uid}"
+        made = intruder.run(f"import os; os.mkdir({squat!r}, 0o777); os.chmod({squat!r}, 0o777)")
+        assert made.returncode == 0, made.stderr
+        config = {"tiers": {"host": {"capacity": "4MiB"}}}
+        code = ("from kvstore.client import StoreClient\nfrom kvstore.config import load_config\n"
+                f"StoreClient(load_config({config!r}), 65536)")
+        done = victim.run(code, XDG_RUNTIME_DIR="")
+        assert done.returncode != 0
+        assert f"its directory {squat} is owned by uid {intruder.uid}" in done.stderr
+    finally:
+        shutil.rmtree(f"/tmp/kvstore-{victim.uid}", ignore_errors=True)
+        victim.remove()
+
+
+@needs_root
+def test_1_a_client_refuses_a_listener_of_another_user(intruder, shared_tmp):
+    """Whoever listens at the victim's socket must be the victim (SO_PEERCRED). Here the
+    throwaway user is the victim, and root (the only other user who can reach its
+    private directory) listens there, answering with a pickle that would run code."""
+    victim = intruder
+    run = shared_tmp / "run"
+    run.mkdir(mode=0o700)
+    os.chown(run, victim.uid, victim.gid)
+    path = str(run / "kvstore.sock")
+    marker = Path(f"/tmp/kvstore-pwned-{uuid.uuid4().hex}")  # a place the victim could write
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o666)
+    listener.listen(1)
+    payload = (b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            conn.sendall(struct.pack(">I", len(payload)) + payload)
+            time.sleep(1)
+            conn.close()
+
+    import threading
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    config = {"tiers": {"host": {"capacity": "4MiB"}}, "service": {"socket": path, "spawn": False}}
+    code = ("from kvstore.client import StoreClient\nfrom kvstore.config import load_config\n"
+            f"StoreClient(load_config({config!r}))")
+    done = victim.run(code)
+    listener.close()
+    assert done.returncode != 0 and "runs as uid 0, not this user" in done.stderr
+    assert not marker.exists()
+
+
+# -- 2. no pickle on the wire; the socket is private from the first instant ---------------
+
+def test_2_a_pickle_sent_to_the_service_runs_nothing(service_config, tmp_path):
+    from multiprocessing.connection import Client
+
+    StoreClient(load_config(service_config)).close()  # the service runs
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    conn = Client(service_config["service"]["socket"], family="AF_UNIX")
+    conn.send(("hello", Exploit()))
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv_bytes()  # an error frame, then the service hangs up
+    conn.close()
+    time.sleep(0.5)
+    assert not marker.exists()
+    client = StoreClient(load_config(service_config), CHUNK_BYTES)  # still serving
+    assert client.put(make_keys(1), [0]) == [True]
+    client.close()
+
+
+@needs_root
+def test_2_another_user_cannot_reach_the_socket_even_under_umask_0(intruder, shared_tmp):
+    path = str(shared_tmp / "run" / "kvstore.sock")
+    config = load_config({"tiers": {"host": {"capacity": "4MiB"}}, "service": {"socket": path}})
+    old = os.umask(0)  # the client and the service it spawns both run under it
+    try:
+        StoreClient(config).close()
+    finally:
+        os.umask(old)
+    try:
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+        done = intruder.run(f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({path!r})")
+        assert "PermissionError" in done.stderr
+    finally:
+        stop_service(config)
+
+
+# -- 3. squatted storage paths ------------------------------------------------------------
+
+@needs_root
+def test_3_a_tier_directory_owned_by_another_user_is_refused(intruder):
+    """The victim's tier path sits in a shared place (/tmp here) and another user made
+    it first, to read the cached KV and plant records."""
+    tier = f"/tmp/kvstore-tier-{uuid.uuid4().hex}"
+    try:
+        made = intruder.run(f"import os; os.mkdir({tier!r}, 0o777); os.chmod({tier!r}, 0o777)")
+        assert made.returncode == 0, made.stderr
+        with pytest.raises(DeviceError, match=f"owned by uid {intruder.uid}"):
+            TieredStore({"tiers": {"disk": [{"path": tier, "capacity": 8 * SLOT}]}}, CHUNK_BYTES)
+        assert os.listdir(tier) == []  # nothing created in it
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+@needs_root
+def test_3_a_planted_data_file_or_link_is_refused(intruder, shared_tmp):
+    tier = shared_tmp / "tier"
+    tier.mkdir(mode=0o777)
+    tier.chmod(0o777)  # a careless mode: anyone may create files in it
+    config = {"tiers": {"disk": [{"path": str(tier), "capacity": 8 * SLOT}]}}
+    with pytest.raises(DeviceError, match="lets others write in it"):
+        TieredStore(config, CHUNK_BYTES)
+    tier.chmod(0o755)
+    (tier / "kvstore.data").symlink_to(shared_tmp / "victim-file")
+    with pytest.raises(DeviceError, match="symbolic link"):
+        TieredStore(config, CHUNK_BYTES)
+    (tier / "kvstore.data").unlink()
+    planted = tier / "kvstore.data"
+    planted.write_bytes(b"")
+    os.chown(planted, intruder.uid, intruder.gid)
+    with pytest.raises(DeviceError, match=f"owned by uid {intruder.uid}"):
+        TieredStore(config, CHUNK_BYTES)
+    planted.unlink()
+    with TieredStore(config, CHUNK_BYTES) as store:  # ours, made 0600: nobody else reads the KV
+        store.put_many(make_keys(1), make_payloads(1))
+        assert os.stat(planted).st_mode & 0o777 == 0o600
+        done = intruder.run(f"open({str(planted)!r}, 'rb').read(1)")
+        assert "PermissionError" in done.stderr
+
+
+def test_3_the_dram_slab_has_no_file_to_squat():
+    with pytest.raises(ConfigError, match=r"shm_name.*removed"):
+        load_config({"tiers": {"host": {"capacity": "4MiB", "shm_name": "kvstore-slab"}}})
+
+
+# -- 4. runtime files: private directory, no links followed, not world-readable ------------
+
+def test_4_a_socket_in_a_world_writable_directory_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    config = load_config({"tiers": {"host": {"capacity": "4MiB"}},
+                          "service": {"socket": str(shared / "kv.sock")}})
+    with pytest.raises(ConfigError, match="others may create files in it"):
+        StoreClient(config)
+
+
+def test_4_the_log_lock_and_config_are_private_files(service_config):
+    pid = _service_pid(service_config)
+    path = service_config["service"]["socket"]
+    for suffix in (".log", ".lock", ".json"):
+        st = os.lstat(path + suffix)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid(), suffix
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    # 9 (argv): the config is in that 0600 file, not on the command line every user can read
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    assert "tiers" not in cmdline and service_config["tiers"]["disk"][0]["path"] not in cmdline
+
+
+# -- 5. the window is a descriptor the service made: no name to traverse --------------------
+
+def test_5_a_hello_naming_a_window_file_is_refused(service_config):
+    StoreClient(load_config(service_config)).close()
+    channel = _raw_channel(service_config)
+    hello = msgspec.msgpack.encode({"type": "hello", "version": P.PROTOCOL_VERSION, "config": {},
+                                    "chunk_bytes": CHUNK_BYTES, "window": "../../etc/passwd"})
+    channel.sock.sendall(struct.pack(">I", len(hello)) + hello)
+    reply = channel.recv(P.REPLY, 10)
+    assert not reply.ok and "window" in reply.error
+    channel.close()
+
+
+# -- 6. one client cannot stop or starve the service ----------------------------------------
+
+def test_6_running_out_of_descriptors_does_not_end_the_service(service_config):
+    import resource
+
+    pid = _service_pid(service_config)
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (64, hard))
+    held = []
+    try:
+        for _ in range(100):  # past the limit: accept() fails with EMFILE
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(service_config["service"]["socket"])
+            held.append(sock)
+        time.sleep(1)
+    finally:
+        for sock in held:
+            sock.close()
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert _service_pid(service_config) == pid
+            break
+        except KVStoreError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_6_a_client_truncating_its_window_cannot_crash_the_service(service_config):
+    _service_pid(service_config)
+    channel = _raw_channel(service_config)
+    channel.send(_hello(service_config))
+    assert channel.recv(P.REPLY, 30).ok
+    fd = channel.take_fd()
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)  # sealed: the service's mapping keeps its size
+    os.close(fd)
+    channel.send(P.Put(make_keys(1), [0]))
+    assert channel.recv(P.REPLY, 10).ok
+    channel.close()
+    assert _service_pid(service_config)
+
+
+def test_6_bad_puts_leak_no_slots(service_config):
+    client = StoreClient(load_config(service_config), CHUNK_BYTES)
+    channel = _raw_channel(service_config)
+    channel.send(_hello(service_config))
+    channel.recv(P.REPLY, 30)
+    for _ in range(10):
+        frame = msgspec.msgpack.encode({"type": "put", "keys": ["not bytes"], "slots": [0]})
+        channel.sock.sendall(struct.pack(">I", len(frame)) + frame)
+        reply = channel.recv(P.REPLY, 10)
+        assert not reply.ok and "keys" in reply.error
+        channel.close()
+        channel = _raw_channel(service_config)
+        channel.send(_hello(service_config))
+        channel.recv(P.REPLY, 30)
+        channel.send(P.Put([b"short"], [0]))
+        reply = channel.recv(P.REPLY, 10)
+        assert not reply.ok and "16 bytes" in reply.error
+    channel.close()
+    keys = make_keys(4)
+    for i in range(len(keys)):
+        client.slot(i)[:] = make_payloads(1, seed=i)[0]
+    assert client.put(keys, [0, 1, 2, 3]) == [True] * 4
+    assert client.info()["tiers"][0]["chunks"] == 4  # every DRAM slot is still there to take
+    client.close()
+
+
+def test_6_a_huge_frame_is_refused_before_it_is_buffered(service_config):
+    pid = _service_pid(service_config)
+    rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    channel = _raw_channel(service_config)
+    channel.sock.sendall(struct.pack(">I", 512 << 20) + b"x" * 4096)
+    reply = channel.recv(P.REPLY, 10)
+    assert not reply.ok and "over the" in reply.error
+    channel.close()
+    assert int(Path(f"/proc/{pid}/statm").read_text().split()[1]) - rss < (64 << 20) // 4096
+    assert _service_pid(service_config) == pid
+
+
+# -- 7. descriptors stay flat under client churn ----------------------------------------------
+
+@pytest.mark.parametrize("engine", ["uring", "threads"])
+def test_7_descriptors_stay_flat_after_200_short_lived_clients(service_config, engine):
+    service_config["io"]["engine"] = engine
+    del service_config["tiers"]["host"]  # every put and get goes to the disk, on the client's thread
+    config = load_config(service_config)
+    first = StoreClient(config, CHUNK_BYTES)
+    pid = int(first.info()["service_pid"])
+    first.close()
+    baseline = len(os.listdir(f"/proc/{pid}/fd"))
+    for i in range(200):
+        client = StoreClient(config, CHUNK_BYTES)
+        key = make_keys(1, seed=i)
+        assert client.put(key, [0]) == [True] and client.get(key, [1]) == [True]
+        client.close()
+    time.sleep(0.5)
+    assert len(os.listdir(f"/proc/{pid}/fd")) <= baseline + 4
+
+
+# -- 8. a second `kvstore serve` cannot steal a live service's socket -------------------------
+
+def test_8_serve_refuses_a_socket_that_a_live_service_holds(service_config, tmp_path):
+    pid = _service_pid(service_config)
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(service_config))
+    second = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and "already runs" in second.stderr
+    assert _service_pid(service_config) == pid  # untouched, still answering
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while os.path.exists(service_config["service"]["socket"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(service_config["service"]["socket"])  # it ended cleanly
+    log = Path(service_config["service"]["socket"] + ".log").read_text()
+    assert "Traceback" not in log
+
+
+# -- 9. input checked at the edge; a damaged superblock is not fatal ---------------------------
+
+def test_9_a_get_into_a_read_only_buffer_is_refused(store_factory):
+    store = store_factory({"tiers": {"host": {"capacity": 8 * SLOT}}})
+    store.put_many(make_keys(1), make_payloads(1))
+    out = np.zeros(CHUNK_BYTES, np.uint8)
+    out.flags.writeable = False
+    with pytest.raises(ShapeError, match="read-only"):
+        store.get_many(make_keys(1), [out])
+
+
+@pytest.mark.parametrize("key", [b"short", "a str key", b"x" * 17, 7])
+def test_9_keys_of_the_wrong_kind_are_refused_and_reserve_nothing(store_factory, key):
+    store = store_factory({"tiers": {"host": {"capacity": 2 * SLOT}}})
+    for call in (lambda: store.put_many([key], make_payloads(1)),
+                 lambda: store.get_many([key], [np.zeros(CHUNK_BYTES, np.uint8)]),
+                 lambda: store.lookup([key])):
+        with pytest.raises(BadKeyError, match="chunk keys are 16 bytes"):
+            call()
+    assert store.put_many(make_keys(2), make_payloads(2)) == [True, True]
+    assert store.lookup(make_keys(2)).tiers == ("host", "host")
+
+
+def test_9_a_dtype_name_too_long_is_refused_before_any_slot_is_taken(store_factory):
+    with pytest.raises(ShapeError, match=r"float8_e4m3fn.*19 bytes"):
+        store_factory({"tiers": {"host": {"capacity": 2 * SLOT}}}, dtype="torch.float8_e4m3fn")
+
+
+def test_9_a_chunk_size_that_rounds_to_the_same_slot_is_refused(disk_dir, store_factory):
+    config = {"tiers": {"disk": [{"path": disk_dir, "capacity": 16 * SLOT}]}}
+    store_factory(config).close()
+    with pytest.raises(DeviceError, match="chunks"):
+        store_factory(config, chunk_bytes=CHUNK_BYTES - 100)  # same 4 KiB-rounded slot size
+
+
+@pytest.mark.parametrize("damaged", [(0,), (0, 1)], ids=["one-copy", "both-copies"])
+def test_9_a_bad_superblock_bit_keeps_the_tier_and_its_records(disk_dir, store_factory, damaged):
+    config = {"tiers": {"disk": [{"path": disk_dir, "capacity": 16 * SLOT}]}}
+    keys, payloads = make_keys(3), make_payloads(3)
+    store = store_factory(config)
+    assert all(store.put_many(keys, payloads))
+    store.close()
+    with open(os.path.join(disk_dir, "kvstore.data"), "r+b") as raw:
+        for copy in damaged:
+            raw.seek(copy * BLOCK + 40)
+            byte = raw.read(1)
+            raw.seek(copy * BLOCK + 40)
+            raw.write(bytes([byte[0] ^ 0x10]))
+    reopened = store_factory(config)
+    outs = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
+    assert reopened.get_many(keys, outs) == [True] * 3
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+    assert reopened.recovery.scanned == (1 if len(damaged) == SB_COPIES else 0)
+
+
+def test_9_a_dram_tier_too_large_names_the_field():
+    with pytest.raises(ConfigError, match=r"tiers.host.capacity.*cannot allocate"):
+        TieredStore({"tiers": {"host": {"capacity": "1024TiB"}}}, CHUNK_BYTES)
+
+
+def test_9_metrics_listen_on_loopback_only(service_config):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    service_config["service"]["metrics_port"] = port
+    _service_pid(service_config)
+    listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    local = [fields[1] for fields in listening if fields[3] == "0A" and
+             int(fields[1].split(":")[1], 16) == port]
+    assert local == [f"0100007F:{port:04X}"]  # 127.0.0.1, not 0.0.0.0
+
+
+def test_9_a_crash_mid_write_after_a_clean_restart_leaves_no_valid_header_over_other_bytes(
+        disk_dir, store_factory):
+    """A slot that is free after a clean restart may still hold an old record's valid
+    header (here: one dropped for bit rot). A write into it must zero that header before
+    the payload: a crash before the new header then leaves an empty slot, not the old
+    header over the new bytes."""
+    from kvstore.fsck import fsck
+
+    config = {"tiers": {"disk": [{"path": disk_dir, "capacity": 16 * SLOT}]}, "io": {"queue_depth": 4}}
+    keys, payloads = make_keys(4), make_payloads(4)
+    store = store_factory(config)
+    assert all(store.put_many(keys[:3], payloads[:3]))
+    slot = store.disk.table.find(keys[0])
+    _, offset = store.disk.locate(slot)
+    with open(os.path.join(disk_dir, "kvstore.data"), "r+b") as raw:
+        raw.seek(offset + BLOCK + 10)  # a payload byte: bit rot
+        raw.write(b"\xff\x00\xff")
+    assert store.get_many(keys[:1], [np.zeros(CHUNK_BYTES, np.uint8)]) == [False]
+    store.close()  # the checkpoint lists two records; slot 0 is free, its header valid
+    faulty = FaultyEngine(ThreadsEngine(4))
+    reopened = store_factory(config, engine=faulty)
+    assert reopened.recovery.from_checkpoint == 1 and reopened.recovery.records == 2
+    faulty.add(Fault("error", reads=False, writes=True,  # the new header never lands: the crash
+                     match=lambda r: r.nbytes == BLOCK and any(r.buffers[0][:4])))
+    assert reopened.put_many(keys[3:], payloads[3:]) == [False]
+    assert reopened.disk.table.group_of(slot)[1] == 0
+    reopened.simulate_crash()
+    faulty.close()
+    assert fsck(disk_dir) == {"valid": 2, "corrupt": 0, "torn": 0, "empty": 13}  # of 15 slots
