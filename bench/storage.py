@@ -1,6 +1,7 @@
 """`kvstore bench`: write and read throughput, CPU cost and latency per tier and engine,
 against in-run yardsticks: the best fio of the sitting (huge-page and malloc buffers,
-alternated with the cases), a serial one-read-at-a-time loop, a plain torch copy.
+alternated with the cases), a serial one-read-at-a-time loop, a plain torch copy,
+and optionally LMCache's own disk backend on the same load (`--peer lmcache`).
 
 Figures are printed and written to JSON, never asserted: machines are shared.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -19,6 +22,7 @@ from bench.fio import HUGE, MALLOC, Geometry, Yardstick
 from bench.loopdev import LoopNamespaces, loop_devices_unavailable
 from bench.storage_cases import (
     CaseResult,
+    DiskSet,
     capacity_for,
     delete_set,
     engine_case,
@@ -39,6 +43,7 @@ from kvstore.record import record_bytes
 from kvstore.units import format_size, parse_size
 
 CASES = ("get", "raw", "prefetch", "serial", "host")
+PEERS = ("lmcache",)
 
 
 class Sitting:
@@ -136,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", default="host,disk", help="tiers to measure")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"cases to run, of {','.join(CASES)} (default all)")
+    parser.add_argument("--peer", choices=PEERS,
+                        help="also run a peer's disk backend on the same load (lmcache: "
+                             "the `peer` extra)")
     parser.add_argument("--total", default="1GiB", help="bytes written and read per case")
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--keep", action="store_true",
@@ -172,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         with _nvmeof_tier(args, temp.name, total, max(chunk_sizes)) as nvmeof:
             for chunk in chunk_sizes:
                 if "disk" in tiers:
-                    results += _disk_cases(args, sitting, chunk, depths, engines, cases, total, paths)
+                    results += _disk_cases(args, sitting, chunk, depths, engines, cases, total, paths,
+                                           temp.name)
                 if nvmeof is not None:
                     for depth in depths:
                         results += nvmeof_cases(sitting, nvmeof, engines, chunk, depth, args.batch,
@@ -221,10 +230,11 @@ def _nvmeof_tier(args: argparse.Namespace, workdir: str, total: int,
 
 
 def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: list[int],
-                engines: list[str], cases: list[str], total: int, paths: list[str]) -> list[CaseResult]:
+                engines: list[str], cases: list[str], total: int, paths: list[str],
+                workdir: str) -> list[CaseResult]:
     """One written set per chunk size; at each depth its read cases alternate with fio."""
     disk_cases = [c for c in cases if c != "host"]
-    if not disk_cases:
+    if not disk_cases and not args.peer:
         return []
     count = max(1, total // chunk)
     tier = {"disk": [{"path": p, "capacity": capacity_for(count, len(paths), chunk)} for p in paths]}
@@ -232,7 +242,7 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
         remove_data(path)  # a set of another chunk size may be there (--keep)
     data = write_set(tier, "disk", "disk", engines[0], chunk, max(depths), total)
     results: list[CaseResult] = []
-    for depth in depths:
+    for i, depth in enumerate(depths):
         batch = min(args.batch or 4 * depth, count)
         readers: list[Callable[[], list[CaseResult]]] = []
         if "get" in cases:
@@ -241,6 +251,8 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
             readers.append(lambda d=depth, b=batch: [engine_case(data, e, d, b) for e in engines])
         if "prefetch" in cases:
             readers += [_one(prefetch_case, data, engine, depth) for engine in engines]
+        if args.peer and i == 0:
+            readers.append(lambda d=depth, b=batch: _peer(sitting, paths, workdir, data, d, b))
         results += sitting.alternate(readers, data.geometry, depth)
     if "serial" in cases:
         results.append(serial_case(data, max(8, count // 2)))
@@ -250,6 +262,23 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
         for path in paths:
             remove_data(path)
     return results
+
+
+def _peer(sitting: Sitting, paths: list[str], workdir: str, data: DiskSet, depth: int,
+          batch: int) -> list[CaseResult]:
+    """The peer on the disk tier's filesystem (its first directory), or a note why not."""
+    from bench.peer_lmcache import peer_case
+
+    where = paths[0]
+    if stat.S_ISBLK(os.stat(where).st_mode):
+        where = workdir
+        sitting.notes.append(f"peer lmcache: writes files, so it ran in {workdir}, not on the block "
+                             f"device {paths[0]}")
+    result = peer_case(where, data.chunk_bytes, data.count, batch, depth)
+    if isinstance(result, str):
+        sitting.notes.append(f"peer lmcache: no row: {result}")
+        return []
+    return [result]
 
 
 def _compare_with_fio(results: list[CaseResult], yardstick: Yardstick | None) -> None:
