@@ -56,7 +56,13 @@ class Sitting:
         self.notes: list[str] = []
 
     def before_case(self) -> None:
-        if self.drop_caches and not drop_page_cache():
+        if not self.drop_caches:
+            return
+        if drop_page_cache():
+            note = "page cache: dropped before each case"
+            if note not in self.notes:
+                self.notes.append(note)
+        else:
             self.drop_caches = False
             self.notes.append("page cache: not dropped between cases (needs root)")
 
