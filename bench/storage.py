@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from bench.fio import HUGE, MALLOC, Geometry, Yardstick
@@ -88,7 +89,7 @@ class Sitting:
 
 
 def _progress(r: CaseResult) -> None:
-    print(f"  {r.label} {r.engine:16} {format_size(r.chunk_bytes):>7} qd {r.queue_depth:3}: "
+    print(f"  {r.label} {r.engine:19} {format_size(r.chunk_bytes):>7} qd {r.queue_depth:3}: "
           f"read {r.read_gibps:.2f} GiB/s, {r.cpu_s_per_gib_read:.3f} CPU s/GiB", file=sys.stderr)
 
 
@@ -256,7 +257,7 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
         if "raw" in cases:
             readers.append(lambda d=depth, b=batch: [engine_case(data, e, d, b) for e in engines])
         if "prefetch" in cases:
-            readers += [_one(prefetch_case, data, engine, depth) for engine in engines]
+            readers += [partial(prefetch_case, data, engine, depth) for engine in engines]
         if args.peer and i == 0:
             readers.append(lambda d=depth, b=batch: _peer(sitting, paths, workdir, data, d, b))
         results += sitting.alternate(readers, data.geometry, depth)
@@ -317,7 +318,7 @@ def _notes(sitting: Sitting) -> list[str]:
 
 
 def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> None:
-    header = (f"{'tier':9} {'engine':16} {'chunk':>8} {'qd':>3} {'batch':>5} {'write GiB/s':>11} "
+    header = (f"{'tier':9} {'engine':19} {'chunk':>8} {'qd':>3} {'batch':>5} {'write GiB/s':>11} "
               f"{'read GiB/s':>10} {'cpu s/GiB':>9} {'p50 ms':>7} {'p99 ms':>7} {'vs fio':>7} "
               f"{'vs copy':>7} {'vs 1 ns':>7}")
     print(header)
@@ -330,7 +331,7 @@ def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> N
 
     def line(tier: str, engine: str, chunk: int, qd: object, batch: object, write: float,
              read: float, cpu: float, p50: float, p99: float, extra: dict[str, Any]) -> None:
-        print(f"{tier:9} {engine:16} {format_size(chunk):>8} {qd!s:>3} {batch!s:>5} {num(write, 11)} "
+        print(f"{tier:9} {engine:19} {format_size(chunk):>8} {qd!s:>3} {batch!s:>5} {num(write, 11)} "
               f"{num(read, 10)} {num(cpu, 9, 3)} {num(p50, 7)} {num(p99, 7)} "
               f"{ratio(extra.get('fraction_of_fio')):>7} {ratio(extra.get('fraction_of_copy')):>7} "
               f"{ratio(extra.get('vs_one_namespace')):>7}")
