@@ -89,7 +89,7 @@ class Sitting:
 
 
 def _progress(r: CaseResult) -> None:
-    print(f"  {r.label} {r.engine:19} {format_size(r.chunk_bytes):>7} qd {r.queue_depth:3}: "
+    print(f"  {r.label} {r.engine:21} {format_size(r.chunk_bytes):>7} qd {r.queue_depth:3}: "
           f"read {r.read_gibps:.2f} GiB/s, {r.cpu_s_per_gib_read:.3f} CPU s/GiB", file=sys.stderr)
 
 
@@ -318,7 +318,7 @@ def _notes(sitting: Sitting) -> list[str]:
 
 
 def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> None:
-    header = (f"{'tier':9} {'engine':19} {'chunk':>8} {'qd':>3} {'batch':>5} {'write GiB/s':>11} "
+    header = (f"{'tier':9} {'engine':21} {'chunk':>8} {'qd':>3} {'batch':>5} {'write GiB/s':>11} "
               f"{'read GiB/s':>10} {'cpu s/GiB':>9} {'p50 ms':>7} {'p99 ms':>7} {'vs fio':>7} "
               f"{'vs copy':>7} {'vs 1 ns':>7}")
     print(header)
@@ -331,7 +331,7 @@ def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> N
 
     def line(tier: str, engine: str, chunk: int, qd: object, batch: object, write: float,
              read: float, cpu: float, p50: float, p99: float, extra: dict[str, Any]) -> None:
-        print(f"{tier:9} {engine:19} {format_size(chunk):>8} {qd!s:>3} {batch!s:>5} {num(write, 11)} "
+        print(f"{tier:9} {engine:21} {format_size(chunk):>8} {qd!s:>3} {batch!s:>5} {num(write, 11)} "
               f"{num(read, 10)} {num(cpu, 9, 3)} {num(p50, 7)} {num(p99, 7)} "
               f"{ratio(extra.get('fraction_of_fio')):>7} {ratio(extra.get('fraction_of_copy')):>7} "
               f"{ratio(extra.get('vs_one_namespace')):>7}")
