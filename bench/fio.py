@@ -8,15 +8,20 @@ two alternated between the cases they bracket, so drift over the sitting shows.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
+import signal
 import subprocess
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from bench.vm import huge_page_bytes, huge_pages
 
 HUGE = "shmhuge"
 MALLOC = "malloc"
+SYSV_SHM = Path("/proc/sysvipc/shm")
+IPC_RMID = 0
 
 
 @dataclass(frozen=True)
@@ -51,18 +56,47 @@ def fio_randread(geometry: Geometry, queue_depth: int, runtime_s: float,
         f"--bs={geometry.block}", "--direct=1", "--ioengine=io_uring", f"--iodepth={queue_depth}",
         f"--offset={geometry.offset}", f"--size={geometry.size}", f"--runtime={runtime_s}",
         "--time_based", f"--iomem={iomem}", "--output-format=json", "--numjobs=1",
+        # The job as a thread of fio's one process (a forked job is a session of its own):
+        # ending fio on Ctrl-C then ends the job and frees its huge pages.
+        "--thread",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=runtime_s + 60)
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        return f"fio --iomem={iomem} failed: {lines[0] if lines else f'exit {done.returncode}'}"
-    job = json.loads(done.stdout)["jobs"][0]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as fio:
+        try:
+            stdout, stderr = fio.communicate(timeout=runtime_s + 60)
+        except BaseException:  # Ctrl-C, SIGTERM, a hung fio
+            _stop(fio)
+            raise
+    if fio.returncode != 0:
+        lines = (stderr or stdout).strip().splitlines()
+        return f"fio --iomem={iomem} failed: {lines[0] if lines else f'exit {fio.returncode}'}"
+    job = json.loads(stdout)["jobs"][0]
     read = job["read"]
     seconds = read["runtime"] / 1000 or runtime_s
     gib = read["io_bytes"] / 2**30
     cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
     return FioRun(geometry.label, geometry.block, queue_depth, iomem, gib / seconds,
                   cpu_s / gib if gib else float("nan"))
+
+
+def _stop(fio: subprocess.Popen[str]) -> None:
+    """End fio as Ctrl-C would (it then frees its buffers), by force if it lingers; a
+    huge-page segment that a killed fio leaves behind is removed (it would hold its
+    pages until reboot)."""
+    fio.send_signal(signal.SIGINT)
+    try:
+        fio.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        fio.kill()
+        fio.wait()
+    try:
+        segments = SYSV_SHM.read_text().splitlines()[1:]
+    except OSError:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for line in segments:
+        fields = line.split()  # key shmid perms size cpid lpid nattch ...
+        if int(fields[4]) == fio.pid and int(fields[6]) == 0:
+            libc.shmctl(int(fields[1]), IPC_RMID, None)
 
 
 class Yardstick:
