@@ -1,5 +1,7 @@
 """`kvstore bench`: write and read throughput, CPU cost and latency per tier and engine,
-with in-run baselines (a serial one-read-at-a-time loop, fio, a plain torch copy).
+against in-run yardsticks: the best fio of the sitting (huge-page and malloc buffers,
+alternated with the cases), a serial one-read-at-a-time loop, a plain torch copy,
+and optionally LMCache's own disk backend on the same load (`--peer lmcache`).
 
 Figures are printed and written to JSON, never asserted: machines are shared.
 """
@@ -8,35 +10,93 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
+from bench.fio import HUGE, MALLOC, Geometry, Yardstick
 from bench.loopdev import LoopNamespaces, loop_devices_unavailable
 from bench.storage_cases import (
     CaseResult,
-    add_fio,
+    DiskSet,
     capacity_for,
-    disk_case,
+    delete_set,
     engine_case,
+    get_case,
     host_case,
     lookup_ms,
+    prefetch_case,
     remove_data,
     serial_case,
+    write_set,
 )
+from bench.vm import drop_page_cache
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.nvmeof.config import dump_nvmeof, parse_nvmeof
 from kvstore.nvmeof.tier import namespace_plans
+from kvstore.record import record_bytes
 from kvstore.units import format_size, parse_size
 
+CASES = ("get", "raw", "prefetch", "serial", "host")
+PEERS = ("lmcache",)
 
-def nvmeof_cases(tier: dict[str, Any], engines: list[str], chunk_bytes: int, queue_depth: int,
-                 total: int, fio_seconds: float | None) -> list[CaseResult]:
+
+class Sitting:
+    """One run's shared state: the fio yardstick, whether the page cache can be
+    dropped between cases, and the notes the table ends with."""
+
+    def __init__(self, yardstick: Yardstick | None, drop_caches: bool) -> None:
+        self.yardstick = yardstick
+        self.drop_caches = drop_caches
+        self.notes: list[str] = []
+
+    def before_case(self) -> None:
+        if not self.drop_caches:
+            return
+        if drop_page_cache():
+            note = "page cache: dropped before each case"
+            if note not in self.notes:
+                self.notes.append(note)
+        else:
+            self.drop_caches = False
+            self.notes.append("page cache: not dropped between cases (needs root)")
+
+    def alternate(self, cases: list[Callable[[], list[CaseResult]]], geometry: Geometry,
+                  queue_depth: int, fio: bool = True) -> list[CaseResult]:
+        """Run the cases with a fio run before each and after the last, so fio and
+        the cases see the same machine over the sitting (cache, thermal, neighbours)."""
+        results: list[CaseResult] = []
+        for case in cases:
+            self._fio(geometry, queue_depth, fio)
+            self.before_case()
+            for result in case():
+                _progress(result)
+                results.append(result)
+        self._fio(geometry, queue_depth, fio)
+        return results
+
+    def _fio(self, geometry: Geometry, queue_depth: int, fio: bool) -> None:
+        run = self.yardstick.measure(geometry, queue_depth) if fio and self.yardstick else None
+        if run is not None:
+            print(f"  fio {run.iomem:7} {format_size(run.block):>9} qd {run.queue_depth:3}: "
+                      f"read {run.read_gibps:.2f} GiB/s", file=sys.stderr)
+
+
+def _progress(r: CaseResult) -> None:
+    print(f"  {r.label} {r.engine:21} {format_size(r.chunk_bytes):>7} qd {r.queue_depth:3}: "
+          f"read {r.read_gibps:.2f} GiB/s, {r.cpu_s_per_gib_read:.3f} CPU s/GiB", file=sys.stderr)
+
+
+def nvmeof_cases(sitting: Sitting, tier: dict[str, Any], engines: list[str], chunk_bytes: int,
+                 queue_depth: int, batch: int | None, total: int) -> list[CaseResult]:
     """The same load over one namespace and over all of them (striped), in one run;
-    fio on the first namespace (unless `fio_seconds` is None) is the yardstick."""
+    fio on the first namespace of the one-namespace set is the yardstick."""
     namespaces = tier["namespaces"]
     count = max(1, total // chunk_bytes)
     results = []
@@ -47,20 +107,24 @@ def nvmeof_cases(tier: dict[str, Any], engines: list[str], chunk_bytes: int, que
         absent = [plan.label for plan in plans if plan.path is None]
         if absent:
             raise KVStoreError(f"cannot measure namespaces not connected and live: {', '.join(absent)}")
-        devices = [str(plan.path) for plan in plans]
-        for engine in engines:
-            for device in devices:
-                remove_data(device)
-            result, geometry = disk_case({"nvmeof": subset}, "nvmeof", engine, chunk_bytes,
-                                         queue_depth, total, progress=True, case_id=f"x{used}")
+        for plan in plans:
+            remove_data(str(plan.path))
+        data = write_set({"nvmeof": subset}, "nvmeof", f"nvmeof x{used}", engines[0], chunk_bytes,
+                         queue_depth, total, case_id=f"x{used}")
+        size = min(batch or 4 * queue_depth, data.count)
+        cases = [_one(get_case, data, engine, queue_depth, size) for engine in engines]
+        for result in sitting.alternate(cases, data.geometry, queue_depth, fio=used == 1):
             result.extra["namespaces"] = used
             results.append(result)
-        if used == 1 and fio_seconds is not None:
-            add_fio(results[-len(engines):], geometry, queue_depth, fio_seconds)
+        delete_set(data)
     for result in results:
         single = next(r for r in results if r.engine == result.engine and r.extra["namespaces"] == 1)
         result.extra["vs_one_namespace"] = result.read_gibps / single.read_gibps
     return results
+
+
+def _one(case: Callable[..., CaseResult], *args: Any) -> Callable[[], list[CaseResult]]:
+    return lambda: [case(*args)]
 
 
 def _sizes(values: list[str]) -> list[int]:
@@ -72,11 +136,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory or block device for the disk tier (repeat to stripe); "
                              "default: a temporary directory")
     parser.add_argument("--chunk-size", action="append", default=[],
-                        help="chunk payload size(s), e.g. 4MiB or 256KiB,4MiB (default 4MiB)")
+                        help="chunk payload size(s) of the disk cases, e.g. 4MiB or 4MiB,32MiB "
+                             "(default 4MiB)")
+    parser.add_argument("--host-chunk-size", action="append", default=[],
+                        help="chunk size(s) of the DRAM case (default: the --chunk-size ones)")
     parser.add_argument("--queue-depth", action="append", default=[],
                         help="queue depth(s), e.g. 16 or 1,16,64 (default 16)")
+    parser.add_argument("--batch", type=int,
+                        help="chunks per get_many and per engine batch (default 4 x depth)")
     parser.add_argument("--engine", default="uring,threads", help="I/O engines to compare")
     parser.add_argument("--tiers", default="host,disk", help="tiers to measure")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"cases to run, of {','.join(CASES)} (default all)")
+    parser.add_argument("--peer", choices=PEERS,
+                        help="also run a peer's disk backend on the same load (lmcache: "
+                             "the `peer` extra)")
     parser.add_argument("--total", default="1GiB", help="bytes written and read per case")
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--keep", action="store_true",
@@ -88,31 +162,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure N loop devices standing in for NVMe-oF namespaces "
                              "(root; resolved through a generated sysfs tree)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
-    parser.add_argument("--fio-seconds", type=float, default=5.0)
+    parser.add_argument("--fio-seconds", type=float, default=5.0, help="seconds of each fio run")
+    parser.add_argument("--no-drop-caches", action="store_true",
+                        help="do not drop the page cache between cases (dropped as root)")
 
 
 def run(args: argparse.Namespace) -> int:
     chunk_sizes = _sizes(args.chunk_size or ["4MiB"])
+    host_sizes = _sizes(args.host_chunk_size) or chunk_sizes
     depths = [int(v) for item in (args.queue_depth or ["16"]) for v in item.split(",")]
     engines = args.engine.split(",")
     tiers = args.tiers.split(",")
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise KVStoreError(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     total = parse_size(args.total)
     temp = tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir="/var/tmp")
     paths = args.path or [temp.name]
-    results: list[CaseResult] = []
+    sitting = Sitting(None if args.no_fio else Yardstick(args.fio_seconds), not args.no_drop_caches)
     print(f"kvstore bench: {format_size(total)} per case on {', '.join(paths)}", file=sys.stderr)
-    with _nvmeof_tier(args, temp.name, total, max(chunk_sizes)) as nvmeof:
-        results = _run_cases(args, chunk_sizes, depths, engines, tiers, total, paths, nvmeof)
-    lookup = lookup_ms()
-    print_table(results, lookup)
+    try:
+        results: list[CaseResult] = []
+        with _nvmeof_tier(args, temp.name, total, max(chunk_sizes)) as nvmeof:
+            for chunk in chunk_sizes:
+                if "disk" in tiers:
+                    results += _disk_cases(args, sitting, chunk, depths, engines, cases, total, paths,
+                                           temp.name)
+                if nvmeof is not None:
+                    for depth in depths:
+                        results += nvmeof_cases(sitting, nvmeof, engines, chunk, depth, args.batch,
+                                                total)
+        if "host" in tiers and "host" in cases:
+            for chunk in host_sizes:
+                sitting.before_case()
+                results.append(host_case(chunk, total))
+                _progress(results[-1])
+        lookup = lookup_ms()
+    finally:
+        if not (args.keep and args.path):
+            temp.cleanup()
+    _compare_with_fio(results, sitting.yardstick)
+    print_table(results, sitting, lookup)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"results": [r.row() for r in results], "lookup_512_keys_ms": lookup,
-                       "paths": paths, "total_bytes": total}, handle, indent=2)
+            json.dump({"results": [r.row() for r in results],
+                       "fio": sitting.yardstick.rows() if sitting.yardstick else [],
+                       "notes": _notes(sitting), "lookup_512_keys_ms": lookup, "paths": paths,
+                       "total_bytes": total}, handle, indent=2)
     if args.keep and args.path:
         print(f"records kept in {', '.join(paths)} (check with: kvstore fsck PATH)", file=sys.stderr)
-    else:
-        temp.cleanup()
     return 0
 
 
@@ -137,48 +236,89 @@ def _nvmeof_tier(args: argparse.Namespace, workdir: str, total: int,
         yield None
 
 
-def _run_cases(args: argparse.Namespace, chunk_sizes: list[int], depths: list[int],
-               engines: list[str], tiers: list[str], total: int, paths: list[str],
-               nvmeof: dict[str, Any] | None) -> list[CaseResult]:
-    results: list[CaseResult] = []
-    for chunk in chunk_sizes:
-        if "host" in tiers:
-            results.append(host_case(chunk, total, progress=True))
-        if "disk" in tiers:
-            results += _disk_cases(args, chunk, depths, engines, total, paths)
-        if nvmeof is not None:
-            for depth in depths:
-                results += nvmeof_cases(nvmeof, engines, chunk, depth, total,
-                                        None if args.no_fio else args.fio_seconds)
-    return results
-
-
-def _disk_cases(args: argparse.Namespace, chunk: int, depths: list[int], engines: list[str],
-                total: int, paths: list[str]) -> list[CaseResult]:
-    """Each engine and depth on the disk paths, then fio and the serial baseline there."""
-    results: list[CaseResult] = []
+def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: list[int],
+                engines: list[str], cases: list[str], total: int, paths: list[str],
+                workdir: str) -> list[CaseResult]:
+    """One written set per chunk size; at each depth its read cases alternate with fio."""
+    disk_cases = [c for c in cases if c != "host"]
+    if not disk_cases and not args.peer:
+        return []
     count = max(1, total // chunk)
     tier = {"disk": [{"path": p, "capacity": capacity_for(count, len(paths), chunk)} for p in paths]}
-    geometry: dict[str, object] = {}
-    for depth in depths:
-        for engine in engines:
-            for path in paths:
-                remove_data(path)  # every case writes its own records
-            result, geometry = disk_case(tier, "disk", engine, chunk, depth, total, progress=True,
-                                         keep=args.keep)
-            results.append(result)
-        results += [engine_case(geometry, engine, chunk, depth, count) for engine in engines]
-        if not args.no_fio:
-            add_fio(results[-2 * len(engines):], geometry, depth, args.fio_seconds)
-    results.append(serial_case(geometry, chunk, max(8, total // chunk // 2)))
+    for path in paths:
+        remove_data(path)  # a set of another chunk size may be there (--keep)
+    data = write_set(tier, "disk", "disk", engines[0], chunk, max(depths), total)
+    results: list[CaseResult] = []
+    for i, depth in enumerate(depths):
+        batch = min(args.batch or 4 * depth, count)
+        readers: list[Callable[[], list[CaseResult]]] = []
+        if "get" in cases:
+            readers += [_one(get_case, data, engine, depth, batch) for engine in engines]
+        if "raw" in cases:
+            readers.append(lambda d=depth, b=batch: [engine_case(data, e, d, b) for e in engines])
+        if "prefetch" in cases:
+            readers += [partial(prefetch_case, data, engine, depth) for engine in engines]
+        if args.peer and i == 0:
+            readers.append(lambda d=depth, b=batch: _peer(sitting, paths, workdir, data, d, b))
+        results += sitting.alternate(readers, data.geometry, depth)
+    if "serial" in cases:
+        results.append(serial_case(data, max(8, count // 2)))
+        _progress(results[-1])
     if not args.keep:
+        delete_set(data)
         for path in paths:
             remove_data(path)
     return results
 
 
-def print_table(results: list[CaseResult], lookup: float) -> None:
-    header = (f"{'tier':9} {'engine':8} {'chunk':>8} {'qd':>3} {'write GiB/s':>11} "
+def _peer(sitting: Sitting, paths: list[str], workdir: str, data: DiskSet, depth: int,
+          batch: int) -> list[CaseResult]:
+    """The peer on the disk tier's filesystem (its first directory), or a note why not."""
+    from bench.peer_lmcache import peer_case
+
+    where = paths[0]
+    if stat.S_ISBLK(os.stat(where).st_mode):
+        where = workdir
+        sitting.notes.append(f"peer lmcache: writes files, so it ran in {workdir}, not on the block "
+                             f"device {paths[0]}")
+    result = peer_case(where, data.chunk_bytes, data.count, batch, depth)
+    if isinstance(result, str):
+        sitting.notes.append(f"peer lmcache: no row: {result}")
+        return []
+    return [result]
+
+
+def _compare_with_fio(results: list[CaseResult], yardstick: Yardstick | None) -> None:
+    """Each result's fraction of the best fio at its tier, block and depth."""
+    if yardstick is None:
+        return
+    for result in results:
+        block = record_bytes(result.chunk_bytes)
+        best = yardstick.best(result.label, block, result.queue_depth)
+        if best is None:
+            continue
+        for iomem in (HUGE, MALLOC):
+            kind = yardstick.best(result.label, block, result.queue_depth, iomem)
+            if kind is not None:
+                result.extra[f"fio_{iomem}_read_gibps"] = kind.read_gibps
+        result.extra.update({"fio_read_gibps": best.read_gibps, "fio_iomem": best.iomem,
+                             "fio_cpu_s_per_gib_read": best.cpu_s_per_gib_read,
+                             "fraction_of_fio": result.read_gibps / best.read_gibps})
+
+
+def _notes(sitting: Sitting) -> list[str]:
+    notes = list(sitting.notes)
+    if sitting.yardstick is not None:
+        notes += sitting.yardstick.notes
+        notes.append(f"vs best fio: against the fastest of the sitting's fio runs at the same tier, "
+                     f"block (one record slot) and depth; fio ran before each case and after the last, "
+                     f"{sitting.yardstick.seconds:g} s each, with --iomem={HUGE} (vm.nr_hugepages "
+                     f"raised for the run, then restored) and --iomem={MALLOC} in turn")
+    return notes
+
+
+def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> None:
+    header = (f"{'tier':9} {'engine':21} {'chunk':>8} {'qd':>3} {'batch':>5} {'write GiB/s':>11} "
               f"{'read GiB/s':>10} {'cpu s/GiB':>9} {'p50 ms':>7} {'p99 ms':>7} {'vs fio':>7} "
               f"{'vs copy':>7} {'vs 1 ns':>7}")
     print(header)
@@ -186,10 +326,35 @@ def print_table(results: list[CaseResult], lookup: float) -> None:
     def ratio(value: object) -> str:
         return "" if value is None else f"{value:.0%}"
 
+    def num(value: float, width: int, digits: int = 2) -> str:
+        return " " * width if value != value else f"{value:>{width}.{digits}f}"  # NaN: blank
+
+    def line(tier: str, engine: str, chunk: int, qd: object, batch: object, write: float,
+             read: float, cpu: float, p50: float, p99: float, extra: dict[str, Any]) -> None:
+        print(f"{tier:9} {engine:21} {format_size(chunk):>8} {qd!s:>3} {batch!s:>5} {num(write, 11)} "
+              f"{num(read, 10)} {num(cpu, 9, 3)} {num(p50, 7)} {num(p99, 7)} "
+              f"{ratio(extra.get('fraction_of_fio')):>7} {ratio(extra.get('fraction_of_copy')):>7} "
+              f"{ratio(extra.get('vs_one_namespace')):>7}")
+
+    nan = float("nan")
+    groups: dict[tuple[str, int, int], list[CaseResult]] = {}
     for r in results:
-        tier = f"{r.tier} x{r.extra['namespaces']}" if "namespaces" in r.extra else r.tier
-        print(f"{tier:9} {r.engine:8} {format_size(r.chunk_bytes):>8} {r.queue_depth:>3} "
-              f"{r.write_gibps:>11.2f} {r.read_gibps:>10.2f} {r.cpu_s_per_gib_read:>9.3f} "
-              f"{r.p50_ms:>7.2f} {r.p99_ms:>7.2f} {ratio(r.extra.get('fraction_of_fio')):>7} "
-              f"{ratio(r.extra.get('fraction_of_copy')):>7} {ratio(r.extra.get('vs_one_namespace')):>7}")
+        groups.setdefault((r.label, r.chunk_bytes, r.queue_depth), []).append(r)
+    for (label, chunk, depth), rows in groups.items():
+        for r in rows:
+            line(r.label, r.engine, r.chunk_bytes, r.queue_depth or "-", r.extra.get("batch", ""),
+                 r.write_gibps, r.read_gibps, r.cpu_s_per_gib_read, r.p50_ms, r.p99_ms, r.extra)
+        yardstick = sitting.yardstick
+        best = yardstick.best(label, record_bytes(chunk), depth) if yardstick else None
+        for iomem in (HUGE, MALLOC):
+            run = yardstick.best(label, record_bytes(chunk), depth, iomem) if yardstick else None
+            if run is not None and best is not None:
+                line(label, f"fio {iomem}", chunk, depth, "", nan, run.read_gibps,
+                     run.cpu_s_per_gib_read, nan, nan, {"fraction_of_fio": run.read_gibps / best.read_gibps})
+        for r in rows:
+            if "torch_copy_gibps" in r.extra:
+                line(label, "torch copy", chunk, "-", r.extra["batch"], nan, r.extra["torch_copy_gibps"],
+                     r.extra["torch_copy_cpu_s_per_gib"], nan, nan, {"fraction_of_copy": 1.0})
     print(f"lookup of 512 keys: {lookup:.3f} ms (median)")
+    for note in _notes(sitting):
+        print(f"note: {note}")

@@ -1,29 +1,34 @@
-"""The cases `kvstore bench` measures: a tier's write and read, the I/O engine alone,
-a serial read, a DRAM get, a lookup; and fio next to them. Figures, never assertions."""
+"""The cases `kvstore bench` measures, each what its name says: a disk tier's write,
+its verified get path, the I/O engine alone, a serial read, a prefetch after a
+restart, a DRAM get next to a plain torch copy, a lookup. Figures, never assertions.
+
+The disk cases share one written set of records per geometry: it is written once,
+then every read case reopens the store on it (a restart: DRAM empty, the records on
+disk only), so fio and every case read the very same slots.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import stat
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from bench.fio import fio_randread
+from bench.fio import Geometry
 from kvstore.aligned import AlignedBuffer
 from kvstore.disk_layout import SB_COPIES
 from kvstore.io import make_engine
 from kvstore.io.base import IoRequest
 from kvstore.keys import KVNamespace, chunk_keys
-from kvstore.record import BLOCK
+from kvstore.record import BLOCK, record_bytes
 from kvstore.store import TieredStore
-from kvstore.units import format_size
 
 
 @dataclass
@@ -37,7 +42,12 @@ class CaseResult:
     cpu_s_per_gib_read: float = float("nan")
     p50_ms: float = float("nan")
     p99_ms: float = float("nan")
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The tier as the table and the fio yardstick name it ("nvmeof x2")."""
+        return f"{self.tier} x{self.extra['namespaces']}" if "namespaces" in self.extra else self.tier
 
     def row(self) -> dict[str, object]:
         out = asdict(self)
@@ -46,7 +56,8 @@ class CaseResult:
 
 
 @contextmanager
-def _clock() -> Iterator[dict[str, float]]:
+def clock() -> Iterator[dict[str, float]]:
+    """Wall and process CPU seconds (every thread of this process) of the body."""
     timing: dict[str, float] = {}
     wall, cpu = time.perf_counter(), time.process_time()
     yield timing
@@ -72,90 +83,170 @@ def capacity_for(count: int, devices: int, chunk_bytes: int) -> int:
     return (count // devices + 2) * (chunk_bytes + 8192) + (1 << 20)
 
 
-def disk_case(tiers: dict[str, object], tier_name: str, engine: str, chunk_bytes: int,
-              queue_depth: int, total: int, progress: bool, keep: bool = False,
-              case_id: str = "") -> tuple[CaseResult, dict[str, object]]:
-    """Write then randomly read `total` bytes through a store with only `tiers` (a disk
-    or nvmeof block); the records are deleted afterwards unless `keep`."""
+@dataclass
+class DiskSet:
+    """Records written once through a store with only `tiers`, read by every case."""
+
+    tiers: dict[str, Any]
+    tier_name: str  # "disk" or "nvmeof"
+    label: str
+    chunk_bytes: int
+    keys: list[bytes]
+    geometry: Geometry  # the written slots of the first device
+    write_gibps: float
+    write_engine: str
+
+    @property
+    def count(self) -> int:
+        return len(self.keys)
+
+    def config(self, engine: str, queue_depth: int, **extra: Any) -> dict[str, Any]:
+        return {"tiers": self.tiers, "io": {"engine": engine, "queue_depth": queue_depth}, **extra}
+
+
+def write_set(tiers: dict[str, Any], tier_name: str, label: str, engine: str, chunk_bytes: int,
+              queue_depth: int, total: int, case_id: str = "") -> DiskSet:
+    """Write `total` bytes of chunks (batches of 2 x depth) and close the store."""
     count = max(1, total // chunk_bytes)
-    config = {"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth}}
-    keys = _keys(count, f"-{tier_name}{case_id}-{engine}-{chunk_bytes}-{queue_depth}")
+    keys = _keys(count, f"-{tier_name}{case_id}-{chunk_bytes}-{queue_depth}")
     payloads = _payloads(count, chunk_bytes)
-    outs = [AlignedBuffer(chunk_bytes).view[:chunk_bytes] for _ in range(2 * queue_depth)]
     batch = 2 * queue_depth
-    store = TieredStore(config, chunk_bytes)
-    try:
-        with _clock() as wrote:
+    with TieredStore({"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth}},
+                     chunk_bytes) as store:
+        with clock() as wrote:
             for start in range(0, count, batch):
-                store.put_many(keys[start : start + batch], payloads[start : start + batch])
-        order = random.Random(0).sample(range(count), count)
-        store.stats.reset_latency()
-        served = 0
-        with _clock() as read:
-            for start in range(0, count, batch):
-                picked = [keys[i] for i in order[start : start + batch]]
-                served += sum(store.get_many(picked, outs[: len(picked)]))
-        if served != count:
-            raise RuntimeError(f"bench: only {served} of {count} chunks read back")
-        p50, p99 = store.stats.latency_ms("disk.read")
+                stored = store.put_many(keys[start : start + batch], payloads[start : start + batch])
+                if not all(stored):
+                    raise RuntimeError(f"bench: {stored.count(False)} chunks were not stored")
         layout = store.disk.devices.layouts[0] if store.disk else None
-        geometry = {"file": layout.device.path, "offset": layout.sb.data_offset,
-                    "size": layout.sb.num_slots * store.slot_bytes,
-                    "block": store.slot_bytes} if layout else {}
-        if not keep:
-            store.delete(keys)  # a block device keeps no file to remove: zero the headers
+        if layout is None:
+            raise RuntimeError(f"bench: the {tier_name} tier opened no device")
+        # The first device's slots are reserved in order: its written ones come first.
+        written = -(-count // len(store.disk.devices))
+        geometry = Geometry(label, layout.device.path, layout.sb.data_offset,
+                            written * store.slot_bytes, store.slot_bytes)
+    return DiskSet(tiers, tier_name, label, chunk_bytes, keys, geometry,
+                   count * chunk_bytes / 2**30 / wrote["wall"], engine)
+
+
+def delete_set(data: DiskSet) -> None:
+    """Delete the set's records (a block device keeps no file to remove: its headers
+    are zeroed, so a later case never finds them)."""
+    with TieredStore(data.config("auto", 16), data.chunk_bytes) as store:
+        store.delete(data.keys)
+
+
+def get_case(data: DiskSet, engine: str, queue_depth: int, batch: int) -> CaseResult:
+    """The verified get path after a restart: `get_many` of `batch` random chunks at a
+    time into page-aligned caller buffers (read, check header, key and xxh3 of the
+    payload, copy out)."""
+    buffer = AlignedBuffer(batch * data.chunk_bytes)
+    outs = [buffer.view[i * data.chunk_bytes : (i + 1) * data.chunk_bytes] for i in range(batch)]
+    order = random.Random(0).sample(range(data.count), data.count)
+    served = 0
+    try:
+        with TieredStore(data.config(engine, queue_depth), data.chunk_bytes) as store:
+            # One untimed batch first: the caller's buffers and the store's staging are
+            # touched once, as in a running service, not on the clock.
+            warm = data.keys[:batch]
+            store.get_many(warm, outs[: len(warm)])
+            store.stats.reset_latency()
+            with clock() as read:
+                for start in range(0, data.count, batch):
+                    picked = [data.keys[i] for i in order[start : start + batch]]
+                    served += sum(store.get_many(picked, outs[: len(picked)]))
+            p50, p99 = store.stats.latency_ms("disk.read")  # nvmeof reads count there too
     finally:
-        store.close()
-    gib = count * chunk_bytes / 2**30
-    if progress:
-        print(f"  {tier_name} {engine:8} chunk {format_size(chunk_bytes):>7} qd {queue_depth:3}: "
-              f"read {gib / read['wall']:.2f} GiB/s", file=sys.stderr)
-    result = CaseResult(tier_name, engine, chunk_bytes, queue_depth, gib / read["wall"],
-                        gib / wrote["wall"], read["cpu"] / gib, p50, p99)
-    return result, geometry  # the slots' bytes stay for fio and the serial baseline
+        outs.clear()
+        buffer.close()
+    if served != data.count:
+        raise RuntimeError(f"bench: only {served} of {data.count} chunks read back")
+    gib = data.count * data.chunk_bytes / 2**30
+    write = data.write_gibps if engine == data.write_engine else float("nan")
+    return CaseResult(data.tier_name, engine, data.chunk_bytes, queue_depth, gib / read["wall"], write,
+                      read["cpu"] / gib, p50, p99, {"batch": batch})
 
 
-def serial_case(geometry: dict[str, object], chunk_bytes: int, count: int) -> CaseResult:
+def prefetch_case(data: DiskSet, engine: str, queue_depth: int) -> list[CaseResult]:
+    """`prefetch` of the whole set as one found run, after a restart (DRAM empty, every
+    chunk on disk only) into a DRAM tier that takes them all: read and verified into
+    DRAM slots, no copy out. Bytes in flight are allowed 2 x depth chunks, so the
+    depth is the case's and not the default cap's. Twice: into DRAM slots never
+    touched since the start (`-cold`: page faults included), and into slots written
+    once before, as a running service's are."""
+    slot = record_bytes(data.chunk_bytes)
+    inflight = max(256 << 20, 2 * queue_depth * slot)
+    tiers = {**data.tiers, "host": {"capacity": (data.count + 2) * slot}}
+    config = {"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth},
+              "prefetch_inflight": inflight}
+    return [_prefetch(data, config, f"{engine}-prefetch-cold", queue_depth, warm=False),
+            _prefetch(data, config, f"{engine}-prefetch", queue_depth, warm=True)]
+
+
+def _prefetch(data: DiskSet, config: dict[str, Any], name: str, queue_depth: int,
+              warm: bool) -> CaseResult:
+    with TieredStore(config, data.chunk_bytes) as store:
+        if warm:  # every DRAM slot written and freed once, untimed
+            fill = _keys(data.count, "-dram-warm-up")
+            store.put_many(fill, _payloads(data.count, data.chunk_bytes))
+            store.delete(fill)
+        on_disk = store.lookup(data.keys)
+        if on_disk.count != data.count or on_disk.resident:
+            raise RuntimeError(f"bench: prefetch must start from {data.count} chunks on disk only; "
+                               f"found {on_disk.count}, {on_disk.resident} of them in DRAM")
+        with clock() as read:
+            promoted = store.prefetch(data.keys)
+        resident = store.lookup(data.keys).resident
+    if promoted != data.count or resident != data.count:
+        raise RuntimeError(f"bench: prefetch promoted {promoted} of {data.count} ({resident} in DRAM)")
+    gib = data.count * data.chunk_bytes / 2**30
+    return CaseResult(data.tier_name, name, data.chunk_bytes, queue_depth, gib / read["wall"],
+                      cpu_s_per_gib_read=read["cpu"] / gib,
+                      extra={"batch": data.count,
+                             "prefetch_inflight_bytes": config["prefetch_inflight"]})
+
+
+def serial_case(data: DiskSet, count: int) -> CaseResult:
     """One O_DIRECT pread at a time over the same slots: the no-parallelism baseline."""
-    path, offset, block = str(geometry["file"]), int(geometry["offset"]), int(geometry["block"])
-    slots = int(geometry["size"]) // block
+    geometry = data.geometry
+    block = geometry.block
+    slots = geometry.size // block
     buffer = AlignedBuffer(block)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(geometry.file, os.O_RDONLY | os.O_DIRECT)
     latencies = []
     try:
-        with _clock() as read:
+        with clock() as read:
             for slot in random.Random(1).sample(range(slots), min(count, slots)):
                 started = time.perf_counter()
-                os.preadv(fd, [buffer.view[:block]], offset + slot * block)
+                os.preadv(fd, [buffer.view[:block]], geometry.offset + slot * block)
                 latencies.append(time.perf_counter() - started)
     finally:
         os.close(fd)
         buffer.close()
     latencies.sort()
     gib = len(latencies) * block / 2**30
-    return CaseResult("disk", "serial", chunk_bytes, 1, gib / read["wall"],
+    return CaseResult(data.tier_name, "serial", data.chunk_bytes, 1, gib / read["wall"],
                       cpu_s_per_gib_read=read["cpu"] / gib,
                       p50_ms=1000 * latencies[len(latencies) // 2],
                       p99_ms=1000 * latencies[int(0.99 * (len(latencies) - 1))])
 
 
-def engine_case(geometry: dict[str, object], engine_name: str, chunk_bytes: int, queue_depth: int,
-                count: int) -> CaseResult:
-    """The I/O engine alone over the same slots (random order, batches of 2 x depth into
-    aligned buffers, no verification, no copy): what the engine costs next to fio."""
-    path, offset, block = str(geometry["file"]), int(geometry["offset"]), int(geometry["block"])
-    slots = random.Random(2).sample(range(int(geometry["size"]) // block),
-                                    min(count, int(geometry["size"]) // block))
-    batch = 2 * queue_depth
+def engine_case(data: DiskSet, engine_name: str, queue_depth: int, batch: int) -> CaseResult:
+    """The I/O engine alone over the same slots (random order, `batch` whole slots at a
+    time into aligned buffers, no verification, no copy): what the engine costs."""
+    geometry = data.geometry
+    block = geometry.block
+    slots = random.Random(2).sample(range(geometry.size // block), geometry.size // block)
     buffer = AlignedBuffer(batch * block)
+    np.frombuffer(buffer.view, dtype=np.uint8)[::4096] = 1  # touched, as the get case's are
     views = [buffer.view[i * block : (i + 1) * block] for i in range(batch)]
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(geometry.file, os.O_RDONLY | os.O_DIRECT)
     engine = make_engine(engine_name, queue_depth)
     try:
-        with _clock() as read:
+        with clock() as read:
             for start in range(0, len(slots), batch):
                 picked = slots[start : start + batch]
-                engine.run([IoRequest(fd, offset + slot * block, [views[i]])
+                engine.run([IoRequest(fd, geometry.offset + slot * block, [views[i]])
                             for i, slot in enumerate(picked)], timeout_s=60)
     finally:
         engine.close()
@@ -163,62 +254,82 @@ def engine_case(geometry: dict[str, object], engine_name: str, chunk_bytes: int,
         views.clear()
         buffer.close()
     gib = len(slots) * block / 2**30
-    return CaseResult("disk", f"{engine_name}-raw", chunk_bytes, queue_depth, gib / read["wall"],
-                      cpu_s_per_gib_read=read["cpu"] / gib)
+    return CaseResult(data.tier_name, f"{engine_name}-raw", data.chunk_bytes, queue_depth,
+                      gib / read["wall"],
+                      cpu_s_per_gib_read=read["cpu"] / gib, extra={"batch": batch})
 
 
-def host_case(chunk_bytes: int, total: int, progress: bool) -> CaseResult:
-    """DRAM-tier get against a plain torch copy of the same bytes."""
-    count = max(1, total // chunk_bytes)
-    store = TieredStore({"tiers": {"host": {"capacity": (count + 1) * (chunk_bytes + 8192)}}},
+def host_store(chunk_bytes: int, count: int) -> tuple[TieredStore, list[bytes], list[torch.Tensor]]:
+    """An empty DRAM-only store with room for `count` chunks, their keys and payloads."""
+    store = TieredStore({"tiers": {"host": {"capacity": (count + 2) * record_bytes(chunk_bytes)}}},
                         chunk_bytes)
-    keys, payloads = _keys(count), _payloads(count, chunk_bytes)
+    return store, _keys(count), _payloads(count, chunk_bytes)
+
+
+def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
+    """DRAM-tier get against a plain torch copy of the same bytes into the same buffers,
+    alternated (copy, get, copy, ..., copy); each figure is its best round, since on a
+    shared machine torch's parallel copy (which the DRAM get uses too) now and then
+    stalls for a whole round."""
+    count = max(1, total // chunk_bytes)
     outs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(count)]
-    try:
-        with _clock() as wrote:
-            store.put_many(keys, payloads)
-        store.get_many(keys, outs)  # warm the destination pages
-        with _clock() as read:
-            served = sum(store.get_many(keys, outs))
-        if served != count:
-            raise RuntimeError(f"bench: only {served} of {count} host chunks read back")
-        p50, p99 = store.stats.latency_ms("host.read")
-        sources = [torch.empty(chunk_bytes, dtype=torch.uint8).copy_(p) for p in payloads]
-        with _clock() as copied:
+    sources = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8) for _ in range(count)]
+    gets: list[dict[str, float]] = []
+    copies: list[dict[str, float]] = []
+
+    def copy() -> None:
+        with clock() as copied:
             for source, out in zip(sources, outs, strict=True):
                 out.copy_(source)
+        copies.append(copied)
+
+    store, keys, payloads = host_store(chunk_bytes, count)
+    try:
+        with clock() as wrote:
+            store.put_many(keys, payloads)
+        store.get_many(keys, outs)  # warm the destination pages
+        store.stats.reset_latency()
+        for _ in range(rounds):
+            copy()
+            with clock() as read:
+                served = sum(store.get_many(keys, outs))
+            if served != count:
+                raise RuntimeError(f"bench: only {served} of {count} host chunks read back")
+            gets.append(read)
+        copy()
+        p50, p99 = store.stats.latency_ms("host.read")
     finally:
         store.close()
     gib = count * chunk_bytes / 2**30
-    copy_gibps = gib / copied["wall"]
-    if progress:
-        print(f"  host chunk {format_size(chunk_bytes):>7}: get {gib / read['wall']:.2f} GiB/s, "
-              f"torch copy {copy_gibps:.2f} GiB/s", file=sys.stderr)
+    read = min(gets, key=lambda t: t["wall"])
+    copied = min(copies, key=lambda t: t["wall"])
     return CaseResult("host", "memcpy", chunk_bytes, 0, gib / read["wall"], gib / wrote["wall"],
                       read["cpu"] / gib, p50, p99,
-                      {"torch_copy_gibps": copy_gibps,
-                       "fraction_of_copy": gib / read["wall"] / copy_gibps})
+                      {"batch": count, "rounds": rounds, "torch_copy_gibps": gib / copied["wall"],
+                       "torch_copy_cpu_s_per_gib": copied["cpu"] / gib,
+                       "fraction_of_copy": copied["wall"] / read["wall"],
+                       "get_gibps_rounds": [gib / t["wall"] for t in gets],
+                       "torch_copy_gibps_rounds": [gib / t["wall"] for t in copies]})
 
 
 def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:
     """Median time of `lookup` over a prompt of `keys_per_lookup` chunks, all present."""
-    chunk_bytes = 4096
-    store = TieredStore({"tiers": {"host": {"capacity": (keys_per_lookup + 1) * 3 * chunk_bytes}}},
-                        chunk_bytes)
-    keys = _keys(keys_per_lookup)
-    store.put_many(keys, _payloads(keys_per_lookup, chunk_bytes))
+    store, keys, payloads = host_store(4096, keys_per_lookup)
     times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        assert store.lookup(keys).count == keys_per_lookup
-        times.append(time.perf_counter() - started)
-    store.close()
+    with store:
+        store.put_many(keys, payloads)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            found = store.lookup(keys).count
+            times.append(time.perf_counter() - started)
+            if found != keys_per_lookup:
+                raise RuntimeError(f"bench: lookup found {found} of {keys_per_lookup} keys")
     return 1000 * sorted(times)[repeats // 2]
 
 
 def remove_data(path: str) -> None:
     """Start the next case empty: remove a directory's data file, or zero a block
-    device's superblocks (its record headers are already zeroed by the case's delete)."""
+    device's superblocks (its record headers are already zeroed by the set's delete)."""
     data = os.path.join(path, "kvstore.data")
     if os.path.isfile(data):
         os.unlink(data)
@@ -231,15 +342,3 @@ def remove_data(path: str) -> None:
         finally:
             os.close(fd)
             zeros.close()
-
-
-def add_fio(results: list[CaseResult], geometry: dict[str, object], queue_depth: int,
-             seconds: float) -> None:
-    """fio randread over the slots the cases just used; each result gets its fraction."""
-    fio = fio_randread(str(geometry["file"]), int(geometry["offset"]), int(geometry["size"]),
-                       int(geometry["block"]), queue_depth, seconds)
-    for result in results:
-        if fio:
-            result.extra.update({"fio_read_gibps": fio["read_gibps"],
-                                 "fio_cpu_s_per_gib_read": fio["cpu_s_per_gib_read"],
-                                 "fraction_of_fio": result.read_gibps / fio["read_gibps"]})

@@ -6,6 +6,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,20 @@ from kvstore.keys import KVNamespace, chunk_keys
 from kvstore.store import TieredStore
 
 CHUNK_BYTES = 64 * 1024
+MICRO_JSON = Path(".benchmarks") / "micro.json"  # under the root dir; gitignored
 NAMESPACE = KVNamespace(model="test-model", kv_dtype="uint8", kv_layout="flat", chunk_tokens=16)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When micro-benchmarks are about to run (tests/test_micro_bench.py, in the plain CI
+    run too), their figures go to .benchmarks/micro.json unless --benchmark-json says
+    where; a run without them writes nothing."""
+    benchmarks = getattr(session.config, "_benchmarksession", None)
+    if benchmarks is None or benchmarks.json or benchmarks.disabled or not any(
+            "benchmark" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    benchmarks.json = session.config.rootpath / MICRO_JSON
+    benchmarks.json.parent.mkdir(exist_ok=True)
 
 
 @pytest.fixture
