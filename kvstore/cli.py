@@ -96,16 +96,20 @@ _MODULE_COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; a module command's module (and what it imports: torch, vLLM,
+    matplotlib) is imported only for `command`, the one being run. The others are
+    listed by name and help text."""
     parser = argparse.ArgumentParser(prog="kvstore", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
 
     for name, module_name, text in _MODULE_COMMANDS:
-        module = importlib.import_module(module_name)
-        command = commands.add_parser(name, help=text)
-        module.add_arguments(command)
-        command.set_defaults(handler=module.run)
+        sub = commands.add_parser(name, help=text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.run)
 
     check = commands.add_parser("fsck", help="verify every record of a disk-tier path")
     check.add_argument("path", help="disk-tier directory, data file or block device")
@@ -129,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

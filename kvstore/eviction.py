@@ -13,13 +13,21 @@ head while its tail stays wastes the tail's space. Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 
 class PrefixLRU:
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, bytes | None] = OrderedDict()  # key -> parent
         self._children: dict[bytes, int] = {}
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Tracked keys, least recently used first."""
+        return iter(self._order)
+
+    def is_leaf(self, key: bytes) -> bool:
+        """No tracked key names `key` as its parent."""
+        return key not in self._children
 
     def add(self, key: bytes, parent: bytes | None) -> None:
         """Track `key` as most recently used; re-adding only touches it."""

@@ -3,13 +3,13 @@
 A slot holds the exact record image that goes to disk (header block + payload),
 so demotion is one write straight from the slab and promotion one read into it,
 with no re-encoding. The slab is private anonymous memory (transparent huge pages
-asked for, so a disk read into a slot stays one request) and is registered as CUDA
-pinned memory when CUDA is present.
+asked for, so a disk read into a slot stays one request). It is not registered with
+CUDA: engines copy to the device from their own windows, never from the slab.
 """
 
 from __future__ import annotations
 
-from kvstore.aligned import AlignedBuffer, copy_bytes, pin_for_cuda
+from kvstore.aligned import AlignedBuffer, copy_bytes
 from kvstore.errors import ConfigError
 from kvstore.record import (
     HEADER_BLOCK,
@@ -36,7 +36,6 @@ class HostTier:
         except OSError as exc:
             raise ConfigError("tiers.host.capacity", format_size(capacity),
                               f"cannot allocate it: {exc.strerror or exc}") from exc
-        self.pinned = pin_for_cuda(self.slab)
         self.table = SlotTable([num_slots])
 
     def slot_view(self, slot: int) -> memoryview:
@@ -47,7 +46,7 @@ class HostTier:
         """Fill a reserved slot with a record (caller holds no lock: this is a copy)."""
         view = self.slot_view(slot)
         pack_header(header, view)
-        copy_bytes(view[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload, parallel=True)
+        copy_bytes(view[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
 
     def read(self, slot: int, key: bytes, out: memoryview) -> bool:
         """Copy a pinned slot's payload to `out`; False if the slot holds something else.
@@ -59,7 +58,7 @@ class HostTier:
         view = self.slot_view(slot)
         if view[KEY_OFFSET : KEY_OFFSET + len(key)] != key or read_payload_len(view) != len(out):
             return False
-        copy_bytes(out, view[HEADER_BLOCK : HEADER_BLOCK + len(out)], parallel=True)
+        copy_bytes(out, view[HEADER_BLOCK : HEADER_BLOCK + len(out)])
         return True
 
     def close(self) -> None:

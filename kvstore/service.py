@@ -113,11 +113,6 @@ class StoreService:
 
     def _start(self, config: StoreConfig) -> None:
         _unpin_from_parent()
-        # Each client request already copies on its own thread; torch's intra-op pool
-        # on top would add spinning threads on cores the engine's processes busy-poll.
-        import torch
-
-        torch.set_num_threads(1)
         self.store: TieredStore | None = None
         self._allowed_uids = {os.geteuid(), *config.service.allowed_uids}
         self._allowed_gids = set(config.service.allowed_gids)

@@ -310,7 +310,9 @@ class TieredStore:
         self._ledger.left_dram(key)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove chunks from every tier (on disk too, so a restart does not revive them)."""
+        """Remove chunks from every tier (on disk too, so a restart does not revive them).
+        A disk record whose header cannot be zeroed stays (and is still served): what is
+        indexed is what a restart would find. Returns the records removed."""
         removed = 0
         for key in self._keys(keys):
             if self.host is not None and self.host.table.unpublish(key) is not None:
@@ -319,9 +321,13 @@ class TieredStore:
                 continue
             with self.disk.table.pinned([key]) as pins:
                 for _, slot in pins.hits:
-                    pins.drop(key, slot)
-                    removed += 1
-                    self.disk.zero_headers([slot], self.config.io.timeout_s)
+                    if self.disk.zero_headers([slot], self.config.io.timeout_s)[0]:
+                        pins.drop(key, slot)
+                        removed += 1
+                    else:
+                        self.stats.add("disk.delete_failed")
+                        log.warning("delete: could not zero the header of %s; the record stays",
+                                    self.disk.describe(slot))
         return removed
 
     # -- housekeeping ----------------------------------------------------------------
@@ -335,8 +341,7 @@ class TieredStore:
         if self.host:
             tiers.append({"name": "host", "chunks": len(self.host.table),
                           "capacity_bytes": self.host.table.capacity * self.slot_bytes,
-                          "used_bytes": len(self.host.table) * self.slot_bytes,
-                          "cuda_pinned": self.host.pinned})
+                          "used_bytes": len(self.host.table) * self.slot_bytes})
         if self.disk:
             health = self.disk.availability.health
             tiers.append({"name": "disk", "chunks": len(self.disk.table),

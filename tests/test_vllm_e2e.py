@@ -18,7 +18,7 @@ from engine_harness import run_engine, service_client, stop_service
 from bench.engine_run import run_fresh
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from kvstore.devices import DATA_FILE
-from kvstore.disk_layout import Superblock
+from kvstore.disk_layout import parse_superblock
 from kvstore.record import HEADER_BLOCK, HeaderState, parse_header
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
@@ -167,7 +167,7 @@ def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store
 def _corrupt_first_record(directory: str) -> None:
     path = os.path.join(directory, DATA_FILE)
     with open(path, "r+b") as f:
-        superblock = Superblock.unpack(f.read(4096), path)
+        _, superblock = parse_superblock(f.read(4096))
         assert superblock is not None
         for slot in range(superblock.num_slots):
             offset = superblock.data_offset + slot * superblock.slot_bytes
