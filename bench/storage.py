@@ -33,6 +33,7 @@ from bench.storage_cases import (
     prefetch_case,
     remove_data,
     serial_case,
+    service_case,
     write_set,
 )
 from bench.vm import drop_page_cache
@@ -43,7 +44,7 @@ from kvstore.nvmeof.tier import namespace_plans
 from kvstore.record import record_bytes
 from kvstore.units import format_size, parse_size
 
-CASES = ("get", "raw", "prefetch", "serial", "host")
+CASES = ("get", "bounce", "service", "raw", "prefetch", "serial", "host")
 PEERS = ("lmcache",)
 
 
@@ -254,6 +255,10 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
         readers: list[Callable[[], list[CaseResult]]] = []
         if "get" in cases:
             readers += [_one(get_case, data, engine, depth, batch) for engine in engines]
+        if "bounce" in cases:
+            readers += [_one(get_case, data, engine, depth, batch, True) for engine in engines]
+        if "service" in cases:
+            readers += [_one(service_case, data, engine, depth, workdir) for engine in engines]
         if "raw" in cases:
             readers.append(lambda d=depth, b=batch: [engine_case(data, e, d, b) for e in engines])
         if "prefetch" in cases:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from bench.fio import Geometry
+from bench.vm import huge_pages
 from kvstore.aligned import AlignedBuffer
 from kvstore.disk_layout import SB_COPIES
 from kvstore.io import make_engine
@@ -136,18 +137,24 @@ def delete_set(data: DiskSet) -> None:
         store.delete(data.keys)
 
 
-def get_case(data: DiskSet, engine: str, queue_depth: int, batch: int) -> CaseResult:
+def get_case(data: DiskSet, engine: str, queue_depth: int, batch: int,
+             bounce: bool = False) -> CaseResult:
     """The verified get path after a restart: `get_many` of `batch` random chunks at a
-    time into page-aligned caller buffers (read, check header, key and xxh3 of the
-    payload, copy out)."""
-    buffer = AlignedBuffer(batch * data.chunk_bytes)
-    outs = [buffer.view[i * data.chunk_bytes : (i + 1) * data.chunk_bytes] for i in range(batch)]
+    time (read, check header, key and xxh3 of the payload). Into the store's own read
+    buffers (`TieredStore.buffers`: the read lands in them, no copy), or with `bounce`
+    into page-aligned buffers of the caller's (read into staging, then copied)."""
     order = random.Random(0).sample(range(data.count), data.count)
     served = 0
+    config = data.config(engine, queue_depth)
+    own = AlignedBuffer(batch * data.chunk_bytes) if bounce else None
     try:
-        with TieredStore(data.config(engine, queue_depth), data.chunk_bytes) as store:
-            # One untimed batch first: the caller's buffers and the store's staging are
-            # touched once, as in a running service, not on the clock.
+        with TieredStore(config, data.chunk_bytes) as store:
+            if own is not None:
+                outs = [own.view[i * data.chunk_bytes : (i + 1) * data.chunk_bytes] for i in range(batch)]
+            else:
+                outs = store.buffers(batch)
+            # One untimed batch first: the buffers and the store's staging are touched
+            # once, as in a running service, not on the clock.
             warm = data.keys[:batch]
             store.get_many(warm, outs[: len(warm)])
             store.stats.reset_latency()
@@ -156,15 +163,63 @@ def get_case(data: DiskSet, engine: str, queue_depth: int, batch: int) -> CaseRe
                     picked = [data.keys[i] for i in order[start : start + batch]]
                     served += sum(store.get_many(picked, outs[: len(picked)]))
             p50, p99 = store.stats.latency_ms("disk.read")  # nvmeof reads count there too
+            outs.clear()
     finally:
-        outs.clear()
-        buffer.close()
+        if own is not None:
+            own.close()
     if served != data.count:
         raise RuntimeError(f"bench: only {served} of {data.count} chunks read back")
     gib = data.count * data.chunk_bytes / 2**30
-    write = data.write_gibps if engine == data.write_engine else float("nan")
-    return CaseResult(data.tier_name, engine, data.chunk_bytes, queue_depth, gib / read["wall"], write,
-                      read["cpu"] / gib, p50, p99, {"batch": batch})
+    write = data.write_gibps if engine == data.write_engine and not bounce else float("nan")
+    return CaseResult(data.tier_name, f"{engine}-bounce" if bounce else engine, data.chunk_bytes,
+                      queue_depth, gib / read["wall"], write, read["cpu"] / gib, p50, p99,
+                      {"batch": batch})
+
+
+def service_case(data: DiskSet, engine: str, queue_depth: int, workdir: str) -> CaseResult:
+    """The get path through the service, as the connector uses it: a client's `get` of
+    a window's worth of random chunks at a time, read by the service straight into the
+    client's window. CPU is the service's and the client's together. The window gets
+    huge pages where the host has them (reserved for the case as root, as fio's are):
+    into 4 KiB pages a read splits at the device's segment limit."""
+    from kvstore.client import StoreClient, stop_service
+    from kvstore.config import load_config
+
+    window = min(2 * queue_depth * data.chunk_bytes, 1 << 30)
+    config = load_config({**data.config(engine, queue_depth),
+                          "service": {"socket": os.path.join(workdir, "service", "kv.sock"),
+                                      "staging": window}})
+    order = random.Random(0).sample(range(data.count), data.count)
+    served = 0
+    with huge_pages(window + (64 << 20)):
+        client = StoreClient(config, data.chunk_bytes)
+    try:
+        pid = int(client.info()["service_pid"])
+        batch = client.slots
+        client.get(data.keys[:batch], range(batch))  # untimed, as in the other cases
+        service_cpu = _process_cpu(pid)
+        with clock() as read:
+            for start in range(0, data.count, batch):
+                picked = [data.keys[i] for i in order[start : start + batch]]
+                served += sum(client.get(picked, range(len(picked))))
+        service_cpu = _process_cpu(pid) - service_cpu
+        pages = client.window.pages if client.window else "?"
+    finally:
+        client.close()
+        stop_service(config)
+    if served != data.count:
+        raise RuntimeError(f"bench: only {served} of {data.count} chunks read back through the service")
+    gib = data.count * data.chunk_bytes / 2**30
+    return CaseResult(data.tier_name, f"{engine}-service", data.chunk_bytes, queue_depth,
+                      gib / read["wall"], cpu_s_per_gib_read=(read["cpu"] + service_cpu) / gib,
+                      extra={"batch": batch, "window_pages": pages})
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prefetch_case(data: DiskSet, engine: str, queue_depth: int) -> list[CaseResult]:

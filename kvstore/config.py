@@ -148,7 +148,8 @@ class StoreConfig(Schema):
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit")
     prefetch_inflight: Annotated[int, size()] = Field(
-        256 << 20, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time")
+        1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
+                             "below `io.queue_depth` chunks it keeps the device's queue short")
     write_policy: Annotated[str, choice("write_back", "write_through")] = Field(
         "write_back", description="`write_back`: DRAM's chunks reach disk when evicted (and at a clean "
                                   "shutdown); `write_through`: also as soon as they are stored, so a "

@@ -511,7 +511,7 @@ def test_9_a_bad_superblock_bit_keeps_the_tier_and_its_records(disk_dir, store_f
 
 
 def test_9_a_dram_tier_too_large_names_the_field():
-    with pytest.raises(ConfigError, match=r"tiers.host.capacity.*cannot allocate"):
+    with pytest.raises(ConfigError, match=r"tiers.host.capacity.*more than this machine's memory"):
         TieredStore({"tiers": {"host": {"capacity": "1024TiB"}}}, CHUNK_BYTES)
 
 
