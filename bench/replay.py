@@ -133,14 +133,13 @@ class Replayer:
             if not reserved or reserved[-1][2] is not None:
                 reservation = tier.table.reserve(fate=lambda victim: self._fate(level, victim, mode))
             reserved.append((key, parent, reservation))
-        demoting = [j for j, (_, _, r) in enumerate(reserved) if r is not None and r.victim is not None]
+        demoting = [(j, r, r.victim) for j, (_, _, r) in enumerate(reserved)
+                    if r is not None and r.victim is not None]
         if demoting:  # the victims go down in one batch, as the store's Flusher.take_over writes them
-            victims = [reserved[j][2].victim for j in demoting]  # type: ignore[union-attr]
-            entries = [tier.table.entry(reserved[j][2].slot) for j in demoting]  # type: ignore[union-attr]
-            self._store(level + 1, victims, [e.parent if e else None for e in entries])
-            for j, victim in zip(demoting, victims, strict=True):
-                key, parent, reservation = reserved[j]
-                assert reservation is not None
+            entries = [tier.table.entry(r.slot) for _, r, _ in demoting]
+            self._store(level + 1, [v for _, _, v in demoting], [e.parent if e else None for e in entries])
+            for j, reservation, victim in demoting:
+                key, parent, _ = reserved[j]
                 if victim not in self.tiers[level + 1]:
                     reservation.release()
                     reserved[j] = (key, parent, None)

@@ -260,11 +260,11 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
         if "service" in cases:
             readers += [_one(service_case, data, engine, depth, workdir) for engine in engines]
         if "raw" in cases:
-            readers.append(lambda d=depth, b=batch: [engine_case(data, e, d, b) for e in engines])
+            readers.append(partial(_engine_cases, data, engines, depth, batch))
         if "prefetch" in cases:
             readers += [partial(prefetch_case, data, engine, depth) for engine in engines]
         if args.peer and i == 0:
-            readers.append(lambda d=depth, b=batch: _peer(sitting, paths, workdir, data, d, b))
+            readers.append(partial(_peer, sitting, paths, workdir, data, depth, batch))
         results += sitting.alternate(readers, data.geometry, depth)
     if "serial" in cases:
         results.append(serial_case(data, max(8, count // 2)))
@@ -274,6 +274,10 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
         for path in paths:
             remove_data(path)
     return results
+
+
+def _engine_cases(data: DiskSet, engines: list[str], depth: int, batch: int) -> list[CaseResult]:
+    return [engine_case(data, engine, depth, batch) for engine in engines]
 
 
 def _peer(sitting: Sitting, paths: list[str], workdir: str, data: DiskSet, depth: int,

@@ -120,7 +120,7 @@ def write_set(tiers: dict[str, Any], tier_name: str, label: str, engine: str, ch
                 if not all(stored):
                     raise RuntimeError(f"bench: {stored.count(False)} chunks were not stored")
         layout = store.disk.devices.layouts[0] if store.disk else None
-        if layout is None:
+        if store.disk is None or layout is None:
             raise RuntimeError(f"bench: the {tier_name} tier opened no device")
         # The first device's slots are reserved in order: its written ones come first.
         written = -(-count // len(store.disk.devices))

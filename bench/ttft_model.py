@@ -133,16 +133,17 @@ def estimate(model: ModelSpec, hw: HardwareProfile, contexts: list[int],
              tiers: list[str]) -> dict[str, Any]:
     """TTFT per mode and context (recompute, or load from a tier), and each tier's crossover."""
     results = []
-    for tokens in contexts:
-        results.append({"mode": "recompute", "context_tokens": tokens,
-                        "ttft_s": prefill_s(model, hw, tokens)})
-        results.extend({"mode": tier, "context_tokens": tokens,
-                        "ttft_s": load_s(model, hw, tokens, tier) + prefill_s(model, hw, 1)}
+    for context in contexts:
+        results.append({"mode": "recompute", "context_tokens": context,
+                        "ttft_s": prefill_s(model, hw, context)})
+        results.extend({"mode": tier, "context_tokens": context,
+                        "ttft_s": load_s(model, hw, context, tier) + prefill_s(model, hw, 1)}
                        for tier in tiers)
-    grid, tokens = [], 16.0
-    while tokens <= max(contexts):
-        grid.append(int(tokens))
-        tokens *= 1.05
+    grid: list[int] = []
+    point = 16.0
+    while point <= max(contexts):
+        grid.append(int(point))
+        point *= 1.05
     crossover = {}
     for tier in tiers:
         wins = [n for n in grid if load_s(model, hw, n, tier) < prefill_s(model, hw, n)]

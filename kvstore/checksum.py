@@ -11,18 +11,19 @@ build of the package), the Python function is used: same digest, GIL held.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
+from typing import Any
 
 import xxhash
 
 log = logging.getLogger(__name__)
 
 
-def _native() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _native() -> Any:
+    """The C function, or None."""
     try:
-        from xxhash import _xxhash
-
-        library = ctypes.CDLL(_xxhash.__file__)
+        library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         for name in ("XXH3_64bits_dispatch", "XXH3_64bits"):
             function = getattr(library, name, None)
             if function is not None:

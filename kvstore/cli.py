@@ -125,10 +125,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     for name, handler, text in (("serve", _serve, "run the per-host storage service"),
                                 ("stop", _stop, "ask a running service to drain and exit")):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--config", required=True, help="kvstore config (YAML or JSON file)")
-        command.add_argument("--socket", help="override service.socket")
-        command.set_defaults(handler=handler)
+        service = commands.add_parser(name, help=text)
+        service.add_argument("--config", required=True, help="kvstore config (YAML or JSON file)")
+        service.add_argument("--socket", help="override service.socket")
+        service.set_defaults(handler=handler)
     return parser
 
 

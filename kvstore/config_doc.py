@@ -66,10 +66,11 @@ def _rows(model: type[Schema], prefix: str, roots: set[type[Schema]]) -> list[Ro
         item = f"{key}[]." if many else f"{key}."
         for (sub_key, *more), *cells in _rows(section, item, roots):
             shared = sub_key.removeprefix(item)
+            kind, default, meaning = cells
             if many and shared in model.written_keys():  # may be given once, for every item
-                rows.append(((prefix + shared, sub_key, *more), *cells))
+                rows.append(((prefix + shared, sub_key, *more), kind, default, meaning))
             else:
-                rows.append(((sub_key, *more), *cells))
+                rows.append(((sub_key, *more), kind, default, meaning))
     return rows
 
 
@@ -100,7 +101,8 @@ def _kind_of(field: FieldInfo, annotation: Any) -> Kind | None:
 
 def _extra(field: FieldInfo, name: str) -> str | None:
     extra = field.json_schema_extra
-    return extra.get(name) if isinstance(extra, dict) else None
+    value = extra.get(name) if isinstance(extra, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _kind(field: FieldInfo, annotation: Any) -> str:
@@ -109,11 +111,13 @@ def _kind(field: FieldInfo, annotation: Any) -> str:
 
 
 def _default(field: FieldInfo, annotation: Any) -> str:
-    if _extra(field, "doc_default"):
-        return _extra(field, "doc_default")
+    shown = _extra(field, "doc_default")
+    if shown:
+        return shown
     if field.is_required():
         return "-"
-    default = field.default_factory() if field.default is PydanticUndefined else field.default
+    factory = field.default_factory
+    default = factory() if field.default is PydanticUndefined and factory else field.default  # type: ignore[call-arg]
     if default is None or default == ():
         return "none"
     kind = _kind_of(field, annotation)

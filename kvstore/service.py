@@ -275,6 +275,8 @@ class StoreService:
                 for name, amount in request.counters.items():
                     store.stats.add(name, amount)
             return None, ()
+        if not isinstance(request, P.Get | P.Put):
+            raise KVStoreError(f"unknown request {type(request).__name__}")
         if store is None or client.window is None:
             raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
         size = store.chunk_bytes

@@ -6,7 +6,7 @@ import bisect
 import itertools
 import logging
 import threading
-from collections import Counter, deque
+from collections import defaultdict, deque
 
 from kvstore.record import MissReason
 
@@ -20,13 +20,13 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
+        self._counters: dict[str, float] = defaultdict(int)  # clients may add fractions (ms)
         self._logged: set[tuple[str, MissReason]] = set()
         self._latency: dict[str, deque[float]] = {}
         # name -> (count per bucket, +Inf last; sum of seconds): totals since start
         self._histograms: dict[str, tuple[list[int], list[float]]] = {}
 
-    def add(self, name: str, amount: int = 1) -> None:
+    def add(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._counters[name] += amount
 
@@ -72,6 +72,6 @@ class Stats:
         with self._lock:
             self._latency.clear()
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counters)

@@ -8,6 +8,7 @@ divide 4096) is an error.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from kvstore.device_health import Presence
@@ -32,8 +33,12 @@ def namespace_plans(config: NvmeofConfig) -> list[DevicePlan]:
             log.warning("nvmeof: %s: %s; starting without it, it is added once connected and live "
                         "(kvstore nvmeof connect --config ...)", ns.label, presence.why)
         plans.append(DevicePlan(presence.path if presence.usable else None, ns.capacity, kind="nvmeof",
-                                label=ns.label, probe=lambda ns=ns: _presence(_find(ns, config), config)))
+                                label=ns.label, probe=functools.partial(_probe, ns, config)))
     return plans
+
+
+def _probe(ns: NamespaceConfig, config: NvmeofConfig) -> Presence:
+    return _presence(_find(ns, config), config)
 
 
 def _find(ns: NamespaceConfig, config: NvmeofConfig) -> Resolved | None:
