@@ -1,6 +1,6 @@
 """Micro-benchmarks of the store's small hot operations: record pack and verify, a
-512-key lookup, slot reserve/publish/unpublish (through put and delete, not the
-slot table's own API, which is about to change shape), a DRAM get.
+512-key lookup, the slot table's reserve/publish/unpublish on its own and through
+put and delete, a DRAM get.
 
 Figures only: pytest-benchmark writes them to .benchmarks/micro.json in the plain
 test run (see conftest.py); nothing here asserts a time, only that the timed call
@@ -24,6 +24,7 @@ from kvstore.record import (
     parse_header,
     payload_checksum,
 )
+from kvstore.slots import SlotTable
 from kvstore.store import TieredStore
 
 pytestmark = pytest.mark.benchmark(max_time=0.2, min_rounds=5, warmup=False)
@@ -70,6 +71,26 @@ def test_check_record(benchmark, payload_bytes):
 def test_lookup_of_512_keys(benchmark, dram):
     store, keys = _stored(dram, 4096, 512)
     assert benchmark(store.lookup, keys).count == 512
+
+
+def test_slot_table_reserve_publish_evict(benchmark):
+    """A full 1024-slot table: each reservation evicts the least recently used leaf of
+    256 chains of four, and publishes a new chunk in its place."""
+    table = SlotTable([1024])
+    keys = [i.to_bytes(16, "little") for i in range(1 << 20)]
+    for chain in range(256):
+        for link in range(4):
+            key = keys[chain * 4 + link]
+            table.reserve().publish(key, keys[chain * 4 + link - 1] if link else None, 0)
+    fresh = iter(keys[1024:])
+
+    def churn() -> None:
+        reservation = table.reserve()
+        assert reservation is not None and reservation.evicted is not None
+        reservation.publish(next(fresh), None, 0)
+
+    benchmark(churn)
+    assert len(table) == 1024
 
 
 def test_put_and_delete_64_chunks(benchmark, dram):
