@@ -1,13 +1,26 @@
-"""PNG plots for `kvstore replay --sweep` and `kvstore ttft` (matplotlib, no display)."""
+"""PNG plots for `kvstore replay --sweep` and `kvstore ttft` (matplotlib, no display).
+
+matplotlib is the optional extra `plots` (in `dev` too): without it the commands
+still print and write their JSON, and say why the PNG is missing.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from kvstore.errors import KVStoreError
 
-def _pyplot():  # imported late: only the plotting commands need matplotlib
-    import matplotlib
+
+class PlotUnavailable(KVStoreError):
+    """matplotlib is not installed."""
+
+
+def _pyplot() -> Any:  # imported late: only the plotting commands need matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable("no plot: matplotlib is not installed (pip install -e .[plots])") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

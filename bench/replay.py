@@ -231,9 +231,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         if args.sweep:
-            from bench.plots import plot_sweep
+            from bench.plots import PlotUnavailable, plot_sweep
 
-            print(f"plot: {plot_sweep(result['sweep'], Path(args.json).with_suffix('.png'))}")
+            try:
+                print(f"plot: {plot_sweep(result['sweep'], Path(args.json).with_suffix('.png'))}")
+            except PlotUnavailable as exc:
+                print(exc)
     return 0
 
 

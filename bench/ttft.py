@@ -188,6 +188,10 @@ def _write(json_path: str | None, document: dict[str, Any], rows: list[dict[str,
     if not json_path:
         return
     Path(json_path).write_text(json.dumps(document, indent=2))
-    from bench.plots import plot_ttft
+    from bench.plots import PlotUnavailable, plot_ttft
 
-    print(f"results: {json_path}, plot: {plot_ttft(rows, value, Path(json_path).with_suffix('.png'))}")
+    try:
+        plot = str(plot_ttft(rows, value, Path(json_path).with_suffix(".png")))
+    except PlotUnavailable as exc:
+        plot = str(exc)
+    print(f"results: {json_path}, plot: {plot}")
