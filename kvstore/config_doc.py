@@ -66,7 +66,7 @@ def _rows(model: type[Schema], prefix: str, roots: set[type[Schema]]) -> list[Ro
         item = f"{key}[]." if many else f"{key}."
         for (sub_key, *more), *cells in _rows(section, item, roots):
             shared = sub_key.removeprefix(item)
-            if many and shared in model.written_keys():  # may be given once, for every item
+            if many and shared in model.written_keys() - set(model.model_fields):  # given once for all
                 rows.append(((prefix + shared, sub_key, *more), *cells))
             else:
                 rows.append(((sub_key, *more), *cells))
