@@ -91,10 +91,20 @@ class ClusterNode:
         found.update(answer)
         return found
 
+    def readable(self, keys: Sequence[bytes]) -> dict[bytes, PeerHit]:
+        """For each of `keys` a live peer holds on a device in service here, that entry."""
+        found = {}
+        for key, hits in self.locate(keys).items():
+            hit = next((h for h in hits if not isinstance(self.devices.locate(h.host, h.location), str)),
+                       None)
+            if hit is not None:
+                found[key] = hit
+        return found
+
     def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None]) -> list[str]:
         """The tiers of the leading run of `keys` (the part of a prompt the local tiers
         did not hold): local where they hold a chunk, else 'peer'."""
-        located = self.locate(keys)
+        located = self.readable(keys)
         tiers = []
         for key in keys:
             tier = local_tier(key) or ("peer" if key in located else None)
@@ -114,8 +124,8 @@ class ClusterNode:
         """Serve keys[i] for i in `indices` from peers where the index places them."""
         if not indices:
             return
-        located = self.locate([keys[i] for i in indices])
-        hits = [(i, located[keys[i]][0]) for i in indices if keys[i] in located]
+        located = self.readable([keys[i] for i in indices])
+        hits = [(i, located[keys[i]]) for i in indices if keys[i] in located]
         self.reader.read(keys, hits, outs, promote, ok)
         with self._lock:
             for i, _ in hits:
