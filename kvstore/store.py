@@ -233,7 +233,9 @@ class TieredStore:
             if key in self.host.table:
                 continue
             if self.disk is None or key not in self.disk.table:
-                break
+                if self.cluster is None:
+                    break
+                continue  # a peer's, read below
             wanted.append(i)
         ok = [False] * len(keys)
         wave = max(1, self.config.prefetch_inflight // self.slot_bytes)  # the cap on bytes in flight
