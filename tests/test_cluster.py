@@ -298,3 +298,22 @@ def test_a_peer_device_that_is_this_hosts_own_is_refused(disk_dir):
     config["cluster"]["peers"][0]["disk"][0]["path"] = os.path.join(disk_dir, "a")
     with pytest.raises(ConfigError, match=r"cluster\.peers\[0\]\.disk\[0\]\.path.*this host's own"):
         TieredStore(config, CHUNK, background=False)
+
+
+def test_an_index_that_lost_its_data_is_filled_again_at_the_next_renewal(disk_dir, redis_server):  # noqa: F811
+    a, b = _store_pair(disk_dir, redis_server.url)
+    try:
+        keys = make_keys(SLOTS, seed=11)
+        a.put_many(keys, make_payloads(SLOTS, seed=11, chunk_bytes=CHUNK))
+        a.cluster.publisher.step()
+        with redis.Redis.from_url(redis_server.url) as r:
+            r.flushall()  # what a restart without persistence leaves
+        time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
+        assert b.lookup(keys).count == 0
+        a.cluster.publisher._renewed = 0.0  # the renewal is due (every lease_s / 3)
+        assert a.cluster.publisher.step()  # the lease was gone: everything is published again
+        time.sleep(1.1)
+        assert b.lookup(keys).tiers == ("peer",) * SLOTS
+    finally:
+        a.close()
+        b.close()

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -79,6 +80,16 @@ class IndexKeys:
         return self.prefix + b"l:" + host.encode()
 
 
+def shown(url: str) -> str:
+    """The index URL with its password hidden, for logs and `kvstore info`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.hostname}"
+                                            + (f":{parts.port}" if parts.port else "")))
+
+
 def connect(url: str, timeout_s: float) -> redis.Redis:
     """A client whose every command either answers within `timeout_s` or fails; no retries
     (redis-py retries three times by default, which would triple a deadline)."""
@@ -123,7 +134,7 @@ class IndexReader:
             self._fail(f"answered in {elapsed * 1000:.0f} ms, past the deadline")
         self.stats.add("peer.index_reads")
         if self.last_error and elapsed <= self.config.index_deadline_s:
-            log.warning("cluster index %s answers again", self.config.index_url)
+            log.warning("cluster index %s answers again", shown(self.config.index_url))
             self.last_error = ""
         live = {host: int.from_bytes(lease, "little") for host, lease in zip(self.peers, leases, strict=True)
                 if lease is not None and len(lease) == 8}
@@ -147,7 +158,7 @@ class IndexReader:
             self._skip_until = time.monotonic() + self.config.index_backoff_s
         self.stats.add("peer.index_errors")
         (log.warning if first else log.debug)(
-            "cluster index %s: %s; lookups are local only for %.1f s", self.config.index_url, why,
+            "cluster index %s: %s; lookups are local only for %.1f s", shown(self.config.index_url), why,
             self.config.index_backoff_s)
 
     def close(self) -> None:

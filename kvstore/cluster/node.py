@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.cluster.index import IndexReader, PeerHit
+from kvstore.cluster.index import IndexReader, PeerHit, shown
 from kvstore.cluster.peer_devices import PeerDevices
 from kvstore.cluster.peer_reader import PeerReader
 from kvstore.cluster.publisher import IndexPublisher
@@ -143,7 +143,7 @@ class ClusterNode:
     # -- housekeeping ----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        return {"host_id": self.config.host_id, "index_url": self.config.index_url,
+        return {"host_id": self.config.host_id, "index_url": shown(self.config.index_url),
                 "index_error": self.index.last_error,
                 "generation": self.publisher.generation if self.publisher else None,
                 "peer_devices": self.devices.describe()}

@@ -4,10 +4,11 @@ The slot table tells a listener of every publish and unpublish (under its lock);
 listener only appends to a bounded queue, so the data path never waits on Redis. The
 thread sends the queue in pipelines (HSET/SADD, HDEL/SREM) and renews the lease in the
 same round trip at least every `lease_s`/3. When anything is lost (the queue
-overflowed, a pipeline failed, or at start, when the index recovered from the devices
-was never sent), the thread reconciles instead: it compares the set of keys this host
-has published with its slot table and sends the difference, so the index converges on
-what the devices hold however long Redis was away.
+overflowed, a pipeline failed, the lease was gone when renewed (Redis restarted or was
+flushed), or at start, when the index recovered from the devices was never sent), the
+thread reconciles instead: it compares the set of keys this host has published with its
+slot table and sends the difference, so the index converges on what the devices hold
+however long Redis was away.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import deque
 
 import redis
 
-from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location, connect
+from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location, connect, shown
 from kvstore.config import ClusterConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.slots import Entry
@@ -77,18 +78,22 @@ class IndexPublisher:
             while self._queue:
                 self._send_queued()
             if time.monotonic() - self._renewed >= self.config.lease_s / 3:
-                self._renew(self._redis)
+                pipe = self._redis.pipeline(transaction=False)
+                self._renew(pipe, existing=True)
+                if not pipe.execute()[-1]:
+                    log.warning("cluster index: this host's lease was gone; publishing everything again")
+                    self._reconcile()
         except (redis.RedisError, OSError) as exc:
             self._dirty = True  # what was taken from the queue is lost: reconcile next time
             self.stats.add("peer.publish_errors")
             if not self._failing:
                 log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
-                            self.config.index_url, exc, self.config.index_backoff_s)
+                            shown(self.config.index_url), exc, self.config.index_backoff_s)
             self._failing = True
             self._stop.wait(self.config.index_backoff_s)
             return False
         if self._failing:
-            log.warning("cluster index %s: publishing again", self.config.index_url)
+            log.warning("cluster index %s: publishing again", shown(self.config.index_url))
             self._failing = False
         return True
 
@@ -113,8 +118,9 @@ class IndexPublisher:
                 pipe.hdel(self.keys.chunk(key), self.host)
                 pipe.srem(published, key)
             sent += 1
-        self._renew(pipe)
-        pipe.execute()
+        self._renew(pipe, existing=True)
+        if not pipe.execute()[-1]:
+            self._dirty = True  # the lease was gone: so may the entries be (reconciled next)
         self.sent += sent
         self.stats.add("peer.published", sent)
 
@@ -144,9 +150,11 @@ class IndexPublisher:
         self.stats.add("peer.reconciles")
         log.info("cluster index: %d chunks published, %d withdrawn", len(mine), len(gone))
 
-    def _renew(self, client: redis.Redis | redis.client.Pipeline) -> None:
-        client.set(self.keys.lease(self.host), self.generation.to_bytes(8, "little"),
-                   px=int(self.config.lease_s * 1000))
+    def _renew(self, pipe: redis.client.Pipeline, existing: bool = False) -> None:
+        """Queue the lease's renewal; `existing`: only if it is still there (its result is
+        then None when it was gone: the index lost this host's state)."""
+        pipe.set(self.keys.lease(self.host), self.generation.to_bytes(8, "little"),
+                 px=int(self.config.lease_s * 1000), xx=existing)
         self._renewed = time.monotonic()
 
     def close(self, withdraw: bool = True) -> None:
