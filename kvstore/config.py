@@ -104,7 +104,8 @@ class PeerConfig(Schema):
     host_id: Text = Field(description="that host's `cluster.host_id`")
     disk: tuple[DiskPathConfig, ...] = Field(
         (), description="that host's `tiers.disk`, exactly as its config lists them: the order "
-                        "numbers its devices, and a path this host cannot open is skipped")
+                        "numbers its devices; opened read-only here (never created or written), "
+                        "and one this host cannot open yet is retried in the background")
     nvmeof: NvmeofConfig | None = Field(
         None, description="that host's `tiers.nvmeof`, exactly as its config lists it (resolved "
                           "here by NQN and NSID or UUID, and probed like this host's own)")

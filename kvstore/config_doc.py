@@ -18,7 +18,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from kvstore.config import StoreConfig
+from kvstore.config import ClusterConfig, StoreConfig
 from kvstore.nvmeof.config import NvmeofConfig
 from kvstore.schema import Kind, Schema
 
@@ -32,7 +32,7 @@ def pages() -> dict[str, type[Schema]]:
     from connectors.options import ConnectorOptions
 
     return {"docs/configuration.md": StoreConfig, "docs/nvmeof.md": NvmeofConfig,
-            "docs/vllm.md": ConnectorOptions}
+            "docs/cluster.md": ClusterConfig, "docs/vllm.md": ConnectorOptions}
 
 
 def render_table(model: type[Schema]) -> str:
