@@ -51,8 +51,12 @@ class ClusterNode:
         own = [d.path for d in config.disk] + ([p.path for p in disk.devices.plans if p.path]
                                                if disk is not None else [])
         self.devices = PeerDevices(self.config, own, engine, slot_bytes, config.io, start=background)
-        self.index = IndexReader(self.config, stats)
-        self.publisher = IndexPublisher(self.config, disk, stats, start=background) if disk else None
+        try:
+            self.index = IndexReader(self.config, stats)
+            self.publisher = IndexPublisher(self.config, disk, stats, start=background) if disk else None
+        except BaseException:
+            self.devices.close()
+            raise
         self.reader = PeerReader(self.devices, engine, host, staging, stats, ledger,
                                  chunk_bytes=chunk_bytes, slot_bytes=slot_bytes,
                                  timeout_s=config.io.timeout_s, reserve_host=reserve_host,

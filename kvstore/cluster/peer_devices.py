@@ -69,6 +69,18 @@ class PeerDevices:
         self._abandoned: list[AlignedBuffer] = []  # superblock reads that missed their deadline
         self.devices: dict[tuple[str, int], PeerDevice] = {}
         own = {os.path.realpath(path) for path in own_paths}
+        try:
+            self._open_all(config, own)
+        except BaseException:
+            for device in self:
+                device.close()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvstore-peer-health", daemon=True)
+        if start:
+            self._thread.start()
+
+    def _open_all(self, config: ClusterConfig, own: set[str]) -> None:
         for i, peer in enumerate(config.peers):
             plans = [DevicePlan(d.path, d.capacity) for d in peer.disk]
             if peer.nvmeof is not None:
@@ -90,10 +102,6 @@ class PeerDevices:
                     device.health.take_out(OFFLINE, problem)
                     log.warning("cluster: peer device %s not readable yet (%s); retried in the "
                                 "background", label, problem)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvstore-peer-health", daemon=True)
-        if start:
-            self._thread.start()
 
     def __iter__(self) -> Iterator[PeerDevice]:
         return iter(self.devices.values())
