@@ -6,6 +6,7 @@ end-to-end tests, the README demo and `kvstore ttft`.
 
   python -m bench.engine_run --model DIR --prompts prompts.json [--connector JSON]
       [--single-process] [--max-num-batched-tokens N] [--max-tokens 8] [--busy busy.json]
+      [--kv-events ENDPOINT]
 
 Prompts run one at a time (TTFT of a request alone), unless --busy names prompts to
 submit first: then the busy prompts and all measured prompts go in at once, and the
@@ -47,6 +48,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "kv_connector_extra_config": json.loads(args.connector)}
         if args.module_path:  # find the class by module, not through the plugin's registration
             kwargs["kv_transfer_config"]["kv_connector_module_path"] = "engine_plugin.connector"
+    if args.kv_events:  # what a KV-aware router hears: the engine's and kvstore's KV events
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=args.kv_events)
     return kwargs
 
 
@@ -102,7 +108,7 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
               *, single_process: bool = False, max_num_batched_tokens: int | None = None,
               max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
               check: bool = True, busy_file: str | Path | None = None,
-              hints_file: str | Path | None = None) -> EngineRun:
+              hints_file: str | Path | None = None, kv_events: str | None = None) -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
                "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
@@ -110,6 +116,8 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
         command += ["--busy", str(busy_file)]
     if hints_file is not None:
         command += ["--hints", str(hints_file)]
+    if kv_events is not None:
+        command += ["--kv-events", kv_events]
     if connector is not None:
         command += ["--connector", json.dumps(connector)]
     if single_process:
@@ -161,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")
     parser.add_argument("--hints", help="JSON: per prompt, token ids to hint with it (or null)")
+    parser.add_argument("--kv-events", help="publish KV events over ZMQ at this endpoint (e.g. "
+                                            "ipc:///tmp/kv-events; a tcp:// one with a host connects)")
     return parser
 
 

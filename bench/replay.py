@@ -14,6 +14,12 @@ store makes (kvstore/store.py, flusher.py), so a replay's hits are the store's:
   first unless that tier holds it or does not admit it (then it is dropped); with
   no slot free for it, a chunk goes down directly.
 tests/test_replay.py checks this against a real TieredStore chunk for chunk.
+
+A host of a cluster (bench/cluster_replay.py, `--hosts`) also reads the bottom tiers of
+its peers (`peers`), as kvstore/cluster/ does: after its own tiers, a chunk a peer holds
+is a hit; it is promoted as a get promotes (only into a slot whose chunk the tier below
+holds), and when it leaves DRAM it is dropped, never written to this host's disk. The
+put stores only past the run some host holds, as the connector saves past the stored run.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 from bench.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 from kvstore.errors import ConfigError
 from kvstore.policy import TierPolicy
-from kvstore.slots import Fate, Reservation, SlotTable
+from kvstore.slots import Entry, Fate, Reservation, SlotTable
 from kvstore.units import format_size, parse_size
 
 
@@ -58,16 +64,22 @@ class SimTier:
 
 
 class Replayer:
-    def __init__(self, tiers: Sequence[tuple[str, int]], kv_bytes_per_token: int,
-                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, policy: TierPolicy | None = None) -> None:
+    def __init__(self, tiers: Sequence[tuple[str, int] | SimTier], kv_bytes_per_token: int,
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, policy: TierPolicy | None = None,
+                 peers: Sequence[SimTier] | None = None) -> None:
+        """`peers` (a cluster host; [] for one alone): the bottom tiers of the other hosts."""
         if not tiers:
             raise ConfigError("--tier", None, "give at least one tier, e.g. --tier host=64GiB")
         self.block_tokens = block_tokens
         self.chunk_bytes = kv_bytes_per_token * block_tokens
-        self.tiers = [SimTier(name, capacity, self.chunk_bytes) for name, capacity in tiers]
+        self.tiers = [t if isinstance(t, SimTier) else SimTier(*t, self.chunk_bytes) for t in tiers]
         self.policy = policy or TierPolicy()
         self.total_tokens = 0
         self.requests = 0
+        self.peers = peers
+        self.peer_stats = TierStats("peer", sum(p.stats.capacity_bytes for p in peers or ()))
+        self._from_peers: set[bytes] = set()  # DRAM copies of chunks read from a peer
+        self.tiers[0].table.listeners.append(self._left_top)
 
     def run(self, requests: Iterable[TraceRequest]) -> dict[str, Any]:
         for request in requests:
@@ -80,13 +92,18 @@ class Replayer:
         self.total_tokens += request.input_tokens
         keys = list(request.keys)
         usable = min(len(keys), (request.input_tokens - 1) // self.block_tokens)
+        # A cluster host's connector saves past the run stored anywhere; alone, all is put.
+        stored = 0 if self.peers is None else next(
+            (i for i, key in enumerate(keys) if not self._held(key) and not self._at_peer(key)), len(keys))
         found: list[int] = []
         for key in keys[:usable]:
             tier = next((i for i, t in enumerate(self.tiers) if key in t), None)
+            if tier is None and self._at_peer(key):
+                tier = len(self.tiers)  # the "peer" tier
             if tier is None:
                 break
             found.append(tier)
-            stats = self.tiers[tier].stats
+            stats = self.tiers[tier].stats if tier < len(self.tiers) else self.peer_stats
             stats.hit_tokens += self.block_tokens
             stats.bytes_read += self.chunk_bytes
         parents = [None, *keys[:-1]]
@@ -94,17 +111,42 @@ class Replayer:
         if self.policy.promote_on_hit:  # the connector's prefetch on arrival: hits move up
             self.tiers[0].table.touch_chain(hits)
             self._promote(found, keys, parents, "prefetch")
+            self._promote_from_peers(self._elsewhere(hits), keys, parents)
         self._touch(hits)  # the get: what the prefetch left below moves up if a slot is clean
         if self.policy.promote_on_hit:
+            elsewhere = self._elsewhere(hits)  # what the get will read from peers
             self._promote(found, keys, parents, "get")
+            self._promote_from_peers(elsewhere, keys, parents)
         self._touch(hits)
         self.policy.seen(hits)
-        self.policy.seen(keys)  # the put: the rest is stored
-        self._touch(keys)
-        new = [i for i, key in enumerate(keys) if not any(key in tier for tier in self.tiers)]
+        put = keys[stored:]  # the put: what no tier holds of it is stored
+        new = [i for i in range(stored, len(keys)) if not self._held(keys[i])]
+        self.policy.seen(put)
+        self._touch(put)
         self._store(0, [keys[i] for i in new], [parents[i] for i in new])
-        self._touch(keys)
+        self._touch(put)
         return found
+
+    def _held(self, key: bytes) -> bool:
+        return any(key in tier for tier in self.tiers)
+
+    def _at_peer(self, key: bytes) -> bool:
+        return any(key in peer for peer in self.peers or ())
+
+    def _elsewhere(self, hits: list[bytes]) -> list[int]:
+        """The hits no local tier holds now: the store reads those from peers."""
+        if not self.peers:
+            return []
+        return [i for i, key in enumerate(hits) if not self._held(key) and self._at_peer(key)]
+
+    def _promote_from_peers(self, up: list[int], keys: list[bytes], parents: list[bytes | None]) -> None:
+        """Chunks read from peers move up as a get promotes them (only into a clean slot)."""
+        self._store(0, [keys[i] for i in up], [parents[i] for i in up], "get", from_peer=True)
+
+    def _left_top(self, published: bool, entry: Entry) -> None:
+        """Top tier listener: a chunk read from a peer leaves DRAM."""
+        if not published:
+            self._from_peers.discard(entry.key)
 
     def _promote(self, found: list[int], keys: list[bytes], parents: list[bytes | None], mode: str) -> None:
         """Move lower-tier hits up; as in the store, they stay pinned below meanwhile (the
@@ -121,7 +163,7 @@ class Replayer:
             tier.table.touch_chain(keys)
 
     def _store(self, level: int, keys: list[bytes], parents: list[bytes | None],
-               mode: str = "put") -> None:
+               mode: str = "put", from_peer: bool = False) -> None:
         """Put chunks in tier `level` in the store's order: slots reserved first (none
         tried after one is refused); victims that must go down first are written below
         (in order), then the chunks are published; a put that found no slot goes one tier
@@ -152,6 +194,8 @@ class Replayer:
                 continue
             if reservation.evicted is not None:
                 tier.stats.evictions += 1
+            if from_peer:
+                self._from_peers.add(key)
             reservation.publish(key, parent, 0)
             tier.stats.bytes_written += self.chunk_bytes
         below = level + 1
@@ -162,17 +206,19 @@ class Replayer:
     def _fate(self, level: int, key: bytes, mode: str) -> Fate:
         """The store's Flusher.put_fate (put, prefetch) / clean_fate (get) for tier `level`."""
         below = level + 1
-        if below >= len(self.tiers) or key in self.tiers[below] or not self.policy.admits(key):
+        if (below >= len(self.tiers) or key in self.tiers[below] or key in self._from_peers
+                or not self.policy.admits(key)):
             return Fate.EVICT
         return Fate.SKIP if mode == "get" else Fate.DEMOTE
 
     def result(self) -> dict[str, Any]:
-        for tier in self.tiers:
-            tier.stats.hit_ratio = tier.stats.hit_tokens / max(1, self.total_tokens)
-        hits = sum(t.stats.hit_tokens for t in self.tiers)
+        stats = [t.stats for t in self.tiers] + ([self.peer_stats] if self.peers else [])
+        for tier in stats:
+            tier.hit_ratio = tier.hit_tokens / max(1, self.total_tokens)
+        hits = sum(t.hit_tokens for t in stats)
         return {"requests": self.requests, "prompt_tokens": self.total_tokens,
                 "chunk_bytes": self.chunk_bytes, "hit_ratio": hits / max(1, self.total_tokens),
-                "tiers": [asdict(t.stats) for t in self.tiers]}
+                "tiers": [asdict(t) for t in stats]}
 
 
 def parse_tier(text: str) -> tuple[str, int]:
@@ -208,11 +254,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=8192, help="scheduler tokens per step (--ttft)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply arrival times (--ttft): >1 spreads a cluster's trace over one GPU")
+    parser.add_argument("--hosts", type=int,
+                        help="N hosts sharing one array (the last --tier, split N ways) against N "
+                             "private islands; other tiers are per host (bench/cluster_replay.py)")
+    parser.add_argument("--routing", choices=("random", "prefix"), default="prefix",
+                        help="with --hosts: uniform, or by a hash of the first block (a KV-aware router)")
+    parser.add_argument("--seed", type=int, default=0, help="with --hosts: the random routing's seed")
     parser.add_argument("--json", help="write the results here (a PNG plot goes next to it)")
 
 
 def run(args: argparse.Namespace) -> int:
     tiers = [parse_tier(t) for t in args.tier]
+    if args.hosts is not None:
+        from bench.cluster_replay import run as run_cluster
+
+        return run_cluster(args, tiers)
     if args.ttft:
         from bench.ttft_model import model_spec
 

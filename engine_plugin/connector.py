@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +33,14 @@ from connectors.plan import StepPlan
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
+from engine_plugin.kv_events import RouterEvents
 from kvstore.aligned import pin_for_cuda
 from kvstore.client import StoreClient
 from kvstore.keys import KVNamespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -67,6 +70,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._tp_world = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
+        self._router_events: RouterEvents | None = None  # with --kv-events-config
         if role == KVConnectorRole.SCHEDULER:
             self._lookup_link = ServiceLink(lambda: StoreClient(store))
             self._lookup_link.start()  # starts the service if needed: config errors surface now
@@ -74,6 +78,9 @@ class TieredKVConnector(KVConnectorBase_V1):
                                             self._lookup, self.options.load_async,
                                             self.options.prefetch,
                                             stage_on_arrival=self.options.device_staging > 0)
+            events = vllm_config.kv_events_config
+            if events is not None and events.enable_kv_cache_events:
+                self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
         log.info("kvstore connector (%s): chunk %d tokens, socket %s", role.name,
                  store.chunk_tokens, store.service.socket)
 
@@ -106,6 +113,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]})."""
         assert self._scheduler is not None
         salt = _salt(request)
+        if self._router_events is not None:
+            self._router_events.remember(request, self._namespaces(salt)[0])
         self._scheduler.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
         for tokens in _hinted_token_ids(request):
             self._scheduler.hint(tokens, salt)
@@ -151,6 +160,10 @@ class TieredKVConnector(KVConnectorBase_V1):
                                          req_id in cached.resumed_req_ids,
                                          cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return TieredMetadata(plan=self._scheduler.take_plan())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvstore's chunks entering and leaving its tiers, for KV-aware routers."""
+        return self._router_events.take() if self._router_events is not None else ()
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

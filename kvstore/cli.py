@@ -54,6 +54,13 @@ def _info(args: argparse.Namespace) -> int:
             where = "" if device["path"] == device["label"] else f" at {device['path']}"
             print(f"        {device['kind']} {device['label']}{where}: {device['state']}{why}, "
                   f"{device['faults']} faults, {device['trips']} breaker trips")
+    cluster = info.get("cluster")
+    if cluster:
+        error = f", index error: {cluster['index_error']}" if cluster["index_error"] else ""
+        print(f"  cluster: host {cluster['host_id']}, index {cluster['index_url']}{error}")
+        for device in cluster["peer_devices"]:
+            why = f" ({device['reason']})" if device["reason"] else ""
+            print(f"        peer {device['label']}: {device['state']}{why}")
     recovery = info["recovery"]
     print(f"  recovered {recovery['records']} records ({recovery['torn']} torn) in "
           f"{recovery['seconds'] * 1000:.1f} ms")

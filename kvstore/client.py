@@ -195,6 +195,12 @@ class StoreClient:
     def info(self) -> dict[str, Any]:
         return dict(self._request(P.Info()))
 
+    def events(self, since: int) -> tuple[int, int, list[tuple[bool, bytes, str]]]:
+        """Chunks that entered or left a tier since cursor `since` (kvstore/chunk_events.py):
+        (the next cursor, events lost, [(stored?, key, medium), ...])."""
+        cursor, lost, events = self._request(P.Events(since))
+        return int(cursor), int(lost), [(bool(s), bytes(k), str(m)) for s, k, m in events]
+
     def shutdown(self, timeout_s: float = 300.0) -> None:
         """Ask the service to drain, checkpoint and exit; return once it has (its socket
         is gone), so a successor can take the tiers at once."""

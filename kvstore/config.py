@@ -91,6 +91,69 @@ class IoConfig(Schema):
                          "(see [nvmeof.md](nvmeof.md))")
 
 
+def _index_url(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS) or "
+                         "unix:///path/to/redis.sock")
+    return value
+
+
+class PeerConfig(Schema):
+    """Another host of the cluster whose block-tier devices this host may read."""
+
+    host_id: Text = Field(description="that host's `cluster.host_id`")
+    disk: tuple[DiskPathConfig, ...] = Field(
+        (), description="that host's `tiers.disk`, exactly as its config lists them: the order "
+                        "numbers its devices; opened read-only here (never created or written), "
+                        "and one this host cannot open yet is retried in the background")
+    nvmeof: NvmeofConfig | None = Field(
+        None, description="that host's `tiers.nvmeof`, exactly as its config lists it (resolved "
+                          "here by NQN and NSID or UUID, and probed like this host's own)")
+
+    @classmethod
+    def reshape(cls, data: Any) -> Any:
+        """`disk` may be one mapping, as in `tiers`."""
+        return TiersConfig.reshape(data)
+
+    @model_validator(mode="after")
+    def _has_devices(self) -> PeerConfig:
+        if not self.disk and self.nvmeof is None:
+            raise Refused("list the peer's disk paths or nvmeof namespaces", "disk", value=None)
+        return self
+
+
+class ClusterConfig(Schema):
+    """Several hosts sharing one array: a cross-host index of which host holds which chunk
+    (a hint; records stay the truth) and read-only access to peers' devices."""
+
+    host_id: Text = Field(description="this host's id in the index; unique in the cluster")
+    index_url: Annotated[str, Kind("Redis URL", _index_url, lambda value: f"`{value}`")] = Field(
+        description="the index (Redis or Valkey): `redis://HOST:PORT/DB`, `rediss://` or `unix://`")
+    index_deadline_s: Annotated[float, seconds()] = Field(
+        0.2, description="a lookup's index read must answer within this; past it (or with the index "
+                         "down) the lookup is local only")
+    index_backoff_s: Annotated[float, seconds()] = Field(
+        1.0, description="after an index read fails or misses its deadline, lookups skip the index "
+                         "this long (`peer.index_skipped`)")
+    lease_s: Annotated[float, seconds()] = Field(
+        10.0, description="this host's entries count only while its lease lives; renewed every "
+                          "`lease_s`/3, so a stopped host's entries are ignored after at most this long")
+    key_prefix: Text = Field(
+        "kvstore:", description="prefix of every index key (clusters may share one Redis)")
+    peers: tuple[PeerConfig, ...] = Field(
+        (), description="hosts whose devices this host may read; the others' index entries are ignored")
+
+    @model_validator(mode="after")
+    def _distinct_hosts(self) -> ClusterConfig:
+        seen = {self.host_id}
+        for i, peer in enumerate(self.peers):
+            if peer.host_id in seen:
+                raise Refused("listed twice (or this host's own id)", "peers", i, "host_id",
+                              value=peer.host_id)
+            seen.add(peer.host_id)
+        return self
+
+
 def _socket_path(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value.encode()) > 107:
         raise ValueError("must be a Unix socket path of at most 107 bytes")
@@ -158,6 +221,9 @@ class StoreConfig(Schema):
         1, description="disk admission: a chunk is written to disk only once stored or read this many "
                        "times (`disk.not_admitted` counts the others)")
     service: ServiceConfig = Field(default_factory=ServiceConfig, description="the per-host service")
+    cluster: ClusterConfig | None = Field(
+        None, description="several hosts sharing one array: see [cluster.md](cluster.md); none: this "
+                          "host serves only what it stored")
 
     @field_validator("write_behind_chunks", mode="before")
     @classmethod

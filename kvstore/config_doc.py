@@ -18,7 +18,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from kvstore.config import StoreConfig
+from kvstore.config import ClusterConfig, StoreConfig
 from kvstore.nvmeof.config import NvmeofConfig
 from kvstore.schema import Kind, Schema
 
@@ -32,7 +32,7 @@ def pages() -> dict[str, type[Schema]]:
     from connectors.options import ConnectorOptions
 
     return {"docs/configuration.md": StoreConfig, "docs/nvmeof.md": NvmeofConfig,
-            "docs/vllm.md": ConnectorOptions}
+            "docs/cluster.md": ClusterConfig, "docs/vllm.md": ConnectorOptions}
 
 
 def render_table(model: type[Schema]) -> str:
@@ -67,7 +67,7 @@ def _rows(model: type[Schema], prefix: str, roots: set[type[Schema]]) -> list[Ro
         for (sub_key, *more), *cells in _rows(section, item, roots):
             shared = sub_key.removeprefix(item)
             kind, default, meaning = cells
-            if many and shared in model.written_keys():  # may be given once, for every item
+            if many and shared in model.written_keys() - set(model.model_fields):  # given once for all
                 rows.append(((prefix + shared, sub_key, *more), kind, default, meaning))
             else:
                 rows.append(((sub_key, *more), kind, default, meaning))

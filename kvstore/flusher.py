@@ -17,7 +17,7 @@ publishes only if the slot's device stayed in service.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -45,8 +45,11 @@ class Record:
 class Flusher:
     def __init__(self, disk: DiskTier, host: HostTier | None, policy: TierPolicy, stats: Stats,
                  staging: StagingPool, *, chunk_bytes: int, queue_chunks: int, batch: int,
-                 timeout_s: float, background: bool = True) -> None:
+                 timeout_s: float, background: bool = True,
+                 held_elsewhere: Callable[[bytes], bool] | None = None) -> None:
         self.disk = disk
+        # A chunk whose disk copy another host holds (a cluster's peer): never written here.
+        self.held_elsewhere = held_elsewhere
         self.host = host
         self.policy = policy
         self.stats = stats
@@ -61,7 +64,7 @@ class Flusher:
 
     def put_fate(self, key: bytes) -> Fate:
         """A victim for a new chunk: dropped if on disk (or not admitted), else written down first."""
-        if key in self.disk.table:
+        if self._on_disk(key):
             return Fate.EVICT
         if not self.policy.admits(key):
             self.stats.add("disk.not_admitted")
@@ -70,7 +73,10 @@ class Flusher:
 
     def clean_fate(self, key: bytes) -> Fate:
         """A victim for a promotion: only a chunk already on disk (or not admitted) goes."""
-        return Fate.EVICT if key in self.disk.table or not self.policy.admits(key) else Fate.SKIP
+        return Fate.EVICT if self._on_disk(key) or not self.policy.admits(key) else Fate.SKIP
+
+    def _on_disk(self, key: bytes) -> bool:
+        return key in self.disk.table or (self.held_elsewhere is not None and self.held_elsewhere(key))
 
     def take_over(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Write the victims of DEMOTE reservations to disk in one batch, then hand each
@@ -125,7 +131,7 @@ class Flusher:
             return
         table = self.host.table
         with table.lock:
-            entries = [e for e in table.entries() if e.key not in self.disk.table
+            entries = [e for e in table.entries() if not self._on_disk(e.key)
                        and self.policy.admits(e.key)]
             for entry in entries:
                 table.pin(entry.slot)

@@ -15,6 +15,8 @@ Requests (a tagged union) and what a Reply's value holds:
   Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
   Put(keys, slots, parent) -> [bool]: chunk keys[i] (in window slot slots[i]) is stored
   Info()                   -> the store's info
+  Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
+                              (chunk_events.py; since < 0: the current cursor only)
   Shutdown()               -> None; the service drains, checkpoints and exits
 """
 
@@ -31,7 +33,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME = 4 << 20  # a 1M-token prompt's keys are 64 KiB: plenty, and bounded
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
@@ -79,7 +81,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
     pass
 
 
-Request = Hello | Residency | Count | Get | Put | Info | Shutdown
+class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
+    since: int
+
+
+Request = Hello | Residency | Count | Get | Put | Info | Shutdown | Events
 
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True):

@@ -70,6 +70,7 @@ class MissReason(enum.Enum):
     BAD_CHECKSUM = "bad_checksum"
     IO_ERROR = "io_error"
     TIMEOUT = "timeout"
+    STALE = "stale"  # the right key, but not the copy (sequence number) an index entry named
 
 
 @dataclass(frozen=True)

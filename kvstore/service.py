@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstore import protocol as P
+from kvstore.chunk_events import ChunkEvents
 from kvstore.config import StoreConfig, dump_config
 from kvstore.devices import path_problem
 from kvstore.errors import ConfigError, DeviceError, KVStoreError
@@ -121,6 +122,7 @@ class StoreService:
         self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
         self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
         self._store_lock = threading.Lock()
+        self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self._clients: set[_Client] = set()
         self._stopping = threading.Event()
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -270,6 +272,8 @@ class StoreService:
             return {**info, "service_pid": os.getpid(), "socket": self.socket_path}, ()
         if isinstance(request, P.Residency):
             return self._residency(store, request), ()
+        if isinstance(request, P.Events):
+            return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
             if store is not None:
                 for name, amount in request.counters.items():
@@ -308,6 +312,7 @@ class StoreService:
             if self.store is None:
                 self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
                                          dtype=hello.dtype, shape=hello.shape)
+                self.events.watch(self.store)
             elif self.store.chunk_bytes != hello.chunk_bytes:
                 raise ConfigError("service.socket", self.socket_path,
                                   f"this service stores chunks of {self.store.chunk_bytes} bytes, "

@@ -161,6 +161,10 @@ class SlotTable:
         self._next_group = 0
         self.disabled: set[int] = set()  # groups out of service: nothing is reserved there
         self.retired = 0  # slots kept pinned forever after an abandoned read
+        # Told (published?, the record) whenever a key is published or unpublished, under
+        # the lock (the cluster index, chunk events): each must be quick and take no lock
+        # that waits on this one.
+        self.listeners: list[Callable[[bool, Entry], None]] = []
 
     # -- queries ---------------------------------------------------------------------
 
@@ -315,6 +319,8 @@ class SlotTable:
         info.published = info.ever_written = True
         self.index[key] = slot
         self.lru.add(key, parent)
+        if self.listeners:
+            self._tell(True, Entry(key, slot, parent, seq))
 
     def _unpublish(self, key: bytes) -> int | None:
         slot = self.index.pop(key, None)
@@ -323,9 +329,15 @@ class SlotTable:
         self.lru.remove(key)
         info = self.slots[slot]
         info.published = False
+        if self.listeners:
+            self._tell(False, Entry(key, slot, info.parent, info.seq))
         if info.pins == 0:
             self._free(slot)
         return slot
+
+    def _tell(self, published: bool, entry: Entry) -> None:
+        for listener in self.listeners:
+            listener(published, entry)
 
     def _unpin(self, slot: int) -> None:
         info = self.slots[slot]

@@ -8,6 +8,7 @@ parts and checks input at the API edge; each concern has its own home:
   flusher.py    chunks going down to disk (write-behind, write-through, direct puts)
   slots.py      each tier's slots, pins and reservations (own lock per tier)
   recover.py    the disk index at start; the checkpoint at a clean close
+  cluster/      other hosts' chunks on a shared array (only with `cluster` configured)
 Copies and I/O run outside every lock, on pinned or reserved slots.
 """
 
@@ -19,7 +20,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.aligned import AlignedBuffer, byte_view
 from kvstore.config import StoreConfig, load_config
@@ -42,13 +43,17 @@ from kvstore.slots import Reservation
 from kvstore.staging import StagingPool
 from kvstore.stats import Stats
 
+if TYPE_CHECKING:
+    from kvstore.cluster.node import ClusterNode
+
 log = logging.getLogger(__name__)
 _STAGING_BYTES = 256 << 20  # bound on staging memory one disk-read wave may use
 
 
 @dataclass(frozen=True)
 class Lookup:
-    """How many leading chunks are present, and the tier ('host', 'disk' or 'nvmeof') of each."""
+    """How many leading chunks are present, and the tier ('host', 'disk', 'nvmeof' or 'peer':
+    another host's device on a shared array) of each."""
 
     count: int
     tiers: tuple[str, ...]
@@ -93,6 +98,7 @@ class TieredStore:
         self._flusher: Flusher | None = None
         self._reader: DiskReader | None = None
         self.monitor: HealthMonitor | None = None  # moves devices out of and back into service
+        self.cluster: ClusterNode | None = None
         self._read_buffers: list[AlignedBuffer] = []
         wave = max(io.queue_depth, _STAGING_BYTES // self.slot_bytes)
         self._staging = StagingPool(self.slot_bytes, min(wave, io.queue_depth))
@@ -107,6 +113,13 @@ class TieredStore:
                 self.disk = DiskTier(plans, self.slot_bytes, chunk_bytes, self.engine, stats=self.stats,
                                      timeout_s=io.timeout_s, breaker_threshold=io.breaker_threshold)
             self.recovery = recover(self.disk) if self.disk else RecoveryReport()
+            if self.config.cluster is not None:
+                from kvstore.cluster.node import ClusterNode  # imports redis: only for a cluster
+
+                self.cluster = ClusterNode(self.config, disk=self.disk, host=self.host, engine=self.engine,
+                                           stats=self.stats, staging=self._staging, ledger=self._ledger,
+                                           chunk_bytes=chunk_bytes, slot_bytes=self.slot_bytes,
+                                           reserve_host=self._reserve_host, background=background)
         except BaseException:
             self._close_parts()
             raise
@@ -115,7 +128,8 @@ class TieredStore:
             self._flusher = Flusher(self.disk, self.host, self.policy, self.stats, self._staging,
                                     chunk_bytes=chunk_bytes, queue_chunks=self.config.write_behind_chunks,
                                     batch=io.queue_depth, timeout_s=io.timeout_s,
-                                    background=background)
+                                    background=background,
+                                    held_elsewhere=self.cluster.held_elsewhere if self.cluster else None)
             self._reader = DiskReader(self.disk, self.host, self.stats, self._staging, self._headers,
                                       self.regions, self._ledger, chunk_bytes=chunk_bytes,
                                       timeout_s=io.timeout_s,
@@ -129,16 +143,25 @@ class TieredStore:
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         """Leading chunks present, and where. A chunk moving down is published below
-        before it leaves DRAM, so a lookup racing it still finds it."""
+        before it leaves DRAM, so a lookup racing it still finds it. With a cluster, what
+        the local tiers lack is looked for at the peers (one index read)."""
+        keys = self._keys(keys)
         tiers = []
-        for key in self._keys(keys):
-            if self.host and key in self.host.table:
-                tiers.append("host")
-            elif self.disk and (slot := self.disk.table.find(key)) is not None:
-                tiers.append(self.disk.kind_of(slot))
-            else:
+        for key in keys:
+            tier = self._local_tier(key)
+            if tier is None:
                 break
+            tiers.append(tier)
+        if self.cluster is not None and len(tiers) < len(keys):
+            tiers += self.cluster.lookup(keys[len(tiers) :], self._local_tier)
         return Lookup(len(tiers), tuple(tiers))
+
+    def _local_tier(self, key: bytes) -> str | None:
+        if self.host and key in self.host.table:
+            return "host"
+        if self.disk and (slot := self.disk.table.find(key)) is not None:
+            return self.disk.kind_of(slot)
+        return None
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]).count == 1
@@ -174,6 +197,9 @@ class TieredStore:
             missing = [i for i, served in enumerate(ok) if not served]
             with self.disk.table.pinned(keys, missing) as pins:
                 self._reader.read(keys, pins, views, self.policy.promote_on_hit, ok)
+        if self.cluster is not None:
+            self.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views,
+                              self.policy.promote_on_hit, ok)
         self._touch(keys)  # again: promoted chunks join their chain tail-older-than-head
         self.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
         self.stats.add("get.chunks", len(keys))
@@ -199,20 +225,26 @@ class TieredStore:
         that will want it (a request waiting to be scheduled); chunks already in DRAM
         are touched so eviction keeps them. Returns chunks promoted."""
         keys = self._keys(keys)
-        if self.host is None or self.disk is None or self._reader is None:
+        if self.host is None or (self._reader is None and self.cluster is None):
             return 0
         self.host.table.touch_chain(keys)
         wanted = []
         for i, key in enumerate(keys):
             if key in self.host.table:
                 continue
-            if key not in self.disk.table:
-                break
+            if self.disk is None or key not in self.disk.table:
+                if self.cluster is None:
+                    break
+                continue  # a peer's, read below
             wanted.append(i)
         ok = [False] * len(keys)
         wave = max(1, self.config.prefetch_inflight // self.slot_bytes)  # the cap on bytes in flight
-        with self.disk.table.pinned(keys, wanted) as pins:
-            self._reader.read(keys, pins, None, promote=True, ok=ok, wave_chunks=wave)
+        if self.disk is not None and self._reader is not None:
+            with self.disk.table.pinned(keys, wanted) as pins:
+                self._reader.read(keys, pins, None, promote=True, ok=ok, wave_chunks=wave)
+        if self.cluster is not None:  # what no local tier holds, from peers
+            self.cluster.read(keys, [i for i, key in enumerate(keys) if self._local_tier(key) is None],
+                              None, True, ok)
         self.stats.add("prefetch.chunks", sum(ok))
         self.stats.add("prefetch.bytes", sum(ok) * self.chunk_bytes)
         return sum(ok)
@@ -350,9 +382,12 @@ class TieredStore:
                           "paths": [d.path for d in self.disk.devices.devices],
                           "devices": [{"path": d.path, **h.describe()} for d, h in
                                       zip(self.disk.devices.devices, health, strict=True)]})
-        return {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes,
+        info = {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes,
                 "io_engine": self.engine.name, "tiers": tiers, "counters": self.stats.snapshot(),
                 "recovery": self.recovery.as_dict()}
+        if self.cluster is not None:
+            info["cluster"] = self.cluster.info()
+        return info
 
     def close(self) -> None:
         """Drain write-behind, write DRAM-only chunks down, checkpoint, release everything.
@@ -360,6 +395,7 @@ class TieredStore:
         DRAM does not survive the process; the disk does. Writing DRAM's chunks down
         on a clean shutdown means a restarted service still serves them.
         """
+        self._close_cluster(withdraw=True)
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
@@ -374,8 +410,9 @@ class TieredStore:
 
     def simulate_crash(self) -> None:
         """Stop the way kill -9 would, for tests of recovery: nothing drained, written
-        down or checkpointed (the superblocks stay dirty); only descriptors and memory
-        are released."""
+        down or checkpointed (the superblocks stay dirty, the cluster lease runs out); only
+        descriptors and memory are released."""
+        self._close_cluster(withdraw=False)
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
@@ -384,7 +421,13 @@ class TieredStore:
             self._flusher = None
         self._close_parts()
 
+    def _close_cluster(self, withdraw: bool) -> None:
+        if self.cluster is not None:
+            self.cluster.close(withdraw)
+            self.cluster = None
+
     def _close_parts(self) -> None:
+        self._close_cluster(withdraw=True)
         if self.disk is not None:
             self.disk.close()
             self.disk = None

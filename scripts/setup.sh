@@ -12,6 +12,13 @@ if ! command -v fio >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get 
         || echo "setup: could not install fio; kvstore bench will skip its fio comparison" >&2
 fi
 
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    # The cluster tests start their own redis-server on a loopback port; never a system
+    # service here (the package's unit is not started: there is no systemd to start it).
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
+        >/dev/null 2>&1 || echo "setup: could not install redis-server; the cluster tests will skip" >&2
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 py=.venv/bin/python
 if ! "$py" -c "import torch" >/dev/null 2>&1; then

@@ -13,11 +13,11 @@ from kvstore.config import load_config
 
 def run_engine(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
                *, single_process: bool = True, max_num_batched_tokens: int | None = None,
-               module_path: bool = False, expect_ok: bool = True) -> EngineRun:
+               module_path: bool = False, expect_ok: bool = True, kv_events: str | None = None) -> EngineRun:
     """A fresh engine process; single-process by default because it starts fastest."""
     return run_fresh(model, prompts_file, connector, single_process=single_process,
                      max_num_batched_tokens=max_num_batched_tokens, module_path=module_path,
-                     timeout_s=300, check=expect_ok)
+                     timeout_s=300, check=expect_ok, kv_events=kv_events)
 
 
 def service_client(store_config: dict[str, Any]) -> StoreClient:

@@ -1,0 +1,9 @@
+"""Several hosts sharing one NVMe-oF array: the cross-host index and read-only peer reads.
+
+  index.py         the Redis schema: chunk locations, hosts' leases; reads within a deadline
+  publisher.py     this host's disk-tier chunks into the index, from one background thread
+  peer_devices.py  peers' devices opened read-only: geometry, device ids, health
+  peer_reader.py   a peer's slot read into a destination and verified like a local record
+  node.py          the composition TieredStore talks to (`cluster` in the config)
+See docs/cluster.md.
+"""

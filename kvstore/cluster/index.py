@@ -1,0 +1,165 @@
+"""The cross-host index on Redis (or Valkey): which host holds which chunk, and where.
+
+Keys, all under `cluster.key_prefix` (P):
+  P c:<chunk key>  a hash: one field per host holding the chunk, host id -> Location
+  P h:<host id>    a set: the chunk keys that host has published (its own clean-up)
+  P l:<host id>    that host's lease: its generation (random per start), expiring
+
+Each host writes only its own fields, its own set and its own lease: no value has two
+writers and nothing is locked. An entry counts only while its host's lease lives and
+names the entry's generation, so a stopped host's entries die with its lease and a
+restarted host's old ones with its generation. Entries are hints: whoever reads the
+record checks it (peer_reader.py), so a stale entry costs a miss, never wrong KV.
+
+Reads have a short deadline and a backoff: an index that is down or slow makes lookups
+local-only at once, and for `index_backoff_s` they do not try it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvstore.config import ClusterConfig
+from kvstore.stats import Stats
+
+log = logging.getLogger(__name__)
+_LOCATION = struct.Struct("<QH8sIQ")  # generation, device, device id (first 8 bytes), slot, seq
+DEVICE_ID_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a host says a chunk is: its device (position in that host's block tier, and
+    the first bytes of its superblock's device id), the slot on it, the record's seq."""
+
+    generation: int
+    device: int
+    device_id: bytes
+    slot: int
+    seq: int
+
+    def pack(self) -> bytes:
+        return _LOCATION.pack(self.generation, self.device, self.device_id, self.slot, self.seq)
+
+    @staticmethod
+    def unpack(raw: bytes) -> Location | None:
+        if len(raw) != _LOCATION.size:
+            return None
+        return Location(*_LOCATION.unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHit:
+    host: str
+    location: Location
+
+
+class IndexKeys:
+    """The names of index keys under one prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.encode()
+
+    def chunk(self, key: bytes) -> bytes:
+        return self.prefix + b"c:" + key
+
+    def published(self, host: str) -> bytes:
+        return self.prefix + b"h:" + host.encode()
+
+    def lease(self, host: str) -> bytes:
+        return self.prefix + b"l:" + host.encode()
+
+
+def shown(url: str) -> str:
+    """The index URL with its password hidden, for logs and `kvstore info`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.hostname}"
+                                            + (f":{parts.port}" if parts.port else "")))
+
+
+def connect(url: str, timeout_s: float) -> redis.Redis:
+    """A client whose every command either answers within `timeout_s` or fails; no retries
+    (redis-py retries three times by default, which would triple a deadline)."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+class IndexReader:
+    """Batched lookups of chunk keys among the configured peers, within the deadline."""
+
+    def __init__(self, config: ClusterConfig, stats: Stats) -> None:
+        self.config = config
+        self.stats = stats
+        self.keys = IndexKeys(config.key_prefix)
+        self.peers = [peer.host_id for peer in config.peers]
+        self._redis = connect(config.index_url, config.index_deadline_s)
+        self._lock = threading.Lock()
+        self._skip_until = 0.0
+        self.last_error = ""
+
+    def locate(self, keys: Sequence[bytes]) -> dict[bytes, list[PeerHit]] | None:
+        """For each key some live peer holds, where (one pipeline: the peers' leases and one
+        HMGET per key). None: the index is skipped (backing off) or did not answer in time."""
+        if not keys or not self.peers:
+            return {}
+        if time.monotonic() < self._skip_until:
+            self.stats.add("peer.index_skipped")
+            return None
+        started = time.monotonic()
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.mget([self.keys.lease(host) for host in self.peers])
+            for key in keys:
+                pipe.hmget(self.keys.chunk(key), self.peers)
+            leases, *rows = pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            self._fail(str(exc) or type(exc).__name__)
+            return None
+        elapsed = time.monotonic() - started
+        self.stats.observe("peer.index", elapsed)
+        if elapsed > self.config.index_deadline_s:  # answered, but too late to count on
+            self._fail(f"answered in {elapsed * 1000:.0f} ms, past the deadline")
+        self.stats.add("peer.index_reads")
+        if self.last_error and elapsed <= self.config.index_deadline_s:
+            log.warning("cluster index %s answers again", shown(self.config.index_url))
+            self.last_error = ""
+        live = {host: int.from_bytes(lease, "little") for host, lease in zip(self.peers, leases, strict=True)
+                if lease is not None and len(lease) == 8}
+        found: dict[bytes, list[PeerHit]] = {}
+        for key, row in zip(keys, rows, strict=True):
+            hits = []
+            for host, raw in zip(self.peers, row, strict=True):
+                location = Location.unpack(raw) if raw is not None else None
+                if location is not None and live.get(host) == location.generation:
+                    hits.append(PeerHit(host, location))
+                elif raw is not None:
+                    self.stats.add("peer.index_expired")  # no lease, or an older generation
+            if hits:
+                found[key] = hits
+        return found
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            first = not self.last_error
+            self.last_error = why
+            self._skip_until = time.monotonic() + self.config.index_backoff_s
+        self.stats.add("peer.index_errors")
+        (log.warning if first else log.debug)(
+            "cluster index %s: %s; lookups are local only for %.1f s", shown(self.config.index_url), why,
+            self.config.index_backoff_s)
+
+    def close(self) -> None:
+        self._redis.close()

@@ -1,0 +1,163 @@
+"""This host in the cluster: what TieredStore calls when `cluster` is configured.
+
+- Its disk-tier chunks go into the index (publisher.py).
+- `lookup`: after the local tiers, one batched index read (index.py) for the rest of a
+  prompt, within the deadline; an entry counts if its host's lease lives and this host
+  can read the device it names.
+- `read`: those chunks read from the peers' devices and verified (peer_reader.py), and
+  promoted into DRAM like disk hits. A copy promoted from a peer is `held_elsewhere`:
+  when it leaves DRAM it is dropped, not written to this host's disk, so the array
+  keeps one copy of a chunk rather than one per host that read it.
+
+Answers are kept for RECENT_S: the scheduler asks about a waiting request at every
+step and its load follows its lookup, and neither needs another index round trip. A
+chunk that fails verification is forgotten at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.cluster.index import IndexReader, PeerHit, shown
+from kvstore.cluster.peer_devices import PeerDevices
+from kvstore.cluster.peer_reader import PeerReader
+from kvstore.cluster.publisher import IndexPublisher
+from kvstore.config import StoreConfig
+from kvstore.disk_tier import DiskTier
+from kvstore.host_tier import HostTier
+from kvstore.io.base import IoEngine
+from kvstore.prefetch_ledger import PrefetchLedger
+from kvstore.slots import Entry, Reservation
+from kvstore.staging import StagingPool
+from kvstore.stats import Stats
+
+RECENT_S = 1.0  # how long an index answer is reused
+RECENT_LIMIT = 1 << 16  # answers kept
+
+
+class ClusterNode:
+    def __init__(self, config: StoreConfig, *, disk: DiskTier | None, host: HostTier | None,
+                 engine: IoEngine, stats: Stats, staging: StagingPool, ledger: PrefetchLedger,
+                 chunk_bytes: int, slot_bytes: int, reserve_host: Callable[[bool], Reservation | None],
+                 background: bool = True) -> None:
+        assert config.cluster is not None
+        self.config = config.cluster
+        self.stats = stats
+        self.host = host
+        own = [d.path for d in config.disk] + ([p.path for p in disk.devices.plans if p.path]
+                                               if disk is not None else [])
+        self.devices = PeerDevices(self.config, own, engine, slot_bytes, config.io, start=background)
+        try:
+            self.index = IndexReader(self.config, stats)
+            self.publisher = IndexPublisher(self.config, disk, stats, start=background) if disk else None
+        except BaseException:
+            self.devices.close()
+            raise
+        self.reader = PeerReader(self.devices, engine, host, staging, stats, ledger,
+                                 chunk_bytes=chunk_bytes, slot_bytes=slot_bytes,
+                                 timeout_s=config.io.timeout_s, reserve_host=reserve_host,
+                                 promoted=self._from_peers_add)
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
+        self._from_peers: set[bytes] = set()  # DRAM copies of chunks a peer holds
+        if host is not None:
+            host.table.listeners.append(self._left_dram)
+
+    # -- queries -------------------------------------------------------------------
+
+    def locate(self, keys: Sequence[bytes]) -> dict[bytes, list[PeerHit]]:
+        """Where live peers hold `keys`, from recent answers or one index read."""
+        now = time.monotonic()
+        found: dict[bytes, list[PeerHit]] = {}
+        wanted = []
+        with self._lock:
+            for key in keys:
+                recent = self._recent.get(key)
+                if recent is None or now - recent[0] > RECENT_S:
+                    wanted.append(key)
+                elif recent[1]:
+                    found[key] = recent[1]
+        if not wanted:
+            return found
+        answer = self.index.locate(wanted)
+        if answer is None:  # index down or late: local only, and not remembered
+            return found
+        with self._lock:
+            for key in wanted:
+                self._recent[key] = (now, answer.get(key))
+                self._recent.move_to_end(key)
+            while len(self._recent) > RECENT_LIMIT:
+                self._recent.popitem(last=False)
+        found.update(answer)
+        return found
+
+    def readable(self, keys: Sequence[bytes]) -> dict[bytes, PeerHit]:
+        """For each of `keys` a live peer holds on a device in service here, that entry."""
+        found = {}
+        for key, hits in self.locate(keys).items():
+            hit = next((h for h in hits if not isinstance(self.devices.locate(h.host, h.location), str)),
+                       None)
+            if hit is not None:
+                found[key] = hit
+        return found
+
+    def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None]) -> list[str]:
+        """The tiers of the leading run of `keys` (the part of a prompt the local tiers
+        did not hold): local where they hold a chunk, else 'peer'."""
+        located = self.readable(keys)
+        tiers = []
+        for key in keys:
+            tier = local_tier(key) or ("peer" if key in located else None)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
+    def held_elsewhere(self, key: bytes) -> bool:
+        """A DRAM chunk whose disk copy is a peer's (run under the DRAM table's lock)."""
+        return key in self._from_peers
+
+    # -- reads -----------------------------------------------------------------------
+
+    def read(self, keys: Sequence[bytes], indices: Sequence[int], outs: Sequence[memoryview] | None,
+             promote: bool, ok: list[bool]) -> None:
+        """Serve keys[i] for i in `indices` from peers where the index places them."""
+        if not indices:
+            return
+        located = self.readable([keys[i] for i in indices])
+        hits = [(i, located[keys[i]]) for i in indices if keys[i] in located]
+        self.reader.read(keys, hits, outs, promote, ok)
+        with self._lock:
+            for i, _ in hits:
+                if not ok[i]:
+                    self._recent.pop(keys[i], None)  # ask the index again next time
+
+    def _from_peers_add(self, key: bytes) -> None:
+        self._from_peers.add(key)
+
+    def _left_dram(self, published: bool, entry: Entry) -> None:
+        """DRAM table listener (its lock held)."""
+        if not published:
+            self._from_peers.discard(entry.key)
+
+    # -- housekeeping ----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return {"host_id": self.config.host_id, "index_url": shown(self.config.index_url),
+                "index_error": self.index.last_error,
+                "generation": self.publisher.generation if self.publisher else None,
+                "peer_devices": self.devices.describe()}
+
+    def close(self, withdraw: bool = True) -> None:
+        """Stop publishing (`withdraw`: end the lease now, a clean stop) and reading."""
+        if self.host is not None:
+            with self.host.table.lock:
+                self.host.table.listeners.remove(self._left_dram)
+        if self.publisher is not None:
+            self.publisher.close(withdraw)
+        self.devices.close()
+        self.index.close()

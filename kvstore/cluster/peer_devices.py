@@ -1,0 +1,231 @@
+"""Peers' block-tier devices, opened read-only here: where a peer's slot lives, and
+whether that device serves.
+
+Device i of a peer is the i-th of its block tier as its config lists it (disk paths,
+then NVMe-oF namespaces), which is how its index entries number devices. Each is opened
+O_RDONLY | O_DIRECT and never locked: its owner holds the exclusive flock (and O_EXCL
+on a block device), which a read-only open neither needs nor disturbs. Its superblock
+gives the slot geometry and the device id an entry must name, so a reformatted or
+swapped device never matches. A peer is trusted as the index is: its records are
+served once they verify, like this host's own.
+
+Health is the local tier's (device_health.py): faults count toward the breaker, and a
+missed deadline takes the device out at once, so a dead peer device costs one
+deadline, then misses without I/O. The monitor thread probes NVMe-oF namespaces,
+re-reads the superblocks of devices in service (a peer may reformat one), and reopens
+those out of service once their probe passes and the breaker's cooldown is over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvstore.aligned import AlignedBuffer
+from kvstore.cluster.index import DEVICE_ID_BYTES, Location
+from kvstore.config import ClusterConfig, IoConfig
+from kvstore.device_health import OFFLINE, TRIPPED, DeviceHealth, Presence, is_fault
+from kvstore.devices import DATA_FILE, DevicePlan
+from kvstore.disk_layout import SB_COPIES, Superblock, parse_superblock
+from kvstore.errors import ConfigError, DeviceError
+from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
+from kvstore.nvmeof.tier import namespace_plans
+from kvstore.record import BLOCK
+from kvstore.units import format_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerDevice:
+    host: str
+    index: int  # its position in the peer's block tier
+    plan: DevicePlan
+    health: DeviceHealth
+    path: str | None = None  # what is open: the data file or the block device
+    fd: int = -1
+    sb: Superblock | None = None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class PeerDevices:
+    def __init__(self, config: ClusterConfig, own_paths: list[str], engine: IoEngine, slot_bytes: int,
+                 io: IoConfig, *, start: bool = True) -> None:
+        self.engine = engine
+        self.slot_bytes = slot_bytes
+        self.timeout_s = io.timeout_s
+        self.breaker_threshold = io.breaker_threshold
+        self.cooldown_s = io.breaker_cooldown_s
+        self._lock = threading.Lock()
+        self._abandoned: list[AlignedBuffer] = []  # superblock reads that missed their deadline
+        self.devices: dict[tuple[str, int], PeerDevice] = {}
+        own = {os.path.realpath(path) for path in own_paths}
+        try:
+            self._open_all(config, own)
+        except BaseException:
+            for device in self:
+                device.close()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvstore-peer-health", daemon=True)
+        if start:
+            self._thread.start()
+
+    def _open_all(self, config: ClusterConfig, own: set[str]) -> None:
+        for i, peer in enumerate(config.peers):
+            plans = [DevicePlan(d.path, d.capacity) for d in peer.disk]
+            if peer.nvmeof is not None:
+                try:
+                    plans += namespace_plans(peer.nvmeof)
+                except DeviceError as exc:
+                    raise ConfigError(f"cluster.peers[{i}].nvmeof", exc.path, str(exc)) from None
+            for j, plan in enumerate(plans):
+                if plan.path is not None and os.path.realpath(plan.path) in own:
+                    field = (f"disk[{j}].path" if j < len(peer.disk)
+                             else f"nvmeof.namespaces[{j - len(peer.disk)}]")
+                    raise ConfigError(f"cluster.peers[{i}].{field}", plan.label or plan.path,
+                                      "is one of this host's own devices")
+                label = f"{peer.host_id} {plan.label or plan.path}"
+                device = PeerDevice(peer.host_id, j, plan, DeviceHealth(label, plan.kind))
+                self.devices[(peer.host_id, j)] = device
+                problem = self._open(device, plan.path)
+                if problem is not None:
+                    device.health.take_out(OFFLINE, problem)
+                    log.warning("cluster: peer device %s not readable yet (%s); retried in the "
+                                "background", label, problem)
+
+    def __iter__(self) -> Iterator[PeerDevice]:
+        return iter(self.devices.values())
+
+    # -- the read path ---------------------------------------------------------------
+
+    def locate(self, host: str, location: Location) -> tuple[PeerDevice, int] | str:
+        """(device, byte offset) of an index entry's slot, or why it cannot be read."""
+        device = self.devices.get((host, location.device))
+        if device is None:
+            return "unlisted"  # a device this host's config does not list for that peer
+        sb = device.sb
+        if not device.health.in_service or sb is None:
+            return "unreachable"
+        if sb.device_id[:DEVICE_ID_BYTES] != location.device_id or location.slot >= sb.num_slots:
+            return "device_changed"
+        return device, sb.data_offset + location.slot * sb.slot_bytes
+
+    def account(self, device: PeerDevice, result: int, expected: int) -> None:
+        """Feed one read's result to the device's breaker; a missed deadline trips it."""
+        with self._lock:
+            health = device.health
+            tripped = health.record(is_fault(result, expected), self.breaker_threshold)
+            if health.in_service and (tripped or result == TIMED_OUT):
+                why = "deadline passed" if result == TIMED_OUT else (
+                    os.strerror(-result) if result < 0 else f"short transfer ({result} bytes)")
+                health.take_out(TRIPPED, why)
+                log.warning("cluster: peer device %s taken out of service (%s); its chunks are "
+                            "misses until it revalidates", health.label, why)
+
+    # -- opening, checking -------------------------------------------------------------
+
+    def _open(self, device: PeerDevice, path: str | None) -> str | None:
+        """Open `path` read-only and read its superblock; None when it serves, else why not."""
+        if path is None:
+            return "not present"
+        if os.path.isdir(path):
+            path = os.path.join(path, DATA_FILE)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            return f"cannot open {path} read-only: {exc.strerror}"
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+            os.close(fd)
+            return f"{path} is not a regular file or a block device"
+        sb, problem = self._superblock(fd)
+        if problem is not None:
+            os.close(fd)
+            return f"{path}: {problem}"
+        device.close()
+        device.path, device.fd, device.sb = path, fd, sb
+        return None
+
+    def _superblock(self, fd: int) -> tuple[Superblock | None, str | None]:
+        buffer = AlignedBuffer(SB_COPIES * BLOCK)
+        result = self.engine.run([IoRequest(fd, 0, [buffer.view[: SB_COPIES * BLOCK]])], self.timeout_s)[0]
+        if result == TIMED_OUT:
+            self._abandoned.append(buffer)  # the read may still land in it
+            return None, "superblock read missed its deadline"
+        try:
+            if result != SB_COPIES * BLOCK:
+                return None, f"superblock read failed ({os.strerror(-result) if result < 0 else result})"
+            copies = [parse_superblock(bytes(buffer.view[i * BLOCK : (i + 1) * BLOCK]))[1]
+                      for i in range(SB_COPIES)]
+        finally:
+            if result != TIMED_OUT:
+                buffer.close()
+        sb = next((c for c in copies if c is not None), None)
+        if sb is None:
+            return None, "no kvstore superblock (not formatted yet, or damaged)"
+        if sb.slot_bytes != self.slot_bytes:
+            return None, (f"formatted for {format_size(sb.chunk_bytes)} chunks; this store's slots "
+                          f"are {format_size(self.slot_bytes)}")
+        return sb, None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(self.cooldown_s, 1.0)):
+            try:
+                self.check_once()
+            except Exception:  # a monitor that dies silently would leave devices out forever
+                log.exception("cluster: peer device check failed; retrying next interval")
+
+    def check_once(self) -> None:
+        for device in self:
+            found = Presence(True)
+            if device.plan.probe is not None:
+                try:
+                    found = device.plan.probe()
+                except Exception as exc:
+                    found = Presence(False, f"probe failed: {exc}")
+            health = device.health
+            if health.in_service:
+                problem = found.why if not found.usable else None
+                if problem is None and found.path not in (None, device.plan.path, device.path):
+                    problem = f"moved to {found.path}"
+                if problem is None:
+                    sb, problem = self._superblock(device.fd)
+                    if sb is not None:
+                        device.sb = sb
+                if problem is not None:
+                    with self._lock:
+                        health.take_out(OFFLINE, problem)
+                    log.warning("cluster: peer device %s out of service: %s", health.label, problem)
+                continue
+            if not found.usable:
+                health.reason = found.why
+                continue
+            if health.state == TRIPPED and time.monotonic() - health.since < self.cooldown_s:
+                continue
+            problem = self._open(device, found.path or device.plan.path)
+            with self._lock:
+                if problem is None:
+                    health.put_back()
+                    log.warning("cluster: peer device %s readable", health.label)
+                else:
+                    health.reason = problem
+
+    def describe(self) -> list[dict[str, object]]:
+        return [{"host": d.host, "device": d.index, "path": d.path, **d.health.describe()} for d in self]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.timeout_s * 2 + 1)
+        for device in self:
+            device.close()

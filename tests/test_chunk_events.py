@@ -1,0 +1,73 @@
+"""Chunk events for KV-aware routers: the service's log of chunks entering and leaving
+each tier, read through the protocol, and joined with the engine's block hashes."""
+
+from __future__ import annotations
+
+import os
+
+from conftest import make_keys, make_payloads
+from engine_harness import stop_service
+
+from connectors.kv_events import ChunkCatalog
+from kvstore.chunk_events import ChunkEvents
+from kvstore.client import StoreClient
+from kvstore.config import load_config
+from kvstore.record import record_bytes
+from kvstore.slots import SlotTable
+
+CHUNK = 64 * 1024
+
+
+def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_dir):
+    config = {"tiers": {"host": {"capacity": 2 * record_bytes(CHUNK)},
+                        "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "4MiB"}]},
+              "service": {"socket": str(tmp_path / "kv.sock"), "staging": "1MiB"}}
+    try:
+        client = StoreClient(load_config(config), CHUNK)
+        cursor, lost, events = client.events(-1)
+        assert (lost, events) == (0, [])
+        keys, payloads = make_keys(3), make_payloads(3, chunk_bytes=CHUNK)
+        for i, payload in enumerate(payloads):
+            client.slot(i)[:] = payload
+        assert client.put(keys[:2], [0, 1]) == [True] * 2
+        assert client.put(keys[2:], [2], parent=keys[1]) == [True]  # DRAM holds 2: one moves down
+        cursor, lost, events = client.events(cursor)
+        assert lost == 0
+        stored = [(key, medium) for ok, key, medium in events if ok]
+        removed = [(key, medium) for ok, key, medium in events if not ok]
+        assert {medium for _, medium in stored} == {"kvstore-dram", "kvstore-disk"}
+        assert len([1 for _, m in stored if m == "kvstore-dram"]) == 3
+        (moved, _), = [(k, m) for k, m in stored if m == "kvstore-disk"]
+        assert removed == [(moved, "kvstore-dram")]  # demoted: on disk first, then out of DRAM
+        assert client.events(cursor) == (cursor, 0, [])
+        assert client.events(cursor + 10**6)[0] == cursor  # a cursor from an earlier service
+        client.close()
+    finally:
+        stop_service(config)
+
+
+def test_a_reader_that_falls_behind_is_told_how_much_it_lost():
+    events, table = ChunkEvents(capacity=2), SlotTable([8])
+    events._watch(table, lambda slot: "kvstore-dram")
+    for i in range(5):
+        with table.reserve() as reservation:
+            reservation.publish(bytes([i]) * 16, None, i)
+    cursor, lost, kept = events.since(0)
+    assert (cursor, lost) == (5, 3)
+    assert [key[0] for _, key, _ in kept] == [3, 4]
+
+
+def test_the_catalog_names_chunks_by_the_engines_block_hashes():
+    catalog = ChunkCatalog(chunk_tokens=4, block_size=2, capacity=2)
+    hashes = [f"h{i}".encode() for i in range(5)]  # the last chunk's blocks are not all hashed
+    keys = [b"a" * 16, b"b" * 16, b"c" * 16]
+    catalog.remember(keys, list(range(12)), hashes)
+    first, second = catalog.translate([(True, keys[0], "kvstore-dram"), (False, keys[1], "kvstore-disk"),
+                                       (True, keys[2], "kvstore-dram"), (True, b"z" * 16, "kvstore-dram")])
+    assert (first.stored, first.medium, first.blocks.block_hashes) == (True, "kvstore-dram", (b"h0", b"h1"))
+    assert first.blocks.parent_hash is None and list(first.blocks.token_ids) == [0, 1, 2, 3]
+    assert (second.stored, second.blocks.block_hashes, second.blocks.parent_hash) == \
+        (False, (b"h2", b"h3"), b"h1")
+    assert catalog.unknown == 2  # the unhashed chunk and one never seen
+    catalog.remember([b"d" * 16], [0] * 4, [b"x", b"y"])  # capacity 2: the oldest goes
+    assert catalog.translate([(True, keys[0], "kvstore-dram")]) == []

@@ -1,0 +1,319 @@
+"""Several hosts, one array: two real services (each its own device and host id) share
+chunks through a real redis-server, and a stale index, a stopped host, a dead device or
+a lost index costs misses, never wrong bytes or a hang."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import attached, make_keys, make_payloads, read_back
+from engine_harness import service_client, stop_service
+from redis_harness import redis_server  # noqa: F401 - a fixture
+
+from bench.loopdev import LoopDevices
+from kvstore.client import StoreClient
+from kvstore.config import load_config
+from kvstore.disk_layout import geometry
+from kvstore.errors import ConfigError
+from kvstore.fsck import fsck
+from kvstore.io import make_engine
+from kvstore.io.faulty import Fault, FaultyEngine
+from kvstore.record import record_bytes
+from kvstore.store import TieredStore
+
+redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e .)")
+
+CHUNK = 64 * 1024
+LEASE_S = 1.5
+DEADLINE_S = 0.2
+SLOTS = 4
+
+
+def capacity_for(slots: int) -> int:
+    """The smallest disk capacity that holds exactly `slots` records of CHUNK bytes."""
+    capacity = slots * record_bytes(CHUNK)
+    while geometry(capacity, record_bytes(CHUNK))[0] < slots:
+        capacity += 4096
+    return capacity
+
+
+def host_config(name: str, others: list[str], root: str, url: str, *, dram: str | None = None,
+                sockets: str | None = None, **extra) -> dict:
+    tiers: dict = {"disk": [{"path": os.path.join(root, name), "capacity": capacity_for(SLOTS)}]}
+    if dram:
+        tiers["host"] = {"capacity": dram}
+    config = {"tiers": tiers, "io": {"engine": "threads", "queue_depth": 8, "timeout_s": 0.5,
+                                     "breaker_cooldown_s": 0.3},
+              "cluster": {"host_id": name, "index_url": url, "lease_s": LEASE_S,
+                          "index_deadline_s": DEADLINE_S, "index_backoff_s": 0.3,
+                          "peers": [{"host_id": other, "disk": [{"path": os.path.join(root, other),
+                                                                 "capacity": capacity_for(SLOTS)}]}
+                                    for other in others]}, **extra}
+    if sockets:
+        config["service"] = {"socket": os.path.join(sockets, f"{name}.sock"), "staging": "1MiB"}
+    return config
+
+
+@pytest.fixture
+def hosts(tmp_path, disk_dir, redis_server):  # noqa: F811
+    """Host A's and host B's configs (each reads the other's device); their services stop
+    after the test."""
+    configs = {name: host_config(name, [other], disk_dir, redis_server.url, sockets=str(tmp_path))
+               for name, other in (("a", "b"), ("b", "a"))}
+    yield configs
+    for config in configs.values():
+        stop_service(config)
+
+
+def client(config: dict) -> StoreClient:
+    return StoreClient(load_config(config), CHUNK)
+
+
+def put(store: StoreClient, keys: list[bytes], payloads: list[np.ndarray]) -> list[bool]:
+    for i, payload in enumerate(payloads):
+        store.slot(i)[:] = payload
+    return store.put(keys, list(range(len(keys))))
+
+
+def get(store: StoreClient, keys: list[bytes]) -> tuple[list[bool], list[bytes]]:
+    ok = store.get(keys, list(range(len(keys))))
+    return ok, [bytes(store.slot(i)) for i in range(len(keys))]
+
+
+def counters(config: dict) -> dict[str, int]:
+    info = service_client(config)
+    try:
+        return info.info()["counters"]
+    finally:
+        info.close()
+
+
+def wait_for(condition, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s} s")
+        time.sleep(0.1)
+    return value
+
+
+def found(store: StoreClient, keys: list[bytes]) -> int:
+    return store.residency(keys)[0]
+
+
+def index_entry(url: str, key: bytes, host: str) -> bytes | None:
+    with redis.Redis.from_url(url) as r:
+        return r.hget(b"kvstore:c:" + key, host)
+
+
+def set_index_entry(url: str, key: bytes, host: str, raw: bytes) -> None:
+    with redis.Redis.from_url(url) as r:
+        r.hset(b"kvstore:c:" + key, host, raw)
+
+
+def test_b_loads_chunks_only_a_wrote(hosts):
+    a, b = client(hosts["a"]), client(hosts["b"])
+    keys, payloads = make_keys(SLOTS), make_payloads(SLOTS, chunk_bytes=CHUNK)
+    assert put(a, keys, payloads) == [True] * SLOTS
+    wait_for(lambda: found(b, keys) == SLOTS, what="B finding A's chunks")
+    ok, data = get(b, keys)
+    assert ok == [True] * SLOTS
+    assert data == [p.tobytes() for p in payloads]
+    read = counters(hosts["b"])
+    assert read["peer.hits"] == SLOTS and read["get.hits"] == SLOTS
+    info = b.info()
+    assert info["tiers"][0]["chunks"] == 0  # B's own device holds nothing: it read A's
+    (device,) = info["cluster"]["peer_devices"]
+    assert (device["host"], device["state"]) == ("a", "in_service")
+    assert "peer.hits" not in counters(hosts["a"])
+
+
+def test_an_overwritten_slot_or_a_stale_entry_is_a_miss_never_wrong_bytes(hosts, redis_server):  # noqa: F811
+    a, b = client(hosts["a"]), client(hosts["b"])
+    first, second = make_keys(SLOTS, seed=1), make_keys(SLOTS, seed=2)
+    payloads = make_payloads(SLOTS, seed=2, chunk_bytes=CHUNK)
+    assert put(a, first, make_payloads(SLOTS, seed=1, chunk_bytes=CHUNK)) == [True] * SLOTS
+    wait_for(lambda: found(b, first) == SLOTS, what="B finding A's chunks")
+    old = index_entry(redis_server.url, first[0], "a")
+    assert old is not None
+    assert put(a, second, payloads) == [True] * SLOTS  # A's 4 slots now hold other chunks
+    wait_for(lambda: index_entry(redis_server.url, first[0], "a") is None, what="A withdrawing")
+    # The withdrawal is lost (as if Redis had missed it): B is pointed at a reused slot.
+    set_index_entry(redis_server.url, first[0], "a", old)
+    time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
+    assert get(b, first[:1])[0] == [False]
+    assert counters(hosts["b"])["peer.miss.wrong_key"] == 1
+    # The right key, but not the copy the entry names (seq differs): also a miss.
+    from kvstore.cluster.index import Location
+
+    raw = index_entry(redis_server.url, second[0], "a")
+    location = Location.unpack(raw)
+    set_index_entry(redis_server.url, second[0], "a",
+                    dataclasses.replace(location, seq=location.seq + 1).pack())
+    assert get(b, second[:1])[0] == [False]
+    assert counters(hosts["b"])["peer.miss.stale"] == 1
+    set_index_entry(redis_server.url, second[0], "a", raw)  # the true entry: served
+    ok, data = get(b, second[:1])
+    assert ok == [True] and data[0] == payloads[0].tobytes()
+
+
+def test_a_stopped_host_is_ignored_once_its_lease_expires(hosts):
+    a, b = client(hosts["a"]), client(hosts["b"])
+    keys, payloads = make_keys(SLOTS, seed=3), make_payloads(SLOTS, seed=3, chunk_bytes=CHUNK)
+    assert put(a, keys, payloads) == [True] * SLOTS
+    wait_for(lambda: found(b, keys) == SLOTS, what="B finding A's chunks")
+    pid = a.info()["service_pid"]
+    a.close()
+    os.kill(pid, signal.SIGKILL)  # no clean stop: its lease is not withdrawn, it runs out
+    killed = time.monotonic()
+    wait_for(lambda: found(b, keys) == 0, timeout_s=LEASE_S + 3, what="B ignoring A")
+    assert time.monotonic() - killed < LEASE_S + 2
+    assert get(b, keys)[0] == [False] * SLOTS
+    assert counters(hosts["b"]).get("peer.index_expired", 0) > 0
+    assert fsck(hosts["a"]["tiers"]["disk"][0]["path"])["valid"] == SLOTS  # the records are intact
+    # A restarts: it recovers its device and publishes it under a new lease.
+    a = client(hosts["a"])
+    wait_for(lambda: found(b, keys) == SLOTS, what="B finding the restarted A's chunks")
+    ok, data = get(b, keys)
+    assert ok == [True] * SLOTS and data == [p.tobytes() for p in payloads]
+
+
+def test_with_the_index_paused_or_down_both_serve_their_own_within_the_deadline(hosts, redis_server):  # noqa: F811
+    a, b = client(hosts["a"]), client(hosts["b"])
+    own_a, own_b, unknown = make_keys(2, seed=4), make_keys(2, seed=5), make_keys(2, seed=6)
+    assert put(a, own_a, make_payloads(2, seed=4, chunk_bytes=CHUNK)) == [True, True]
+    assert put(b, own_b, make_payloads(2, seed=5, chunk_bytes=CHUNK)) == [True, True]
+    wait_for(lambda: found(b, own_a) == 2, what="B finding A's chunks")
+    for outage in (redis_server.pause, redis_server.stop):
+        outage()
+        for store, own in ((a, own_a), (b, own_b)):
+            for _ in range(3):  # the first pays the deadline; the next skip the index
+                started = time.monotonic()
+                assert found(store, own + unknown) == 2
+                assert time.monotonic() - started < DEADLINE_S + 0.3
+            assert get(store, own)[0] == [True, True]
+        time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
+        started = time.monotonic()
+        assert found(b, own_a) == 0  # A's chunks: no index, no answer; a miss in time
+        assert time.monotonic() - started < DEADLINE_S + 0.3
+        if outage == redis_server.pause:
+            redis_server.resume()
+            time.sleep(0.5)
+    assert counters(hosts["b"])["peer.index_errors"] >= 2
+    # An empty index comes back: each host publishes what its device holds again.
+    redis_server.restart()
+    wait_for(lambda: found(b, own_a) == 2, what="A's chunks back in the new index")
+    assert get(b, own_a)[0] == [True, True]
+
+
+def _store_pair(root: str, url: str, **b_options) -> tuple[TieredStore, TieredStore]:
+    a = TieredStore(host_config("a", ["b"], root, url), CHUNK, background=False)
+    b = TieredStore(host_config("b", ["a"], root, url, **b_options.pop("config", {})), CHUNK,
+                    background=False, **b_options)
+    return a, b
+
+
+def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, redis_server):  # noqa: F811
+    a, b = _store_pair(disk_dir, redis_server.url, config={"dram": f"{2 * record_bytes(CHUNK)}"})
+    try:
+        keys, payloads = make_keys(SLOTS, seed=7), make_payloads(SLOTS, seed=7, chunk_bytes=CHUNK)
+        a.put_many(keys, payloads)
+        a.cluster.publisher.step()
+        assert b.lookup(keys).tiers == ("peer",) * SLOTS
+        for _ in range(2):
+            ok, outs = read_back(b, keys)
+            assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        assert sorted(b.lookup(keys).tiers) == ["host", "host", "peer", "peer"]  # promoted, DRAM full
+        b.put_many(make_keys(2, seed=8), make_payloads(2, seed=8, chunk_bytes=CHUNK))  # evicts them
+        assert b.flush() and len(b.disk.table) == 0  # dropped, not written to B's disk
+        assert "host.demoted" not in b.stats.snapshot()
+    finally:
+        a.close()
+        b.close()
+    assert fsck(os.path.join(disk_dir, "b"))["valid"] == 2  # B's own two chunks, none of A's
+
+
+def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_server):  # noqa: F811
+    engine = FaultyEngine(make_engine("threads", 8))
+    a, b = _store_pair(disk_dir, redis_server.url, engine=engine)
+    try:
+        keys, payloads = make_keys(SLOTS, seed=9), make_payloads(SLOTS, seed=9, chunk_bytes=CHUNK)
+        a.put_many(keys, payloads)
+        a.cluster.publisher.step()
+        (device,) = b.cluster.devices
+        engine.add(Fault("hang", match=lambda request: request.fd == device.fd))
+        started = time.monotonic()
+        assert read_back(b, keys)[0] == [False] * SLOTS
+        assert 0.4 < time.monotonic() - started < 1.5  # one deadline (io.timeout_s 0.5)
+        assert device.health.state == "tripped"
+        assert b.lookup(keys).count == 0  # its chunks no longer count as present
+        started = time.monotonic()
+        assert read_back(b, keys)[0] == [False] * SLOTS
+        assert time.monotonic() - started < 0.1  # no I/O at all
+        engine.clear()
+        time.sleep(0.35)  # io.breaker_cooldown_s
+        b.cluster.devices.check_once()  # what the monitor thread does
+        assert device.health.state == "in_service"
+        ok, outs = read_back(b, keys)
+        assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+    finally:
+        engine.release()
+        a.close()
+        b.close()
+
+
+@pytest.mark.loopdev
+def test_a_peers_raw_block_device_is_read_while_its_owner_holds_it(tmp_path, redis_server):  # noqa: F811
+    """Raw block devices (loop devices standing in for two NVMe-oF namespaces): the owner
+    opens its own O_EXCL with a flock; a peer's read-only open needs neither."""
+    with attached(LoopDevices(str(tmp_path), 2, 8 << 20)) as loops:
+        def config(me: int) -> dict:
+            other = 1 - me
+            return {"tiers": {"disk": [{"path": loops.devices[me], "capacity": "4MiB"}]},
+                    "io": {"engine": "uring", "timeout_s": 5},
+                    "cluster": {"host_id": f"h{me}", "index_url": redis_server.url,
+                                "peers": [{"host_id": f"h{other}",
+                                           "disk": [{"path": loops.devices[other], "capacity": "4MiB"}]}]}}
+
+        a = TieredStore(config(0), CHUNK, background=False)
+        b = TieredStore(config(1), CHUNK, background=False)
+        try:
+            keys, payloads = make_keys(8, seed=10), make_payloads(8, seed=10, chunk_bytes=CHUNK)
+            assert a.put_many(keys, payloads) == [True] * 8
+            a.cluster.publisher.step()
+            ok, outs = read_back(b, keys)
+            assert ok == [True] * 8 and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_peer_device_that_is_this_hosts_own_is_refused(disk_dir):
+    config = host_config("a", ["b"], disk_dir, "redis://127.0.0.1:1/0")
+    config["cluster"]["peers"][0]["disk"][0]["path"] = os.path.join(disk_dir, "a")
+    with pytest.raises(ConfigError, match=r"cluster\.peers\[0\]\.disk\[0\]\.path.*this host's own"):
+        TieredStore(config, CHUNK, background=False)
+
+
+def test_an_index_that_lost_its_data_is_filled_again_at_the_next_renewal(disk_dir, redis_server):  # noqa: F811
+    a, b = _store_pair(disk_dir, redis_server.url)
+    try:
+        keys = make_keys(SLOTS, seed=11)
+        a.put_many(keys, make_payloads(SLOTS, seed=11, chunk_bytes=CHUNK))
+        a.cluster.publisher.step()
+        with redis.Redis.from_url(redis_server.url) as r:
+            r.flushall()  # what a restart without persistence leaves
+        time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
+        assert b.lookup(keys).count == 0
+        a.cluster.publisher._renewed = 0.0  # the renewal is due (every lease_s / 3)
+        assert a.cluster.publisher.step()  # the lease was gone: everything is published again
+        time.sleep(1.1)
+        assert b.lookup(keys).tiers == ("peer",) * SLOTS
+    finally:
+        a.close()
+        b.close()
