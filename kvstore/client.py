@@ -32,6 +32,7 @@ from kvstore.window import Window
 
 SPAWN_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 10.0
 
 
 class ServiceUnavailable(KVStoreError):
@@ -154,11 +155,11 @@ class StoreClient:
         self.slots = 0
         self._conn: P.Channel | None = connect(config)
         try:
-            # The first hello with a chunk size makes the store: opening the tiers and
-            # recovering their index can take far longer than a request.
+            # The first hello with a chunk size makes the store (opens the tiers, recovers
+            # their index): it may take longer than a short request deadline allows.
+            hello_timeout_s = max(self.timeout_s, HELLO_TIMEOUT_S) if chunk_bytes else self.timeout_s
             reply = self._request(P.Hello(P.PROTOCOL_VERSION, dump_config(config), chunk_bytes,
-                                          namespace, dtype, tuple(shape)),
-                                  max(self.timeout_s, SPAWN_TIMEOUT_S))
+                                          namespace, dtype, tuple(shape)), hello_timeout_s)
             if chunk_bytes is not None:
                 fd = self._conn.take_fd() if self._conn else None
                 if fd is None or not isinstance(reply, dict):
