@@ -34,7 +34,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "enforce_eager": True, "disable_log_stats": False, "seed": 0,
-        "enable_prefix_caching": not args.no_prefix_caching,
+        "enable_prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -102,10 +102,11 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
               *, single_process: bool = False, max_num_batched_tokens: int | None = None,
               max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
               check: bool = True, busy_file: str | Path | None = None,
-              hints_file: str | Path | None = None) -> EngineRun:
+              hints_file: str | Path | None = None, kv_cache_dtype: str = "auto") -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
-               "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
+               "--prompts", str(prompts_file), "--max-model-len", str(max_model_len),
+               "--kv-cache-dtype", kv_cache_dtype]
     if busy_file is not None:
         command += ["--busy", str(busy_file)]
     if hints_file is not None:
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     # instruction) on AMX machines when a fresh engine's first attention reads loaded KV.
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, ...)")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")
     parser.add_argument("--hints", help="JSON: per prompt, token ids to hint with it (or null)")
     return parser
