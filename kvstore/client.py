@@ -120,14 +120,15 @@ class StoreClient:
     With `chunk_bytes` None the client can only `lookup` and `info` (a scheduler).
     `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view) with chunk
     keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
+    `timeout_s`: each request's deadline (None: 2 x io.timeout_s).
     """
 
     def __init__(self, config: StoreConfig, chunk_bytes: int | None = None, *,
                  namespace: bytes = bytes(16), dtype: str = "uint8",
-                 shape: tuple[int, ...] = ()) -> None:
+                 shape: tuple[int, ...] = (), timeout_s: float | None = None) -> None:
         self.config = config
         self.chunk_bytes = chunk_bytes
-        self.timeout_s = 2 * config.io.timeout_s
+        self.timeout_s = 2 * config.io.timeout_s if timeout_s is None else timeout_s
         self.window: AlignedBuffer | None = None
         self.slots = 0
         if chunk_bytes is not None:
@@ -201,7 +202,7 @@ class StoreClient:
             self._conn.send((op, *args))
             if not self._conn.poll(self.timeout_s):
                 raise ServiceUnavailable(f"kvstore service gave no answer to '{op}' "
-                                         f"in {self.timeout_s:.0f} s")
+                                         f"in {self.timeout_s:g} s")
             status, value = self._conn.recv()
         except (OSError, EOFError) as exc:
             self.disconnect()
