@@ -90,6 +90,7 @@ class WorkerCore:
         self._loader = ServiceLink(make_client)
         self._saver = ServiceLink(make_client)
         self._loader.start()
+        self._saver.start()
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -246,8 +247,11 @@ class WorkerCore:
 
     def save(self, saves: Sequence[Transfer]) -> None:
         """Copy each chunk out of its blocks into a window slot, queueing the writes in
-        waves; wait for slots at most save_window_wait_s in all, then drop the rest."""
-        client = self._saver.get()
+        waves; wait for slots at most save_window_wait_s in all, then drop the rest.
+        Runs on the engine's thread, so it never connects: a save without a connected
+        saver is dropped, and the writer thread reconnects (the hello alone may take
+        the I/O deadline on a hung service)."""
+        client = self._saver.peek()
         if client is not None:
             with self._lock:
                 if self._window_owner is not client:
@@ -308,26 +312,27 @@ class WorkerCore:
                 self._slot_freed.notify_all()
 
     def _finish_save(self, done: _SaveDone) -> None:
-        """Count what was dropped, send pending counters to the service, report the save."""
+        """Report the save done, count what was dropped, and send pending counters to the
+        service (reconnecting the saver if it has no client)."""
         with self._lock:
+            self._done_saves.append(done.save_id)
             if done.dropped:
                 self.stats.add("save.dropped", done.dropped)
                 self._unreported["save.dropped"] += done.dropped
             counters = dict(self._unreported)
-        if counters and done.client is not None:
+        if done.dropped:
+            log.warning("kvstore: %d chunks of a save dropped (no save window slot within "
+                        "save_window_wait_s=%g s, or no service)", done.dropped, self.save_window_wait_s)
+        client = done.client if done.client is not None else self._saver.get()
+        if counters and client is not None:
             try:
-                done.client.count(counters)
+                client.count(counters)
             except KVStoreError as exc:
                 log.debug("kvstore: save counters not reported yet (%s)", exc)
             else:
                 with self._lock:
                     self._unreported.subtract(counters)
                     self._unreported = +self._unreported
-        if done.dropped:
-            log.warning("kvstore: %d chunks of a save dropped (save window full past "
-                        "save_window_wait_s=%g s)", done.dropped, self.save_window_wait_s)
-        with self._lock:
-            self._done_saves.append(done.save_id)
 
     def close(self) -> None:
         """Drain queued saves (bounded wait), then release both connections."""

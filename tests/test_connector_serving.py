@@ -185,7 +185,7 @@ def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tm
     worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False,
                         save_window_wait_s=0.5)
     try:
-        worker.save([save_transfer(0, 1, save_id=1)])  # connects the saver
+        worker.save([save_transfer(0, 1, save_id=1)])
         wait_done(worker, {1})
         with stopped(service):
             started = time.monotonic()
@@ -205,6 +205,26 @@ def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tm
     info = subprocess.run([sys.executable, "-m", "kvstore.cli", "info", "--config", str(config_file)],
                           capture_output=True, text=True, timeout=60)
     assert "save.dropped" in info.stdout + info.stderr
+
+
+def test_a_save_never_connects_on_the_engine_thread(service):
+    """A saver that lost its service reconnects on the writer thread: the hello to a hung
+    service may take the I/O deadline, which the forward loop must not wait for."""
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
+    try:
+        worker._saver.fail()  # as after a put that timed out
+        worker._saver._next_try = 0.0  # a reconnect is due
+        with stopped(service):
+            started = time.monotonic()
+            worker.save([save_transfer(0, 2, save_id=1)])
+            elapsed = time.monotonic() - started
+        wait_done(worker, {1})
+    finally:
+        worker.close()
+    assert elapsed < 0.2, elapsed
+    assert worker.stats.snapshot()["save.dropped"] == 2
 
 
 def test_a_hung_service_costs_a_lookup_its_short_deadline(service):
