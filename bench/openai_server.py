@@ -56,7 +56,7 @@ class OpenAIServer:
     """One server process; use as a context manager, or call start() and stop()."""
 
     def __init__(self, model: str | Path, args: list[str], log_path: str | Path, *,
-                 connector: dict[str, Any] | None = None, kv_cache_gib: float = 6,
+                 connector: dict[str, Any] | None = None, kv_cache_gib: int = 6,
                  env: dict[str, str] | None = None) -> None:
         self.model = str(model)
         self.port = free_port()
