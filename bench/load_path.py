@@ -9,9 +9,12 @@ bytes on the same machine (torch's copy_ on its intra-op threads, and a one-thre
 memcpy through numpy), plus each half on its own (where the time goes).
 
   python -m bench.load_path [--chunks 16] [--layers 32] [--kv-heads 8] [--head-dim 128]
-      [--chunk-tokens 256] [--block-size 128] [--repeats 5] [--fragmented] [--json out.json]
+      [--chunk-tokens 256] [--block-size 128] [--repeats 5]
+      [--blocks ascending|descending|shuffled] [--json out.json]
 
-Defaults: Llama-3-8B's float16 KV geometry, 32 MiB chunks, 512 MiB per load.
+Defaults: Llama-3-8B's float16 KV geometry, 32 MiB chunks, 512 MiB per load. --blocks
+is the order of the engine blocks loaded into: a fresh engine hands out ascending ids,
+blocks freed by an earlier request come back descending, a long-running one's are mixed.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _timed(repeats: int, action: Callable[[], None]) -> float:
 
 def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
         chunk_tokens: int = 256, block_size: int = 128, repeats: int = 5,
-        fragmented: bool = False, workdir: str | Path | None = None) -> dict[str, Any]:
+        blocks: str = "ascending", workdir: str | Path | None = None) -> dict[str, Any]:
     """Fill a DRAM-only service with `chunks` chunks, load them through the connector's
     worker code `repeats` times, and time the parts. Returns GiB/s figures and ratios."""
     blocks_per_chunk = chunk_tokens // block_size
@@ -68,7 +71,8 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
     target_caches = _caches(layers, num_blocks, kv_heads, block_size, head_dim, False)
     target = PagedKVLayout(target_caches, num_blocks, blocks_per_chunk)
     chunk_bytes = source.chunk_bytes
-    order = torch.randperm(num_blocks).tolist() if fragmented else list(range(num_blocks))
+    order = {"ascending": list(range(num_blocks)), "descending": list(range(num_blocks))[::-1],
+             "shuffled": torch.randperm(num_blocks).tolist()}[blocks]
     dest_blocks = tuple(tuple(order[c * blocks_per_chunk : (c + 1) * blocks_per_chunk])
                         for c in range(chunks))
     src_blocks = [tuple(range(c * blocks_per_chunk, (c + 1) * blocks_per_chunk)) for c in range(chunks)]
@@ -80,15 +84,15 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
             "tiers": {"host": {"capacity": (chunks + 2) * (chunk_bytes + (1 << 20))}},
             "service": {"socket": str(Path(tmp) / "kvstore.sock")}})
         try:
-            return _measure(config, source, target, src_blocks, dest_blocks, keys, repeats,
-                            fragmented)
+            return {**_measure(config, source, target, src_blocks, dest_blocks, keys, repeats),
+                    "blocks": blocks}
         finally:
             stop_service(config)
 
 
 def _measure(config: StoreConfig, source: PagedKVLayout, target: PagedKVLayout,
              src_blocks: list[tuple[int, ...]], dest_blocks: tuple[tuple[int, ...], ...],
-             keys: tuple[bytes, ...], repeats: int, fragmented: bool) -> dict[str, Any]:
+             keys: tuple[bytes, ...], repeats: int) -> dict[str, Any]:
     chunk_bytes, chunks = source.chunk_bytes, len(keys)
     writer = StoreClient(config, chunk_bytes)
     try:
@@ -142,7 +146,7 @@ def _measure(config: StoreConfig, source: PagedKVLayout, target: PagedKVLayout,
     copy_s = _timed(repeats, plain_copy)
     memcpy_s = _timed(repeats, memcpy)
     total = chunks * chunk_bytes / GIB
-    return {"chunk_bytes": chunk_bytes, "chunks": chunks, "gib": total, "fragmented": fragmented,
+    return {"chunk_bytes": chunk_bytes, "chunks": chunks, "gib": total,
             "torch_threads": torch.get_num_threads(), "window_slots": len(waves[0]),
             "load_gib_s": total / load_s, "get_gib_s": total / get_s,
             "scatter_gib_s": total / scatter_s, "copy_gib_s": total / copy_s,
@@ -160,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's CPU backend: 128")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--fragmented", action="store_true",
-                        help="load into shuffled block ids instead of consecutive ones")
+    parser.add_argument("--blocks", choices=("ascending", "descending", "shuffled"), default="ascending",
+                        help="order of the engine block ids loaded into")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     result = run(args.chunks, args.layers, args.kv_heads, args.head_dim, args.chunk_tokens,
-                 args.block_size, args.repeats, args.fragmented)
+                 args.block_size, args.repeats, args.blocks)
     print(f"{result['chunks']} chunks of {result['chunk_bytes'] / (1 << 20):.0f} MiB "
-          f"({result['gib']:.2f} GiB), {'fragmented' if args.fragmented else 'consecutive'} blocks, "
+          f"({result['gib']:.2f} GiB), {args.blocks} blocks, "
           f"{result['torch_threads']} torch threads")
     for label, key in (("load (service get + scatter)", "load_gib_s"), ("service get alone", "get_gib_s"),
                        ("scatter alone", "scatter_gib_s"), ("plain torch copy", "copy_gib_s"),

@@ -39,19 +39,33 @@ def block_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
     return candidates[0]
 
 
-def block_runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position in the chunk, first block id, count) of each run of consecutive block
-    ids, leaving SKIP positions out."""
-    runs: list[tuple[int, int, int]] = []
+def block_runs(blocks: Sequence[int], descending: bool = False) -> list[tuple[slice, slice]]:
+    """(positions in the chunk, block ids) as slices, for each run of consecutive block ids,
+    SKIP positions left out. With `descending`, runs may also count down (vLLM hands out
+    blocks freed by an earlier request in reverse order): slices with step -1, which
+    numpy takes and torch does not."""
+    runs: list[tuple[int, int, int, int]] = []  # position, first id, count, step
     for position, block in enumerate(blocks):
         if block == SKIP:
             continue
-        if runs and runs[-1][0] + runs[-1][2] == position and runs[-1][1] + runs[-1][2] == block:
-            start, first, count = runs[-1]
-            runs[-1] = (start, first, count + 1)
-        else:
-            runs.append((position, block, 1))
-    return runs
+        if runs:
+            start, first, count, step = runs[-1]
+            follows = start + count == position
+            if follows and count == 1 and descending and block == first - 1:
+                runs[-1] = (start, first, 2, -1)
+                continue
+            if follows and block == first + step * count:
+                runs[-1] = (start, first, count + 1, step)
+                continue
+        runs.append((position, block, 1, 1))
+    return [(slice(start, start + count), _ids(first, count, step)) for start, first, count, step in runs]
+
+
+def _ids(first: int, count: int, step: int) -> slice:
+    if step == 1:
+        return slice(first, first + count)
+    end = first - count
+    return slice(first, end if end >= 0 else None, -1)
 
 
 class PagedKVLayout:
@@ -90,10 +104,10 @@ class PagedKVLayout:
 
     def gather(self, blocks: Sequence[int], out: memoryview) -> None:
         """out[:] = the chunk's blocks of every layer (copy out of the engine)."""
-        runs = block_runs(blocks)
+        runs = block_runs(blocks, descending=self._on_host)
         for layer, part in zip(self._targets, self._parts(self._bytes(out), len(blocks)), strict=True):
-            for position, first, count in runs:
-                part[position : position + count] = layer[first : first + count]
+            for positions, ids in runs:
+                part[positions] = layer[ids]
 
     def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int]) -> None:
         """Write the chunk's bytes (host memory, or a uint8 tensor such as a device
@@ -102,10 +116,10 @@ class PagedKVLayout:
         if len(source) != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
             raise ShapeError(f"chunk of {len(source)} bytes / {len(blocks)} blocks does not fit "
                              f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
-        runs = block_runs(blocks)
+        runs = block_runs(blocks, descending=self._on_host)
         for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
-            for position, first, count in runs:
-                layer[first : first + count] = part[position : position + count]
+            for positions, ids in runs:
+                layer[ids] = part[positions]
 
     def _bytes(self, buffer: memoryview | torch.Tensor) -> Any:
         """A chunk buffer as a flat uint8 array of the kind the layers are (numpy or torch)."""
@@ -122,3 +136,4 @@ class PagedKVLayout:
             parts.append(chunk[offset : offset + size].reshape(num_blocks, *layer.shape[1:]))
             offset += size
         return parts
+
