@@ -12,13 +12,15 @@ its DRAM tier. Each mode runs in a fresh server (same seed, same requests).
       [--num-prefixes 12] [--prompts-per-prefix 3] [--output-len 16] [--max-concurrency 2]
       [--kv-cache-gib 1] [--workdir DIR] [--json out.json]
 
-  python -m bench.serving --long-prompt 8192 [--kv-cache-gib 6]
+  python -m bench.serving --long-prompt 8192 [--gap-s 5] [--kv-cache-gib 6]
 
 --long-prompt N starts one server with kvstore and --max-num-batched-tokens N, sends an
-N-token prompt (computed in one step: N / 256 chunks to save at once, four times what
+N-token prompt (computed in one step: at 8192, 32 chunks to save at once, four times what
 the default 256 MiB save window holds at 32 MiB per chunk), then the same prompt again
-after 5 s, and reports each request's cached tokens and wall time and the service's
-save.dropped. Without --model it builds the Llama-3-8B-geometry model (bench/tiny_model.py).
+--gap-s later (0: the moment the reply arrives), and reports each request's cached tokens
+and wall time, the service's save.dropped, and how long the second request was held for
+the first one's saves (save_wait.*). Without --model it builds the Llama-3-8B-geometry
+model (bench/tiny_model.py).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, Any]]:
 
 
 def long_prompt(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """One N-token prompt computed in one step, then sent again 5 s later."""
+    """One N-token prompt computed in one step, then sent again --gap-s later."""
     model = args.model or str(build_llama3_8b_geometry(workdir / "model-8b"))
     store = {"chunk_tokens": 256, "tiers": {"host": {"capacity": args.host_capacity}},
              "service": {"socket": str(workdir / "kvstore.sock")}}
@@ -99,14 +101,16 @@ def long_prompt(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         with OpenAIServer(model, server_args, workdir / "server-long.log", connector={"config": store},
                           kv_cache_gib=args.kv_cache_gib) as server:
             first = server.complete(prompt, max_tokens=1, timeout_s=args.timeout_s)
-            time.sleep(5)
+            time.sleep(args.gap_s)
             second = server.complete(prompt, max_tokens=1, timeout_s=args.timeout_s)
         counters = (service_info(load_config(store)) or {}).get("counters", {})
     finally:
         stop_service(load_config(store))
-    return {"prompt_tokens": tokens, "first_cached": first.cached_tokens, "first_s": first.seconds,
-            "second_cached": second.cached_tokens, "second_s": second.seconds,
-            "save_dropped": counters.get("save.dropped", 0)}
+    return {"prompt_tokens": tokens, "gap_s": args.gap_s, "first_cached": first.cached_tokens,
+            "first_s": first.seconds, "second_cached": second.cached_tokens, "second_s": second.seconds,
+            "save_dropped": counters.get("save.dropped", 0),
+            "save_wait_requests": counters.get("save_wait.requests", 0),
+            "save_wait_ms": counters.get("save_wait.ms", 0)}
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=1800, help="deadline of each client run")
     parser.add_argument("--workdir", help="keep models, logs and results here (default: a temporary one)")
     parser.add_argument("--long-prompt", type=int, help="measure one N-token prompt instead (see above)")
+    parser.add_argument("--gap-s", type=float, default=5.0, help="--long-prompt: seconds between the two")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
