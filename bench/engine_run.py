@@ -12,7 +12,8 @@ Prompts run one at a time (TTFT of a request alone), unless --busy names prompts
 submit first: then the busy prompts and all measured prompts go in at once, and the
 measured ones queue behind a busy engine (results are for the measured ones only).
 
-prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "ttft_s": t}, ...]}
+prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "logprobs": [...], "ttft_s": t}, ...]}
+(logprobs: of each generated token, for comparisons finer than the tokens)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "enforce_eager": True, "disable_log_stats": False, "seed": 0,
-        "enable_prefix_caching": not args.no_prefix_caching,
+        "enable_prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.prompts) as f:
         prompts = json.load(f)
     llm = LLM(**_engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     if args.busy:
         with open(args.busy) as f:
             busy = json.load(f)
@@ -93,8 +94,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _result(output: Any, wall: float) -> dict[str, Any]:
     """TTFT from the request's arrival (vLLM's own metric), which includes queueing."""
     ttft = getattr(output.metrics, "first_token_latency", 0.0) or wall
-    return {"token_ids": list(output.outputs[0].token_ids), "num_cached_tokens": output.num_cached_tokens,
-            "ttft_s": ttft, "wall_s": wall}
+    completion = output.outputs[0]
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids,
+                                                           strict=False)]
+    return {"token_ids": list(completion.token_ids), "num_cached_tokens": output.num_cached_tokens,
+            "logprobs": logprobs, "ttft_s": ttft, "wall_s": wall}
 
 
 @dataclass
@@ -108,10 +112,12 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
               *, single_process: bool = False, max_num_batched_tokens: int | None = None,
               max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
               check: bool = True, busy_file: str | Path | None = None,
-              hints_file: str | Path | None = None, kv_events: str | None = None) -> EngineRun:
+              hints_file: str | Path | None = None, kv_events: str | None = None,
+              kv_cache_dtype: str = "auto", dtype: str = "float16") -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
-               "--prompts", str(prompts_file), "--max-model-len", str(max_model_len)]
+               "--prompts", str(prompts_file), "--max-model-len", str(max_model_len),
+               "--kv-cache-dtype", kv_cache_dtype, "--dtype", dtype]
     if busy_file is not None:
         command += ["--busy", str(busy_file)]
     if hints_file is not None:
@@ -167,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     # instruction) on AMX machines when a fresh engine's first attention reads loaded KV.
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, ...)")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")
     parser.add_argument("--hints", help="JSON: per prompt, token ids to hint with it (or null)")
     parser.add_argument("--kv-events", help="publish KV events over ZMQ at this endpoint (e.g. "

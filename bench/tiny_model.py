@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama and a locally trained tokenizer, built on demand.
+"""Tiny random-weight models (Llama, Gemma-3) and a locally trained tokenizer, built on demand.
 
 No model can be downloaded on CI machines, and the product must still be shown on a
 real vLLM engine: this builds one in a directory (a few MB, a few seconds), with a
@@ -9,26 +9,88 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 _SYLLABLES = ("ka", "lo", "mi", "nu", "re", "sa", "ti", "vo", "ze", "qu", "ph", "ch")
 MARKER = "kvstore-tiny-llama.json"
 
 
 def build_tiny_llama(directory: str | Path, *, layers: int = 2, hidden: int = 256,
-                     kv_heads: int = 2, heads: int = 4, vocab: int = 512,
-                     max_positions: int = 32768, seed: int = 0) -> Path:
-    """Write the model and tokenizer into `directory` (reused if already built)."""
+                     kv_heads: int = 2, heads: int = 4, head_dim: int | None = None,
+                     vocab: int = 512, max_positions: int = 32768, seed: int = 0) -> Path:
+    """Write the model and tokenizer into `directory` (reused if already built).
+    `head_dim` None: hidden // heads (Llama's default)."""
+    spec = {"layers": layers, "hidden": hidden, "kv_heads": kv_heads, "heads": heads,
+            "head_dim": head_dim, "vocab": vocab, "max_positions": max_positions, "seed": seed}
+    return _build(directory, "llama", spec)
+
+
+def build_tiny_gemma3(directory: str | Path, *, layers: int = 3, sliding_window: int = 256,
+                      seed: int = 0) -> Path:
+    """A Gemma-3-style text model: two sliding-window layers, then one full-attention
+    layer (repeating), which vLLM's hybrid KV cache manager splits into KV cache groups."""
+    spec = {"layers": layers, "hidden": 256, "kv_heads": 2, "heads": 4, "head_dim": 64, "vocab": 512,
+            "max_positions": 32768, "seed": seed, "sliding_window": sliding_window}
+    return _build(directory, "gemma3", spec)
+
+
+def build_llama3_8b_geometry(directory: str | Path) -> Path:
+    """Llama-3-8B's KV geometry (32 layers, 8 KV heads, head_dim 128: 128 KiB of float16
+    KV per token, 32 MiB per 256-token chunk) around a tiny hidden size, so the connector
+    moves the bytes a real 8B model would while a prefill stays affordable on a CPU."""
+    return build_tiny_llama(directory, layers=32, hidden=256, heads=8, kv_heads=8, head_dim=128)
+
+
+def prompt_token_ids(count: int, seed: int = 1, vocab: int = 512) -> list[int]:
+    """A deterministic prompt of `count` token ids (skipping the special ids 0-2)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(count)]
+
+
+def _build(directory: str | Path, kind: str, spec: dict[str, Any]) -> Path:
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = Path(directory)
-    spec = {"layers": layers, "hidden": hidden, "kv_heads": kv_heads, "heads": heads,
-            "vocab": vocab, "max_positions": max_positions, "seed": seed}
     marker = path / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == spec:
+    if marker.exists() and json.loads(marker.read_text()) == {**spec, **_kind(kind)}:
         return path
     path.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(path, spec["vocab"])
+    torch.manual_seed(spec["seed"])
+    model = _model(kind, spec).to(torch.bfloat16)
+    model.save_pretrained(path)
+    marker.write_text(json.dumps({**spec, **_kind(kind)}))
+    return path
+
+
+def _kind(kind: str) -> dict[str, str]:
+    """Llama markers carry no kind, so models built before Gemma existed are reused."""
+    return {} if kind == "llama" else {"kind": kind}
+
+
+def _model(kind: str, spec: dict[str, Any]) -> Any:
+    common = {"vocab_size": spec["vocab"], "hidden_size": spec["hidden"],
+              "intermediate_size": 2 * spec["hidden"], "num_hidden_layers": spec["layers"],
+              "num_attention_heads": spec["heads"], "num_key_value_heads": spec["kv_heads"],
+              "head_dim": spec["head_dim"] or spec["hidden"] // spec["heads"],
+              "max_position_embeddings": spec["max_positions"], "bos_token_id": 1, "eos_token_id": 2,
+              "torch_dtype": "bfloat16"}
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layer_types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(spec["layers"])]
+    return Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=spec["sliding_window"], pad_token_id=0,
+                                              layer_types=layer_types, **common))
+
+
+def _save_tokenizer(path: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -38,22 +100,3 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, hidden: int = 25
     tokenizer.train_from_iterator(corpus, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                         torch_dtype="bfloat16")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    marker.write_text(json.dumps(spec))
-    return path
-
-
-def prompt_token_ids(count: int, seed: int = 1, vocab: int = 512) -> list[int]:
-    """A deterministic prompt of `count` token ids (skipping the special ids 0-2)."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(count)]

@@ -41,6 +41,11 @@ class ServiceLink:
                 self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
         return self._client
 
+    def peek(self) -> StoreClient | None:
+        """The connected client, or None; never connects (for a thread that must not
+        wait on a service: the engine's, between forward passes)."""
+        return self._client
+
     def fail(self) -> None:
         """Forget a client whose service stopped answering. Only its connection is
         closed: another thread may still be copying through its window, which is

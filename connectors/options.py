@@ -16,7 +16,7 @@ from pydantic import Field
 from connectors.prefetch import PrefetchPolicy
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import ConfigError
-from kvstore.schema import Bool, Refused, Schema, Text, size, validate
+from kvstore.schema import Bool, Refused, Schema, Text, seconds, size, validate
 
 
 class ConnectorOptions(Schema):
@@ -45,6 +45,17 @@ class ConnectorOptions(Schema):
         0, description="bytes of a device-memory pool (HBM; CPU memory on the CPU engine) per worker "
                        "into which arriving requests' chunks are staged; loads copy them device to "
                        "device (connectors/device_staging.py); 0: off")
+    lookup_timeout_s: Annotated[float, seconds()] = Field(
+        1.0, description="deadline of one scheduler lookup (it runs on the scheduler's thread): a slow "
+                         "or hung service costs a request at most this, then a miss")
+    wait_for_saves_s: Annotated[float, seconds(zero=True)] = Field(
+        5.0, description="the longest a request is held (asked again later) while chunks of its prefix "
+                         "that an earlier request computed are still on their way to the store; 0: "
+                         "never held")
+    save_window_wait_s: Annotated[float, seconds(zero=True)] = Field(
+        2.0, description="the longest one step waits for free window slots when it computed more "
+                         "chunks than the window holds (saves go in waves); past it the rest is "
+                         "dropped, counted in `save.dropped`")
 
     @classmethod
     def written_keys(cls) -> set[str]:

@@ -19,12 +19,15 @@ class Transfer:
     keys[rank][i] is chunk i's key in tensor-parallel rank `rank`'s namespace;
     parents[rank] is the key before chunk 0 (None for a prompt's first chunk);
     blocks[i] lists the engine block ids chunk i occupies, in token order.
+    A save has a `save_id`, by which each worker reports it done (stored or given up),
+    so the scheduler knows which chunks are still on their way to the store.
     """
 
     req_id: str
     keys: tuple[tuple[bytes, ...], ...]
     parents: tuple[bytes | None, ...]
     blocks: tuple[tuple[int, ...], ...]
+    save_id: int = 0
 
     @property
     def num_chunks(self) -> int:

@@ -12,11 +12,17 @@ Invariants (each holds per request):
 - With a prefetch policy, a request's arrival starts promoting its stored chunks to
   DRAM, and the policy (connectors/prefetch.py) decides whether the scheduler asks
   again later and how many stored chunks to count; never a blocking wait.
+- A save is in flight from the step that plans it until every worker reports it done
+  (stored, or given up). A request whose next chunk after the stored run is in flight
+  is held ("ask again later") until it lands, at most `wait_for_saves_s`: a follow-up
+  sent the moment its predecessor's reply arrives still finds that prompt's chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from connectors.plan import SKIP, Stage, StepPlan, Transfer
@@ -36,18 +42,28 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Saving:
+    keys: tuple[bytes, ...]  # rank 0's keys of the save's chunks
+    reports: int = 0  # workers (tensor-parallel ranks) that reported it done
+
+
 class SchedulerCore:
     """Per-request bookkeeping behind get_num_new_matched_tokens and friends.
 
     `lookup(keys, prefetch)` says what the store holds of one rank's keys;
     `namespaces(salt)` gives one namespace per tensor-parallel rank for a request's
     salt. `prefetch` None: no promotion, every stored chunk counts at once.
+    Counters (take_counters): save_wait.requests held for in-flight saves, the time
+    they were held (save_wait.ms), and those that stopped waiting at the deadline
+    (save_wait.expired), besides the prefetch policy's.
     """
 
     def __init__(self, chunk_tokens: int, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]],
                  lookup: Lookup, load_async: bool, prefetch: PrefetchPolicy | None = None,
-                 stage_on_arrival: bool = False) -> None:
+                 stage_on_arrival: bool = False, wait_for_saves_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
@@ -59,6 +75,15 @@ class SchedulerCore:
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan(load_async=load_async)
+        self.wait_for_saves_s = wait_for_saves_s
+        self._clock = clock
+        self._num_ranks = len(namespaces(""))
+        self._saves: dict[int, _Saving] = {}  # in flight, by save_id
+        self._in_flight: Counter[bytes] = Counter()  # rank 0 key -> saves of it in flight
+        self._last_save_id = 0
+        self._held_since: dict[str, float] = {}  # requests held for in-flight saves
+        self._released: set[str] = set()  # requests whose hold has ended
+        self.counters: Counter[str] = Counter()
 
     def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
@@ -87,10 +112,14 @@ class SchedulerCore:
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
                                salt: str = "") -> int | None:
         """Tokens beyond `num_computed` (the engine's own hit) that the store can supply,
-        or None: the prefetch policy holds the request, ask again later."""
+        or None: saves of its next chunks are in flight, or the prefetch policy holds
+        the request; ask again later."""
         arrived = self._arrived.get(req_id)
         keys = arrived if arrived is not None else self._keys(prompt, salt)
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None)
+        if self._held_for_saves(req_id, keys[0], residency.stored):
+            self._arrived[req_id] = keys
+            return None
         usable = residency.stored
         if self.prefetch is not None:
             decided = self.prefetch.decide(req_id, residency, len(prompt))
@@ -101,6 +130,47 @@ class SchedulerCore:
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
         self._requests[req_id] = _Request(keys, len(prompt), load_end, saved_chunks=residency.stored)
         return max(0, load_end - num_computed)
+
+    def _held_for_saves(self, req_id: str, keys: list[bytes], stored: int) -> bool:
+        """True while the chunk after the stored run is being saved by this engine, for
+        at most wait_for_saves_s from the first ask; a request is held once at most."""
+        if self.wait_for_saves_s <= 0 or req_id in self._released:
+            return False
+        now = self._clock()
+        in_flight = stored < len(keys) and self._in_flight.get(keys[stored], 0) > 0
+        held_since = self._held_since.get(req_id)
+        if in_flight and (held_since is None or now - held_since < self.wait_for_saves_s):
+            self._held_since.setdefault(req_id, now)
+            return True
+        if held_since is not None:  # the hold ends: the saves landed, or the deadline passed
+            del self._held_since[req_id]
+            self._released.add(req_id)
+            self.counters["save_wait.requests"] += 1
+            self.counters["save_wait.ms"] += round((now - held_since) * 1000)
+            self.counters["save_wait.expired"] += int(in_flight)
+        return False
+
+    def saves_done(self, save_ids: Iterable[int]) -> None:
+        """Workers report saves done (one report per rank); a save leaves the in-flight
+        set once every rank has reported it."""
+        for save_id in save_ids:
+            saving = self._saves.get(save_id)
+            if saving is None:
+                continue
+            saving.reports += 1
+            if saving.reports >= self._num_ranks:
+                del self._saves[save_id]
+                for key in saving.keys:
+                    self._in_flight[key] -= 1
+                    if self._in_flight[key] <= 0:
+                        del self._in_flight[key]
+
+    def take_counters(self) -> dict[str, int]:
+        """Counters since the last call (this core's and its prefetch policy's)."""
+        counters, self.counters = self.counters, Counter()
+        if self.prefetch is not None:
+            counters.update(self.prefetch.take_counters())
+        return dict(counters)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """Blocks are allocated: plan the load of the last `num_external` tokens of the hit
@@ -135,7 +205,11 @@ class SchedulerCore:
             return
         first = request.saved_chunks
         blocks = [self._chunk_blocks(request, chunk) for chunk in range(first, done)]
-        self._plan.saves.append(self._transfer(req_id, request, first, blocks))
+        self._last_save_id += 1
+        save = self._transfer(req_id, request, first, blocks, save_id=self._last_save_id)
+        self._plan.saves.append(save)
+        self._saves[save.save_id] = _Saving(save.keys[0])
+        self._in_flight.update(save.keys[0])
         request.saved_chunks = done
 
     def take_plan(self) -> StepPlan:
@@ -148,6 +222,8 @@ class SchedulerCore:
         next turn of its conversation starts with them)."""
         request = self._requests.pop(req_id, None)
         self._arrived.pop(req_id, None)
+        self._held_since.pop(req_id, None)
+        self._released.discard(req_id)
         if self.prefetch is None:
             return
         self.prefetch.forget(req_id)
@@ -164,11 +240,12 @@ class SchedulerCore:
 
     @staticmethod
     def _transfer(req_id: str, request: _Request, first: int,
-                  blocks: list[tuple[int, ...]]) -> Transfer:
+                  blocks: list[tuple[int, ...]], save_id: int = 0) -> Transfer:
         end = first + len(blocks)
         return Transfer(
             req_id=req_id,
             keys=tuple(tuple(rank_keys[first:end]) for rank_keys in request.keys),
             parents=tuple(rank_keys[first - 1] if first else None for rank_keys in request.keys),
             blocks=tuple(blocks),
+            save_id=save_id,
         )

@@ -1,7 +1,9 @@
 """Worker-side transfers: chunks between the store's staging window and KV blocks.
 
 Loads: the service fills window slots (DRAM copy or O_DIRECT read, checksummed),
-then the layout scatters each verified chunk into its blocks. A chunk that did
+then the layout scatters each verified chunk into its blocks, in waves of half the
+window: a fetch thread has the service fill one half while the other is scattered,
+so the service's copy and the scatter run at once. A chunk that did
 not verify, went missing or timed out is reported by its block ids, and the
 engine recomputes those tokens. With `load_async`, loads run on a thread while
 the request waits outside the batch; otherwise before the forward pass.
@@ -10,10 +12,16 @@ With a device staging pool (connectors/device_staging.py), chunks a request's ar
 asked to stage are fetched ahead by a thread of their own, and a load copies those
 from the pool (device to device), asking the service only for the others.
 
-Saves never block the forward pass beyond one copy: after the step, each chunk's
-blocks are gathered into a free window slot (copy out), and a writer thread hands
-the slots to the service (write behind). With no free slot the rest of that run
-is dropped and counted: a dropped save is only a future miss.
+Saves copy out within their step, since a block may be reused once the step ends:
+each chunk's blocks are gathered into a free window slot, and a writer thread hands
+the slots to the service (write behind), in waves of at most half the window so the
+copy-out of one wave overlaps the write of the previous. A step that computed more
+chunks than the window holds waits for slots to come back, at most
+`save_window_wait_s` per step (and not at all while the writer is stuck, i.e. since
+a wait ran out no slot came back); what does not fit is dropped and counted
+(`save.dropped`, sent to the service's counters). A dropped save is only a future miss.
+Each save is reported done (stored or given up) by its save_id, in the writer's order,
+so the scheduler knows when its chunks stopped being in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import atexit
 import logging
 import queue
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,11 +67,22 @@ class _Write:
     parent: bytes | None
 
 
+@dataclass(frozen=True)
+class _SaveDone:
+    """Queued after a save's writes: the save is over once the writer reaches it."""
+
+    save_id: int
+    dropped: int  # chunks that never got a window slot
+    client: StoreClient | None  # the saver's client, to report counters through
+
+
 class WorkerCore:
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient],
-                 load_async: bool, staging: DeviceStagingPool | None = None) -> None:
+                 load_async: bool, staging: DeviceStagingPool | None = None,
+                 save_window_wait_s: float = 2.0) -> None:
         self.layout = layout
         self.rank = rank
+        self.save_window_wait_s = save_window_wait_s
         self.stats = Stats()
         self.staging = staging
         self._stager = ServiceLink(make_client) if staging is not None else None
@@ -69,15 +90,21 @@ class WorkerCore:
         self._loader = ServiceLink(make_client)
         self._saver = ServiceLink(make_client)
         self._loader.start()
+        self._saver.start()
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
+        self._fetcher = ThreadPoolExecutor(1, "kvstore-fetch")  # the next wave's get
         # Free slots of one client's window; a new client (after a failure) brings a
         # new window, and slots of the old one are never handed out again.
         self._window_owner: StoreClient | None = None
         self._free_slots: list[int] = []
-        self._writes: queue.Queue[_Write | None] = queue.Queue()
+        self._slot_freed = threading.Condition(self._lock)
+        self._stalled = False  # a wait for a slot ran out and no slot has come back since
+        self._done_saves: list[int] = []
+        self._unreported: Counter[str] = Counter()  # counters not yet sent to the service
+        self._writes: queue.Queue[_Write | _SaveDone | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-save", daemon=True)
         self._writer.start()
         # Engines do not always call shutdown before exiting; queued saves must still land.
@@ -125,15 +152,11 @@ class WorkerCore:
             pending = [i for i in range(transfer.num_chunks) if not self._load_staged(keys[i],
                                                                                       transfer.blocks[i])]
             client = self._loader.get() if pending else None
-            wave = client.slots if client else 1
-            for start in range(0, len(pending), wave):
-                chunks = pending[start : start + wave]
-                found = self._get(client, [keys[i] for i in chunks])
-                for slot, (i, ok) in enumerate(zip(chunks, found, strict=True)):
-                    if ok and client is not None:
-                        self.layout.scatter(client.slot(slot), transfer.blocks[i])
-                    else:
-                        failed.extend(b for b in transfer.blocks[i] if b != SKIP)
+            if client is None:
+                failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
+            else:
+                failed = self._load_waves(client, [keys[i] for i in pending],
+                                          [transfer.blocks[i] for i in pending])
             self.stats.add("load.chunks", transfer.num_chunks)
             self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         except Exception:  # never let a load bug kill the engine: recompute instead
@@ -146,6 +169,37 @@ class WorkerCore:
                 self._failed_blocks.update(failed)
             if report_finished:
                 self._finished_loads.add(transfer.req_id)
+
+    def _load_waves(self, client: StoreClient, keys: list[bytes],
+                    blocks: list[tuple[int, ...]]) -> list[int]:
+        """Fetch and scatter `keys` in waves of half the window, the next wave's fetch
+        running while this one is scattered. Returns the block ids that did not load."""
+        half = max(1, client.slots // 2)
+        ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
+        waves = [range(start, min(start + half, len(keys))) for start in range(0, len(keys), half)]
+
+        def fetch(k: int) -> list[bool]:
+            first_slot = half * (k % 2) if ahead else 0
+            return self._get(client, [keys[i] for i in waves[k]], first_slot)
+
+        failed: list[int] = []
+        next_fetch = self._fetcher.submit(fetch, 0)
+        try:
+            for k, wave in enumerate(waves):
+                found = next_fetch.result()
+                if ahead and k + 1 < len(waves):
+                    next_fetch = self._fetcher.submit(fetch, k + 1)
+                first_slot = half * (k % 2) if ahead else 0
+                for slot, (i, ok) in enumerate(zip(wave, found, strict=True), start=first_slot):
+                    if ok:
+                        self.layout.scatter(client.slot(slot), blocks[i])
+                    else:
+                        failed.extend(b for b in blocks[i] if b != SKIP)
+                if not ahead and k + 1 < len(waves):
+                    next_fetch = self._fetcher.submit(fetch, k + 1)
+        finally:
+            next_fetch.result()  # never leave a fetch writing the window (bounded by its deadline)
+        return failed
 
     def _report_staging(self, staged: int, loaded: int) -> None:
         """Tell the service how much of this load the device pool served (its counters
@@ -171,11 +225,9 @@ class WorkerCore:
         self.stats.add("staging.hits")
         return True
 
-    def _get(self, client: StoreClient | None, keys: Sequence[bytes]) -> list[bool]:
-        if client is None:
-            return [False] * len(keys)
+    def _get(self, client: StoreClient, keys: Sequence[bytes], first_slot: int) -> list[bool]:
         try:
-            return client.get(keys, range(len(keys)))
+            return client.get(keys, range(first_slot, first_slot + len(keys)))
         except KVStoreError as exc:
             log.warning("kvstore get failed (%s); recomputing", exc)
             self._loader.fail()
@@ -194,38 +246,93 @@ class WorkerCore:
     # -- saves -----------------------------------------------------------------------
 
     def save(self, saves: Sequence[Transfer]) -> None:
-        """Copy each chunk out of its blocks into a free window slot; queue the write."""
-        client = self._saver.get()
-        if client is None:
-            self.stats.add("save.dropped", sum(t.num_chunks for t in saves))
-            return
-        with self._lock:
-            if self._window_owner is not client:
-                self._window_owner, self._free_slots = client, list(range(client.slots))
-        for transfer in saves:
+        """Copy each chunk out of its blocks into a window slot, queueing the writes in
+        waves; wait for slots at most save_window_wait_s in all, then drop the rest.
+        Runs on the engine's thread, so it never connects: a save without a connected
+        saver is dropped, and the writer thread reconnects (the hello alone may take
+        the I/O deadline on a hung service)."""
+        client = self._saver.peek()
+        if client is not None:
             with self._lock:
-                count = min(transfer.num_chunks, len(self._free_slots))
-                slots = [self._free_slots.pop() for _ in range(count)]
-            for slot, blocks in zip(slots, transfer.blocks, strict=False):
-                self.layout.gather(blocks, client.slot(slot))
-            if count < transfer.num_chunks:
-                self.stats.add("save.dropped", transfer.num_chunks - count)
-            if count:
-                keys = transfer.keys[self.rank][:count]
-                self._writes.put(_Write(client, keys, slots, transfer.parents[self.rank]))
+                if self._window_owner is not client:
+                    self._window_owner, self._free_slots = client, list(range(client.slots))
+                    self._stalled = False
+        deadline = time.monotonic() + self.save_window_wait_s
+        for transfer in saves:
+            keys = transfer.keys[self.rank]
+            done = 0
+            while client is not None and done < transfer.num_chunks:
+                slots = self._take_slots(client, transfer.num_chunks - done, deadline)
+                if not slots:
+                    break
+                for slot, blocks in zip(slots, transfer.blocks[done:], strict=False):
+                    self.layout.gather(blocks, client.slot(slot))
+                parent = keys[done - 1] if done else transfer.parents[self.rank]
+                self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent))
+                done += len(slots)
+            self._writes.put(_SaveDone(transfer.save_id, transfer.num_chunks - done, client))
+
+    def _take_slots(self, client: StoreClient, wanted: int, deadline: float) -> list[int]:
+        """Up to `wanted` free slots of `client`'s window (at most half of it), waiting
+        for the writer to free some until `deadline`; none past it or while stalled."""
+        with self._slot_freed:
+            while not self._free_slots and not self._stalled and self._window_owner is client:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._slot_freed.wait(remaining):
+                    self._stalled = True
+            if self._window_owner is not client:
+                return []
+            count = min(wanted, len(self._free_slots), max(1, client.slots // 2))
+            return [self._free_slots.pop() for _ in range(count)]
+
+    def take_done_saves(self) -> list[int]:
+        """save_ids whose writes are over since the last call (for the scheduler)."""
+        with self._lock:
+            done, self._done_saves = self._done_saves, []
+        return done
 
     def _write_loop(self) -> None:
-        while (write := self._writes.get()) is not None:
+        while (item := self._writes.get()) is not None:
+            if isinstance(item, _SaveDone):
+                self._finish_save(item)
+            else:
+                self._write(item)
+
+    def _write(self, write: _Write) -> None:
+        try:
+            stored = write.client.put(write.keys, write.slots, write.parent)
+            self.stats.add("save.chunks", sum(stored))
+        except Exception as exc:  # a failed save is a future miss, never an engine crash
+            log.warning("kvstore put failed (%s); %d chunks not saved", exc, len(write.keys))
+            self._saver.fail()
+        with self._slot_freed:
+            if self._window_owner is write.client:
+                self._free_slots.extend(write.slots)
+                self._stalled = False
+                self._slot_freed.notify_all()
+
+    def _finish_save(self, done: _SaveDone) -> None:
+        """Report the save done, count what was dropped, and send pending counters to the
+        service (reconnecting the saver if it has no client)."""
+        with self._lock:
+            self._done_saves.append(done.save_id)
+            if done.dropped:
+                self.stats.add("save.dropped", done.dropped)
+                self._unreported["save.dropped"] += done.dropped
+            counters = dict(self._unreported)
+        if done.dropped:
+            log.warning("kvstore: %d chunks of a save dropped (no save window slot within "
+                        "save_window_wait_s=%g s, or no service)", done.dropped, self.save_window_wait_s)
+        client = done.client if done.client is not None else self._saver.get()
+        if counters and client is not None:
             try:
-                stored = write.client.put(write.keys, write.slots, write.parent)
-                self.stats.add("save.chunks", sum(stored))
-            except Exception as exc:  # a failed save is a future miss, never an engine crash
-                log.warning("kvstore put failed (%s); %d chunks not saved", exc, len(write.keys))
-                self._saver.fail()
-            with self._lock:
-                if self._window_owner is write.client:
-                    self._free_slots.extend(write.slots)
-            self._writes.task_done()
+                client.count(counters)
+            except KVStoreError as exc:
+                log.debug("kvstore: save counters not reported yet (%s)", exc)
+            else:
+                with self._lock:
+                    self._unreported.subtract(counters)
+                    self._unreported = +self._unreported
 
     def close(self) -> None:
         """Drain queued saves (bounded wait), then release both connections."""
@@ -234,7 +341,7 @@ class WorkerCore:
         self._writes.put(None)
         self._writer.join(timeout=30)
         log.info("kvstore worker %d: %s", self.rank, self.stats.snapshot())
-        for pool in (self._load_pool, self._stage_pool):
+        for pool in (self._load_pool, self._stage_pool, self._fetcher):
             if pool is not None:
                 pool.shutdown(wait=True)
         for link in (self._loader, self._saver, self._stager):

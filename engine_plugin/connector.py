@@ -6,6 +6,9 @@ Python objects: both talk to the per-host kvstore service (kvstore/service.py),
 the scheduler for lookups, the workers for loads and saves. vLLM carries this
 step's plan (connectors.plan.StepPlan) from one to the others.
 
+Workers report each save done through vLLM's worker metadata; the scheduler holds a
+request whose prefix is still being saved (connectors/scheduler_side.py).
+
 Turn it on with
   --kv-transfer-config '{"kv_connector":"TieredKVConnector","kv_role":"kv_both",
                          "kv_connector_extra_config":{"config":"kvstore.yaml"}}'
@@ -24,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from connectors.device_staging import DeviceStagingPool
@@ -34,6 +38,7 @@ from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
 from engine_plugin.kv_events import RouterEvents
+from engine_plugin.kv_spec import layout_signature, record_dtype_name, single_group_spec, spec_dtype
 from kvstore.aligned import pin_for_cuda
 from kvstore.client import StoreClient
 from kvstore.keys import KVNamespace
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvstore")
@@ -53,6 +59,18 @@ log = logging.getLogger("vllm.kvstore")
 @dataclass
 class TieredMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class TieredWorkerMetadata(KVConnectorWorkerMetadata):
+    """Saves the workers finished this step (one entry per rank that finished one)."""
+
+    done_saves: list[int] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TieredWorkerMetadata)
+        self.done_saves.extend(other.done_saves)
+        return self
 
 
 class TieredKVConnector(KVConnectorBase_V1):
@@ -66,34 +84,38 @@ class TieredKVConnector(KVConnectorBase_V1):
         # kvstore is a cache: a chunk that fails to load is recomputed, never fatal.
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._model_id = self.options.model_id or str(vllm_config.model_config.model)
-        self._kv_layout = _layout_signature(vllm_config, kv_cache_config)
+        group_spec = single_group_spec(kv_cache_config)
+        self._kv_dtype = record_dtype_name(spec_dtype(group_spec))
+        self._kv_layout = layout_signature(vllm_config, kv_cache_config)
         self._tp_world = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
         self._router_events: RouterEvents | None = None  # with --kv-events-config
         if role == KVConnectorRole.SCHEDULER:
-            self._lookup_link = ServiceLink(lambda: StoreClient(store))
+            # A lookup blocks the scheduler: its deadline is short, not the I/O deadline.
+            self._lookup_link = ServiceLink(
+                lambda: StoreClient(store, timeout_s=self.options.lookup_timeout_s))
             self._lookup_link.start()  # starts the service if needed: config errors surface now
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
                                             self._lookup, self.options.load_async,
                                             self.options.prefetch,
-                                            stage_on_arrival=self.options.device_staging > 0)
+                                            stage_on_arrival=self.options.device_staging > 0,
+                                            wait_for_saves_s=self.options.wait_for_saves_s)
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
-        log.info("kvstore connector (%s): chunk %d tokens, socket %s", role.name,
-                 store.chunk_tokens, store.service.socket)
+        log.info("kvstore connector (%s): chunk %d tokens, one KV cache group (%s, %d layers, %s), "
+                 "socket %s", role.name, store.chunk_tokens, type(group_spec).__name__,
+                 len(kv_cache_config.kv_cache_groups[0].layer_names), self._kv_dtype,
+                 store.service.socket)
 
     @functools.cache  # noqa: B019 - one small entry per salt, for the connector's lifetime
     def _namespaces(self, salt: str) -> tuple[KVNamespace, ...]:
         return tuple(
-            KVNamespace(model=self._model_id, kv_dtype=str(self._kv_dtype()),
+            KVNamespace(model=self._model_id, kv_dtype=self._kv_dtype,
                         kv_layout=self._kv_layout, chunk_tokens=self.options.store.chunk_tokens,
                         tp_rank=rank, tp_world_size=self._tp_world, salt=salt)
             for rank in range(self._tp_world))
-
-    def _kv_dtype(self) -> torch.dtype:
-        return self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
 
     # -- scheduler side ----------------------------------------------------------------
 
@@ -125,22 +147,31 @@ class TieredKVConnector(KVConnectorBase_V1):
         count = self._scheduler.num_new_matched_tokens(
             request.request_id, request.prompt_token_ids or [], num_computed_tokens,
             salt=_salt(request))
-        self._report_prefetch_counters()
+        self._report_counters()
         if count is None:
             return None, False
         return count, self.options.load_async and count > 0
 
-    def _report_prefetch_counters(self) -> None:
-        """Scheduler-side timeliness counters go to the service (kvstore info, Prometheus)."""
-        tracker = self._scheduler.prefetch if self._scheduler else None
-        client = self._lookup_link.get() if tracker is not None and tracker.counters else None
-        if tracker is None or client is None:
+    def _report_counters(self) -> None:
+        """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
+        the service (kvstore info, Prometheus)."""
+        assert self._scheduler is not None
+        pending = self._scheduler.counters or (self._scheduler.prefetch is not None
+                                               and self._scheduler.prefetch.counters)
+        client = self._lookup_link.get() if pending else None
+        if client is None:
             return
-        counters = tracker.take_counters()
+        counters = self._scheduler.take_counters()
         try:
             client.count(counters)
         except Exception as exc:
-            log.debug("kvstore: prefetch counters not reported (%s)", exc)
+            log.debug("kvstore: scheduler counters not reported (%s)", exc)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Saves the workers finished leave the scheduler's in-flight set."""
+        meta = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and isinstance(meta, TieredWorkerMetadata):
+            self._scheduler.saves_done(meta.done_saves)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -185,7 +216,7 @@ class TieredKVConnector(KVConnectorBase_V1):
 
         def make_client() -> StoreClient:
             client = StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
-                                 dtype=str(self._kv_dtype()), shape=(layout.chunk_bytes,))
+                                 dtype=self._kv_dtype, shape=(layout.chunk_bytes,))
             if layout.device.type == "cuda" and client.window is not None:
                 pin_for_cuda(client.window)  # host-to-device copies from it run asynchronously
             return client
@@ -193,7 +224,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         staging = None
         if self.options.device_staging:
             staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device)
-        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging)
+        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging,
+                                  save_window_wait_s=self.options.save_window_wait_s)
         log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
                  layout.chunk_bytes)
 
@@ -220,6 +252,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         return None, self._worker.take_finished_loads() or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        done = self._worker.take_done_saves() if self._worker is not None else []
+        return TieredWorkerMetadata(done) if done else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
@@ -250,16 +286,3 @@ def _salt(request: Request) -> str:
     """What changes a prompt's KV besides its tokens: LoRA adapter, cache salt."""
     lora = request.lora_request.lora_name if request.lora_request else ""
     return f"{lora}|{request.cache_salt or ''}" if lora or request.cache_salt else ""
-
-
-def _layout_signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """What fixes a chunk's byte layout, known to scheduler and workers alike."""
-    parts = [vllm_config.device_config.device_type]
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        parts.append(f"{type(spec).__name__}:L{len(group.layer_names)}:b{spec.block_size}:"
-                     f"h{getattr(spec, 'num_kv_heads', '')}:d{getattr(spec, 'head_size', '')}:"
-                     f"{getattr(spec, 'dtype', '')}")
-    if kv_cache_config.kv_cache_layout:
-        parts.append(kv_cache_config.kv_cache_layout)
-    return "/".join(parts)

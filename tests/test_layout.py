@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from connectors.plan import SKIP
-from engine_plugin.layout import PagedKVLayout, block_axis
+from engine_plugin.layout import PagedKVLayout, block_axis, block_runs
 from kvstore.errors import ShapeError
 
 NUM_BLOCKS = 10
@@ -56,3 +56,19 @@ def test_scatter_refuses_a_chunk_of_the_wrong_size():
     layout = PagedKVLayout(layouts()["cpu"], NUM_BLOCKS, blocks_per_chunk=2)
     with pytest.raises(ShapeError, match="does not fit"):
         layout.scatter(memoryview(bytearray(layout.chunk_bytes - 2)), [1, 2])
+
+
+def test_runs_of_blocks_copy_as_slices_in_either_direction():
+    assert block_runs([4, 5, SKIP, 9, 8], descending=True) == [
+        (slice(0, 2), slice(4, 6)), (slice(3, 5), slice(9, 7, -1))]
+    assert block_runs([1, 0], descending=True) == [(slice(0, 2), slice(1, None, -1))]
+    assert block_runs([1, 0]) == [(slice(0, 1), slice(1, 2)), (slice(1, 2), slice(0, 1))]  # torch: no step -1
+    caches = layouts()["cpu"]
+    layout = PagedKVLayout(caches, NUM_BLOCKS, blocks_per_chunk=4)
+    window = memoryview(mmap.mmap(-1, layout.chunk_bytes))
+    before = {key: tensor.clone() for key, tensor in caches.items()}
+    layout.gather([9, 8, 7, 6], window)  # blocks freed by an earlier request come back reversed
+    layout.scatter(window, [2, 3, SKIP, 0])
+    for key, tensor in caches.items():
+        assert torch.equal(tensor[[2, 3, 0]], before[key][[9, 8, 6]])
+        assert torch.equal(tensor[[1, 4, 5, 6, 7, 8, 9]], before[key][[1, 4, 5, 6, 7, 8, 9]])

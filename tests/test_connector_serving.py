@@ -1,0 +1,297 @@
+"""Serving under load, without an engine: holds for in-flight saves, saves beyond the
+staging window, the scheduler's lookup deadline, KV dtype names and KV cache groups.
+The service is real (a SIGSTOP stands in for a hung one); the engine side is the
+connector's own worker code on CPU tensors shaped like vLLM's CPU backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from engine_harness import service_client, stop_service
+
+from connectors.plan import Transfer
+from connectors.prefetch import Residency
+from connectors.scheduler_side import SchedulerCore
+from connectors.worker_side import WorkerCore
+from engine_plugin.kv_spec import (
+    RECORD_DTYPE_BYTES,
+    UnsupportedKVCache,
+    record_dtype_name,
+    single_group_spec,
+    spec_dtype,
+)
+from engine_plugin.layout import PagedKVLayout
+from kvstore.client import ServiceUnavailable, StoreClient
+from kvstore.config import load_config
+from kvstore.keys import KVNamespace
+
+CHUNK, BLOCK = 256, 128
+NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size=2),
+              KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=1, tp_world_size=2))
+PROMPT = list(range(3, 3 + 1025))  # 4 full chunks
+NUM_BLOCKS, BLOCKS_PER_CHUNK = 32, 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scheduler(stored: set[bytes], clock: Clock, wait_s: float = 5.0) -> SchedulerCore:
+    """A scheduler over a store holding `stored` (a stand-in for the service's index)."""
+
+    def lookup(keys: list[bytes], prefetch: bool) -> Residency:
+        count = next((i for i, key in enumerate(keys) if key not in stored), len(keys))
+        return Residency(count, count)
+
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async=True,
+                         wait_for_saves_s=wait_s, clock=clock)
+
+
+def test_a_request_is_held_until_its_prefix_saves_land():
+    stored: set[bytes] = set()
+    clock = Clock()
+    core = scheduler(stored, clock)
+    assert core.num_new_matched_tokens("first", PROMPT, 0) == 0
+    core.on_scheduled("first", list(range(9)), replace=True, computed_after_step=len(PROMPT))
+    (save,) = core.take_plan().saves
+    core.on_finished("first")  # its reply is out; the save is still on its way
+
+    assert core.num_new_matched_tokens("follow-up", PROMPT, 0) is None  # ask again later
+    clock.now += 0.2
+    stored.update(save.keys[0])
+    core.saves_done([save.save_id])  # rank 0 only: still in flight for rank 1
+    assert core.num_new_matched_tokens("follow-up", PROMPT, 0) is None
+    stored.update(save.keys[1])
+    core.saves_done([save.save_id])
+    assert core.num_new_matched_tokens("follow-up", PROMPT, 0) == 4 * CHUNK
+    assert core.take_counters() == {"save_wait.requests": 1, "save_wait.ms": 200, "save_wait.expired": 0}
+
+
+def test_a_hold_ends_at_its_deadline_and_happens_once():
+    clock = Clock()
+    core = scheduler(set(), clock, wait_s=2.0)
+    core.num_new_matched_tokens("first", PROMPT, 0)
+    core.on_scheduled("first", list(range(9)), replace=True, computed_after_step=len(PROMPT))
+    core.take_plan()
+    assert core.num_new_matched_tokens("next", PROMPT, 0) is None
+    clock.now += 2.0  # the save never reports (a worker gave up on it silently)
+    assert core.num_new_matched_tokens("next", PROMPT, 0) == 0  # recompute, not a hang
+    assert core.num_new_matched_tokens("next", PROMPT, 0) == 0  # not held a second time
+    assert core.take_counters() == {"save_wait.requests": 1, "save_wait.ms": 2000, "save_wait.expired": 1}
+    # A request with nothing in flight is never held.
+    assert core.num_new_matched_tokens("other", list(range(600, 900)), 0) == 0
+
+
+@pytest.fixture
+def service(tmp_path, disk_dir) -> Iterator[dict]:
+    """A service whose staging window holds two chunks of the layout below."""
+    raw = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "16MiB"}},
+           "io": {"timeout_s": 5}, "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    yield raw
+    stop_service(raw)
+
+
+def caches(fill: bool) -> dict[str, torch.Tensor]:
+    """Two layers of [blocks, kv_heads, block_size, 2 * head_dim]: 512 KiB per chunk."""
+    torch.manual_seed(0)
+    make = torch.randn if fill else torch.zeros
+    return {f"layers.{i}": make(NUM_BLOCKS, 8, 128, 64).half() for i in range(2)}
+
+
+def save_transfer(first_chunk: int, chunks: int, save_id: int) -> Transfer:
+    keys = tuple(bytes([first_chunk + i + 1]) * 16 for i in range(chunks))
+    blocks = tuple(tuple(range(2 * (first_chunk + i), 2 * (first_chunk + i) + 2)) for i in range(chunks))
+    return Transfer("r", (keys,), (None,), blocks, save_id=save_id)
+
+
+def wait_done(worker: WorkerCore, save_ids: set[int], timeout_s: float = 30) -> None:
+    done: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while not save_ids <= done:
+        assert time.monotonic() < deadline, f"saves {save_ids - done} not reported done"
+        done.update(worker.take_done_saves())
+        time.sleep(0.01)
+
+
+def counters(config: dict) -> dict[str, int]:
+    client = service_client(config)
+    try:
+        return client.info()["counters"]
+    finally:
+        client.close()
+
+
+@contextmanager
+def stopped(config: dict) -> Iterator[None]:
+    """The service process stopped (SIGSTOP) for the duration: a hung service."""
+    pid = service_pid(config)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def service_pid(config: dict) -> int:
+    client = service_client(config)
+    try:
+        return int(client.info()["service_pid"])
+    finally:
+        client.close()
+
+
+def test_a_save_larger_than_the_window_goes_in_waves(service):
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
+    try:
+        assert worker._saver.get().slots == 2
+        worker.save([save_transfer(0, 8, save_id=1)])  # one step computed 8 chunks
+        wait_done(worker, {1})
+        assert worker.stats.snapshot().get("save.chunks") == 8
+    finally:
+        worker.close()
+    assert "save.dropped" not in counters(service)
+
+    target_caches = caches(fill=False)
+    target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    loader = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False)
+    try:
+        load = save_transfer(0, 8, save_id=0)
+        loader.start_loads([load], load_async=False)  # waves of one slot, fetched ahead
+        assert loader.take_failed_blocks() == set()
+    finally:
+        loader.close()
+    for name, tensor in caches(fill=True).items():
+        assert torch.equal(target_caches[name][:16], tensor[:16])
+
+
+def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tmp_path):
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False,
+                        save_window_wait_s=0.5)
+    try:
+        worker.save([save_transfer(0, 1, save_id=1)])
+        wait_done(worker, {1})
+        with stopped(service):
+            started = time.monotonic()
+            worker.save([save_transfer(1, 8, save_id=2)])  # 2 chunks fit, 6 wait for slots
+            first = time.monotonic() - started
+            started = time.monotonic()
+            worker.save([save_transfer(9, 4, save_id=3)])  # the writer is still stuck: no wait
+            second = time.monotonic() - started
+        wait_done(worker, {2, 3})
+    finally:
+        worker.close()
+    assert 0.5 <= first < 1.5 and second < 0.2, (first, second)
+    assert worker.stats.snapshot()["save.dropped"] == 10
+    assert counters(service)["save.dropped"] == 10  # visible in kvstore info and Prometheus
+    config_file = tmp_path / "kvstore.json"
+    config_file.write_text(json.dumps(service))
+    info = subprocess.run([sys.executable, "-m", "kvstore.cli", "info", "--config", str(config_file)],
+                          capture_output=True, text=True, timeout=60)
+    assert "save.dropped" in info.stdout + info.stderr
+
+
+def test_a_save_never_connects_on_the_engine_thread(service):
+    """A saver that lost its service reconnects on the writer thread: the hello to a hung
+    service may take the I/O deadline, which the forward loop must not wait for."""
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
+    try:
+        worker._saver.fail()  # as after a put that timed out
+        worker._saver._next_try = 0.0  # a reconnect is due
+        with stopped(service):
+            started = time.monotonic()
+            worker.save([save_transfer(0, 2, save_id=1)])
+            elapsed = time.monotonic() - started
+        wait_done(worker, {1})
+    finally:
+        worker.close()
+    assert elapsed < 0.2, elapsed
+    assert worker.stats.snapshot()["save.dropped"] == 2
+
+
+def test_a_hung_service_costs_a_lookup_its_short_deadline(service):
+    config = load_config(service)
+    StoreClient(config, 512 << 10).close()  # the service is up, with a store
+    lookup = StoreClient(config, timeout_s=0.3)
+    try:
+        with stopped(service):
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailable, match=r"no answer to 'residency' in 0\.3 s"):
+                lookup.residency([bytes(16)])
+            elapsed = time.monotonic() - started
+    finally:
+        lookup.close()
+    assert 0.3 <= elapsed < 1.0  # not 2 x io.timeout_s = 10 s
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz])
+def test_every_kv_dtype_name_fits_a_record_header(dtype):
+    name = record_dtype_name(dtype)
+    assert not name.startswith("torch.") and len(name) <= RECORD_DTYPE_BYTES
+
+
+def test_an_fp8_kv_cache_round_trips_through_the_service(service):
+    """float8_e4m3fn (19 characters as 'torch.float8_e4m3fn') is stored and loaded."""
+    fp8 = {name: t.to(torch.float8_e4m3fn) for name, t in caches(fill=True).items()}
+    source = PagedKVLayout(fp8, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    dtype = record_dtype_name(torch.float8_e4m3fn)
+
+    def make() -> StoreClient:
+        return StoreClient(config, source.chunk_bytes, dtype=dtype, shape=(source.chunk_bytes,))
+
+    worker = WorkerCore(source, 0, make, load_async=False)
+    try:
+        worker.save([save_transfer(0, 2, save_id=1)])
+        wait_done(worker, {1})
+        assert worker.stats.snapshot().get("save.chunks") == 2
+        target_caches = {name: torch.zeros_like(t) for name, t in fp8.items()}
+        target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+        loader = WorkerCore(target, 0, make, load_async=False)
+        loader.start_loads([save_transfer(0, 2, save_id=0)], load_async=False)
+        assert loader.take_failed_blocks() == set()
+        loader.close()
+    finally:
+        worker.close()
+    for name, tensor in fp8.items():
+        assert torch.equal(target_caches[name][:4].view(torch.uint8), tensor[:4].view(torch.uint8))
+
+
+def test_several_kv_cache_groups_are_refused_by_name():
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float16,
+                               sliding_window=256)
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], full)])
+    assert spec_dtype(single_group_spec(one)) == torch.float16
+    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l1"], window), KVCacheGroupSpec(["l2"], full)])
+    with pytest.raises(UnsupportedKVCache, match=r"one KV cache group; this engine has 2 "
+                                                 r"\(SlidingWindowSpec x2 layers, FullAttentionSpec x1"):
+        single_group_spec(hybrid)

