@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.engine_run import run_fresh
 from bench.summary import p50_p90
 from bench.tiny_model import prompt_token_ids
+from engine_plugin.engine_run import run_fresh
 from kvstore.client import service_info, stop_service
 from kvstore.config import StoreConfig, dump_config
 

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.engine_run import run_fresh
 from bench.queued import measure_queued
 from bench.summary import p50_p90
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from engine_plugin.engine_run import run_fresh
 from kvstore.client import stop_service
 from kvstore.config import dump_config, load_config
 from kvstore.errors import ConfigError

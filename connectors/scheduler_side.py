@@ -70,7 +70,7 @@ class SchedulerCore:
         self._namespaces = namespaces
         self._lookup = lookup
         self.load_async = load_async
-        self.prefetch = PrefetchTracker(prefetch) if prefetch is not None else None
+        self.prefetch = PrefetchTracker(prefetch, clock) if prefetch is not None else None
         self.stage_on_arrival = stage_on_arrival  # workers have device staging pools
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}

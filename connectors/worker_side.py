@@ -33,7 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,10 +119,14 @@ class WorkerCore:
             else:
                 self._load(transfer, False)
 
-    def start_stages(self, stages: Sequence[Stage]) -> None:
+    def start_stages(self, stages: Sequence[Stage]) -> Future[None] | None:
+        """Stage each request's chunks on the staging thread; the future is done when the
+        last one is (None without a pool)."""
+        done = None
         if self._stage_pool is not None:
             for stage in stages:
-                self._stage_pool.submit(self._stage, stage)
+                done = self._stage_pool.submit(self._stage, stage)
+        return done
 
     def _stage(self, stage: Stage) -> None:
         """Fetch a request's chunks into the device pool before its load needs them."""

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -182,7 +182,7 @@ class StoreClient:
         stored, resident, pending = self._request(P.Residency(list(keys), prefetch))
         return int(stored), int(resident), bool(pending)
 
-    def count(self, counters: dict[str, float]) -> None:
+    def count(self, counters: Mapping[str, float]) -> None:
         """Add to the service's counters (shown by `kvstore info` and Prometheus)."""
         self._request(P.Count(dict(counters)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.engine_run import EngineRun, run_fresh
+from engine_plugin.engine_run import EngineRun, run_fresh
 from kvstore.client import StoreClient, attach
 from kvstore.client import stop_service as _stop
 from kvstore.config import load_config

@@ -85,8 +85,9 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config):
     worker = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False,
                         staging=pool)
     try:
-        worker.start_stages([Stage("r", (keys[:3],))])
-        worker._stage_pool.submit(lambda: None).result(timeout=30)  # staging done
+        staged = worker.start_stages([Stage("r", (keys[:3],))])
+        assert staged is not None
+        staged.result(timeout=30)
         assert all(k in pool for k in keys[:3]) and keys[3] not in pool
         load_blocks = ((8, 9), (10, 11), (12, 13), (14, 15))
         worker.start_loads([Transfer("r", (keys,), (None,), load_blocks)], load_async=False)

@@ -55,9 +55,8 @@ class Clock:
 
 def scheduler(store: FakeStore, policy: str, clock: Clock, **kwargs) -> SchedulerCore:
     core = SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), store.lookup, load_async=True,
-                         prefetch=PrefetchPolicy(policy, **kwargs))
+                         prefetch=PrefetchPolicy(policy, **kwargs), clock=clock)
     assert core.prefetch is not None
-    core.prefetch._clock = clock
     return core
 
 
@@ -121,7 +120,9 @@ def test_timeout_budget_scales_with_the_prompt_and_then_counts_only_dram():
     clock.now += 0.1
     assert core.num_new_matched_tokens("r", PROMPT, 0) == 3 * CHUNK  # the disk part is recomputed
     # ... and not saved again: it is stored already.
-    assert core._requests["r"].saved_chunks == 8
+    core.on_alloc("r", list(range(len(PROMPT) // BLOCK + 1)), 3 * CHUNK)
+    core.on_scheduled("r", None, False, len(PROMPT))
+    assert core.take_plan().saves == []
 
 
 def test_best_effort_never_waits():
@@ -180,5 +181,8 @@ def test_a_preempted_request_asked_again_is_counted_once():
     store.finish_promotion()
     assert core.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK  # re-admitted after preemption
     assert core.prefetch.take_counters()["prefetch.requests"] == 1
-    core.on_finished("r")
-    assert core.prefetch._admitted == set()
+    core.on_finished("r")  # forgotten: the same id arriving again is a new request
+    store.tier = dict.fromkeys(store.tier, "disk")  # (say DRAM was emptied meanwhile)
+    core.on_arrival("r", PROMPT)
+    core.num_new_matched_tokens("r", PROMPT, 0)
+    assert core.prefetch.take_counters()["prefetch.requests"] == 1

@@ -15,8 +15,8 @@ import time
 import pytest
 from engine_harness import run_engine, service_client, stop_service
 
-from bench.engine_run import run_fresh
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from engine_plugin.engine_run import run_fresh
 from kvstore.devices import DATA_FILE
 from kvstore.disk_layout import parse_superblock
 from kvstore.record import HEADER_BLOCK, HeaderState, parse_header

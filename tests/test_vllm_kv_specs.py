@@ -11,8 +11,8 @@ import os
 import pytest
 from engine_harness import stop_service
 
-from bench.engine_run import EngineRun, run_fresh
 from bench.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids
+from engine_plugin.engine_run import EngineRun, run_fresh
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

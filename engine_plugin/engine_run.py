@@ -4,7 +4,7 @@ Each call is its own process on purpose: vLLM's own prefix cache lives as long a
 the engine, so only a fresh process shows what kvstore supplies. Used by the
 end-to-end tests, the README demo and `kvstore ttft`.
 
-  python -m bench.engine_run --model DIR --prompts prompts.json [--connector JSON]
+  python -m engine_plugin.engine_run --model DIR --prompts prompts.json [--connector JSON]
       [--single-process] [--max-num-batched-tokens N] [--max-tokens 8] [--busy busy.json]
       [--kv-events ENDPOINT]
 
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.single_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.busy) as f:
             busy = json.load(f)
         started = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": t} for t in busy + prompts], params, use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in busy + prompts], params,
+                               use_tqdm=False)
         wall = time.perf_counter() - started
         return {"results": [_result(output, wall) for output in outputs[len(busy):]]}
     hints = [None] * len(prompts)
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             request_params = params.clone()
             request_params.extra_args = {"kv_transfer_params": {"kvstore_prefetch_token_ids": hint}}
         started = time.perf_counter()
-        output = llm.generate([{"prompt_token_ids": tokens}], request_params, use_tqdm=False)[0]
+        output = llm.generate([TokensPrompt(prompt_token_ids=tokens)], request_params, use_tqdm=False)[0]
         results.append(_result(output, time.perf_counter() - started))
     return {"results": results}
 
@@ -115,7 +117,7 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
               hints_file: str | Path | None = None, kv_events: str | None = None,
               kv_cache_dtype: str = "auto", dtype: str = "float16") -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
-    command = [sys.executable, "-m", "bench.engine_run", "--model", str(model),
+    command = [sys.executable, "-m", "engine_plugin.engine_run", "--model", str(model),
                "--prompts", str(prompts_file), "--max-model-len", str(max_model_len),
                "--kv-cache-dtype", kv_cache_dtype, "--dtype", dtype]
     if busy_file is not None:
