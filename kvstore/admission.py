@@ -3,7 +3,7 @@
 A chunk computed once and never asked for again costs an SSD write and evicts a
 useful one. Seen = stored (by any request that computed it) or read. Counts live in
 a bounded table (least recently seen forgotten first), so memory stays fixed however
-many distinct chunks pass. Used under the owning store's lock.
+many distinct chunks pass. Not thread-safe: TierPolicy (policy.py) calls it under its lock.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A device that faults (EIO, ENOLINK, ENODEV, ENXIO, ETIMEDOUT, a missed deadline,
 a short transfer) `threshold` times in a row is taken out of service: its chunks
 become misses at once instead of each costing a deadline. A device is also taken
 out when its probe (an NVMe-oF controller's state) says it is not usable. It comes
-back only through revalidation (see DiskTier.revalidate). Mutated under the
-owning store's lock.
+back only through revalidation (availability.py). Mutated under the disk tier's
+table lock.
 """
 
 from __future__ import annotations
