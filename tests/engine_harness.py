@@ -24,5 +24,14 @@ def service_client(store_config: dict[str, Any]) -> StoreClient:
     return attach(load_config(store_config))
 
 
+def counters(store_config: dict[str, Any]) -> dict[str, int]:
+    """The running service's counters."""
+    client = service_client(store_config)
+    try:
+        return client.info()["counters"]
+    finally:
+        client.close()
+
+
 def stop_service(store_config: dict[str, Any]) -> None:
     _stop(load_config(store_config))

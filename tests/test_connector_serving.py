@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from engine_harness import service_client, stop_service
+from engine_harness import counters, service_client, stop_service
 
 from connectors.plan import Transfer
 from connectors.prefetch import Residency
@@ -124,14 +124,6 @@ def wait_done(worker: WorkerCore, save_ids: set[int], timeout_s: float = 30) -> 
         assert time.monotonic() < deadline, f"saves {save_ids - done} not reported done"
         done.update(worker.take_done_saves())
         time.sleep(0.01)
-
-
-def counters(config: dict) -> dict[str, int]:
-    client = service_client(config)
-    try:
-        return client.info()["counters"]
-    finally:
-        client.close()
 
 
 @contextmanager

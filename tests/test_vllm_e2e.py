@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from engine_harness import run_engine, service_client, stop_service
+from engine_harness import counters, run_engine, service_client, stop_service
 
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
@@ -79,14 +79,6 @@ def store_config(tmp_path, disk_dir):
 
 def connector(config: dict, **options) -> dict:
     return {"config": config, **options}
-
-
-def counters(config: dict) -> dict[str, int]:
-    client = service_client(config)
-    try:
-        return client.info()["counters"]
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("single_process", [False, True],

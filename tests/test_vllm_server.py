@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_harness import service_client, stop_service
+from engine_harness import counters, service_client, stop_service
 
 from bench.openai_server import SERVER_MODULE, Completion, OpenAIServer
 from bench.tiny_model import build_llama3_8b_geometry, prompt_token_ids
@@ -87,14 +87,6 @@ def kvstore_server(model: str, config: dict, log: Path) -> OpenAIServer:
 def server(model, store_config, tmp_path_factory) -> Iterator[OpenAIServer]:
     with kvstore_server(model, store_config, tmp_path_factory.mktemp("server") / "server.log") as running:
         yield running
-
-
-def counters(config: dict) -> dict[str, int]:
-    client = service_client(config)
-    try:
-        return client.info()["counters"]
-    finally:
-        client.close()
 
 
 def test_the_documented_server_command_is_the_one_tested():
