@@ -156,5 +156,5 @@ def test_a_hung_service_costs_a_request_its_lookup_deadline(restarted, reference
     assert hung.cached_tokens == 0
     assert hung.token_ids == reference["short"].token_ids
     assert hung.seconds < reference["short"].seconds + LOOKUP_TIMEOUT_S + 5, hung.seconds
-    assert f"no answer to 'residency' in {LOOKUP_TIMEOUT_S:g} s" in restarted.log_tail(200_000)
+    assert f"no answer to 'Residency' in {LOOKUP_TIMEOUT_S:g} s" in restarted.log_tail(200_000)
     assert complete(restarted, "short").token_ids == reference["short"].token_ids  # served after
