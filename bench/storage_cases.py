@@ -324,8 +324,9 @@ def host_store(chunk_bytes: int, count: int) -> tuple[TieredStore, list[bytes], 
 def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
     """DRAM-tier get against a plain torch copy of the same bytes into the same buffers,
     alternated (copy, get, copy, ..., copy); each figure is its best round, since on a
-    shared machine torch's parallel copy (which the DRAM get uses too) now and then
-    stalls for a whole round."""
+    shared machine a parallel copy (torch's, and the DRAM get's own) now and then
+    stalls for a whole round. Its p50/p99 are per chunk, from the start of its
+    get_many (of all the chunks at once)."""
     count = max(1, total // chunk_bytes)
     outs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(count)]
     sources = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8) for _ in range(count)]

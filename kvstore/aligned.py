@@ -1,4 +1,4 @@
-"""Page-aligned private memory for O_DIRECT and io_uring, and copies that free the GIL.
+"""Page-aligned private memory for O_DIRECT and io_uring, and flat byte views of buffers.
 
 O_DIRECT needs buffer addresses, lengths and offsets aligned to the device's
 logical block (we use 4096). Allocations from torch or numpy are not page
@@ -14,8 +14,6 @@ import contextlib
 import ctypes
 import mmap
 from typing import Any
-
-import numpy as np
 
 from kvstore.record import BLOCK, round_up
 
@@ -57,22 +55,10 @@ def byte_view(obj: object) -> memoryview:
 
         tensor = obj
         assert isinstance(tensor, torch.Tensor)
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if not tensor.is_cpu or not tensor.is_contiguous():
             raise ValueError("torch buffers must be contiguous CPU tensors")
-        obj = tensor.view(torch.uint8).numpy()
+        obj = (tensor if tensor.dtype is torch.uint8 else tensor.view(torch.uint8)).numpy()
     view = memoryview(obj)  # type: ignore[arg-type]
     if not view.contiguous:
         raise ValueError("buffers must be contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src. Large copies go through numpy, which releases the GIL for them, so
-    the service's client threads copy in parallel; a memoryview assignment would hold
-    it. (torch's threaded copy was slower here whenever the cores were busy.)"""
-    if len(dst) != len(src):
-        raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
-    if len(src) < 1 << 16:
-        dst[:] = src
-        return
-    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))

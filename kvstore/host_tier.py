@@ -15,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from kvstore.aligned import AlignedBuffer, copy_bytes
+from kvstore.aligned import AlignedBuffer
+from kvstore.copier import copy_bytes
 from kvstore.errors import ConfigError
 from kvstore.record import (
     HEADER_BLOCK,
@@ -62,18 +63,17 @@ class HostTier:
         pack_header(header, view)
         copy_bytes(view[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
 
-    def read(self, slot: int, key: bytes, out: memoryview) -> bool:
-        """Copy a pinned slot's payload to `out`; False if the slot holds something else.
+    def payload(self, slot: int, key: bytes, nbytes: int) -> memoryview | None:
+        """A pinned slot's payload, or None if the slot holds something else.
 
         Only the key and length are checked: the header and payload checksums were
         computed from, or verified against, these very bytes when they entered the
         slab, and a DRAM get must stay close to memcpy speed for small chunks.
         """
         view = self.slot_view(slot)
-        if view[KEY_OFFSET : KEY_OFFSET + len(key)] != key or read_payload_len(view) != len(out):
-            return False
-        copy_bytes(out, view[HEADER_BLOCK : HEADER_BLOCK + len(out)])
-        return True
+        if view[KEY_OFFSET : KEY_OFFSET + len(key)] != key or read_payload_len(view) != nbytes:
+            return None
+        return view[HEADER_BLOCK : HEADER_BLOCK + nbytes]
 
     def close(self) -> None:
         self._populating.clear()

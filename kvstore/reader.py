@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from kvstore.aligned import copy_bytes
+from kvstore.copier import copy_bytes
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostTier
 from kvstore.io.base import TIMED_OUT

@@ -39,18 +39,19 @@ class Stats:
         (log.warning if first else log.debug)("%s tier: not serving chunk (%s): %s",
                                               tier, reason.value, detail)
 
-    def observe(self, name: str, seconds: float) -> None:
-        """Record a latency sample: the most recent LATENCY_SAMPLES are kept per name (for
-        quantiles), and every sample counts in the name's histogram."""
+    def observe(self, name: str, seconds: float, times: int = 1) -> None:
+        """Record a latency sample (`times` alike: chunks served by one batch): the most
+        recent LATENCY_SAMPLES are kept per name (for quantiles), and every sample counts
+        in the name's histogram."""
         with self._lock:
             samples = self._latency.get(name)
             if samples is None:
                 samples = self._latency[name] = deque(maxlen=LATENCY_SAMPLES)
                 self._histograms[name] = ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
-            samples.append(seconds)
+            samples.extend([seconds] * min(times, LATENCY_SAMPLES))
             counts, total = self._histograms[name]
-            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            total[0] += seconds
+            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += times
+            total[0] += seconds * times
 
     def histogram(self, name: str) -> tuple[list[tuple[str, int]], float]:
         """Cumulative (upper bound, count) pairs ending with +Inf, and the sum of seconds."""

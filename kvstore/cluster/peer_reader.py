@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from kvstore.aligned import copy_bytes
 from kvstore.cluster.index import PeerHit
 from kvstore.cluster.peer_devices import PeerDevice, PeerDevices
+from kvstore.copier import copy_bytes
 from kvstore.host_tier import HostTier
 from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
 from kvstore.prefetch_ledger import PrefetchLedger

@@ -1,0 +1,55 @@
+"""Shared-out copies: every byte lands where it belongs, whatever the mix of sizes."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.copier import copy_bytes, copy_many
+
+
+def _pairs(sizes: list[int], seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
+    return [np.zeros(size, np.uint8) for size in sizes], sources
+
+
+@pytest.mark.parametrize("sizes", [
+    [4096] * 3,                          # below the parallel threshold: the calling thread
+    [256 << 10] * 40,                    # many small copies grouped into pieces
+    [9 << 20, 4096, (4 << 20) + 12288],  # large copies split, odd tails
+])
+def test_copy_many_copies_every_byte(sizes: list[int]) -> None:
+    outs, sources = _pairs(sizes, len(sizes))
+    copy_many([(memoryview(o), memoryview(s)) for o, s in zip(outs, sources, strict=True)])
+    for out, source in zip(outs, sources, strict=True):
+        assert np.array_equal(out, source)
+
+
+def test_copies_from_many_threads_at_once_stay_apart() -> None:
+    """The service's client threads share the copy threads."""
+    jobs = [_pairs([3 << 20, 1 << 20], seed) for seed in range(6)]
+
+    def run(outs: list[np.ndarray], sources: list[np.ndarray]) -> None:
+        copy_many([(memoryview(o), memoryview(s)) for o, s in zip(outs, sources, strict=True)])
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for outs, sources in jobs:
+        for out, source in zip(outs, sources, strict=True):
+            assert np.array_equal(out, source)
+
+
+def test_a_length_mismatch_is_refused_before_any_byte_moves() -> None:
+    outs, sources = _pairs([4 << 20, 4 << 20], 1)
+    with pytest.raises(ValueError, match="copy of 4194304 bytes into 4190208"):
+        copy_many([(memoryview(outs[0]), memoryview(sources[0])),
+                   (memoryview(outs[1])[:-4096], memoryview(sources[1]))])
+    assert not outs[0].any()
+    with pytest.raises(ValueError):
+        copy_bytes(memoryview(outs[0])[:1], memoryview(sources[0]))
