@@ -28,6 +28,7 @@ from bench.storage_cases import (
     delete_set,
     engine_case,
     get_case,
+    hash_cpu_s_per_gib,
     host_case,
     lookup_ms,
     prefetch_case,
@@ -200,16 +201,18 @@ def run(args: argparse.Namespace) -> int:
                 results.append(host_case(chunk, total))
                 _progress(results[-1])
         lookup = lookup_ms()
+        hashing = {chunk: hash_cpu_s_per_gib(chunk) for chunk in chunk_sizes} if "disk" in tiers else {}
     finally:
         if not (args.keep and args.path):
             temp.cleanup()
     _compare_with_fio(results, sitting.yardstick)
-    print_table(results, sitting, lookup)
+    print_table(results, sitting, lookup, hashing)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"results": [r.row() for r in results],
                        "fio": sitting.yardstick.rows() if sitting.yardstick else [],
                        "notes": _notes(sitting), "lookup_512_keys_ms": lookup, "paths": paths,
+                       "hash_cpu_s_per_gib": {str(chunk): v for chunk, v in hashing.items()},
                        "total_bytes": total}, handle, indent=2)
     if args.keep and args.path:
         print(f"records kept in {', '.join(paths)} (check with: kvstore fsck PATH)", file=sys.stderr)
@@ -326,7 +329,8 @@ def _notes(sitting: Sitting) -> list[str]:
     return notes
 
 
-def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> None:
+def print_table(results: list[CaseResult], sitting: Sitting, lookup: float,
+                hashing: dict[int, float]) -> None:
     header = (f"{'tier':9} {'engine':21} {'chunk':>8} {'qd':>3} {'batch':>5} {'write GiB/s':>11} "
               f"{'read GiB/s':>10} {'cpu s/GiB':>9} {'p50 ms':>7} {'p99 ms':>7} {'vs fio':>7} "
               f"{'vs copy':>7} {'vs 1 ns':>7}")
@@ -365,5 +369,8 @@ def print_table(results: list[CaseResult], sitting: Sitting, lookup: float) -> N
                 line(label, "torch copy", chunk, "-", r.extra["batch"], nan, r.extra["torch_copy_gibps"],
                      r.extra["torch_copy_cpu_s_per_gib"], nan, nan, {"fraction_of_copy": 1.0})
     print(f"lookup of 512 keys: {lookup:.3f} ms (median)")
+    for chunk, cpu in hashing.items():
+        print(f"xxh3-64 of {format_size(chunk)} chunks out of cache: {cpu:.3f} CPU s/GiB "
+              "(the floor of a verified read's CPU here)")
     for note in _notes(sitting):
         print(f"note: {note}")

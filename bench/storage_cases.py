@@ -24,6 +24,7 @@ import torch
 from bench.fio import Geometry
 from bench.vm import huge_pages
 from kvstore.aligned import AlignedBuffer
+from kvstore.checksum import xxh3_64
 from kvstore.disk_layout import SB_COPIES
 from kvstore.io import make_engine
 from kvstore.io.base import IoRequest
@@ -366,6 +367,22 @@ def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
                        "fraction_of_copy": copied["wall"] / read["wall"],
                        "get_gibps_rounds": [gib / t["wall"] for t in gets],
                        "torch_copy_gibps_rounds": [gib / t["wall"] for t in copies]})
+
+
+def hash_cpu_s_per_gib(chunk_bytes: int, nbytes: int = 1 << 30) -> float:
+    """CPU seconds per GiB of xxh3-64 over memory that is not in the CPU caches, chunk by
+    chunk: the least a verified disk read can cost on this machine, since the get path
+    hashes what the device has just written to memory (a hash of hot data is 2-3x
+    cheaper, and not what a read sees)."""
+    buffer = AlignedBuffer(max(1, nbytes // chunk_bytes) * chunk_bytes)
+    try:
+        np.frombuffer(buffer.view, np.uint8)[:] = 1  # faulted in, and far larger than a cache
+        started = time.process_time()
+        for at in range(0, buffer.nbytes, chunk_bytes):
+            xxh3_64(buffer.view[at : at + chunk_bytes])
+        return (time.process_time() - started) / (buffer.nbytes / 2**30)
+    finally:
+        buffer.close()
 
 
 def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:
