@@ -147,9 +147,10 @@ class TieredStore:
         before it leaves DRAM, so a lookup racing it still finds it. With a cluster, what
         the local tiers lack is looked for at the peers (one index read)."""
         keys = self._keys(keys)
+        in_dram = self.host.table.index if self.host is not None else {}
         tiers = []
         for key in keys:
-            tier = self._local_tier(key)
+            tier = "host" if key in in_dram else self._local_tier(key)  # DRAM first, inline: hot
             if tier is None:
                 break
             tiers.append(tier)
@@ -461,6 +462,8 @@ class TieredStore:
     @staticmethod
     def _keys(keys: Sequence[bytes]) -> list[bytes]:
         keys = list(keys)
+        if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+            return keys  # the common case, checked at C speed: a lookup is on every request
         for i, key in enumerate(keys):
             if not isinstance(key, bytes) or len(key) != KEY_BYTES:
                 what = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
