@@ -25,6 +25,7 @@ _PIECE = 4 << 20        # the most one thread takes at a time: bounds a straggle
 _MAX_THREADS = 4        # the bus is saturated well before this on the machines we know
 
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
@@ -99,11 +100,13 @@ class _Share:
 
 def _helpers() -> int:
     """Helper threads beside the caller: one fewer than the cores we may run on, at most
-    _MAX_THREADS in all; the pool starts on first use."""
-    global _pool
+    _MAX_THREADS in all. The pool starts on first use, and anew in a forked child (whose
+    copy of the pool has no threads: its queue would only grow)."""
+    global _pool, _pool_pid
     count = min(len(os.sched_getaffinity(0)), _MAX_THREADS) - 1
-    if count > 0 and _pool is None:
+    if count > 0 and (_pool is None or _pool_pid != os.getpid()):
         with _pool_lock:
-            if _pool is None:
+            if _pool is None or _pool_pid != os.getpid():
                 _pool = ThreadPoolExecutor(count, thread_name_prefix="kvstore-copy")
+                _pool_pid = os.getpid()
     return count

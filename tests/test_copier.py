@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -53,3 +54,19 @@ def test_a_length_mismatch_is_refused_before_any_byte_moves() -> None:
     assert not outs[0].any()
     with pytest.raises(ValueError):
         copy_bytes(memoryview(outs[0])[:1], memoryview(sources[0]))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no helper threads")
+def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
+    """A child forked after the pool started (a spawned engine worker) gets a pool of its
+    own: its inherited copy has no threads."""
+    outs, sources = _pairs([8 << 20], 3)
+    copy_many([(memoryview(outs[0]), memoryview(sources[0]))])  # the parent's pool starts
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its copy is whole and it had helpers
+        outs[0][:] = 0
+        copy_many([(memoryview(outs[0]), memoryview(sources[0]))])
+        helpers = [t for t in threading.enumerate() if t.name.startswith("kvstore-copy")]
+        os._exit(0 if np.array_equal(outs[0], sources[0]) and helpers else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
