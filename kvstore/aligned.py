@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import sys
 from typing import Any
 
 from kvstore.record import BLOCK, round_up
@@ -49,15 +50,14 @@ def pin_for_cuda(buffer: AlignedBuffer | Any) -> bool:
 
 
 def byte_view(obj: object) -> memoryview:
-    """A flat writable byte view of a buffer, numpy array or CPU torch tensor (no copy)."""
-    if type(obj).__module__.startswith("torch"):
-        import torch
-
-        tensor = obj
-        assert isinstance(tensor, torch.Tensor)
-        if not tensor.is_cpu or not tensor.is_contiguous():
+    """A flat writable byte view of a buffer, numpy array or CPU torch tensor (no copy).
+    A tensor means torch is already imported: found in sys.modules, never imported here
+    (an import statement per buffer costs as much as the rest of the view)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_cpu or not obj.is_contiguous():
             raise ValueError("torch buffers must be contiguous CPU tensors")
-        obj = (tensor if tensor.dtype is torch.uint8 else tensor.view(torch.uint8)).numpy()
+        obj = (obj if obj.dtype is torch.uint8 else obj.view(torch.uint8)).numpy()
     view = memoryview(obj)  # type: ignore[arg-type]
     if not view.contiguous:
         raise ValueError("buffers must be contiguous")

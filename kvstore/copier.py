@@ -54,8 +54,9 @@ def copy_many(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
     pieces: deque[list[tuple[memoryview, memoryview]]] = deque([[]])
     size = 0
     for dst, src in pairs:
-        for at in range(0, len(src), _PIECE):
-            part = (dst[at : at + _PIECE], src[at : at + _PIECE])
+        parts = [(dst, src)] if len(src) <= _PIECE else [
+            (dst[at : at + _PIECE], src[at : at + _PIECE]) for at in range(0, len(src), _PIECE)]
+        for part in parts:
             if size + len(part[1]) > _PIECE and pieces[-1]:
                 pieces.append([])
                 size = 0

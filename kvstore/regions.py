@@ -37,6 +37,7 @@ class DirectRegions:
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._regions: list[Region] = []
+        self._ever_retired = False  # retiring is rare (a missed deadline): checks skip it till then
 
     def add(self, address: int, nbytes: int, owner: object) -> Region:
         region = Region(address, nbytes, owner)
@@ -71,3 +72,11 @@ class DirectRegions:
     def retire(self, region: Region) -> None:
         """A read into it may still land: never read into it again (its owner is kept)."""
         region.retired = True
+        self._ever_retired = True
+
+    def retired(self, view: memoryview) -> bool:
+        """Whether `view` lies in a retired region (a get must not write into it)."""
+        if not self._ever_retired:
+            return False
+        region = self.holding(view)
+        return region is not None and region.retired

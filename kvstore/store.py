@@ -485,7 +485,7 @@ class TieredStore:
                                  f"{self.chunk_bytes} bytes")
             if writable and view.readonly:
                 raise ShapeError(f"buffer {i} is read-only: a get writes the chunk into it")
-            if writable and (region := self.regions.holding(view)) is not None and region.retired:
+            if writable and self.regions.retired(view):
                 raise ShapeError(f"buffer {i} was retired after a read into it missed its "
                                  "deadline (the device may still write it): take new ones with "
                                  "TieredStore.buffers()")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
+from kvstore.errors import ShapeError
 from kvstore.io.faulty import Fault
 from kvstore.record import record_bytes
 
@@ -70,6 +71,22 @@ def test_a_hung_read_becomes_a_miss_within_the_deadline(disk_dir, faulty, store_
     assert time.monotonic() - started < 5
     assert sum(ok) == len(keys) - 1
     assert store.stats.snapshot()["disk.miss.timeout"] == 1
+
+
+def test_a_buffer_a_hung_read_may_still_land_in_is_never_read_into_again(
+        disk_dir, faulty, store_factory):
+    """Reads land straight in `store.buffers()`; one whose read missed its deadline could
+    still be written by the device, so a later get into it is refused, by name."""
+    store, keys, payloads = _filled(disk_dir, faulty, store_factory, timeout_s=0.5)
+    buffers = store.buffers(2)
+    faulty.add(Fault("hang", remaining=1, match=lambda r: r.nbytes > 4096))
+    assert store.get_many(keys[:2], buffers) == [False, True]
+    with pytest.raises(ShapeError, match="buffer 0 was retired"):
+        store.get_many(keys[2:4], buffers)
+    fresh = store.buffers(2)
+    assert store.get_many(keys[2:4], fresh) == [True, True]
+    assert all(np.array_equal(np.frombuffer(b, np.uint8), p)
+               for b, p in zip(fresh, payloads[2:4], strict=True))
 
 
 def test_failed_disk_write_is_not_published(disk_dir, faulty, store_factory):
