@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from bench.redis_server import RedisServer, redis_server_unavailable
-from kvstore.keys import KVNamespace, chunk_keys
-from kvstore.record import record_bytes
-from kvstore.store import TieredStore
-from kvstore.units import parse_size
+from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.record import record_bytes
+from kvstore.format.units import parse_size
+from kvstore.store.tiered import TieredStore
 
 
 def _config(me: str, other: str, root: str, capacity: int, url: str) -> dict[str, Any]:

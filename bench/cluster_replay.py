@@ -25,9 +25,9 @@ from typing import Any
 
 from bench.replay import Replayer, SimTier, TierStats
 from bench.trace import TraceRequest, read_trace
-from kvstore.errors import ConfigError
-from kvstore.policy import TierPolicy
-from kvstore.units import format_size
+from kvstore.format.errors import ConfigError
+from kvstore.format.units import format_size
+from kvstore.tiers.policy import TierPolicy
 
 ROUTINGS = ("random", "prefix")
 

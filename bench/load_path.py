@@ -34,8 +34,8 @@ import torch
 from connectors.plan import Transfer
 from connectors.worker_side import WorkerCore
 from engine_plugin.layout import PagedKVLayout
-from kvstore.client import StoreClient, stop_service
-from kvstore.config import StoreConfig, load_config
+from kvstore.config.store import StoreConfig, load_config
+from kvstore.service.client import StoreClient, stop_service
 
 GIB = 1 << 30
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvstore.errors import KVStoreError
+from kvstore.format.errors import KVStoreError
 
 
 class PlotUnavailable(KVStoreError):

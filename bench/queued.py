@@ -25,8 +25,8 @@ from typing import Any
 from bench.summary import p50_p90
 from bench.tiny_model import prompt_token_ids
 from engine_plugin.engine_run import run_fresh
-from kvstore.client import service_info, stop_service
-from kvstore.config import StoreConfig, dump_config
+from kvstore.config.store import StoreConfig, dump_config
+from kvstore.service.client import service_info, stop_service
 
 BUSY_PROMPTS = 2
 

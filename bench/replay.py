@@ -2,8 +2,8 @@
 
 Each tier is kvstore's own SlotTable (slots, index, prefix-aware LRU), sized in
 chunks of `kv_bytes_per_token x block_tokens` bytes, and every decision is the
-store's own TierPolicy (kvstore/policy.py) taken through the same SlotTable calls the
-store makes (kvstore/store.py, flusher.py), so a replay's hits are the store's:
+store's own TierPolicy (kvstore/tiers/policy.py) taken through the same SlotTable calls the
+store makes (kvstore/store/tiered.py, flusher.py), so a replay's hits are the store's:
 - a request's lookup finds the leading run of its full blocks present in any tier
   (capped so one prompt token is always computed); its chain is touched first;
 - hits below the top tier are promoted to the top (promote_on_hit): first as the
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
-from kvstore.errors import ConfigError
-from kvstore.policy import TierPolicy
-from kvstore.slots import Entry, Fate, Reservation, SlotTable
-from kvstore.units import format_size, parse_size
+from kvstore.format.errors import ConfigError
+from kvstore.format.units import format_size, parse_size
+from kvstore.tiers.policy import TierPolicy
+from kvstore.tiers.slots import Entry, Fate, Reservation, SlotTable
 
 
 @dataclass

@@ -36,8 +36,8 @@ from typing import Any
 
 from bench.openai_server import OpenAIServer
 from bench.tiny_model import build_llama3_8b_geometry, prompt_token_ids
-from kvstore.client import service_info, stop_service
-from kvstore.config import load_config
+from kvstore.config.store import load_config
+from kvstore.service.client import service_info, stop_service
 
 SERVER_ARGS = ["--dtype", "float16", "--enforce-eager", "--max-model-len", "4096"]
 # vllm.benchmarks.serve has no __main__; this is what `vllm bench serve` calls.

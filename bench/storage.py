@@ -38,12 +38,12 @@ from bench.storage_cases import (
     write_set,
 )
 from bench.vm import drop_page_cache
-from kvstore.config import load_config
-from kvstore.errors import ConfigError, KVStoreError
-from kvstore.nvmeof.config import dump_nvmeof, parse_nvmeof
-from kvstore.nvmeof.tier import namespace_plans
-from kvstore.record import record_bytes
-from kvstore.units import format_size, parse_size
+from kvstore.config.nvmeof import dump_nvmeof, parse_nvmeof
+from kvstore.config.store import load_config
+from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.format.record import record_bytes
+from kvstore.format.units import format_size, parse_size
 
 CASES = ("get", "bounce", "service", "raw", "prefetch", "serial", "host")
 PEERS = ("lmcache",)

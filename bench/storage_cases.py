@@ -23,14 +23,14 @@ import torch
 
 from bench.fio import Geometry
 from bench.vm import huge_pages
-from kvstore.aligned import AlignedBuffer
-from kvstore.checksum import xxh3_64
-from kvstore.disk_layout import SB_COPIES
+from kvstore.devices.layout import SB_COPIES
+from kvstore.format.checksum import xxh3_64
+from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.record import BLOCK, record_bytes
 from kvstore.io import make_engine
+from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.base import IoRequest
-from kvstore.keys import KVNamespace, chunk_keys
-from kvstore.record import BLOCK, record_bytes
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 @dataclass
@@ -183,8 +183,8 @@ def service_case(data: DiskSet, engine: str, queue_depth: int, workdir: str) -> 
     client's window. CPU is the service's and the client's together. The window gets
     huge pages where the host has them (reserved for the case as root, as fio's are):
     into 4 KiB pages a read splits at the device's segment limit."""
-    from kvstore.client import StoreClient, stop_service
-    from kvstore.config import load_config
+    from kvstore.config.store import load_config
+    from kvstore.service.client import StoreClient, stop_service
 
     window = min(2 * queue_depth * data.chunk_bytes, 1 << 30)
     config = load_config({**data.config(engine, queue_depth),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvstore.errors import KVStoreError
+from kvstore.format.errors import KVStoreError
 
 MOONCAKE_BLOCK_TOKENS = 512
 

@@ -25,10 +25,10 @@ from bench.queued import measure_queued
 from bench.summary import p50_p90
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
-from kvstore.client import stop_service
-from kvstore.config import dump_config, load_config
-from kvstore.errors import ConfigError
-from kvstore.units import parse_size
+from kvstore.config.store import dump_config, load_config
+from kvstore.format.errors import ConfigError
+from kvstore.format.units import parse_size
+from kvstore.service.client import stop_service
 
 MEASURED_MODES = ("recompute", "dram", "disk", "disk+prefetch")
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384"

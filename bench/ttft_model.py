@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.errors import ConfigError
+from kvstore.format.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Routers (llm-d, Dynamo) index engines' KV events by the engine's own block hashes and
 token ids; kvstore knows a chunk by its key. The service logs which chunk entered or
-left which tier (kvstore/chunk_events.py); the scheduler remembers, for the chunks of
+left which tier (kvstore/service/chunk_events.py); the scheduler remembers, for the chunks of
 the requests it saw, the engine's block hashes, tokens and LoRA (the most recent
 CAPACITY chunks: about 1.3 KB each); this joins the two. A chunk this scheduler never
 saw (another engine's on the same service) is skipped: that engine reports it. With

@@ -6,8 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvstore.client import ServiceUnavailable, StoreClient
-from kvstore.errors import KVStoreError
+from kvstore.format.errors import KVStoreError
+from kvstore.service.client import ServiceUnavailable, StoreClient
 
 log = logging.getLogger("vllm.kvstore")
 RECONNECT_INTERVAL_S = 5.0

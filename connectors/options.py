@@ -14,9 +14,9 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from connectors.prefetch import PrefetchPolicy
-from kvstore.config import StoreConfig, load_config
-from kvstore.errors import ConfigError
-from kvstore.schema import Bool, Refused, Schema, Text, seconds, size, validate
+from kvstore.config.schema import Bool, Refused, Schema, Text, seconds, size, validate
+from kvstore.config.store import StoreConfig, load_config
+from kvstore.format.errors import ConfigError
 
 
 class ConnectorOptions(Schema):

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
-from kvstore.schema import Schema, choice, config_error, seconds
+from kvstore.config.schema import Schema, choice, config_error, seconds
 
 POLICIES = ("best_effort", "wait", "timeout")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from connectors.plan import SKIP, Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
-from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KVNamespace, chunk_keys
 
 # (keys of one rank, start a promotion to DRAM?) -> what the store holds of them
 Lookup = Callable[[list[bytes], bool], Residency]

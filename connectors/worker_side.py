@@ -42,9 +42,9 @@ import torch
 from connectors.device_staging import DeviceStagingPool
 from connectors.link import ServiceLink
 from connectors.plan import SKIP, Stage, Transfer
-from kvstore.client import StoreClient
-from kvstore.errors import KVStoreError
-from kvstore.stats import Stats
+from kvstore.format.errors import KVStoreError
+from kvstore.service.client import StoreClient
+from kvstore.tiers.stats import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
 

@@ -2,7 +2,7 @@
 
 vLLM creates one instance with role SCHEDULER (in the engine-core process) and one
 with role WORKER per tensor-parallel rank (in each worker process). They share no
-Python objects: both talk to the per-host kvstore service (kvstore/service.py),
+Python objects: both talk to the per-host kvstore service (kvstore/service/server.py),
 the scheduler for lookups, the workers for loads and saves. vLLM carries this
 step's plan (connectors.plan.StepPlan) from one to the others.
 
@@ -39,9 +39,9 @@ from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
 from engine_plugin.kv_events import RouterEvents
 from engine_plugin.kv_spec import layout_signature, record_dtype_name, single_group_spec, spec_dtype
-from kvstore.aligned import pin_for_cuda
-from kvstore.client import StoreClient
-from kvstore.keys import KVNamespace
+from kvstore.format.keys import KVNamespace
+from kvstore.io.aligned import pin_for_cuda
+from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

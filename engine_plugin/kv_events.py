@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from connectors.kv_events import ChunkCatalog
 from connectors.link import ServiceLink
-from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KVNamespace, chunk_keys
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

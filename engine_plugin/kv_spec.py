@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import KVStoreError
+from kvstore.format.errors import KVStoreError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-RECORD_DTYPE_BYTES = 16  # kvstore/record.py: the header's dtype name field
+RECORD_DTYPE_BYTES = 16  # kvstore/format/record.py: the header's dtype name field
 
 
 class UnsupportedKVCache(KVStoreError, ValueError):

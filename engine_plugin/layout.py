@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from connectors.plan import SKIP
-from kvstore.errors import ShapeError
+from kvstore.format.errors import ShapeError
 
 
 def block_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:

@@ -1,4 +1,5 @@
-"""The `kvstore` command: demo, bench, ttft, replay, nvmeof, fsck, info, serve, stop."""
+"""The `kvstore` command: nvmeof, fsck, info, serve, stop, and the commands other packages
+register (bench: demo, bench, ttft, replay)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import importlib
 import json
 import logging
 import sys
+from importlib.metadata import entry_points
 
-from kvstore.errors import KVStoreError
-from kvstore.units import format_size, parse_size
+from kvstore.format.errors import KVStoreError
+from kvstore.format.units import format_size, parse_size
 
 
 def _fsck(args: argparse.Namespace) -> int:
-    from kvstore.fsck import fsck
+    from kvstore.store.fsck import fsck
 
     counts = fsck(args.path)
     if args.json:
@@ -26,9 +28,9 @@ def _fsck(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     """From the running service when one answers (it holds the tiers' locks), else by
     opening the tiers directly, which needs their chunk size."""
-    from kvstore.client import service_info
-    from kvstore.config import load_config
-    from kvstore.store import TieredStore
+    from kvstore.config.store import load_config
+    from kvstore.service.client import service_info
+    from kvstore.store.tiered import TieredStore
 
     config = load_config(args.config)
     info = service_info(config)
@@ -70,14 +72,14 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _service_config(args: argparse.Namespace):  # -> StoreConfig
-    from kvstore.config import load_config, with_service
+    from kvstore.config.store import load_config, with_service
 
     config = load_config(args.config)
     return with_service(config, socket=args.socket) if args.socket else config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvstore.service import StoreService
+    from kvstore.service.server import StoreService
 
     logging.getLogger("kvstore").setLevel(logging.INFO)
     StoreService(_service_config(args)).serve_forever()
@@ -85,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from kvstore.client import stop_service
+    from kvstore.service.client import stop_service
 
     if not stop_service(_service_config(args)):
         print("kvstore: no service is running there", file=sys.stderr)
@@ -93,14 +95,23 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-# Commands whose module has add_arguments(parser) and run(args) -> exit code.
+# Commands whose module has add_arguments(parser) and run(args) -> exit code. Other
+# packages add theirs through the `kvstore.commands` entry-point group: each entry names
+# a sequence of such (name, module, help) rows (bench/commands.py registers bench's).
 _MODULE_COMMANDS = (
-    ("demo", "bench.demo", "cold vs DRAM vs disk on a real vLLM engine (tiny model)"),
-    ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
-    ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
-    ("replay", "bench.replay", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
-    ("nvmeof", "kvstore.nvmeof.command", "connect, disconnect and check the NVMe-oF namespaces"),
+    ("nvmeof", "kvstore.nvmeof_cli", "connect, disconnect and check the NVMe-oF namespaces"),
 )
+_BUILT_IN = {"nvmeof", "fsck", "info", "serve", "stop"}
+
+
+def _module_commands(command: str | None) -> list[tuple[str, str, str]]:
+    """Built-in module commands, plus registered ones unless `command` is a built-in (so
+    `kvstore fsck` never imports another package's registry)."""
+    rows = list(_MODULE_COMMANDS)
+    if command not in _BUILT_IN:
+        for entry in entry_points(group="kvstore.commands"):
+            rows += entry.load()
+    return rows
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -111,7 +122,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    for name, module_name, text in _MODULE_COMMANDS:
+    for name, module_name, text in _module_commands(command):
         sub = commands.add_parser(name, help=text)
         if name == command:
             module = importlib.import_module(module_name)

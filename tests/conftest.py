@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from bench.loopdev import LoopDevices, loop_devices_unavailable
+from kvstore.format.keys import KVNamespace, chunk_keys
 from kvstore.io import make_engine
 from kvstore.io.faulty import FaultyEngine
-from kvstore.keys import KVNamespace, chunk_keys
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 CHUNK_BYTES = 64 * 1024
 MICRO_JSON = Path(".benchmarks") / "micro.json"  # under the root dir; gitignored

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from engine_plugin.engine_run import EngineRun, run_fresh
-from kvstore.client import StoreClient, attach
-from kvstore.client import stop_service as _stop
-from kvstore.config import load_config
+from kvstore.config.store import load_config
+from kvstore.service.client import StoreClient, attach
+from kvstore.service.client import stop_service as _stop
 
 
 def run_engine(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,

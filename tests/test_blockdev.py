@@ -6,8 +6,8 @@ import pytest
 from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back
 
 from bench.loopdev import LoopDevices
-from kvstore.errors import DeviceError
-from kvstore.record import record_bytes
+from kvstore.format.errors import DeviceError
+from kvstore.format.record import record_bytes
 
 pytestmark = pytest.mark.loopdev
 SLOT = record_bytes(CHUNK_BYTES)

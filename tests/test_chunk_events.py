@@ -9,11 +9,11 @@ from conftest import make_keys, make_payloads
 from engine_harness import stop_service
 
 from connectors.kv_events import ChunkCatalog
-from kvstore.chunk_events import ChunkEvents
-from kvstore.client import StoreClient
-from kvstore.config import load_config
-from kvstore.record import record_bytes
-from kvstore.slots import SlotTable
+from kvstore.config.store import load_config
+from kvstore.format.record import record_bytes
+from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.client import StoreClient
+from kvstore.tiers.slots import SlotTable
 
 CHUNK = 64 * 1024
 

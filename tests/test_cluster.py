@@ -16,15 +16,15 @@ from engine_harness import service_client, stop_service
 from redis_harness import redis_server  # noqa: F401 - a fixture
 
 from bench.loopdev import LoopDevices
-from kvstore.client import StoreClient
-from kvstore.config import load_config
-from kvstore.disk_layout import geometry
-from kvstore.errors import ConfigError
-from kvstore.fsck import fsck
+from kvstore.config.store import load_config
+from kvstore.devices.layout import geometry
+from kvstore.format.errors import ConfigError
+from kvstore.format.record import record_bytes
 from kvstore.io import make_engine
 from kvstore.io.faulty import Fault, FaultyEngine
-from kvstore.record import record_bytes
-from kvstore.store import TieredStore
+from kvstore.service.client import StoreClient
+from kvstore.store.fsck import fsck
+from kvstore.store.tiered import TieredStore
 
 redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e .)")
 

@@ -15,9 +15,9 @@ import kvstore.cluster.node
 from bench.cluster_replay import Cluster, replay_cluster, route
 from bench.trace import read_trace
 from kvstore.cli import main as cli_main
-from kvstore.errors import ConfigError
-from kvstore.record import record_bytes
-from kvstore.store import TieredStore
+from kvstore.format.errors import ConfigError
+from kvstore.format.record import record_bytes
+from kvstore.store.tiered import TieredStore
 
 
 def shared_prefix_trace(path, seed: int = 3, requests: int = 200) -> str:

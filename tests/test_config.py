@@ -5,9 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvstore.config import dump_config, load_config, with_service
-from kvstore.errors import ConfigError
-from kvstore.units import format_size, parse_size
+from kvstore.config.store import dump_config, load_config, with_service
+from kvstore.format.errors import ConfigError
+from kvstore.format.units import format_size, parse_size
 
 GOOD_YAML = """
 chunk_tokens: 256

@@ -1,13 +1,13 @@
 """The docs' key tables are the ones the config models render: a key added without a
-description, or a table edited by hand, fails here (fix: `python -m kvstore.config_doc`)."""
+description, or a table edited by hand, fails here (fix: `python -m scripts.config_doc`)."""
 
 from typing import Annotated
 
 import pytest
 
-from kvstore.config import IoConfig
-from kvstore.config_doc import BEGIN, END, ROOT, pages, render_table
-from kvstore.schema import integer
+from kvstore.config.schema import integer
+from kvstore.config.store import IoConfig
+from scripts.config_doc import BEGIN, END, ROOT, pages, render_table
 
 
 def _undocumented(model) -> list[str]:
@@ -26,7 +26,7 @@ def test_the_page_shows_the_generated_table(page):
     assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{page} lost its table markers"
     shown = text.split(BEGIN)[1].split(END)[0].strip()
     assert shown == render_table(pages()[page]), (
-        f"{page}'s key table is stale: run `python -m kvstore.config_doc`")
+        f"{page}'s key table is stale: run `python -m scripts.config_doc`")
     assert not _undocumented(pages()[page])
 
 

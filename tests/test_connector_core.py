@@ -8,8 +8,8 @@ from connectors.options import check_chunk_size, parse_options
 from connectors.plan import SKIP
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore
-from kvstore.errors import ConfigError
-from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.format.errors import ConfigError
+from kvstore.format.keys import KVNamespace, chunk_keys
 
 CHUNK, BLOCK = 256, 128
 NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size=2),

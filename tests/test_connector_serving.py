@@ -30,9 +30,9 @@ from engine_plugin.kv_spec import (
     spec_dtype,
 )
 from engine_plugin.layout import PagedKVLayout
-from kvstore.client import ServiceUnavailable, StoreClient
-from kvstore.config import load_config
-from kvstore.keys import KVNamespace
+from kvstore.config.store import load_config
+from kvstore.format.keys import KVNamespace
+from kvstore.service.client import ServiceUnavailable, StoreClient
 
 CHUNK, BLOCK = 256, 128
 NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size=2),

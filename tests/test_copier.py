@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.copier import copy_bytes, copy_many
+from kvstore.io.copier import copy_bytes, copy_many
 
 
 def _pairs(sizes: list[int], seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 
-from kvstore.device_health import IN_SERVICE, OFFLINE, TRIPPED
+from kvstore.devices.health import IN_SERVICE, OFFLINE, TRIPPED
+from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
-from kvstore.record import record_bytes
 
 SLOT = record_bytes(CHUNK_BYTES)
 

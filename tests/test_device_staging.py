@@ -16,8 +16,8 @@ from connectors.device_staging import DeviceStagingPool
 from connectors.plan import Stage, Transfer
 from connectors.worker_side import WorkerCore
 from engine_plugin.layout import PagedKVLayout
-from kvstore.client import StoreClient
-from kvstore.config import load_config
+from kvstore.config.store import load_config
+from kvstore.service.client import StoreClient
 
 NUM_BLOCKS, BLOCKS_PER_CHUNK = 16, 2
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kvstore.eviction import PrefixLRU
-from kvstore.slots import SlotTable
+from kvstore.tiers.eviction import PrefixLRU
+from kvstore.tiers.slots import SlotTable
 
 
 def chain(name: str, length: int) -> list[bytes]:

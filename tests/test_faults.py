@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
-from kvstore.errors import ShapeError
+from kvstore.format.errors import ShapeError
+from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
-from kvstore.record import record_bytes
 
 SLOT = record_bytes(CHUNK_BYTES)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.disk_layout import Superblock, parse_superblock
-from kvstore.record import (
+from kvstore.devices.layout import Superblock, parse_superblock
+from kvstore.format.record import (
     HEADER_BLOCK,
     HEADER_LEN,
     KEY_OFFSET,

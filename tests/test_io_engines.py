@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvstore.aligned import AlignedBuffer
+from kvstore.format.record import BLOCK
 from kvstore.io import IoRequest, make_engine
-from kvstore.record import BLOCK
+from kvstore.io.aligned import AlignedBuffer
 
 PIECES = 3  # buffers per request: one readv/writev fills several places
 REQUESTS = 40  # five times the queue depth, so the ring's head and tail wrap repeatedly

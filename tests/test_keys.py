@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.keys import KEY_BYTES, KVNamespace, chunk_keys
+from kvstore.format.keys import KEY_BYTES, KVNamespace, chunk_keys
 
 NS = KVNamespace("m", "bfloat16", "NHD", 4)
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
@@ -45,7 +45,7 @@ def test_every_namespace_field_separates_keys(field, value):
 
 
 def test_keys_are_stable_across_processes_and_hash_seeds():
-    code = ("from kvstore.keys import KVNamespace, chunk_keys;"
+    code = ("from kvstore.format.keys import KVNamespace, chunk_keys;"
             "print(chunk_keys(range(8), KVNamespace('m','bfloat16','NHD',4))[1].hex())")
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout

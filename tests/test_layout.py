@@ -9,7 +9,7 @@ import torch
 
 from connectors.plan import SKIP
 from engine_plugin.layout import PagedKVLayout, block_axis, block_runs
-from kvstore.errors import ShapeError
+from kvstore.format.errors import ShapeError
 
 NUM_BLOCKS = 10
 

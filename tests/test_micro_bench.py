@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.storage_cases import host_store
-from kvstore.record import (
+from kvstore.format.record import (
     HEADER_BLOCK,
     HeaderState,
     RecordHeader,
@@ -24,8 +24,8 @@ from kvstore.record import (
     parse_header,
     payload_checksum,
 )
-from kvstore.slots import SlotTable
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
+from kvstore.tiers.slots import SlotTable
 
 pytestmark = pytest.mark.benchmark(max_time=0.2, min_rounds=5, warmup=False)
 

@@ -8,13 +8,13 @@ import pytest
 
 from bench.loopdev import SUBNQN, FakeNamespace, set_controller_state, write_sysfs
 from kvstore.cli import main
-from kvstore.config import dump_config, load_config
-from kvstore.device_health import Presence
-from kvstore.errors import ConfigError, DeviceError
-from kvstore.nvmeof.config import dump_nvmeof, parse_nvmeof
-from kvstore.nvmeof.nvme_cli import NvmeCliError, connect_plan, disconnect_plan, preflight
-from kvstore.nvmeof.sysfs import resolve
-from kvstore.nvmeof.tier import namespace_plans
+from kvstore.config.nvmeof import dump_nvmeof, parse_nvmeof
+from kvstore.config.store import dump_config, load_config
+from kvstore.devices.health import Presence
+from kvstore.devices.nvmeof.nvme_cli import NvmeCliError, connect_plan, disconnect_plan, preflight
+from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.devices.nvmeof.sysfs import resolve
+from kvstore.format.errors import ConfigError, DeviceError
 
 BASE = {"transport": "tcp", "traddr": "192.0.2.10", "subnqn": SUBNQN}
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
 
 from bench.loopdev import FakeNamespace, LoopDevices, LoopNamespaces, write_sysfs
-from kvstore.device_health import IN_SERVICE, OFFLINE
-from kvstore.record import record_bytes
+from kvstore.devices.health import IN_SERVICE, OFFLINE
+from kvstore.format.record import record_bytes
 
 pytestmark = pytest.mark.loopdev
 SLOT = record_bytes(CHUNK_BYTES)
@@ -101,8 +101,8 @@ def test_status_shows_the_running_services_view(namespaces, tmp_path, capsys):
     from engine_harness import stop_service
 
     from kvstore.cli import main
-    from kvstore.client import StoreClient
-    from kvstore.config import load_config
+    from kvstore.config.store import load_config
+    from kvstore.service.client import StoreClient
 
     raw = {"tiers": {"nvmeof": namespaces.tier_config(capacity="12MiB")},
            "service": {"socket": str(tmp_path / "kv.sock"), "staging": "1MiB"}}

@@ -10,8 +10,8 @@ import pytest
 from connectors.options import parse_options
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from connectors.scheduler_side import SchedulerCore
-from kvstore.errors import ConfigError
-from kvstore.keys import KVNamespace, chunk_keys
+from kvstore.format.errors import ConfigError
+from kvstore.format.keys import KVNamespace, chunk_keys
 
 CHUNK, BLOCK = 256, 128
 NAMESPACE = KVNamespace("m", "float16", "cpu", CHUNK)

@@ -8,9 +8,9 @@ import errno
 import numpy as np
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 
+from kvstore.format.record import record_bytes
 from kvstore.io import make_engine
 from kvstore.io.faulty import Fault, FaultyEngine
-from kvstore.record import record_bytes
 
 SLOT = record_bytes(CHUNK_BYTES)
 

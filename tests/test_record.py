@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.record import (
+from kvstore.format.record import (
     HEADER_BLOCK,
     HEADER_LEN,
     HeaderState,

@@ -13,10 +13,10 @@ import pytest
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.cli import main as cli_main
-from kvstore.disk_layout import SB_COPIES
+from kvstore.devices.layout import SB_COPIES
+from kvstore.format.record import BLOCK, MAGIC, pack_header, parse_header, record_bytes
 from kvstore.io.faulty import Fault
-from kvstore.record import BLOCK, MAGIC, pack_header, parse_header, record_bytes
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 SLOT = record_bytes(CHUNK_BYTES)
 
@@ -49,7 +49,7 @@ CHILD = textwrap.dedent("""
     import sys, numpy as np
     sys.path.insert(0, {tests!r})
     from conftest import make_keys, disk_config
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
     store = TieredStore(disk_config({path!r}, {capacity}, {engine!r}), {chunk})
     keys = make_keys(4000)
     for i in range(0, 4000, 4):
@@ -178,7 +178,7 @@ def test_a_corrupted_checkpoint_falls_back_to_a_scan(disk_dir, store_factory):
 def test_the_newest_copy_of_a_key_wins_and_the_older_is_zeroed(disk_dir, store_factory):
     """A crash between writing a newer copy of a key and dropping the old one leaves two
     valid records of it: the scan keeps the higher sequence number and zeroes the other."""
-    from kvstore.fsck import fsck
+    from kvstore.store.fsck import fsck
 
     config = disk_config(disk_dir, 32 * SLOT)
     keys, payloads = make_keys(2), make_payloads(2)

@@ -11,10 +11,10 @@ import pytest
 from bench.replay import Replayer, parse_tier
 from bench.trace import block_keys, read_trace
 from kvstore.cli import main as cli_main
-from kvstore.errors import ConfigError, KVStoreError
-from kvstore.policy import TierPolicy
-from kvstore.record import record_bytes
-from kvstore.store import TieredStore
+from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.format.record import record_bytes
+from kvstore.store.tiered import TieredStore
+from kvstore.tiers.policy import TierPolicy
 
 BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
 

@@ -29,15 +29,15 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, make_keys, make_payloads
 
-from kvstore import protocol as P
-from kvstore.client import StoreClient, stop_service
-from kvstore.config import load_config
-from kvstore.disk_layout import SB_COPIES
-from kvstore.errors import BadKeyError, ConfigError, DeviceError, KVStoreError, ShapeError
+from kvstore.config.store import load_config
+from kvstore.devices.layout import SB_COPIES
+from kvstore.format.errors import BadKeyError, ConfigError, DeviceError, KVStoreError, ShapeError
+from kvstore.format.record import BLOCK, record_bytes
 from kvstore.io.faulty import Fault, FaultyEngine
 from kvstore.io.threads import ThreadsEngine
-from kvstore.record import BLOCK, record_bytes
-from kvstore.store import TieredStore
+from kvstore.service import protocol as P
+from kvstore.service.client import StoreClient, stop_service
+from kvstore.store.tiered import TieredStore
 
 REPO = Path(__file__).resolve().parents[1]
 SLOT = record_bytes(CHUNK_BYTES)
@@ -143,7 +143,7 @@ def _raw_channel(config: dict) -> P.Channel:
 
 
 def _hello(config: dict, chunk: int | None = CHUNK_BYTES) -> P.Hello:
-    from kvstore.config import dump_config
+    from kvstore.config.store import dump_config
 
     return P.Hello(P.PROTOCOL_VERSION, dump_config(load_config(config)), chunk)
 
@@ -160,7 +160,8 @@ def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp)
         made = intruder.run(f"import os; os.mkdir({squat!r}, 0o777); os.chmod({squat!r}, 0o777)")
         assert made.returncode == 0, made.stderr
         config = {"tiers": {"host": {"capacity": "4MiB"}}}
-        code = ("from kvstore.client import StoreClient\nfrom kvstore.config import load_config\n"
+        code = ("from kvstore.service.client import StoreClient\n"
+                "from kvstore.config.store import load_config\n"
                 f"StoreClient(load_config({config!r}), 65536)")
         done = victim.run(code, XDG_RUNTIME_DIR="")
         assert done.returncode != 0
@@ -199,7 +200,7 @@ def test_1_a_client_refuses_a_listener_of_another_user(intruder, shared_tmp):
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     config = {"tiers": {"host": {"capacity": "4MiB"}}, "service": {"socket": path, "spawn": False}}
-    code = ("from kvstore.client import StoreClient\nfrom kvstore.config import load_config\n"
+    code = ("from kvstore.service.client import StoreClient\nfrom kvstore.config.store import load_config\n"
             f"StoreClient(load_config({config!r}))")
     done = victim.run(code)
     listener.close()
@@ -533,7 +534,7 @@ def test_9_a_crash_mid_write_after_a_clean_restart_leaves_no_valid_header_over_o
     header (here: one dropped for bit rot). A write into it must zero that header before
     the payload: a crash before the new header then leaves an empty slot, not the old
     header over the new bytes."""
-    from kvstore.fsck import fsck
+    from kvstore.store.fsck import fsck
 
     config = {"tiers": {"disk": [{"path": disk_dir, "capacity": 16 * SLOT}]}, "io": {"queue_depth": 4}}
     keys, payloads = make_keys(4), make_payloads(4)

@@ -9,9 +9,9 @@ import time
 import pytest
 from engine_harness import service_client, stop_service
 
-from kvstore.client import ServiceUnavailable, StoreClient
-from kvstore.config import load_config
-from kvstore.errors import KVStoreError
+from kvstore.config.store import load_config
+from kvstore.format.errors import KVStoreError
+from kvstore.service.client import ServiceUnavailable, StoreClient
 
 CHUNK = 64 * 1024
 

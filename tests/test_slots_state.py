@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore.slots import Fate, Reservation, SlotTable
+from kvstore.tiers.slots import Fate, Reservation, SlotTable
 
 KEYS = [bytes([i]) * 16 for i in range(24)]
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
-from kvstore.errors import ConfigError, DeviceError, ShapeError
-from kvstore.record import record_bytes
-from kvstore.store import TieredStore
+from kvstore.format.errors import ConfigError, DeviceError, ShapeError
+from kvstore.format.record import record_bytes
+from kvstore.store.tiered import TieredStore
 
 SLOT = record_bytes(CHUNK_BYTES)
 

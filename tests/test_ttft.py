@@ -10,7 +10,7 @@ from bench.tiny_model import build_tiny_llama
 from bench.ttft import run_workdir
 from bench.ttft_model import MODELS, PROFILES, HardwareProfile, ModelSpec, estimate, load_s, prefill_s
 from kvstore.cli import main as cli_main
-from kvstore.errors import ConfigError
+from kvstore.format.errors import ConfigError
 
 FLAT = HardwareProfile("flat", bf16_tflops=1.0, hbm_gbps=1, pcie_gbps=2.0, dram_gbps=4.0,
                        nvme_gbps=1.0, nvmeof_gbps=8.0, source="test", mfu=1.0, efficiency=1.0,

@@ -17,9 +17,9 @@ from engine_harness import counters, run_engine, service_client, stop_service
 
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
-from kvstore.devices import DATA_FILE
-from kvstore.disk_layout import parse_superblock
-from kvstore.record import HEADER_BLOCK, HeaderState, parse_header
+from kvstore.devices.device import DATA_FILE
+from kvstore.devices.layout import parse_superblock
+from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 
-from kvstore.errors import ConfigError
-from kvstore.record import record_bytes
+from kvstore.format.errors import ConfigError
+from kvstore.format.record import record_bytes
 
 SLOT = record_bytes(CHUNK_BYTES)
 
@@ -54,7 +54,7 @@ def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
 
 
 def test_bad_write_policy_names_the_field(disk_dir):
-    from kvstore.config import load_config
+    from kvstore.config.store import load_config
 
     with pytest.raises(ConfigError, match=r"write_policy.*write_back, write_through"):
         load_config(_config(disk_dir, write_policy="always"))

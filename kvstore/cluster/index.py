@@ -29,8 +29,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.config import ClusterConfig
-from kvstore.stats import Stats
+from kvstore.config.store import ClusterConfig
+from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
 _LOCATION = struct.Struct("<QH8sIQ")  # generation, device, device id (first 8 bytes), slot, seq

@@ -26,14 +26,14 @@ from kvstore.cluster.index import IndexReader, PeerHit, shown
 from kvstore.cluster.peer_devices import PeerDevices
 from kvstore.cluster.peer_reader import PeerReader
 from kvstore.cluster.publisher import IndexPublisher
-from kvstore.config import StoreConfig
-from kvstore.disk_tier import DiskTier
-from kvstore.host_tier import HostTier
+from kvstore.config.store import StoreConfig
+from kvstore.datapath.prefetch_ledger import PrefetchLedger
 from kvstore.io.base import IoEngine
-from kvstore.prefetch_ledger import PrefetchLedger
-from kvstore.slots import Entry, Reservation
-from kvstore.staging import StagingPool
-from kvstore.stats import Stats
+from kvstore.io.staging import StagingPool
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.dram import HostTier
+from kvstore.tiers.slots import Entry, Reservation
+from kvstore.tiers.stats import Stats
 
 RECENT_S = 1.0  # how long an index answer is reused
 RECENT_LIMIT = 1 << 16  # answers kept

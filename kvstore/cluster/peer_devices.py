@@ -26,17 +26,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvstore.aligned import AlignedBuffer
 from kvstore.cluster.index import DEVICE_ID_BYTES, Location
-from kvstore.config import ClusterConfig, IoConfig
-from kvstore.device_health import OFFLINE, TRIPPED, DeviceHealth, Presence, is_fault
-from kvstore.devices import DATA_FILE, DevicePlan
-from kvstore.disk_layout import SB_COPIES, Superblock, parse_superblock
-from kvstore.errors import ConfigError, DeviceError
+from kvstore.config.store import ClusterConfig, IoConfig
+from kvstore.devices.device import DATA_FILE, DevicePlan
+from kvstore.devices.health import OFFLINE, TRIPPED, DeviceHealth, Presence, is_fault
+from kvstore.devices.layout import SB_COPIES, Superblock, parse_superblock
+from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.format.errors import ConfigError, DeviceError
+from kvstore.format.record import BLOCK
+from kvstore.format.units import format_size
+from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
-from kvstore.nvmeof.tier import namespace_plans
-from kvstore.record import BLOCK
-from kvstore.units import format_size
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 from kvstore.cluster.index import PeerHit
 from kvstore.cluster.peer_devices import PeerDevice, PeerDevices
-from kvstore.copier import copy_bytes
-from kvstore.host_tier import HostTier
+from kvstore.datapath.prefetch_ledger import PrefetchLedger
+from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record
 from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
-from kvstore.prefetch_ledger import PrefetchLedger
-from kvstore.record import HEADER_BLOCK, MissReason, RecordHeader, check_record
-from kvstore.slots import Reservation
-from kvstore.staging import StagingPool
-from kvstore.stats import Stats
+from kvstore.io.copier import copy_bytes
+from kvstore.io.staging import StagingPool
+from kvstore.tiers.dram import HostTier
+from kvstore.tiers.slots import Reservation
+from kvstore.tiers.stats import Stats
 
 
 @dataclass

@@ -22,10 +22,10 @@ from collections import deque
 import redis
 
 from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location, connect, shown
-from kvstore.config import ClusterConfig
-from kvstore.disk_tier import DiskTier
-from kvstore.slots import Entry
-from kvstore.stats import Stats
+from kvstore.config.store import ClusterConfig
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.slots import Entry
+from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
 QUEUE_LIMIT = 1 << 18  # index updates waiting for Redis; past it, a reconcile follows

@@ -1,4 +1,5 @@
-"""I/O engines: `uring` (io_uring) and `threads` (preadv/pwritev pool), chosen by name."""
+"""Memory that I/O lands in (aligned buffers, staging pools, direct regions, the copier) and the I/O
+engines: `uring` (io_uring) and `threads` (preadv/pwritev pool), chosen by name."""
 
 from __future__ import annotations
 

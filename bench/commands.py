@@ -1,0 +1,14 @@
+"""The `kvstore` subcommands bench provides, registered through the `kvstore.commands`
+entry-point group (pyproject.toml) so the storage package never imports bench.
+
+Each row: (name, module with add_arguments(parser) and run(args), help text). Importing
+this module imports none of the commands: torch, vLLM and matplotlib load only for the
+command being run.
+"""
+
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("demo", "bench.demo", "cold vs DRAM vs disk on a real vLLM engine (tiny model)"),
+    ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
+    ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
+    ("replay", "bench.replay", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
+)

@@ -1,0 +1,88 @@
+"""Where the service's runtime files live, and how they are made without trusting /tmp.
+
+The socket, its lock, its log and the config handed to a spawned service sit in
+one private directory: `$XDG_RUNTIME_DIR/kvstore` (a per-user tmpfs), else
+`/tmp/kvstore-UID`, created 0700. Any directory holding them, default or
+configured, must be owned by this user, not a link, and writable by no one else:
+otherwise another local user could listen on the socket first, or point a lock or
+log at a file of ours. Files in it are opened without following links and must
+be ours.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from kvstore.format.errors import ConfigError
+
+SOCKET_NAME = "kvstore.sock"
+
+
+def default_socket() -> str:
+    """The default `service.socket` (its directory is created when the service starts)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isabs(base):
+        return os.path.join(base, "kvstore", SOCKET_NAME)
+    return os.path.join("/tmp", f"kvstore-{os.geteuid()}", SOCKET_NAME)
+
+
+def directory_problem(path: str) -> str | None:
+    """Why `path` is not a private directory of this user, or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not this user ({os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}: others may create files in it"
+    return None
+
+
+def ensure_private_directory(socket: str) -> str:
+    """Create (0700) or check the directory of `socket`; returns it. ConfigError
+    naming `service.socket` when it is unsafe."""
+    directory = os.path.dirname(os.path.abspath(socket))
+    if not os.path.lexists(directory):
+        parent = os.path.dirname(directory)
+        if directory_problem(parent) is not None and not _sticky_and_foreign_safe(parent):
+            raise ConfigError("service.socket", socket, f"its directory {directory} does not exist, "
+                                                        f"and its parent {parent} is unsafe to make it in")
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass  # another process made it first: checked below like any existing one
+        except OSError as exc:
+            raise ConfigError("service.socket", socket, f"cannot create its directory {directory}: "
+                                                        f"{exc.strerror}") from exc
+    problem = directory_problem(directory)
+    if problem:
+        raise ConfigError("service.socket", socket, f"its directory {directory} {problem}; the "
+                          "service's socket, lock and log need a directory only this user can write")
+    return directory
+
+
+def _sticky_and_foreign_safe(path: str) -> bool:
+    """/tmp and the like: world-writable with the sticky bit, so a name we create there
+    cannot be replaced by another user (we then check what we find at it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX)
+
+
+def open_private(path: str, flags: int) -> int:
+    """Open (creating 0600) a file in a private directory without following links;
+    refuses one that is not ours or not a regular file."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise ConfigError("service.socket", path, "a runtime file there is not ours or not a regular file")
+    return fd

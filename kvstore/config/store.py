@@ -1,0 +1,289 @@
+"""The store's config schema (YAML file, JSON text or dict), validated on load.
+
+Every error is a ConfigError that names the dotted field and the bad value, because
+a config is usually written by hand and read by a service that fails at start-up.
+The models below are the only statement of the keys, their defaults and their meaning:
+docs/configuration.md's key table is generated from them (`python -m scripts.config_doc`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+
+from kvstore.config.nvmeof import NvmeofConfig
+from kvstore.config.runtime import default_socket
+from kvstore.config.schema import Bool, Kind, Refused, Schema, Text, choice, integer, seconds, size, validate
+from kvstore.format.errors import ConfigError
+
+
+class HostTierConfig(Schema):
+    """The DRAM tier: one slab of private memory in the service."""
+
+    removed_keys = {"shm_name": "removed: the DRAM slab is the service's private memory "
+                                "(nothing mapped /dev/shm/NAME); delete this key"}
+
+    capacity: Annotated[int, size()] = Field(
+        description="DRAM slab size; sizes take `B`, `KiB`, `MiB`, `GiB`, `TiB` (and decimal `KB`, "
+                    "`MB`, ...) or a number of bytes")
+
+
+class DiskPathConfig(Schema):
+    """One disk path: a directory (a preallocated file inside) or a raw block device."""
+
+    path: Text = Field(
+        description="a directory (kvstore creates it if its parent exists, and a preallocated "
+                    "`kvstore.data` inside) or a raw block device")
+    capacity: Annotated[int, size()] = Field(
+        description="bytes kvstore may use on that path, metadata included; never exceeded")
+
+
+class TiersConfig(Schema):
+    """Where chunks live: at least one of DRAM, disk paths, NVMe-oF namespaces."""
+
+    host: HostTierConfig | None = Field(None, description="the DRAM tier; none: no DRAM tier")
+    disk: tuple[DiskPathConfig, ...] = Field(
+        (), description="disk paths (one mapping, or a list) striped round-robin with the "
+                        "NVMe-oF namespaces as one block tier")
+    nvmeof: NvmeofConfig | None = Field(
+        None, description="NVMe-over-Fabrics namespaces to stripe over, found by subsystem NQN and "
+                          "NSID or UUID: see [nvmeof.md](nvmeof.md) for every key")
+
+    @classmethod
+    def reshape(cls, data: Any) -> Any:
+        """`disk` may be one mapping, or null for none."""
+        if isinstance(data, dict) and "disk" in data and not isinstance(data["disk"], list):
+            return {**data, "disk": [data["disk"]] if isinstance(data["disk"], dict) else
+                    data["disk"] or []}
+        return data
+
+    @model_validator(mode="after")
+    def _usable(self) -> TiersConfig:
+        if self.host is None and not self.disk and self.nvmeof is None:
+            raise Refused("configure at least one tier (host, disk or nvmeof)")
+        paths = [os.path.realpath(d.path) for d in self.disk]
+        if len(set(paths)) != len(paths):
+            raise Refused("the same path is listed twice", "disk", value=[d.path for d in self.disk])
+        return self
+
+
+class IoConfig(Schema):
+    """How tier I/O runs, and when a faulting device is taken out of service."""
+
+    engine: Annotated[str, choice("auto", "uring", "threads")] = Field(
+        "auto", description="`uring` (io_uring), `threads` (preadv/pwritev pool), or `auto`: io_uring "
+                            "if a ring can be set up, else threads with a logged reason")
+    queue_depth: Annotated[int, integer(1, 4096)] = Field(
+        64, description="requests in flight per batch (and threads in the `threads` pool)")
+    timeout_s: Annotated[float, seconds()] = Field(
+        30.0, description="deadline of every disk batch; a request past it is a counted miss")
+    breaker_threshold: Annotated[int, integer(1, 1 << 20)] = Field(
+        3, description="a disk or NVMe-oF device whose I/O faults (EIO, ENOLINK, ENODEV, ENXIO, "
+                       "ETIMEDOUT, a missed deadline, a short transfer) this many times in a row is "
+                       "taken out of service: its chunks become misses at once")
+    breaker_cooldown_s: Annotated[float, seconds()] = Field(
+        5.0, description="a tripped device is probed and revalidated after this long "
+                         "(see [nvmeof.md](nvmeof.md))")
+
+
+def _index_url(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS) or "
+                         "unix:///path/to/redis.sock")
+    return value
+
+
+class PeerConfig(Schema):
+    """Another host of the cluster whose block-tier devices this host may read."""
+
+    host_id: Text = Field(description="that host's `cluster.host_id`")
+    disk: tuple[DiskPathConfig, ...] = Field(
+        (), description="that host's `tiers.disk`, exactly as its config lists them: the order "
+                        "numbers its devices; opened read-only here (never created or written), "
+                        "and one this host cannot open yet is retried in the background")
+    nvmeof: NvmeofConfig | None = Field(
+        None, description="that host's `tiers.nvmeof`, exactly as its config lists it (resolved "
+                          "here by NQN and NSID or UUID, and probed like this host's own)")
+
+    @classmethod
+    def reshape(cls, data: Any) -> Any:
+        """`disk` may be one mapping, as in `tiers`."""
+        return TiersConfig.reshape(data)
+
+    @model_validator(mode="after")
+    def _has_devices(self) -> PeerConfig:
+        if not self.disk and self.nvmeof is None:
+            raise Refused("list the peer's disk paths or nvmeof namespaces", "disk", value=None)
+        return self
+
+
+class ClusterConfig(Schema):
+    """Several hosts sharing one array: a cross-host index of which host holds which chunk
+    (a hint; records stay the truth) and read-only access to peers' devices."""
+
+    host_id: Text = Field(description="this host's id in the index; unique in the cluster")
+    index_url: Annotated[str, Kind("Redis URL", _index_url, lambda value: f"`{value}`")] = Field(
+        description="the index (Redis or Valkey): `redis://HOST:PORT/DB`, `rediss://` or `unix://`")
+    index_deadline_s: Annotated[float, seconds()] = Field(
+        0.2, description="a lookup's index read must answer within this; past it (or with the index "
+                         "down) the lookup is local only")
+    index_backoff_s: Annotated[float, seconds()] = Field(
+        1.0, description="after an index read fails or misses its deadline, lookups skip the index "
+                         "this long (`peer.index_skipped`)")
+    lease_s: Annotated[float, seconds()] = Field(
+        10.0, description="this host's entries count only while its lease lives; renewed every "
+                          "`lease_s`/3, so a stopped host's entries are ignored after at most this long")
+    key_prefix: Text = Field(
+        "kvstore:", description="prefix of every index key (clusters may share one Redis)")
+    peers: tuple[PeerConfig, ...] = Field(
+        (), description="hosts whose devices this host may read; the others' index entries are ignored")
+
+    @model_validator(mode="after")
+    def _distinct_hosts(self) -> ClusterConfig:
+        seen = {self.host_id}
+        for i, peer in enumerate(self.peers):
+            if peer.host_id in seen:
+                raise Refused("listed twice (or this host's own id)", "peers", i, "host_id",
+                              value=peer.host_id)
+            seen.add(peer.host_id)
+        return self
+
+
+def _socket_path(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value.encode()) > 107:
+        raise ValueError("must be a Unix socket path of at most 107 bytes")
+    return value
+
+
+class ServiceConfig(Schema):
+    """The per-host service (`kvstore serve`) that engine plugins talk to."""
+
+    socket: Annotated[str, Kind("path", _socket_path)] = Field(
+        default_factory=default_socket,
+        description="Unix socket of the per-host service (`kvstore serve`) that engine plugins use; "
+                    "its directory must be this user's and writable by no one else (it is created "
+                    "0700 if missing) and also holds `SOCKET.lock`, `SOCKET.log` and `SOCKET.json`",
+        json_schema_extra={"doc_default": "`$XDG_RUNTIME_DIR/kvstore/kvstore.sock`, else "
+                                          "`/tmp/kvstore-UID/kvstore.sock`"})
+    spawn: Bool = Field(
+        True, description="a client that finds no service starts one (detached, so it outlives the "
+                          "engine and keeps its DRAM tier); false: start it yourself")
+    staging: Annotated[int, size(1 << 20)] = Field(
+        256 << 20, description="shared-memory window per client through which chunks move; a load or "
+                               "save of more chunks goes in waves of this size")
+    metrics_port: Annotated[int, integer(0, 65535)] = Field(
+        0, description="serve Prometheus metrics at `http://HOST:PORT/metrics` (counters, per-tier "
+                       "chunks/bytes/capacity, read latency quantiles and histograms, device health); "
+                       "0: off")
+    metrics_host: Text = Field(
+        "127.0.0.1", description="address the metrics listen on (`0.0.0.0`: every interface; the "
+                                 "metrics name devices and count hits, so keep them off a shared "
+                                 "network unless a scraper needs them)")
+    allowed_uids: tuple[Annotated[int, integer(0, (1 << 32) - 2)], ...] = Field(
+        (), description="other users whose engines may use this service (its own user always may); "
+                        "they can read every cached chunk, so list only users who share the prompts",
+        json_schema_extra={"doc_type": "list of uids"})
+    allowed_gids: tuple[Annotated[int, integer(0, (1 << 32) - 2)], ...] = Field(
+        (), description="groups whose members' engines may use this service (see `allowed_uids`)",
+        json_schema_extra={"doc_type": "list of gids"})
+    max_clients: Annotated[int, integer(1, 1 << 16)] = Field(
+        256, description="connections served at once (a scheduler and two per worker per engine); "
+                         "past it a client is refused and retries later")
+
+
+class StoreConfig(Schema):
+    """A whole kvstore config: its tiers and how chunks move between them."""
+
+    chunk_tokens: Annotated[int, integer(1, 1 << 20)] = Field(
+        256, description="tokens per chunk; one chunk is one record and one key")
+    tiers: TiersConfig = Field({}, validate_default=True, description="where chunks live")
+    io: IoConfig = Field(default_factory=IoConfig, description="tier I/O")
+    write_behind_chunks: Annotated[int, integer(1, 1 << 20)] = Field(
+        64, description="bound on chunks queued for the background disk writer (`write_through` "
+                        "copies); past it a copy is skipped (`writethrough.dropped`) and the chunk "
+                        "is written when evicted instead. (A DRAM victim not on disk yet is always "
+                        "written down before its slot is reused.)")
+    promote_on_hit: Bool = Field(
+        True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit")
+    prefetch_inflight: Annotated[int, size()] = Field(
+        1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
+                             "below `io.queue_depth` chunks it keeps the device's queue short")
+    write_policy: Annotated[str, choice("write_back", "write_through")] = Field(
+        "write_back", description="`write_back`: DRAM's chunks reach disk when evicted (and at a clean "
+                                  "shutdown); `write_through`: also as soon as they are stored, so a "
+                                  "killed service loses nothing")
+    disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
+        1, description="disk admission: a chunk is written to disk only once stored or read this many "
+                       "times (`disk.not_admitted` counts the others)")
+    service: ServiceConfig = Field(default_factory=ServiceConfig, description="the per-host service")
+    cluster: ClusterConfig | None = Field(
+        None, description="several hosts sharing one array: see [cluster.md](cluster.md); none: this "
+                          "host serves only what it stored")
+
+    @field_validator("write_behind_chunks", mode="before")
+    @classmethod
+    def _some_write_behind(cls, value: Any) -> Any:
+        if value == 0 and not isinstance(value, bool):
+            raise ValueError("must be at least 1: with 0 no write_through copy could be queued")
+        return value
+
+    @property
+    def host(self) -> HostTierConfig | None:
+        return self.tiers.host
+
+    @property
+    def disk(self) -> tuple[DiskPathConfig, ...]:
+        return self.tiers.disk
+
+    @property
+    def nvmeof(self) -> NvmeofConfig | None:
+        return self.tiers.nvmeof
+
+
+def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:
+    """Accept a StoreConfig, a dict, JSON/YAML text, or a path to a .yaml/.json file."""
+    if isinstance(source, StoreConfig):
+        return source
+    if isinstance(source, dict):
+        return validate(StoreConfig, source)
+    text = str(source)
+    path = Path(text)
+    if _names_a_file(text, path):
+        if not path.is_file():
+            raise ConfigError("config", text, "file not found")
+        text = path.read_text()
+    try:
+        data = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError("config", str(source)[:80], f"not valid YAML/JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("config", data, "must be a mapping")
+    return validate(StoreConfig, data)
+
+
+def _names_a_file(text: str, path: Path) -> bool:
+    """A one-line source that is not inline JSON/YAML names a file. (Inline JSON can be
+    longer than a path may be: asking the file system about it would fail.)"""
+    if "\n" in text or text.lstrip().startswith("{"):
+        return False
+    try:
+        return path.suffix in (".yaml", ".yml", ".json") or path.exists()
+    except OSError:
+        return False
+
+
+def dump_config(config: StoreConfig) -> dict[str, Any]:
+    """The schema form of a config, every key written out (what `load_config` reads back),
+    for handing to a spawned service and for comparing two configs."""
+    return config.model_dump(mode="json")
+
+
+def with_service(config: StoreConfig, **changes: Any) -> StoreConfig:
+    """`config` with some `service` keys changed (validated like the config file's)."""
+    service = validate(ServiceConfig, {**config.service.model_dump(), **changes}, "service")
+    return config.model_copy(update={"service": service})

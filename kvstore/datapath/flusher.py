@@ -1,0 +1,207 @@
+"""Chunks going down to disk: DRAM victims, write-through copies, and puts that find
+no DRAM slot (written straight from a staging buffer).
+
+A DRAM victim that is not on disk yet (and that the disk admits) is written down
+before its slot is reused: the reservation that chose it carries it (DEMOTE), the
+flusher writes a batch of such victims at once, and only then does the new chunk
+take the slot. So a chunk never leaves DRAM unwritten, and the victim stays
+readable in DRAM until its disk copy is published. A get's promotion never waits
+for that: it only takes slots whose chunk is already on disk (`clean_fate`).
+
+Write-through copies go through a bounded queue served by one thread
+(writeback.py); with the queue full the copy is skipped (counted) and the chunk is
+written when it is evicted instead. Each disk write reserves a disk slot (striped
+over the devices in service), writes in the crash-safe order (disk_tier.py) and
+publishes only if the slot's device stayed in service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, pack_header
+from kvstore.io.copier import copy_bytes
+from kvstore.io.staging import StagingPool
+from kvstore.tiers.disk import DiskTier, DiskWrite
+from kvstore.tiers.dram import HostTier
+from kvstore.tiers.policy import TierPolicy
+from kvstore.tiers.slots import Fate, Reservation
+from kvstore.tiers.stats import Stats
+from kvstore.tiers.write_through import WriteBehind
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record image on its way to disk: header block + payload."""
+
+    key: bytes
+    parent: bytes | None
+    seq: int
+    image: memoryview
+
+
+class Flusher:
+    def __init__(self, disk: DiskTier, host: HostTier | None, policy: TierPolicy, stats: Stats,
+                 staging: StagingPool, *, chunk_bytes: int, queue_chunks: int, batch: int,
+                 timeout_s: float, background: bool = True,
+                 held_elsewhere: Callable[[bytes], bool] | None = None) -> None:
+        self.disk = disk
+        # A chunk whose disk copy another host holds (a cluster's peer): never written here.
+        self.held_elsewhere = held_elsewhere
+        self.host = host
+        self.policy = policy
+        self.stats = stats
+        self.staging = staging
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.batch = batch
+        self._queue = (WriteBehind(self._write_through, queue_chunks, batch, start=background)
+                       if host is not None and policy.write_through else None)
+
+    # -- DRAM victims (fates run under the DRAM table's lock) -----------------------------
+
+    def put_fate(self, key: bytes) -> Fate:
+        """A victim for a new chunk: dropped if on disk (or not admitted), else written down first."""
+        if self._on_disk(key):
+            return Fate.EVICT
+        if not self.policy.admits(key):
+            self.stats.add("disk.not_admitted")
+            return Fate.EVICT
+        return Fate.DEMOTE
+
+    def clean_fate(self, key: bytes) -> Fate:
+        """A victim for a promotion: only a chunk already on disk (or not admitted) goes."""
+        return Fate.EVICT if self._on_disk(key) or not self.policy.admits(key) else Fate.SKIP
+
+    def _on_disk(self, key: bytes) -> bool:
+        return key in self.disk.table or (self.held_elsewhere is not None and self.held_elsewhere(key))
+
+    def take_over(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Write the victims of DEMOTE reservations to disk in one batch, then hand each
+        slot over; False where a victim's write failed (that reservation is released)."""
+        assert self.host is not None
+        records = []
+        for reservation in reservations:
+            entry = self.host.table.entry(reservation.slot)
+            assert entry is not None and entry.key == reservation.victim
+            records.append(Record(entry.key, entry.parent, entry.seq,
+                                  self.host.slot_view(reservation.slot)))
+        landed = self.write(records)
+        usable = []
+        for reservation, done in zip(reservations, landed, strict=True):
+            if not done:
+                reservation.release()  # the victim stays in DRAM
+                usable.append(False)
+                continue
+            usable.append(reservation.take_over())
+            self.stats.add("host.demoted")
+        return usable
+
+    # -- write-through copies -------------------------------------------------------------
+
+    def write_through(self, key: bytes, slot: int) -> None:
+        """A chunk just published in DRAM also goes down now (DRAM table lock held)."""
+        assert self._queue is not None and self.host is not None
+        if not self.policy.admits(key):
+            return
+        if self._queue.offer((key, slot)):
+            self.host.table.pin(slot)
+        else:
+            self.stats.add("writethrough.dropped")  # written when evicted instead
+
+    def _write_through(self, items: list[tuple[bytes, int]]) -> None:
+        """Background thread: copy queued DRAM chunks to disk (they stay in DRAM)."""
+        assert self.host is not None
+        host = self.host
+        try:
+            entries = [host.table.entry(slot) for _, slot in items]
+            live = [(entry, slot) for (key, slot), entry in zip(items, entries, strict=True)
+                    if entry is not None and entry.key == key]
+            landed = self.write([Record(e.key, e.parent, e.seq, host.slot_view(slot)) for e, slot in live])
+            self.stats.add("writethrough.written", sum(landed))
+        finally:
+            for _, slot in items:
+                host.table.unpin(slot)
+
+    def demote_all(self) -> None:
+        """Shutdown: write every admitted DRAM-only chunk down (DRAM does not survive)."""
+        if self.host is None:
+            return
+        table = self.host.table
+        with table.lock:
+            entries = [e for e in table.entries() if not self._on_disk(e.key)
+                       and self.policy.admits(e.key)]
+            for entry in entries:
+                table.pin(entry.slot)
+        try:
+            for start in range(0, len(entries), self.batch):
+                wave = entries[start : start + self.batch]
+                self.write([Record(e.key, e.parent, e.seq, self.host.slot_view(e.slot)) for e in wave])
+        finally:
+            for entry in entries:
+                table.unpin(entry.slot)
+
+    # -- chunks with no DRAM slot ----------------------------------------------------------
+
+    def put_direct(self, headers: Sequence[RecordHeader], payloads: Sequence[memoryview]) -> list[bool]:
+        """Write chunks straight to disk through staging buffers, a wave at a time."""
+        stored: list[bool] = []
+        for start in range(0, len(headers), self.batch):
+            with ExitStack() as stack:
+                records = []
+                for header, payload in zip(headers[start : start + self.batch],
+                                           payloads[start : start + self.batch], strict=True):
+                    image = self.staging.acquire()
+                    stack.callback(self.staging.release, image)
+                    pack_header(header, image)
+                    copy_bytes(image[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
+                    parent = None if header.parent == bytes(16) else header.parent
+                    records.append(Record(header.key, parent, header.seq, image))
+                stored += self.write(records)
+        return stored
+
+    # -- the disk write itself ------------------------------------------------------------
+
+    def write(self, records: Sequence[Record]) -> list[bool]:
+        """Reserve disk slots (striped), write in crash-safe order, publish what landed;
+        True per record now on disk (or already there)."""
+        table = self.disk.table
+        done = [False] * len(records)
+        pending: list[tuple[int, Reservation, int]] = []
+        with ExitStack() as stack:
+            for j, record in enumerate(records):
+                if record.key in table:
+                    done[j] = True
+                    continue
+                reservation = table.reserve(table.next_group())
+                if reservation is None:
+                    self.stats.add("disk.write_dropped")
+                    continue
+                stack.enter_context(reservation)  # released on the way out unless published
+                if reservation.evicted is not None:
+                    self.stats.add("disk.evictions")
+                pending.append((j, reservation, self.disk.availability.epoch_of(reservation.slot)))
+            results = self.disk.write([DiskWrite(r.slot, records[j].image, self.chunk_bytes)
+                                       for j, r, _ in pending], self.timeout_s)
+            with table.lock:
+                for (j, reservation, epoch), landed in zip(pending, results, strict=True):
+                    if not landed:
+                        self.stats.miss("disk", MissReason.IO_ERROR,
+                                        f"write to {self.disk.describe(reservation.slot)}")
+                    elif not self.disk.availability.still_serving(reservation.slot, epoch):
+                        self.stats.add("disk.write_dropped_device_lost")  # never serve it
+                    else:
+                        reservation.publish(records[j].key, records[j].parent, records[j].seq)
+                        done[j] = True
+        self.stats.add("disk.bytes_written", self.disk.slot_bytes * sum(results))
+        return done
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait for queued write-through copies to reach disk."""
+        return self._queue.flush(timeout_s) if self._queue is not None else True
+
+    def close(self, timeout_s: float) -> bool:
+        """Drain the queue (False if it did not drain in time: those stay in DRAM only)."""
+        return self._queue.close(timeout_s) if self._queue is not None else True

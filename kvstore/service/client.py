@@ -1,0 +1,272 @@
+"""Client of the per-host service: connect (or start it), then lookup/get/put.
+
+A client is used by one thread at a time (a connection carries one request at a
+time); an engine worker keeps one for loads and one for saves. Every request has
+a deadline: a service that does not answer in time costs a miss, never a hang,
+and the connection is dropped so a late answer cannot be taken for the next one.
+Before it says anything, a client checks that the socket's directory is private
+and that the process listening is this user's (or one the config trusts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from kvstore.config.runtime import directory_problem, ensure_private_directory, open_private
+from kvstore.config.store import StoreConfig, dump_config, with_service
+from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.service import protocol as P
+from kvstore.service.window import Window
+
+SPAWN_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 10.0
+
+
+class ServiceUnavailable(KVStoreError):
+    """The service did not answer (not running, crashed, or past the deadline)."""
+
+
+def open_channel(config: StoreConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> P.Channel:
+    """Connect with a deadline (a Unix connect() blocks while the listener's backlog is
+    full, which is what a hung service looks like) and check who listens."""
+    path = config.service.socket
+    directory = os.path.dirname(os.path.abspath(path))
+    problem = directory_problem(directory)
+    if problem is not None and problem != "does not exist":
+        raise ConfigError("service.socket", path, f"its directory {directory} {problem}: refusing "
+                                                  "to talk to whatever listens there")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+    except TimeoutError:
+        sock.close()
+        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection") from None
+    except OSError:
+        sock.close()
+        raise
+    _, uid, _ = P.peer_credentials(sock)
+    if uid != os.geteuid() and uid not in config.service.allowed_uids:
+        sock.close()
+        raise KVStoreError(f"the process listening at {path} runs as uid {uid}, not this user "
+                           f"({os.geteuid()}): refusing it (service.allowed_uids lists trusted users)")
+    return P.Channel(sock)
+
+
+def connect(config: StoreConfig) -> P.Channel:
+    """Connect to the service at config.service.socket, starting it if allowed."""
+    path = config.service.socket
+    with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+        return open_channel(config)
+    if not config.service.spawn:
+        raise ServiceUnavailable(f"no kvstore service at {path} (service.spawn is false: start it "
+                                 f"with `kvstore serve --config ...`)")
+    ensure_private_directory(path)
+    lock = open_private(path + ".spawn", os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one spawner per socket; the others then connect
+        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+            return open_channel(config)
+        return _spawn(config)
+    finally:
+        os.close(lock)
+
+
+# Starts the service and exits at once, so the service is no descendant of the
+# engine: vLLM kills its workers' whole process trees on shutdown, and the
+# service (with its DRAM tier) must outlive the engine that happened to start it.
+_LAUNCHER = ("import os, subprocess, sys\n"
+             "log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW"
+             " | os.O_CLOEXEC, 0o600)\n"
+             "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,"
+             " start_new_session=True)\n"
+             "print(p.pid)")
+
+
+def _spawn(config: StoreConfig) -> P.Channel:
+    """Start a service; its config goes through a 0600 file in the private directory
+    (not the command line, which every user can read in /proc)."""
+    path = config.service.socket
+    log_path, config_path = path + ".log", path + ".json"
+    fd = open_private(config_path, os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "w") as f:
+        json.dump(dump_config(config), f)
+    service = [sys.executable, "-m", "kvstore.cli", "serve", "--config", config_path]
+    launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service],
+                              capture_output=True, text=True, timeout=30, check=True)
+    pid = int(launched.stdout)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            raise KVStoreError(f"kvstore service failed to start: {_last_line(log_path)}")
+        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+            return open_channel(config)
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    raise ServiceUnavailable(f"kvstore service at {path} did not come up in {SPAWN_TIMEOUT_S:.0f} s "
+                             f"(log: {log_path})")
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (an exited orphan may linger as a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _last_line(log_path: str) -> str:
+    with open(log_path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else f"no output (see {log_path})"
+
+
+class StoreClient:
+    """One connection plus, for data clients, the window the service gave it.
+
+    With `chunk_bytes` None the client can only `residency`, `count` and `info` (a
+    scheduler). `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view)
+    with chunk keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
+    `timeout_s` is each request's deadline (default: twice io.timeout_s).
+    """
+
+    def __init__(self, config: StoreConfig, chunk_bytes: int | None = None, *,
+                 namespace: bytes = bytes(16), dtype: str = "uint8",
+                 shape: tuple[int, ...] = (), timeout_s: float | None = None) -> None:
+        self.config = config
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s if timeout_s is not None else 2 * config.io.timeout_s
+        self.window: Window | None = None
+        self.slots = 0
+        self._conn: P.Channel | None = connect(config)
+        try:
+            # The first hello with a chunk size makes the store (opens the tiers, recovers
+            # their index): it may take longer than a short request deadline allows.
+            hello_timeout_s = max(self.timeout_s, HELLO_TIMEOUT_S) if chunk_bytes else self.timeout_s
+            reply = self._request(P.Hello(P.PROTOCOL_VERSION, dump_config(config), chunk_bytes,
+                                          namespace, dtype, tuple(shape)), hello_timeout_s)
+            if chunk_bytes is not None:
+                fd = self._conn.take_fd() if self._conn else None
+                if fd is None or not isinstance(reply, dict):
+                    raise KVStoreError("the service sent no window")
+                self.window = Window.attach(fd, int(reply["window_bytes"]), str(reply["pages"]))
+                self.slots = int(reply["slots"])
+        except BaseException:
+            self.disconnect()
+            raise
+
+    def slot(self, index: int) -> memoryview:
+        assert self.window is not None and self.chunk_bytes is not None
+        start = index * self.chunk_bytes
+        return self.window.view[start : start + self.chunk_bytes]
+
+    def residency(self, keys: Sequence[bytes], prefetch: bool = False) -> tuple[int, int, bool]:
+        """(leading chunks present, of those already in DRAM, whether a promotion of that
+        run is queued or running). `prefetch` starts moving the run up to DRAM (its disk
+        part read, the rest touched): the hint API, for keys a request will want."""
+        stored, resident, pending = self._request(P.Residency(list(keys), prefetch))
+        return int(stored), int(resident), bool(pending)
+
+    def count(self, counters: Mapping[str, float]) -> None:
+        """Add to the service's counters (shown by `kvstore info` and Prometheus)."""
+        self._request(P.Count(dict(counters)))
+
+    def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        return list(self._request(P.Get(list(keys), list(slots))))
+
+    def put(self, keys: Sequence[bytes], slots: Sequence[int],
+            parent: bytes | None = None) -> list[bool]:
+        return list(self._request(P.Put(list(keys), list(slots), parent)))
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._request(P.Info()))
+
+    def events(self, since: int) -> tuple[int, int, list[tuple[bool, bytes, str]]]:
+        """Chunks that entered or left a tier since cursor `since` (kvstore/service/chunk_events.py):
+        (the next cursor, events lost, [(stored?, key, medium), ...])."""
+        cursor, lost, events = self._request(P.Events(since))
+        return int(cursor), int(lost), [(bool(s), bytes(k), str(m)) for s, k, m in events]
+
+    def shutdown(self, timeout_s: float = 300.0) -> None:
+        """Ask the service to drain, checkpoint and exit; return once it has (its socket
+        is gone), so a successor can take the tiers at once."""
+        self._request(P.Shutdown())
+        self.close()
+        deadline = time.monotonic() + timeout_s
+        while os.path.exists(self.config.service.socket):
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"kvstore service at {self.config.service.socket} did not "
+                                         f"exit within {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.disconnect()
+        if self.window is not None:
+            self.window.close()
+            self.window = None
+
+    def _request(self, message: msgspec.Struct, timeout_s: float | None = None) -> Any:
+        name = type(message).__name__
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._conn is None:
+            raise ServiceUnavailable("connection to the kvstore service was dropped")
+        try:
+            self._conn.send(message)
+            reply = self._conn.recv(P.REPLY, timeout_s)
+        except TimeoutError:
+            self.disconnect()
+            raise ServiceUnavailable(f"kvstore service gave no answer to '{name}' in "
+                                     f"{timeout_s:g} s") from None
+        except (OSError, EOFError, P.ProtocolError) as exc:
+            self.disconnect()
+            raise ServiceUnavailable(f"kvstore service connection lost during '{name}': {exc}") from exc
+        if not reply.ok:
+            raise KVStoreError(f"kvstore service: {reply.error}")
+        return reply.value
+
+    def disconnect(self) -> None:
+        """Close the connection; the window stays mapped for copies still in flight."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def attach(config: StoreConfig) -> StoreClient:
+    """A lookup-only client of a running service; never starts one."""
+    return StoreClient(with_service(config, spawn=False))
+
+
+def service_info(config: StoreConfig) -> dict[str, Any] | None:
+    """The running service's `info` (tiers, devices, counters); None when none answers."""
+    try:
+        client = attach(config)
+    except ServiceUnavailable:
+        return None
+    try:
+        return client.info()
+    finally:
+        client.close()
+
+
+def stop_service(config: StoreConfig) -> bool:
+    """Ask the service at config.service.socket to drain and exit; False if none runs."""
+    try:
+        attach(config).shutdown()
+    except ServiceUnavailable:
+        return False
+    return True

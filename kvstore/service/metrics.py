@@ -1,0 +1,92 @@
+"""Prometheus metrics of a running service, read from the store at scrape time.
+
+A collector, not counters updated on the data path: the store already counts
+everything in `Stats`, so a scrape turns that snapshot into metric families and
+the hot path pays nothing extra.
+  kvstore_<counter>_total           every Stats counter ("host.hits" -> kvstore_host_hits_total)
+  kvstore_tier_chunks{tier}         chunks stored
+  kvstore_tier_used_bytes{tier}     bytes used, metadata included
+  kvstore_tier_capacity_bytes{tier}
+  kvstore_read_latency_seconds{tier,quantile}  per-chunk read latency, recent samples
+  kvstore_read_seconds{tier}        histogram of per-chunk read latency since start
+  kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
+  kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvstore.store.tiered import TieredStore
+
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def _name(counter: str) -> str:
+    return "kvstore_" + re.sub(r"[^a-zA-Z0-9_]", "_", counter)
+
+
+class StoreCollector(Collector):
+    def __init__(self, store: Callable[[], TieredStore | None]) -> None:
+        self._store = store  # the service creates its store on the first worker's hello
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        store = self._store()
+        if store is None:
+            return
+        info = store.info()
+        for counter, value in sorted(info["counters"].items()):
+            family = CounterMetricFamily(_name(counter), f"kvstore counter {counter}")
+            family.add_metric([], value)
+            yield family
+        for field, text in (("chunks", "chunks stored"), ("used_bytes", "bytes used"),
+                            ("capacity_bytes", "bytes the tier may use")):
+            gauge = GaugeMetricFamily(f"kvstore_tier_{field}", text, labels=["tier"])
+            for tier in info["tiers"]:
+                gauge.add_metric([tier["name"]], tier[field])
+            yield gauge
+        latency = GaugeMetricFamily("kvstore_read_latency_seconds",
+                                    "per-chunk read latency over recent reads",
+                                    labels=["tier", "quantile"])
+        for tier in info["tiers"]:
+            for quantile, ms in zip(QUANTILES, store.stats.latency_ms(f"{tier['name']}.read", QUANTILES),
+                                    strict=True):
+                if ms == ms:  # NaN: no samples yet
+                    latency.add_metric([tier["name"], str(quantile)], ms / 1000)
+        yield latency
+        histogram = HistogramMetricFamily("kvstore_read_seconds", "per-chunk read latency",
+                                          labels=["tier"])
+        for tier in info["tiers"]:
+            buckets, seconds = store.stats.histogram(f"{tier['name']}.read")
+            histogram.add_metric([tier["name"]], buckets, seconds)
+        yield histogram
+        yield from _device_families(info)
+
+
+def _device_families(info: dict) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    devices = [d for tier in info["tiers"] for d in tier.get("devices", [])]
+    labels = ["device", "kind"]
+    in_service = GaugeMetricFamily("kvstore_device_in_service", "1 while the device serves chunks",
+                                   labels=labels)
+    faults = CounterMetricFamily("kvstore_device_faults", "I/Os that faulted", labels=labels)
+    trips = CounterMetricFamily("kvstore_device_trips", "circuit-breaker trips", labels=labels)
+    for device in devices:
+        key = [device["label"], device["kind"]]
+        in_service.add_metric(key, float(device["state"] == "in_service"))
+        faults.add_metric(key, device["faults"])
+        trips.add_metric(key, device["trips"])
+    yield from (in_service, faults, trips)
+
+
+def serve_metrics(host: str, port: int, store: Callable[[], TieredStore | None]) -> None:
+    """Expose /metrics on host:port (service.metrics_host, loopback by default) from a
+    daemon thread."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    start_http_server(port, addr=host, registry=registry)

@@ -1,0 +1,165 @@
+"""The service's wire protocol: typed, versioned msgpack frames over a Unix socket.
+
+Plain data only (msgspec Structs: bytes, ints, strings, lists, maps), never pickle,
+so a connection can make the other side run nothing. Each frame is a 4-byte
+big-endian length and a msgpack body of at most MAX_FRAME bytes, refused before
+anything is buffered; once a frame has started, the rest must arrive within
+FRAME_TIMEOUT_S. The hello reply carries the client's window as a file descriptor
+(SCM_RIGHTS). Both ends check who is at the other end (SO_PEERCRED).
+
+Requests (a tagged union) and what a Reply's value holds:
+  Hello(version, config, chunk_bytes, namespace, dtype, shape)
+                           -> {"slots": n, "window_bytes": n} (+ the window's fd) or None
+  Residency(keys, prefetch)-> [leading chunks present, of those in DRAM, promotion pending]
+  Count(counters)          -> None; adds to the service's counters
+  Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
+  Put(keys, slots, parent) -> [bool]: chunk keys[i] (in window slot slots[i]) is stored
+  Info()                   -> the store's info
+  Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
+                              (chunk_events.py; since < 0: the current cursor only)
+  Shutdown()               -> None; the service drains, checkpoints and exits
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import msgspec
+
+from kvstore.format.errors import KVStoreError
+
+PROTOCOL_VERSION = 3
+MAX_FRAME = 4 << 20  # a 1M-token prompt's keys are 64 KiB: plenty, and bounded
+FRAME_TIMEOUT_S = 30.0
+_LENGTH = struct.Struct(">I")
+_MAX_FDS = 4
+
+
+class ProtocolError(KVStoreError):
+    """A peer sent something that is not a frame of this protocol."""
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    version: int
+    config: dict[str, Any]
+    chunk_bytes: int | None = None
+    namespace: bytes = bytes(16)
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+
+class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
+    keys: list[bytes]
+    prefetch: bool = False
+
+
+class Count(msgspec.Struct, tag="count", forbid_unknown_fields=True):
+    counters: dict[str, float]
+
+
+class Get(msgspec.Struct, tag="get", forbid_unknown_fields=True):
+    keys: list[bytes]
+    slots: list[int]
+
+
+class Put(msgspec.Struct, tag="put", forbid_unknown_fields=True):
+    keys: list[bytes]
+    slots: list[int]
+    parent: bytes | None = None
+
+
+class Info(msgspec.Struct, tag="info", forbid_unknown_fields=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
+    pass
+
+
+class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
+    since: int
+
+
+Request = Hello | Residency | Count | Get | Put | Info | Shutdown | Events
+
+
+class Reply(msgspec.Struct, forbid_unknown_fields=True):
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+REQUEST = msgspec.msgpack.Decoder(Request)
+REPLY = msgspec.msgpack.Decoder(Reply)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                               struct.calcsize("3i")))
+
+
+class Channel:
+    """One connection: frames out and in, file descriptors with them."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fds: list[int] = []  # descriptors received and not yet taken
+
+    def send(self, message: msgspec.Struct, fds: tuple[int, ...] = ()) -> None:
+        body = _encoder.encode(message)
+        if len(body) > MAX_FRAME:
+            raise ProtocolError(f"a {len(body)}-byte frame is over the {MAX_FRAME}-byte limit")
+        frame = _LENGTH.pack(len(body)) + body
+        self.sock.settimeout(FRAME_TIMEOUT_S)
+        if fds:
+            sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                array.array("i", fds))])
+            frame = frame[sent:]
+        if frame:
+            self.sock.sendall(frame)
+
+    def recv(self, decoder: msgspec.msgpack.Decoder, timeout_s: float | None) -> Any:
+        """The next frame, decoded; ProtocolError if it is not one; TimeoutError past the
+        deadline (None: wait for a frame to start as long as it takes)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        first = self._read(1, deadline)
+        deadline = deadline or time.monotonic() + FRAME_TIMEOUT_S  # once started, a frame is due
+        (length,) = _LENGTH.unpack(first + self._read(_LENGTH.size - 1, deadline))
+        if length > MAX_FRAME:
+            raise ProtocolError(f"a {length}-byte frame is over the {MAX_FRAME}-byte limit")
+        try:
+            return decoder.decode(self._read(length, deadline))
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            raise ProtocolError(f"not a message of this protocol: {exc}") from None
+
+    def take_fd(self) -> int | None:
+        return self.fds.pop(0) if self.fds else None
+
+    def _read(self, count: int, deadline: float | None) -> bytes:
+        data = bytearray()
+        while len(data) < count:
+            self.sock.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            chunk, ancillary, _, _ = self.sock.recvmsg(count - len(data),
+                                                       socket.CMSG_SPACE(_MAX_FDS * 4))
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    received = array.array("i")
+                    received.frombytes(payload[: len(payload) - len(payload) % 4])
+                    self.fds.extend(received)
+            if not chunk:
+                raise EOFError("connection closed")
+            data += chunk
+        return bytes(data)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+        self.sock.close()

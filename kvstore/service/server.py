@@ -1,0 +1,359 @@
+"""`kvstore serve`: one process per host owns the tiers; engines talk to it over a socket.
+
+Why a service: vLLM runs its scheduler and each tensor-parallel worker in separate
+processes, and several engines may share a host. The scheduler must answer "how
+much of this prompt is stored?" about chunks that workers wrote, and two processes
+must never drive one slot map. So one process owns the DRAM slab and the disks
+(each path flock'ed), and clients send it small requests (protocol.py) over a Unix
+socket in a private directory (runtime.py).
+
+Data never crosses the socket. The service gives each data client a window
+(window.py) it maps too: a get fills the client's window slots (from DRAM by
+memcpy, from disk by O_DIRECT reads straight into the window), a put reads them.
+A worker's load or save is thus a plain copy between its KV tensors and its window.
+
+Sharing a host safely: only peers of this user (or uids/gids the config allows)
+are served; frames are size-limited; clients are bounded in number; a request that
+fails is an error reply for that client, never the end of the service; SIGTERM
+always ends it cleanly; and while it runs it holds SOCKET.lock, so a second
+`kvstore serve` on the same socket refuses to start instead of stealing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvstore.config.runtime import ensure_private_directory, open_private
+from kvstore.config.store import StoreConfig, dump_config
+from kvstore.devices.device import path_problem
+from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
+from kvstore.io.regions import Region
+from kvstore.service import protocol as P
+from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.window import Window
+from kvstore.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+_BACKLOG = 64
+_ACCEPT_BACKOFF_S = (0.05, 1.0)
+
+
+class ServiceRunning(KVStoreError):
+    """Another service already holds this socket's lock."""
+
+
+def check_paths_usable(config: StoreConfig) -> None:
+    """Fail at start-up, naming the field, when a disk path cannot be used. The store
+    itself is made when the first worker says its chunk size: too late for a clear error."""
+    if config.nvmeof is not None:
+        try:
+            namespace_plans(config.nvmeof)
+        except DeviceError as exc:
+            raise ConfigError("tiers.nvmeof", exc.path, str(exc)) from None
+    for i, disk in enumerate(config.disk):
+        problem = path_problem(disk.path)
+        if problem:
+            raise ConfigError(f"tiers.disk[{i}].path", disk.path, problem)
+
+
+def _unpin_from_parent() -> None:
+    """Run on every CPU the host allows.
+
+    A service started on demand by an engine worker inherits that worker's CPU
+    mask, and vLLM pins each CPU worker to its own cores, where it busy-polls: the
+    service then got a fraction of one core and answered nothing within deadlines.
+    """
+    cpus = set(range(os.cpu_count() or 1))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # a cpuset may forbid some CPUs: keep what we have
+        log.info("kept the inherited CPU mask %s (%s)", sorted(os.sched_getaffinity(0)), exc)
+
+
+class _Client:
+    """What the service keeps for one connection."""
+
+    def __init__(self, channel: P.Channel) -> None:
+        self.channel = channel
+        self.window: Window | None = None
+        self.region: Region | None = None
+        self.slots = 0
+
+
+class StoreService:
+    """Accepts clients on a Unix socket; one thread per client; one TieredStore."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        check_paths_usable(config)
+        self.config = config
+        self.socket_path = config.service.socket
+        ensure_private_directory(self.socket_path)
+        self._lock_fd = open_private(self.socket_path + ".lock", os.O_RDWR)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ServiceRunning(f"a kvstore service already runs at {self.socket_path} (it holds "
+                                 f"{self.socket_path}.lock); stop it first: kvstore stop") from None
+        try:
+            self._start(config)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _start(self, config: StoreConfig) -> None:
+        _unpin_from_parent()
+        self.store: TieredStore | None = None
+        self._allowed_uids = {os.geteuid(), *config.service.allowed_uids}
+        self._allowed_gids = set(config.service.allowed_gids)
+        # One prefetch at a time, in lookup order: its wave bounds the bytes in flight,
+        # and a get for the same chunks never waits on it (it reads them itself).
+        self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
+        self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
+        self._store_lock = threading.Lock()
+        self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
+        self._clients: set[_Client] = set()
+        self._stopping = threading.Event()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)  # a dead service's socket: we hold the lock now
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177 if not config.service.allowed_uids and not self._allowed_gids
+                             else 0o111)
+        try:
+            self._listener.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        self._listener.listen(_BACKLOG)
+        if config.service.metrics_port:
+            from kvstore.service.metrics import serve_metrics
+
+            serve_metrics(config.service.metrics_host, config.service.metrics_port, lambda: self.store)
+
+    # -- the accept loop ---------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+        log.warning("kvstore service listening on %s", self.socket_path)
+        backoff = _ACCEPT_BACKOFF_S[0]
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                if not any(fd == self._listener.fileno() for fd, _ in poller.poll()):
+                    continue
+                try:
+                    conn, _ = self._listener.accept()
+                except OSError as exc:  # out of descriptors or memory: wait, never exit
+                    log.warning("accept failed (%s); retrying in %.2f s", exc.strerror, backoff)
+                    time.sleep(backoff)
+                    backoff = min(2 * backoff, _ACCEPT_BACKOFF_S[1])
+                    continue
+                backoff = _ACCEPT_BACKOFF_S[0]
+                self._admit(conn)
+        finally:
+            self._close()
+
+    def _admit(self, conn: socket.socket) -> None:
+        channel = P.Channel(conn)
+        _, uid, gid = P.peer_credentials(conn)
+        if uid not in self._allowed_uids and gid not in self._allowed_gids:
+            log.warning("refused a client running as uid %d gid %d", uid, gid)
+            self._refuse(channel, f"uid {uid} is not allowed by this service (service.allowed_uids)")
+            return
+        with self._store_lock:
+            if len(self._clients) >= self.config.service.max_clients:
+                full = True
+            else:
+                full = False
+                client = _Client(channel)
+                self._clients.add(client)
+        if full:
+            self._refuse(channel, f"the service has {self.config.service.max_clients} clients "
+                                  "already (service.max_clients)")
+            return
+        threading.Thread(target=self._serve_client, args=(client,), daemon=True,
+                         name="kvstore-client").start()
+
+    @staticmethod
+    def _refuse(channel: P.Channel, why: str) -> None:
+        with contextlib.suppress(OSError):
+            channel.send(P.Reply(False, error=why))
+        channel.close()
+
+    def stop(self) -> None:
+        """Make serve_forever return (safe from a signal handler and from any thread)."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"x")
+
+    def _close(self) -> None:
+        """Store first, socket last: while the socket exists the tiers are still held,
+        so whoever waits for it to vanish (`kvstore stop`) can start a successor."""
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        with self._store_lock:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        for fd in (self._wake_read, self._wake_write, self._lock_fd):
+            os.close(fd)
+
+    # -- one client ------------------------------------------------------------------
+
+    def _serve_client(self, client: _Client) -> None:
+        channel = client.channel
+        try:
+            while True:
+                try:
+                    request = channel.recv(P.REQUEST, None)
+                except (EOFError, OSError):
+                    return
+                except P.ProtocolError as exc:
+                    self._refuse(channel, str(exc))  # the stream cannot be trusted any more
+                    return
+                fds: tuple[int, ...] = ()
+                try:
+                    if isinstance(request, P.Shutdown):
+                        channel.send(P.Reply(True))
+                        self.stop()
+                        return
+                    value, fds = self._handle(client, request)
+                    reply = P.Reply(True, value)
+                except KVStoreError as exc:
+                    reply = P.Reply(False, error=str(exc))
+                except Exception as exc:  # a bug must not take the whole service down
+                    log.exception("request %s failed", type(request).__name__)
+                    reply = P.Reply(False, error=f"{type(exc).__name__}: {exc}")
+                try:
+                    channel.send(reply, fds)
+                except OSError:
+                    log.warning("a client left before its reply (past its deadline?)")
+                    return
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                if client.region is not None and client.region.retired:
+                    return  # a read into its window may still land: it must reconnect, fresh
+        finally:
+            self._forget(client)
+
+    def _forget(self, client: _Client) -> None:
+        with self._store_lock:
+            self._clients.discard(client)
+            if client.region is not None and not client.region.retired and self.store is not None:
+                self.store.regions.remove(client.region)
+        if client.window is not None and (client.region is None or not client.region.retired):
+            client.window.close()  # a retired one stays mapped: the device may still write it
+        client.channel.close()
+
+    def _handle(self, client: _Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
+        if isinstance(request, P.Hello):
+            return self._hello(client, request)
+        store = self.store
+        if isinstance(request, P.Info):
+            info = store.info() if store else {"tiers": [], "counters": {}}
+            return {**info, "service_pid": os.getpid(), "socket": self.socket_path}, ()
+        if isinstance(request, P.Residency):
+            return self._residency(store, request), ()
+        if isinstance(request, P.Events):
+            return self.events.since(request.since), ()
+        if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
+            if store is not None:
+                for name, amount in request.counters.items():
+                    store.stats.add(name, amount)
+            return None, ()
+        if not isinstance(request, P.Get | P.Put):
+            raise KVStoreError(f"unknown request {type(request).__name__}")
+        if store is None or client.window is None:
+            raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
+        size = store.chunk_bytes
+        if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
+            raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
+                               f"(the window has {client.slots})")
+        views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
+        if isinstance(request, P.Get):
+            return store.get_many(request.keys, views), ()
+        return store.put_many(request.keys, views, parent=request.parent), ()
+
+    def _hello(self, client: _Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
+        if hello.version != P.PROTOCOL_VERSION:
+            raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
+                               f"{self.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
+                               "the same kvstore version (kvstore stop)")
+        ours, theirs = dump_config(self.config), dict(hello.config)
+        ours.pop("service")
+        theirs.pop("service", None)
+        if ours != theirs:
+            raise ConfigError("service.socket", self.socket_path,
+                              f"a kvstore service with another config listens there "
+                              f"(its config: {ours}); stop it (kvstore stop) or use another socket")
+        if hello.chunk_bytes is None:
+            return None, ()
+        if client.window is not None:
+            raise KVStoreError("this connection has a window already")
+        with self._store_lock:
+            if self.store is None:
+                self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
+                                         dtype=hello.dtype, shape=hello.shape)
+                self.events.watch(self.store)
+            elif self.store.chunk_bytes != hello.chunk_bytes:
+                raise ConfigError("service.socket", self.socket_path,
+                                  f"this service stores chunks of {self.store.chunk_bytes} bytes, "
+                                  f"this engine's are {hello.chunk_bytes}: give it its own socket")
+            store = self.store
+        slots = max(1, self.config.service.staging // hello.chunk_bytes)
+        window, fd = Window.create(slots * hello.chunk_bytes)
+        client.window, client.slots = window, slots
+        client.region = store.regions.add(window.address, window.nbytes, window)
+        return {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}, (fd,)
+
+    def _residency(self, store: TieredStore | None, request: P.Residency) -> list[Any]:
+        if store is None:
+            return [0, 0, False]
+        found = store.lookup(request.keys)
+        run = tuple(request.keys[: found.count])
+        if request.prefetch:
+            self._prefetch(store, run)
+        with self._store_lock:
+            pending = run in self._prefetch_queued
+        return [found.count, found.resident, pending]
+
+    def _prefetch(self, store: TieredStore, run: tuple[bytes, ...]) -> None:
+        """Queue a promotion of `run` to DRAM unless the same run is queued: a request
+        waiting to be scheduled, or a hint, asks for the same chunks again."""
+        with self._store_lock:
+            if not run or run in self._prefetch_queued:
+                return
+            self._prefetch_queued.add(run)
+
+        def promote() -> None:
+            try:
+                store.prefetch(run)
+            except Exception:
+                log.exception("prefetch of %d chunks failed", len(run))
+            finally:
+                with self._store_lock:
+                    self._prefetch_queued.discard(run)
+
+        try:
+            self._prefetcher.submit(promote)
+        except RuntimeError:  # shutting down
+            with self._store_lock:
+                self._prefetch_queued.discard(run)

@@ -1,0 +1,5 @@
+"""TieredStore, the store's face."""
+
+from kvstore.store.tiered import Lookup, TieredStore
+
+__all__ = ["Lookup", "TieredStore"]

@@ -1,0 +1,119 @@
+"""Which disk-tier devices serve: their breakers, taking one out, bringing one back.
+
+Each device has a DeviceHealth. A device that faults repeatedly, or whose probe
+fails, is taken out of service: its chunks leave the index at once (misses, not
+deadlines), nothing new is placed there, and writes in flight to it are never
+published. It serves again only after revalidation: the same superblock, the
+headers of those in-flight writes zeroed, and every slot's header re-read.
+State changes happen under the tier's table lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.devices.health import TRIPPED, DeviceHealth, is_fault
+from kvstore.io.base import TIMED_OUT
+from kvstore.tiers.recover import RecoveryReport, newest, scan_group
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+class DeviceAvailability:
+    def __init__(self, disk: DiskTier, breaker_threshold: int) -> None:
+        self.disk = disk
+        self.breaker_threshold = breaker_threshold
+        self.health = [DeviceHealth(plan.label or plan.path or "", plan.kind)
+                       for plan in disk.devices.plans]
+        # Per device: slots reserved for a write when it left service (zeroed on revalidation).
+        self._in_flight_at_loss: list[set[int]] = [set() for _ in disk.devices.plans]
+
+    def epoch_of(self, slot: int) -> int:
+        """The epoch of the slot's device; see `still_serving`."""
+        with self.disk.table.lock:
+            return self.health[self.disk.table.group_of(slot)[0]].epoch
+
+    def still_serving(self, slot: int, epoch: int) -> bool:
+        """Whether the slot's device has stayed in service since `epoch` (table lock held)."""
+        health = self.health[self.disk.table.group_of(slot)[0]]
+        return health.in_service and health.epoch == epoch
+
+    def account(self, slots: Sequence[int], results: Sequence[int], expected: Sequence[int]) -> None:
+        """Feed results to each device's breaker; trip the ones that keep faulting."""
+        table = self.disk.table
+        with table.lock:
+            for slot, result, size in zip(slots, results, expected, strict=True):
+                group = table.group_of(slot)[0]
+                health = self.health[group]
+                if health.record(is_fault(result, size), self.breaker_threshold):
+                    why = "deadline passed" if result == TIMED_OUT else (
+                        os.strerror(-result) if result < 0 else f"short transfer ({result} bytes)")
+                    self.take_out(group, TRIPPED, f"{health.consecutive_faults} faults in a row "
+                                                  f"(last: {why})")
+
+    def take_out(self, group: int, state: str, reason: str) -> None:
+        """Stop serving a device: its chunks leave the index now."""
+        table = self.disk.table
+        with table.lock:
+            health = self.health[group]
+            health.take_out(state, reason)
+            table.disabled.add(group)
+            lost = 0
+            for slot in table.group_slots(group):
+                info = table.slots[slot]
+                if info.published and info.key is not None:
+                    table.unpublish(info.key)
+                    lost += 1
+                elif info.pins:
+                    self._in_flight_at_loss[group].add(slot)
+        self.disk.stats.add("disk.lost_chunks", lost)
+        if state == TRIPPED:
+            self.disk.stats.add("disk.trips")
+        log.warning("disk tier: %s taken out of service (%s): %s; %d chunks become misses",
+                    health.label, state, reason, lost)
+
+    def revalidate(self, group: int, path: str | None = None) -> bool:
+        """Bring a device back, opening it at `path` if it is not open there: True when
+        it serves again. Waits for nothing: if an I/O from before the loss still holds a
+        slot, or any check fails, the device stays out and the caller tries later."""
+        disk, table = self.disk, self.disk.table
+        health = self.health[group]
+        with table.lock:
+            if health.in_service or any(table.slots[s].pins for s in table.group_slots(group)):
+                return health.in_service
+            table.free[group] = []
+            suspects = sorted(self._in_flight_at_loss[group])
+        problem, reopened = disk.devices.reopen(group, path, table.group_sizes[group])
+        layout = disk.devices.layouts[group]
+        if problem is None and layout is not None and not reopened:
+            problem = layout.still_ours()
+        if problem is None and suspects and not all(disk.zero_headers(suspects, disk.timeout_s)):
+            problem = "could not zero the headers of writes in flight at the loss"
+        report = RecoveryReport()
+        found, stale = newest(scan_group(disk, group, report) if problem is None and layout else [])
+        if problem is None and report.io_errors:
+            problem = f"{report.io_errors} header reads failed"
+        if problem is None and stale and not all(disk.zero_headers([e.slot for e in stale],
+                                                                   disk.timeout_s)):
+            problem = "could not zero the headers of older copies of keys"
+        with table.lock:
+            if problem is not None:
+                health.reason, health.since = f"revalidation failed: {problem}", time.monotonic()
+                log.warning("disk tier: %s stays out of service: %s", health.label, problem)
+                return False
+            table.restore([e for e in found if e.key not in table], [group])
+            table.free[group] = [s for s in reversed(table.group_slots(group))
+                                 if not table.slots[s].published]
+            table.disabled.discard(group)
+            self._in_flight_at_loss[group].clear()
+            health.put_back()
+        disk.stats.add("disk.revalidated_chunks", len(found))
+        log.warning("disk tier: %s back in service; %d records verified", health.label, len(found))
+        return True

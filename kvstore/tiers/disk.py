@@ -1,0 +1,114 @@
+"""The disk tier: record slots striped over devices, read and written with O_DIRECT.
+
+Write order makes a valid header imply a complete payload: for a slot that may hold
+an earlier record, its old header is zeroed first; then the payload is written; the
+header goes last. A crash at any point leaves either an empty slot, the old record
+intact, or a header-less new payload: never a valid header over wrong bytes. Reads
+still verify the payload checksum (bit rot, foreign writers).
+
+What lives elsewhere: which device holds which slot (device_set.py), whether a
+device serves (availability.py), rebuilding the index at start (recover.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.devices.device import DevicePlan
+from kvstore.devices.device_set import DeviceSet
+from kvstore.devices.health import OFFLINE
+from kvstore.format.record import HEADER_BLOCK, invalidate_header, round_up
+from kvstore.io.aligned import AlignedBuffer
+from kvstore.io.base import IoEngine, IoRequest
+from kvstore.tiers.availability import DeviceAvailability
+from kvstore.tiers.slots import SlotTable
+from kvstore.tiers.stats import Stats
+
+
+@dataclass(slots=True)
+class DiskWrite:
+    """One record to write: `image` is header block + payload, aligned."""
+
+    slot: int
+    image: memoryview
+    payload_len: int
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, plans: Sequence[DevicePlan], slot_bytes: int, chunk_bytes: int,
+                 engine: IoEngine, *, stats: Stats, timeout_s: float,
+                 breaker_threshold: int = 3) -> None:
+        self.slot_bytes = slot_bytes
+        self.engine = engine
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.devices = DeviceSet(plans, engine, slot_bytes, chunk_bytes, timeout_s)
+        self.table = SlotTable(self.devices.group_sizes())
+        self.availability = DeviceAvailability(self, breaker_threshold)
+        self._zero_header = AlignedBuffer(HEADER_BLOCK)
+        invalidate_header(self._zero_header.view)
+        for group, layout in enumerate(self.devices.layouts):
+            if layout is None:  # served once it appears (health_monitor.py)
+                self.availability.take_out(group, OFFLINE, "not present at start-up")
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(fd, byte offset) of a slot."""
+        return self.devices.locate(*self.table.group_of(slot))
+
+    def kind_of(self, slot: int) -> str:
+        return self.devices.plans[self.table.group_of(slot)[0]].kind
+
+    def describe(self, slot: int) -> str:
+        """Where a slot lives, for log lines an operator can act on."""
+        group, local = self.table.group_of(slot)
+        return f"slot {local} of {self.devices.devices[group].path}"
+
+    def read(self, slots: Sequence[int], buffers: Sequence[list[memoryview]], timeout_s: float,
+             on_complete: Callable[[int, int], None] | None = None) -> list[int]:
+        """Read whole slots, each into its aligned buffers (header block first); results
+        as the engine gives them, fed to each device's breaker."""
+        requests = [IoRequest(*self.locate(slot), list(views))
+                    for slot, views in zip(slots, buffers, strict=True)]
+        results = self.engine.run(requests, timeout_s, on_complete)
+        self.availability.account(slots, results, [r.nbytes for r in requests])
+        return results
+
+    def write(self, writes: Sequence[DiskWrite], timeout_s: float) -> list[bool]:
+        """Write records into reserved slots in the crash-safe order; True per success."""
+        ok = [True] * len(writes)
+        phases: list[list[tuple[int, IoRequest]]] = [[], [], []]
+        for i, write in enumerate(writes):
+            fd, offset = self.locate(write.slot)
+            if self.table.mark_written(write.slot):
+                phases[0].append((i, IoRequest(fd, offset, [self._zero_header.view], write=True)))
+            payload = write.image[HEADER_BLOCK : HEADER_BLOCK + round_up(write.payload_len)]
+            phases[1].append((i, IoRequest(fd, offset + HEADER_BLOCK, [payload], write=True)))
+            phases[2].append((i, IoRequest(fd, offset, [write.image[:HEADER_BLOCK]], write=True)))
+        for phase in phases:
+            pending = [(i, req) for i, req in phase if ok[i]]
+            results = self.engine.run([req for _, req in pending], timeout_s)
+            self.availability.account([writes[i].slot for i, _ in pending], results,
+                                      [r.nbytes for _, r in pending])
+            for (i, req), result in zip(pending, results, strict=True):
+                if result != req.nbytes:
+                    ok[i] = False
+        return ok
+
+    def zero_headers(self, slots: Sequence[int], timeout_s: float) -> list[bool]:
+        """Zero slots' headers so a restart does not bring their records back."""
+        requests = [IoRequest(*self.locate(slot), [self._zero_header.view], write=True)
+                    for slot in slots]
+        return [result == HEADER_BLOCK for result in self.engine.run(requests, timeout_s)]
+
+    def used_bytes(self) -> int:
+        return len(self.table) * self.slot_bytes
+
+    def capacity_bytes(self) -> int:
+        return self.table.capacity * self.slot_bytes
+
+    def close(self) -> None:
+        self._zero_header.close()
+        self.devices.close()

@@ -1,0 +1,139 @@
+"""Rebuild the disk tier's index at start, and write the checkpoint that speeds it up.
+
+At start each device's index comes from its clean-shutdown checkpoint when that is
+trustworthy (layout.take_checkpoint), else from a scan of every slot's header. A key
+found in two slots (a crash between writing a newer copy and dropping the old one)
+keeps the newest sequence number; the older copy's header is zeroed so it can never
+come back. Every slot of a device that existed before this start may still hold an
+old header, so the first write to any of them zeroes it first (disk_tier.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.devices.layout import CHECKPOINT_DTYPE
+from kvstore.devices.scanner import scan_headers
+from kvstore.format.errors import DeviceError
+from kvstore.format.record import HeaderState
+from kvstore.tiers.slots import Entry
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    records: int = 0
+    torn: int = 0
+    stale: int = 0  # older copies of a key, zeroed
+    from_checkpoint: int = 0  # devices whose index came from a clean-shutdown checkpoint
+    scanned: int = 0  # devices whose slots were scanned
+    io_errors: int = 0  # header reads that failed (their slots are treated as torn)
+    seconds: float = 0.0
+    max_seq: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def scan_group(disk: DiskTier, group: int, report: RecoveryReport) -> list[Entry]:
+    """The valid records of one device, by scanning every slot's header."""
+    layout = disk.devices.layouts[group]
+    assert layout is not None
+    base = disk.table.group_start[group]
+    found = []
+    for scanned in scan_headers(disk.engine, layout.device.fd, layout.sb.data_offset,
+                                layout.sb.slot_bytes, layout.sb.num_slots, disk.timeout_s):
+        if scanned.state is None:
+            report.io_errors += 1
+        elif scanned.state is HeaderState.TORN:
+            report.torn += 1
+        elif scanned.header is not None:
+            header = scanned.header
+            found.append(Entry(header.key, base + scanned.slot, _parent(header.parent), header.seq))
+    return found
+
+
+def newest(entries: Iterable[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """(one entry per key: the highest sequence number, the older copies)."""
+    best: dict[bytes, Entry] = {}
+    stale = []
+    for entry in entries:
+        current = best.get(entry.key)
+        if current is None or current.seq < entry.seq:
+            if current is not None:
+                stale.append(current)
+            best[entry.key] = entry
+        else:
+            stale.append(entry)
+    return sorted(best.values(), key=lambda e: e.seq), stale
+
+
+def recover(disk: DiskTier) -> RecoveryReport:
+    """Rebuild the index of every opened device (checkpoint, else scan)."""
+    report = RecoveryReport()
+    start = time.perf_counter()
+    entries: list[Entry] = []
+    existed = []
+    for group, layout in enumerate(disk.devices.layouts):
+        if layout is None:
+            continue
+        if not layout.fresh:
+            existed.append(group)
+        base = disk.table.group_start[group]
+        checkpoint = layout.take_checkpoint()
+        if checkpoint is not None:
+            report.from_checkpoint += 1
+            entries += [Entry(bytes(e["key"]).ljust(16, b"\0"), base + int(e["slot"]),
+                              _parent(bytes(e["parent"]).ljust(16, b"\0")), int(e["seq"]))
+                        for e in checkpoint]
+        else:
+            report.scanned += 1
+            entries += scan_group(disk, group, report)
+    report.torn += report.io_errors
+    winners, stale = newest(entries)
+    if stale:
+        zeroed = disk.zero_headers([e.slot for e in stale], disk.timeout_s)
+        log.warning("disk tier: %d older copies of keys found; %d headers zeroed", len(stale),
+                    sum(zeroed))
+    disk.table.restore(winners, existed)
+    report.records = len(winners)
+    report.stale = len(stale)
+    report.max_seq = max((e.seq for e in entries), default=0)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _parent(parent: bytes) -> bytes | None:
+    return None if parent == bytes(16) else parent
+
+
+def checkpoint(disk: DiskTier) -> None:
+    """Clean shutdown: write each device's index so the next open skips the scan.
+
+    A device out of service gets none (its index here is empty, not its disk): the
+    next open scans it. A failed checkpoint write costs the same, a scan.
+    """
+    table = disk.table
+    per_group: list[list[tuple[int, int, bytes, bytes]]] = [[] for _ in disk.devices.layouts]
+    for entry in table.entries():
+        group, local = table.group_of(entry.slot)
+        per_group[group].append((local, entry.seq, entry.key, entry.parent or bytes(16)))
+    for layout, rows, health in zip(disk.devices.layouts, per_group, disk.availability.health,
+                                    strict=True):
+        if not health.in_service or layout is None:
+            continue
+        try:
+            layout.write_checkpoint(np.array(rows, dtype=CHECKPOINT_DTYPE))
+        except DeviceError as exc:
+            log.warning("disk tier: no checkpoint for %s (%s); the next start scans it",
+                        health.label, exc)

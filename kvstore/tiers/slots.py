@@ -1,0 +1,353 @@
+"""Slot bookkeeping of one tier: free, reserved and published slots, pins, the index.
+
+A tier is an array of fixed-size slots, split into groups (one group per disk
+device; the DRAM tier has one group). The table has its own lock; every method
+takes it, so callers never touch the state directly. Invariants:
+- A slot is in exactly one state: free (in its group's free list), reserved (being
+  written, invisible to lookups, owned by one Reservation), or published (in
+  `index`, tracked by the LRU).
+- `pins` counts holders of a slot: readers and writers in flight, and the one
+  Reservation of a reserved slot. A published slot is never rewritten: it leaves
+  the index first (`unpublish`) and returns to the free list only once its last
+  pin goes, so a get never sees a half-written record and a read never races a reuse.
+- A retired slot (a read into it may still land) keeps its pin forever: never reused.
+- Pins and reservations are context managers: an exception between taking and
+  giving back costs nothing (the slot is unpinned or freed on the way out).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvstore.tiers.eviction import PrefixLRU
+
+
+class Fate(enum.Enum):
+    """What a reservation may do with a victim (a least recently used leaf)."""
+
+    EVICT = "evict"  # drop it now and take its slot
+    DEMOTE = "demote"  # take its slot once the caller has written it elsewhere (take_over)
+    SKIP = "skip"  # leave it; look for another
+
+
+@dataclass(slots=True)
+class SlotInfo:
+    key: bytes | None = None
+    parent: bytes | None = None
+    seq: int = 0
+    pins: int = 0
+    published: bool = False
+    # The slot may hold a valid header on its device from an earlier record, so a
+    # new write must zero that header before writing the payload (crash order).
+    ever_written: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A published record as the table knows it."""
+
+    key: bytes
+    slot: int
+    parent: bytes | None
+    seq: int
+
+
+class Reservation:
+    """A reserved slot, pinned once, settled exactly once: `publish`, `release` or
+    `retire`. Leaving a `with` block unsettled releases it.
+
+    With `victim` set (a DEMOTE), the slot still holds that published record: the
+    caller writes it elsewhere, then `take_over` makes the slot its own."""
+
+    def __init__(self, table: SlotTable, slot: int, evicted: bytes | None,
+                 victim: bytes | None = None) -> None:
+        self.table = table
+        self.slot = slot
+        self.evicted = evicted  # the key evicted to make room, if any
+        self.victim = victim  # the key to write elsewhere before the slot is ours
+        self.settled = False
+
+    def take_over(self) -> bool:
+        """The victim is safe elsewhere: unpublish it and own the slot. False (the
+        reservation is then released, the victim kept) if a reader still holds it."""
+        assert self.victim is not None
+        with self.table.lock:
+            if self.table.slots[self.slot].pins > 1 or self.table.index.get(self.victim) != self.slot:
+                self.release()
+                return False
+            self.table._unpublish(self.victim)
+            self.evicted, self.victim = self.victim, None
+            return True
+
+    def publish(self, key: bytes, parent: bytes | None, seq: int) -> None:
+        """Make the written record visible; an older slot of the same key is retired."""
+        with self.table.lock:
+            self._settle()
+            self.table._publish(self.slot, key, parent, seq)
+            self.table._unpin(self.slot)
+
+    def release(self) -> None:
+        """Nothing (valid) was written: the slot goes back to the free list."""
+        with self.table.lock:
+            self._settle()
+            self.table._unpin(self.slot)
+
+    def retire(self) -> None:
+        """The kernel may still write into this slot: keep it pinned, never reuse it."""
+        with self.table.lock:
+            self._settle()
+            self.table.retired += 1
+
+    def _settle(self) -> None:
+        if self.settled:
+            raise RuntimeError(f"reservation of slot {self.slot} settled twice")
+        self.settled = True
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.settled:
+            self.release()
+
+
+class Pins:
+    """Slots pinned for reading (`hits`: (index into the keys asked for, slot)).
+    Leaving the `with` block unpins them all; `drop(i)` also unpublishes a record
+    that did not verify, unless its key has moved to another slot meanwhile."""
+
+    def __init__(self, table: SlotTable, hits: list[tuple[int, int]]) -> None:
+        self.table = table
+        self.hits = hits
+        self._dropped: list[tuple[bytes, int]] = []
+        self._kept: set[int] = set()
+
+    def drop(self, key: bytes, slot: int) -> None:
+        self._dropped.append((key, slot))
+
+    def keep(self, slot: int) -> None:
+        """Do not unpin this slot on exit: its pin passes to someone else (a retired read)."""
+        self._kept.add(slot)
+
+    def __enter__(self) -> Pins:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.table.lock:
+            for key, slot in self._dropped:
+                if self.table.index.get(key) == slot:
+                    self.table._unpublish(key)
+            for _, slot in self.hits:
+                if slot not in self._kept:
+                    self.table._unpin(slot)
+
+
+class SlotTable:
+    def __init__(self, group_sizes: Sequence[int]) -> None:
+        self.lock = threading.RLock()
+        self.group_start = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
+        self.group_sizes = list(group_sizes)
+        self.slots = [SlotInfo() for _ in range(sum(group_sizes))]
+        self.free: list[list[int]] = [
+            list(range(start + size - 1, start - 1, -1))
+            for start, size in zip(self.group_start, group_sizes, strict=True)
+        ]
+        self.index: dict[bytes, int] = {}
+        self.lru = PrefixLRU()
+        self._next_group = 0
+        self.disabled: set[int] = set()  # groups out of service: nothing is reserved there
+        self.retired = 0  # slots kept pinned forever after an abandoned read
+        # Told (published?, the record) whenever a key is published or unpublished, under
+        # the lock (the cluster index, chunk events): each must be quick and take no lock
+        # that waits on this one.
+        self.listeners: list[Callable[[bool, Entry], None]] = []
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.index
+
+    def find(self, key: bytes) -> int | None:
+        return self.index.get(key)
+
+    def entry(self, slot: int) -> Entry | None:
+        with self.lock:
+            info = self.slots[slot]
+            if not info.published or info.key is None:
+                return None
+            return Entry(info.key, slot, info.parent, info.seq)
+
+    def entries(self) -> list[Entry]:
+        """Every published record (a snapshot)."""
+        with self.lock:
+            return [Entry(key, slot, self.slots[slot].parent, self.slots[slot].seq)
+                    for key, slot in self.index.items()]
+
+    def group_of(self, slot: int) -> tuple[int, int]:
+        """(group, slot number within the group)."""
+        for group in range(len(self.group_start) - 1, -1, -1):
+            if slot >= self.group_start[group]:
+                return group, slot - self.group_start[group]
+        raise IndexError(slot)
+
+    def group_slots(self, group: int) -> range:
+        return range(self.group_start[group], self.group_start[group] + self.group_sizes[group])
+
+    def touch_chain(self, keys: Iterable[bytes]) -> None:
+        with self.lock:
+            self.lru.touch_chain(keys)
+
+    # -- reads -----------------------------------------------------------------------
+
+    @contextmanager
+    def pinned(self, keys: Sequence[bytes], indices: Iterable[int] | None = None) -> Iterator[Pins]:
+        """Pin the slots of the present keys among keys[i] for i in `indices` (all by default)."""
+        with self.lock:
+            hits = []
+            for i in range(len(keys)) if indices is None else indices:
+                slot = self.index.get(keys[i])
+                if slot is not None:
+                    self.slots[slot].pins += 1
+                    hits.append((i, slot))
+        with Pins(self, hits) as pins:
+            yield pins
+
+    def pin(self, slot: int) -> None:
+        """One more holder of a slot the caller knows to be pinned or published."""
+        with self.lock:
+            self.slots[slot].pins += 1
+
+    def unpin(self, slot: int) -> None:
+        with self.lock:
+            self._unpin(slot)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def next_group(self) -> int:
+        """Round-robin group for striping consecutive chunks over devices in service."""
+        with self.lock:
+            for _ in range(len(self.group_sizes)):
+                group = self._next_group
+                self._next_group = (group + 1) % len(self.group_sizes)
+                if group not in self.disabled:
+                    return group
+            return 0  # all disabled: reserve() finds nothing
+
+    def reserve(self, preferred_group: int = 0,
+                fate: Callable[[bytes], Fate] | None = None) -> Reservation | None:
+        """A slot to write into, pinned by the returned Reservation; with the table
+        full, the least recently used leaf that `fate` lets go (default: any) makes
+        room. None when no victim may go (all pinned, or skipped).
+
+        `fate(key)` runs under this table's lock: EVICT drops the victim now; DEMOTE
+        hands its slot over with the victim still in it (Reservation.take_over).
+        """
+        with self.lock:
+            groups = range(len(self.free))
+            for group in [preferred_group, *(g for g in groups if g != preferred_group)]:
+                if self.free[group] and group not in self.disabled:
+                    slot = self.free[group].pop()
+                    self.slots[slot].pins = 1
+                    return Reservation(self, slot, None)
+            fates: dict[bytes, Fate] = {}
+
+            def skip(key: bytes) -> bool:
+                if self.slots[self.index[key]].pins > 0:
+                    return True
+                if key not in fates:
+                    fates[key] = Fate.EVICT if fate is None else fate(key)
+                return fates[key] is Fate.SKIP
+
+            victim = self.lru.victim(skip=skip)
+            if victim is None:
+                return None
+            slot = self.index[victim]
+            if fates[victim] is Fate.DEMOTE:
+                self.slots[slot].pins += 1
+                return Reservation(self, slot, None, victim=victim)
+            self._unpublish(victim)  # unpinned, so this appends it to its free list
+            self.free[self.group_of(slot)[0]].pop()
+            self.slots[slot].pins = 1
+            return Reservation(self, slot, victim)
+
+    def unpublish(self, key: bytes) -> int | None:
+        """Hide `key`; its slot is freed now or when its last pin goes."""
+        with self.lock:
+            return self._unpublish(key)
+
+    def mark_written(self, slot: int) -> bool:
+        """Note that a write is about to reach the slot; True if an older record's
+        header may still be there (so the writer must zero it first)."""
+        with self.lock:
+            info = self.slots[slot]
+            before, info.ever_written = info.ever_written, True
+            return before
+
+    def restore(self, entries: Iterable[Entry], written_groups: Iterable[int] = ()) -> None:
+        """Recovery: publish records found on the devices and take their slots off the
+        free lists (the caller resolves duplicate keys first). Every slot of
+        `written_groups` (devices that existed before) may hold an old header."""
+        with self.lock:
+            in_use = set()
+            for entry in entries:
+                self._publish(entry.slot, entry.key, entry.parent, entry.seq)
+                in_use.add(entry.slot)
+            for group, free in enumerate(self.free):
+                self.free[group] = [s for s in free if s not in in_use]
+            for group in written_groups:
+                for slot in self.group_slots(group):
+                    self.slots[slot].ever_written = True
+
+    # -- internals (lock held) -----------------------------------------------------------
+
+    def _publish(self, slot: int, key: bytes, parent: bytes | None, seq: int) -> None:
+        if key in self.index:
+            self._unpublish(key)
+        info = self.slots[slot]
+        info.key, info.parent, info.seq = key, parent, seq
+        info.published = info.ever_written = True
+        self.index[key] = slot
+        self.lru.add(key, parent)
+        if self.listeners:
+            self._tell(True, Entry(key, slot, parent, seq))
+
+    def _unpublish(self, key: bytes) -> int | None:
+        slot = self.index.pop(key, None)
+        if slot is None:
+            return None
+        self.lru.remove(key)
+        info = self.slots[slot]
+        info.published = False
+        if self.listeners:
+            self._tell(False, Entry(key, slot, info.parent, info.seq))
+        if info.pins == 0:
+            self._free(slot)
+        return slot
+
+    def _tell(self, published: bool, entry: Entry) -> None:
+        for listener in self.listeners:
+            listener(published, entry)
+
+    def _unpin(self, slot: int) -> None:
+        info = self.slots[slot]
+        if info.pins <= 0:
+            raise RuntimeError(f"slot {slot} unpinned more often than pinned")
+        info.pins -= 1
+        if info.pins == 0 and not info.published:
+            self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        info = self.slots[slot]
+        info.key = info.parent = None
+        self.free[self.group_of(slot)[0]].append(slot)
