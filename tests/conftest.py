@@ -115,5 +115,5 @@ def store_factory() -> Iterator:
 
     yield open_store
     for store in opened:
-        if store.host is not None or store.disk is not None:
+        if store.dram is not None or store.disk is not None:
             store.close()

@@ -117,7 +117,7 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
             assert [("host", "disk", "peer")[t] for t in replayed] == list(found.tiers)
             peer_hits += found.tiers.count("peer")
         for store, replayer in zip(stores, cluster.hosts, strict=True):
-            assert set(store.host.table.index) == set(replayer.tiers[0].table.index)
+            assert set(store.dram.table.index) == set(replayer.tiers[0].table.index)
             assert set(store.disk.table.index) == set(replayer.tiers[1].table.index)
         assert peer_hits > 20 and stores[0].stats.snapshot()["peer.hits"] > 0
     finally:

@@ -141,8 +141,8 @@ def test_a_timed_out_promotion_never_reuses_its_dram_slot(disk_dir, faulty, stor
     assert store.stats.snapshot()["host.slots_retired"] == 2
     # The two DRAM slots the reads were aimed at stay pinned: no new record can land there
     # while the kernel might still write into them.
-    assert store.host.table.retired == 2
-    assert sum(info.pins > 0 for info in store.host.table.slots) == 2
+    assert store.dram.table.retired == 2
+    assert sum(info.pins > 0 for info in store.dram.table.slots) == 2
 
 
 def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, faulty, store_factory):

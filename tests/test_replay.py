@@ -143,6 +143,6 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
             store.put_many(keys, [payload] * len(keys))
             replayed = replayer.serve(request)
             assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
-        assert set(store.host.table.index) == set(replayer.tiers[0].table.index)
+        assert set(store.dram.table.index) == set(replayer.tiers[0].table.index)
         assert set(store.disk.table.index) == set(replayer.tiers[1].table.index)
         assert store.stats.snapshot().get("host.evictions", 0) > 10  # the tiers were full

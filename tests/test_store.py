@@ -131,8 +131,8 @@ def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
     store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
-    slot = store.host.table.find(keys[1])
-    store.host.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
+    slot = store.dram.table.find(keys[1])
+    store.dram.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
     ok, _ = read_back(store, keys)
     assert ok == [True, False]
     assert store.stats.snapshot()["host.miss.wrong_key"] == 1

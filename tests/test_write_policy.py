@@ -35,7 +35,7 @@ def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, s
     assert store.lookup(keys).tiers == ("host",) * 4  # still served from DRAM
     # A service killed now loses nothing: the disk alone serves every chunk.
     for key in keys:
-        store.host.table.unpublish(key)
+        store.dram.table.unpublish(key)
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 

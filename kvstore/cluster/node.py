@@ -5,7 +5,7 @@
   prompt, within the deadline; an entry counts if its host's lease lives and this host
   can read the device it names.
 - `read`: those chunks read from the peers' devices and verified (peer_reader.py), and
-  promoted into DRAM like disk hits. A copy promoted from a peer is `held_elsewhere`:
+  promoted into DRAM like disk hits. A copy promoted from a peer is in `peer_copies`:
   when it leaves DRAM it is dropped, not written to this host's disk, so the array
   keeps one copy of a chunk rather than one per host that read it.
 
@@ -27,45 +27,43 @@ from kvstore.cluster.peer_devices import PeerDevices
 from kvstore.cluster.peer_reader import PeerReader
 from kvstore.cluster.publisher import IndexPublisher
 from kvstore.config.store import StoreConfig
-from kvstore.datapath.prefetch_ledger import PrefetchLedger
+from kvstore.datapath.landing import Landings
+from kvstore.format.record import record_bytes
 from kvstore.io.base import IoEngine
-from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.dram import HostTier
-from kvstore.tiers.slots import Entry, Reservation
-from kvstore.tiers.stats import Stats
+from kvstore.tiers.slots import Entry
 
 RECENT_S = 1.0  # how long an index answer is reused
 RECENT_LIMIT = 1 << 16  # answers kept
 
 
 class ClusterNode:
-    def __init__(self, config: StoreConfig, *, disk: DiskTier | None, host: HostTier | None,
-                 engine: IoEngine, stats: Stats, staging: StagingPool, ledger: PrefetchLedger,
-                 chunk_bytes: int, slot_bytes: int, reserve_host: Callable[[bool], Reservation | None],
-                 background: bool = True) -> None:
+    def __init__(self, config: StoreConfig, *, disk: DiskTier | None, landings: Landings, engine: IoEngine,
+                 peer_copies: set[bytes], background: bool = True) -> None:
+        """`peer_copies`: the store's set of DRAM chunks whose disk copy is a peer's (its
+        flusher never writes those down); kept here as they enter and leave DRAM."""
         assert config.cluster is not None
         self.config = config.cluster
-        self.stats = stats
-        self.host = host
+        self.stats = landings.stats
+        self.dram = landings.placement.dram if landings.placement is not None else None
         own = [d.path for d in config.disk] + ([p.path for p in disk.devices.plans if p.path]
                                                if disk is not None else [])
-        self.devices = PeerDevices(self.config, own, engine, slot_bytes, config.io, start=background)
+        self.devices = PeerDevices(self.config, own, engine, record_bytes(landings.chunk_bytes), config.io,
+                                   start=background)
         try:
-            self.index = IndexReader(self.config, stats)
-            self.publisher = IndexPublisher(self.config, disk, stats, start=background) if disk else None
+            self.index = IndexReader(self.config, self.stats)
+            self.publisher = (IndexPublisher(self.config, disk, self.stats, start=background)
+                              if disk else None)
         except BaseException:
             self.devices.close()
             raise
-        self.reader = PeerReader(self.devices, engine, host, staging, stats, ledger,
-                                 chunk_bytes=chunk_bytes, slot_bytes=slot_bytes,
-                                 timeout_s=config.io.timeout_s, reserve_host=reserve_host,
-                                 promoted=self._from_peers_add)
+        self.reader = PeerReader(self.devices, engine, landings, timeout_s=config.io.timeout_s,
+                                 promoted=peer_copies.add)
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
-        self._from_peers: set[bytes] = set()  # DRAM copies of chunks a peer holds
-        if host is not None:
-            host.table.listeners.append(self._left_dram)
+        self._from_peers = peer_copies
+        if self.dram is not None:
+            self.dram.table.listeners.append(self._left_dram)
 
     # -- queries -------------------------------------------------------------------
 
@@ -117,10 +115,6 @@ class ClusterNode:
             tiers.append(tier)
         return tiers
 
-    def held_elsewhere(self, key: bytes) -> bool:
-        """A DRAM chunk whose disk copy is a peer's (run under the DRAM table's lock)."""
-        return key in self._from_peers
-
     # -- reads -----------------------------------------------------------------------
 
     def read(self, keys: Sequence[bytes], indices: Sequence[int], outs: Sequence[memoryview] | None,
@@ -135,9 +129,6 @@ class ClusterNode:
             for i, _ in hits:
                 if not ok[i]:
                     self._recent.pop(keys[i], None)  # ask the index again next time
-
-    def _from_peers_add(self, key: bytes) -> None:
-        self._from_peers.add(key)
 
     def _left_dram(self, published: bool, entry: Entry) -> None:
         """DRAM table listener (its lock held)."""
@@ -154,9 +145,9 @@ class ClusterNode:
 
     def close(self, withdraw: bool = True) -> None:
         """Stop publishing (`withdraw`: end the lease now, a clean stop) and reading."""
-        if self.host is not None:
-            with self.host.table.lock:
-                self.host.table.listeners.remove(self._left_dram)
+        if self.dram is not None:
+            with self.dram.table.lock:
+                self.dram.table.listeners.remove(self._left_dram)
         if self.publisher is not None:
             self.publisher.close(withdraw)
         self.devices.close()

@@ -37,7 +37,7 @@ class IndexPublisher:
         self.config = config
         self.disk = disk
         self.stats = stats
-        self.host = config.host_id
+        self.host_id = config.host_id
         self.keys = IndexKeys(config.key_prefix)
         self.generation = int.from_bytes(os.urandom(8), "little")
         self._redis = connect(config.index_url, config.lease_s / 3)
@@ -106,16 +106,16 @@ class IndexPublisher:
 
     def _send_queued(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
-        published = self.keys.published(self.host)
+        published = self.keys.published(self.host_id)
         sent = 0
         while self._queue and sent < _BATCH:
             add, key, slot, seq = self._queue.popleft()
             location = self._location(slot, seq) if add else None
             if location is not None:
-                pipe.hset(self.keys.chunk(key), self.host, location)
+                pipe.hset(self.keys.chunk(key), self.host_id, location)
                 pipe.sadd(published, key)
             else:
-                pipe.hdel(self.keys.chunk(key), self.host)
+                pipe.hdel(self.keys.chunk(key), self.host_id)
                 pipe.srem(published, key)
             sent += 1
         self._renew(pipe, existing=True)
@@ -131,16 +131,16 @@ class IndexPublisher:
             self._queue.clear()
             entries = self.disk.table.entries()
         mine = {e.key: location for e in entries if (location := self._location(e.slot, e.seq))}
-        published = self.keys.published(self.host)
+        published = self.keys.published(self.host_id)
         gone = [key for key in self._redis.sscan_iter(published, count=10000) if key not in mine]
         pipe = self._redis.pipeline(transaction=False)
         for i, key in enumerate(gone):
-            pipe.hdel(self.keys.chunk(key), self.host)
+            pipe.hdel(self.keys.chunk(key), self.host_id)
             pipe.srem(published, key)
             if i % _BATCH == _BATCH - 1:
                 pipe.execute()
         for i, (key, location) in enumerate(mine.items()):
-            pipe.hset(self.keys.chunk(key), self.host, location)
+            pipe.hset(self.keys.chunk(key), self.host_id, location)
             pipe.sadd(published, key)
             if i % _BATCH == _BATCH - 1:
                 pipe.execute()
@@ -153,7 +153,7 @@ class IndexPublisher:
     def _renew(self, pipe: redis.client.Pipeline, existing: bool = False) -> None:
         """Queue the lease's renewal; `existing`: only if it is still there (its result is
         then None when it was gone: the index lost this host's state)."""
-        pipe.set(self.keys.lease(self.host), self.generation.to_bytes(8, "little"),
+        pipe.set(self.keys.lease(self.host_id), self.generation.to_bytes(8, "little"),
                  px=int(self.config.lease_s * 1000), xx=existing)
         self._renewed = time.monotonic()
 
@@ -168,7 +168,7 @@ class IndexPublisher:
             self.disk.table.listeners.remove(self._changed)
         if withdraw:
             try:
-                self._redis.delete(self.keys.lease(self.host))
+                self._redis.delete(self.keys.lease(self.host_id))
             except (redis.RedisError, OSError) as exc:
                 log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", exc,
                             self.config.lease_s)

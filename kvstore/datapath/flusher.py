@@ -9,7 +9,7 @@ readable in DRAM until its disk copy is published. A get's promotion never waits
 for that: it only takes slots whose chunk is already on disk (`clean_fate`).
 
 Write-through copies go through a bounded queue served by one thread
-(writeback.py); with the queue full the copy is skipped (counted) and the chunk is
+(tiers/write_through.py); with the queue full the copy is skipped (counted) and the chunk is
 written when it is evicted instead. Each disk write reserves a disk slot (striped
 over the devices in service), writes in the crash-safe order (disk_tier.py) and
 publishes only if the slot's device stayed in service.
@@ -25,11 +25,10 @@ from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, pack_h
 from kvstore.io.copier import copy_bytes
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier, DiskWrite
-from kvstore.tiers.dram import HostTier
+from kvstore.tiers.dram import DramTier
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.slots import Fate, Reservation
-from kvstore.tiers.stats import Stats
-from kvstore.tiers.write_through import WriteBehind
+from kvstore.tiers.write_through import WriteThroughQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,22 +42,21 @@ class Record:
 
 
 class Flusher:
-    def __init__(self, disk: DiskTier, host: HostTier | None, policy: TierPolicy, stats: Stats,
-                 staging: StagingPool, *, chunk_bytes: int, queue_chunks: int, batch: int,
-                 timeout_s: float, background: bool = True,
+    def __init__(self, disk: DiskTier, dram: DramTier | None, policy: TierPolicy, staging: StagingPool, *,
+                 queue_chunks: int, background: bool = True,
                  held_elsewhere: Callable[[bytes], bool] | None = None) -> None:
         self.disk = disk
         # A chunk whose disk copy another host holds (a cluster's peer): never written here.
         self.held_elsewhere = held_elsewhere
-        self.host = host
+        self.dram = dram
         self.policy = policy
-        self.stats = stats
+        self.stats = disk.stats
         self.staging = staging
-        self.chunk_bytes = chunk_bytes
-        self.timeout_s = timeout_s
-        self.batch = batch
-        self._queue = (WriteBehind(self._write_through, queue_chunks, batch, start=background)
-                       if host is not None and policy.write_through else None)
+        self.chunk_bytes = disk.chunk_bytes
+        self.timeout_s = disk.timeout_s
+        self.batch = disk.engine.queue_depth
+        self._queue = (WriteThroughQueue(self._write_through, queue_chunks, self.batch, start=background)
+                       if dram is not None and policy.write_through else None)
 
     # -- DRAM victims (fates run under the DRAM table's lock) -----------------------------
 
@@ -81,13 +79,13 @@ class Flusher:
     def take_over(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Write the victims of DEMOTE reservations to disk in one batch, then hand each
         slot over; False where a victim's write failed (that reservation is released)."""
-        assert self.host is not None
+        assert self.dram is not None
         records = []
         for reservation in reservations:
-            entry = self.host.table.entry(reservation.slot)
+            entry = self.dram.table.entry(reservation.slot)
             assert entry is not None and entry.key == reservation.victim
             records.append(Record(entry.key, entry.parent, entry.seq,
-                                  self.host.slot_view(reservation.slot)))
+                                  self.dram.slot_view(reservation.slot)))
         landed = self.write(records)
         usable = []
         for reservation, done in zip(reservations, landed, strict=True):
@@ -103,33 +101,33 @@ class Flusher:
 
     def write_through(self, key: bytes, slot: int) -> None:
         """A chunk just published in DRAM also goes down now (DRAM table lock held)."""
-        assert self._queue is not None and self.host is not None
+        assert self._queue is not None and self.dram is not None
         if not self.policy.admits(key):
             return
         if self._queue.offer((key, slot)):
-            self.host.table.pin(slot)
+            self.dram.table.pin(slot)
         else:
             self.stats.add("writethrough.dropped")  # written when evicted instead
 
     def _write_through(self, items: list[tuple[bytes, int]]) -> None:
         """Background thread: copy queued DRAM chunks to disk (they stay in DRAM)."""
-        assert self.host is not None
-        host = self.host
+        assert self.dram is not None
+        dram = self.dram
         try:
-            entries = [host.table.entry(slot) for _, slot in items]
+            entries = [dram.table.entry(slot) for _, slot in items]
             live = [(entry, slot) for (key, slot), entry in zip(items, entries, strict=True)
                     if entry is not None and entry.key == key]
-            landed = self.write([Record(e.key, e.parent, e.seq, host.slot_view(slot)) for e, slot in live])
+            landed = self.write([Record(e.key, e.parent, e.seq, dram.slot_view(slot)) for e, slot in live])
             self.stats.add("writethrough.written", sum(landed))
         finally:
             for _, slot in items:
-                host.table.unpin(slot)
+                dram.table.unpin(slot)
 
     def demote_all(self) -> None:
         """Shutdown: write every admitted DRAM-only chunk down (DRAM does not survive)."""
-        if self.host is None:
+        if self.dram is None:
             return
-        table = self.host.table
+        table = self.dram.table
         with table.lock:
             entries = [e for e in table.entries() if not self._on_disk(e.key)
                        and self.policy.admits(e.key)]
@@ -138,7 +136,7 @@ class Flusher:
         try:
             for start in range(0, len(entries), self.batch):
                 wave = entries[start : start + self.batch]
-                self.write([Record(e.key, e.parent, e.seq, self.host.slot_view(e.slot)) for e in wave])
+                self.write([Record(e.key, e.parent, e.seq, self.dram.slot_view(e.slot)) for e in wave])
         finally:
             for entry in entries:
                 table.unpin(entry.slot)

@@ -15,7 +15,7 @@ from kvstore.tiers.stats import Stats
 
 class PrefetchLedger:
     def __init__(self, stats: Stats, chunk_bytes: int) -> None:
-        self._stats = stats
+        self.stats = stats
         self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
         self._unread: set[bytes] = set()
@@ -29,11 +29,11 @@ class PrefetchLedger:
             used = [key for key in keys if key in self._unread]
             self._unread.difference_update(used)
         if used:
-            self._stats.add("prefetch.used", len(used))
+            self.stats.add("prefetch.used", len(used))
 
     def left_dram(self, key: bytes) -> None:
         with self._lock:
             if key not in self._unread:
                 return
             self._unread.discard(key)
-        self._stats.add("prefetch.wasted_bytes", self._chunk_bytes)
+        self.stats.add("prefetch.wasted_bytes", self._chunk_bytes)

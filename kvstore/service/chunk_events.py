@@ -34,8 +34,8 @@ class ChunkEvents:
 
     def watch(self, store: TieredStore) -> None:
         """Record the store's DRAM and disk tiers from now on."""
-        if store.host is not None:
-            self._watch(store.host.table, lambda _slot: "kvstore-dram")
+        if store.dram is not None:
+            self._watch(store.dram.table, lambda _slot: "kvstore-dram")
         if store.disk is not None:
             disk = store.disk
             self._watch(disk.table, lambda slot: f"kvstore-{disk.kind_of(slot)}")

@@ -42,6 +42,7 @@ class DiskTier:
                  engine: IoEngine, *, stats: Stats, timeout_s: float,
                  breaker_threshold: int = 3) -> None:
         self.slot_bytes = slot_bytes
+        self.chunk_bytes = chunk_bytes
         self.engine = engine
         self.stats = stats
         self.timeout_s = timeout_s

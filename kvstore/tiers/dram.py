@@ -29,7 +29,7 @@ from kvstore.io.copier import copy_bytes
 from kvstore.tiers.slots import SlotTable
 
 
-class HostTier:
+class DramTier:
     name = "host"
 
     def __init__(self, capacity: int, slot_bytes: int) -> None:

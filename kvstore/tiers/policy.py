@@ -1,6 +1,6 @@
 """Where chunks go and when they move between tiers: the store's policy, in one place.
 
-The store (store.py) moves bytes; the trace replay (bench/replay.py) moves none; both
+The store (store/tiered.py) moves bytes; the trace replay (bench/replay.py) moves none; both
 ask this object the same questions, so a replay's hit ratios are the store's:
 - a new chunk goes to the top tier (DRAM) if it has a slot, else straight down;
 - a victim of the top tier is demoted to the tier below unless that tier holds it
@@ -43,7 +43,3 @@ class TierPolicy:
             return True
         with self._lock:
             return self.admission.admit(key)
-
-    def demotes(self, key: bytes, below_has_it: bool, has_below: bool) -> bool:
-        """A DRAM victim: write it down (True) or evict it outright (False)?"""
-        return has_below and not below_has_it and self.admits(key)

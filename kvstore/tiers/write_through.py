@@ -1,7 +1,9 @@
-"""Write-behind: DRAM victims go down to disk on a background thread.
+"""Write-through queue: copies of chunks just published in DRAM go down to disk on a
+background thread (`write_policy: write_through`).
 
-The queue is bounded: `offer` refuses rather than wait (the caller then keeps the
-victim), so a put into a full DRAM tier never blocks on the disk. Without the
+The queue is bounded: `offer` refuses rather than wait (the copy is skipped and the
+chunk is written when it is evicted instead), so a put never waits for this queue.
+(A put can still write DRAM victims down itself: see datapath/flusher.py.) Without the
 thread (`start=False`, for deterministic tests and the trace replay's checks),
 `flush` writes the queue on the calling thread.
 """
@@ -19,7 +21,7 @@ Item = TypeVar("Item")
 log = logging.getLogger(__name__)
 
 
-class WriteBehind(Generic[Item]):
+class WriteThroughQueue(Generic[Item]):
     def __init__(self, write: Callable[[list[Item]], None], capacity: int, batch: int,
                  start: bool = True) -> None:
         self._write = write
@@ -29,7 +31,7 @@ class WriteBehind(Generic[Item]):
         self._busy = 0
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="kvstore-writeback", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="kvstore-write-through", daemon=True)
         if start:
             self._thread.start()
 

@@ -1,0 +1,156 @@
+"""Verified reads: where a record read from a device lands, and what makes it servable.
+
+One core for local disk reads (reader.py) and peer reads (cluster/peer_reader.py). A
+read's destination is, in order of preference:
+- a DRAM slot (promotion, from DramPlacement): the whole record lands there; once
+  verified the slot is published and the payload copied to the caller, if any;
+- the caller's buffer itself, when kvstore owns it (io/regions.py) and the reader
+  allows it: the header block lands in a small header buffer, the payload straight in
+  the caller's memory, verified in place, no copy;
+- a staging buffer, verified there and copied to the caller.
+Verification (header checksum, the key asked for, the payload length, the payload's
+xxh3, and the sequence number where the reader was told one) runs on the I/O thread
+as each read completes. Invariants: nothing unverified reaches a caller or is
+published; every resource a wave takes goes back through its ExitStack; a read still
+in flight at its deadline may land later, so its destination is retired, never reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from kvstore.datapath.placement import DramPlacement
+from kvstore.datapath.prefetch_ledger import PrefetchLedger
+from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record
+from kvstore.io.copier import copy_bytes
+from kvstore.io.regions import DirectRegions, Region
+from kvstore.io.staging import StagingPool
+from kvstore.tiers.slots import Reservation
+from kvstore.tiers.stats import Stats
+
+
+@dataclass
+class Landing:
+    """One chunk's read: the buffers the I/O fills (header block first) and its settling."""
+
+    index: int  # into the keys asked for
+    buffers: list[memoryview]
+    payload: memoryview  # where the payload lands (inside buffers)
+    reservation: Reservation | None = None  # the DRAM slot it is promoted into
+    staged: memoryview | None = None  # a staging or header buffer to give back
+    pool: StagingPool | None = None  # where `staged` goes back
+    region: Region | None = None  # caller memory it lands in directly
+    header: RecordHeader | None = None  # set once verified
+    timed_out: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.buffers)
+
+
+class Landings:
+    def __init__(self, placement: DramPlacement | None, staging: StagingPool, headers: StagingPool,
+                 regions: DirectRegions, ledger: PrefetchLedger, chunk_bytes: int) -> None:
+        self.placement = placement  # None: no DRAM tier, nothing is promoted
+        self.ledger = ledger  # told what each read served or promoted
+        self.staging = staging
+        self.headers = headers
+        self.regions = regions
+        self.stats: Stats = ledger.stats
+        self.chunk_bytes = chunk_bytes
+
+    def needs_staging(self, out: memoryview | None, promote: bool) -> bool:
+        """Whether a read into `out` takes a staging buffer (waves bound how many)."""
+        return not (out is None or (promote and self.placement is not None)
+                    or self.regions.find(out) is not None)
+
+    def plan(self, indices: Sequence[int], outs: Sequence[memoryview] | None, stack: ExitStack, *,
+             promote: bool, may_demote: bool, direct: bool) -> list[Landing | None]:
+        """One destination per index (None: a prefetch with no DRAM slot to fill). Once
+        DRAM refuses one chunk it is not asked for the rest; victims that must be written
+        down first are, in one batch, and the chunks whose victim could not be are None."""
+        planned = []
+        promoting = promote and self.placement is not None
+        for index in indices:
+            landing = self._plan_one(index, None if outs is None else outs[index], promoting,
+                                     may_demote, direct, stack)
+            planned.append(landing)
+            if promoting and (landing is None or landing.reservation is None):
+                promoting = False
+        demoting = [p.reservation for p in planned if p and p.reservation and p.reservation.victim]
+        if demoting:
+            assert self.placement is not None
+            usable = dict(zip(map(id, demoting), self.placement.take_over(demoting), strict=True))
+            planned = [p if p is None or p.reservation is None or usable.get(id(p.reservation), True)
+                       else None for p in planned]
+        return planned
+
+    def _plan_one(self, index: int, out: memoryview | None, promote: bool, may_demote: bool,
+                  direct: bool, stack: ExitStack) -> Landing | None:
+        if promote:
+            assert self.placement is not None
+            reservation = self.placement.reserve(may_demote)
+            if reservation is not None:
+                stack.enter_context(reservation)  # released on the way out unless published
+                view = self.placement.dram.slot_view(reservation.slot)
+                return Landing(index, [view], view[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes],
+                               reservation=reservation)
+        if out is None:
+            return None
+        region = self.regions.find(out) if direct else None
+        if region is not None and self.chunk_bytes % HEADER_BLOCK == 0:
+            landing = Landing(index, [], out, region=region)
+            pool = self.headers
+        else:
+            landing = Landing(index, [], memoryview(b""))
+            pool = self.staging
+        landing.staged, landing.pool = pool.acquire(), pool
+        stack.callback(self._give_back, landing)
+        if region is not None and pool is self.headers:
+            landing.buffers = [landing.staged, out]
+        else:
+            landing.buffers = [landing.staged]
+            landing.payload = landing.staged[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes]
+        return landing
+
+    def verify(self, landing: Landing, result: int, key: bytes, out: memoryview | None,
+               seq: int | None = None) -> MissReason | None:
+        """Check a completed read; on success copy the payload to `out` (unless it landed
+        there) and set `landing.header`. Returns why it is a miss, or None."""
+        if result != landing.nbytes:
+            return MissReason.IO_ERROR
+        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key)
+        if reason is None and header is not None and header.payload_len != self.chunk_bytes:
+            reason = MissReason.BAD_HEADER
+        if reason is None and header is not None and seq is not None and header.seq != seq:
+            reason = MissReason.STALE
+        if reason is not None:
+            return reason
+        if out is not None and landing.region is None:
+            copy_bytes(out, landing.payload)
+        landing.header = header
+        return None
+
+    def timed_out(self, landing: Landing) -> None:
+        """The device may still write into the destination later: never reuse it."""
+        landing.timed_out = True
+        if landing.reservation is not None:
+            landing.reservation.retire()
+            self.stats.add("host.slots_retired")
+        if landing.region is not None:
+            self.regions.retire(landing.region)
+
+    @staticmethod
+    def publish(landing: Landing, key: bytes) -> None:
+        """A verified record promoted into DRAM becomes servable there."""
+        if landing.reservation is not None and landing.header is not None:
+            parent = None if landing.header.parent == bytes(16) else landing.header.parent
+            landing.reservation.publish(key, parent, landing.header.seq)
+
+    @staticmethod
+    def _give_back(landing: Landing) -> None:
+        """Return a staging or header buffer; one a late read may still land in is retired."""
+        assert landing.staged is not None and landing.pool is not None
+        (landing.pool.retire if landing.timed_out else landing.pool.release)(landing.staged)

@@ -1,0 +1,152 @@
+"""The store's parts, built from a config in dependency order and released in reverse.
+
+Order matters: the disk index is recovered before anything writes; the flusher exists
+before DRAM placement (placement writes victims through it); placement before the
+landings (promotions reserve through it); landings before the readers and the cluster
+node. Invariants: a failure half-way releases what was built; `close` releases each
+part once, whatever was built.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvstore.config.store import StoreConfig
+from kvstore.datapath.flusher import Flusher
+from kvstore.datapath.landing import Landings
+from kvstore.datapath.placement import DramPlacement
+from kvstore.datapath.prefetch_ledger import PrefetchLedger
+from kvstore.datapath.reader import DiskReader
+from kvstore.devices.device import DevicePlan
+from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.format.record import HEADER_BLOCK, record_bytes
+from kvstore.io import IoEngine, make_engine
+from kvstore.io.regions import DirectRegions
+from kvstore.io.staging import StagingPool
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.health_monitor import HealthMonitor
+from kvstore.tiers.policy import TierPolicy
+from kvstore.tiers.recover import RecoveryReport, checkpoint, recover
+from kvstore.tiers.stats import Stats
+
+if TYPE_CHECKING:
+    from kvstore.cluster.node import ClusterNode
+
+log = logging.getLogger(__name__)
+STAGING_BYTES = 256 << 20  # bound on staging memory one disk-read wave may use
+
+
+class StoreParts:
+    def __init__(self, config: StoreConfig, chunk_bytes: int, engine: IoEngine | None,
+                 background: bool) -> None:
+        io = config.io
+        self.config = config
+        self.stats = Stats()
+        self.chunk_bytes = chunk_bytes
+        self.slot_bytes = record_bytes(chunk_bytes)
+        self.policy = TierPolicy(promote_on_hit=config.promote_on_hit,
+                                 write_through=config.write_policy == "write_through",
+                                 disk_min_seen=config.disk_min_seen)
+        self.regions = DirectRegions()
+        self.ledger = PrefetchLedger(self.stats, chunk_bytes)
+        self.owns_engine = engine is None
+        self.engine = engine or make_engine(io.engine, io.queue_depth)
+        self.dram: DramTier | None = None
+        self.disk: DiskTier | None = None
+        self.flusher: Flusher | None = None
+        self.reader: DiskReader | None = None
+        self.monitor: HealthMonitor | None = None  # moves devices out of and back into service
+        self.cluster: ClusterNode | None = None
+        self.placement: DramPlacement | None = None
+        self.peer_copies: set[bytes] = set()  # DRAM chunks whose disk copy is a peer's
+        self.staging = StagingPool(self.slot_bytes, io.queue_depth)
+        self.headers = StagingPool(HEADER_BLOCK, io.queue_depth)
+        self.recovery = RecoveryReport()
+        try:
+            self._build(chunk_bytes, background)
+        except BaseException:
+            self.close(crash=True)  # nothing half-built is written down or checkpointed
+            raise
+
+    def _build(self, chunk_bytes: int, background: bool) -> None:
+        config, io = self.config, self.config.io
+        if config.host is not None:
+            self.dram = DramTier(config.host.capacity, self.slot_bytes)
+        plans = [DevicePlan(d.path, d.capacity) for d in config.disk]
+        if config.nvmeof is not None:
+            plans += namespace_plans(config.nvmeof)
+        if plans:
+            self.disk = DiskTier(plans, self.slot_bytes, chunk_bytes, self.engine, stats=self.stats,
+                                 timeout_s=io.timeout_s, breaker_threshold=io.breaker_threshold)
+            self.recovery = recover(self.disk)
+            self.flusher = Flusher(self.disk, self.dram, self.policy, self.staging,
+                                   queue_chunks=config.write_behind_chunks, background=background,
+                                   held_elsewhere=self.peer_copies.__contains__)
+        if self.dram is not None:
+            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger)
+        landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
+                            chunk_bytes)
+        if self.disk is not None:
+            self.reader = DiskReader(self.disk, landings, timeout_s=io.timeout_s,
+                                     staging_wave=max(1, STAGING_BYTES // self.slot_bytes))
+            interval = min(io.breaker_cooldown_s, config.nvmeof.health_interval_s
+                           if config.nvmeof else 1.0)
+            self.monitor = HealthMonitor(self.disk, interval, io.breaker_cooldown_s, start=background)
+        if config.cluster is not None:
+            from kvstore.cluster.node import ClusterNode  # imports redis: only for a cluster
+
+            self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
+                                       peer_copies=self.peer_copies, background=background)
+
+    def info(self) -> dict[str, Any]:
+        tiers = []
+        if self.dram:
+            tiers.append({"name": "host", "chunks": len(self.dram.table),
+                          "capacity_bytes": self.dram.table.capacity * self.slot_bytes,
+                          "used_bytes": len(self.dram.table) * self.slot_bytes})
+        if self.disk:
+            health = self.disk.availability.health
+            tiers.append({"name": "disk", "chunks": len(self.disk.table),
+                          "capacity_bytes": self.disk.capacity_bytes(),
+                          "used_bytes": self.disk.used_bytes(),
+                          "paths": [d.path for d in self.disk.devices.devices],
+                          "devices": [{"path": d.path, **h.describe()} for d, h in
+                                      zip(self.disk.devices.devices, health, strict=True)]})
+        info = {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes,
+                "io_engine": self.engine.name, "tiers": tiers, "counters": self.stats.snapshot(),
+                "recovery": self.recovery.as_dict()}
+        if self.cluster is not None:
+            info["cluster"] = self.cluster.info()
+        return info
+
+    def close(self, crash: bool = False) -> None:
+        """Release every part. Clean (`crash` False): write-through drained, DRAM-only chunks
+        written down, the disk index checkpointed, the cluster lease withdrawn. A crash, as
+        kill -9 would: none of that, only descriptors and memory released."""
+        if self.cluster is not None:
+            self.cluster.close(withdraw=not crash)
+            self.cluster = None
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+        if self.flusher is not None:
+            if not self.flusher.close(0 if crash else self.config.io.timeout_s) and not crash:
+                log.warning("close: write-through queue did not drain in time; queued copies dropped")
+            if not crash:
+                self.flusher.demote_all()
+            self.flusher = None
+        if self.disk is not None:
+            if not crash:
+                checkpoint(self.disk)
+            self.disk.close()
+            self.disk = None
+        if self.dram is not None:
+            self.dram.close()
+            self.dram = None
+        if self.owns_engine:
+            self.engine.close()
+            self.owns_engine = False
+        self.staging.close()
+        self.headers.close()

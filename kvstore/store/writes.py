@@ -1,0 +1,104 @@
+"""Writes into the store: each new chunk placed in DRAM or sent straight to disk, and deletes.
+
+A chunk goes into a DRAM slot when placement gives one (its victim written down first,
+in one batch with the others'); once DRAM refuses one chunk of a chain (every slot
+pinned) the rest of the chain goes straight to disk through staging buffers, if the
+disk admits it. Keys already stored are kept, never rewritten (content addressing).
+Invariants: a chunk is published only once its whole record is written; every DRAM
+reservation taken is published or released, whatever fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+
+from kvstore.format.record import RecordEncoder
+from kvstore.store.parts import StoreParts
+from kvstore.tiers.slots import Reservation
+
+log = logging.getLogger(__name__)
+
+
+class Writes:
+    def __init__(self, parts: StoreParts, encoder: RecordEncoder) -> None:
+        self.parts = parts
+        self.encoder = encoder
+
+    def put(self, keys: list[bytes], views: list[memoryview], parent: bytes | None,
+            seq: int) -> list[bool]:
+        """Store checked chunks of one chain under sequence number `seq`; True per chunk stored."""
+        parts = self.parts
+        parents = [parent, *keys[:-1]]
+        stored = [False] * len(keys)
+        parts.policy.seen(keys)
+        with ExitStack() as stack:
+            to_dram, to_disk = self._place(keys, stored, stack)
+            if to_dram:
+                dram = parts.dram
+                assert dram is not None
+                for i, reservation in to_dram:
+                    dram.write(reservation.slot, self.encoder.header(keys[i], parents[i], seq, views[i]),
+                               views[i])
+                with dram.table.lock:
+                    for i, reservation in to_dram:
+                        reservation.publish(keys[i], parents[i], seq)
+                        if parts.policy.write_through and parts.flusher is not None:
+                            parts.flusher.write_through(keys[i], reservation.slot)
+                        stored[i] = True
+                parts.stats.add("host.bytes_written", len(to_dram) * parts.chunk_bytes)
+        if to_disk and parts.flusher is not None:
+            admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
+            parts.stats.add("disk.not_admitted", len(to_disk) - len(admitted))
+            headers = [self.encoder.header(keys[i], parents[i], seq, views[i]) for i in admitted]
+            done = parts.flusher.put_direct(headers, [views[i] for i in admitted])
+            for i, landed in zip(admitted, done, strict=True):
+                stored[i] = landed
+        elif to_disk:
+            parts.stats.add("put.dropped", len(to_disk))
+        return stored
+
+    def _place(self, keys: list[bytes], stored: list[bool],
+               stack: ExitStack) -> tuple[list[tuple[int, Reservation]], list[int]]:
+        """(chunks with a usable DRAM slot, chunks that go straight to disk); chunks already
+        stored are marked in `stored`. Victims are written down first, in one batch."""
+        dram, disk, placement = self.parts.dram, self.parts.disk, self.parts.placement
+        to_dram: list[tuple[int, Reservation]] = []
+        to_disk: list[int] = []
+        for i, key in enumerate(keys):
+            if (dram and key in dram.table) or (disk and key in disk.table):
+                stored[i] = True
+            elif to_disk or placement is None or (reservation := placement.reserve()) is None:
+                to_disk.append(i)  # once DRAM refuses one (all pinned), it refuses the rest
+            else:
+                stack.enter_context(reservation)  # released if anything below fails
+                to_dram.append((i, reservation))
+        demoting = [(i, r) for i, r in to_dram if r.victim is not None]
+        if demoting:
+            assert self.parts.placement is not None
+            usable = self.parts.placement.take_over([r for _, r in demoting])
+            lost = {i for (i, _), ok in zip(demoting, usable, strict=True) if not ok}
+            to_dram = [(i, r) for i, r in to_dram if i not in lost]
+            to_disk = sorted(to_disk + list(lost))
+        return to_dram, to_disk
+
+    def delete(self, keys: list[bytes]) -> int:
+        """Remove chunks from every tier (on disk too, so a restart does not revive them).
+        A disk record whose header cannot be zeroed stays (and is still served): what is
+        indexed is what a restart would find. Returns the records removed."""
+        removed = 0
+        for key in keys:
+            if self.parts.dram is not None and self.parts.dram.table.unpublish(key) is not None:
+                removed += 1
+            if self.parts.disk is None:
+                continue
+            with self.parts.disk.table.pinned([key]) as pins:
+                for _, slot in pins.hits:
+                    if self.parts.disk.zero_headers([slot], self.parts.config.io.timeout_s)[0]:
+                        pins.drop(key, slot)
+                        removed += 1
+                    else:
+                        self.parts.stats.add("disk.delete_failed")
+                        log.warning("delete: could not zero the header of %s; the record stays",
+                                    self.parts.disk.describe(slot))
+        return removed
