@@ -28,15 +28,12 @@ POLICIES = ("best_effort", "wait", "timeout")
 
 @dataclass(frozen=True)
 class Residency:
+    """One prompt's chunks across every tensor-parallel rank: a chunk counts only where
+    every rank's copy is (the service answers for all ranks in one snapshot)."""
+
     stored: int  # leading chunks present in any tier
     resident: int  # leading chunks already in DRAM
     pending: bool = False  # a promotion of this run is queued or running
-
-    @staticmethod
-    def across_ranks(per_rank: list[Residency]) -> Residency:
-        """A chunk is usable only when every tensor-parallel rank's copy is."""
-        return Residency(min(r.stored for r in per_rank), min(r.resident for r in per_rank),
-                         any(r.pending for r in per_rank))
 
 
 class PrefetchPolicy(Schema):

@@ -30,7 +30,7 @@ from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from kvstore.format.keys import KVNamespace, chunk_keys
 
 # (keys of one rank, start a promotion to DRAM?) -> what the store holds of them
-Lookup = Callable[[list[bytes], bool], Residency]
+Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
 
 
 @dataclass
@@ -91,7 +91,7 @@ class SchedulerCore:
     def _residency(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
         if not keys[0]:
             return Residency(0, 0)
-        return Residency.across_ranks([self._lookup(rank_keys, prefetch) for rank_keys in keys])
+        return self._lookup(keys, prefetch)
 
     def on_arrival(self, req_id: str, prompt: Sequence[int], salt: str = "") -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,

@@ -119,12 +119,12 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes], prefetch: bool) -> Residency:
+    def _lookup(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
         client = self._lookup_link.get()
         if client is None:
             return Residency(0, 0)
         try:
-            return Residency(*client.residency(keys, prefetch=prefetch))
+            return Residency(*client.residency_ranks(keys, prefetch=prefetch))
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self._lookup_link.fail()

@@ -20,12 +20,9 @@ def core(stored: dict[bytes, bool] | None = None, load_async: bool = True) -> Sc
     """A scheduler over a store holding `stored` (all in DRAM), prefetch off."""
     present = stored if stored is not None else {}
 
-    def lookup(keys: list[bytes], prefetch: bool) -> Residency:
-        count = 0
-        for key in keys:
-            if key not in present:
-                break
-            count += 1
+    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+        count = min(next((i for i, key in enumerate(keys) if key not in present), len(keys))
+                    for keys in ranks)
         return Residency(count, count)
 
     return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async)

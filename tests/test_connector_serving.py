@@ -52,8 +52,8 @@ class Clock:
 def scheduler(stored: set[bytes], clock: Clock, wait_s: float = 5.0) -> SchedulerCore:
     """A scheduler over a store holding `stored` (a stand-in for the service's index)."""
 
-    def lookup(keys: list[bytes], prefetch: bool) -> Residency:
-        count = next((i for i, key in enumerate(keys) if key not in stored), len(keys))
+    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+        count = min(next((i for i, key in enumerate(keys) if key not in stored), len(keys)) for keys in ranks)
         return Residency(count, count)
 
     return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async=True,

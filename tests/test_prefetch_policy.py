@@ -25,7 +25,8 @@ class FakeStore:
         self.pending: set[tuple[bytes, ...]] = set()
         self.prefetches: list[int] = []
 
-    def lookup(self, keys: list[bytes], prefetch: bool) -> Residency:
+    def lookup(self, ranks: list[list[bytes]], prefetch: bool) -> Residency:
+        (keys,) = ranks  # one tensor-parallel rank
         run = []
         for key in keys:
             if key not in self.tier:
@@ -166,9 +167,8 @@ def test_options_parse_and_reject_bad_policies():
         PrefetchPolicy(max_wait_s=-1)
 
 
-def test_tracker_across_ranks_needs_every_rank():
-    combined = Residency.across_ranks([Residency(8, 8), Residency(6, 2, pending=True)])
-    assert combined == Residency(6, 2, True)
+def test_tracker_takes_the_residency_every_rank_has():
+    combined = Residency(6, 2, True)  # rank 0: 8 stored, 8 in DRAM; rank 1: 6 stored, 2 in DRAM
     tracker = PrefetchTracker(PrefetchPolicy("best_effort"))
     assert tracker.decide("x", combined, 100) == 2
 

@@ -145,3 +145,16 @@ def test_a_lookup_with_prefetch_warms_dram(config):
     assert client.get(keys, [0, 1, 2, 3]) == [True] * 4
     assert client.info()["counters"]["host.hits"] == 4
     client.close()
+
+
+def test_one_residency_request_answers_for_every_rank(config):
+    """A tensor-parallel prompt's keys differ per rank: a chunk counts where every rank has it."""
+    rank0 = [bytes([i + 1]) * 16 for i in range(4)]
+    rank1 = [bytes([i + 101]) * 16 for i in range(4)]
+    client = StoreClient(load_config(config), CHUNK)
+    assert client.put(rank0, [0, 1, 2, 3]) == [True] * 4
+    assert client.put(rank1[:2], [0, 1]) == [True] * 2
+    assert client.residency_ranks([rank0, rank1]) == (2, 2, False)
+    assert client.residency_ranks([rank1, rank0]) == (2, 2, False)
+    assert client.residency_ranks([rank0]) == (4, 4, False)
+    client.close()

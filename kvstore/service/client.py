@@ -179,7 +179,13 @@ class StoreClient:
         """(leading chunks present, of those already in DRAM, whether a promotion of that
         run is queued or running). `prefetch` starts moving the run up to DRAM (its disk
         part read, the rest touched): the hint API, for keys a request will want."""
-        stored, resident, pending = self._request(P.Residency(list(keys), prefetch))
+        return self.residency_ranks([keys], prefetch)
+
+    def residency_ranks(self, ranks: Sequence[Sequence[bytes]],
+                        prefetch: bool = False) -> tuple[int, int, bool]:
+        """`residency` of one prompt whose keys differ per tensor-parallel rank: a chunk
+        counts only where every rank's copy is there; one request, one snapshot."""
+        stored, resident, pending = self._request(P.Residency([list(k) for k in ranks], prefetch))
         return int(stored), int(resident), bool(pending)
 
     def count(self, counters: Mapping[str, float]) -> None:

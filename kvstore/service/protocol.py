@@ -10,7 +10,7 @@ FRAME_TIMEOUT_S. The hello reply carries the client's window as a file descripto
 Requests (a tagged union) and what a Reply's value holds:
   Hello(version, config, chunk_bytes, namespace, dtype, shape)
                            -> {"slots": n, "window_bytes": n} (+ the window's fd) or None
-  Residency(keys, prefetch)-> [leading chunks present, of those in DRAM, promotion pending]
+  Residency(ranks, prefetch)-> [leading chunks every rank has, of those in DRAM, promotion pending]
   Count(counters)          -> None; adds to the service's counters
   Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
   Put(keys, slots, parent) -> [bool]: chunk keys[i] (in window slot slots[i]) is stored
@@ -33,7 +33,7 @@ import msgspec
 
 from kvstore.format.errors import KVStoreError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME = 4 << 20  # a 1M-token prompt's keys are 64 KiB: plenty, and bounded
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
@@ -54,7 +54,7 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
 
 
 class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
-    keys: list[bytes]
+    ranks: list[list[bytes]]  # one prompt's keys per tensor-parallel rank
     prefetch: bool = False
 
 

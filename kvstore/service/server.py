@@ -30,19 +30,14 @@ import signal
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from kvstore.config.runtime import ensure_private_directory, open_private
-from kvstore.config.store import StoreConfig, dump_config
+from kvstore.config.store import StoreConfig
 from kvstore.devices.device import path_problem
 from kvstore.devices.nvmeof.plans import namespace_plans
 from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
-from kvstore.io.regions import Region
 from kvstore.service import protocol as P
-from kvstore.service.chunk_events import ChunkEvents
-from kvstore.service.window import Window
-from kvstore.store.tiered import TieredStore
+from kvstore.service.handlers import Client, Requests
 
 log = logging.getLogger(__name__)
 _BACKLOG = 64
@@ -81,16 +76,6 @@ def _unpin_from_parent() -> None:
         log.info("kept the inherited CPU mask %s (%s)", sorted(os.sched_getaffinity(0)), exc)
 
 
-class _Client:
-    """What the service keeps for one connection."""
-
-    def __init__(self, channel: P.Channel) -> None:
-        self.channel = channel
-        self.window: Window | None = None
-        self.region: Region | None = None
-        self.slots = 0
-
-
 class StoreService:
     """Accepts clients on a Unix socket; one thread per client; one TieredStore."""
 
@@ -114,16 +99,11 @@ class StoreService:
 
     def _start(self, config: StoreConfig) -> None:
         _unpin_from_parent()
-        self.store: TieredStore | None = None
+        self.requests = Requests(config, self.socket_path)
         self._allowed_uids = {os.geteuid(), *config.service.allowed_uids}
         self._allowed_gids = set(config.service.allowed_gids)
-        # One prefetch at a time, in lookup order: its wave bounds the bytes in flight,
-        # and a get for the same chunks never waits on it (it reads them itself).
-        self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
-        self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
-        self._store_lock = threading.Lock()
-        self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
-        self._clients: set[_Client] = set()
+        self._clients_lock = threading.Lock()
+        self._clients: set[Client] = set()
         self._stopping = threading.Event()
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         with contextlib.suppress(FileNotFoundError):
@@ -139,7 +119,8 @@ class StoreService:
         if config.service.metrics_port:
             from kvstore.service.metrics import serve_metrics
 
-            serve_metrics(config.service.metrics_host, config.service.metrics_port, lambda: self.store)
+            serve_metrics(config.service.metrics_host, config.service.metrics_port,
+                          lambda: self.requests.store)
 
     # -- the accept loop ---------------------------------------------------------------
 
@@ -175,12 +156,12 @@ class StoreService:
             log.warning("refused a client running as uid %d gid %d", uid, gid)
             self._refuse(channel, f"uid {uid} is not allowed by this service (service.allowed_uids)")
             return
-        with self._store_lock:
+        with self._clients_lock:
             if len(self._clients) >= self.config.service.max_clients:
                 full = True
             else:
                 full = False
-                client = _Client(channel)
+                client = Client(channel)
                 self._clients.add(client)
         if full:
             self._refuse(channel, f"the service has {self.config.service.max_clients} clients "
@@ -204,11 +185,7 @@ class StoreService:
     def _close(self) -> None:
         """Store first, socket last: while the socket exists the tiers are still held,
         so whoever waits for it to vanish (`kvstore stop`) can start a successor."""
-        self._prefetcher.shutdown(wait=True, cancel_futures=True)
-        with self._store_lock:
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+        self.requests.close()
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
@@ -217,7 +194,7 @@ class StoreService:
 
     # -- one client ------------------------------------------------------------------
 
-    def _serve_client(self, client: _Client) -> None:
+    def _serve_client(self, client: Client) -> None:
         channel = client.channel
         try:
             while True:
@@ -234,7 +211,7 @@ class StoreService:
                         channel.send(P.Reply(True))
                         self.stop()
                         return
-                    value, fds = self._handle(client, request)
+                    value, fds = self.requests.handle(client, request)
                     reply = P.Reply(True, value)
                 except KVStoreError as exc:
                     reply = P.Reply(False, error=str(exc))
@@ -254,106 +231,8 @@ class StoreService:
         finally:
             self._forget(client)
 
-    def _forget(self, client: _Client) -> None:
-        with self._store_lock:
+    def _forget(self, client: Client) -> None:
+        with self._clients_lock:
             self._clients.discard(client)
-            if client.region is not None and not client.region.retired and self.store is not None:
-                self.store.regions.remove(client.region)
-        if client.window is not None and (client.region is None or not client.region.retired):
-            client.window.close()  # a retired one stays mapped: the device may still write it
+        self.requests.forget(client)
         client.channel.close()
-
-    def _handle(self, client: _Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
-        if isinstance(request, P.Hello):
-            return self._hello(client, request)
-        store = self.store
-        if isinstance(request, P.Info):
-            info = store.info() if store else {"tiers": [], "counters": {}}
-            return {**info, "service_pid": os.getpid(), "socket": self.socket_path}, ()
-        if isinstance(request, P.Residency):
-            return self._residency(store, request), ()
-        if isinstance(request, P.Events):
-            return self.events.since(request.since), ()
-        if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
-            if store is not None:
-                for name, amount in request.counters.items():
-                    store.stats.add(name, amount)
-            return None, ()
-        if not isinstance(request, P.Get | P.Put):
-            raise KVStoreError(f"unknown request {type(request).__name__}")
-        if store is None or client.window is None:
-            raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
-        size = store.chunk_bytes
-        if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
-            raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
-                               f"(the window has {client.slots})")
-        views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
-        if isinstance(request, P.Get):
-            return store.get_many(request.keys, views), ()
-        return store.put_many(request.keys, views, parent=request.parent), ()
-
-    def _hello(self, client: _Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
-        if hello.version != P.PROTOCOL_VERSION:
-            raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
-                               f"{self.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
-                               "the same kvstore version (kvstore stop)")
-        ours, theirs = dump_config(self.config), dict(hello.config)
-        ours.pop("service")
-        theirs.pop("service", None)
-        if ours != theirs:
-            raise ConfigError("service.socket", self.socket_path,
-                              f"a kvstore service with another config listens there "
-                              f"(its config: {ours}); stop it (kvstore stop) or use another socket")
-        if hello.chunk_bytes is None:
-            return None, ()
-        if client.window is not None:
-            raise KVStoreError("this connection has a window already")
-        with self._store_lock:
-            if self.store is None:
-                self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
-                                         dtype=hello.dtype, shape=hello.shape)
-                self.events.watch(self.store)
-            elif self.store.chunk_bytes != hello.chunk_bytes:
-                raise ConfigError("service.socket", self.socket_path,
-                                  f"this service stores chunks of {self.store.chunk_bytes} bytes, "
-                                  f"this engine's are {hello.chunk_bytes}: give it its own socket")
-            store = self.store
-        slots = max(1, self.config.service.staging // hello.chunk_bytes)
-        window, fd = Window.create(slots * hello.chunk_bytes)
-        client.window, client.slots = window, slots
-        client.region = store.regions.add(window.address, window.nbytes, window)
-        return {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}, (fd,)
-
-    def _residency(self, store: TieredStore | None, request: P.Residency) -> list[Any]:
-        if store is None:
-            return [0, 0, False]
-        found = store.lookup(request.keys)
-        run = tuple(request.keys[: found.count])
-        if request.prefetch:
-            self._prefetch(store, run)
-        with self._store_lock:
-            pending = run in self._prefetch_queued
-        return [found.count, found.resident, pending]
-
-    def _prefetch(self, store: TieredStore, run: tuple[bytes, ...]) -> None:
-        """Queue a promotion of `run` to DRAM unless the same run is queued: a request
-        waiting to be scheduled, or a hint, asks for the same chunks again."""
-        with self._store_lock:
-            if not run or run in self._prefetch_queued:
-                return
-            self._prefetch_queued.add(run)
-
-        def promote() -> None:
-            try:
-                store.prefetch(run)
-            except Exception:
-                log.exception("prefetch of %d chunks failed", len(run))
-            finally:
-                with self._store_lock:
-                    self._prefetch_queued.discard(run)
-
-        try:
-            self._prefetcher.submit(promote)
-        except RuntimeError:  # shutting down
-            with self._store_lock:
-                self._prefetch_queued.discard(run)

@@ -64,15 +64,8 @@ class DeviceAvailability:
         with table.lock:
             health = self.health[group]
             health.take_out(state, reason)
-            table.disabled.add(group)
-            lost = 0
-            for slot in table.group_slots(group):
-                info = table.slots[slot]
-                if info.published and info.key is not None:
-                    table.unpublish(info.key)
-                    lost += 1
-                elif info.pins:
-                    self._in_flight_at_loss[group].add(slot)
+            lost, in_flight = table.take_out_group(group)
+            self._in_flight_at_loss[group].update(in_flight)
         self.disk.stats.add("disk.lost_chunks", lost)
         if state == TRIPPED:
             self.disk.stats.add("disk.trips")
@@ -86,9 +79,8 @@ class DeviceAvailability:
         disk, table = self.disk, self.disk.table
         health = self.health[group]
         with table.lock:
-            if health.in_service or any(table.slots[s].pins for s in table.group_slots(group)):
+            if health.in_service or table.group_pinned(group):
                 return health.in_service
-            table.free[group] = []
             suspects = sorted(self._in_flight_at_loss[group])
         problem, reopened = disk.devices.reopen(group, path, table.group_sizes[group])
         layout = disk.devices.layouts[group]
@@ -108,10 +100,7 @@ class DeviceAvailability:
                 health.reason, health.since = f"revalidation failed: {problem}", time.monotonic()
                 log.warning("disk tier: %s stays out of service: %s", health.label, problem)
                 return False
-            table.restore([e for e in found if e.key not in table], [group])
-            table.free[group] = [s for s in reversed(table.group_slots(group))
-                                 if not table.slots[s].published]
-            table.disabled.discard(group)
+            table.bring_back_group(group, found)
             self._in_flight_at_loss[group].clear()
             health.put_back()
         disk.stats.add("disk.revalidated_chunks", len(found))

@@ -22,7 +22,7 @@ from kvstore.format.record import HEADER_BLOCK, invalidate_header, round_up
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.base import IoEngine, IoRequest
 from kvstore.tiers.availability import DeviceAvailability
-from kvstore.tiers.slots import SlotTable
+from kvstore.tiers.slots import DiskSlotTable
 from kvstore.tiers.stats import Stats
 
 
@@ -47,7 +47,7 @@ class DiskTier:
         self.stats = stats
         self.timeout_s = timeout_s
         self.devices = DeviceSet(plans, engine, slot_bytes, chunk_bytes, timeout_s)
-        self.table = SlotTable(self.devices.group_sizes())
+        self.table = DiskSlotTable(self.devices.group_sizes())
         self.availability = DeviceAvailability(self, breaker_threshold)
         self._zero_header = AlignedBuffer(HEADER_BLOCK)
         invalidate_header(self._zero_header.view)

@@ -146,11 +146,28 @@ class Pins:
                     self.table._unpin(slot)
 
 
-class SlotTable:
+class SlotGroups:
+    """The geometry of a tier's slots: consecutive numbers, one run per group (device)."""
+
     def __init__(self, group_sizes: Sequence[int]) -> None:
-        self.lock = threading.RLock()
         self.group_start = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
         self.group_sizes = list(group_sizes)
+
+    def group_of(self, slot: int) -> tuple[int, int]:
+        """(group, slot number within the group)."""
+        for group in range(len(self.group_start) - 1, -1, -1):
+            if slot >= self.group_start[group]:
+                return group, slot - self.group_start[group]
+        raise IndexError(slot)
+
+    def group_slots(self, group: int) -> range:
+        return range(self.group_start[group], self.group_start[group] + self.group_sizes[group])
+
+
+class SlotTable(SlotGroups):
+    def __init__(self, group_sizes: Sequence[int]) -> None:
+        super().__init__(group_sizes)
+        self.lock = threading.RLock()
         self.slots = [SlotInfo() for _ in range(sum(group_sizes))]
         self.free: list[list[int]] = [
             list(range(start + size - 1, start - 1, -1))
@@ -193,16 +210,6 @@ class SlotTable:
         with self.lock:
             return [Entry(key, slot, self.slots[slot].parent, self.slots[slot].seq)
                     for key, slot in self.index.items()]
-
-    def group_of(self, slot: int) -> tuple[int, int]:
-        """(group, slot number within the group)."""
-        for group in range(len(self.group_start) - 1, -1, -1):
-            if slot >= self.group_start[group]:
-                return group, slot - self.group_start[group]
-        raise IndexError(slot)
-
-    def group_slots(self, group: int) -> range:
-        return range(self.group_start[group], self.group_start[group] + self.group_sizes[group])
 
     def touch_chain(self, keys: Iterable[bytes]) -> None:
         with self.lock:
@@ -286,29 +293,6 @@ class SlotTable:
         with self.lock:
             return self._unpublish(key)
 
-    def mark_written(self, slot: int) -> bool:
-        """Note that a write is about to reach the slot; True if an older record's
-        header may still be there (so the writer must zero it first)."""
-        with self.lock:
-            info = self.slots[slot]
-            before, info.ever_written = info.ever_written, True
-            return before
-
-    def restore(self, entries: Iterable[Entry], written_groups: Iterable[int] = ()) -> None:
-        """Recovery: publish records found on the devices and take their slots off the
-        free lists (the caller resolves duplicate keys first). Every slot of
-        `written_groups` (devices that existed before) may hold an old header."""
-        with self.lock:
-            in_use = set()
-            for entry in entries:
-                self._publish(entry.slot, entry.key, entry.parent, entry.seq)
-                in_use.add(entry.slot)
-            for group, free in enumerate(self.free):
-                self.free[group] = [s for s in free if s not in in_use]
-            for group in written_groups:
-                for slot in self.group_slots(group):
-                    self.slots[slot].ever_written = True
-
     # -- internals (lock held) -----------------------------------------------------------
 
     def _publish(self, slot: int, key: bytes, parent: bytes | None, seq: int) -> None:
@@ -351,3 +335,62 @@ class SlotTable:
         info = self.slots[slot]
         info.key = info.parent = None
         self.free[self.group_of(slot)[0]].append(slot)
+
+
+class DiskSlotTable(SlotTable):
+    """The disk tier's table: slots that may hold a record from before this start, and
+    groups (devices) that leave service and come back after revalidation."""
+
+    def mark_written(self, slot: int) -> bool:
+        """Note that a write is about to reach the slot; True if an older record's
+        header may still be there (so the writer must zero it first)."""
+        with self.lock:
+            info = self.slots[slot]
+            before, info.ever_written = info.ever_written, True
+            return before
+
+    def restore(self, entries: Iterable[Entry], written_groups: Iterable[int] = ()) -> None:
+        """Recovery: publish records found on the devices and take their slots off the
+        free lists (the caller resolves duplicate keys first). Every slot of
+        `written_groups` (devices that existed before) may hold an old header."""
+        with self.lock:
+            in_use = set()
+            for entry in entries:
+                self._publish(entry.slot, entry.key, entry.parent, entry.seq)
+                in_use.add(entry.slot)
+            for group, free in enumerate(self.free):
+                self.free[group] = [s for s in free if s not in in_use]
+            for group in written_groups:
+                for slot in self.group_slots(group):
+                    self.slots[slot].ever_written = True
+
+    # -- devices leaving and rejoining service (tiers/availability.py) ----------------------
+
+    def take_out_group(self, group: int) -> tuple[int, list[int]]:
+        """Nothing more is reserved in `group` and its records leave the index now.
+        Returns (records unpublished, slots reserved for a write in flight there)."""
+        with self.lock:
+            self.disabled.add(group)
+            lost, in_flight = 0, []
+            for slot in self.group_slots(group):
+                info = self.slots[slot]
+                if info.published and info.key is not None:
+                    self._unpublish(info.key)
+                    lost += 1
+                elif info.pins:
+                    in_flight.append(slot)
+            return lost, in_flight
+
+    def group_pinned(self, group: int) -> bool:
+        """Whether any slot of `group` is still held (an I/O from before a loss)."""
+        with self.lock:
+            return any(self.slots[s].pins for s in self.group_slots(group))
+
+    def bring_back_group(self, group: int, entries: Iterable[Entry]) -> None:
+        """Publish the records revalidation verified and serve `group` again: its free
+        list is every slot neither published nor held."""
+        with self.lock:
+            self.restore([e for e in entries if e.key not in self.index], [group])
+            self.free[group] = [s for s in reversed(self.group_slots(group))
+                                if not self.slots[s].published and not self.slots[s].pins]
+            self.disabled.discard(group)

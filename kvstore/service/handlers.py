@@ -1,0 +1,168 @@
+"""The service's requests: one store shared by every client, each client's window, and
+what each request does with them.
+
+The store is made by the first hello that gives a chunk size (a worker's); later
+hellos must agree on it. Residency answers are one snapshot: the chunks found, the
+ones in DRAM and whether a prefetch of that run is queued are read while no prefetch
+can finish, and one request covers every tensor-parallel rank's keys. Invariants: a
+client's window is registered as a direct-read region while it lives; a region a
+late read may still land in (retired) is never unmapped; prefetches run one at a
+time, a run queued at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvstore.config.store import StoreConfig, dump_config
+from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.io.regions import Region
+from kvstore.service import protocol as P
+from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.window import Window
+from kvstore.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class Client:
+    """What the service keeps for one connection."""
+
+    def __init__(self, channel: P.Channel) -> None:
+        self.channel = channel
+        self.window: Window | None = None
+        self.region: Region | None = None
+        self.slots = 0
+
+
+class Requests:
+    """Answers clients' requests against the one store (made at the first data hello)."""
+
+    def __init__(self, config: StoreConfig, socket_path: str) -> None:
+        self.config = config
+        self.socket_path = socket_path
+        self.store: TieredStore | None = None
+        self.lock = threading.Lock()  # guards `store` creation and the clients' regions
+        # One prefetch at a time, in lookup order: its wave bounds the bytes in flight,
+        # and a get for the same chunks never waits on it (it reads them itself).
+        self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
+        self._prefetch_lock = threading.Lock()  # held across a residency snapshot
+        self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
+        self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
+
+    def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
+        if isinstance(request, P.Hello):
+            return self._hello(client, request)
+        store = self.store
+        if isinstance(request, P.Info):
+            info = store.info() if store else {"tiers": [], "counters": {}}
+            return {**info, "service_pid": os.getpid(), "socket": self.socket_path}, ()
+        if isinstance(request, P.Residency):
+            return self._residency(store, request), ()
+        if isinstance(request, P.Events):
+            return self.events.since(request.since), ()
+        if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
+            if store is not None:
+                for name, amount in request.counters.items():
+                    store.stats.add(name, amount)
+            return None, ()
+        if not isinstance(request, P.Get | P.Put):
+            raise KVStoreError(f"unknown request {type(request).__name__}")
+        if store is None or client.window is None:
+            raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
+        size = store.chunk_bytes
+        if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
+            raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
+                               f"(the window has {client.slots})")
+        views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
+        if isinstance(request, P.Get):
+            return store.get_many(request.keys, views), ()
+        return store.put_many(request.keys, views, parent=request.parent), ()
+
+    def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
+        if hello.version != P.PROTOCOL_VERSION:
+            raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
+                               f"{self.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
+                               "the same kvstore version (kvstore stop)")
+        ours, theirs = dump_config(self.config), dict(hello.config)
+        ours.pop("service")
+        theirs.pop("service", None)
+        if ours != theirs:
+            raise ConfigError("service.socket", self.socket_path,
+                              f"a kvstore service with another config listens there "
+                              f"(its config: {ours}); stop it (kvstore stop) or use another socket")
+        if hello.chunk_bytes is None:
+            return None, ()
+        if client.window is not None:
+            raise KVStoreError("this connection has a window already")
+        with self.lock:
+            if self.store is None:
+                self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
+                                         dtype=hello.dtype, shape=hello.shape)
+                self.events.watch(self.store)
+            elif self.store.chunk_bytes != hello.chunk_bytes:
+                raise ConfigError("service.socket", self.socket_path,
+                                  f"this service stores chunks of {self.store.chunk_bytes} bytes, "
+                                  f"this engine's are {hello.chunk_bytes}: give it its own socket")
+            store = self.store
+        slots = max(1, self.config.service.staging // hello.chunk_bytes)
+        window, fd = Window.create(slots * hello.chunk_bytes)
+        client.window, client.slots = window, slots
+        client.region = store.regions.add(window.address, window.nbytes, window)
+        return {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}, (fd,)
+
+    def _residency(self, store: TieredStore | None, request: P.Residency) -> list[Any]:
+        """[leading chunks every rank has, of those in DRAM on every rank, a promotion of
+        some rank's run queued or running], read as one snapshot: no prefetch finishes
+        between the lookups and the pending check."""
+        if store is None or not request.ranks:
+            return [0, 0, False]
+        with self._prefetch_lock:
+            found = [store.lookup(keys) for keys in request.ranks]
+            runs = [tuple(keys[: f.count]) for keys, f in zip(request.ranks, found, strict=True)]
+            if request.prefetch:
+                for run in runs:
+                    self._queue_prefetch(store, run)
+            pending = any(run in self._prefetch_queued for run in runs)
+        return [min(f.count for f in found), min(f.resident for f in found), pending]
+
+    def _queue_prefetch(self, store: TieredStore, run: tuple[bytes, ...]) -> None:
+        """Queue a promotion of `run` to DRAM unless the same run is queued: a request
+        waiting to be scheduled, or a hint, asks for the same chunks again (lock held)."""
+        if not run or run in self._prefetch_queued:
+            return
+        self._prefetch_queued.add(run)
+
+        def promote() -> None:
+            try:
+                store.prefetch(run)
+            except Exception:
+                log.exception("prefetch of %d chunks failed", len(run))
+            finally:
+                with self._prefetch_lock:
+                    self._prefetch_queued.discard(run)
+
+        try:
+            self._prefetcher.submit(promote)
+        except RuntimeError:  # shutting down
+            self._prefetch_queued.discard(run)
+
+    def forget(self, client: Client) -> None:
+        """A client left: its window goes, unless a late read may still land in it."""
+        with self.lock:
+            if client.region is not None and not client.region.retired and self.store is not None:
+                self.store.regions.remove(client.region)
+        if client.window is not None and (client.region is None or not client.region.retired):
+            client.window.close()  # a retired one stays mapped: the device may still write it
+
+    def close(self) -> None:
+        """Prefetches stopped, then the store closed (drained, checkpointed)."""
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
