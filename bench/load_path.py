@@ -112,7 +112,7 @@ def _measure(config: StoreConfig, source: PagedKVLayout, target: PagedKVLayout,
         src_ids, dest_ids = [b for c in src_blocks for b in c], [b for c in dest_blocks for b in c]
         for src_layer, dest_layer in zip(source.layers, target.layers, strict=True):
             assert torch.equal(dest_layer[dest_ids], src_layer[src_ids]), "loaded KV differs"
-        client = worker._loader.get()
+        client = worker.loads.link.get()
         assert client is not None
         waves = [list(range(s, min(s + client.slots, chunks))) for s in range(0, chunks, client.slots)]
 

