@@ -8,8 +8,9 @@ server module itself works on either install, so this runs
 
 in its own process group, waits (with a deadline) until /health answers, and on stop
 kills the whole group, engine core and workers included: nothing it starts outlives it.
-Requests are plain HTTP (urllib); /v1/completions takes token-id prompts, and with
-`--enable-prompt-tokens-details` its usage says how many prompt tokens were cached.
+Requests are plain HTTP (urllib); /v1/completions takes token-id prompts,
+/v1/chat/completions messages (streamed, so the first token's time is seen); with
+`--enable-prompt-tokens-details` their usage says how many prompt tokens were cached.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ class Completion:
     cached_tokens: int
     prompt_tokens: int
     seconds: float  # wall time of the request, as its client saw it
+
+
+@dataclass
+class ChatReply:
+    text: str
+    prompt_token_ids: list[int]  # the prompt as the server tokenized it (chat template applied)
+    token_ids: list[int]  # the answer's tokens, as generated
+    cached_tokens: int
+    ttft_s: float  # request sent -> first answer token received
+    seconds: float  # request sent -> last byte received
 
 
 class OpenAIServer:
@@ -131,6 +142,40 @@ class OpenAIServer:
         return Completion(token_ids=list(answer["choices"][0]["token_ids"]),
                           cached_tokens=int(details.get("cached_tokens") or 0),
                           prompt_tokens=int(usage["prompt_tokens"]), seconds=seconds)
+
+
+def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
+         timeout_s: float = 600) -> ChatReply:
+    """One greedy chat turn, streamed: the answer, the tokens on both sides and the time
+    to the first token. (A function of the URL, so any OpenAI-compatible server, a
+    router's too, is spoken to the same way.)"""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    text, prompt_ids, token_ids, cached, first = [], [], [], 0, None
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                prompt_ids = event.get("prompt_token_ids") or prompt_ids
+                for choice in event.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    if delta.get("content") and first is None:
+                        first = time.perf_counter() - started
+                    text.append(delta.get("content") or "")
+                    token_ids += choice.get("token_ids") or []
+                usage = event.get("usage") or {}
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+    seconds = time.perf_counter() - started
+    return ChatReply("".join(text), list(prompt_ids), token_ids, cached,
+                     first if first is not None else seconds, seconds)
 
 
 def _group_alive(pgid: int) -> bool:

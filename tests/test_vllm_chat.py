@@ -1,0 +1,76 @@
+"""A real conversation through vLLM's OpenAI server: every turn finds the last one's answer.
+
+The model is a real chat model (SmolLM2-135M-Instruct, bench/chat_model.py), the
+requests are /v1/chat/completions through its chat template, each turn sent the moment
+the previous reply arrives, vLLM's own prefix cache off on the kvstore server so every
+hit is kvstore's. From turn 2 on the cached tokens must reach the prompt + answer bound
+(bench/conversation.py; one chunk of slack for the end of an answer), not just what the
+previous prompt covered (which is all a cache of prompts gives, issue 19's table).
+
+The reference is a server without kvstore with vLLM's own prefix cache on, fed the same
+history: its first turn is a cold computation, so the cold answers must be equal (a
+cache must not change an answer it did not serve); its later turns hit vLLM's own cache
+at block boundaries, and kvstore's answers are checked against those (docs/vllm.md says
+how far they are expected to agree).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from engine_harness import stop_service
+
+from bench.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
+from bench.conversation import QUESTIONS, converse
+from bench.openai_server import OpenAIServer
+
+pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+CHUNK = 256
+ARGS = ["--dtype", "float16", "--enable-prompt-tokens-details", "--max-model-len", "8192", "--enforce-eager",
+        "--served-model-name", "chat"]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    pytest.importorskip("gguf", reason="needs gguf (the vllm extra)")
+    try:
+        return build_chat_model(default_chat_model_dir())
+    except WheelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_every_turn_finds_the_previous_answer_and_answers_stay_those_of_vllm(model, tmp_path):
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
+    config = {"chunk_tokens": CHUNK,
+              "tiers": {"host": {"capacity": "1GiB"},
+                        "disk": [{"path": str(tmp_path / "disk"), "capacity": "1GiB"}]},
+              "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "64MiB"}}
+    try:
+        with OpenAIServer(model, [*ARGS, "--no-enable-prefix-caching"], tmp_path / "kvstore.log",
+                          connector={"config": config}, kv_cache_gib=2) as server:
+            turns = converse(server.url, "chat", QUESTIONS, chunk_tokens=CHUNK)
+    finally:
+        stop_service(config)
+    for i, turn in enumerate(turns[1:], start=2):
+        assert turn.bound > 0, f"turn {i} shares nothing with turn {i - 1}: {turn}"
+        assert turn.cached_tokens >= turn.bound - CHUNK, (
+            f"turn {i}: {turn.cached_tokens} cached of a {turn.bound}-token bound "
+            f"({turn.common} tokens shared with the previous prompt + answer)")
+        previous = turns[i - 2]
+        assert turn.cached_tokens > previous.prompt_tokens // CHUNK * CHUNK or turn.bound <= (
+            previous.prompt_tokens // CHUNK * CHUNK), f"turn {i} found no chunk of the previous answer"
+
+    with OpenAIServer(model, ARGS, tmp_path / "reference.log", kv_cache_gib=2) as reference:
+        expected = converse(reference.url, "chat", QUESTIONS, chunk_tokens=CHUNK,
+                            answers=[t.answer for t in turns])
+    assert turns[0].answer == expected[0].answer, "kvstore changed a cold answer it did not serve"
+    assert [t.prompt_tokens for t in turns] == [t.prompt_tokens for t in expected]
+    assert [t.answer for t in turns] == [t.answer for t in expected]
