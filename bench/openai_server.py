@@ -154,7 +154,10 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
     request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     started = time.perf_counter()
-    text, prompt_ids, token_ids, cached, first = [], [], [], 0, None
+    text: list[str] = []
+    prompt_ids: list[int] = []
+    token_ids: list[int] = []
+    cached, first = 0, None
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             for raw in reply:
