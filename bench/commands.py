@@ -7,7 +7,7 @@ command being run.
 """
 
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("demo", "bench.demo", "cold vs DRAM vs disk on a real vLLM engine (tiny model)"),
+    ("demo", "bench.demo", "a real conversation on vLLM: recompute vs DRAM vs disk, turn by turn"),
     ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
     ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
     ("replay", "bench.replay", "hit ratios (and modelled TTFT) of a request trace for given tiers"),

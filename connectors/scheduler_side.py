@@ -30,6 +30,9 @@ from connectors.save_tracker import SaveTracker
 from kvstore.format.keys import KVNamespace, chunk_keys
 
 Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
+# Tell the service about a chain: ("finished", keys per rank, 0) when a request ends (its
+# next turn is expected), ("expect", keys per rank, in_s) for a hint.
+Notify = Callable[[str, list[list[bytes]], float], None]
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class SchedulerCore:
 
     def __init__(self, chunk_tokens: int, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]], lookup: Lookup,
-                 settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
+                 notify: Notify | None = None) -> None:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
@@ -73,6 +77,7 @@ class SchedulerCore:
         self.load_async = settings.load_async
         self._namespaces = namespaces
         self._lookup = lookup
+        self._notify = notify
         self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
                          else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
@@ -104,6 +109,11 @@ class SchedulerCore:
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
         """Tokens a future request will start with: promote what the store holds of them."""
         self._residency(self._keys(prompt, salt), prefetch=True)
+
+    def expect(self, prompt: Sequence[int], in_s: float, salt: str = "") -> None:
+        """Tokens a request will start with in `in_s` seconds: promoted just before."""
+        if self._notify is not None:
+            self._notify("expect", self._keys(prompt, salt), in_s)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
                                salt: str = "") -> int | None:
@@ -193,16 +203,16 @@ class SchedulerCore:
         return plan
 
     def on_finished(self, req_id: str) -> None:
-        """Forget the request; with prefetch on, keep its chunks (prompt and answer) warm
-        in DRAM: the next turn of its conversation starts with them."""
+        """Forget the request, and tell the service it ended with these chunks (prompt and
+        answer): the next turn of its conversation starts with them, and the service brings
+        them into DRAM before it is expected (kvstore/service/next_turns.py)."""
         request = self._requests.pop(req_id, None)
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
-        if self.prefetch is None:
-            return
-        self.prefetch.forget(req_id)
-        if request is not None and request.saved_chunks:
-            self._residency([k[: request.saved_chunks] for k in request.keys], prefetch=True)
+        if self.prefetch is not None:
+            self.prefetch.forget(req_id)
+        if request is not None and request.saved_chunks and self._notify is not None:
+            self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
 
     def _chunk_blocks(self, request: _Request, chunk: int) -> tuple[int, ...]:
         start = chunk * self.blocks_per_chunk

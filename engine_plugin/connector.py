@@ -101,7 +101,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                                          wait_for_saves_s=self.options.wait_for_saves_s,
                                          save_answers=self.options.save_answers)
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
-                                            self._lookup, settings)
+                                            self._lookup, settings, notify=self._notify)
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
@@ -131,9 +131,24 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._lookup_link.fail()
             return Residency(0, 0)
 
+    def _notify(self, kind: str, keys: list[list[bytes]], in_s: float) -> None:
+        """A request ended (`finished`) or a hint expects chunks later (`expect`): told to
+        the service's next-turn prediction; never fatal."""
+        client = self._lookup_link.get()
+        if client is None:
+            return
+        try:
+            if kind == "finished":
+                client.finished(keys)
+            else:
+                client.expect(keys, in_s)
+        except Exception as exc:
+            log.debug("kvstore: %s not told to the service (%s)", kind, exc)
+
     def on_new_request(self, request: Request) -> None:
         """Arrival: start promoting its stored chunks, and those of any hinted tokens
-        (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]})."""
+        (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]}, or vLLM's KV
+        hints: a `fetch` action now, an `expect` action `in_s` seconds ahead)."""
         assert self._scheduler is not None
         salt = _salt(request)
         if self._router_events is not None:
@@ -141,6 +156,11 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
         for tokens in _hinted_token_ids(request):
             self._scheduler.hint(tokens, salt)
+        for tokens, in_s in _kv_hint_actions(request):
+            if in_s is None:
+                self._scheduler.hint(tokens, salt)
+            else:
+                self._scheduler.expect(tokens, in_s, salt)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -282,6 +302,21 @@ def _hinted_token_ids(request: Request) -> list[list[int]]:
         return []
     lists = hint if isinstance(hint[0], list) else [hint]
     return [[int(t) for t in tokens] for tokens in lists]
+
+
+def _kv_hint_actions(request: Request) -> list[tuple[list[int], float | None]]:
+    """vLLM's KV hints (`request.kv_hints`, a KvHintsEnvelope) that kvstore acts on:
+    action_type `fetch` ({"token_ids": [...]}: promote now) and `expect`
+    ({"token_ids": [...], "in_s": N}: wanted in N seconds); others are ignored."""
+    envelope = getattr(request, "kv_hints", None)
+    found: list[tuple[list[int], float | None]] = []
+    for action in getattr(envelope, "actions", None) or ():
+        tokens = action.payload.get("token_ids") if isinstance(action.payload, dict) else None
+        if not tokens or action.action_type not in ("fetch", "expect"):
+            continue
+        in_s = action.payload.get("in_s") if action.action_type == "expect" else None
+        found.append(([int(t) for t in tokens], None if in_s is None else float(in_s)))
+    return found
 
 
 def _salt(request: Request) -> str:

@@ -24,6 +24,10 @@ class FakeStore:
         self.tier = {k: "host" for k in keys[:in_dram]} | {k: "disk" for k in keys[in_dram:on_disk]}
         self.pending: set[tuple[bytes, ...]] = set()
         self.prefetches: list[int] = []
+        self.told: list[tuple[str, int]] = []
+
+    def notify(self, kind: str, ranks: list[list[bytes]], in_s: float) -> None:
+        self.told.append((kind, len(ranks[0])))
 
     def lookup(self, ranks: list[list[bytes]], prefetch: bool) -> Residency:
         (keys,) = ranks  # one tensor-parallel rank
@@ -56,7 +60,8 @@ class Clock:
 
 def scheduler(store: FakeStore, policy: str, clock: Clock, **kwargs) -> SchedulerCore:
     core = SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), store.lookup,
-                         SchedulerSettings(prefetch=PrefetchPolicy(policy, **kwargs)), clock=clock)
+                         SchedulerSettings(prefetch=PrefetchPolicy(policy, **kwargs)), clock=clock,
+                         notify=store.notify)
     assert core.prefetch is not None
     return core
 
@@ -152,8 +157,8 @@ def test_hints_and_finished_requests_keep_chunks_warm():
     store.finish_promotion()
     assert core.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
     core.on_finished("r")
-    assert store.prefetches == [4, 8, 8]  # the conversation's prefix is touched again
-
+    assert store.prefetches == [4, 8]  # a finish is not a lookup: the service is told instead
+    assert store.told == [("finished", 8)]  # its chunks, for the next-turn prediction
 
 def test_options_parse_and_reject_bad_policies():
     options = parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}},

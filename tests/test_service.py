@@ -158,3 +158,27 @@ def test_one_residency_request_answers_for_every_rank(config):
     assert client.residency_ranks([rank1, rank0]) == (2, 2, False)
     assert client.residency_ranks([rank0]) == (4, 4, False)
     client.close()
+
+
+@pytest.mark.parametrize("mode", ["warm", "predict"])
+def test_a_finished_conversation_is_back_in_dram_before_its_next_turn(config, mode):
+    """`warm`: a finished request's chunks are promoted at once; `predict`: when a hint (or
+    the learned gap) says its next turn comes, less the lead time."""
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+    config.update(next_turn=mode, next_turn_lead_s=0.2)  # the fixture stops this same service
+    client = StoreClient(load_config(config), CHUNK)
+    assert client.put(keys, [0, 1, 2, 3]) == [True] * 4
+    client.shutdown()  # DRAM written down to disk, then gone
+    client = StoreClient(load_config(config), CHUNK)
+    assert client.residency(keys) == (4, 0, False)
+    if mode == "warm":
+        client.finished([keys])
+    else:
+        client.expect([keys], in_s=1.0)
+        time.sleep(0.3)
+        assert client.residency(keys)[1] == 0  # not yet: due 0.8 s from the hint
+    deadline = time.monotonic() + 10
+    while client.residency(keys)[1] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.residency(keys)[:2] == (4, 4)
+    client.close()

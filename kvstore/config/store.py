@@ -213,6 +213,13 @@ class StoreConfig(Schema):
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
                              "below `io.queue_depth` chunks it keeps the device's queue short")
+    next_turn: Annotated[str, choice("predict", "warm", "off")] = Field(
+        "predict", description="what the service does when a request ends (kvstore/tiers/next_turn.py): "
+                               "`predict` learns when conversations come back and promotes a finished "
+                               "request's chunks from disk into DRAM `next_turn_lead_s` before; `warm` "
+                               "promotes them at once; `off` leaves them to LRU")
+    next_turn_lead_s: Annotated[float, seconds(zero=True)] = Field(
+        1.0, description="how long before a predicted return its chunks are brought into DRAM")
     write_policy: Annotated[str, choice("write_back", "write_through")] = Field(
         "write_back", description="`write_back`: DRAM's chunks reach disk when evicted (and at a clean "
                                   "shutdown); `write_through`: also as soon as they are stored, so a "

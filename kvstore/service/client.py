@@ -188,6 +188,15 @@ class StoreClient:
         stored, resident, pending = self._request(P.Residency([list(k) for k in ranks], prefetch))
         return int(stored), int(resident), bool(pending)
 
+    def finished(self, ranks: Sequence[Sequence[bytes]]) -> None:
+        """A request's stored chunks (prompt and answer, per rank) ended: the service expects
+        the conversation back and brings them into DRAM before (config `next_turn`)."""
+        self._request(P.Finished([list(k) for k in ranks]))
+
+    def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float) -> None:
+        """A hint: these chunks are wanted in `in_s` seconds."""
+        self._request(P.Expect([list(k) for k in ranks], float(in_s)))
+
     def count(self, counters: Mapping[str, float]) -> None:
         """Add to the service's counters (shown by `kvstore info` and Prometheus)."""
         self._request(P.Count(dict(counters)))

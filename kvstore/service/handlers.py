@@ -23,6 +23,7 @@ from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.io.regions import Region
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.next_turns import NextTurns
 from kvstore.service.window import Window
 from kvstore.store.tiered import TieredStore
 
@@ -53,6 +54,7 @@ class Requests:
         self._prefetch_lock = threading.Lock()  # held across a residency snapshot
         self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
+        self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         if isinstance(request, P.Hello):
@@ -62,7 +64,14 @@ class Requests:
             info = store.info() if store else {"tiers": [], "counters": {}}
             return {**info, "service_pid": os.getpid(), "socket": self.socket_path}, ()
         if isinstance(request, P.Residency):
+            self.next_turns.arrived(request.ranks)
             return self._residency(store, request), ()
+        if isinstance(request, P.Finished):
+            self.next_turns.finished(request.ranks)
+            return None, ()
+        if isinstance(request, P.Expect):
+            self.next_turns.expect(request.ranks, request.in_s)
+            return None, ()
         if isinstance(request, P.Events):
             return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
@@ -130,6 +139,13 @@ class Requests:
             pending = any(run in self._prefetch_queued for run in runs)
         return [min(f.count for f in found), min(f.resident for f in found), pending]
 
+    def _promote(self, keys: tuple[bytes, ...]) -> None:
+        """A chain next-turn prediction wants in DRAM now: through the prefetch queue."""
+        store = self.store
+        if store is not None:
+            with self._prefetch_lock:
+                self._queue_prefetch(store, keys)
+
     def _queue_prefetch(self, store: TieredStore, run: tuple[bytes, ...]) -> None:
         """Queue a promotion of `run` to DRAM unless the same run is queued: a request
         waiting to be scheduled, or a hint, asks for the same chunks again (lock held)."""
@@ -160,7 +176,8 @@ class Requests:
             client.window.close()  # a retired one stays mapped: the device may still write it
 
     def close(self) -> None:
-        """Prefetches stopped, then the store closed (drained, checkpointed)."""
+        """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""
+        self.next_turns.close()
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         with self.lock:
             if self.store is not None:

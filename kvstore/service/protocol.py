@@ -11,6 +11,8 @@ Requests (a tagged union) and what a Reply's value holds:
   Hello(version, config, chunk_bytes, namespace, dtype, shape)
                            -> {"slots": n, "window_bytes": n} (+ the window's fd) or None
   Residency(ranks, prefetch)-> [leading chunks every rank has, of those in DRAM, promotion pending]
+  Finished(ranks)          -> None; a request's chunks (per rank) ended: its next turn is expected
+  Expect(ranks, in_s)      -> None; a hint: these chunks are wanted in `in_s` seconds
   Count(counters)          -> None; adds to the service's counters
   Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
   Put(keys, slots, parent) -> [bool]: chunk keys[i] (in window slot slots[i]) is stored
@@ -33,7 +35,7 @@ import msgspec
 
 from kvstore.format.errors import KVStoreError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME = 4 << 20  # a 1M-token prompt's keys are 64 KiB: plenty, and bounded
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
@@ -56,6 +58,15 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
 class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
     ranks: list[list[bytes]]  # one prompt's keys per tensor-parallel rank
     prefetch: bool = False
+
+
+class Finished(msgspec.Struct, tag="finished", forbid_unknown_fields=True):
+    ranks: list[list[bytes]]  # a finished request's stored chunks (prompt and answer), per rank
+
+
+class Expect(msgspec.Struct, tag="expect", forbid_unknown_fields=True):
+    ranks: list[list[bytes]]
+    in_s: float
 
 
 class Count(msgspec.Struct, tag="count", forbid_unknown_fields=True):
@@ -85,7 +96,7 @@ class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
     since: int
 
 
-Request = Hello | Residency | Count | Get | Put | Info | Shutdown | Events
+Request = Hello | Residency | Finished | Expect | Count | Get | Put | Info | Shutdown | Events
 
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,0 +1,75 @@
+"""The next-turn predictor: gaps learned from continuations, fetches due before the return,
+bounded by how often a family's chains come back, and what it does on a trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.tiers.next_turn import NextTurnPredictor
+
+
+def chain(conversation: int, turn: int) -> list[bytes]:
+    """Turn n of a conversation: its system prompt chunk, then one chunk per turn so far."""
+    return [b"system".ljust(16, b".")] + [bytes([conversation, t]) * 8 for t in range(turn + 1)]
+
+
+def test_a_learned_gap_brings_the_chain_back_lead_s_before_the_next_turn():
+    predictor = NextTurnPredictor(lead_s=2.0)
+    now = 0.0
+    for conversation in range(4):  # conversations whose next turn comes 30 s after a reply
+        predictor.arrived(chain(conversation, 0), now)
+        predictor.finished(chain(conversation, 0), now + 1)
+        predictor.due(now + 1)
+        predictor.arrived(chain(conversation, 1), now + 31)
+        now += 100
+    assert predictor.predicted_gap(chain(9, 0)[0]) == pytest.approx(30.0)
+    predictor.finished(chain(9, 0), now)
+    assert predictor.due(now + 27) == []
+    assert predictor.next_due() == pytest.approx(now + 28)
+    assert predictor.due(now + 28) == [tuple(chain(9, 0))]
+    assert predictor.due(now + 29) == []  # fetched once
+
+
+def test_a_conversation_back_before_its_prediction_cancels_it():
+    predictor = NextTurnPredictor(lead_s=1.0, default_gap_s=60.0)
+    predictor.finished(chain(1, 0), 0.0)
+    predictor.arrived(chain(1, 1), 5.0)
+    assert predictor.due(100.0) == [] and predictor.next_due() is None
+
+
+def test_families_that_rarely_come_back_are_not_read_ahead():
+    predictor = NextTurnPredictor(min_return_rate=0.5)
+    for i in range(10):  # one-shot requests of one family: never continued
+        predictor.finished([b"docs".ljust(16, b"."), bytes([i]) * 16], float(i))
+        predictor.due(float(i))
+    predictor.finished([b"docs".ljust(16, b"."), b"z" * 16], 20.0)
+    assert predictor.return_rate(b"docs".ljust(16, b".")) == 0.0
+    assert predictor.due(1000.0) == []
+
+
+def test_pending_predictions_are_bounded():
+    predictor = NextTurnPredictor(max_pending=3, default_gap_s=10.0, lead_s=0.0, min_return_rate=0.0)
+    for i in range(5):
+        predictor.finished([bytes([i]) * 16], float(i))
+    assert [keys[0][0] for keys in predictor.due(100.0)] == [2, 3, 4]  # the oldest went first
+
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
+def test_on_the_trace_reading_ahead_never_costs_a_hit_and_its_waste_is_counted():
+    from bench.next_turn_replay import NextTurnReplayer
+    from bench.trace import read_trace
+
+    results = {}
+    for mode in ("off", "warm", "predict"):
+        replayer = NextTurnReplayer([("host", 40 << 30), ("disk", 1 << 40)], 131072, 512, mode)
+        results[mode] = replayer.run(read_trace(TRACE, 512, limit=1500))
+    assert results["off"]["prefetch_read_bytes"] == 0
+    assert results["predict"]["hit_ratio"] == results["off"]["hit_ratio"]  # read-ahead never loses a hit
+    assert results["predict"]["prefetch_read_bytes"] > 0
+    assert 0 <= results["predict"]["prefetch_wasted_bytes"] <= results["predict"]["prefetch_read_bytes"]
+    assert 0 < results["off"]["dram_resident_at_arrival"] <= 1
