@@ -260,6 +260,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=("random", "prefix"), default="prefix",
                         help="with --hosts: uniform, or by a hash of the first block (a KV-aware router)")
     parser.add_argument("--seed", type=int, default=0, help="with --hosts: the random routing's seed")
+    parser.add_argument("--next-turn", choices=("off", "warm", "predict"),
+                        help="also model what happens when a request ends (bench/next_turn_replay.py) "
+                             "and report dram_resident_at_arrival and prefetch_wasted_bytes")
+    parser.add_argument("--tpot-ms", type=float, default=20.0,
+                        help="with --next-turn: a request ends output tokens x this after it arrives")
     parser.add_argument("--json", help="write the results here (a PNG plot goes next to it)")
 
 
@@ -297,8 +302,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> dict[str, Any]:
-    replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens,
-                        policy=TierPolicy(promote_on_hit=not args.no_promote))
+    replayer: Replayer
+    if getattr(args, "next_turn", None):
+        from bench.next_turn_replay import NextTurnReplayer
+
+        replayer = NextTurnReplayer(tiers, args.kv_bytes_per_token, args.block_tokens, args.next_turn,
+                                    tpot_s=args.tpot_ms / 1000)
+    else:
+        replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens,
+                            policy=TierPolicy(promote_on_hit=not args.no_promote))
     return replayer.run(read_trace(args.trace, args.block_tokens, args.limit))
 
 
@@ -350,6 +362,10 @@ def _print(result: dict[str, Any]) -> None:
               f"{format_size(tier['bytes_read']):>10} {format_size(tier['bytes_written']):>10} "
               f"{tier['evictions']:>10}")
     print(f"{'all':<8} {'':>10} {result['hit_ratio']:>10.3f}")
+    if "next_turn" in result:
+        print(f"next turn {result['next_turn']}: {result['dram_resident_at_arrival']:.3f} of found chunks in "
+              f"DRAM at arrival; read ahead {format_size(result['prefetch_read_bytes'])}, wasted "
+              f"{format_size(result['prefetch_wasted_bytes'])} ({result['prefetch_wasted_fraction']:.0%})")
 
 
 def _print_sweep(rows: list[dict[str, Any]]) -> None:
