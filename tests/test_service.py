@@ -95,8 +95,11 @@ def test_metrics_are_scraped_from_the_store(config):
     keys = [bytes([i + 1]) * 16 for i in range(3)]
     assert client.put(keys, [0, 1, 2]) == [True] * 3
     assert client.get(keys, [3, 4, 5]) == [True] * 3
+    with pytest.raises(KVStoreError, match="a client may add only"):  # names are bounded
+        client.count({"made.up." + "x" * 64: 1})
     client.close()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "made_up" not in text
     assert "kvstore_host_hits_total 3.0" in text
     assert 'kvstore_tier_chunks{tier="host"} 3.0' in text
     assert 'kvstore_read_latency_seconds{quantile="0.5",tier="host"}' in text
@@ -182,3 +185,17 @@ def test_a_finished_conversation_is_back_in_dram_before_its_next_turn(config, mo
         time.sleep(0.05)
     assert client.residency(keys)[:2] == (4, 4)
     client.close()
+
+
+def test_misses_are_one_metric_labelled_by_tier_and_reason(tmp_path):
+    from kvstore.format.record import MissReason
+    from kvstore.service.metrics import StoreCollector
+    from kvstore.store.tiered import TieredStore
+
+    with TieredStore({"tiers": {"host": {"capacity": "1MiB"}}}, CHUNK) as store:
+        store.stats.miss("disk", MissReason.BAD_CHECKSUM, "a test")
+        store.stats.miss("peer", MissReason.STALE, "a test")
+        families = {f.name: f for f in StoreCollector(lambda: store).collect()}
+    misses = {(s.labels["tier"], s.labels["reason"]): s.value for s in families["kvstore_misses"].samples}
+    assert misses == {("disk", "bad_checksum"): 1, ("peer", "stale"): 1}
+    assert not any("miss" in name for name in families if name != "kvstore_misses")

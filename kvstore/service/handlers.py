@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,6 +29,9 @@ from kvstore.service.window import Window
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+# The counters a client may add to (the scheduler's and the workers'): a bounded set of
+# names, so a client cannot grow the service's counters (and /metrics) without end.
+CLIENT_COUNTER = re.compile(r"(prefetch|save|save_wait|staging|load)\.[a-z_]{1,32}")
 
 
 class Client:
@@ -75,6 +79,10 @@ class Requests:
         if isinstance(request, P.Events):
             return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
+            for name in request.counters:
+                if not CLIENT_COUNTER.fullmatch(name):
+                    raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
+                                       f"{CLIENT_COUNTER.pattern} counters")
             if store is not None:
                 for name, amount in request.counters.items():
                     store.stats.add(name, amount)

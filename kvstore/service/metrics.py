@@ -3,7 +3,8 @@
 A collector, not counters updated on the data path: the store already counts
 everything in `Stats`, so a scrape turns that snapshot into metric families and
 the hot path pays nothing extra.
-  kvstore_<counter>_total           every Stats counter ("host.hits" -> kvstore_host_hits_total)
+  kvstore_misses_total{tier,reason} chunks that looked present but were not served, by why
+  kvstore_<counter>_total           every other Stats counter ("host.hits" -> kvstore_host_hits_total)
   kvstore_tier_chunks{tier}         chunks stored
   kvstore_tier_used_bytes{tier}     bytes used, metadata included
   kvstore_tier_capacity_bytes{tier}
@@ -39,10 +40,17 @@ class StoreCollector(Collector):
         if store is None:
             return
         info = store.info()
+        misses = CounterMetricFamily("kvstore_misses", "chunks that looked present but were not "
+                                     "served (the engine recomputed them)", labels=["tier", "reason"])
         for counter, value in sorted(info["counters"].items()):
+            tier, _, reason = counter.partition(".miss.")
+            if reason:
+                misses.add_metric([tier, reason], value)
+                continue
             family = CounterMetricFamily(_name(counter), f"kvstore counter {counter}")
             family.add_metric([], value)
             yield family
+        yield misses
         for field, text in (("chunks", "chunks stored"), ("used_bytes", "bytes used"),
                             ("capacity_bytes", "bytes the tier may use")):
             gauge = GaugeMetricFamily(f"kvstore_tier_{field}", text, labels=["tier"])
