@@ -56,8 +56,11 @@ class NextTurnReplayer(Replayer):
         if self.mode == "predict":
             self.predictor.arrived(keys, now)
         found = super().serve(request)
-        if self.mode != "off":
-            self.predictor.finished(keys, now + request.output_tokens * self.tpot_s)
+        end = now + request.output_tokens * self.tpot_s
+        if self.mode == "predict":
+            self.predictor.finished(keys, end)
+        elif self.mode == "warm":  # promoted at the finish itself
+            self.predictor.expect(keys, end + self.predictor.lead_s)
         return found
 
     def _read_ahead(self, chain: list[bytes]) -> None:
