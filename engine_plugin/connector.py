@@ -159,7 +159,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         salt = _salt(request)
         if self._router_events is not None:
-            self._router_events.remember(request, self._namespaces(salt)[0])
+            groups = self._rules.groups if self._rules is not None else (None,)
+            per_group = self._namespaces(salt)[:: self._tp_world]  # rank 0's of each group
+            self._router_events.remember(request, list(zip(per_group, groups, strict=True)))
         self._scheduler.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
         for tokens in _hinted_token_ids(request):
             self._scheduler.hint(tokens, salt)
