@@ -20,7 +20,7 @@ import torch
 from connectors.groups import GroupRules, KVGroup
 from engine_plugin.kv_spec import UnsupportedKVCache
 from engine_plugin.layout import PagedKVLayout
-from kvstore.format.errors import ShapeError
+from kvstore.format.errors import ConfigError, ShapeError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -76,6 +76,9 @@ def group_rules(kv_cache_config: KVCacheConfig, chunk_tokens: int, block_size: i
     groups = kv_groups(kv_cache_config)
     if len(groups) == 1 and not groups[0].windowed:
         return None
+    if interval % chunk_tokens:
+        raise ConfigError("sliding_window_interval", interval,
+                          f"must be a multiple of chunk_tokens ({chunk_tokens}), or 0")
     sizes = {g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}
     if sizes != {block_size}:
         raise UnsupportedKVCache(f"TieredKVConnector needs one block size for every KV cache group; "
@@ -90,6 +93,7 @@ class GroupedKVLayout:
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], kv_cache_config: KVCacheConfig,
                  blocks_per_chunk: int) -> None:
         num_blocks = kv_cache_config.num_blocks
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.groups: dict[int, PagedKVLayout] = {}
         for index, group in enumerate(kv_cache_config.kv_cache_groups):
             layers = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
@@ -105,7 +109,10 @@ class GroupedKVLayout:
         return self.groups[group].chunk_bytes
 
     def describe(self) -> str:
-        return "; ".join(f"group {g}: {layout.describe()}" for g, layout in self.groups.items())
+        """Each group's layers and its KV bytes per token (`kvstore replay --kv-bytes-per-token`)."""
+        tokens = self.blocks_per_chunk * self.block_size
+        return "; ".join(f"group {g}: {layout.describe()}, {layout.chunk_bytes // tokens} B/token"
+                         for g, layout in self.groups.items())
 
     def gather(self, blocks: Sequence[int], out: memoryview, group: int = 0) -> None:
         layout = self.groups[group]
