@@ -154,8 +154,10 @@ class SchedulerCore:
         self.saves.done(save_ids)
 
     def take_counters(self) -> dict[str, int]:
-        """Counters since the last call (this core's and its prefetch policy's)."""
-        counters, self.counters = self.counters, Counter()
+        """Counters since the last call (this core's and its prefetch policy's). Emptied
+        in place: the save tracker and the handoff waits count into the same object."""
+        counters = Counter(self.counters)
+        self.counters.clear()
         if self.prefetch is not None:
             counters.update(self.prefetch.take_counters())
         return dict(counters)

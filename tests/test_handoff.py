@@ -114,3 +114,14 @@ def test_a_producer_in_a_cluster_must_write_through(tmp_path):
     check_producer_store(Role.of("kv_producer", False),
                          load_config({"tiers": tiers, "cluster": cluster, "write_policy": "write_through"}))
     check_producer_store(Role.of("kv_producer", False), load_config({"tiers": tiers}))  # one host
+
+
+def test_counters_keep_counting_after_they_are_taken():
+    """The save tracker and the handoff waits share the core's counters: taking them must
+    not leave those counting into an object nobody reads."""
+    clock = Clock()
+    scheduler = core(set(KEYS), SchedulerSettings(prefetch=None), clock)
+    for req_id in ("r1", "r2"):
+        scheduler.expect_handoff(req_id, Handoff(8, KEYS[7]))
+        scheduler.num_new_matched_tokens(req_id, PROMPT, 0)
+        assert scheduler.take_counters()["handoff.ready"] == 1, req_id
