@@ -15,6 +15,9 @@ Invariants (each holds per request):
   DRAM, and the policy (connectors/prefetch.py) decides whether the scheduler asks
   again later and how many stored chunks to count; never a blocking wait.
 - Saves in flight hold requests that would miss them (connectors/save_tracker.py).
+- A request handed off by a prefill instance (connectors/handoff.py) is held until the
+  chunks its producer named are readable, at most `pd_wait_s`; an instance whose
+  role saves nothing (a kv_consumer) plans no saves.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from connectors.handoff import Handoff, HandoffWaits
 from connectors.plan import SKIP, Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from connectors.save_tracker import SaveTracker
@@ -44,6 +48,8 @@ class SchedulerSettings:
     stage_on_arrival: bool = False  # workers have device staging pools
     wait_for_saves_s: float = 5.0
     save_answers: bool = True  # chunks of generated tokens are saved too
+    saves: bool = True  # False: plan no saves (a kv_consumer's default)
+    handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
 
 
 @dataclass
@@ -85,6 +91,7 @@ class SchedulerCore:
         self._plan = StepPlan(load_async=self.load_async)
         self.counters: Counter[str] = Counter()
         self.saves = SaveTracker(len(namespaces("")), settings.wait_for_saves_s, self.counters, clock)
+        self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock)
 
     def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
@@ -123,7 +130,8 @@ class SchedulerCore:
         arrived = self._arrived.get(req_id)
         keys = arrived if arrived is not None else self._keys(prompt, salt)
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None)
-        if self.saves.held(req_id, keys[0], residency.stored):
+        if (self.saves.held(req_id, keys[0], residency.stored)
+                or self.handoffs.held(req_id, keys[0], residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
             return None
         usable = residency.stored
@@ -138,12 +146,28 @@ class SchedulerCore:
         self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, saved_chunks=residency.stored)
         return max(0, load_end - num_computed)
 
+    def expect_handoff(self, req_id: str, handoff: Handoff) -> None:
+        """A prefill instance stored this request's prompt chunks: hold it until they
+        are readable here (or handoff_wait_s passes)."""
+        self.handoffs.expect(req_id, handoff)
+
+    def handoff(self, req_id: str, prompt_tokens: int, host: str | None = None) -> Handoff | None:
+        """What a consumer should wait for: the leading prompt chunks this instance
+        stored or queued for saving (call before on_finished); None if none."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        chunks = min(request.saved_chunks, prompt_tokens // self.chunk_tokens, len(request.keys[0]))
+        return Handoff(chunks, request.keys[0][chunks - 1], host) if chunks else None
+
     def saves_done(self, save_ids: Iterable[int]) -> None:
         self.saves.done(save_ids)
 
     def take_counters(self) -> dict[str, int]:
-        """Counters since the last call (this core's and its prefetch policy's)."""
-        counters, self.counters = self.counters, Counter()
+        """Counters since the last call (this core's and its prefetch policy's). Emptied
+        in place: the save tracker and the handoff waits count into the same object."""
+        counters = Counter(self.counters)
+        self.counters.clear()
         if self.prefetch is not None:
             counters.update(self.prefetch.take_counters())
         return dict(counters)
@@ -175,6 +199,8 @@ class SchedulerCore:
             return
         if block_ids is not None:
             request.block_ids = list(block_ids) if replace else request.block_ids + list(block_ids)
+        if not self.settings.saves:
+            return
         done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
@@ -209,6 +235,7 @@ class SchedulerCore:
         request = self._requests.pop(req_id, None)
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
+        self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
         if request is not None and request.saved_chunks and self._notify is not None:
