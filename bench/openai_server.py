@@ -96,18 +96,10 @@ class OpenAIServer:
             self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
                                             start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health",
-                                                                        timeout=2) as reply:
-                if reply.status == 200:
-                    return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vLLM server not up within {timeout_s:.0f} s:\n{self.log_tail()}")
+        problem = wait_healthy(self.url, self.process, timeout_s)
+        if problem is not None:
+            self.stop()
+            raise RuntimeError(f"vLLM server {problem}:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the whole process group, SIGKILL to what is left after `timeout_s`."""
@@ -202,6 +194,20 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
     seconds = time.perf_counter() - started
     return ChatReply("".join(text), list(prompt_ids), token_ids, cached,
                      first if first is not None else seconds, seconds)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+    """Wait until `url`/health answers 200: None, or why not (the process exited, or the
+    deadline passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"exited with {process.returncode}"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as reply:
+            if reply.status == 200:
+                return None
+        time.sleep(0.3)
+    return f"not up within {timeout_s:.0f} s"
 
 
 def _group_alive(pgid: int) -> bool:

@@ -35,14 +35,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.openai_server import Completion, OpenAIServer, complete, completion_body, free_port
+from bench.openai_server import Completion, OpenAIServer, complete, completion_body, free_port, wait_healthy
 from bench.redis_server import RedisServer
 from bench.tiny_model import build_llama3_8b_geometry, prompt_token_ids
 from kvstore.config.store import load_config
@@ -89,15 +87,10 @@ class VllmRouter:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.process.poll() is None:
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health",
-                                                                        timeout=2) as reply:
-                if reply.status == 200:
-                    return
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"vllm-router not up: {self.log_path.read_text(errors='replace')[-3000:]}")
+        problem = wait_healthy(self.url, self.process, timeout_s)
+        if problem is not None:
+            self.stop()
+            raise RuntimeError(f"vllm-router {problem}: {self.log_path.read_text(errors='replace')[-3000:]}")
 
     def stop(self) -> None:
         if self.process is None:
