@@ -39,9 +39,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def kv_transfer_config(connector: dict[str, Any]) -> str:
+def kv_transfer_config(connector: dict[str, Any], kv_role: str = "kv_both") -> str:
     """--kv-transfer-config for TieredKVConnector with `connector` as its extra config."""
-    return json.dumps({"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+    return json.dumps({"kv_connector": "TieredKVConnector", "kv_role": kv_role,
                        "kv_connector_extra_config": connector})
 
 
@@ -51,6 +51,7 @@ class Completion:
     cached_tokens: int
     prompt_tokens: int
     seconds: float  # wall time of the request, as its client saw it
+    kv_transfer_params: dict[str, Any] | None = None  # what the engine's connector returned
 
 
 @dataclass
@@ -68,7 +69,7 @@ class OpenAIServer:
 
     def __init__(self, model: str | Path, args: list[str], log_path: str | Path, *,
                  connector: dict[str, Any] | None = None, kv_cache_gib: int = 6,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, kv_role: str = "kv_both") -> None:
         self.model = str(model)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -76,7 +77,7 @@ class OpenAIServer:
         self.command = [sys.executable, "-m", SERVER_MODULE, "--model", self.model,
                         "--host", "127.0.0.1", "--port", str(self.port), *args]
         if connector is not None:
-            self.command += ["--kv-transfer-config", kv_transfer_config(connector)]
+            self.command += ["--kv-transfer-config", kv_transfer_config(connector, kv_role)]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
                     **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
@@ -95,18 +96,10 @@ class OpenAIServer:
             self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
                                             start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health",
-                                                                        timeout=2) as reply:
-                if reply.status == 200:
-                    return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vLLM server not up within {timeout_s:.0f} s:\n{self.log_tail()}")
+        problem = wait_healthy(self.url, self.process, timeout_s)
+        if problem is not None:
+            self.stop()
+            raise RuntimeError(f"vLLM server {problem}:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the whole process group, SIGKILL to what is left after `timeout_s`."""
@@ -126,22 +119,44 @@ class OpenAIServer:
 
     def complete(self, prompt: list[int], max_tokens: int = 8, timeout_s: float = 300) -> Completion:
         """Greedy completion of a token-id prompt (ignore_eos: exactly max_tokens tokens)."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}
-        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        started = time.perf_counter()
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                answer = json.load(reply)
-        except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from None
-        seconds = time.perf_counter() - started
-        usage = answer["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return Completion(token_ids=list(answer["choices"][0]["token_ids"]),
-                          cached_tokens=int(details.get("cached_tokens") or 0),
-                          prompt_tokens=int(usage["prompt_tokens"]), seconds=seconds)
+        return complete(self.url, completion_body(self.model, prompt, max_tokens), timeout_s)
+
+    def external_tokens(self) -> float:
+        """Prompt tokens this server's engine took from its KV connector so far (vLLM's
+        `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`): its own count of
+        loaded tokens, for requests whose reply passed through a router that drops
+        `usage.prompt_tokens_details`."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prompt_tokens_by_source_total{")
+                   and 'source="external_kv_transfer"' in line)
+
+
+def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A greedy /v1/completions body for a token-id prompt (ignore_eos: exactly max_tokens)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def complete(url: str, body: dict[str, Any], timeout_s: float = 300,
+             headers: dict[str, str] | None = None) -> Completion:
+    """POST `body` to URL/v1/completions (a server or a router in front of servers)."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            answer = json.load(reply)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+    seconds = time.perf_counter() - started
+    usage = answer["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(token_ids=list(answer["choices"][0]["token_ids"]),
+                      cached_tokens=int(details.get("cached_tokens") or 0),
+                      prompt_tokens=int(usage["prompt_tokens"]), seconds=seconds,
+                      kv_transfer_params=answer.get("kv_transfer_params"))
 
 
 def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
@@ -179,6 +194,20 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
     seconds = time.perf_counter() - started
     return ChatReply("".join(text), list(prompt_ids), token_ids, cached,
                      first if first is not None else seconds, seconds)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+    """Wait until `url`/health answers 200: None, or why not (the process exited, or the
+    deadline passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"exited with {process.returncode}"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as reply:
+            if reply.status == 200:
+                return None
+        time.sleep(0.3)
+    return f"not up within {timeout_s:.0f} s"
 
 
 def _group_alive(pgid: int) -> bool:

@@ -204,12 +204,13 @@ class Replayer:
             self._store(below, [k for k, _ in down], [p for _, p in down])
 
     def _fate(self, level: int, key: bytes, mode: str) -> Fate:
-        """The store's Flusher.put_fate (put, prefetch) / clean_fate (get) for tier `level`."""
+        """The store's victim fate (TierPolicy.victim_fate) for tier `level`: a put's and a
+        prefetch's victims go down first, a get's promotion passes them over."""
         below = level + 1
-        if (below >= len(self.tiers) or key in self.tiers[below] or key in self._from_peers
-                or not self.policy.admits(key)):
+        if below >= len(self.tiers):
             return Fate.EVICT
-        return Fate.SKIP if mode == "get" else Fate.DEMOTE
+        held = key in self.tiers[below] or key in self._from_peers
+        return self.policy.victim_fate(key, held, promotion=mode == "get")
 
     def result(self) -> dict[str, Any]:
         stats = [t.stats for t in self.tiers] + ([self.peer_stats] if self.peers else [])

@@ -13,7 +13,7 @@ import os
 import random
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,12 +24,13 @@ import torch
 from bench.fio import Geometry
 from bench.vm import huge_pages
 from kvstore.devices.layout import SB_COPIES
-from kvstore.format.checksum import xxh3_64
+from kvstore.format.checksum import xxh3_64, xxh3_64_copy
 from kvstore.format.keys import KVNamespace, chunk_keys
 from kvstore.format.record import BLOCK, record_bytes
 from kvstore.io import make_engine
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.base import IoRequest
+from kvstore.io.copier import copy_bytes
 from kvstore.store.tiered import TieredStore
 
 
@@ -369,20 +370,33 @@ def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
                        "torch_copy_gibps_rounds": [gib / t["wall"] for t in copies]})
 
 
-def hash_cpu_s_per_gib(chunk_bytes: int, nbytes: int = 1 << 30) -> float:
-    """CPU seconds per GiB of xxh3-64 over memory that is not in the CPU caches, chunk by
-    chunk: the least a verified disk read can cost on this machine, since the get path
-    hashes what the device has just written to memory (a hash of hot data is 2-3x
-    cheaper, and not what a read sees)."""
+def hash_cpu_s_per_gib(chunk_bytes: int, nbytes: int = 1 << 30) -> dict[str, float]:
+    """CPU seconds per GiB, over memory that is not in the CPU caches, chunk by chunk, of:
+    `hash` (xxh3-64: the least a verified disk read can cost here, since the get hashes
+    what the device has just written to memory; a hash of hot data is 2-3x cheaper),
+    `hash_then_copy` (a staged read verified, then copied to the caller: two passes) and
+    `fused` (the same in one pass, format/checksum.py's xxh3_64_copy, which the get uses)."""
     buffer = AlignedBuffer(max(1, nbytes // chunk_bytes) * chunk_bytes)
+    target = AlignedBuffer(chunk_bytes)
+    def hash_then_copy(view: memoryview) -> None:
+        xxh3_64(view)
+        copy_bytes(target.view, view)
+
+    steps: dict[str, Callable[[memoryview], object]] = {
+        "hash": xxh3_64, "hash_then_copy": hash_then_copy,
+        "fused": lambda view: xxh3_64_copy(target.view, view)}
     try:
         np.frombuffer(buffer.view, np.uint8)[:] = 1  # faulted in, and far larger than a cache
-        started = time.process_time()
-        for at in range(0, buffer.nbytes, chunk_bytes):
-            xxh3_64(buffer.view[at : at + chunk_bytes])
-        return (time.process_time() - started) / (buffer.nbytes / 2**30)
+        costs = {}
+        for name, step in steps.items():
+            started = time.process_time()
+            for at in range(0, buffer.nbytes, chunk_bytes):
+                step(buffer.view[at : at + chunk_bytes])
+            costs[name] = (time.process_time() - started) / (buffer.nbytes / 2**30)
+        return costs
     finally:
         buffer.close()
+        target.close()
 
 
 def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:

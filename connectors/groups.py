@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from connectors.plan import SKIP
 from connectors.prefetch import Residency
 
 NULL_BLOCK = 0  # vLLM's null block: the id a group's table holds where it keeps no KV
@@ -148,3 +149,19 @@ def save_runs(rules: GroupRules | None, group: KVGroup, prompt_tokens: int, firs
         else:
             runs.append((chunk, [ids]))
     return runs
+
+
+def load_run(group: KVGroup, blocks_of: Callable[[int], tuple[int, ...]], num_computed: int, load_end: int,
+             chunk_tokens: int, block_size: int) -> tuple[int, list[tuple[int, ...]]] | None:
+    """The chunks of `group` a load of tokens [num_computed, load_end) writes: (first chunk,
+    each chunk's block ids), blocks the engine already holds or keeps none of (null) as
+    SKIP, leading chunks with nothing to write left out; None if nothing is to be written."""
+    first_chunk = num_computed // chunk_tokens
+    first_needed_block = num_computed // block_size
+    blocks = []
+    for chunk in range(first_chunk, load_end // chunk_tokens):
+        ids = loadable(group, blocks_of(chunk), SKIP)
+        start = chunk * len(ids)
+        blocks.append(tuple(SKIP if start + i < first_needed_block else b for i, b in enumerate(ids)))
+    lead = next((i for i, ids in enumerate(blocks) if any(b != SKIP for b in ids)), len(blocks))
+    return (first_chunk + lead, blocks[lead:]) if lead < len(blocks) else None

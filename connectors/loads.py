@@ -1,10 +1,15 @@
-"""Worker loads: chunks from the service's window scattered into KV blocks.
+"""Worker loads: chunks from the service's DRAM tier or window scattered into KV blocks.
 
-The service fills window slots (DRAM copy or O_DIRECT read, checksummed), then the
-layout scatters each verified chunk into its blocks, in waves of half the window: a
-fetch thread has the service fill one half while the other is scattered, so the
-service's copy and the scatter run at once. A chunk that did not verify, went missing
-or timed out is reported by its block ids, and the engine recomputes those tokens.
+Where the service shares its DRAM tier (this worker maps it read-only), a DRAM hit is
+one copy: the service pins the chunk's slot (a lease), the layout copies it straight
+from the slot into the blocks, and the lease is released at once (or, if this worker
+dies or its connection drops, by the service). The rest, and every chunk where the
+tier is not shared, goes through the window: the service fills window slots (DRAM
+copy or O_DIRECT read, checksummed), then the layout scatters each verified chunk
+into its blocks, in waves of half the window: a fetch thread has the service fill one
+half while the other is scattered, so the service's copy and the scatter run at once.
+A chunk that did not verify, went missing or timed out is reported by its block ids,
+and the engine recomputes those tokens.
 With `load_async`, loads run on a thread while the request waits outside the batch;
 otherwise before the forward pass. Chunks already staged on the device (stages.py)
 are copied from the pool instead of asked for.
@@ -66,8 +71,9 @@ class LoadHandler:
             if client is None:
                 failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
             else:
-                failed = self._load_waves(client, [keys[i] for i in pending],
-                                          [transfer.blocks[i] for i in pending], transfer.group)
+                load = self._load_leased if client.tier is not None else self._load_waves
+                failed = load(client, [keys[i] for i in pending], [transfer.blocks[i] for i in pending],
+                              transfer.group)
             self.stats.add("load.chunks", transfer.num_chunks)
             self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         except Exception:  # never let a load bug kill the engine: recompute instead
@@ -83,6 +89,38 @@ class LoadHandler:
                 del self._loads_left[transfer.req_id]
                 if report_finished:
                     self._finished_loads.add(transfer.req_id)
+
+    def _load_leased(self, client: StoreClient, keys: list[bytes],
+                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
+        """Copy the DRAM hits among `keys` straight from the tier into their blocks, a
+        window's worth of pins at a time; the others through the window. Returns the
+        block ids that did not load."""
+        failed: list[int] = []
+        for start in range(0, len(keys), client.slots):
+            wave = range(start, min(start + client.slots, len(keys)))
+            try:
+                lease, offsets = client.pin([keys[i] for i in wave])
+            except KVStoreError as exc:
+                log.warning("kvstore pin failed (%s); recomputing", exc)
+                self.link.fail()
+                return failed + [b for i in range(start, len(keys)) for b in blocks[i] if b != SKIP]
+            try:
+                for i, offset in zip(wave, offsets, strict=True):
+                    if offset >= 0:
+                        self.layout.scatter(client.tier_payload(offset), blocks[i], group)
+            finally:
+                self._unpin(client, lease)
+            rest = [i for i, offset in zip(wave, offsets, strict=True) if offset < 0]
+            if rest:
+                failed += self._load_waves(client, [keys[i] for i in rest], [blocks[i] for i in rest], group)
+        return failed
+
+    def _unpin(self, client: StoreClient, lease: int) -> None:
+        try:
+            client.unpin([lease])
+        except KVStoreError as exc:  # dropping the connection releases every pin it holds
+            log.warning("kvstore unpin failed (%s); reconnecting", exc)
+            self.link.fail()
 
     def _load_waves(self, client: StoreClient, keys: list[bytes],
                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:

@@ -67,6 +67,14 @@ class ConnectorOptions(Schema):
         2.0, description="the longest one step waits for free window slots when it computed more "
                          "chunks than the window holds (saves go in waves); past it the rest is "
                          "dropped, counted in `save.dropped`")
+    pd_wait_s: Annotated[float, seconds(zero=True)] = Field(
+        5.0, description="prefill/decode disaggregation: the longest a request that a prefill instance "
+                         "handed off (its `kv_transfer_params`) is held until the chunks the prefill "
+                         "named are readable here; past it the rest is recomputed. See [pd.md](pd.md)")
+    pd_consumer_saves: Bool = Field(
+        False, description="a `kv_consumer` saves chunks like `kv_both` (its prompts' last chunks, what "
+                           "it generates); false: it only loads. See [pd.md](pd.md)",
+        json_schema_extra={"doc_type": "true/false", "doc_default": "false"})
 
     @classmethod
     def written_keys(cls) -> set[str]:

@@ -17,6 +17,9 @@ Invariants (each holds per request):
 - Saves in flight hold requests that would miss them (connectors/save_tracker.py).
 - A hybrid model's KV cache groups each have their own keys, block ids and transfers;
   what each group stores, loads and needs for a hit is connectors/groups.py's.
+- A request handed off by a prefill instance (connectors/handoff.py) is held until the
+  chunks its producer named are readable, at most `pd_wait_s`; an instance whose
+  role saves nothing (a kv_consumer) plans no saves.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from connectors.groups import GroupRules, KVGroup, loadable, per_group, save_runs
-from connectors.plan import SKIP, Stage, StepPlan, Transfer
+from connectors.groups import GroupRules, KVGroup, load_run, per_group, save_runs
+from connectors.handoff import Handoff, HandoffWaits
+from connectors.plan import Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from connectors.save_tracker import SaveTracker
 from kvstore.format.keys import KVNamespace, chunk_keys
@@ -48,6 +52,8 @@ class SchedulerSettings:
     stage_on_arrival: bool = False  # workers have device staging pools
     wait_for_saves_s: float = 5.0
     save_answers: bool = True  # chunks of generated tokens are saved too
+    saves: bool = True  # False: plan no saves (a kv_consumer's default)
+    handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
     groups: GroupRules | None = None  # a hybrid model's KV cache groups; None: one group
 
 
@@ -61,6 +67,22 @@ class _Request:
     saved_chunks: int  # chunks [0, saved_chunks) are stored or queued for saving
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group (vLLM's index)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
+
+    def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
+        """The block ids of chunk `chunk` in KV cache group `group`."""
+        ids = self.block_ids[group][chunk * per_chunk : (chunk + 1) * per_chunk]
+        if len(ids) != per_chunk:
+            raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, expected {per_chunk}")
+        return tuple(ids)
+
+    def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
+                 group: int, save_id: int = 0) -> Transfer:
+        """Chunks [first, first + len(blocks)) of the group whose keys are `streams` of self.keys."""
+        end = first + len(blocks)
+        keys = self.keys[streams]
+        return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
+                        parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
+                        blocks=tuple(blocks), save_id=save_id, group=group)
 
 
 class SchedulerCore:
@@ -95,6 +117,7 @@ class SchedulerCore:
         self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
         self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
+        self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock)
 
     def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
@@ -138,7 +161,8 @@ class SchedulerCore:
         keys = arrived if arrived is not None else self._keys(prompt, salt)
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
                                     cap=(len(prompt) - 1) // self.chunk_tokens)
-        if self.saves.held(req_id, keys[0], residency.stored):
+        if (self.saves.held(req_id, keys[0], residency.stored)
+                or self.handoffs.held(req_id, keys[0], residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
             return None
         usable = residency.stored
@@ -154,12 +178,28 @@ class SchedulerCore:
                                           prompt_tokens=len(prompt))
         return max(0, load_end - num_computed)
 
+    def expect_handoff(self, req_id: str, handoff: Handoff) -> None:
+        """A prefill instance stored this request's prompt chunks: hold it until they
+        are readable here (or handoff_wait_s passes)."""
+        self.handoffs.expect(req_id, handoff)
+
+    def handoff(self, req_id: str, prompt_tokens: int, host: str | None = None) -> Handoff | None:
+        """What a consumer should wait for: the leading prompt chunks this instance
+        stored or queued for saving (call before on_finished); None if none."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        chunks = min(request.saved_chunks, prompt_tokens // self.chunk_tokens, len(request.keys[0]))
+        return Handoff(chunks, request.keys[0][chunks - 1], host) if chunks else None
+
     def saves_done(self, save_ids: Iterable[int]) -> None:
         self.saves.done(save_ids)
 
     def take_counters(self) -> dict[str, int]:
-        """Counters since the last call (this core's and its prefetch policy's)."""
-        counters, self.counters = self.counters, Counter()
+        """Counters since the last call (this core's and its prefetch policy's). Emptied
+        in place: the save tracker and the handoff waits count into the same object."""
+        counters = Counter(self.counters)
+        self.counters.clear()
         if self.prefetch is not None:
             counters.update(self.prefetch.take_counters())
         return dict(counters)
@@ -175,20 +215,14 @@ class SchedulerCore:
             return
         request.block_ids = per_group(block_ids)
         num_computed = request.load_end - num_external
-        first_chunk = num_computed // self.chunk_tokens
-        end_chunk = request.load_end // self.chunk_tokens
-        first_needed_block = num_computed // self.block_size
         for position, group in enumerate(self.groups):
-            blocks = []
-            for chunk in range(first_chunk, end_chunk):
-                ids = loadable(group, self._chunk_blocks(request, chunk, group.index), SKIP)
-                start = chunk * self.blocks_per_chunk
-                blocks.append(tuple(SKIP if start + i < first_needed_block else b
-                                    for i, b in enumerate(ids)))
-            lead = next((i for i, ids in enumerate(blocks) if any(b != SKIP for b in ids)), len(blocks))
-            if lead < len(blocks):
-                self._plan.loads.append(self._transfer(req_id, request, first_chunk + lead, blocks[lead:],
-                                                       position=position))
+            blocks_of = functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
+                                          group=group.index)
+            run = load_run(group, blocks_of, num_computed, request.load_end, self.chunk_tokens,
+                           self.block_size)
+            if run is not None:
+                self._plan.loads.append(request.transfer(req_id, run[0], run[1], self._streams(position),
+                                                         group.index))
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -201,18 +235,25 @@ class SchedulerCore:
             new = per_group(block_ids)
             request.block_ids = new if replace or not request.block_ids else [
                 old + ids for old, ids in zip(request.block_ids, new, strict=True)]
+        if not self.settings.saves:
+            return
         done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
         self._extend_keys(request, done)
         for position, group in enumerate(self.groups):
             runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
-                             functools.partial(self._chunk_blocks, request, group=group.index))
+                             functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
+                                               group=group.index))
             for first, blocks in runs:
                 keys = request.keys[position * self.ranks][first : first + len(blocks)]
-                self._plan.saves.append(self._transfer(req_id, request, first, blocks, position=position,
-                                                       save_id=self.saves.started(keys)))
+                self._plan.saves.append(request.transfer(req_id, first, blocks, self._streams(position),
+                                                         group.index, self.saves.started(keys)))
         request.saved_chunks = done
+
+    def _streams(self, position: int) -> slice:
+        """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
+        return slice(position * self.ranks, (position + 1) * self.ranks)
 
     def _extend_keys(self, request: _Request, chunks: int) -> None:
         """Keys of the first `chunks` chunks: those generated tokens filled are hashed on,
@@ -237,29 +278,8 @@ class SchedulerCore:
         request = self._requests.pop(req_id, None)
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
+        self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
         if request is not None and request.saved_chunks and self._notify is not None:
             self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
-
-    def _chunk_blocks(self, request: _Request, chunk: int, group: int = 0) -> tuple[int, ...]:
-        start = chunk * self.blocks_per_chunk
-        ids = request.block_ids[group][start : start + self.blocks_per_chunk]
-        if len(ids) != self.blocks_per_chunk:
-            raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, "
-                               f"expected {self.blocks_per_chunk}")
-        return tuple(ids)
-
-    def _transfer(self, req_id: str, request: _Request, first: int, blocks: list[tuple[int, ...]],
-                  save_id: int = 0, position: int = 0) -> Transfer:
-        """Chunks [first, first + len(blocks)) of the group at `position` in self.groups."""
-        end = first + len(blocks)
-        streams = request.keys[position * self.ranks : (position + 1) * self.ranks]
-        return Transfer(
-            req_id=req_id,
-            keys=tuple(tuple(rank_keys[first:end]) for rank_keys in streams),
-            parents=tuple(rank_keys[first - 1] if first else None for rank_keys in streams),
-            blocks=tuple(blocks),
-            save_id=save_id,
-            group=self.groups[position].index,
-        )

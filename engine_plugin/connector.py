@@ -9,6 +9,11 @@ step's plan (connectors.plan.StepPlan) from one to the others.
 Workers report each save done through vLLM's worker metadata; the scheduler holds a
 request whose prefix is still being saved (connectors/scheduler_side.py).
 
+`kv_role` (connectors/handoff.py): kv_both saves and loads; kv_producer also returns, in
+`kv_transfer_params`, the prompt chunks it stored, and a consumer given them waits for
+those chunks before loading (prefill/decode disaggregation, docs/pd.md); kv_consumer
+saves nothing unless `pd_consumer_saves`.
+
 Turn it on with
   --kv-transfer-config '{"kv_connector":"TieredKVConnector","kv_role":"kv_both",
                          "kv_connector_extra_config":{"config":"kvstore.yaml"}}'
@@ -32,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.device_staging import DeviceStagingPool
+from connectors.handoff import Handoff, Role, check_producer_store
 from connectors.link import ServiceLink
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
@@ -88,6 +94,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.blocks_per_chunk = check_chunk_size(store.chunk_tokens, self.block_size)
         # kvstore is a cache: a chunk that fails to load is recomputed, never fatal.
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._store_role = Role.of(self._kv_transfer_config.kv_role, self.options.pd_consumer_saves)
+        check_producer_store(self._store_role, store)
         self._model_id = self.options.model_id or str(vllm_config.model_config.model)
         self._kv_dtype = record_dtype_name(spec_dtype(first_group_spec(kv_cache_config)))
         self._rules = group_rules(kv_cache_config, store.chunk_tokens, self.block_size,
@@ -105,15 +113,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             settings = SchedulerSettings(load_async=self.options.load_async, prefetch=self.options.prefetch,
                                          stage_on_arrival=self.options.device_staging > 0,
                                          wait_for_saves_s=self.options.wait_for_saves_s,
-                                         save_answers=self.options.save_answers, groups=self._rules)
+                                         save_answers=self.options.save_answers, groups=self._rules,
+                                         saves=self._store_role.saves, handoff_wait_s=self.options.pd_wait_s)
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
                                             self._lookup, settings, notify=self._notify)
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
-        log.info("kvstore connector (%s): chunk %d tokens, KV cache groups: %s (%s), socket %s",
-                 role.name, store.chunk_tokens, describe_groups(kv_cache_config), self._kv_dtype,
-                 store.service.socket)
+        log.info("kvstore connector (%s, %s): chunk %d tokens, KV cache groups: %s (%s), socket %s",
+                 role.name, self._store_role.name, store.chunk_tokens, describe_groups(kv_cache_config),
+                 self._kv_dtype, store.service.socket)
 
     @functools.cache  # noqa: B019 - one small entry per salt, for the connector's lifetime
     def _namespaces(self, salt: str) -> tuple[KVNamespace, ...]:
@@ -162,6 +171,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             groups = self._rules.groups if self._rules is not None else (None,)
             per_group = self._namespaces(salt)[:: self._tp_world]  # rank 0's of each group
             self._router_events.remember(request, list(zip(per_group, groups, strict=True)))
+        handoff = Handoff.from_params(request.kv_transfer_params)
+        if handoff is not None:  # handed off by a prefill instance: wait for its chunks
+            self._scheduler.expect_handoff(request.request_id, handoff)
         self._scheduler.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
         for tokens in _hinted_token_ids(request):
             self._scheduler.hint(tokens, salt)
@@ -229,10 +241,18 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks can be freed at once: saves copy chunks out within their step."""
+        """Blocks can be freed at once: saves copy chunks out within their step. A
+        producer's reply names the prompt chunks it stored (saves may still be on their
+        way: the consumer waits for them to be readable, connectors/handoff.py)."""
         assert self._scheduler is not None
+        params = None
+        if self._store_role.hands_off(request.kv_transfer_params):
+            cluster = self.options.store.cluster
+            handoff = self._scheduler.handoff(request.request_id, request.num_prompt_tokens,
+                                              cluster.host_id if cluster is not None else None)
+            params = handoff.params() if handoff is not None else None
         self._scheduler.on_finished(request.request_id)
-        return False, None
+        return False, params
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

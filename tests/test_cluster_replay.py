@@ -78,6 +78,7 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
     saves): every request's hits come from the same tiers, and every
     host ends holding the same chunks in each tier."""
     monkeypatch.setattr(kvstore.cluster.node, "RECENT_S", 0.0)  # every lookup asks the index
+    monkeypatch.setattr(kvstore.cluster.node, "RECENT_MISS_S", 0.0)
     requests = list(read_trace(shared_prefix_trace(tmp_path / "t.jsonl"), BLOCK))
     chunk = 4096
     slot = record_bytes(chunk)

@@ -66,3 +66,28 @@ def test_header_refuses_what_it_cannot_encode():
     with pytest.raises(ValueError, match="dimensions"):
         pack_header(RecordHeader(b"k" * 16, b"n" * 16, b"p" * 16, 0, 0, 0, "u8", (1,) * 9),
                     memoryview(bytearray(HEADER_BLOCK)))
+
+
+def test_a_checksum_fused_with_a_copy_equals_the_hash_and_the_copy_apart():
+    import numpy as np
+    import xxhash
+
+    from kvstore.format.checksum import PIECE, xxh3_64_copy
+
+    for size in (100, 1 << 16, 3 * PIECE + 17):
+        source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        target = np.zeros(size, np.uint8)
+        assert xxh3_64_copy(memoryview(target), memoryview(source)) == xxhash.xxh3_64_intdigest(source)
+        assert np.array_equal(target, source)
+    with pytest.raises(ValueError, match="copy of 4 bytes into 3"):
+        xxh3_64_copy(memoryview(bytearray(3)), memoryview(bytearray(4)))
+
+
+def test_a_record_checked_on_its_way_to_the_caller_still_misses_on_a_bad_checksum():
+    payload = bytearray(range(256)) * 1024
+    block = _record(bytes(payload))
+    out = bytearray(len(payload))
+    assert check_record(block, memoryview(payload), b"k" * 16, memoryview(out))[1] is None
+    assert out == payload
+    payload[5000] ^= 1
+    assert check_record(block, memoryview(payload), b"k" * 16, memoryview(out))[1] is MissReason.BAD_CHECKSUM

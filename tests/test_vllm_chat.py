@@ -16,7 +16,6 @@ how far they are expected to agree).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,10 @@ def model() -> Path:
         pytest.skip(str(exc))
 
 
-def test_every_turn_finds_the_previous_answer_and_answers_stay_those_of_vllm(model, tmp_path):
-    probe = tmp_path / "probe"
-    try:
-        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
-    except OSError:
-        pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
+def test_every_turn_finds_the_previous_answer_and_answers_stay_those_of_vllm(model, tmp_path, disk_dir):
     config = {"chunk_tokens": CHUNK,
               "tiers": {"host": {"capacity": "1GiB"},
-                        "disk": [{"path": str(tmp_path / "disk"), "capacity": "1GiB"}]},
+                        "disk": [{"path": f"{disk_dir}/disk", "capacity": "1GiB"}]},
               "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "64MiB"}}
     try:
         with OpenAIServer(model, [*ARGS, "--no-enable-prefix-caching"], tmp_path / "kvstore.log",

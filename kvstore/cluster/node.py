@@ -11,7 +11,9 @@
 
 Answers are kept for RECENT_S: the scheduler asks about a waiting request at every
 step and its load follows its lookup, and neither needs another index round trip. A
-chunk that fails verification is forgotten at once.
+miss is kept only RECENT_MISS_S: a consumer waiting for chunks a producer is publishing
+right now (prefill/decode handoff, docs/pd.md) sees them within that, not a second
+later. A chunk that fails verification is forgotten at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
 
 RECENT_S = 1.0  # how long an index answer is reused
+RECENT_MISS_S = 0.02  # how long an answer that a key is nowhere is reused
 RECENT_LIMIT = 1 << 16  # answers kept
 
 
@@ -75,7 +78,7 @@ class ClusterNode:
         with self._lock:
             for key in keys:
                 recent = self._recent.get(key)
-                if recent is None or now - recent[0] > RECENT_S:
+                if recent is None or now - recent[0] > (RECENT_S if recent[1] else RECENT_MISS_S):
                     wanted.append(key)
                 elif recent[1]:
                     found[key] = recent[1]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from kvstore.cluster.index import DEVICE_ID_BYTES, Location
 from kvstore.config.store import ClusterConfig, IoConfig
 from kvstore.devices.device import DATA_FILE, DevicePlan
-from kvstore.devices.health import OFFLINE, TRIPPED, DeviceHealth, Presence, is_fault
+from kvstore.devices.health import OFFLINE, TRIPPED, DeviceHealth, fault_reason, is_fault, probe
 from kvstore.devices.layout import SB_COPIES, Superblock, parse_superblock
 from kvstore.devices.nvmeof.plans import namespace_plans
 from kvstore.format.errors import ConfigError, DeviceError
@@ -126,8 +126,7 @@ class PeerDevices:
             health = device.health
             tripped = health.record(is_fault(result, expected), self.breaker_threshold)
             if health.in_service and (tripped or result == TIMED_OUT):
-                why = "deadline passed" if result == TIMED_OUT else (
-                    os.strerror(-result) if result < 0 else f"short transfer ({result} bytes)")
+                why = fault_reason(result)
                 health.take_out(TRIPPED, why)
                 log.warning("cluster: peer device %s taken out of service (%s); its chunks are "
                             "misses until it revalidates", health.label, why)
@@ -187,12 +186,7 @@ class PeerDevices:
 
     def check_once(self) -> None:
         for device in self:
-            found = Presence(True)
-            if device.plan.probe is not None:
-                try:
-                    found = device.plan.probe()
-                except Exception as exc:
-                    found = Presence(False, f"probe failed: {exc}")
+            found = probe(device.plan.probe)
             health = device.health
             if health.in_service:
                 problem = found.why if not found.usable else None
@@ -210,7 +204,7 @@ class PeerDevices:
             if not found.usable:
                 health.reason = found.why
                 continue
-            if health.state == TRIPPED and time.monotonic() - health.since < self.cooldown_s:
+            if health.cooling_down(self.cooldown_s, time.monotonic()):
                 continue
             problem = self._open(device, found.path or device.plan.path)
             with self._lock:

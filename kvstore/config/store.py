@@ -191,6 +191,12 @@ class ServiceConfig(Schema):
     allowed_gids: tuple[Annotated[int, integer(0, (1 << 32) - 2)], ...] = Field(
         (), description="groups whose members' engines may use this service (see `allowed_uids`)",
         json_schema_extra={"doc_type": "list of gids"})
+    share_dram: Annotated[str, choice("own-user", "allowed", "off")] = Field(
+        "own-user", description="which engines map the DRAM tier read-only and load a DRAM hit with "
+                                "one copy straight out of it: `own-user` (engines running as the "
+                                "service's user), `allowed` (also `allowed_uids` / `allowed_gids`: "
+                                "they can then read every chunk in DRAM, not only prompts they know), "
+                                "`off` (loads go through windows; the tier is private memory)")
     max_clients: Annotated[int, integer(1, 1 << 16)] = Field(
         256, description="connections served at once (a scheduler and two per worker per engine); "
                          "past it a client is refused and retries later")

@@ -62,16 +62,15 @@ class Flusher:
 
     def put_fate(self, key: bytes) -> Fate:
         """A victim for a new chunk: dropped if on disk (or not admitted), else written down first."""
-        if self._on_disk(key):
-            return Fate.EVICT
-        if not self.policy.admits(key):
+        on_disk = self._on_disk(key)
+        fate = self.policy.victim_fate(key, on_disk, promotion=False)
+        if fate is Fate.EVICT and not on_disk:
             self.stats.add("disk.not_admitted")
-            return Fate.EVICT
-        return Fate.DEMOTE
+        return fate
 
     def clean_fate(self, key: bytes) -> Fate:
         """A victim for a promotion: only a chunk already on disk (or not admitted) goes."""
-        return Fate.EVICT if self._on_disk(key) or not self.policy.admits(key) else Fate.SKIP
+        return self.policy.victim_fate(key, self._on_disk(key), promotion=True)
 
     def _on_disk(self, key: bytes) -> bool:
         return key in self.disk.table or (self.held_elsewhere is not None and self.held_elsewhere(key))

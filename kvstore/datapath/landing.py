@@ -10,7 +10,8 @@ read's destination is, in order of preference:
 - a staging buffer, verified there and copied to the caller.
 Verification (header checksum, the key asked for, the payload length, the payload's
 xxh3, and the sequence number where the reader was told one) runs on the I/O thread
-as each read completes. Invariants: nothing unverified reaches a caller or is
+as each read completes; where the payload goes on to the caller, its hash and that
+copy are one pass over memory (format/checksum.py). Invariants: nothing unverified reaches a caller or is
 published; every resource a wave takes goes back through its ExitStack; a read still
 in flight at its deadline may land later, so its destination is retired, never reused.
 """
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from kvstore.datapath.placement import DramPlacement
 from kvstore.datapath.prefetch_ledger import PrefetchLedger
 from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record
-from kvstore.io.copier import copy_bytes
 from kvstore.io.regions import DirectRegions, Region
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.slots import Reservation
@@ -121,15 +121,15 @@ class Landings:
         there) and set `landing.header`. Returns why it is a miss, or None."""
         if result != landing.nbytes:
             return MissReason.IO_ERROR
-        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key)
+        # Staged or promoted: the payload goes on to `out` in the same pass as its hash.
+        copy_to = out if out is not None and landing.region is None else None
+        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key, copy_to)
         if reason is None and header is not None and header.payload_len != self.chunk_bytes:
             reason = MissReason.BAD_HEADER
         if reason is None and header is not None and seq is not None and header.seq != seq:
             reason = MissReason.STALE
         if reason is not None:
             return reason
-        if out is not None and landing.region is None:
-            copy_bytes(out, landing.payload)
         landing.header = header
         return None
 

@@ -11,6 +11,7 @@ table lock.
 from __future__ import annotations
 
 import errno
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,6 @@ from kvstore.io.base import TIMED_OUT
 
 FAULT_ERRNOS = frozenset({errno.EIO, errno.ENOLINK, errno.ENODEV, errno.ENXIO, errno.ETIMEDOUT})
 IN_SERVICE, TRIPPED, OFFLINE = "in_service", "tripped", "offline"
-
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,23 @@ class Presence:
 
 
 Probe = Callable[[], Presence]
+
+
+def probe(found: Probe | None) -> Presence:
+    """Ask a device's probe (none: always usable); a probe that raises says "out"."""
+    if found is None:
+        return Presence(True)
+    try:
+        return found()
+    except Exception as exc:  # a probe reads sysfs: treat its failure as "unknown, out"
+        return Presence(False, f"probe failed: {exc}")
+
+
+def fault_reason(result: int) -> str:
+    """A faulted I/O result in words, for the log line that takes a device out."""
+    if result == TIMED_OUT:
+        return "deadline passed"
+    return os.strerror(-result) if result < 0 else f"short transfer ({result} bytes)"
 
 
 def is_fault(result: int, expected: int) -> bool:
@@ -75,6 +92,10 @@ class DeviceHealth:
         self.epoch += 1
         if state == TRIPPED:
             self.trips += 1
+
+    def cooling_down(self, cooldown_s: float, now: float) -> bool:
+        """A tripped breaker waits `cooldown_s` from its last failure before a retry."""
+        return self.state == TRIPPED and now - self.since < cooldown_s
 
     def put_back(self) -> None:
         self.state, self.reason = IN_SERVICE, ""

@@ -6,6 +6,10 @@ same wheel's C library exports `XXH3_64bits_dispatch` (the SIMD-dispatching entr
 point): called through ctypes, which releases the GIL around foreign calls, the
 identical hash runs while other threads work. Where the symbol is missing (another
 build of the package), the Python function is used: same digest, GIL held.
+
+`xxh3_64_copy` verifies bytes on their way somewhere: it hashes a cache-sized piece,
+then copies that piece while it is still in cache, so a read that must be checked and
+copied (a staged disk read) touches memory once, not twice.
 """
 
 from __future__ import annotations
@@ -35,8 +39,26 @@ def _native() -> Any:
     return None
 
 
+def _streaming() -> Any:
+    """(createState, reset, update, digest, freeState) of the C library, or None."""
+    try:
+        library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
+        create, reset = library.XXH3_createState, library.XXH3_64bits_reset
+        update, digest, free = library.XXH3_64bits_update, library.XXH3_64bits_digest, library.XXH3_freeState
+    except (ImportError, OSError, AttributeError) as exc:
+        log.info("streaming xxh3 through ctypes unavailable (%s); hash and copy run apart", exc)
+        return None
+    create.restype, free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    reset.argtypes, reset.restype = [ctypes.c_void_p], ctypes.c_int
+    update.argtypes, update.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    digest.argtypes, digest.restype = [ctypes.c_void_p], ctypes.c_uint64
+    return create, reset, update, digest, free
+
+
 _XXH3 = _native()
+_STREAM = _streaming()
 _SMALL = 1 << 16  # below this the ctypes call costs more than the GIL it frees
+PIECE = 256 << 10  # hashed, then copied while it is still in cache (fits L2 on current cores)
 
 
 def xxh3_64(data: memoryview | bytes) -> int:
@@ -46,3 +68,29 @@ def xxh3_64(data: memoryview | bytes) -> int:
         return xxhash.xxh3_64_intdigest(view)
     address = ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))
     return int(_XXH3(address, view.nbytes))
+
+
+def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
+    """Copy `src` into `dst` (same length) and return xxh3-64 of `src`, in one pass over
+    memory: each piece is hashed, then copied from cache. The GIL is released throughout."""
+    source, target = memoryview(src).cast("B"), memoryview(dst).cast("B")
+    if len(source) != len(target):
+        raise ValueError(f"copy of {len(source)} bytes into {len(target)}")
+    if _STREAM is None or len(source) < _SMALL or source.readonly:
+        target[:] = source
+        return xxh3_64(source)
+    create, reset, update, digest, free = _STREAM
+    state = create()
+    if not state:
+        raise MemoryError("XXH3_createState")
+    try:
+        reset(state)
+        src_base = ctypes.addressof(ctypes.c_char.from_buffer(source))
+        dst_base = ctypes.addressof(ctypes.c_char.from_buffer(target))
+        for start in range(0, len(source), PIECE):
+            size = min(PIECE, len(source) - start)
+            update(state, src_base + start, size)
+            ctypes.memmove(dst_base + start, src_base + start, size)
+        return int(digest(state))
+    finally:
+        free(state)

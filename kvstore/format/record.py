@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.format.checksum import xxh3_64
+from kvstore.format.checksum import xxh3_64, xxh3_64_copy
 from kvstore.format.errors import ShapeError
 
 MAGIC = b"KVR1"
@@ -181,9 +181,12 @@ def parse_header(block: memoryview | bytes) -> tuple[HeaderState, RecordHeader |
 
 
 def check_record(
-    block: memoryview | bytes, payload: memoryview | bytes, expected_key: bytes | None
+    block: memoryview | bytes, payload: memoryview | bytes, expected_key: bytes | None,
+    copy_to: memoryview | None = None,
 ) -> tuple[RecordHeader | None, MissReason | None]:
-    """Verify a header block and its payload against the key asked for."""
+    """Verify a header block and its payload against the key asked for. `copy_to`: the
+    payload is also copied there, in the same pass over memory as its checksum (the
+    copy's bytes count only where this returns no miss reason)."""
     _, header = parse_header(block)
     if header is None:
         return None, MissReason.BAD_HEADER
@@ -191,6 +194,13 @@ def check_record(
         return header, MissReason.WRONG_KEY
     if header.payload_len > len(payload):
         return header, MissReason.BAD_HEADER
-    if payload_checksum(payload[: header.payload_len]) != header.payload_checksum:
+    body = payload[: header.payload_len]
+    if copy_to is not None and len(copy_to) == header.payload_len and isinstance(body, memoryview):
+        checksum = xxh3_64_copy(copy_to, body)
+    else:
+        checksum = payload_checksum(body)
+        if copy_to is not None:
+            copy_to[: header.payload_len] = body
+    if checksum != header.payload_checksum:
         return header, MissReason.BAD_CHECKSUM
     return header, None

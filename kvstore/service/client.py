@@ -27,6 +27,7 @@ import msgspec
 from kvstore.config.runtime import directory_problem, ensure_private_directory, open_private
 from kvstore.config.store import StoreConfig, dump_config, with_service
 from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.io.memfd import SharedMemory
 from kvstore.service import protocol as P
 from kvstore.service.window import Window
 
@@ -142,6 +143,9 @@ class StoreClient:
     With `chunk_bytes` None the client can only `residency`, `count` and `info` (a
     scheduler). `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view)
     with chunk keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
+    Where the service shares its DRAM tier with this client, `tier` maps it read-only:
+    `pin(keys)` pins the DRAM hits and says where each payload is (`tier_payload`),
+    for the caller to copy out itself before `unpin`.
     `timeout_s` is each request's deadline (default: twice io.timeout_s).
     """
 
@@ -152,6 +156,7 @@ class StoreClient:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s if timeout_s is not None else 2 * config.io.timeout_s
         self.window: Window | None = None
+        self.tier: SharedMemory | None = None
         self.slots = 0
         self._conn: P.Channel | None = connect(config)
         try:
@@ -166,6 +171,10 @@ class StoreClient:
                     raise KVStoreError("the service sent no window")
                 self.window = Window.attach(fd, int(reply["window_bytes"]), str(reply["pages"]))
                 self.slots = int(reply["slots"])
+                tier_fd = self._conn.take_fd() if self._conn and "tier_bytes" in reply else None
+                if tier_fd is not None:
+                    self.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]),
+                                                    str(reply["tier_pages"]), writable=False)
         except BaseException:
             self.disconnect()
             raise
@@ -208,6 +217,20 @@ class StoreClient:
             parent: bytes | None = None) -> list[bool]:
         return list(self._request(P.Put(list(keys), list(slots), parent)))
 
+    def pin(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(lease, offsets): chunk keys[i]'s payload is at offsets[i] of the DRAM tier (-1: not
+        in DRAM), pinned until `unpin(lease)` or this connection ends."""
+        lease, offsets = self._request(P.Pin(list(keys)))
+        return int(lease), [int(o) for o in offsets]
+
+    def unpin(self, leases: Sequence[int]) -> None:
+        self._request(P.Unpin(list(leases)))
+
+    def tier_payload(self, offset: int) -> memoryview:
+        """A pinned chunk's payload in the mapped DRAM tier (read-only)."""
+        assert self.tier is not None and self.chunk_bytes is not None and offset >= 0
+        return self.tier.view[offset : offset + self.chunk_bytes]
+
     def info(self) -> dict[str, Any]:
         return dict(self._request(P.Info()))
 
@@ -231,9 +254,10 @@ class StoreClient:
 
     def close(self) -> None:
         self.disconnect()
-        if self.window is not None:
-            self.window.close()
-            self.window = None
+        for memory in (self.window, self.tier):
+            if memory is not None:
+                memory.close()
+        self.window = self.tier = None
 
     def _request(self, message: msgspec.Struct, timeout_s: float | None = None) -> Any:
         name = type(message).__name__

@@ -7,11 +7,14 @@ ones in DRAM and whether a prefetch of that run is queued are read while no pref
 can finish, and one request covers every tensor-parallel rank's keys. Invariants: a
 client's window is registered as a direct-read region while it lives; a region a
 late read may still land in (retired) is never unmapped; prefetches run one at a
-time, a run queued at most once.
+time, a run queued at most once; a client's DRAM leases (store/leases.py) are released
+by its Unpin or, whatever way it leaves, when its connection ends, and together pin no
+more chunks than its window holds.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -26,6 +29,7 @@ from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.window import Window
+from kvstore.store import leases
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ class Client:
         self.window: Window | None = None
         self.region: Region | None = None
         self.slots = 0
+        self.leases: dict[int, leases.Lease] = {}  # DRAM pins it holds, by lease number
+        self.lease_ids = itertools.count(1)
 
 
 class Requests:
@@ -87,10 +93,16 @@ class Requests:
                 for name, amount in request.counters.items():
                     store.stats.add(name, amount)
             return None, ()
-        if not isinstance(request, P.Get | P.Put):
+        if isinstance(request, P.Unpin):
+            for lease in request.leases:
+                self._release(client, lease)
+            return None, ()
+        if not isinstance(request, P.Get | P.Put | P.Pin):
             raise KVStoreError(f"unknown request {type(request).__name__}")
         if store is None or client.window is None:
             raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
+        if isinstance(request, P.Pin):
+            return self._pin(store, client, request.keys), ()
         size = store.chunk_bytes
         if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
             raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
@@ -127,10 +139,38 @@ class Requests:
                                   f"this engine's are {hello.chunk_bytes}: give it its own socket")
             store = self.store
         slots = max(1, self.config.service.staging // hello.chunk_bytes)
-        window, fd = Window.create(slots * hello.chunk_bytes)
+        window, fd = Window.make(slots * hello.chunk_bytes)
         client.window, client.slots = window, slots
         client.region = store.regions.add(window.address, window.nbytes, window)
-        return {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}, (fd,)
+        reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
+        shared = store.dram.share() if store.dram is not None and self._may_map_dram(client) else None
+        if shared is None:
+            return reply, (fd,)
+        tier_fd, tier_bytes, tier_pages = shared
+        return {**reply, "tier_bytes": tier_bytes, "tier_pages": tier_pages}, (fd, tier_fd)
+
+    def _may_map_dram(self, client: Client) -> bool:
+        """service.share_dram: the service's own user's engines, every allowed one, or none."""
+        mode = self.config.service.share_dram
+        _, uid, _ = P.peer_credentials(client.channel.sock)
+        return mode == "allowed" or (mode == "own-user" and uid == os.geteuid())
+
+    @staticmethod
+    def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:
+        """Pin the DRAM hits among `keys` for the client to copy out of the tier itself."""
+        held = sum(len(lease.slots) for lease in client.leases.values())
+        if held + len(keys) > client.slots:
+            raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
+                               f"is more than its window's {client.slots}: unpin first")
+        lease = leases.pin_resident(store, keys)
+        number = next(client.lease_ids)
+        client.leases[number] = lease
+        return [number, lease.offsets]
+
+    def _release(self, client: Client, number: int) -> None:
+        lease = client.leases.pop(number, None)
+        if lease is not None and self.store is not None:
+            leases.release(self.store, lease)
 
     def _residency(self, store: TieredStore | None, request: P.Residency) -> list[Any]:
         """[leading chunks every rank has, of those in DRAM on every rank, a promotion of
@@ -176,7 +216,10 @@ class Requests:
             self._prefetch_queued.discard(run)
 
     def forget(self, client: Client) -> None:
-        """A client left: its window goes, unless a late read may still land in it."""
+        """A client left (or died): its pins go, and its window, unless a late read may
+        still land in it."""
+        for number in list(client.leases):
+            self._release(client, number)
         with self.lock:
             if client.region is not None and not client.region.retired and self.store is not None:
                 self.store.regions.remove(client.region)

@@ -9,13 +9,19 @@ FRAME_TIMEOUT_S. The hello reply carries the client's window as a file descripto
 
 Requests (a tagged union) and what a Reply's value holds:
   Hello(version, config, chunk_bytes, namespace, dtype, shape)
-                           -> {"slots": n, "window_bytes": n} (+ the window's fd) or None
+                           -> {"slots": n, "window_bytes": n, "pages": kind} (+ the window's fd)
+                              or None; where the client may map the DRAM tier, also
+                              "tier_bytes", "tier_pages" (+ the tier's fd, sealed read-only)
   Residency(ranks, prefetch)-> [leading chunks every rank has, of those in DRAM, promotion pending]
   Finished(ranks)          -> None; a request's chunks (per rank) ended: its next turn is expected
   Expect(ranks, in_s)      -> None; a hint: these chunks are wanted in `in_s` seconds
   Count(counters)          -> None; adds to the service's counters
   Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
   Put(keys, slots, parent) -> [bool]: chunk keys[i] (in window slot slots[i]) is stored
+  Pin(keys)                -> [lease, [offset]]: chunk keys[i]'s payload is at offset[i] of
+                              the DRAM tier (-1: not in DRAM), pinned until Unpin(lease)
+                              or the connection ends; at most a window's worth at a time
+  Unpin(leases)            -> None
   Info()                   -> the store's info
   Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
                               (chunk_events.py; since < 0: the current cursor only)
@@ -84,6 +90,14 @@ class Put(msgspec.Struct, tag="put", forbid_unknown_fields=True):
     parent: bytes | None = None
 
 
+class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
+    keys: list[bytes]
+
+
+class Unpin(msgspec.Struct, tag="unpin", forbid_unknown_fields=True):
+    leases: list[int]
+
+
 class Info(msgspec.Struct, tag="info", forbid_unknown_fields=True):
     pass
 
@@ -96,7 +110,7 @@ class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
     since: int
 
 
-Request = Hello | Residency | Finished | Expect | Count | Get | Put | Info | Shutdown | Events
+Request = Hello | Residency | Finished | Expect | Count | Get | Put | Info | Shutdown | Events | Pin | Unpin
 
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True):

@@ -73,7 +73,8 @@ class StoreParts:
     def _build(self, chunk_bytes: int, background: bool) -> None:
         config, io = self.config, self.config.io
         if config.host is not None:
-            self.dram = DramTier(config.host.capacity, self.slot_bytes)
+            self.dram = DramTier(config.host.capacity, self.slot_bytes,
+                                 shared=config.service.share_dram != "off")
         plans = [DevicePlan(d.path, d.capacity) for d in config.disk]
         if config.nvmeof is not None:
             plans += namespace_plans(config.nvmeof)

@@ -11,13 +11,11 @@ State changes happen under the tier's table lock.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.devices.health import TRIPPED, DeviceHealth, is_fault
-from kvstore.io.base import TIMED_OUT
+from kvstore.devices.health import TRIPPED, DeviceHealth, fault_reason, is_fault
 from kvstore.tiers.recover import RecoveryReport, newest, scan_group
 
 if TYPE_CHECKING:
@@ -53,10 +51,8 @@ class DeviceAvailability:
                 group = table.group_of(slot)[0]
                 health = self.health[group]
                 if health.record(is_fault(result, size), self.breaker_threshold):
-                    why = "deadline passed" if result == TIMED_OUT else (
-                        os.strerror(-result) if result < 0 else f"short transfer ({result} bytes)")
                     self.take_out(group, TRIPPED, f"{health.consecutive_faults} faults in a row "
-                                                  f"(last: {why})")
+                                                  f"(last: {fault_reason(result)})")
 
     def take_out(self, group: int, state: str, reason: str) -> None:
         """Stop serving a device: its chunks leave the index now."""

@@ -2,17 +2,22 @@
 
 A slot holds the exact record image that goes to disk (header block + payload),
 so demotion is one write straight from the slab and promotion one read into it,
-with no re-encoding. The slab is private anonymous memory (transparent huge pages
-asked for, so a disk read into a slot stays one request). It is not registered with
-CUDA: engines copy to the device from their own windows, never from the slab. Its
-pages are faulted in by a background thread at start (MADV_POPULATE_WRITE, which
-leaves contents alone): otherwise the first reads into each slot pay the faults
+with no re-encoding. A shared slab (the service's) is a sealed memfd (io/memfd.py)
+that engine workers map read-only, so a DRAM hit is one copy from the slot into the
+engine's KV blocks while the service keeps the slot pinned; it is sealed against
+writable maps before any descriptor of it leaves, and where the kernel cannot seal
+it so, it is never handed out. An unshared slab is private anonymous memory. Both
+ask for huge pages, so a disk read into a slot stays one request. Its pages are
+faulted in by a background thread at start (MADV_POPULATE_WRITE, which leaves
+contents alone): otherwise the first reads into each slot pay the faults
 inside io_uring submission, several times the CPU of the read itself.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import threading
 
 from kvstore.format.errors import ConfigError
@@ -26,13 +31,17 @@ from kvstore.format.record import (
 from kvstore.format.units import format_size
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.copier import copy_bytes
+from kvstore.io.memfd import SharedMemory, seal_read_only
 from kvstore.tiers.slots import SlotTable
+
+log = logging.getLogger(__name__)
 
 
 class DramTier:
     name = "host"
 
-    def __init__(self, capacity: int, slot_bytes: int) -> None:
+    def __init__(self, capacity: int, slot_bytes: int, shared: bool = False) -> None:
+        """`shared`: the slab is memory engine workers may map read-only (`share_fd`)."""
         num_slots = capacity // slot_bytes
         if num_slots == 0:
             raise ConfigError("tiers.host.capacity", format_size(capacity),
@@ -42,8 +51,18 @@ class DramTier:
         if total and num_slots * slot_bytes > total:
             raise ConfigError("tiers.host.capacity", format_size(capacity),
                               f"more than this machine's memory ({format_size(total)})")
+        self._fd: int | None = None  # the shared slab's descriptor, while it may be handed out
+        self.slab: AlignedBuffer | SharedMemory
         try:
-            self.slab = AlignedBuffer(num_slots * slot_bytes)
+            if shared:
+                self.slab, self._fd = SharedMemory.create(num_slots * slot_bytes, "kvstore-dram")
+                if not seal_read_only(self._fd):
+                    log.warning("this kernel cannot seal the DRAM tier against writes by others "
+                                "(F_SEAL_FUTURE_WRITE): engines load through their windows instead")
+                    os.close(self._fd)
+                    self._fd = None
+            else:
+                self.slab = AlignedBuffer(num_slots * slot_bytes)
         except OSError as exc:
             raise ConfigError("tiers.host.capacity", format_size(capacity),
                               f"cannot allocate it: {exc.strerror or exc}") from exc
@@ -52,6 +71,17 @@ class DramTier:
         self._populating.set()
         threading.Thread(target=_populate, args=(self.slab.address, self.slab.nbytes, self._populating),
                          name="kvstore-dram-populate", daemon=True).start()
+
+    def share(self) -> tuple[int, int, str] | None:
+        """(a new descriptor of the slab, sealed read-only, for a client: the caller closes
+        it; the slab's bytes; its page kind), or None when the slab is not shared."""
+        if self._fd is None or not isinstance(self.slab, SharedMemory):
+            return None
+        return os.dup(self._fd), self.slab.nbytes, self.slab.pages
+
+    def payload_offset(self, slot: int) -> int:
+        """Where a slot's payload starts in the slab (as a client maps it)."""
+        return slot * self.slot_bytes + HEADER_BLOCK
 
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -77,6 +107,9 @@ class DramTier:
 
     def close(self) -> None:
         self._populating.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.slab.close()
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.devices.health import OFFLINE, TRIPPED, Presence
+from kvstore.devices.health import OFFLINE, probe
 from kvstore.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,7 @@ class HealthMonitor:
     def check_once(self) -> None:
         availability, devices = self.disk.availability, self.disk.devices
         for group, (health, plan) in enumerate(zip(availability.health, devices.plans, strict=True)):
-            found = Presence(True)
-            if plan.probe is not None:
-                try:
-                    found = plan.probe()
-                except Exception as exc:  # a probe reads sysfs: treat its failure as "unknown, out"
-                    found = Presence(False, f"probe failed: {exc}")
+            found = probe(plan.probe)
             if health.in_service:
                 moved = found.path not in (None, devices.devices[group].path)
                 if not found.usable or moved:
@@ -57,9 +52,8 @@ class HealthMonitor:
             if not found.usable:
                 health.reason = found.why
                 continue
-            if health.state == TRIPPED and self.clock() - health.since < self.cooldown_s:
-                continue
-            availability.revalidate(group, found.path)
+            if not health.cooling_down(self.cooldown_s, self.clock()):
+                availability.revalidate(group, found.path)
 
     def close(self) -> None:
         self._stop.set()

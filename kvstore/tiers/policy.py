@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kvstore.tiers.admission import AdmissionFilter
+from kvstore.tiers.slots import Fate
 
 
 @dataclass
@@ -43,3 +44,11 @@ class TierPolicy:
             return True
         with self._lock:
             return self.admission.admit(key)
+
+    def victim_fate(self, key: bytes, below_has_it: bool, promotion: bool) -> Fate:
+        """A DRAM victim's fate (asked under the DRAM table's lock): dropped when the tier
+        below holds it or does not admit it; else written down first (DEMOTE), except for a
+        get's promotion, which never waits on a write and passes it over (SKIP)."""
+        if below_has_it or not self.admits(key):
+            return Fate.EVICT
+        return Fate.SKIP if promotion else Fate.DEMOTE

@@ -1,0 +1,127 @@
+"""Prefill/decode handoff in the connector core: roles, the params a producer returns,
+and the consumer's bounded wait for exactly the chunks they name (connectors/handoff.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.handoff import PARAMS_KEY, Handoff, Role, check_producer_store
+from connectors.prefetch import Residency
+from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from kvstore.config.store import load_config
+from kvstore.format.errors import ConfigError
+from kvstore.format.keys import KVNamespace, chunk_keys
+
+CHUNK, BLOCK = 256, 128
+NAMESPACE = KVNamespace("m", "float16", "cpu", CHUNK)
+PROMPT = list(range(3, 3 + 2049))  # 8 full chunks and one token
+KEYS = chunk_keys(PROMPT, NAMESPACE)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def core(present: set[bytes], settings: SchedulerSettings, clock: Clock) -> SchedulerCore:
+    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+        count = next((i for i, key in enumerate(ranks[0]) if key not in present), len(ranks[0]))
+        return Residency(count, count)
+
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), lookup, settings, clock=clock)
+
+
+def test_roles_follow_vllm_kv_role():
+    assert Role.of("kv_both", False).saves and not Role.of("kv_consumer", False).saves
+    assert Role.of("kv_consumer", True).saves and Role.of(None, False).name == "kv_both"
+    asked = {"do_remote_decode": True}
+    assert Role.of("kv_producer", False).hands_off(None)
+    assert Role.of("kv_both", False).hands_off(asked) and not Role.of("kv_both", False).hands_off({})
+    assert not Role.of("kv_consumer", False).hands_off(asked)
+
+
+def test_a_consumer_plans_no_saves_unless_told():
+    clock = Clock()
+    for saves, planned in ((False, 0), (True, 1)):
+        scheduler = core(set(), SchedulerSettings(prefetch=None, saves=saves), clock)
+        assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 0
+        scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
+        assert len(scheduler.take_plan().saves) == planned
+
+
+def test_the_producer_names_its_stored_prompt_chunks_and_they_round_trip():
+    scheduler = core(set(), SchedulerSettings(prefetch=None), Clock())
+    scheduler.num_new_matched_tokens("r", PROMPT, 0)
+    scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2050)
+    handoff = scheduler.handoff("r", len(PROMPT), "host-p")
+    assert handoff == Handoff(8, KEYS[7], "host-p")
+    params = {"do_remote_decode": True, **handoff.params()}
+    assert Handoff.from_params(params) == handoff
+    assert Handoff.from_params({PARAMS_KEY: {"chunks": "x"}}) is None
+    assert Handoff.from_params(None) is None
+
+
+def test_the_consumer_waits_for_exactly_the_named_chunks_then_loads():
+    clock, present = Clock(), set(KEYS[:3])
+    scheduler = core(present, SchedulerSettings(prefetch=None, handoff_wait_s=2.0), clock)
+    scheduler.expect_handoff("r", Handoff(8, KEYS[7]))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) is None  # 3 of 8 readable
+    clock.now += 0.5
+    present.update(KEYS[3:8])
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    counters = scheduler.take_counters()
+    assert counters["handoff.waited"] == 1 and counters["handoff.wait_ms"] == 500
+    assert counters.get("handoff.expired", 0) == 0
+
+
+def test_past_the_deadline_the_consumer_loads_what_is_there_and_recomputes_the_rest():
+    clock, present = Clock(), set(KEYS[:2])
+    scheduler = core(present, SchedulerSettings(prefetch=None, handoff_wait_s=2.0), clock)
+    scheduler.expect_handoff("r", Handoff(8, KEYS[7]))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) is None
+    clock.now += 2.0
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 2 * CHUNK
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 2 * CHUNK  # held once only
+    assert scheduler.take_counters()["handoff.expired"] == 1
+
+
+def test_a_handoff_naming_another_prompt_is_not_waited_for():
+    scheduler = core(set(), SchedulerSettings(prefetch=None), Clock())
+    other = chunk_keys(PROMPT, KVNamespace("other-model", "float16", "cpu", CHUNK))
+    scheduler.expect_handoff("r", Handoff(8, other[7]))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 0
+    assert scheduler.take_counters()["handoff.mismatch"] == 1
+
+
+def test_the_chunk_with_the_last_prompt_token_is_not_waited_for():
+    """A prompt of exactly 8 chunks: a load never covers its last token, so 7 suffice."""
+    exact = PROMPT[:2048]
+    scheduler = core(set(KEYS[:7]), SchedulerSettings(prefetch=None), Clock())
+    scheduler.expect_handoff("r", Handoff(8, KEYS[7]))
+    assert scheduler.num_new_matched_tokens("r", exact, 0) == 7 * CHUNK
+
+
+def test_a_producer_in_a_cluster_must_write_through(tmp_path):
+    cluster = {"host_id": "p", "index_url": "redis://127.0.0.1:1/0"}
+    tiers = {"host": {"capacity": "64MiB"}, "disk": [{"path": str(tmp_path), "capacity": "64MiB"}]}
+    back = load_config({"tiers": tiers, "cluster": cluster})
+    with pytest.raises(ConfigError, match="write_through"):
+        check_producer_store(Role.of("kv_producer", False), back)
+    check_producer_store(Role.of("kv_both", False), back)
+    check_producer_store(Role.of("kv_producer", False),
+                         load_config({"tiers": tiers, "cluster": cluster, "write_policy": "write_through"}))
+    check_producer_store(Role.of("kv_producer", False), load_config({"tiers": tiers}))  # one host
+
+
+def test_counters_keep_counting_after_they_are_taken():
+    """The save tracker and the handoff waits share the core's counters: taking them must
+    not leave those counting into an object nobody reads."""
+    clock = Clock()
+    scheduler = core(set(KEYS), SchedulerSettings(prefetch=None), clock)
+    for req_id in ("r1", "r2"):
+        scheduler.expect_handoff(req_id, Handoff(8, KEYS[7]))
+        scheduler.num_new_matched_tokens(req_id, PROMPT, 0)
+        assert scheduler.take_counters()["handoff.ready"] == 1, req_id

@@ -1,0 +1,110 @@
+"""Prefill/decode disaggregation through the shared store, behind vLLM's own router.
+
+A prefill server (`kv_producer`, host id `prefill`) and a decode server (`kv_consumer`,
+host id `decode`), each with its own kvstore service and device in one shared "array"
+directory, one real redis-server as the cluster index, and `vllm-router
+--vllm-pd-disaggregation` in front (bench/pd.py). The model is a 4-layer random Llama with
+8 KV heads of 128 (4 MiB per 256-token chunk; the 8B geometry's 32 layers take too long
+to compute three times over on a shared 2-core machine); vLLM's prefix cache is off, so
+every cached token is kvstore's. Through the router the decode's cached tokens are its
+engine's own count (vLLM's metrics): the router empties usage.prompt_tokens_details.
+
+The reference answers are the decode server's own, computed cold before any handoff
+(same process, same start-up: the CPU engine's thread count changes greedy near-ties).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.openai_server import Completion, complete, completion_body
+from bench.pd import PDCluster, prefill_body, replay, router_unavailable
+from bench.redis_server import redis_server_unavailable
+from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from connectors.handoff import PARAMS_KEY
+
+pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+CHUNK = 256
+PD_WAIT_S = 3.0
+MAX_TOKENS = 8
+PROMPTS = {  # name: token ids; 2,100-2,700 tokens, as in the issue
+    "a": prompt_token_ids(2100, seed=21), "b": prompt_token_ids(2400, seed=22),
+    "c": prompt_token_ids(2700, seed=23),
+    "replayed": prompt_token_ids(2305, seed=24),
+    "lost": prompt_token_ids(2200, seed=25),
+}
+ROUTED = ("a", "b", "c")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[PDCluster]:
+    reason = router_unavailable() or redis_server_unavailable()
+    if reason:
+        pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("pd")
+    model = build_tiny_llama(workdir / "model", layers=4, hidden=256, heads=8, kv_heads=8, head_dim=128)
+    with PDCluster(model, workdir, pd_wait_s=PD_WAIT_S) as running:
+        assert running.router is not None
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[str, Completion]:
+    """Each prompt computed by the decode server alone, before anything was handed off."""
+    return {name: cluster.decode.complete(tokens, MAX_TOKENS) for name, tokens in PROMPTS.items()}
+
+
+def test_a_consumer_alone_computes_everything_and_saves_nothing(cluster, reference):
+    assert all(done.cached_tokens == 0 for done in reference.values())
+    decode = cluster.counters("decode")
+    assert not any(key.startswith(("put.", "dram.put", "disk.put")) for key in decode), decode
+    info = cluster.decode_info()
+    assert [tier["chunks"] for tier in info["tiers"]] == [0, 0], info["tiers"]
+
+
+def test_through_the_router_the_decode_loads_what_the_prefill_wrote(cluster, reference):
+    """The router sends the decode request the moment the prefill's reply arrives; the
+    decode loads >= 90% of each prompt from the prefill's device and answers the same."""
+    before = cluster.counters("decode")
+    for name in ROUTED:
+        done = cluster.send(PROMPTS[name], MAX_TOKENS)
+        loadable = (len(PROMPTS[name]) - 1) // CHUNK * CHUNK
+        assert done.cached_tokens == loadable >= 0.9 * len(PROMPTS[name]), name
+        assert done.token_ids == reference[name].token_ids, name
+    after = cluster.counters("decode")
+    grew = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    assert grew["handoff.requests"] == len(ROUTED)
+    assert grew.get("handoff.expired", 0) == 0 and grew.get("handoff.mismatch", 0) == 0
+    chunks = sum((len(PROMPTS[name]) - 1) // CHUNK for name in ROUTED)
+    assert grew["peer.bytes_read"] >= chunks * cluster.decode_info()["chunk_bytes"]  # from the array
+    assert [tier["chunks"] for tier in cluster.decode_info()["tiers"]][1] == 0  # nothing on its own device
+
+
+def test_the_prefill_reply_names_its_chunks_and_a_decode_sent_at_once_hits(cluster, reference):
+    """The router's two requests replayed by hand, the decode sent as the reply arrives."""
+    tokens = PROMPTS["replayed"]
+    prefilled, decoded = replay(cluster.prefill.url, cluster.decode.url,
+                                completion_body(cluster.model, tokens, MAX_TOKENS))
+    handoff = (prefilled.kv_transfer_params or {}).get(PARAMS_KEY)
+    assert handoff is not None and handoff["chunks"] == len(tokens) // CHUNK
+    assert handoff["host"] == "prefill"
+    assert decoded.cached_tokens == (len(tokens) - 1) // CHUNK * CHUNK
+    assert decoded.token_ids == reference["replayed"].token_ids
+
+
+def test_with_the_prefill_saves_lost_the_decode_recomputes_within_its_deadline(cluster, reference):
+    tokens = PROMPTS["lost"]
+    body = completion_body(cluster.model, tokens, MAX_TOKENS)
+    expired = cluster.counters("decode").get("handoff.expired", 0)
+    with cluster.prefill_service_stopped():  # its saves never land while the decode waits
+        prefilled = complete(cluster.prefill.url, prefill_body(body))
+        assert PARAMS_KEY in (prefilled.kv_transfer_params or {})
+        decoded = complete(cluster.decode.url, {**body, "kv_transfer_params": prefilled.kv_transfer_params})
+    assert decoded.cached_tokens == 0
+    assert decoded.token_ids == reference["lost"].token_ids
+    assert decoded.seconds < reference["lost"].seconds + PD_WAIT_S + 3, decoded.seconds
+    assert cluster.counters("decode")["handoff.expired"] == expired + 1
