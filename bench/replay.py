@@ -240,7 +240,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier", action="append", default=[], metavar="NAME=SIZE",
                         help="a tier, top first (repeat): e.g. --tier host=64GiB --tier disk=2TiB")
     parser.add_argument("--kv-bytes-per-token", type=int, default=131072,
-                        help="KV bytes one token takes (2 x layers x kv_heads x head_dim x dtype)")
+                        help="KV bytes one token takes (2 x layers x kv_heads x head_dim x dtype); a "
+                             "hybrid model: its full-attention groups' bytes plus each sliding-window "
+                             "group's x the share of chunks it stores (the worker logs B/token per "
+                             "group; docs/vllm.md)")
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS)
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-promote", action="store_true", help="lower-tier hits stay put")

@@ -6,7 +6,9 @@ left which tier (kvstore/service/chunk_events.py); the scheduler remembers, for 
 the requests it saw, the engine's block hashes, tokens and LoRA (the most recent
 CAPACITY chunks: about 1.3 KB each); this joins the two. A chunk this scheduler never
 saw (another engine's on the same service) is skipped: that engine reports it. With
-tensor parallelism, rank 0's chunks stand for all ranks'.
+tensor parallelism, rank 0's chunks stand for all ranks'. A hybrid model's chunks carry
+their KV cache group (vLLM's group index, spec kind and sliding window), as vLLM's own
+events do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from connectors.groups import KVGroup
 
 CAPACITY = 1 << 14  # chunks remembered
 
@@ -30,6 +34,7 @@ class ChunkBlocks:
     token_ids: array
     lora_id: int | None
     lora_name: str | None
+    group: KVGroup | None = None  # a hybrid model's KV cache group; None: the model has one
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +53,8 @@ class ChunkCatalog:
         self.unknown = 0  # events about chunks this scheduler did not see
 
     def remember(self, keys: Sequence[bytes], token_ids: Sequence[int], block_hashes: Sequence[Any],
-                 lora_id: int | None = None, lora_name: str | None = None) -> None:
+                 lora_id: int | None = None, lora_name: str | None = None,
+                 group: KVGroup | None = None) -> None:
         """A request's chunk keys, with the engine's hashes of its blocks (hashes of blocks
         not full yet may be missing: those chunks are left out)."""
         per = self.blocks_per_chunk
@@ -58,7 +64,7 @@ class ChunkCatalog:
                 break
             tokens = array("i", token_ids[i * self.chunk_tokens : (i + 1) * self.chunk_tokens])
             self._chunks[key] = ChunkBlocks(hashes, block_hashes[i * per - 1] if i else None, tokens,
-                                            lora_id, lora_name)
+                                            lora_id, lora_name, group)
             self._chunks.move_to_end(key)
         while len(self._chunks) > self.capacity:
             self._chunks.popitem(last=False)

@@ -1,4 +1,8 @@
-"""The worker's view of an engine's paged KV: chunk bytes out of blocks and back in."""
+"""The worker's view of an engine's paged KV: chunk bytes out of blocks and back in.
+
+`group` is the engine's KV cache group whose blocks are meant (a hybrid model's groups
+have layers and block tables of their own); a one-group layout has only group 0.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,6 @@ class KVLayout(Protocol):
 
     chunk_bytes: int
 
-    def gather(self, blocks: Sequence[int], out: memoryview) -> None: ...
+    def gather(self, blocks: Sequence[int], out: memoryview, group: int = 0) -> None: ...
 
-    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int]) -> None: ...
+    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int], group: int = 0) -> None: ...

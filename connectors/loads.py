@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,11 +45,16 @@ class LoadHandler:
         self.link.start()
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
+        self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
         self._failed_blocks: set[int] = set()
         self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
         self._fetcher = ThreadPoolExecutor(1, "kvstore-fetch")  # the next wave's get
 
     def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
+        """A request is reported finished once, after its last load (a hybrid model's
+        groups load in transfers of their own)."""
+        with self._lock:
+            self._loads_left.update(t.req_id for t in loads)
         for transfer in loads:
             if load_async and self._load_pool is not None:
                 self._load_pool.submit(self._load, transfer, True)
@@ -59,14 +65,15 @@ class LoadHandler:
         failed: list[int] = []
         try:
             keys = transfer.keys[self.rank]
-            pending = [i for i in range(transfer.num_chunks) if not self._load_staged(keys[i],
-                                                                                      transfer.blocks[i])]
+            pending = [i for i in range(transfer.num_chunks)
+                       if not self._load_staged(keys[i], transfer.blocks[i], transfer.group)]
             client = self.link.get() if pending else None
             if client is None:
                 failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
             else:
                 load = self._load_leased if client.tier is not None else self._load_waves
-                failed = load(client, [keys[i] for i in pending], [transfer.blocks[i] for i in pending])
+                failed = load(client, [keys[i] for i in pending], [transfer.blocks[i] for i in pending],
+                              transfer.group)
             self.stats.add("load.chunks", transfer.num_chunks)
             self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         except Exception:  # never let a load bug kill the engine: recompute instead
@@ -77,11 +84,14 @@ class LoadHandler:
             if failed:
                 self.stats.add("load.failed_blocks", len(failed))
                 self._failed_blocks.update(failed)
-            if report_finished:
-                self._finished_loads.add(transfer.req_id)
+            self._loads_left[transfer.req_id] -= 1
+            if self._loads_left[transfer.req_id] <= 0:
+                del self._loads_left[transfer.req_id]
+                if report_finished:
+                    self._finished_loads.add(transfer.req_id)
 
     def _load_leased(self, client: StoreClient, keys: list[bytes],
-                     blocks: list[tuple[int, ...]]) -> list[int]:
+                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
         """Copy the DRAM hits among `keys` straight from the tier into their blocks, a
         window's worth of pins at a time; the others through the window. Returns the
         block ids that did not load."""
@@ -97,12 +107,12 @@ class LoadHandler:
             try:
                 for i, offset in zip(wave, offsets, strict=True):
                     if offset >= 0:
-                        self.layout.scatter(client.tier_payload(offset), blocks[i])
+                        self.layout.scatter(client.tier_payload(offset), blocks[i], group)
             finally:
                 self._unpin(client, lease)
             rest = [i for i, offset in zip(wave, offsets, strict=True) if offset < 0]
             if rest:
-                failed += self._load_waves(client, [keys[i] for i in rest], [blocks[i] for i in rest])
+                failed += self._load_waves(client, [keys[i] for i in rest], [blocks[i] for i in rest], group)
         return failed
 
     def _unpin(self, client: StoreClient, lease: int) -> None:
@@ -113,7 +123,7 @@ class LoadHandler:
             self.link.fail()
 
     def _load_waves(self, client: StoreClient, keys: list[bytes],
-                    blocks: list[tuple[int, ...]]) -> list[int]:
+                    blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
         """Fetch and scatter `keys` in waves of half the window, the next wave's fetch
         running while this one is scattered. Returns the block ids that did not load."""
         half = max(1, client.slots // 2)
@@ -134,7 +144,7 @@ class LoadHandler:
                 first_slot = half * (k % 2) if ahead else 0
                 for slot, (i, ok) in enumerate(zip(wave, found, strict=True), start=first_slot):
                     if ok:
-                        self.layout.scatter(client.slot(slot), blocks[i])
+                        self.layout.scatter(client.slot(slot), blocks[i], group)
                     else:
                         failed.extend(b for b in blocks[i] if b != SKIP)
                 if not ahead and k + 1 < len(waves):
@@ -154,14 +164,14 @@ class LoadHandler:
         except KVStoreError as exc:
             log.debug("kvstore: staging counters not reported (%s)", exc)
 
-    def _load_staged(self, key: bytes, blocks: Sequence[int]) -> bool:
+    def _load_staged(self, key: bytes, blocks: Sequence[int], group: int = 0) -> bool:
         """Copy a staged chunk from the device pool into its blocks; False if not staged."""
         slot = self.staging.take(key) if self.staging is not None else None
         if slot is None:
             return False
         assert self.staging is not None
         try:
-            self.layout.scatter(self.staging.slot(slot), blocks)
+            self.layout.scatter(self.staging.slot(slot), blocks, group)
         finally:
             self.staging.release(slot)
         self.stats.add("staging.hits")

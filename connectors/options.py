@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from connectors.prefetch import PrefetchPolicy
-from kvstore.config.schema import Bool, Refused, Schema, Text, seconds, size, validate
+from kvstore.config.schema import Bool, Refused, Schema, Text, integer, seconds, size, validate
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
 
@@ -57,6 +57,12 @@ class ConnectorOptions(Schema):
                            "turn of a conversation (prompt + answer + new message) finds the answer in "
                            "the store; false: only prompt chunks are saved",
         json_schema_extra={"doc_type": "true/false", "doc_default": "true"})
+    sliding_window_interval: Annotated[int, integer(0, 1 << 24)] = Field(
+        4096, description="tokens: a hybrid model's sliding-window groups store the chunks inside "
+                          "the window before the prompt's end, before each answer chunk and before "
+                          "every multiple of this (a later prompt sharing a prefix hits at one of "
+                          "those); a multiple of `chunk_tokens`, or 0: only the prompt's end and "
+                          "answers; `chunk_tokens`: every chunk (connectors/groups.py)")
     save_window_wait_s: Annotated[float, seconds(zero=True)] = Field(
         2.0, description="the longest one step waits for free window slots when it computed more "
                          "chunks than the window holds (saves go in waves); past it the rest is "

@@ -21,6 +21,7 @@ class Transfer:
     blocks[i] lists the engine block ids chunk i occupies, in token order.
     A save has a `save_id`, by which each worker reports it done (stored or given up),
     so the scheduler knows which chunks are still on their way to the store.
+    A hybrid model's groups each move in transfers of their own (keys of that group).
     """
 
     req_id: str
@@ -28,6 +29,7 @@ class Transfer:
     parents: tuple[bytes | None, ...]
     blocks: tuple[tuple[int, ...], ...]
     save_id: int = 0
+    group: int = 0  # the engine's KV cache group whose blocks these are (hybrid models)
 
     @property
     def num_chunks(self) -> int:

@@ -92,7 +92,7 @@ class SaveHandler:
                 if not slots:
                     break
                 for slot, blocks in zip(slots, transfer.blocks[done:], strict=False):
-                    self.layout.gather(blocks, client.slot(slot))
+                    self.layout.gather(blocks, client.slot(slot), transfer.group)
                 parent = keys[done - 1] if done else transfer.parents[self.rank]
                 self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent))
                 done += len(slots)

@@ -15,6 +15,8 @@ Invariants (each holds per request):
   DRAM, and the policy (connectors/prefetch.py) decides whether the scheduler asks
   again later and how many stored chunks to count; never a blocking wait.
 - Saves in flight hold requests that would miss them (connectors/save_tracker.py).
+- A hybrid model's KV cache groups each have their own keys, block ids and transfers;
+  what each group stores, loads and needs for a hit is connectors/groups.py's.
 - A request handed off by a prefill instance (connectors/handoff.py) is held until the
   chunks its producer named are readable, at most `pd_wait_s`; an instance whose
   role saves nothing (a kv_consumer) plans no saves.
@@ -22,13 +24,15 @@ Invariants (each holds per request):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from connectors.groups import GroupRules, KVGroup, load_run, per_group, save_runs
 from connectors.handoff import Handoff, HandoffWaits
-from connectors.plan import SKIP, Stage, StepPlan, Transfer
+from connectors.plan import Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from connectors.save_tracker import SaveTracker
 from kvstore.format.keys import KVNamespace, chunk_keys
@@ -50,6 +54,7 @@ class SchedulerSettings:
     save_answers: bool = True  # chunks of generated tokens are saved too
     saves: bool = True  # False: plan no saves (a kv_consumer's default)
     handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
+    groups: GroupRules | None = None  # a hybrid model's KV cache groups; None: one group
 
 
 @dataclass
@@ -60,7 +65,24 @@ class _Request:
     save_limit: int  # tokens that may be saved (the prompt's, or no limit)
     load_end: int  # token where a load from the store would end
     saved_chunks: int  # chunks [0, saved_chunks) are stored or queued for saving
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group (vLLM's index)
+    prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
+
+    def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
+        """The block ids of chunk `chunk` in KV cache group `group`."""
+        ids = self.block_ids[group][chunk * per_chunk : (chunk + 1) * per_chunk]
+        if len(ids) != per_chunk:
+            raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, expected {per_chunk}")
+        return tuple(ids)
+
+    def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
+                 group: int, save_id: int = 0) -> Transfer:
+        """Chunks [first, first + len(blocks)) of the group whose keys are `streams` of self.keys."""
+        end = first + len(blocks)
+        keys = self.keys[streams]
+        return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
+                        parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
+                        blocks=tuple(blocks), save_id=save_id, group=group)
 
 
 class SchedulerCore:
@@ -68,7 +90,8 @@ class SchedulerCore:
 
     `lookup(keys per rank, prefetch)` says what the store holds of one prompt on every
     rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
-    request's salt. Counters (take_counters): the save tracker's and the prefetch
+    request's salt (with KV cache groups: one per group and rank, group-major, in
+    `settings.groups` order). Counters (take_counters): the save tracker's and the prefetch
     policy's.
     """
 
@@ -90,16 +113,23 @@ class SchedulerCore:
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan(load_async=self.load_async)
         self.counters: Counter[str] = Counter()
-        self.saves = SaveTracker(len(namespaces("")), settings.wait_for_saves_s, self.counters, clock)
+        self.rules = settings.groups
+        self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
+        self.ranks = len(namespaces("")) // len(self.groups)
+        self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock)
 
     def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
 
-    def _residency(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
+    def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None) -> Residency:
+        """Leading chunks stored for every rank (and every group, at most `cap`)."""
         if not keys[0]:
             return Residency(0, 0)
-        return self._lookup(keys, prefetch)
+        if self.rules is None:
+            return self._lookup(keys, prefetch)
+        grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.groups))]
+        return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
 
     def on_arrival(self, req_id: str, prompt: Sequence[int], salt: str = "") -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,
@@ -129,7 +159,8 @@ class SchedulerCore:
         the request; ask again later."""
         arrived = self._arrived.get(req_id)
         keys = arrived if arrived is not None else self._keys(prompt, salt)
-        residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None)
+        residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
+                                    cap=(len(prompt) - 1) // self.chunk_tokens)
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys[0], residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
@@ -143,7 +174,8 @@ class SchedulerCore:
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
         limit = len(prompt) if not self.settings.save_answers else 1 << 62
-        self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, saved_chunks=residency.stored)
+        self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, saved_chunks=residency.stored,
+                                          prompt_tokens=len(prompt))
         return max(0, load_end - num_computed)
 
     def expect_handoff(self, req_id: str, handoff: Handoff) -> None:
@@ -172,45 +204,56 @@ class SchedulerCore:
             counters.update(self.prefetch.take_counters())
         return dict(counters)
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """Blocks are allocated: plan the load of the last `num_external` tokens of the hit
-        (the engine may have trimmed its own hit since the lookup; the hit's end holds)."""
+    def on_alloc(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
+                 num_external: int) -> None:
+        """Blocks are allocated (per group, or one group's list): plan the load of the last
+        `num_external` tokens of the hit (the engine may have trimmed its own hit since the
+        lookup; the hit's end holds). A group's blocks the engine keeps none of are skipped,
+        and chunks with nothing to load are left out."""
         request = self._requests.get(req_id)
         if request is None or num_external == 0:
             return
-        request.block_ids = list(block_ids)
+        request.block_ids = per_group(block_ids)
         num_computed = request.load_end - num_external
-        first_chunk = num_computed // self.chunk_tokens
-        end_chunk = request.load_end // self.chunk_tokens
-        first_needed_block = num_computed // self.block_size
-        blocks = []
-        for chunk in range(first_chunk, end_chunk):
-            ids = self._chunk_blocks(request, chunk)
-            start = chunk * self.blocks_per_chunk
-            blocks.append(tuple(SKIP if start + i < first_needed_block else b
-                                for i, b in enumerate(ids)))
-        self._plan.loads.append(self._transfer(req_id, request, first_chunk, blocks))
+        for position, group in enumerate(self.groups):
+            blocks_of = functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
+                                          group=group.index)
+            run = load_run(group, blocks_of, num_computed, request.load_end, self.chunk_tokens,
+                           self.block_size)
+            if run is not None:
+                self._plan.loads.append(request.transfer(req_id, run[0], run[1], self._streams(position),
+                                                         group.index))
 
-    def on_scheduled(self, req_id: str, block_ids: Sequence[int] | None, replace: bool,
-                     computed_after_step: int) -> None:
-        """A request runs this step; chunks it completes are saved after the forward."""
+    def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
+                     replace: bool, computed_after_step: int) -> None:
+        """A request runs this step; chunks it completes are saved after the forward (each
+        group's chunks worth storing: connectors/groups.py)."""
         request = self._requests.get(req_id)
         if request is None:
             return
         if block_ids is not None:
-            request.block_ids = list(block_ids) if replace else request.block_ids + list(block_ids)
+            new = per_group(block_ids)
+            request.block_ids = new if replace or not request.block_ids else [
+                old + ids for old, ids in zip(request.block_ids, new, strict=True)]
         if not self.settings.saves:
             return
         done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
         self._extend_keys(request, done)
-        first = request.saved_chunks
-        blocks = [self._chunk_blocks(request, chunk) for chunk in range(first, done)]
-        keys = tuple(tuple(rank_keys[first:done]) for rank_keys in request.keys)
-        save = self._transfer(req_id, request, first, blocks, save_id=self.saves.started(keys[0]))
-        self._plan.saves.append(save)
+        for position, group in enumerate(self.groups):
+            runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
+                             functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
+                                               group=group.index))
+            for first, blocks in runs:
+                keys = request.keys[position * self.ranks][first : first + len(blocks)]
+                self._plan.saves.append(request.transfer(req_id, first, blocks, self._streams(position),
+                                                         group.index, self.saves.started(keys)))
         request.saved_chunks = done
+
+    def _streams(self, position: int) -> slice:
+        """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
+        return slice(position * self.ranks, (position + 1) * self.ranks)
 
     def _extend_keys(self, request: _Request, chunks: int) -> None:
         """Keys of the first `chunks` chunks: those generated tokens filled are hashed on,
@@ -240,23 +283,3 @@ class SchedulerCore:
             self.prefetch.forget(req_id)
         if request is not None and request.saved_chunks and self._notify is not None:
             self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
-
-    def _chunk_blocks(self, request: _Request, chunk: int) -> tuple[int, ...]:
-        start = chunk * self.blocks_per_chunk
-        ids = request.block_ids[start : start + self.blocks_per_chunk]
-        if len(ids) != self.blocks_per_chunk:
-            raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, "
-                               f"expected {self.blocks_per_chunk}")
-        return tuple(ids)
-
-    @staticmethod
-    def _transfer(req_id: str, request: _Request, first: int,
-                  blocks: list[tuple[int, ...]], save_id: int = 0) -> Transfer:
-        end = first + len(blocks)
-        return Transfer(
-            req_id=req_id,
-            keys=tuple(tuple(rank_keys[first:end]) for rank_keys in request.keys),
-            parents=tuple(rank_keys[first - 1] if first else None for rank_keys in request.keys),
-            blocks=tuple(blocks),
-            save_id=save_id,
-        )

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from connectors.device_staging import DeviceStagingPool
@@ -44,7 +45,8 @@ from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from connectors.worker_side import WorkerCore
 from engine_plugin.kv_events import RouterEvents
-from engine_plugin.kv_spec import layout_signature, record_dtype_name, single_group_spec, spec_dtype
+from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
+from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
 from kvstore.format.keys import KVNamespace
 from kvstore.io.aligned import pin_for_cuda
 from kvstore.service.client import StoreClient
@@ -79,7 +81,10 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-class TieredKVConnector(KVConnectorBase_V1):
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid KV cache manager on, and a hybrid model's KV
+    cache groups are each stored as vLLM keeps them (engine_plugin/kv_groups.py)."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -92,8 +97,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._store_role = Role.of(self._kv_transfer_config.kv_role, self.options.pd_consumer_saves)
         check_producer_store(self._store_role, store)
         self._model_id = self.options.model_id or str(vllm_config.model_config.model)
-        group_spec = single_group_spec(kv_cache_config)
-        self._kv_dtype = record_dtype_name(spec_dtype(group_spec))
+        self._kv_dtype = record_dtype_name(spec_dtype(first_group_spec(kv_cache_config)))
+        self._rules = group_rules(kv_cache_config, store.chunk_tokens, self.block_size,
+                                  self.options.sliding_window_interval)
         self._kv_layout = layout_signature(vllm_config, kv_cache_config)
         self._tp_world = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerCore | None = None
@@ -107,25 +113,26 @@ class TieredKVConnector(KVConnectorBase_V1):
             settings = SchedulerSettings(load_async=self.options.load_async, prefetch=self.options.prefetch,
                                          stage_on_arrival=self.options.device_staging > 0,
                                          wait_for_saves_s=self.options.wait_for_saves_s,
-                                         save_answers=self.options.save_answers,
+                                         save_answers=self.options.save_answers, groups=self._rules,
                                          saves=self._store_role.saves, handoff_wait_s=self.options.pd_wait_s)
             self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
                                             self._lookup, settings, notify=self._notify)
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
-        log.info("kvstore connector (%s, %s): chunk %d tokens, one KV cache group (%s, %d layers, %s), "
-                 "socket %s", role.name, self._store_role.name, store.chunk_tokens, type(group_spec).__name__,
-                 len(kv_cache_config.kv_cache_groups[0].layer_names), self._kv_dtype,
-                 store.service.socket)
+        log.info("kvstore connector (%s, %s): chunk %d tokens, KV cache groups: %s (%s), socket %s",
+                 role.name, self._store_role.name, store.chunk_tokens, describe_groups(kv_cache_config),
+                 self._kv_dtype, store.service.socket)
 
     @functools.cache  # noqa: B019 - one small entry per salt, for the connector's lifetime
     def _namespaces(self, salt: str) -> tuple[KVNamespace, ...]:
+        """One per tensor-parallel rank; a hybrid model's: one per group and rank, group-major."""
+        groups = [g.signature for g in self._rules.groups] if self._rules is not None else [""]
         return tuple(
             KVNamespace(model=self._model_id, kv_dtype=self._kv_dtype,
                         kv_layout=self._kv_layout, chunk_tokens=self.options.store.chunk_tokens,
-                        tp_rank=rank, tp_world_size=self._tp_world, salt=salt)
-            for rank in range(self._tp_world))
+                        tp_rank=rank, tp_world_size=self._tp_world, salt=salt, group=group)
+            for group in groups for rank in range(self._tp_world))
 
     # -- scheduler side ----------------------------------------------------------------
 
@@ -161,7 +168,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         salt = _salt(request)
         if self._router_events is not None:
-            self._router_events.remember(request, self._namespaces(salt)[0])
+            groups = self._rules.groups if self._rules is not None else (None,)
+            per_group = self._namespaces(salt)[:: self._tp_world]  # rank 0's of each group
+            self._router_events.remember(request, list(zip(per_group, groups, strict=True)))
         handoff = Handoff.from_params(request.kv_transfer_params)
         if handoff is not None:  # handed off by a prefill instance: wait for its chunks
             self._scheduler.expect_handoff(request.request_id, handoff)
@@ -210,18 +219,18 @@ class TieredKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.on_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._scheduler.on_scheduled(new.req_id, new.block_ids[0], True,
+            self._scheduler.on_scheduled(new.req_id, new.block_ids, True,
                                          new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            self._scheduler.on_scheduled(req_id, new_blocks[0] if new_blocks else None,
+            self._scheduler.on_scheduled(req_id, new_blocks or None,
                                          req_id in cached.resumed_req_ids,
                                          cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return TieredMetadata(plan=self._scheduler.take_plan())
@@ -245,6 +254,11 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler.on_finished(request.request_id)
         return False, params
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA's request_finished, with every group's blocks: the same answer."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # -- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -252,7 +266,11 @@ class TieredKVConnector(KVConnectorBase_V1):
 
         from engine_plugin.layout import PagedKVLayout
 
-        layout = PagedKVLayout(kv_caches, self._kv_cache_config.num_blocks, self.blocks_per_chunk)
+        layout: PagedKVLayout | GroupedKVLayout
+        if self._rules is None:
+            layout = PagedKVLayout(kv_caches, self._kv_cache_config.num_blocks, self.blocks_per_chunk)
+        else:
+            layout = GroupedKVLayout(kv_caches, self._kv_cache_config, self.blocks_per_chunk)
         rank = get_tensor_model_parallel_rank()
         namespace = self._namespaces("")[rank].digest()
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from connectors.groups import KVGroup
 from connectors.kv_events import ChunkCatalog
 from connectors.link import ServiceLink
 from kvstore.format.keys import KVNamespace, chunk_keys
@@ -36,11 +37,13 @@ class RouterEvents:
         self._lost_logged = False
         self.take()  # learns the current cursor: what happened before this engine is not its news
 
-    def remember(self, request: Request, namespace: KVNamespace) -> None:
+    def remember(self, request: Request, namespaces: Sequence[tuple[KVNamespace, KVGroup | None]]) -> None:
+        """The request's chunks in each KV cache group (rank 0's namespace of each)."""
         tokens = request.prompt_token_ids or []
         lora = request.lora_request
-        self.catalog.remember(chunk_keys(tokens, namespace), tokens, request.block_hashes,
-                              lora.adapter_id if lora else None, lora.name if lora else None)
+        for namespace, group in namespaces:
+            self.catalog.remember(chunk_keys(tokens, namespace), tokens, request.block_hashes,
+                                  lora.adapter_id if lora else None, lora.name if lora else None, group)
 
     def take(self) -> list[KVCacheEvent]:
         client = self.link.get()
@@ -62,12 +65,16 @@ class RouterEvents:
         for event in self.catalog.translate(events):
             blocks = event.blocks
             hashes = [maybe_convert_block_hash(h) for h in blocks.block_hashes]
+            group = blocks.group
             if not event.stored:
-                out.append(BlockRemoved(block_hashes=hashes, medium=event.medium))
+                out.append(BlockRemoved(block_hashes=hashes, medium=event.medium,
+                                        group_idx=group.index if group else None))
                 continue
             parent = maybe_convert_block_hash(blocks.parent_hash) if blocks.parent_hash is not None else None
             out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
                                    token_ids=blocks.token_ids.tolist(), block_size=self.block_size,
                                    lora_id=blocks.lora_id, medium=event.medium,
-                                   lora_name=blocks.lora_name))
+                                   lora_name=blocks.lora_name, group_idx=group.index if group else None,
+                                   kv_cache_spec_kind=group.kind if group else None,
+                                   kv_cache_spec_sliding_window=group.sliding_window if group else None))
         return out

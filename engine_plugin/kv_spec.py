@@ -1,12 +1,8 @@
 """What vLLM's KV cache config means for kvstore, checked once at start-up.
 
-- One KV cache group. The connector stores a chunk as the blocks of every layer under
-  one block table. vLLM gives a model several groups only with its hybrid KV cache
-  manager, which it turns off for a connector that does not implement SupportsHMA
-  (this one): models mixing sliding-window and full attention (Gemma-2/3 style) then
-  run with one group whose sliding-window layers keep full KV, and kvstore stores all
-  of it. Several groups anyway (a future vLLM, another path) are refused, by name,
-  rather than half-stored.
+- The KV cache groups (engine_plugin/kv_groups.py): the connector implements vLLM's
+  SupportsHMA, so a hybrid model keeps its groups; each is stored on its own. Their
+  dtype is the first group's (vLLM gives every attention group the model's KV dtype).
 - The dtype name in record headers: torch's name without "torch." (the header field
   holds 16 bytes; "torch.float8_e4m3fn" is 19). A name still too long is refused.
 - The layout signature in chunk keys: what fixes a chunk's bytes, including vLLM's
@@ -33,16 +29,11 @@ class UnsupportedKVCache(KVStoreError, ValueError):
     """The engine's KV cache cannot be stored by kvstore; the message says why."""
 
 
-def single_group_spec(kv_cache_config: KVCacheConfig) -> KVCacheSpec:
-    """The spec of the one KV cache group; several groups are refused, naming them."""
+def first_group_spec(kv_cache_config: KVCacheConfig) -> KVCacheSpec:
+    """The spec of the first KV cache group (whose dtype names records); none is refused."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        described = ", ".join(f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)} layers"
-                              for g in groups)
-        raise UnsupportedKVCache(
-            f"TieredKVConnector stores models with one KV cache group; this engine has "
-            f"{len(groups)} ({described or 'none'}). Run it with "
-            f"--disable-hybrid-kv-cache-manager, or without kvstore")
+    if not groups:
+        raise UnsupportedKVCache("TieredKVConnector stores KV caches; this engine has no KV cache group")
     return groups[0].kv_cache_spec
 
 

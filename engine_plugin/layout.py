@@ -114,14 +114,15 @@ class PagedKVLayout:
         first = self.layers[0]
         return f"{len(self.layers)}x{tuple(first.shape[1:])}:{first.dtype}:{self.device.type}"
 
-    def gather(self, blocks: Sequence[int], out: memoryview) -> None:
-        """out[:] = the chunk's blocks of every layer (copy out of the engine)."""
+    def gather(self, blocks: Sequence[int], out: memoryview, group: int = 0) -> None:
+        """out[:] = the chunk's blocks of every layer (copy out of the engine); one group
+        (engine_plugin/kv_groups.py holds one layout per group of a hybrid model)."""
         runs = block_runs(blocks, descending=self._on_host)
         for layer, part in zip(self._targets, self._parts(self._bytes(out), len(blocks)), strict=True):
             for positions, ids in runs:
                 part[positions] = layer[ids]
 
-    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int]) -> None:
+    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int], group: int = 0) -> None:
         """Write the chunk's bytes (host memory, or a uint8 tensor such as a device
         staging slot) into its blocks, leaving SKIP positions untouched."""
         source = self._bytes(src)

@@ -71,3 +71,25 @@ def test_the_catalog_names_chunks_by_the_engines_block_hashes():
     assert catalog.unknown == 2  # the unhashed chunk and one never seen
     catalog.remember([b"d" * 16], [0] * 4, [b"x", b"y"])  # capacity 2: the oldest goes
     assert catalog.translate([(True, keys[0], "kvstore-dram")]) == []
+
+
+def test_a_hybrid_models_chunks_reach_routers_with_their_kv_cache_group():
+    """vLLM's BlockStored / BlockRemoved carry the group (index, spec kind, window)."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from connectors.groups import KVGroup
+    from engine_plugin.kv_events import RouterEvents
+
+    window = KVGroup(0, "sliding_window", "0:sliding", 256)
+    router = RouterEvents.__new__(RouterEvents)  # no service: only the translation is under test
+    router.catalog, router.block_size = ChunkCatalog(chunk_tokens=4, block_size=2), 2
+    router.catalog.remember([b"a" * 16], list(range(4)), [b"h1", b"h2"], group=window)
+    router.catalog.remember([b"b" * 16], list(range(4)), [b"h1", b"h2"])
+    stored, removed, plain = router._vllm_events([(True, b"a" * 16, "kvstore-dram"),
+                                                  (False, b"a" * 16, "kvstore-dram"),
+                                                  (True, b"b" * 16, "kvstore-disk")])
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == \
+        (0, "sliding_window", 256)
+    assert removed.group_idx == 0
+    assert (plain.group_idx, plain.kv_cache_spec_kind) == (None, None)

@@ -25,8 +25,8 @@ from connectors.worker_side import WorkerCore
 from engine_plugin.kv_spec import (
     RECORD_DTYPE_BYTES,
     UnsupportedKVCache,
+    first_group_spec,
     record_dtype_name,
-    single_group_spec,
     spec_dtype,
 )
 from engine_plugin.layout import PagedKVLayout
@@ -268,22 +268,12 @@ def test_an_fp8_kv_cache_round_trips_through_the_service(service):
         assert torch.equal(target_caches[name][:4].view(torch.uint8), tensor[:4].view(torch.uint8))
 
 
-def test_several_kv_cache_groups_are_refused_by_name():
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
+def test_the_first_groups_dtype_names_records():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float16,
-                               sliding_window=256)
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], full)])
-    assert spec_dtype(single_group_spec(one)) == torch.float16
-    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["l0", "l1"], window), KVCacheGroupSpec(["l2"], full)])
-    with pytest.raises(UnsupportedKVCache, match=r"one KV cache group; this engine has 2 "
-                                                 r"\(SlidingWindowSpec x2 layers, FullAttentionSpec x1"):
-        single_group_spec(hybrid)
+    assert spec_dtype(first_group_spec(one)) == torch.float16
+    with pytest.raises(UnsupportedKVCache, match="no KV cache group"):
+        first_group_spec(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))

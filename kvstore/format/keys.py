@@ -33,10 +33,17 @@ class KVNamespace:
     tp_rank: int = 0
     tp_world_size: int = 1
     salt: str = ""
+    # One KV cache group of a hybrid model (its index, spec kind and geometry, e.g.
+    # "1:sliding_window:w256:L1:b128"): groups never share records. Empty for a model
+    # with one group, and then left out of the digest, so its keys stay as they were.
+    group: str = ""
 
     def digest(self) -> bytes:
         """xxh3-128 of a canonical JSON encoding (sorted keys, no whitespace)."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not fields["group"]:
+            del fields["group"]
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(text.encode())
 
 
