@@ -199,3 +199,16 @@ def test_misses_are_one_metric_labelled_by_tier_and_reason(tmp_path):
     misses = {(s.labels["tier"], s.labels["reason"]): s.value for s in families["kvstore_misses"].samples}
     assert misses == {("disk", "bad_checksum"): 1, ("peer", "stale"): 1}
     assert not any("miss" in name for name in families if name != "kvstore_misses")
+
+
+def test_every_counter_the_connector_reports_is_one_a_client_may_add():
+    """The service refuses counter names outside a bounded set: a counter the connector
+    core reports under another name would be lost without a sound."""
+    import re
+    from pathlib import Path
+
+    from kvstore.service.handlers import CLIENT_COUNTER
+
+    source = "\n".join(p.read_text() for p in (Path(__file__).parents[1] / "connectors").glob("*.py"))
+    names = set(re.findall(r'"([a-z_]+\.[a-z_]+)"', source)) - {"vllm.kvstore"}
+    assert names and not [n for n in names if not CLIENT_COUNTER.fullmatch(n)]

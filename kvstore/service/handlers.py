@@ -35,7 +35,7 @@ from kvstore.store.tiered import TieredStore
 log = logging.getLogger(__name__)
 # The counters a client may add to (the scheduler's and the workers'): a bounded set of
 # names, so a client cannot grow the service's counters (and /metrics) without end.
-CLIENT_COUNTER = re.compile(r"(prefetch|save|save_wait|staging|load)\.[a-z_]{1,32}")
+CLIENT_COUNTER = re.compile(r"(prefetch|save|save_wait|staging|load|handoff)\.[a-z_]{1,32}")
 
 
 class Client:
