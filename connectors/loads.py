@@ -1,13 +1,15 @@
 """Worker loads: chunks from the service's DRAM tier or window scattered into KV blocks.
 
-Where the service shares its DRAM tier (this worker maps it read-only), a DRAM hit is
-one copy: the service pins the chunk's slot (a lease), the layout copies it straight
-from the slot into the blocks, and the lease is released at once (or, if this worker
-dies or its connection drops, by the service). The rest, and every chunk where the
-tier is not shared, goes through the window: the service fills window slots (DRAM
-copy or O_DIRECT read, checksummed), then the layout scatters each verified chunk
-into its blocks, in waves of half the window: a fetch thread has the service fill one
-half while the other is scattered, so the service's copy and the scatter run at once.
+Where the service shares its DRAM tier (this worker maps it read-only), a hit is one
+copy: the service pins the chunk's DRAM slot (a lease; a disk hit is read into a DRAM
+slot and verified there first, the promotion a get makes anyway), the layout copies it
+straight from the slot into the blocks, and the lease is released after the copy (or,
+if this worker dies or its connection drops, by the service). What DRAM cannot hold,
+and every chunk where the tier is not shared, goes through the window: the service
+fills window slots (DRAM copy or O_DIRECT read, checksummed), then the layout scatters
+each verified chunk into its blocks. Both run in waves of half the window: a fetch
+thread has the service pin or fill one half while the other is scattered, so the
+service's disk reads and the scatter overlap.
 A chunk that did not verify, went missing or timed out is reported by its block ids,
 and the engine recomputes those tokens.
 With `load_async`, loads run on a thread while the request waits outside the batch;
@@ -21,7 +23,8 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.kv_layout import KVLayout
@@ -32,6 +35,22 @@ from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
+
+
+@dataclass
+class _Fetched:
+    """One wave's chunks: j is pinned in the mapped tier at offsets[j] (>= 0), or in window
+    slot first_slot + j where in_window[j]; neither is a miss."""
+
+    first_slot: int
+    offsets: list[int]
+    in_window: list[bool]
+    lease: int | None = None
+
+    def source(self, client: StoreClient, j: int) -> memoryview | None:
+        if self.offsets[j] >= 0:
+            return client.tier_payload(self.offsets[j])
+        return client.slot(self.first_slot + j) if self.in_window[j] else None
 
 
 class LoadHandler:
@@ -71,9 +90,8 @@ class LoadHandler:
             if client is None:
                 failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
             else:
-                load = self._load_leased if client.tier is not None else self._load_waves
-                failed = load(client, [keys[i] for i in pending], [transfer.blocks[i] for i in pending],
-                              transfer.group)
+                failed = self._load_waves(client, [keys[i] for i in pending],
+                                          [transfer.blocks[i] for i in pending], transfer.group)
             self.stats.add("load.chunks", transfer.num_chunks)
             self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         except Exception:  # never let a load bug kill the engine: recompute instead
@@ -90,30 +108,68 @@ class LoadHandler:
                 if report_finished:
                     self._finished_loads.add(transfer.req_id)
 
-    def _load_leased(self, client: StoreClient, keys: list[bytes],
-                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
-        """Copy the DRAM hits among `keys` straight from the tier into their blocks, a
-        window's worth of pins at a time; the others through the window. Returns the
+    def _load_waves(self, client: StoreClient, keys: list[bytes],
+                    blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
+        """Fetch and scatter `keys` in waves of half the window, the next wave's fetch
+        running while this one is scattered (and the last wave's lease released after
+        it, on the same thread: one request at a time on the connection). Returns the
         block ids that did not load."""
+        half = max(1, client.slots // 2)
+        ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
+        waves = [range(start, min(start + half, len(keys))) for start in range(0, len(keys), half)]
+
+        def fetch(k: int) -> _Fetched:
+            return self._fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0)
+
         failed: list[int] = []
-        for start in range(0, len(keys), client.slots):
-            wave = range(start, min(start + client.slots, len(keys)))
-            try:
-                lease, offsets = client.pin([keys[i] for i in wave])
-            except KVStoreError as exc:
-                log.warning("kvstore pin failed (%s); recomputing", exc)
-                self.link.fail()
-                return failed + [b for i in range(start, len(keys)) for b in blocks[i] if b != SKIP]
-            try:
-                for i, offset in zip(wave, offsets, strict=True):
-                    if offset >= 0:
-                        self.layout.scatter(client.tier_payload(offset), blocks[i], group)
-            finally:
-                self._unpin(client, lease)
-            rest = [i for i, offset in zip(wave, offsets, strict=True) if offset < 0]
-            if rest:
-                failed += self._load_waves(client, [keys[i] for i in rest], [blocks[i] for i in rest], group)
+        unpins: list[Future[None]] = []
+        next_fetch = self._fetcher.submit(fetch, 0)
+        taken: Future[_Fetched] | None = None  # the last fetch whose lease the loop releases
+        try:
+            for k, wave in enumerate(waves):
+                fetched, taken = next_fetch.result(), next_fetch
+                if ahead and k + 1 < len(waves):
+                    next_fetch = self._fetcher.submit(fetch, k + 1)
+                try:
+                    for j, i in enumerate(wave):
+                        source = fetched.source(client, j)
+                        if source is not None:
+                            self.layout.scatter(source, blocks[i], group)
+                        else:
+                            failed.extend(b for b in blocks[i] if b != SKIP)
+                finally:
+                    if fetched.lease is not None:
+                        unpins.append(self._fetcher.submit(self._unpin, client, fetched.lease))
+                if not ahead and k + 1 < len(waves):
+                    next_fetch = self._fetcher.submit(fetch, k + 1)
+        finally:
+            # Never leave a fetch writing the window (bounded by its deadline) nor a pin held.
+            last = next_fetch.result()
+            if next_fetch is not taken and last.lease is not None:
+                unpins.append(self._fetcher.submit(self._unpin, client, last.lease))
+            for unpin in unpins:
+                unpin.result()
         return failed
+
+    def _fetch(self, client: StoreClient, keys: list[bytes], first_slot: int) -> _Fetched:
+        """One wave: where the tier is mapped, pin what the service can hold in DRAM (its
+        disk hits promoted there first); the rest into window slots from `first_slot`."""
+        fetched = _Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
+        try:
+            if client.tier is not None:
+                fetched.lease, fetched.offsets = client.pin(keys)
+            rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
+            if rest:
+                found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
+                for j, ok in zip(rest, found, strict=True):
+                    fetched.in_window[j] = ok
+        except KVStoreError as exc:
+            log.warning("kvstore load request failed (%s); recomputing", exc)
+            self.link.fail()  # dropping the connection releases every pin it holds
+            fetched.offsets = [-1] * len(keys)
+            fetched.in_window = [False] * len(keys)
+            fetched.lease = None
+        return fetched
 
     def _unpin(self, client: StoreClient, lease: int) -> None:
         try:
@@ -121,37 +177,6 @@ class LoadHandler:
         except KVStoreError as exc:  # dropping the connection releases every pin it holds
             log.warning("kvstore unpin failed (%s); reconnecting", exc)
             self.link.fail()
-
-    def _load_waves(self, client: StoreClient, keys: list[bytes],
-                    blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
-        """Fetch and scatter `keys` in waves of half the window, the next wave's fetch
-        running while this one is scattered. Returns the block ids that did not load."""
-        half = max(1, client.slots // 2)
-        ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
-        waves = [range(start, min(start + half, len(keys))) for start in range(0, len(keys), half)]
-
-        def fetch(k: int) -> list[bool]:
-            first_slot = half * (k % 2) if ahead else 0
-            return self._get(client, [keys[i] for i in waves[k]], first_slot)
-
-        failed: list[int] = []
-        next_fetch = self._fetcher.submit(fetch, 0)
-        try:
-            for k, wave in enumerate(waves):
-                found = next_fetch.result()
-                if ahead and k + 1 < len(waves):
-                    next_fetch = self._fetcher.submit(fetch, k + 1)
-                first_slot = half * (k % 2) if ahead else 0
-                for slot, (i, ok) in enumerate(zip(wave, found, strict=True), start=first_slot):
-                    if ok:
-                        self.layout.scatter(client.slot(slot), blocks[i], group)
-                    else:
-                        failed.extend(b for b in blocks[i] if b != SKIP)
-                if not ahead and k + 1 < len(waves):
-                    next_fetch = self._fetcher.submit(fetch, k + 1)
-        finally:
-            next_fetch.result()  # never leave a fetch writing the window (bounded by its deadline)
-        return failed
 
     def _report_staging(self, staged: int, loaded: int) -> None:
         """Tell the service how much of this load the device pool served (its counters
@@ -176,14 +201,6 @@ class LoadHandler:
             self.staging.release(slot)
         self.stats.add("staging.hits")
         return True
-
-    def _get(self, client: StoreClient, keys: Sequence[bytes], first_slot: int) -> list[bool]:
-        try:
-            return client.get(keys, range(first_slot, first_slot + len(keys)))
-        except KVStoreError as exc:
-            log.warning("kvstore get failed (%s); recomputing", exc)
-            self.link.fail()
-            return [False] * len(keys)
 
     def take_finished_loads(self) -> set[str]:
         with self._lock:

@@ -1,4 +1,5 @@
-"""One-copy loads: the shared DRAM tier, pins held across requests, and their release on every path."""
+"""One-copy loads: the shared DRAM tier, pins held across requests (disk hits read into
+DRAM slots first), and their release on every path."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from connectors.plan import Transfer
 from connectors.worker_side import WorkerCore
 from engine_plugin.layout import PagedKVLayout
 from kvstore.config.store import load_config
+from kvstore.devices.device import DATA_FILE
+from kvstore.devices.layout import parse_superblock
 from kvstore.format.errors import KVStoreError
-from kvstore.format.record import record_bytes
+from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header, record_bytes
 from kvstore.service.client import StoreClient
 from kvstore.store import leases
 from kvstore.store.tiered import TieredStore
@@ -85,7 +88,7 @@ def test_a_pinned_slot_is_never_evicted_or_reused_until_released():
     with TieredStore({"tiers": {"host": {"capacity": 4 * record_bytes(CHUNK)}}}, CHUNK) as store:
         first = _keys(1, 4)
         assert store.put_many(first, [k[:1] * CHUNK for k in first]) == [True] * 4
-        lease = leases.pin_resident(store, first[:2])
+        lease = leases.pin(store, first[:2])
         assert store.dram is not None
         pinned = [store.dram.slab.view[o : o + CHUNK] for o in lease.offsets]
         for wave in (_keys(10, 4), _keys(20, 4)):  # every unpinned slot is taken, twice over
@@ -159,3 +162,89 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
         worker.close()
     loaded = caches["layer"].view(torch.uint8).numpy().reshape(16, -1)
     assert np.array_equal(loaded[::-1].reshape(-1), payload)
+
+
+def _disk_config(disk_dir: str) -> dict:
+    return {"tiers": {"host": {"capacity": 4 * record_bytes(CHUNK)},
+                      "disk": [{"path": disk_dir, "capacity": 32 * record_bytes(CHUNK)}]},
+            "io": {"timeout_s": 5}}
+
+
+def _corrupt_record_of(directory: str, payload_byte: int) -> None:
+    """Flip a payload byte of the record whose payload is all `payload_byte`."""
+    with open(os.path.join(directory, DATA_FILE), "r+b") as f:
+        _, superblock = parse_superblock(f.read(4096))
+        assert superblock is not None
+        for slot in range(superblock.num_slots):
+            offset = superblock.data_offset + slot * superblock.slot_bytes
+            f.seek(offset)
+            state, _ = parse_header(f.read(HEADER_BLOCK))
+            f.seek(offset + HEADER_BLOCK + 100)
+            if state is HeaderState.VALID and f.read(1) == bytes([payload_byte]):
+                f.seek(offset + HEADER_BLOCK + 100)
+                f.write(bytes([payload_byte ^ 0xFF]))
+                return
+    raise AssertionError(f"no record of byte {payload_byte} on disk")
+
+
+def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir, store_factory):
+    keys = _keys(1, 4)
+    first = store_factory(_disk_config(disk_dir))
+    assert first.put_many(keys, [k[:1] * CHUNK for k in keys]) == [True] * 4
+    first.close()  # every chunk on disk, DRAM empty at the next start
+    _corrupt_record_of(disk_dir, keys[1][0])
+    store = store_factory(_disk_config(disk_dir))
+    assert store.lookup(keys).tiers == ("disk",) * 4
+    lease = leases.pin(store, [*keys[:3], b"\xee" * 16])
+    assert store.dram is not None
+    assert lease.offsets[1] == lease.offsets[3] == -1  # did not verify; absent
+    assert [bytes(store.dram.slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
+        keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
+    counters = store.stats.snapshot()
+    assert counters["disk.hits"] == counters["host.leased"] == 2
+    assert counters["disk.miss.bad_checksum"] == 1
+    assert store.lookup(keys[:1]).tiers == ("host",)
+    others = _keys(10, 8)  # DRAM turns over twice; the leased slots stay
+    store.put_many(others, [k[:1] * CHUNK for k in others])
+    assert [bytes(store.dram.slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
+        keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
+    assert store.lookup([keys[0]]).tiers == ("host",)
+    leases.release(store, lease)
+    assert store.lookup([keys[1]]).count == 0  # the record that did not verify left the index
+
+
+@pytest.mark.parametrize("dram", ["free", "all pinned"])
+def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(disk_dir, tmp_path, dram):
+    config = {**_disk_config(disk_dir),
+              "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    caches = {"layer": torch.zeros(32, 2, 16, 64, dtype=torch.float16)}  # 4 KiB per block
+    layout = PagedKVLayout(caches, 32, 16)
+    payloads = [np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8) for i in range(2)]
+    keys = [b"k" * 16, b"m" * 16]
+    writer = StoreClient(load_config(config), CHUNK)
+    try:
+        for slot, payload in enumerate(payloads):
+            writer.slot(slot)[:] = payload.tobytes()
+        assert writer.put(keys, [0, 1]) == [True, True]
+    finally:
+        writer.close()
+    stop_service(config)  # the next service starts with both chunks on disk only
+    holder = StoreClient(load_config(config), CHUNK)
+    worker = WorkerCore(layout, 0, lambda: StoreClient(load_config(config), CHUNK), load_async=False)
+    try:
+        if dram == "all pinned":
+            fillers = _keys(1, 4)
+            assert _put(holder, fillers) == [True] * 4
+            assert holder.pin(fillers)[1].count(-1) == 0
+        worker.start_loads([Transfer("r", (tuple(keys),), (None,),
+                                     (tuple(range(31, 15, -1)), tuple(range(16))))], load_async=False)
+        assert worker.take_failed_blocks() == set()
+        counters = holder.info()["counters"]
+        assert counters["disk.hits"] == 2
+        assert counters.get("host.leased", 0) == (2 if dram == "free" else 4)  # the holder's 4
+    finally:
+        worker.close()
+        holder.close()
+    loaded = caches["layer"].view(torch.uint8).numpy().reshape(32, -1)
+    assert np.array_equal(loaded[31:15:-1].reshape(-1), payloads[0])
+    assert np.array_equal(loaded[:16].reshape(-1), payloads[1])

@@ -143,11 +143,12 @@ class Landings:
             self.regions.retire(landing.region)
 
     @staticmethod
-    def publish(landing: Landing, key: bytes) -> None:
-        """A verified record promoted into DRAM becomes servable there."""
+    def publish(landing: Landing, key: bytes, keep_pin: bool = False) -> None:
+        """A verified record promoted into DRAM becomes servable there (and, with
+        `keep_pin`, stays pinned for the caller: Reservation.publish)."""
         if landing.reservation is not None and landing.header is not None:
             parent = None if landing.header.parent == bytes(16) else landing.header.parent
-            landing.reservation.publish(key, parent, landing.header.seq)
+            landing.reservation.publish(key, parent, landing.header.seq, keep_pin)
 
     @staticmethod
     def _give_back(landing: Landing) -> None:

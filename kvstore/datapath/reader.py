@@ -2,6 +2,8 @@
 
 A record that does not verify is a counted miss and leaves the index (never served
 again); one that does is served to the caller and, when promoted, published in DRAM.
+A read for a lease (`held`) lands in a DRAM slot only, is verified there, and the slot
+stays pinned for the caller to copy out of the shared tier itself (store/leases.py).
 Waves bound the staging memory one get may hold (and, for a prefetch, the chunks in
 flight). The hash releases the GIL (format/checksum.py), so verification overlaps the
 reads still in flight.
@@ -31,9 +33,11 @@ class DiskReader:
         self.staging_wave = staging_wave  # staging buffers one wave may hold
 
     def read(self, keys: Sequence[bytes], pins: Pins, outs: Sequence[memoryview] | None,
-             promote: bool, ok: list[bool], wave_chunks: int | None = None) -> None:
+             promote: bool, ok: list[bool], wave_chunks: int | None = None,
+             held: dict[int, int] | None = None) -> None:
         """Read the pinned disk hits into `outs` (None: a prefetch, promotion only),
-        setting ok[index] for each chunk served."""
+        setting ok[index] for each chunk served. With `held` (and `outs` None) it is a
+        get for a lease: held[index] is the DRAM slot each served chunk is pinned in."""
         start = 0
         while start < len(pins.hits):
             end, staged = start, 0
@@ -42,15 +46,17 @@ class DiskReader:
                 index = pins.hits[end][0]
                 staged += self.landings.needs_staging(None if outs is None else outs[index], promote)
                 end += 1
-            self._wave(keys, pins, pins.hits[start:end], outs, promote, ok)
+            self._wave(keys, pins, pins.hits[start:end], outs, promote, ok, held)
             start = end
 
     def _wave(self, keys: Sequence[bytes], pins: Pins, hits: Sequence[tuple[int, int]],
-              outs: Sequence[memoryview] | None, promote: bool, ok: list[bool]) -> None:
+              outs: Sequence[memoryview] | None, promote: bool, ok: list[bool],
+              held: dict[int, int] | None) -> None:
+        prefetch = outs is None and held is None
         with ExitStack() as stack:
             # A get never waits for a victim's disk write; a prefetch (in the background) may.
             planned = self.landings.plan([i for i, _ in hits], outs, stack, promote=promote,
-                                         may_demote=outs is None, direct=True)
+                                         may_demote=prefetch, direct=True)
             reads = [(landing, slot) for landing, (_, slot) in zip(planned, hits, strict=True)
                      if landing is not None]
             started = time.perf_counter()
@@ -66,16 +72,16 @@ class DiskReader:
             results = self.disk.read([slot for _, slot in reads], [r.buffers for r, _ in reads],
                                      self.timeout_s, verify)
             for (landing, slot), result in zip(reads, results, strict=True):
-                self._settle(landing, slot, result, keys[landing.index], pins, ok)
+                self._settle(landing, slot, result, keys[landing.index], pins, ok, held)
         served = [landing for landing, _ in reads if landing.header is not None]
-        if outs is None:
+        if prefetch:
             self.ledger.promoted(keys[r.index] for r in served)
         else:
             self.stats.add("disk.hits", len(served))
         self.stats.add("disk.bytes_read", self.disk.slot_bytes * sum(r > 0 for r in results))
 
     def _settle(self, landing: Landing, slot: int, result: int, key: bytes, pins: Pins,
-                ok: list[bool]) -> None:
+                ok: list[bool], held: dict[int, int] | None) -> None:
         if result == TIMED_OUT:
             self.stats.miss("disk", MissReason.TIMEOUT, self.disk.describe(slot))
             self.landings.timed_out(landing)
@@ -83,4 +89,6 @@ class DiskReader:
             pins.drop(key, slot)  # unreadable or wrong: never serve it again
         else:
             ok[landing.index] = True
-            self.landings.publish(landing, key)
+            self.landings.publish(landing, key, keep_pin=held is not None)
+            if held is not None and landing.reservation is not None:
+                held[landing.index] = landing.reservation.slot

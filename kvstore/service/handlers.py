@@ -157,12 +157,13 @@ class Requests:
 
     @staticmethod
     def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:
-        """Pin the DRAM hits among `keys` for the client to copy out of the tier itself."""
+        """Pin the DRAM hits among `keys` (disk hits promoted first) for the client to copy
+        out of the tier itself."""
         held = sum(len(lease.slots) for lease in client.leases.values())
         if held + len(keys) > client.slots:
             raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
                                f"is more than its window's {client.slots}: unpin first")
-        lease = leases.pin_resident(store, keys)
+        lease = leases.pin(store, keys)
         number = next(client.lease_ids)
         client.leases[number] = lease
         return [number, lease.offsets]

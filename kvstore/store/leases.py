@@ -1,7 +1,8 @@
 """DRAM pins held across requests, for readers that copy out of the shared DRAM tier themselves.
 
 An engine worker that maps the service's DRAM tier (tiers/dram.py) loads a hit with one
-copy from the slot into its KV blocks. For that copy the slot must hold the chunk from
+copy from the slot into its KV blocks; a disk hit is first read into a DRAM slot (the
+promotion a get would make anyway) and loaded from there. For that copy the slot must hold the chunk from
 before it starts until after it ends, although the service's part of the read (the key
 and length check under the pin) is over before the copy begins: so the pin outlives the
 request as a `Lease`, released by the client's next request or, if the client dies, by
@@ -29,15 +30,17 @@ class Lease:
     released: bool = field(default=False, compare=False)
 
 
-def pin_resident(store: TieredStore, keys: Sequence[bytes]) -> Lease:
+def pin(store: TieredStore, keys: Sequence[bytes]) -> Lease:
     """Pin each of `keys` found in DRAM whose slot holds that very record (key and length;
-    its checksums were verified when it entered DRAM), as a get would serve it."""
+    its checksums were verified when it entered DRAM), as a get would serve it. With
+    promote_on_hit, the disk hits among the rest are read into DRAM slots first, verified
+    there, and pinned as they are published: one DMA from the disk, one copy out."""
     keys = check_keys(keys)
     offsets = [-1] * len(keys)
     dram = store.dram
     if dram is None:
         return Lease([], offsets)
-    dram.table.touch_chain(keys)
+    store.touch(keys)  # first: promoting this prompt's chunks never evicts its own
     slots = []
     with dram.table.pinned(keys) as pins:
         for i, slot in pins.hits:
@@ -48,12 +51,22 @@ def pin_resident(store: TieredStore, keys: Sequence[bytes]) -> Lease:
             pins.keep(slot)  # the pin passes to the lease
             slots.append(slot)
             offsets[i] = dram.payload_offset(slot)
+    in_dram = [key for key, offset in zip(keys, offsets, strict=True) if offset >= 0]
+    held: dict[int, int] = {}
+    if store.reader is not None and store.disk is not None and store.policy.promote_on_hit:
+        missing = [i for i, offset in enumerate(offsets) if offset < 0]
+        with store.disk.table.pinned(keys, missing) as disk_pins:
+            store.reader.read(keys, disk_pins, None, True, [False] * len(keys), held=held)
+        for i, slot in held.items():
+            slots.append(slot)
+            offsets[i] = dram.payload_offset(slot)
+        store.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
     served = [key for key, offset in zip(keys, offsets, strict=True) if offset >= 0]
     store.policy.seen(served)
-    store.ledger.read(served)
+    store.ledger.read(in_dram)
     for name, amount in (("get.chunks", len(served)), ("get.hits", len(served)),
-                         ("host.hits", len(served)), ("host.leased", len(served)),
-                         ("host.bytes_read", len(served) * store.chunk_bytes)):
+                         ("host.hits", len(in_dram)), ("host.leased", len(served)),
+                         ("host.bytes_read", len(in_dram) * store.chunk_bytes)):
         store.stats.add(name, amount)
     return Lease(slots, offsets)
 

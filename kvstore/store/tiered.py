@@ -120,7 +120,7 @@ class TieredStore(StoreParts):
         keys = check_keys(keys)
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         ok = [False] * len(keys)
-        self._touch(keys)  # first: promoting this prompt's chunks never evicts its own
+        self.touch(keys)  # first: promoting this prompt's chunks never evicts its own
         if self.dram is not None:
             with self.dram.table.pinned(keys) as pins:
                 self._read_dram(keys, views, pins.hits, ok)
@@ -135,7 +135,7 @@ class TieredStore(StoreParts):
         if self.cluster is not None:
             self.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views,
                               self.policy.promote_on_hit, ok)
-        self._touch(keys)  # again: promoted chunks join their chain tail-older-than-head
+        self.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
         self.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
         self.stats.add("get.chunks", len(keys))
         self.stats.add("get.hits", sum(ok))
@@ -205,12 +205,13 @@ class TieredStore(StoreParts):
         if parent is not None:
             check_keys([parent])
         views = chunk_views(payloads, len(keys), self.chunk_bytes, writable=False)
-        self._touch(keys)  # first: storing this prompt's chunks never evicts its own
+        self.touch(keys)  # first: storing this prompt's chunks never evicts its own
         stored = self._writes.put(keys, views, parent, next(self._seq))
-        self._touch(keys)  # again: new chunks join their chain tail-older-than-head
+        self.touch(keys)  # again: new chunks join their chain tail-older-than-head
         return stored
 
-    def _touch(self, keys: list[bytes]) -> None:
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark `keys` (one chain, head first) recently used in every local tier."""
         for tier in (self.dram, self.disk):
             if tier is not None:
                 tier.table.touch_chain(keys)

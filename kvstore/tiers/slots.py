@@ -83,12 +83,15 @@ class Reservation:
             self.evicted, self.victim = self.victim, None
             return True
 
-    def publish(self, key: bytes, parent: bytes | None, seq: int) -> None:
-        """Make the written record visible; an older slot of the same key is retired."""
+    def publish(self, key: bytes, parent: bytes | None, seq: int, keep_pin: bool = False) -> None:
+        """Make the written record visible; an older slot of the same key is retired.
+        With `keep_pin` the reservation's pin passes to the caller (a lease), so the
+        record cannot be evicted between becoming visible and being read."""
         with self.table.lock:
             self._settle()
             self.table._publish(self.slot, key, parent, seq)
-            self.table._unpin(self.slot)
+            if not keep_pin:
+                self.table._unpin(self.slot)
 
     def release(self) -> None:
         """Nothing (valid) was written: the slot goes back to the free list."""
