@@ -11,11 +11,14 @@ service, in two ways, each with a service of its own:
 next to a plain copy of the same bytes on the same machine (torch's copy_ on its
 intra-op threads, and a one-thread memcpy through numpy). The rounds alternate (load,
 torch copy, memcpy, ...) and each figure is its best round, so drift on a shared
-machine touches them all alike.
+machine touches them all alike. With --disk, disk hits too, both ways: each chunk is
+read (O_DIRECT) into a DRAM slot and verified there, then copied into the blocks from
+the slot (tier) or, hashed and copied in one pass, into the window first (window);
+GiB/s and the CPU seconds per GiB of worker and service together.
 
   python -m bench.load_path [--chunks 16] [--layers 32] [--kv-heads 8] [--head-dim 128]
       [--chunk-tokens 256] [--block-size 128] [--repeats 5]
-      [--blocks ascending|descending|shuffled] [--json out.json]
+      [--blocks ascending|descending|shuffled] [--disk DIR] [--json out.json]
 
 Defaults: Llama-3-8B's float16 KV geometry, 32 MiB chunks, 512 MiB per load. --blocks
 is the order of the engine blocks loaded into: a fresh engine hands out ascending ids,
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -68,7 +72,8 @@ def _best(repeats: int, actions: dict[str, Callable[[], None]]) -> dict[str, flo
 
 def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
         chunk_tokens: int = 256, block_size: int = 128, repeats: int = 5,
-        blocks: str = "ascending", workdir: str | Path | None = None) -> dict[str, Any]:
+        blocks: str = "ascending", workdir: str | Path | None = None,
+        disk_dir: str | None = None) -> dict[str, Any]:
     """Fill a DRAM-only service with `chunks` chunks and load them through the connector's
     worker code, by the tier and by the window, each against plain copies in alternated
     rounds. Returns GiB/s figures and ratios."""
@@ -102,10 +107,7 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
                               "gib": chunks * chunk_bytes / GIB, "torch_threads": torch.get_num_threads()}
     for path, share in (("tier", "own-user"), ("window", "off")):
         with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-            config = load_config({
-                "chunk_tokens": chunk_tokens,
-                "tiers": {"host": {"capacity": (chunks + 2) * (chunk_bytes + (1 << 20))}},
-                "service": {"socket": str(Path(tmp) / "kvstore.sock"), "share_dram": share}})
+            config = _config(chunk_tokens, chunks * chunk_bytes, tmp, share, disk=False)
             try:
                 _fill(config, source, src_blocks, keys)
                 worker = WorkerCore(target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
@@ -126,7 +128,63 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
         result[f"{path}_memcpy_gib_s"] = result["gib"] / best["memcpy"]
         result[f"{path}_vs_copy"] = best["copy"] / best["load"]
         result[f"{path}_vs_memcpy"] = best["memcpy"] / best["load"]
+    if disk_dir is not None:
+        for path, share in (("disk_tier", "own-user"), ("disk_window", "off")):
+            result.update(_disk_rounds(path, share, disk_dir, chunk_tokens, source, target, src_blocks,
+                                       dest_blocks, keys, repeats))
+        result["disk_tier_vs_window"] = result["disk_tier_gib_s"] / result["disk_window_gib_s"]
     return result
+
+
+def _config(chunk_tokens: int, nbytes: int, directory: str, share: str, disk: bool) -> StoreConfig:
+    """A service holding `nbytes` of chunks in DRAM (and on disk) with room to spare."""
+    capacity = nbytes + (64 << 20)
+    tiers: dict[str, Any] = {"host": {"capacity": capacity}}
+    if disk:
+        tiers["disk"] = [{"path": directory, "capacity": capacity}]
+    return load_config({"chunk_tokens": chunk_tokens, "tiers": tiers,
+                        "service": {"socket": str(Path(directory) / "kvstore.sock"), "share_dram": share}})
+
+
+def _disk_rounds(path: str, share: str, disk_dir: str, chunk_tokens: int,
+                 source: PagedKVLayout, target: PagedKVLayout,
+                 src_blocks: list[tuple[int, ...]], dest_blocks: tuple[tuple[int, ...], ...],
+                 keys: tuple[bytes, ...], repeats: int) -> dict[str, float]:
+    """Disk hits: each round a fresh service (DRAM empty, every chunk on disk) and worker,
+    the load timed alone; CPU seconds are the worker's and the service's together."""
+    chunk_bytes = source.chunk_bytes
+    with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
+        config = _config(chunk_tokens, len(keys) * chunk_bytes, tmp, share, disk=True)
+        _fill(config, source, src_blocks, keys)
+        stop_service(config)  # DRAM's chunks go down to disk
+        best, cpu, disk_hits = float("inf"), float("inf"), 0
+        for _ in range(repeats):
+            worker = WorkerCore(target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
+            try:
+                client = worker.loads.link.get()
+                assert client is not None and (client.tier is not None) == (path == "disk_tier")
+                service_pid = int(client.info()["service_pid"])
+                cpu_before = time.process_time() + _cpu_s(service_pid)
+                started = time.perf_counter()
+                worker.start_loads([Transfer("bench", (keys,), (None,), dest_blocks)], load_async=False)
+                seconds = time.perf_counter() - started
+                cpu = min(cpu, time.process_time() + _cpu_s(service_pid) - cpu_before)
+                best = min(best, seconds)
+                assert not worker.take_failed_blocks(), "a chunk failed to load"
+                disk_hits = int(client.info()["counters"].get("disk.hits", 0))
+                _check(source, target, src_blocks, dest_blocks)
+            finally:
+                worker.close()
+                stop_service(config)
+    gib = len(keys) * chunk_bytes / GIB
+    assert disk_hits == len(keys), f"{disk_hits} of {len(keys)} chunks came from disk"
+    return {f"{path}_gib_s": gib / best, f"{path}_cpu_s_per_gib": cpu / gib}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _fill(config: StoreConfig, source: PagedKVLayout, src_blocks: list[tuple[int, ...]],
@@ -163,10 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--blocks", choices=("ascending", "descending", "shuffled"), default="ascending",
                         help="order of the engine block ids loaded into")
+    parser.add_argument("--disk", metavar="DIR",
+                        help="also load disk hits: a directory on a filesystem that takes O_DIRECT")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     result = run(args.chunks, args.layers, args.kv_heads, args.head_dim, args.chunk_tokens,
-                 args.block_size, args.repeats, args.blocks)
+                 args.block_size, args.repeats, args.blocks, disk_dir=args.disk)
     print(f"{result['chunks']} chunks of {result['chunk_bytes'] / (1 << 20):.0f} MiB "
           f"({result['gib']:.2f} GiB), {args.blocks} blocks, {result['torch_threads']} torch threads; "
           "best of alternated rounds")
@@ -179,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{result[path + '_vs_memcpy']:10.2f}x")
     print(f"  goal: tier load >= 0.9x the plain torch copy: {result['tier_vs_copy']:.2f}x "
           f"({'met' if result['tier_vs_copy'] >= 0.9 else 'missed'})")
+    if args.disk:
+        print(f"  disk hits (a fresh service each round, every chunk on disk):  {'GiB/s':>6s} "
+              f"{'CPU s/GiB':>10s}")
+        for path, label in (("disk_tier", "read into the DRAM slot, one copy from there"),
+                            ("disk_window", "read into the DRAM slot, copied via the window")):
+            print(f"  {label:60s} {result[path + '_gib_s']:6.2f} {result[path + '_cpu_s_per_gib']:10.3f}")
+        print(f"  disk tier / disk window: {result['disk_tier_vs_window']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

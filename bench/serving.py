@@ -13,13 +13,15 @@ its DRAM tier. Each mode runs in a fresh server (same seed, same requests).
       [--kv-cache-gib 1] [--workdir DIR] [--json out.json]
 
   python -m bench.serving --long-prompt 8192 [--gap-s 5] [--kv-cache-gib 6]
+      [--share-dram own-user|allowed|off]
 
 --long-prompt N starts one server with kvstore and --max-num-batched-tokens N, sends an
 N-token prompt (computed in one step: at 8192, 32 chunks to save at once, four times what
 the default 256 MiB save window holds at 32 MiB per chunk), then the same prompt again
 --gap-s later (0: the moment the reply arrives), and reports each request's cached tokens
 and wall time, the service's save.dropped, and how long the second request was held for
-the first one's saves (save_wait.*). Without --model it builds the Llama-3-8B-geometry
+the first one's saves (save_wait.*). --share-dram off loads DRAM hits through the window
+(two copies) instead of straight from the shared tier (one). Without --model it builds the Llama-3-8B-geometry
 model (bench/tiny_model.py).
 """
 
@@ -91,7 +93,7 @@ def long_prompt(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One N-token prompt computed in one step, then sent again --gap-s later."""
     model = args.model or str(build_llama3_8b_geometry(workdir / "model-8b"))
     store = {"chunk_tokens": 256, "tiers": {"host": {"capacity": args.host_capacity}},
-             "service": {"socket": str(workdir / "kvstore.sock")}}
+             "service": {"socket": str(workdir / "kvstore.sock"), "share_dram": args.share_dram}}
     tokens = args.long_prompt
     server_args = ["--dtype", "float16", "--enforce-eager", "--no-enable-prefix-caching",
                    "--enable-prompt-tokens-details", "--max-model-len", str(tokens + 256),
@@ -106,7 +108,8 @@ def long_prompt(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         counters = (service_info(load_config(store)) or {}).get("counters", {})
     finally:
         stop_service(load_config(store))
-    return {"prompt_tokens": tokens, "gap_s": args.gap_s, "first_cached": first.cached_tokens,
+    return {"prompt_tokens": tokens, "gap_s": args.gap_s, "share_dram": args.share_dram,
+            "first_cached": first.cached_tokens,
             "first_s": first.seconds, "second_cached": second.cached_tokens, "second_s": second.seconds,
             "save_dropped": counters.get("save.dropped", 0),
             "save_wait_requests": counters.get("save_wait.requests", 0),
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="keep models, logs and results here (default: a temporary one)")
     parser.add_argument("--long-prompt", type=int, help="measure one N-token prompt instead (see above)")
     parser.add_argument("--gap-s", type=float, default=5.0, help="--long-prompt: seconds between the two")
+    parser.add_argument("--share-dram", choices=("own-user", "allowed", "off"), default="own-user",
+                        help="--long-prompt: service.share_dram (off: DRAM hits copied through the "
+                             "window, the path before one-copy loads)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
