@@ -14,7 +14,9 @@ torch copy, memcpy, ...) and each figure is its best round, so drift on a shared
 machine touches them all alike. With --disk, disk hits too, both ways: each chunk is
 read (O_DIRECT) into a DRAM slot and verified there, then copied into the blocks from
 the slot (tier) or, hashed and copied in one pass, into the window first (window);
-GiB/s and the CPU seconds per GiB of worker and service together.
+GiB/s and the CPU seconds per GiB of worker and service together. Where CUDA is
+present, also DRAM hits into KV tensors on the GPU (the tier registered for DMA as the
+connector does it) against torch's pinned `copy_` of the same bytes (goal: >= 0.9x).
 
   python -m bench.load_path [--chunks 16] [--layers 32] [--kv-heads 8] [--head-dim 128]
       [--chunk-tokens 256] [--block-size 128] [--repeats 5]
@@ -33,6 +35,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -128,12 +131,69 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
         result[f"{path}_memcpy_gib_s"] = result["gib"] / best["memcpy"]
         result[f"{path}_vs_copy"] = best["copy"] / best["load"]
         result[f"{path}_vs_memcpy"] = best["memcpy"] / best["load"]
+    if torch.cuda.is_available():
+        result.update(_cuda_rounds(chunk_tokens, source, src_blocks, dest_blocks, keys, repeats, workdir))
     if disk_dir is not None:
         for path, share in (("disk_tier", "own-user"), ("disk_window", "off")):
             result.update(_disk_rounds(path, share, disk_dir, chunk_tokens, source, target, src_blocks,
                                        dest_blocks, keys, repeats))
         result["disk_tier_vs_window"] = result["disk_tier_gib_s"] / result["disk_window_gib_s"]
     return result
+
+
+def _cuda_rounds(chunk_tokens: int, source: PagedKVLayout, src_blocks: list[tuple[int, ...]],
+                 dest_blocks: tuple[tuple[int, ...], ...], keys: tuple[bytes, ...], repeats: int,
+                 workdir: str | Path | None) -> dict[str, float]:
+    """DRAM hits into KV tensors on the GPU, from the tier registered as the connector
+    registers it, against torch's pinned-memory `copy_` of the same bytes to the GPU."""
+    from engine_plugin.connector import register_for_dma
+
+    chunk_bytes, chunks = source.chunk_bytes, len(keys)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros_like(layer, device="cuda")
+              for i, layer in enumerate(source.layers)}
+    target = PagedKVLayout(caches, source.layers[0].shape[0], len(src_blocks[0]))
+    pinned = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, pin_memory=True).random_()
+    device = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device="cuda")
+
+    def pinned_copy() -> None:
+        for c in range(chunks):
+            device[c * chunk_bytes : (c + 1) * chunk_bytes].copy_(
+                pinned[c * chunk_bytes : (c + 1) * chunk_bytes], non_blocking=True)
+        torch.cuda.synchronize()
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        config = _config(chunk_tokens, chunks * chunk_bytes, tmp, "own-user", disk=False)
+        registered: list[threading.Thread | None] = []
+
+        def make_client() -> StoreClient:
+            client = StoreClient(config, chunk_bytes)
+            registered.append(register_for_dma(client))
+            return client
+
+        try:
+            _fill(config, source, src_blocks, keys)
+            worker = WorkerCore(target, 0, make_client, load_async=False)
+            try:
+                client = worker.loads.link.get()
+                assert client is not None and client.tier is not None
+                for thread in registered:
+                    if thread is not None:
+                        thread.join()  # registered before the timed rounds, as once serving
+
+                def load() -> None:
+                    worker.start_loads([Transfer("bench", (keys,), (None,), dest_blocks)], load_async=False)
+                    torch.cuda.synchronize()
+
+                best = _best(repeats, {"load": load, "pinned": pinned_copy})
+                assert not worker.take_failed_blocks(), "a chunk failed to load"
+                _check(source, target, src_blocks, dest_blocks)
+            finally:
+                worker.close()
+        finally:
+            stop_service(config)
+    gib = chunks * chunk_bytes / GIB
+    return {"cuda_tier_gib_s": gib / best["load"], "cuda_pinned_copy_gib_s": gib / best["pinned"],
+            "cuda_tier_vs_pinned_copy": best["pinned"] / best["load"]}
 
 
 def _config(chunk_tokens: int, nbytes: int, directory: str, share: str, disk: bool) -> StoreConfig:
@@ -171,7 +231,10 @@ def _disk_rounds(path: str, share: str, disk_dir: str, chunk_tokens: int,
                 cpu = min(cpu, time.process_time() + _cpu_s(service_pid) - cpu_before)
                 best = min(best, seconds)
                 assert not worker.take_failed_blocks(), "a chunk failed to load"
-                disk_hits = int(client.info()["counters"].get("disk.hits", 0))
+                counters = client.info()["counters"]
+                disk_hits = int(counters.get("disk.hits", 0))
+                leased = int(counters.get("host.leased", 0))
+                assert leased == (disk_hits if path == "disk_tier" else 0), f"{leased} chunks leased"
                 _check(source, target, src_blocks, dest_blocks)
             finally:
                 worker.close()
@@ -205,7 +268,7 @@ def _check(source: PagedKVLayout, target: PagedKVLayout, src_blocks: list[tuple[
            dest_blocks: tuple[tuple[int, ...], ...]) -> None:
     src_ids, dest_ids = [b for c in src_blocks for b in c], [b for c in dest_blocks for b in c]
     for src_layer, dest_layer in zip(source.layers, target.layers, strict=True):
-        assert torch.equal(dest_layer[dest_ids], src_layer[src_ids]), "loaded KV differs"
+        assert torch.equal(dest_layer[dest_ids].cpu(), src_layer[src_ids]), "loaded KV differs"
         dest_layer.zero_()
 
 
@@ -239,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{result[path + '_vs_memcpy']:10.2f}x")
     print(f"  goal: tier load >= 0.9x the plain torch copy: {result['tier_vs_copy']:.2f}x "
           f"({'met' if result['tier_vs_copy'] >= 0.9 else 'missed'})")
+    if "cuda_tier_gib_s" in result:
+        print(f"  CUDA: tier -> GPU blocks {result['cuda_tier_gib_s']:.2f} GiB/s, pinned copy_ "
+              f"{result['cuda_pinned_copy_gib_s']:.2f} GiB/s: {result['cuda_tier_vs_pinned_copy']:.2f}x "
+              f"(goal >= 0.9x: {'met' if result['cuda_tier_vs_pinned_copy'] >= 0.9 else 'missed'})")
     if args.disk:
         print(f"  disk hits (a fresh service each round, every chunk on disk):  {'GiB/s':>6s} "
               f"{'CPU s/GiB':>10s}")

@@ -18,6 +18,7 @@ busy-poll, made the same copy several times slower.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,11 @@ import torch
 from connectors.plan import SKIP
 from kvstore.format.errors import ShapeError
 from kvstore.io.copier import copy_many
+
+# A load from the mapped DRAM tier wraps read-only memory (PROT_READ) in a CPU tensor to
+# copy it to the device: torch's warning that the tensor could write it is moot (the
+# layout never writes a source, and a write would fault).
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
 
 
 def block_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:

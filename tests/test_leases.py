@@ -248,3 +248,52 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
     loaded = caches["layer"].view(torch.uint8).numpy().reshape(32, -1)
     assert np.array_equal(loaded[31:15:-1].reshape(-1), payloads[0])
     assert np.array_equal(loaded[:16].reshape(-1), payloads[1])
+
+
+@pytest.mark.cuda
+def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from engine_plugin.connector import register_for_dma
+
+    caches = {"layer": torch.zeros(16, 2, 16, 64, dtype=torch.float16, device="cuda")}
+    layout = PagedKVLayout(caches, 16, 16)
+    payload = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
+    writer = StoreClient(load_config(config), CHUNK)
+    try:
+        writer.slot(0)[:] = payload.tobytes()
+        assert writer.put([b"k" * 16], [0]) == [True]
+    finally:
+        writer.close()
+    registered = []
+
+    def make_client() -> StoreClient:
+        client = StoreClient(load_config(config), CHUNK)
+        registered.append(register_for_dma(client))
+        return client
+
+    worker = WorkerCore(layout, 0, make_client, load_async=False)
+    try:
+        assert worker.loads.link.get() is not None
+        thread = registered[0]
+        assert thread is not None  # the tier is mapped: its registration runs on a thread
+        thread.join(60)
+        worker.start_loads([Transfer("r", ((b"k" * 16,),), (None,), (tuple(range(15, -1, -1)),))],
+                           load_async=False)
+        torch.cuda.synchronize()
+        assert worker.take_failed_blocks() == set()
+    finally:
+        worker.close()
+    loaded = caches["layer"].view(torch.uint8).cpu().numpy().reshape(16, -1)
+    assert np.array_equal(loaded[::-1].reshape(-1), payload)
+
+
+def test_the_load_path_benchmark_measures_every_path_it_reports(disk_dir):
+    from bench import load_path
+
+    result = load_path.run(chunks=2, layers=2, kv_heads=2, head_dim=64, chunk_tokens=256,
+                           block_size=128, repeats=1, blocks="descending", workdir=disk_dir,
+                           disk_dir=disk_dir)
+    for path in ("tier", "window", "disk_tier", "disk_window"):
+        assert result[f"{path}_gib_s"] > 0
+    assert result["disk_tier_cpu_s_per_gib"] > 0 and result["disk_tier_vs_window"] > 0
