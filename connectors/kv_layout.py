@@ -19,4 +19,6 @@ class KVLayout(Protocol):
 
     def gather(self, blocks: Sequence[int], out: memoryview, group: int = 0) -> None: ...
 
-    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int], group: int = 0) -> None: ...
+    def scatter(self, chunks: Sequence[tuple[memoryview | torch.Tensor, Sequence[int]]],
+                group: int = 0) -> None:
+        """Each (chunk's bytes, its block ids) into the blocks (SKIP ids left alone)."""

@@ -131,12 +131,9 @@ class LoadHandler:
                 if ahead and k + 1 < len(waves):
                     next_fetch = self._fetcher.submit(fetch, k + 1)
                 try:
-                    for j, i in enumerate(wave):
-                        source = fetched.source(client, j)
-                        if source is not None:
-                            self.layout.scatter(source, blocks[i], group)
-                        else:
-                            failed.extend(b for b in blocks[i] if b != SKIP)
+                    found = [(fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
+                    self.layout.scatter([(source, ids) for source, ids in found if source is not None], group)
+                    failed.extend(b for source, ids in found if source is None for b in ids if b != SKIP)
                 finally:
                     if fetched.lease is not None:
                         unpins.append(self._fetcher.submit(self._unpin, client, fetched.lease))
@@ -196,7 +193,7 @@ class LoadHandler:
             return False
         assert self.staging is not None
         try:
-            self.layout.scatter(self.staging.slot(slot), blocks, group)
+            self.layout.scatter([(self.staging.slot(slot), blocks)], group)
         finally:
             self.staging.release(slot)
         self.stats.add("staging.hits")

@@ -118,6 +118,7 @@ class GroupedKVLayout:
         layout = self.groups[group]
         layout.gather(blocks, out[: layout.chunk_bytes])
 
-    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int], group: int = 0) -> None:
+    def scatter(self, chunks: Sequence[tuple[memoryview | torch.Tensor, Sequence[int]]],
+                group: int = 0) -> None:
         layout = self.groups[group]
-        layout.scatter(src[: layout.chunk_bytes], blocks)
+        layout.scatter([(src[: layout.chunk_bytes], blocks) for src, blocks in chunks])

@@ -128,22 +128,28 @@ class PagedKVLayout:
             for positions, ids in runs:
                 part[positions] = layer[ids]
 
-    def scatter(self, src: memoryview | torch.Tensor, blocks: Sequence[int], group: int = 0) -> None:
-        """Write the chunk's bytes (host memory, or a uint8 tensor such as a device
-        staging slot) into its blocks, leaving SKIP positions untouched."""
-        source = self._bytes(src)
-        if len(source) != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
-            raise ShapeError(f"chunk of {len(source)} bytes / {len(blocks)} blocks does not fit "
-                             f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
-        runs = block_runs(blocks, descending=self._on_host)
-        parts = self._parts(source, len(blocks))
-        if self._on_host and all(layer.flags.c_contiguous for layer in self._targets):
-            copy_many([pair for layer, part in zip(self._targets, parts, strict=True)
-                       for positions, ids in runs for pair in _byte_ranges(layer, ids, part[positions])])
-            return
-        for layer, part in zip(self._targets, parts, strict=True):
-            for positions, ids in runs:
-                layer[ids] = part[positions]
+    def scatter(self, chunks: Sequence[tuple[memoryview | torch.Tensor, Sequence[int]]],
+                group: int = 0) -> None:
+        """Write each (chunk's bytes, its blocks) (host memory, or a uint8 tensor such as a
+        device staging slot) into the blocks, leaving SKIP positions untouched. On the CPU
+        engine all the chunks' byte ranges go to the copier in one call: one hand-off to
+        its threads per wave, not one per chunk."""
+        pairs: list[tuple[memoryview, memoryview]] = []
+        direct = self._on_host and all(layer.flags.c_contiguous for layer in self._targets)
+        for src, blocks in chunks:
+            source = self._bytes(src)
+            if len(source) != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
+                raise ShapeError(f"chunk of {len(source)} bytes / {len(blocks)} blocks does not fit "
+                                 f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
+            runs = block_runs(blocks, descending=self._on_host)
+            for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
+                for positions, ids in runs:
+                    if direct:
+                        pairs.extend(_byte_ranges(layer, ids, part[positions]))
+                    else:
+                        layer[ids] = part[positions]
+        if pairs:
+            copy_many(pairs)
 
     def _bytes(self, buffer: memoryview | torch.Tensor) -> Any:
         """A chunk buffer as a flat uint8 array of the kind the layers are (numpy or torch)."""

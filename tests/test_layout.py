@@ -31,7 +31,7 @@ def test_gather_then_scatter_moves_exactly_the_chunk_blocks(name):
     window = memoryview(mmap.mmap(-1, layout.chunk_bytes))
     layout.gather([3, 7], window)
     before = {key: tensor.clone() for key, tensor in caches.items()}
-    layout.scatter(window, [SKIP, 1])  # block 7's bytes land in block 1; block 3's are skipped
+    layout.scatter([(window, [SKIP, 1])])  # block 7's bytes land in block 1; block 3's are skipped
     axis = 0 if name == "cpu" else 1
     for key, tensor in caches.items():
         moved, original = tensor.movedim(axis, 0), before[key].movedim(axis, 0)
@@ -55,7 +55,7 @@ def test_a_missing_block_axis_is_an_error_naming_the_layer():
 def test_scatter_refuses_a_chunk_of_the_wrong_size():
     layout = PagedKVLayout(layouts()["cpu"], NUM_BLOCKS, blocks_per_chunk=2)
     with pytest.raises(ShapeError, match="does not fit"):
-        layout.scatter(memoryview(bytearray(layout.chunk_bytes - 2)), [1, 2])
+        layout.scatter([(memoryview(bytearray(layout.chunk_bytes - 2)), [1, 2])])
 
 
 def test_runs_of_blocks_copy_as_slices_in_either_direction():
@@ -68,7 +68,7 @@ def test_runs_of_blocks_copy_as_slices_in_either_direction():
     window = memoryview(mmap.mmap(-1, layout.chunk_bytes))
     before = {key: tensor.clone() for key, tensor in caches.items()}
     layout.gather([9, 8, 7, 6], window)  # blocks freed by an earlier request come back reversed
-    layout.scatter(window, [2, 3, SKIP, 0])
+    layout.scatter([(window, [2, 3, SKIP, 0])])
     for key, tensor in caches.items():
         assert torch.equal(tensor[[2, 3, 0]], before[key][[9, 8, 6]])
         assert torch.equal(tensor[[1, 4, 5, 6, 7, 8, 9]], before[key][[1, 4, 5, 6, 7, 8, 9]])
