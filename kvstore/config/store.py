@@ -215,7 +215,8 @@ class StoreConfig(Schema):
                         "is written when evicted instead. (A DRAM victim not on disk yet is always "
                         "written down before its slot is reused.)")
     promote_on_hit: Bool = Field(
-        True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit")
+        True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit (and an "
+                          "engine that maps the DRAM tier loads it from that slot: one copy)")
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
                              "below `io.queue_depth` chunks it keeps the device's queue short")
