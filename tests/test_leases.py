@@ -297,3 +297,10 @@ def test_the_load_path_benchmark_measures_every_path_it_reports(disk_dir):
     for path in ("tier", "window", "disk_tier", "disk_window"):
         assert result[f"{path}_gib_s"] > 0
     assert result["disk_tier_cpu_s_per_gib"] > 0 and result["disk_tier_vs_window"] > 0
+
+
+def test_a_shared_dram_tier_in_small_pages_over_a_disk_tier_is_reported(disk_dir, store_factory, caplog):
+    store = store_factory(_disk_config(disk_dir))
+    assert store.dram is not None
+    small_pages = getattr(store.dram.slab, "pages", None) == "4k"  # the host decides: both ways are checked
+    assert ("split at each device's segment limit" in caplog.text) == small_pages

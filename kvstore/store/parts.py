@@ -22,6 +22,7 @@ from kvstore.devices.device import DevicePlan
 from kvstore.devices.nvmeof.plans import namespace_plans
 from kvstore.format.record import HEADER_BLOCK, record_bytes
 from kvstore.io import IoEngine, make_engine
+from kvstore.io.memfd import SharedMemory
 from kvstore.io.regions import DirectRegions
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier
@@ -90,6 +91,11 @@ class StoreParts:
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
                             chunk_bytes)
         if self.disk is not None:
+            slab = self.dram.slab if self.dram is not None else None
+            if isinstance(slab, SharedMemory) and slab.pages == "4k":
+                log.warning("the shared DRAM tier is in 4 KiB pages (no vm.nr_hugepages reserved, "
+                            "shmem_enabled 'never'): disk reads into it split at each device's "
+                            "segment limit; reserve huge pages or set shmem_enabled to 'advise'")
             self.reader = DiskReader(self.disk, landings, timeout_s=io.timeout_s,
                                      staging_wave=max(1, STAGING_BYTES // self.slot_bytes))
             interval = min(io.breaker_cooldown_s, config.nvmeof.health_interval_s
