@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 from bench.loopdev import LoopDevices, loop_devices_unavailable
+from kvstore.devices.device import DATA_FILE
+from kvstore.devices.layout import parse_superblock
 from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header
 from kvstore.io import make_engine
 from kvstore.io.faulty import FaultyEngine
 from kvstore.store.tiered import TieredStore
@@ -117,3 +120,22 @@ def store_factory() -> Iterator:
     for store in opened:
         if store.dram is not None or store.disk is not None:
             store.close()
+
+
+def corrupt_record(directory: str, payload_byte: int | None = None) -> None:
+    """Flip one payload byte of the first valid record in a disk tier's data file (with
+    `payload_byte`: of the first whose payload holds that byte where the flip goes)."""
+    with open(os.path.join(directory, DATA_FILE), "r+b") as f:
+        _, superblock = parse_superblock(f.read(4096))
+        assert superblock is not None
+        for slot in range(superblock.num_slots):
+            offset = superblock.data_offset + slot * superblock.slot_bytes
+            f.seek(offset)
+            state, _ = parse_header(f.read(HEADER_BLOCK))
+            f.seek(offset + HEADER_BLOCK + 1000)
+            byte = f.read(1)
+            if state is HeaderState.VALID and payload_byte in (None, byte[0]):
+                f.seek(offset + HEADER_BLOCK + 1000)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                return
+    raise AssertionError("no record found to corrupt")

@@ -13,16 +13,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import corrupt_record
 from engine_harness import stop_service
 
 from connectors.plan import Transfer
 from connectors.worker_side import WorkerCore
 from engine_plugin.layout import PagedKVLayout
 from kvstore.config.store import load_config
-from kvstore.devices.device import DATA_FILE
-from kvstore.devices.layout import parse_superblock
 from kvstore.format.errors import KVStoreError
-from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header, record_bytes
+from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient
 from kvstore.store import leases
 from kvstore.store.tiered import TieredStore
@@ -170,29 +169,12 @@ def _disk_config(disk_dir: str) -> dict:
             "io": {"timeout_s": 5}}
 
 
-def _corrupt_record_of(directory: str, payload_byte: int) -> None:
-    """Flip a payload byte of the record whose payload is all `payload_byte`."""
-    with open(os.path.join(directory, DATA_FILE), "r+b") as f:
-        _, superblock = parse_superblock(f.read(4096))
-        assert superblock is not None
-        for slot in range(superblock.num_slots):
-            offset = superblock.data_offset + slot * superblock.slot_bytes
-            f.seek(offset)
-            state, _ = parse_header(f.read(HEADER_BLOCK))
-            f.seek(offset + HEADER_BLOCK + 100)
-            if state is HeaderState.VALID and f.read(1) == bytes([payload_byte]):
-                f.seek(offset + HEADER_BLOCK + 100)
-                f.write(bytes([payload_byte ^ 0xFF]))
-                return
-    raise AssertionError(f"no record of byte {payload_byte} on disk")
-
-
 def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir, store_factory):
     keys = _keys(1, 4)
     first = store_factory(_disk_config(disk_dir))
     assert first.put_many(keys, [k[:1] * CHUNK for k in keys]) == [True] * 4
     first.close()  # every chunk on disk, DRAM empty at the next start
-    _corrupt_record_of(disk_dir, keys[1][0])
+    corrupt_record(disk_dir, keys[1][0])
     store = store_factory(_disk_config(disk_dir))
     assert store.lookup(keys).tiers == ("disk",) * 4
     lease = leases.pin(store, [*keys[:3], b"\xee" * 16])

@@ -13,13 +13,11 @@ import signal
 import time
 
 import pytest
+from conftest import corrupt_record
 from engine_harness import counters, run_engine, service_client, stop_service
 
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
-from kvstore.devices.device import DATA_FILE
-from kvstore.devices.layout import parse_superblock
-from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -156,29 +154,11 @@ def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store
     assert "kvstore service unavailable" in loaded.output
 
 
-def _corrupt_first_record(directory: str) -> None:
-    path = os.path.join(directory, DATA_FILE)
-    with open(path, "r+b") as f:
-        _, superblock = parse_superblock(f.read(4096))
-        assert superblock is not None
-        for slot in range(superblock.num_slots):
-            offset = superblock.data_offset + slot * superblock.slot_bytes
-            f.seek(offset)
-            state, _ = parse_header(f.read(HEADER_BLOCK))
-            if state is HeaderState.VALID:
-                f.seek(offset + HEADER_BLOCK + 1000)
-                byte = f.read(1)
-                f.seek(offset + HEADER_BLOCK + 1000)
-                f.write(bytes([byte[0] ^ 0xFF]))
-                return
-    raise AssertionError("no record found to corrupt")
-
-
 def test_corrupt_record_is_recomputed_and_counted(model, prompts, reference, store_config):
     config = store_config(host=False)
     run_engine(model, prompts["long"], connector(config))
     stop_service(config)
-    _corrupt_first_record(config["tiers"]["disk"][0]["path"])
+    corrupt_record(config["tiers"]["disk"][0]["path"])
     loaded = run_engine(model, prompts["long"], connector(config))
     assert loaded.results[0]["token_ids"] == reference["long"]
     assert counters(config).get("disk.miss.bad_checksum", 0) == 1
@@ -220,7 +200,7 @@ def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, ref
     config = store_config()
     run_engine(model, prompts["long"], connector(config))
     stop_service(config)
-    _corrupt_first_record(config["tiers"]["disk"][0]["path"])
+    corrupt_record(config["tiers"]["disk"][0]["path"])
     loaded = run_engine(model, prompts["long"], connector(config, prefetch_policy="wait"))
     assert loaded.results[0]["token_ids"] == reference["long"]
     read = counters(config)
