@@ -140,6 +140,7 @@ def test_a_restarted_server_and_service_hit_from_disk(restarted, reference, stor
     assert loaded.token_ids == reference["follow_up"].token_ids
     read = counters(store_config)  # read by the load itself, or promoted by the lookup's prefetch
     assert read.get("disk.hits", 0) + read.get("prefetch.chunks", 0) >= 7
+    assert read.get("host.leased", 0) >= 7  # each copied into the engine from its DRAM slot
 
 
 def test_a_hung_service_costs_a_request_its_lookup_deadline(restarted, reference, store_config):
