@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from engine_plugin.layout import PagedKVLayout
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
 from kvstore.format.record import record_bytes
+from kvstore.io.faulty import Fault
 from kvstore.service.client import StoreClient
 from kvstore.store import leases
 from kvstore.store.tiered import TieredStore
@@ -286,3 +288,39 @@ def test_a_shared_dram_tier_in_small_pages_over_a_disk_tier_is_reported(disk_dir
     assert store.dram is not None
     small_pages = getattr(store.dram.slab, "pages", None) == "4k"  # the host decides: both ways are checked
     assert ("split at each device's segment limit" in caplog.text) == small_pages
+
+
+def test_a_hung_disk_read_under_a_pin_is_a_miss_within_the_deadline(disk_dir, faulty, store_factory):
+    config = _disk_config(disk_dir)
+    config["io"]["timeout_s"] = 0.5
+    keys = _keys(1, 2)
+    first = store_factory(config)
+    assert first.put_many(keys, [k[:1] * CHUNK for k in keys]) == [True, True]
+    first.close()
+    store = store_factory(config, engine=faulty)
+    faulty.add(Fault("hang", remaining=1, match=lambda request: request.nbytes > 4096))
+    started = time.monotonic()
+    lease = leases.pin(store, keys)
+    assert time.monotonic() - started < 5
+    assert sorted(offset >= 0 for offset in lease.offsets) == [False, True]
+    counters = store.stats.snapshot()
+    assert counters["disk.miss.timeout"] == 1 and counters["host.slots_retired"] == 1
+    leases.release(store, lease)
+    again = leases.pin(store, keys)  # the record stays on disk; the device answers now
+    assert store.dram is not None and all(offset >= 0 for offset in again.offsets)
+    loaded = [bytes(store.dram.slab.view[o : o + CHUNK]) for o in again.offsets]
+    assert loaded == [k[:1] * CHUNK for k in keys]
+    leases.release(store, again)
+
+
+def test_a_client_not_given_the_tier_cannot_pin(config):
+    config = {**config, "service": {**config["service"], "share_dram": "off"}}
+    client = StoreClient(load_config(config), CHUNK)
+    try:
+        assert client.tier is None
+        assert _put(client, _keys(1, 1)) == [True]
+        with pytest.raises(KVStoreError, match="not given the DRAM tier"):
+            client.pin(_keys(1, 1))
+        assert client.residency(_keys(1, 1)) == (1, 1, False)  # the connection stays usable
+    finally:
+        client.close()

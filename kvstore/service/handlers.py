@@ -46,6 +46,7 @@ class Client:
         self.window: Window | None = None
         self.region: Region | None = None
         self.slots = 0
+        self.maps_tier = False  # given the DRAM tier to map: only then may it pin
         self.leases: dict[int, leases.Lease] = {}  # DRAM pins it holds, by lease number
         self.lease_ids = itertools.count(1)
 
@@ -147,6 +148,7 @@ class Requests:
         if shared is None:
             return reply, (fd,)
         tier_fd, tier_bytes, tier_pages = shared
+        client.maps_tier = True
         return {**reply, "tier_bytes": tier_bytes, "tier_pages": tier_pages}, (fd, tier_fd)
 
     def _may_map_dram(self, client: Client) -> bool:
@@ -159,6 +161,9 @@ class Requests:
     def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:
         """Pin the DRAM hits among `keys` (disk hits promoted first) for the client to copy
         out of the tier itself."""
+        if not client.maps_tier:
+            raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
+                               "load through the window")
         held = sum(len(lease.slots) for lease in client.leases.values())
         if held + len(keys) > client.slots:
             raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
