@@ -249,6 +249,41 @@ def test_2_another_user_cannot_reach_the_socket_even_under_umask_0(intruder, sha
         stop_service(config)
 
 
+def test_2_an_allowed_user_of_another_uid_gets_no_dram_tier_and_cannot_pin(intruder, shared_tmp):
+    """Under the default share_dram (own-user) an engine of another allowed user loads
+    through its window: it is not handed the DRAM tier, and a Pin from it is refused."""
+    raw = {"tiers": {"host": {"capacity": "4MiB"}},
+           "service": {"socket": str(shared_tmp / "run" / "kvstore.sock"), "staging": "1MiB",
+                       "allowed_uids": [intruder.uid]}}
+    # Their engine trusts this user's service (listener and directory) and never spawns one.
+    theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
+    owner = StoreClient(load_config(raw), CHUNK_BYTES)
+    try:
+        assert owner.tier is not None  # the service's own user maps it
+        assert os.stat(shared_tmp / "run").st_mode & 0o777 == 0o711  # others pass, not list
+        owner.slot(0)[:] = b"s" * CHUNK_BYTES
+        assert owner.put([b"k" * 16], [0]) == [True]
+        done = intruder.run(
+            "import json, sys\n"
+            "from kvstore.config.store import load_config\n"
+            "from kvstore.format.errors import KVStoreError\n"
+            "from kvstore.service.client import StoreClient\n"
+            f"client = StoreClient(load_config(json.loads({json.dumps(theirs)!r})), {CHUNK_BYTES})\n"
+            "print('tier', client.tier is not None)\n"
+            "try:\n"
+            "    client.pin([b'k' * 16])\n"
+            "    print('pinned')\n"
+            "except KVStoreError as exc:\n"
+            "    print('refused', exc)\n"
+            "print('get', client.get([b'k' * 16], [0]), bytes(client.slot(0)[:1]))\n")
+        assert "tier False" in done.stdout, done.stderr
+        assert "refused" in done.stdout and "not given the DRAM tier" in done.stdout
+        assert "get [True] b's'" in done.stdout  # an allowed user still loads, through its window
+    finally:
+        owner.close()
+        stop_service(load_config(raw))
+
+
 # -- 3. squatted storage paths ------------------------------------------------------------
 
 @needs_root

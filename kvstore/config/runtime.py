@@ -2,8 +2,10 @@
 
 The socket, its lock, its log and the config handed to a spawned service sit in
 one private directory: `$XDG_RUNTIME_DIR/kvstore` (a per-user tmpfs), else
-`/tmp/kvstore-UID`, created 0700. Any directory holding them, default or
-configured, must be owned by this user, not a link, and writable by no one else:
+`/tmp/kvstore-UID`, created 0700 (0711 for a service that allows other users: they
+pass through to the socket). Any directory holding them, default or configured, must
+be owned by this user (a client: or a user it trusts, service.allowed_uids), not a
+link, and writable by no one else:
 otherwise another local user could listen on the socket first, or point a lock or
 log at a file of ours. Files in it are opened without following links and must
 be ours.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Collection
 
 from kvstore.format.errors import ConfigError
 
@@ -27,8 +30,9 @@ def default_socket() -> str:
     return os.path.join("/tmp", f"kvstore-{os.geteuid()}", SOCKET_NAME)
 
 
-def directory_problem(path: str) -> str | None:
-    """Why `path` is not a private directory of this user, or None."""
+def directory_problem(path: str, owners: Collection[int] = ()) -> str | None:
+    """Why `path` is not a directory only this user (or one of `owners`: users this one
+    trusts) can write, or None."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -37,16 +41,18 @@ def directory_problem(path: str) -> str | None:
         return "is a symbolic link"
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
-    if st.st_uid != os.geteuid():
+    if st.st_uid != os.geteuid() and st.st_uid not in owners:
         return f"is owned by uid {st.st_uid}, not this user ({os.geteuid()})"
     if st.st_mode & 0o022:
         return f"has mode {stat.S_IMODE(st.st_mode):04o}: others may create files in it"
     return None
 
 
-def ensure_private_directory(socket: str) -> str:
+def ensure_private_directory(socket: str, others_connect: bool = False) -> str:
     """Create (0700) or check the directory of `socket`; returns it. ConfigError
-    naming `service.socket` when it is unsafe."""
+    naming `service.socket` when it is unsafe. With `others_connect` (a service that
+    allows other users) it is made 0711: they may pass through it to the socket, not
+    list it or create anything in it (the lock, log and config files stay 0600)."""
     directory = os.path.dirname(os.path.abspath(socket))
     if not os.path.lexists(directory):
         parent = os.path.dirname(directory)
@@ -64,6 +70,8 @@ def ensure_private_directory(socket: str) -> str:
     if problem:
         raise ConfigError("service.socket", socket, f"its directory {directory} {problem}; the "
                           "service's socket, lock and log need a directory only this user can write")
+    if others_connect:
+        os.chmod(directory, 0o711)  # checked above: ours, not a link
     return directory
 
 

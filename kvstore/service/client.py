@@ -45,7 +45,7 @@ def open_channel(config: StoreConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> P
     full, which is what a hung service looks like) and check who listens."""
     path = config.service.socket
     directory = os.path.dirname(os.path.abspath(path))
-    problem = directory_problem(directory)
+    problem = directory_problem(directory, config.service.allowed_uids)  # ours or a trusted user's
     if problem is not None and problem != "does not exist":
         raise ConfigError("service.socket", path, f"its directory {directory} {problem}: refusing "
                                                   "to talk to whatever listens there")

@@ -83,7 +83,8 @@ class StoreService:
         check_paths_usable(config)
         self.config = config
         self.socket_path = config.service.socket
-        ensure_private_directory(self.socket_path)
+        ensure_private_directory(self.socket_path, others_connect=bool(
+            config.service.allowed_uids or config.service.allowed_gids))
         self._lock_fd = open_private(self.socket_path + ".lock", os.O_RDWR)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
