@@ -2,11 +2,11 @@
 
 An engine worker that maps the service's DRAM tier (tiers/dram.py) loads a hit with one
 copy from the slot into its KV blocks; a disk hit is first read into a DRAM slot (the
-promotion a get would make anyway) and loaded from there. For that copy the slot must hold the chunk from
-before it starts until after it ends, although the service's part of the read (the key
-and length check under the pin) is over before the copy begins: so the pin outlives the
-request as a `Lease`, released by the client's next request or, if the client dies, by
-the service when its connection ends. Invariants: a leased slot is pinned (never
+promotion a get would make anyway) and loaded from there. For that copy the slot must
+hold the chunk from before it starts until after it ends, although the service's part
+of the read (the key and length check under the pin) is over before the copy begins:
+so the pin outlives the request as a `Lease`, released by the client's next request or,
+if the client dies, by the service when its connection ends. Invariants: a leased slot is pinned (never
 evicted, rewritten or reused); every slot of a lease is unpinned exactly once.
 """
 
