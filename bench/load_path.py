@@ -36,9 +36,9 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -111,31 +111,19 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
 
     result: dict[str, Any] = {"chunk_bytes": chunk_bytes, "chunks": chunks, "blocks": blocks,
                               "gib": chunks * chunk_bytes / GIB, "torch_threads": torch.get_num_threads()}
+    setup = _Setup(source, target, src_blocks, dest_blocks, keys, chunk_tokens, repeats)
     for path, share in (("tier", "own-user"), ("window", "off")):
         with tempfile.TemporaryDirectory(dir=workdir) as tmp:
             config = _config(chunk_tokens, tmp, share, dram_bytes=chunks * chunk_bytes + (64 << 20))
-            try:
-                _fill(config, source, src_blocks, keys)
-                worker = WorkerCore(target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
-                try:
-                    client = worker.loads.link.get()
-                    assert client is not None and (client.tier is not None) == (path == "tier")
-                    load = partial(worker.start_loads, [Transfer("bench", (keys,), (None,), dest_blocks)],
-                                   load_async=False)
-                    best = _best(repeats, {"load": load, "copy": plain_copy, "memcpy": memcpy})
-                    assert not worker.take_failed_blocks(), "a chunk failed to load"
-                    _check(source, target, src_blocks, dest_blocks)
-                finally:
-                    worker.close()
-            finally:
-                stop_service(config)
+            best = _dram_rounds(setup, config, partial(StoreClient, config, chunk_bytes), path == "tier",
+                                {"copy": plain_copy, "memcpy": memcpy})
         result[f"{path}_gib_s"] = result["gib"] / best["load"]
         result[f"{path}_copy_gib_s"] = result["gib"] / best["copy"]
         result[f"{path}_memcpy_gib_s"] = result["gib"] / best["memcpy"]
         result[f"{path}_vs_copy"] = best["copy"] / best["load"]
         result[f"{path}_vs_memcpy"] = best["memcpy"] / best["load"]
     if torch.cuda.is_available():
-        result.update(_cuda_rounds(chunk_tokens, source, src_blocks, dest_blocks, keys, repeats, workdir))
+        result.update(_cuda_rounds(setup, workdir))
     if disk_dir is not None:
         # Both DRAM slabs in huge pages where root can reserve them: a disk read into 4 KiB
         # pages splits at the device's segment limit, and the shared slab (a memfd) gets
@@ -144,23 +132,65 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
         with huge_pages(slab_and_windows) as why_not:
             result["disk_huge_pages"] = why_not or "reserved"
             for path, share in (("disk_tier", "own-user"), ("disk_window", "off")):
-                result.update(_disk_rounds(path, share, disk_dir, chunk_tokens, source, target, src_blocks,
-                                           dest_blocks, keys, repeats))
+                result.update(_disk_rounds(setup, path, share, disk_dir))
         result["disk_tier_vs_window"] = result["disk_tier_gib_s"] / result["disk_window_gib_s"]
     return result
 
 
-def _cuda_rounds(chunk_tokens: int, source: PagedKVLayout, src_blocks: list[tuple[int, ...]],
-                 dest_blocks: tuple[tuple[int, ...], ...], keys: tuple[bytes, ...], repeats: int,
-                 workdir: str | Path | None) -> dict[str, float]:
+@dataclass(frozen=True)
+class _Setup:
+    """One run's chunks: the blocks they are gathered from (`source`), the engine's blocks
+    they load into (`target`, `dest_blocks`), their keys, and how many rounds to time."""
+
+    source: PagedKVLayout
+    target: PagedKVLayout
+    src_blocks: list[tuple[int, ...]]
+    dest_blocks: tuple[tuple[int, ...], ...]
+    keys: tuple[bytes, ...]
+    chunk_tokens: int
+    repeats: int
+
+    def load(self, worker: WorkerCore, keys: tuple[bytes, ...] | None = None) -> None:
+        """Load `keys` (default: this run's) into the destination blocks, as the connector does."""
+        worker.start_loads([Transfer("bench", (keys or self.keys,), (None,), self.dest_blocks)],
+                           load_async=False)
+        assert not worker.take_failed_blocks(), "a chunk failed to load"
+
+
+def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[[], StoreClient],
+                 tier: bool, yardsticks: dict[str, Callable[[], None]],
+                 after_load: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Fill the service's DRAM tier, then time the load (the worker mapping the tier or
+    not, as `tier` says) against the yardsticks in alternated rounds; best seconds of each."""
+    try:
+        _fill(config, setup.source, setup.src_blocks, setup.keys)
+        worker = WorkerCore(setup.target, 0, make_client, load_async=False)
+        try:
+            client = worker.loads.link.get()
+            assert client is not None and (client.tier is not None) == tier
+
+            def load() -> None:
+                setup.load(worker)
+                after_load()
+
+            best = _best(setup.repeats, {"load": load, **yardsticks})
+            _check(setup.source, setup.target, setup.src_blocks, setup.dest_blocks)
+        finally:
+            worker.close()
+    finally:
+        stop_service(config)
+    return best
+
+
+def _cuda_rounds(setup: _Setup, workdir: str | Path | None) -> dict[str, float]:
     """DRAM hits into KV tensors on the GPU, from the tier registered as the connector
     registers it, against torch's pinned-memory `copy_` of the same bytes to the GPU."""
     from engine_plugin.connector import register_for_dma
 
-    chunk_bytes, chunks = source.chunk_bytes, len(keys)
+    chunk_bytes, chunks = setup.source.chunk_bytes, len(setup.keys)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros_like(layer, device="cuda")
-              for i, layer in enumerate(source.layers)}
-    target = PagedKVLayout(caches, source.layers[0].shape[0], len(src_blocks[0]))
+              for i, layer in enumerate(setup.source.layers)}
+    target = PagedKVLayout(caches, setup.source.layers[0].shape[0], len(setup.src_blocks[0]))
     pinned = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, pin_memory=True).random_()
     device = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device="cuda")
 
@@ -171,35 +201,17 @@ def _cuda_rounds(chunk_tokens: int, source: PagedKVLayout, src_blocks: list[tupl
         torch.cuda.synchronize()
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        config = _config(chunk_tokens, tmp, "own-user", dram_bytes=chunks * chunk_bytes + (64 << 20))
-        registered: list[threading.Thread | None] = []
+        config = _config(setup.chunk_tokens, tmp, "own-user", dram_bytes=chunks * chunk_bytes + (64 << 20))
 
         def make_client() -> StoreClient:
             client = StoreClient(config, chunk_bytes)
-            registered.append(register_for_dma(client))
+            thread = register_for_dma(client)
+            if thread is not None:
+                thread.join()  # registered before the timed rounds, as once serving
             return client
 
-        try:
-            _fill(config, source, src_blocks, keys)
-            worker = WorkerCore(target, 0, make_client, load_async=False)
-            try:
-                client = worker.loads.link.get()
-                assert client is not None and client.tier is not None
-                for thread in registered:
-                    if thread is not None:
-                        thread.join()  # registered before the timed rounds, as once serving
-
-                def load() -> None:
-                    worker.start_loads([Transfer("bench", (keys,), (None,), dest_blocks)], load_async=False)
-                    torch.cuda.synchronize()
-
-                best = _best(repeats, {"load": load, "pinned": pinned_copy})
-                assert not worker.take_failed_blocks(), "a chunk failed to load"
-                _check(source, target, src_blocks, dest_blocks)
-            finally:
-                worker.close()
-        finally:
-            stop_service(config)
+        best = _dram_rounds(replace(setup, target=target), config, make_client, True,
+                            {"pinned": pinned_copy}, torch.cuda.synchronize)
     gib = chunks * chunk_bytes / GIB
     return {"cuda_tier_gib_s": gib / best["load"], "cuda_pinned_copy_gib_s": gib / best["pinned"],
             "cuda_tier_vs_pinned_copy": best["pinned"] / best["load"]}
@@ -214,44 +226,41 @@ def _config(chunk_tokens: int, directory: str, share: str, dram_bytes: int,
                         "service": {"socket": str(Path(directory) / "kvstore.sock"), "share_dram": share}})
 
 
-def _disk_rounds(path: str, share: str, disk_dir: str, chunk_tokens: int,
-                 source: PagedKVLayout, target: PagedKVLayout,
-                 src_blocks: list[tuple[int, ...]], dest_blocks: tuple[tuple[int, ...], ...],
-                 keys: tuple[bytes, ...], repeats: int) -> dict[str, float]:
+def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str) -> dict[str, float]:
     """Disk hits: two sets of chunks on disk and a DRAM tier that holds one set; each
     round loads the other set (untimed), which pushes this one out of DRAM, then this
     one from disk (timed), in one service and worker as when serving. CPU seconds are
     the worker's and the service's together, over the timed load."""
-    chunk_bytes, slot_bytes = source.chunk_bytes, record_bytes(source.chunk_bytes)
+    keys, chunk_bytes = setup.keys, setup.source.chunk_bytes
+    slot_bytes = record_bytes(chunk_bytes)
     others = tuple(bytes(b ^ 0xFF for b in key) for key in keys)
     with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
-        config = _config(chunk_tokens, tmp, share, dram_bytes=len(keys) * slot_bytes,
+        config = _config(setup.chunk_tokens, tmp, share, dram_bytes=len(keys) * slot_bytes,
                          disk_bytes=2 * len(keys) * slot_bytes + (64 << 20))
-        _fill(config, source, src_blocks, keys)
-        _fill(config, source, src_blocks, others)
+        _fill(config, setup.source, setup.src_blocks, keys)
+        _fill(config, setup.source, setup.src_blocks, others)
         stop_service(config)  # DRAM's chunks go down to disk
-        worker = WorkerCore(target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
+        worker = WorkerCore(setup.target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
         best, cpu = float("inf"), float("inf")
         try:
             client = worker.loads.link.get()
             assert client is not None and (client.tier is not None) == (path == "disk_tier")
             service_pid = int(client.info()["service_pid"])
-            for _ in range(repeats):
+            for _ in range(setup.repeats):
                 for chunks in (others, keys):
                     before = client.info()["counters"]
                     cpu_before = time.process_time() + _cpu_s(service_pid)
                     started = time.perf_counter()
-                    worker.start_loads([Transfer("bench", (chunks,), (None,), dest_blocks)], load_async=False)
+                    setup.load(worker, chunks)
                     seconds = time.perf_counter() - started
                     cpu_s = time.process_time() + _cpu_s(service_pid) - cpu_before
-                    assert not worker.take_failed_blocks(), "a chunk failed to load"
                     after = client.info()["counters"]
                     disk_hits, leased = (after.get(name, 0) - before.get(name, 0)
                                          for name in ("disk.hits", "host.leased"))
                     assert disk_hits == len(keys), f"{disk_hits} of {len(keys)} chunks came from disk"
                     assert leased == (disk_hits if path == "disk_tier" else 0), f"{leased} chunks leased"
                 best, cpu = min(best, seconds), min(cpu, cpu_s)
-                _check(source, target, src_blocks, dest_blocks)
+                _check(setup.source, setup.target, setup.src_blocks, setup.dest_blocks)
         finally:
             worker.close()
             stop_service(config)
