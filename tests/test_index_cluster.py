@@ -1,0 +1,172 @@
+"""The chunk index on a real Redis Cluster (3 masters, a replica each): hosts share
+chunks through it, a master killed with SIGKILL costs only the lookups of its keys
+(misses within the deadline, never wrong bytes) until its replica takes over, lost
+entries come back, and a dead host's entries expire."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import make_keys, make_payloads, read_back
+from redis_harness import redis_cluster  # noqa: F401 - a fixture
+from test_cluster import CHUNK, capacity_for, host_config, wait_for
+
+import kvstore.cluster.node
+from kvstore.cluster.index import IndexKeys
+from kvstore.config.store import load_config
+from kvstore.format.errors import ConfigError
+from kvstore.store.tiered import TieredStore
+
+redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e .)")
+
+CHUNKS = 12  # per host
+DEADLINE_S = 0.2
+
+
+@pytest.mark.parametrize(("url", "error"), [
+    ("redis+cluster://127.0.0.1:7000/2", "names nodes only"),
+    ("redis+cluster://127.0.0.1:7000,127.0.0.1", "'127.0.0.1' is not HOST:PORT"),
+    ("redis+cluster://", "'' is not HOST:PORT"),
+    ("cluster://127.0.0.1:7000", "must be a Redis URL"),
+])
+def test_a_bad_cluster_url_is_refused_naming_the_problem(url, error):
+    config = {"tiers": {"host": {"capacity": "1MiB"}}, "cluster": {"host_id": "a", "index_url": url}}
+    with pytest.raises(ConfigError, match=rf"cluster\.index_url.*{error}"):
+        load_config(config)
+
+
+def test_a_prefix_with_a_hash_tag_is_refused():
+    config = {"tiers": {"host": {"capacity": "1MiB"}},
+              "cluster": {"host_id": "a", "index_url": "redis+cluster://h:1", "key_prefix": "kv{x}:"}}
+    with pytest.raises(ConfigError, match=r"cluster\.key_prefix.*one hash slot"):
+        load_config(config)
+
+
+def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[TieredStore]:
+    stores = []
+    try:
+        for name in names:
+            config = host_config(name, [n for n in names if n != name], root, url, **{})
+            config["tiers"]["disk"][0]["capacity"] = capacity_for(CHUNKS)
+            for peer in config["cluster"]["peers"]:
+                peer["disk"][0]["capacity"] = capacity_for(CHUNKS)
+            config["cluster"].update(index_deadline_s=DEADLINE_S, **cluster)
+            stores.append(TieredStore(config, CHUNK, background=True))
+        for store in stores:
+            store.cluster.devices.check_once()  # the later hosts' devices exist now
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return stores
+
+
+def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_shards(
+        disk_dir, redis_cluster):  # noqa: F811
+    a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"])
+    try:
+        keys, payloads = make_keys(CHUNKS, seed=20), make_payloads(CHUNKS, seed=20, chunk_bytes=CHUNK)
+        assert a.put_many(keys, payloads) == [True] * CHUNKS
+        assert a.cluster.publisher.step()
+        assert b.lookup(keys).tiers == ("peer",) * CHUNKS
+        ok, outs = read_back(b, keys)
+        assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        names = IndexKeys("kvstore:")
+        assert len({redis_cluster.primary_of(names.chunk(key)) for key in keys}) == 3  # spread
+        assert len({redis_cluster.primary_of(names.lease(h)) for h in "ab"}) == 1  # the leases: one shard
+    finally:
+        a.close()
+        b.close()
+
+
+class Trace:
+    """Every host reads every other host's chunks, again and again, and tells hits,
+    misses and wrong bytes apart, timing each lookup."""
+
+    def __init__(self, stores: list[TieredStore], keys: list[list[bytes]],
+                 payloads: list[list[np.ndarray]]) -> None:
+        self.stores, self.keys, self.payloads = stores, keys, payloads
+        self.wrong = 0
+        self.slowest = 0.0
+
+    def round(self, hosts: range | list[int], owners: list[int] | None = None) -> tuple[int, int]:
+        """One pass: (hits, misses) of each host in `hosts` reading the `owners`' chunks."""
+        hits = misses = 0
+        for me in hosts:
+            for owner in owners if owners is not None else range(len(self.stores)):
+                if owner == me:
+                    continue
+                started = time.monotonic()
+                self.stores[me].lookup(self.keys[owner])
+                self.slowest = max(self.slowest, time.monotonic() - started)
+                ok, outs = read_back(self.stores[me], self.keys[owner])
+                for served, out, payload in zip(ok, outs, self.payloads[owner], strict=True):
+                    hits += served
+                    misses += not served
+                    self.wrong += served and not (out == payload).all()
+        return hits, misses
+
+
+def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
+        disk_dir, redis_cluster, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(kvstore.cluster.node, "RECENT_S", 0.0)  # every lookup asks the index
+    monkeypatch.setattr(kvstore.cluster.node, "RECENT_MISS_S", 0.0)
+    names = ["a", "b", "c", "d"]
+    stores = cluster_hosts(disk_dir, redis_cluster.url, names, lease_s=3.0, republish_s=2.0,
+                           index_backoff_s=0.3)
+    try:
+        keys = [make_keys(CHUNKS, seed=30 + i) for i in range(4)]
+        payloads = [make_payloads(CHUNKS, seed=30 + i, chunk_bytes=CHUNK) for i in range(4)]
+        for store, own, data in zip(stores, keys, payloads, strict=True):
+            assert store.put_many(own, data) == [True] * CHUNKS
+        trace = Trace(stores, keys, payloads)
+        everything = 4 * 3 * CHUNKS
+        wait_for(lambda: trace.round(range(4))[0] == everything, what="every host finding the others'")
+        index = IndexKeys("kvstore:")
+        victim = redis_cluster.primary_of(index.lease("a"))  # the leases' shard, and a third of the keys
+        on_victim = sum(redis_cluster.primary_of(index.chunk(k)) == victim for own in keys for k in own)
+        assert 0 < on_victim < 4 * CHUNKS
+        redis_cluster.kill(victim)
+        killed = time.monotonic()
+
+        # Until the replica is promoted: the other shards' chunks are hits (the leases as
+        # last read), the dead shard's are misses, each lookup within the deadline.
+        hits, misses = trace.round(range(4))
+        assert misses > 0 and hits >= everything - 3 * on_victim
+        redis_cluster.wait_until(lambda: victim not in redis_cluster.primaries(redis_cluster.live()), 30,
+                                 "the replica's promotion")
+        promoted = time.monotonic() - killed
+        assert stores[0].stats.snapshot()["peer.index_shard_misses"] > 0
+
+        # Hits come back, no host restarted (the slot map is read again by the client).
+        wait_for(lambda: trace.round(range(4))[0] == everything, timeout_s=15, what="hits after failover")
+        back = time.monotonic() - killed
+        assert trace.slowest < DEADLINE_S + 0.3
+
+        # Entries the index lost without an error (as a failover loses writes its replica had
+        # not received) are sent again by their host within republish_s.
+        with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.live()) as r:
+            assert [r.hdel(index.chunk(key), "a") for key in keys[0][:4]] == [1] * 4
+        assert set(stores[1].cluster.index.locate(keys[0])) == set(keys[0][4:])
+        wait_for(lambda: trace.round([1], [0]) == (CHUNKS, 0), timeout_s=5, what="the lost entries back")
+        assert stores[0].stats.snapshot()["peer.republished"] > 0
+
+        # A host that dies (its publisher stops, its lease is not withdrawn): its entries
+        # stop counting once its lease runs out, the others' stay.
+        dead = stores[3].cluster.publisher
+        dead._stop.set()
+        dead._wake.set()
+        dead._thread.join(5)
+        died = time.monotonic()
+        wait_for(lambda: trace.round([0], [3]) == (0, CHUNKS), timeout_s=6, what="the dead host's expiry")
+        assert time.monotonic() - died < 3.0 + 1.5
+        assert stores[0].stats.snapshot()["peer.index_expired"] > 0
+        assert trace.round([0], [1, 2]) == (2 * CHUNKS, 0)
+        assert trace.wrong == 0
+        print(f"failover: promoted after {promoted:.1f} s, all hits back after {back:.1f} s, "
+              f"slowest lookup {trace.slowest * 1000:.0f} ms")
+    finally:
+        for store in stores:
+            store.close()
