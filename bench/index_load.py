@@ -112,8 +112,8 @@ def measure(url: str, ports: list[int], hosts: int, peers: int, chunks: int, loo
     context = multiprocessing.get_context("spawn")  # no client state inherited
     out = context.Queue()
     start_at = time.time() + 3  # every host starts at once, after the slowest spawn
-    workers = [context.Process(target=_host, args=(url, peers, chunks, lookup_keys, seconds, h, start_at, out))
-               for h in range(hosts)]
+    shape = (url, peers, chunks, lookup_keys, seconds)
+    workers = [context.Process(target=_host, args=(*shape, h, start_at, out)) for h in range(hosts)]
     for worker in workers:
         worker.start()
     rows: list[tuple[int, list[float], int, float]] = []
@@ -160,14 +160,16 @@ def run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         single.stop()
         cluster.stop()
-    result["cluster_vs_single_lookups"] = result["cluster"]["lookups_per_s"] / result["single"]["lookups_per_s"]
+    result["cluster_vs_single_lookups"] = (result["cluster"]["lookups_per_s"]
+                                           / result["single"]["lookups_per_s"])
     result["cluster_vs_single_p99"] = (result["cluster"]["p99_ms_worst_host"]
                                        / result["single"]["p99_ms_worst_host"])
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4, help="reading hosts (processes) at once")
     parser.add_argument("--peers", type=int, default=16, help="hosts whose entries fill the index")
     parser.add_argument("--chunks", type=int, default=20000, help="entries per peer")
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("single", "cluster"):
         for host, row in enumerate(result[name]["per_host"]):
             print(f"{name:>8} host {host}: {row['lookups_per_s']:8.0f} lookups/s  p50 {row['p50_ms']:6.2f} ms"
-                  f"  p99 {row['p99_ms']:6.2f} ms  client CPU {row['client_cpu_ms_per_lookup']:.2f} ms/lookup")
+                  f"  p99 {row['p99_ms']:6.2f} ms  client CPU "
+                  f"{row['client_cpu_ms_per_lookup']:.2f} ms/lookup")
         print(f"{name:>8} all: {result[name]['lookups_per_s']:8.0f} lookups/s, worst p99 "
               f"{result[name]['p99_ms_worst_host']:.2f} ms, incomplete {result[name]['incomplete']}")
         for shard, row in enumerate(result[name]["shards"]):
