@@ -1,7 +1,8 @@
 """The chunk index on a real Redis Cluster (3 masters, a replica each): hosts share
 chunks through it, a master killed with SIGKILL costs only the lookups of its keys
 (misses within the deadline, never wrong bytes) until its replica takes over, lost
-entries come back, and a dead host's entries expire."""
+entries come back, and a dead host's entries expire; eight store processes on one
+loop array share through it."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import time
 
 import numpy as np
 import pytest
-from conftest import make_keys, make_payloads, read_back
+from conftest import attached, make_keys, make_payloads, read_back
+from engine_harness import stop_service
 from redis_harness import redis_cluster  # noqa: F401 - a fixture
-from test_cluster import CHUNK, capacity_for, host_config, wait_for
+from test_cluster import CHUNK, capacity_for, client, counters, found, get, host_config, put, wait_for
 
 import kvstore.cluster.node
+from bench.loopdev import LoopDevices
 from kvstore.cluster.index import IndexKeys
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
+from kvstore.service.client import StoreClient
 from kvstore.store.tiered import TieredStore
 
 redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e .)")
@@ -170,3 +174,66 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
     finally:
         for store in stores:
             store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.loopdev
+def test_eight_store_processes_on_one_loop_array_share_through_the_cluster_index(
+        tmp_path, redis_cluster):  # noqa: F811
+    """Eight `kvstore serve` processes, each writing its own loop device (the array's eight
+    namespaces) and reading the other seven's through the Redis Cluster index; then a
+    master is killed and every host finds every chunk again, none restarted."""
+    hosts = [f"h{i}" for i in range(8)]
+    with attached(LoopDevices(str(tmp_path), 8, 8 << 20)) as loops:
+        def config(me: int) -> dict:
+            def disk(i: int) -> list[dict]:
+                return [{"path": loops.devices[i], "capacity": "4MiB"}]
+
+            return {"tiers": {"disk": disk(me)}, "io": {"engine": "uring", "timeout_s": 5},
+                    "service": {"socket": str(tmp_path / f"{hosts[me]}.sock"), "staging": "1MiB"},
+                    "cluster": {"host_id": hosts[me], "index_url": redis_cluster.url, "lease_s": 3.0,
+                                "index_deadline_s": DEADLINE_S, "index_backoff_s": 0.3,
+                                "peers": [{"host_id": hosts[i], "disk": disk(i)}
+                                          for i in range(8) if i != me]}}
+
+        configs = [config(i) for i in range(8)]
+        try:
+            stores = [client(c) for c in configs]
+            keys = [make_keys(4, seed=40 + i) for i in range(8)]
+            payloads = [make_payloads(4, seed=40 + i, chunk_bytes=CHUNK) for i in range(8)]
+            for store, own, data in zip(stores, keys, payloads, strict=True):
+                assert put(store, own, data) == [True] * 4
+            others = {me: [k for i in range(8) if i != me for k in keys[i]] for me in range(8)}
+            expected = {me: [p.tobytes() for i in range(8) if i != me for p in payloads[i]]
+                        for me in range(8)}
+
+            def everyone_reads_everything() -> bool:
+                for me, store in enumerate(stores):
+                    if found(store, others[me]) != 28:
+                        return False
+                    ok, data = get_all(store, others[me])
+                    assert all(d == e for served, d, e in zip(ok, data, expected[me], strict=True) if served)
+                    if not all(ok):
+                        return False
+                return True
+
+            wait_for(everyone_reads_everything, timeout_s=30, what="every host reading the other seven")
+            assert all(counters(c)["peer.hits"] >= 28 for c in configs)
+            redis_cluster.kill(redis_cluster.primary_of(IndexKeys("kvstore:").chunk(keys[0][0])))
+            time.sleep(1.1)  # past the hosts' memory of earlier answers (kvstore.cluster.node.RECENT_S)
+            wait_for(everyone_reads_everything, timeout_s=30, what="every host reading all after failover")
+            assert sum(counters(c).get("peer.index_shard_misses", 0) for c in configs) > 0
+        finally:
+            for c in configs:
+                stop_service(c)
+
+
+def get_all(store: StoreClient, keys: list[bytes]) -> tuple[list[bool], list[bytes]]:
+    """`get` in waves of the 1 MiB staging window (15 chunks of 64 KiB)."""
+    ok, data = [], []
+    for start in range(0, len(keys), 15):
+        wave = keys[start : start + 15]
+        served, got = get(store, wave)
+        ok += served
+        data += got
+    return ok, data
