@@ -21,7 +21,7 @@ Reads have a short deadline and a backoff: an index that is down or slow makes l
 local-only at once, and for `index_backoff_s` they do not try it again. On a cluster, a
 shard that does not answer (its master died; its replica not yet promoted) costs only
 the lookups of its keys (`peer.index_shard_misses`), and while the leases' shard is the
-one down, the leases last read count until they would have expired.
+one down, the leases last read count for at most `lease_s` more.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ class IndexReader:
         self.last_error = ""
 
     def locate(self, keys: Sequence[bytes]) -> dict[bytes, list[PeerHit]] | None:
-        """For each key some live peer holds, where (one pipeline per shard: a GET and a
-        PTTL per peer's lease, an HMGET per key). None: the index is skipped (backing
+        """For each key some live peer holds, where (one pipeline per shard: the peers'
+        leases, an HMGET per key). None: the index is skipped (backing
         off) or did not answer in time."""
         if not keys or not self.peers:
             return {}
@@ -109,9 +109,10 @@ class IndexReader:
             self.stats.add("peer.index_skipped")
             return None
         leases = [self.keys.lease(host) for host in self.peers]
-        commands: list[Command] = [*(("get", (lease,)) for lease in leases),
-                                   *(("pttl", (lease,)) for lease in leases),
-                                   *(("hmget", (self.keys.chunk(key), self.peers)) for key in keys)]
+        # A cluster pipeline refuses MGET (even of keys in one slot): a GET per lease.
+        read_leases: list[Command] = ([("get", (lease,)) for lease in leases] if self._index.cluster
+                                      else [("mget", (leases,))])
+        commands = [*read_leases, *(("hmget", (self.keys.chunk(key), self.peers)) for key in keys)]
         started = time.monotonic()
         try:
             answers = self._index.run(commands)
@@ -132,9 +133,9 @@ class IndexReader:
         elif self.last_error and elapsed <= self.config.index_deadline_s:
             log.warning("cluster index %s answers again", shown(self.config.index_url))
             self.last_error = ""
-        live = self._live(started, answers[: 2 * len(leases)])
+        live = self._live(started, answers[: len(read_leases)])
         found: dict[bytes, list[PeerHit]] = {}
-        for key, row in zip(keys, answers[2 * len(leases) :], strict=True):
+        for key, row in zip(keys, answers[len(read_leases) :], strict=True):
             if isinstance(row, BaseException):
                 self.stats.add("peer.index_shard_misses")  # its shard is down: a miss
                 continue
@@ -150,16 +151,15 @@ class IndexReader:
         return found
 
     def _live(self, asked: float, answers: Sequence[object]) -> dict[str, int]:
-        """The peers' generations whose leases live, from each lease and its time to live.
-        Leases read now replace those remembered; while the leases' shard is down, those
-        remembered count until they would have expired."""
-        leases, ttls = answers[: len(self.peers)], answers[len(self.peers) :]
+        """The peers' generations whose leases live. Leases read now replace those
+        remembered; while the leases' shard is down, those remembered count for at most
+        `lease_s` after they were read (no lease outlives that without a renewal)."""
+        leases = answers[0] if len(answers) == 1 and isinstance(answers[0], list) else answers
         with self._lock:
             if not any(isinstance(answer, BaseException) for answer in answers):
-                self._leases = {
-                    host: (int.from_bytes(lease, "little"), asked + ttl / 1000)
-                    for host, lease, ttl in zip(self.peers, leases, ttls, strict=True)
-                    if isinstance(lease, bytes) and len(lease) == 8 and isinstance(ttl, int) and ttl > 0}
+                self._leases = {host: (int.from_bytes(lease, "little"), asked + self.config.lease_s)
+                                for host, lease in zip(self.peers, leases, strict=True)
+                                if isinstance(lease, bytes) and len(lease) == 8}
             now = time.monotonic()
             return {host: generation for host, (generation, until) in self._leases.items() if until > now}
 
