@@ -17,6 +17,7 @@ from test_cluster import CHUNK, capacity_for, client, counters, found, get, host
 
 import kvstore.cluster.node
 from bench.loopdev import LoopDevices
+from kvstore.cluster.connection import shown
 from kvstore.cluster.index import IndexKeys
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
@@ -39,6 +40,15 @@ def test_a_bad_cluster_url_is_refused_naming_the_problem(url, error):
     config = {"tiers": {"host": {"capacity": "1MiB"}}, "cluster": {"host_id": "a", "index_url": url}}
     with pytest.raises(ConfigError, match=rf"cluster\.index_url.*{error}"):
         load_config(config)
+
+
+@pytest.mark.parametrize(("url", "seen"), [
+    ("redis+cluster://user:s3cret@10.0.0.9:7000,10.0.0.9:7001", "redis+cluster://user:***@10.0.0.9:7000,10.0.0.9:7001"),
+    ("redis://:s3cret@10.0.0.9:6379/0", "redis://:***@10.0.0.9:6379/0"),
+    ("redis://10.0.0.9:6379/0", "redis://10.0.0.9:6379/0"),
+])
+def test_logs_and_info_hide_the_password(url, seen):
+    assert shown(url) == seen
 
 
 def test_a_prefix_with_a_hash_tag_is_refused():

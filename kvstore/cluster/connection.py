@@ -16,6 +16,7 @@ only the commands routed to the dead shard fail.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -45,6 +46,13 @@ def _credentials(url: str) -> dict[str, Any]:
     return {"username": unquote(user) or None, "password": unquote(password) or None}
 
 
+def _queue(pipe: Any, name: str, args: tuple[Any, ...]) -> None:
+    if name == "mget":  # the cluster pipeline has no MGET method, but sends one whose keys share a slot
+        pipe.execute_command("MGET", *args[0])
+    else:
+        getattr(pipe, name)(*args)
+
+
 class IndexConnection:
     """A client for `url` whose every command answers within `timeout_s` or fails."""
 
@@ -55,16 +63,18 @@ class IndexConnection:
                                          "retry": Retry(NoBackoff(), 0)}
         self._client: Any = None if self.cluster else redis.Redis.from_url(
             url, health_check_interval=0, **self._options)
+        self._lock = threading.Lock()  # one cluster client, however many threads ask first
 
     @property
     def client(self) -> Any:
         """redis.Redis, or RedisCluster once the slot map could be read (else a FAILURE)."""
-        if self._client is None:
-            nodes = [ClusterNode(host, port) for host, port in cluster_nodes(self.url)]
-            self._client = RedisCluster(startup_nodes=nodes, ssl=self.url.startswith("rediss"),
-                                        require_full_coverage=False, **_credentials(self.url),
-                                        **self._options)
-        return self._client
+        with self._lock:
+            if self._client is None:
+                nodes = [ClusterNode(host, port) for host, port in cluster_nodes(self.url)]
+                self._client = RedisCluster(startup_nodes=nodes, ssl=self.url.startswith("rediss"),
+                                            require_full_coverage=False, **_credentials(self.url),
+                                            **self._options)
+            return self._client
 
     def pipeline(self) -> Any:
         return self.client.pipeline(transaction=False)
@@ -74,7 +84,7 @@ class IndexConnection:
         A cluster: a shard that fails gives its commands' exceptions as their results."""
         pipe = self.pipeline()
         for name, args in commands:
-            getattr(pipe, name)(*args)
+            _queue(pipe, name, args)
         if not self.cluster:
             return list(pipe.execute())
         try:
@@ -94,8 +104,7 @@ class IndexConnection:
         for indices in shards.values():
             pipe = self.pipeline()
             for i in indices:
-                name, args = commands[i]
-                getattr(pipe, name)(*args)
+                _queue(pipe, *commands[i])
             try:
                 answers = pipe.execute(raise_on_error=False)
             except FAILURES as exc:
@@ -105,5 +114,6 @@ class IndexConnection:
         return results
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        with self._lock:
+            if self._client is not None:
+                self._client.close()

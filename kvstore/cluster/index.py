@@ -9,7 +9,7 @@ On a Redis Cluster the chunk keys spread over the shards by their own hash: a ch
 in every prompt that shares its prefix, so no tag of one request's chain could name it,
 and a popular prefix's chunks on one shard would make that shard the hot one. A lookup
 is one pipeline per shard, sent at once (connection.py). The leases share one hash tag
-({P}): they are read from one shard.
+({P}): one MGET reads them all.
 
 Each host writes only its own fields, its own set and its own lease: no value has two
 writers and nothing is locked. An entry counts only while its host's lease lives and
@@ -109,10 +109,8 @@ class IndexReader:
             self.stats.add("peer.index_skipped")
             return None
         leases = [self.keys.lease(host) for host in self.peers]
-        # A cluster pipeline refuses MGET (even of keys in one slot): a GET per lease.
-        read_leases: list[Command] = ([("get", (lease,)) for lease in leases] if self._index.cluster
-                                      else [("mget", (leases,))])
-        commands = [*read_leases, *(("hmget", (self.keys.chunk(key), self.peers)) for key in keys)]
+        commands: list[Command] = [("mget", (leases,)),
+                                   *(("hmget", (self.keys.chunk(key), self.peers)) for key in keys)]
         started = time.monotonic()
         try:
             answers = self._index.run(commands)
@@ -133,9 +131,9 @@ class IndexReader:
         elif self.last_error and elapsed <= self.config.index_deadline_s:
             log.warning("cluster index %s answers again", shown(self.config.index_url))
             self.last_error = ""
-        live = self._live(started, answers[: len(read_leases)])
+        live = self._live(started, answers[0])
         found: dict[bytes, list[PeerHit]] = {}
-        for key, row in zip(keys, answers[len(read_leases) :], strict=True):
+        for key, row in zip(keys, answers[1:], strict=True):
             if isinstance(row, BaseException):
                 self.stats.add("peer.index_shard_misses")  # its shard is down: a miss
                 continue
@@ -150,13 +148,12 @@ class IndexReader:
                 found[key] = hits
         return found
 
-    def _live(self, asked: float, answers: Sequence[object]) -> dict[str, int]:
+    def _live(self, asked: float, leases: object) -> dict[str, int]:
         """The peers' generations whose leases live. Leases read now replace those
         remembered; while the leases' shard is down, those remembered count for at most
         `lease_s` after they were read (no lease outlives that without a renewal)."""
-        leases = answers[0] if len(answers) == 1 and isinstance(answers[0], list) else answers
         with self._lock:
-            if not any(isinstance(answer, BaseException) for answer in answers):
+            if isinstance(leases, list):  # else the exception of a shard that did not answer
                 self._leases = {host: (int.from_bytes(lease, "little"), asked + self.config.lease_s)
                                 for host, lease in zip(self.peers, leases, strict=True)
                                 if isinstance(lease, bytes) and len(lease) == 8}
