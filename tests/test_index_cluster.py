@@ -62,7 +62,7 @@ def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[Tier
     stores = []
     try:
         for name in names:
-            config = host_config(name, [n for n in names if n != name], root, url, **{})
+            config = host_config(name, [n for n in names if n != name], root, url)
             config["tiers"]["disk"][0]["capacity"] = capacity_for(CHUNKS)
             for peer in config["cluster"]["peers"]:
                 peer["disk"][0]["capacity"] = capacity_for(CHUNKS)

@@ -101,8 +101,8 @@ class IndexReader:
 
     def locate(self, keys: Sequence[bytes]) -> dict[bytes, list[PeerHit]] | None:
         """For each key some live peer holds, where (one pipeline per shard: the peers'
-        leases, an HMGET per key). None: the index is skipped (backing
-        off) or did not answer in time."""
+        leases, an HMGET per key). None: the index is skipped (backing off) or did not
+        answer in time; a key whose shard did not answer is left out (a miss)."""
         if not keys or not self.peers:
             return {}
         if time.monotonic() < self._skip_until:
