@@ -166,6 +166,23 @@ class RedisClusterServers:
                 return int(master[1])
         raise LookupError(f"no master serves slot {slot}")
 
+    def move_slot(self, key: bytes, to: int, midway: Callable[[], None] = lambda: None) -> None:
+        """Move `key`'s slot to the master at port `to`, as `redis-cli --cluster reshard` does:
+        mark it migrating and importing, MIGRATE its keys, call `midway` (clients asking the
+        old master now get ASK), then assign it to `to` everywhere (they get MOVED)."""
+        source = self.primary_of(key)
+        with self._client(source) as old, self._client(to) as new:
+            slot = old.execute_command("CLUSTER", "KEYSLOT", key)
+            old_id, new_id = old.execute_command("CLUSTER", "MYID"), new.execute_command("CLUSTER", "MYID")
+            new.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", old_id)
+            old.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", new_id)
+            keys = old.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            old.execute_command("MIGRATE", "127.0.0.1", to, "", 0, 5000, "KEYS", *keys)
+            midway()
+            for port in {source, to} | self.primaries(to):
+                with self._client(port) as node:
+                    node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", new_id)
+
     def kill(self, port: int) -> None:
         """SIGKILL one node (no clean stop: its replica must notice and take over)."""
         self.processes[port].kill()

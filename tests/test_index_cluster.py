@@ -95,6 +95,36 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
         b.close()
 
 
+def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_dir, redis_cluster):  # noqa: F811
+    a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"])
+    try:
+        keys, payloads = make_keys(CHUNKS, seed=21), make_payloads(CHUNKS, seed=21, chunk_bytes=CHUNK)
+        assert a.put_many(keys, payloads) == [True] * CHUNKS
+        assert a.cluster.publisher.step()
+        assert b.cluster.index.locate(keys).keys() == set(keys)
+        moved = IndexKeys("kvstore:").chunk(keys[0])
+        source = redis_cluster.primary_of(moved)
+        target = next(port for port in redis_cluster.primaries(source) if port != source)
+
+        def midway() -> None:  # the key is on the target, the slot still the source's: ASK
+            assert b.cluster.index.locate(keys).keys() == set(keys)
+
+        redis_cluster.move_slot(moved, target, midway)
+        assert redis_cluster.primary_of(moved) == target
+        assert b.cluster.index.locate(keys).keys() == set(keys)  # MOVED, then the new map
+        ok, outs = read_back(b, keys)
+        assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        more, more_payloads = make_keys(4, seed=22), make_payloads(4, seed=22, chunk_bytes=CHUNK)
+        assert a.put_many(more, more_payloads) == [True] * 4  # evicting 4 of the first
+        assert a.cluster.publisher.step()  # writes follow the new map too
+        ok, outs = read_back(b, more)
+        assert ok == [True] * 4 and all((o == p).all() for o, p in zip(outs, more_payloads, strict=True))
+        assert "peer.index_errors" not in b.stats.snapshot()
+    finally:
+        a.close()
+        b.close()
+
+
 class Trace:
     """Every host reads every other host's chunks, again and again, and tells hits,
     misses and wrong bytes apart, timing each lookup."""
