@@ -58,6 +58,21 @@ def test_a_prefix_with_a_hash_tag_is_refused():
         load_config(config)
 
 
+def test_a_host_starts_with_the_cluster_unreachable_and_looks_up_locally_in_time(disk_dir):
+    url = "redis+cluster://127.0.0.1:1,127.0.0.1:2"  # nothing listens there
+    a = TieredStore(host_config("a", ["b"], disk_dir, url), CHUNK, background=False)  # b: never started
+    try:
+        keys, payloads = make_keys(2, seed=23), make_payloads(2, seed=23, chunk_bytes=CHUNK)
+        assert a.put_many(keys, payloads) == [True, True]
+        assert not a.cluster.publisher.step()  # it cannot publish, and says so
+        started = time.monotonic()
+        assert a.lookup(keys + make_keys(2, seed=24)).count == 2
+        assert time.monotonic() - started < DEADLINE_S + 0.3
+        assert a.stats.snapshot()["peer.index_errors"] == 1
+    finally:
+        a.close()
+
+
 def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[TieredStore]:
     stores = []
     try:
