@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.redis_server import RedisServer, redis_server_unavailable
+from kvstore.config.store import CLUSTER_SCHEMES
 from kvstore.format.keys import KVNamespace, chunk_keys
 from kvstore.format.record import record_bytes
 from kvstore.format.units import parse_size
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-url", help="an existing Redis (default: start one on loopback)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.index_url and args.index_url.startswith(CLUSTER_SCHEMES):
+        parser.error("--index-url: one instance (its memory per chunk is read with INFO); "
+                     "python -m bench.index_load measures a Redis Cluster")
     with tempfile.TemporaryDirectory(dir=args.dir or "/var/tmp") as root:
         server = None
         url = args.index_url

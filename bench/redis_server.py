@@ -1,6 +1,7 @@
-"""A throwaway redis-server on a loopback port, in a directory of its own, for the cluster
-tests and `python -m bench.cluster_bench`: persistence off (the index is a hint, nothing
-in it needs to survive), paused and resumed with signals, stopped even when paused.
+"""Throwaway redis-servers on loopback ports, in a directory of their own, for the cluster
+tests and `python -m bench.cluster_bench`: one instance, or a Redis Cluster of several;
+persistence off (the index is a hint, nothing in it needs to survive), paused, resumed
+and killed with signals, stopped even when paused.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
-def redis_server_unavailable() -> str | None:
-    """Why no redis-server can be started here, or None."""
-    if shutil.which("redis-server") is None:
-        return "redis-server is not installed (scripts/setup.sh installs it with apt, as root)"
+def redis_server_unavailable(cluster: bool = False) -> str | None:
+    """Why no redis-server (and, for a `cluster`, no redis-cli) can be run here, or None."""
+    for program in ("redis-server", "redis-cli") if cluster else ("redis-server",):
+        if shutil.which(program) is None:
+            return f"{program} is not installed (scripts/setup.sh installs it with apt, as root)"
     return None
 
 
@@ -60,15 +64,16 @@ class RedisServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self.process.poll() is None:
-            if self._answers():
+            if self.answers(self.port):
                 return True
             time.sleep(0.02)
         self.stop()
         return False
 
-    def _answers(self) -> bool:
+    @staticmethod
+    def answers(port: int) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
                 conn.sendall(b"PING\r\n")
                 return conn.recv(16).startswith(b"+PONG")
         except OSError:
@@ -94,3 +99,142 @@ class RedisServer:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+class RedisClusterServers:
+    """A Redis Cluster on loopback: `masters` masters with a replica each, in a directory of
+    its own, as docs/cluster.md's recipe starts one. The node timeout is short (a master
+    that stops answering is failed over within a few seconds) and full coverage is not
+    required (the other shards serve while one is failed over)."""
+
+    def __init__(self, workdir: Path, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+        self.workdir = workdir
+        self.masters = masters
+        self.node_timeout_ms = node_timeout_ms
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        """A `redis+cluster://` URL listing every node (the client needs only one that answers)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.processes)
+
+    def start(self) -> None:
+        try:
+            for port in _cluster_ports(2 * self.masters):
+                self.processes[port] = subprocess.Popen(
+                    ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                     "--appendonly", "no", "--dir", str(self.workdir), "--cluster-enabled", "yes",
+                     "--cluster-config-file", f"nodes-{port}.conf",
+                     "--cluster-node-timeout", str(self.node_timeout_ms),
+                     "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
+                     "--logfile", str(self.workdir / f"redis-{port}.log")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 10
+            while not all(RedisServer.answers(port) for port in self.processes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server nodes did not start (see {self.workdir})")
+                time.sleep(0.05)
+            subprocess.run(["redis-cli", "--cluster", "create",
+                            *(f"127.0.0.1:{port}" for port in self.processes),
+                            "--cluster-replicas", "1", "--cluster-yes"],
+                           check=True, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self.wait_until(lambda: all(self.serving(port) for port in self.processes), 30, "the cluster")
+        except BaseException:
+            self.stop()
+            raise
+
+    def serving(self, port: int) -> bool:
+        """The node at `port` says the cluster is up and every slot is assigned."""
+        info = self._ask(port, "CLUSTER", "INFO")
+        return "cluster_state:ok" in info and "cluster_slots_assigned:16384" in info
+
+    def primaries(self, port: int) -> set[int]:
+        """The ports of the masters serving slots, as the node at `port` sees them."""
+        slots = self._client(port).execute_command("CLUSTER", "SLOTS")
+        return {int(row[2][1]) for row in slots}
+
+    def live(self) -> int:
+        """The port of a node still running."""
+        return next(port for port, process in self.processes.items() if process.poll() is None)
+
+    def primary_of(self, key: bytes) -> int:
+        """The port of the master serving `key`'s slot now."""
+        client = self._client(self.live())
+        slot = client.execute_command("CLUSTER", "KEYSLOT", key)
+        for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return int(master[1])
+        raise LookupError(f"no master serves slot {slot}")
+
+    def move_slot(self, key: bytes, to: int, midway: Callable[[], None] = lambda: None) -> None:
+        """Move `key`'s slot to the master at port `to`, as `redis-cli --cluster reshard` does:
+        mark it migrating and importing, MIGRATE its keys, call `midway` (clients asking the
+        old master now get ASK), then assign it to `to` everywhere (they get MOVED)."""
+        source = self.primary_of(key)
+        with self._client(source) as old, self._client(to) as new:
+            slot = old.execute_command("CLUSTER", "KEYSLOT", key)
+            old_id, new_id = old.execute_command("CLUSTER", "MYID"), new.execute_command("CLUSTER", "MYID")
+            new.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", old_id)
+            old.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", new_id)
+            keys = old.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            old.execute_command("MIGRATE", "127.0.0.1", to, "", 0, 5000, "KEYS", *keys)
+            midway()
+            for port in {source, to} | self.primaries(to):
+                with self._client(port) as node:
+                    node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", new_id)
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (no clean stop: its replica must notice and take over)."""
+        self.processes[port].kill()
+        self.processes[port].wait()
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError, redis_errors()):
+                if condition():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not ready in {timeout_s} s (see {self.workdir})")
+            time.sleep(0.1)
+
+    def _client(self, port: int) -> Any:
+        import redis
+
+        return redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
+
+    def _ask(self, port: int, *command: str) -> str:
+        with self._client(port) as client:
+            answer = client.execute_command(*command)
+        return answer.decode() if isinstance(answer, bytes) else str(answer)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def redis_errors() -> type[Exception]:
+    import redis
+
+    return redis.RedisError
+
+
+def _cluster_ports(count: int) -> list[int]:
+    """Free loopback ports whose cluster bus ports (each + 10000) are free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _free_port()
+        if port + 10000 < 65536 and port not in ports and _is_free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from test_replay import BLOCK, write_trace
 import kvstore.cluster.node
 from bench.cluster_replay import Cluster, replay_cluster, route
 from bench.trace import read_trace
+from bench.trace_tile import main as trace_tile
+from bench.trace_tile import tile
 from kvstore.cli import main as cli_main
 from kvstore.format.errors import ConfigError
 from kvstore.format.record import record_bytes
@@ -124,3 +127,18 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_tiled_trace_is_k_tenants_that_share_no_block(tmp_path, capsys):
+    trace = shared_prefix_trace(tmp_path / "t.jsonl", requests=50)
+    rows = [json.loads(line) for line in Path(trace).read_text().splitlines()]
+    assert trace_tile([trace, str(tmp_path / "x.jsonl"), "--copies", "3"]) == 0
+    tiled = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
+    assert len(tiled) == 3 * len(rows)
+    assert [r["timestamp"] for r in tiled] == sorted(r["timestamp"] for r in tiled)
+    blocks = {i for r in rows for i in r["hash_ids"]}
+    assert len({i for r in tiled for i in r["hash_ids"]}) == 3 * len(blocks)
+    assert sorted(r["input_length"] for r in tiled) == sorted(3 * [r["input_length"] for r in rows])
+    assert "150 requests" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="at least 1"):
+        tile(trace, 0)

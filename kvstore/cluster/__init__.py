@@ -1,5 +1,6 @@
 """Several hosts sharing one NVMe-oF array: the cross-host index and read-only peer reads.
 
+  connection.py    one Redis or a Redis Cluster (redis+cluster://), no retries, per-shard failures
   index.py         the Redis schema: chunk locations, hosts' leases; reads within a deadline
   publisher.py     this host's disk-tier chunks into the index, from one background thread
   peer_devices.py  peers' devices opened read-only: geometry, device ids, health

@@ -3,7 +3,13 @@
 Keys, all under `cluster.key_prefix` (P):
   P c:<chunk key>  a hash: one field per host holding the chunk, host id -> Location
   P h:<host id>    a set: the chunk keys that host has published (its own clean-up)
-  P l:<host id>    that host's lease: its generation (random per start), expiring
+  P l:{P}<host id> that host's lease: its generation (random per start), expiring
+
+On a Redis Cluster the chunk keys spread over the shards by their own hash: a chunk is
+in every prompt that shares its prefix, so no tag of one request's chain could name it,
+and a popular prefix's chunks on one shard would make that shard the hot one. A lookup
+is one pipeline per shard, sent at once (connection.py). The leases share one hash tag
+({P}): one MGET reads them all.
 
 Each host writes only its own fields, its own set and its own lease: no value has two
 writers and nothing is locked. An entry counts only while its host's lease lives and
@@ -12,7 +18,10 @@ restarted host's old ones with its generation. Entries are hints: whoever reads 
 record checks it (peer_reader.py), so a stale entry costs a miss, never wrong KV.
 
 Reads have a short deadline and a backoff: an index that is down or slow makes lookups
-local-only at once, and for `index_backoff_s` they do not try it again.
+local-only at once, and for `index_backoff_s` they do not try it again. On a cluster, a
+shard that does not answer (its master died; its replica not yet promoted) costs only
+the lookups of its keys (`peer.index_shard_misses`), and while the leases' shard is the
+one down, the leases last read count for at most `lease_s` more.
 """
 
 from __future__ import annotations
@@ -23,12 +32,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
+from kvstore.cluster.connection import FAILURES, Command, IndexConnection, shown
 from kvstore.config.store import ClusterConfig
 from kvstore.tiers.stats import Stats
 
@@ -77,24 +82,7 @@ class IndexKeys:
         return self.prefix + b"h:" + host.encode()
 
     def lease(self, host: str) -> bytes:
-        return self.prefix + b"l:" + host.encode()
-
-
-def shown(url: str) -> str:
-    """The index URL with its password hidden, for logs and `kvstore info`."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.hostname}"
-                                            + (f":{parts.port}" if parts.port else "")))
-
-
-def connect(url: str, timeout_s: float) -> redis.Redis:
-    """A client whose every command either answers within `timeout_s` or fails; no retries
-    (redis-py retries three times by default, which would triple a deadline)."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        return self.prefix + b"l:{" + self.prefix + b"}" + host.encode()
 
 
 class IndexReader:
@@ -105,41 +93,50 @@ class IndexReader:
         self.stats = stats
         self.keys = IndexKeys(config.key_prefix)
         self.peers = [peer.host_id for peer in config.peers]
-        self._redis = connect(config.index_url, config.index_deadline_s)
+        self._index = IndexConnection(config.index_url, config.index_deadline_s)
         self._lock = threading.Lock()
         self._skip_until = 0.0
+        self._leases: dict[str, tuple[int, float]] = {}  # host -> generation, when it expires
         self.last_error = ""
 
     def locate(self, keys: Sequence[bytes]) -> dict[bytes, list[PeerHit]] | None:
-        """For each key some live peer holds, where (one pipeline: the peers' leases and one
-        HMGET per key). None: the index is skipped (backing off) or did not answer in time."""
+        """For each key some live peer holds, where (one pipeline per shard: the peers'
+        leases, an HMGET per key). None: the index is skipped (backing off) or did not
+        answer in time; a key whose shard did not answer is left out (a miss)."""
         if not keys or not self.peers:
             return {}
         if time.monotonic() < self._skip_until:
             self.stats.add("peer.index_skipped")
             return None
+        leases = [self.keys.lease(host) for host in self.peers]
+        commands: list[Command] = [("mget", (leases,)),
+                                   *(("hmget", (self.keys.chunk(key), self.peers)) for key in keys)]
         started = time.monotonic()
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.mget([self.keys.lease(host) for host in self.peers])
-            for key in keys:
-                pipe.hmget(self.keys.chunk(key), self.peers)
-            leases, *rows = pipe.execute()
-        except (redis.RedisError, OSError) as exc:
+            answers = self._index.run(commands)
+        except FAILURES as exc:
             self._fail(str(exc) or type(exc).__name__)
             return None
         elapsed = time.monotonic() - started
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if len(failed) == len(answers):
+            self._fail(str(failed[0]) or type(failed[0]).__name__)
+            return None
         self.stats.observe("peer.index", elapsed)
         if elapsed > self.config.index_deadline_s:  # answered, but too late to count on
             self._fail(f"answered in {elapsed * 1000:.0f} ms, past the deadline")
         self.stats.add("peer.index_reads")
-        if self.last_error and elapsed <= self.config.index_deadline_s:
+        if failed:
+            self.stats.add("peer.index_shard_errors")
+        elif self.last_error and elapsed <= self.config.index_deadline_s:
             log.warning("cluster index %s answers again", shown(self.config.index_url))
             self.last_error = ""
-        live = {host: int.from_bytes(lease, "little") for host, lease in zip(self.peers, leases, strict=True)
-                if lease is not None and len(lease) == 8}
+        live = self._live(started, answers[0])
         found: dict[bytes, list[PeerHit]] = {}
-        for key, row in zip(keys, rows, strict=True):
+        for key, row in zip(keys, answers[1:], strict=True):
+            if isinstance(row, BaseException):
+                self.stats.add("peer.index_shard_misses")  # its shard is down: a miss
+                continue
             hits = []
             for host, raw in zip(self.peers, row, strict=True):
                 location = Location.unpack(raw) if raw is not None else None
@@ -150,6 +147,18 @@ class IndexReader:
             if hits:
                 found[key] = hits
         return found
+
+    def _live(self, asked: float, leases: object) -> dict[str, int]:
+        """The peers' generations whose leases live. Leases read now replace those
+        remembered; while the leases' shard is down, those remembered count for at most
+        `lease_s` after they were read (no lease outlives that without a renewal)."""
+        with self._lock:
+            if isinstance(leases, list):  # else the exception of a shard that did not answer
+                self._leases = {host: (int.from_bytes(lease, "little"), asked + self.config.lease_s)
+                                for host, lease in zip(self.peers, leases, strict=True)
+                                if isinstance(lease, bytes) and len(lease) == 8}
+            now = time.monotonic()
+            return {host: generation for host, (generation, until) in self._leases.items() if until > now}
 
     def _fail(self, why: str) -> None:
         with self._lock:
@@ -162,4 +171,4 @@ class IndexReader:
             self.config.index_backoff_s)
 
     def close(self) -> None:
-        self._redis.close()
+        self._index.close()

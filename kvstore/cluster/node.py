@@ -24,7 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.cluster.index import IndexReader, PeerHit, shown
+from kvstore.cluster.connection import shown
+from kvstore.cluster.index import IndexReader, PeerHit
 from kvstore.cluster.peer_devices import PeerDevices
 from kvstore.cluster.peer_reader import PeerReader
 from kvstore.cluster.publisher import IndexPublisher

@@ -9,19 +9,25 @@ flushed), or at start, when the index recovered from the devices was never sent)
 thread reconciles instead: it compares the set of keys this host has published with its
 slot table and sends the difference, so the index converges on what the devices hold
 however long Redis was away.
+
+Some losses no error shows: a Redis Cluster master that dies takes the writes its
+replica had not received yet, and the promoted replica answers without them. So the
+thread also sends its entries again, a slice at each renewal, all of them every
+`republish_s`: what a failover lost is found again within that.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections import deque
+from typing import Any
 
-import redis
-
-from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location, connect, shown
+from kvstore.cluster.connection import FAILURES, IndexConnection, shown
+from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location
 from kvstore.config.store import ClusterConfig
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
@@ -40,13 +46,14 @@ class IndexPublisher:
         self.host_id = config.host_id
         self.keys = IndexKeys(config.key_prefix)
         self.generation = int.from_bytes(os.urandom(8), "little")
-        self._redis = connect(config.index_url, config.lease_s / 3)
+        self._index = IndexConnection(config.index_url, config.lease_s / 3)
         self._queue: deque[tuple[bool, bytes, int, int]] = deque()
         self._dirty = True  # the recovered index has not been sent yet
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._renewed = 0.0
         self._failing = False
+        self._round: list[bytes] = []  # this republish round's keys not yet sent again
         self.sent = 0  # updates (and reconciles) that reached the index: tests wait on it
         disk.table.listeners.append(self._changed)
         self._thread = threading.Thread(target=self._loop, name="kvstore-index", daemon=True)
@@ -78,12 +85,13 @@ class IndexPublisher:
             while self._queue:
                 self._send_queued()
             if time.monotonic() - self._renewed >= self.config.lease_s / 3:
-                pipe = self._redis.pipeline(transaction=False)
+                pipe = self._index.pipeline()
+                self._republish(pipe)
                 self._renew(pipe, existing=True)
                 if not pipe.execute()[-1]:
                     log.warning("cluster index: this host's lease was gone; publishing everything again")
                     self._reconcile()
-        except (redis.RedisError, OSError) as exc:
+        except FAILURES as exc:
             self._dirty = True  # what was taken from the queue is lost: reconcile next time
             self.stats.add("peer.publish_errors")
             if not self._failing:
@@ -105,7 +113,7 @@ class IndexPublisher:
         return Location(self.generation, group, layout.sb.device_id[:DEVICE_ID_BYTES], local, seq).pack()
 
     def _send_queued(self) -> None:
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self._index.pipeline()
         published = self.keys.published(self.host_id)
         sent = 0
         while self._queue and sent < _BATCH:
@@ -132,8 +140,8 @@ class IndexPublisher:
             entries = self.disk.table.entries()
         mine = {e.key: location for e in entries if (location := self._location(e.slot, e.seq))}
         published = self.keys.published(self.host_id)
-        gone = [key for key in self._redis.sscan_iter(published, count=10000) if key not in mine]
-        pipe = self._redis.pipeline(transaction=False)
+        gone = [key for key in self._index.client.sscan_iter(published, count=10000) if key not in mine]
+        pipe = self._index.pipeline()
         for i, key in enumerate(gone):
             pipe.hdel(self.keys.chunk(key), self.host_id)
             pipe.srem(published, key)
@@ -150,7 +158,28 @@ class IndexPublisher:
         self.stats.add("peer.reconciles")
         log.info("cluster index: %d chunks published, %d withdrawn", len(mine), len(gone))
 
-    def _renew(self, pipe: redis.client.Pipeline, existing: bool = False) -> None:
+    def _republish(self, pipe: Any) -> None:
+        """Queue this renewal's share of the entries sent again (all every `republish_s`).
+        Each is taken under the table's lock as it is now; a change after that is queued,
+        so it is sent after this and the index ends as the table is."""
+        if not self.config.republish_s:
+            return
+        with self.disk.table.lock:
+            table = self.disk.table
+            if not self._round:
+                self._round = list(table.index)
+            share = max(1, math.ceil(len(table) * self.config.lease_s / 3 / self.config.republish_s))
+            current = [(key, table.entry(slot)) for key in self._round[-share:]
+                       if (slot := table.find(key)) is not None]
+            del self._round[-share:]
+        published = self.keys.published(self.host_id)
+        for key, entry in current:
+            if entry is not None and (location := self._location(entry.slot, entry.seq)) is not None:
+                pipe.hset(self.keys.chunk(key), self.host_id, location)
+                pipe.sadd(published, key)
+        self.stats.add("peer.republished", len(current))
+
+    def _renew(self, pipe: Any, existing: bool = False) -> None:
         """Queue the lease's renewal; `existing`: only if it is still there (its result is
         then None when it was gone: the index lost this host's state)."""
         pipe.set(self.keys.lease(self.host_id), self.generation.to_bytes(8, "little"),
@@ -168,8 +197,8 @@ class IndexPublisher:
             self.disk.table.listeners.remove(self._changed)
         if withdraw:
             try:
-                self._redis.delete(self.keys.lease(self.host_id))
-            except (redis.RedisError, OSError) as exc:
+                self._index.client.delete(self.keys.lease(self.host_id))
+            except FAILURES as exc:
                 log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", exc,
                             self.config.lease_s)
-        self._redis.close()
+        self._index.close()

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, field_validator, model_validator
@@ -91,10 +92,34 @@ class IoConfig(Schema):
                          "(see [nvmeof.md](nvmeof.md))")
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The startup nodes a `redis+cluster://` URL lists; ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
+    if parts.path not in ("", "/", "/0") or parts.query or parts.fragment:
+        raise ValueError("a Redis Cluster URL names nodes only (a cluster has database 0 alone): "
+                         "redis+cluster://HOST:PORT[,HOST:PORT...]")
+    nodes = []
+    for node in hosts.split(","):
+        host, colon, port = node.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"cluster node {node!r} is not HOST:PORT: "
+                             "redis+cluster://HOST:PORT[,HOST:PORT...]")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes
+
+
 def _index_url(value: Any) -> str:
+    if isinstance(value, str) and value.startswith(CLUSTER_SCHEMES):
+        cluster_nodes(value)  # ValueError naming what is wrong
+        return value
     if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("must be a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS) or "
-                         "unix:///path/to/redis.sock")
+        raise ValueError("must be a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS), "
+                         "unix:///path/to/redis.sock, or a Redis Cluster's "
+                         "redis+cluster://HOST:PORT[,HOST:PORT...]")
     return value
 
 
@@ -128,7 +153,9 @@ class ClusterConfig(Schema):
 
     host_id: Text = Field(description="this host's id in the index; unique in the cluster")
     index_url: Annotated[str, Kind("Redis URL", _index_url, lambda value: f"`{value}`")] = Field(
-        description="the index (Redis or Valkey): `redis://HOST:PORT/DB`, `rediss://` or `unix://`")
+        description="the index (Redis or Valkey): `redis://HOST:PORT/DB`, `rediss://` or `unix://`; a "
+                    "Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT...]` (`rediss+cluster://`: "
+                    "TLS), some of its nodes, from which the client learns the rest")
     index_deadline_s: Annotated[float, seconds()] = Field(
         0.2, description="a lookup's index read must answer within this; past it (or with the index "
                          "down) the lookup is local only")
@@ -138,10 +165,23 @@ class ClusterConfig(Schema):
     lease_s: Annotated[float, seconds()] = Field(
         10.0, description="this host's entries count only while its lease lives; renewed every "
                           "`lease_s`/3, so a stopped host's entries are ignored after at most this long")
+    republish_s: Annotated[float, seconds(zero=True)] = Field(
+        600.0, description="every entry of this host is sent to the index again within this, a share "
+                           "at each lease renewal, so entries the index lost without an error (a Redis "
+                           "Cluster master that died before its replica had them) come back; 0: never")
     key_prefix: Text = Field(
-        "kvstore:", description="prefix of every index key (clusters may share one Redis)")
+        "kvstore:", description="prefix of every index key (clusters may share one Redis); no `{` or "
+                                "`}` (Redis Cluster hash tags)")
     peers: tuple[PeerConfig, ...] = Field(
         (), description="hosts whose devices this host may read; the others' index entries are ignored")
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_hash_tag(cls, value: str) -> str:
+        if "{" in value or "}" in value:
+            raise ValueError("must not contain { or }: on a Redis Cluster they would put every key "
+                             "in one hash slot")
+        return value
 
     @model_validator(mode="after")
     def _distinct_hosts(self) -> ClusterConfig:
