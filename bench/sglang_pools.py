@@ -6,7 +6,7 @@ obstacle: SGLang's memory_pool module imports sglang.srt.configs, which imports
 torchvision at import time for a vision model's image constants. PyPI's torchvision is
 built against CUDA torch and does not load next to the CPU torch==2.13.0 (its operators
 fail to register), and nothing in the KV pools uses it. So where torchvision does not
-import, `import_pools` first puts SGLang's own module stand-in in its place
+import, `import_pools` first lets transformers see it missing, then puts SGLang's own module stand-in in its place
 (sglang._platform_stubs._MockModule, which SGLang itself uses for Triton on Apple Silicon).
 """
 
@@ -43,6 +43,9 @@ def import_pools() -> tuple[Any, Any, Any, Any]:
     try:
         import torchvision  # noqa: F401
     except Exception:
+        # transformers notes at import whether torchvision is there; it must see it absent,
+        # not take the stand-in for the real thing.
+        import transformers  # noqa: F401
         for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
             del sys.modules[name]
         if not any(isinstance(f, _TorchvisionStandIn) for f in sys.meta_path):
