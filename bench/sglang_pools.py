@@ -6,8 +6,9 @@ obstacle: SGLang's memory_pool module imports sglang.srt.configs, which imports
 torchvision at import time for a vision model's image constants. PyPI's torchvision is
 built against CUDA torch and does not load next to the CPU torch==2.13.0 (its operators
 fail to register), and nothing in the KV pools uses it. So where torchvision does not
-import, `import_pools` first lets transformers see it missing, then puts SGLang's own module stand-in in its place
-(sglang._platform_stubs._MockModule, which SGLang itself uses for Triton on Apple Silicon).
+import, `import_pools` first lets transformers see it missing, then puts SGLang's own
+module stand-in in its place (sglang._platform_stubs._MockModule, which SGLang itself
+uses for Triton on Apple Silicon).
 """
 
 from __future__ import annotations
