@@ -41,21 +41,30 @@ class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def import_pools() -> tuple[Any, Any, Any, Any]:
     """(MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPool, MLATokenToKVPoolHost)."""
+    stand_in = None
     try:
         import torchvision  # noqa: F401
     except Exception:
         # transformers notes at import whether torchvision is there; it must see it absent,
         # not take the stand-in for the real thing.
         import transformers  # noqa: F401
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
-        if not any(isinstance(f, _TorchvisionStandIn) for f in sys.meta_path):
-            sys.meta_path.insert(0, _TorchvisionStandIn())
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
+        _forget_torchvision()
+        stand_in = _TorchvisionStandIn()
+        sys.meta_path.insert(0, stand_in)
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    finally:
+        if stand_in is not None:  # only these imports see it: a later `import torchvision` fails as before
+            sys.meta_path.remove(stand_in)
+            _forget_torchvision()
     return MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPool, MLATokenToKVPoolHost
+
+
+def _forget_torchvision() -> None:
+    for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+        del sys.modules[name]
 
 
 def mha_host_pool(layout: str, pages: int, layers: int = 4, heads: int = 2, head_dim: int = 64,

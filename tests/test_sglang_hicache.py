@@ -131,6 +131,7 @@ def fresh_process(store: dict, kind: str, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["page_first", "mla"])
 def test_a_fresh_process_after_a_service_restart_loads_the_pages_from_disk(store, kind, tmp_path):
     pool = pool_of(kind)
@@ -146,6 +147,7 @@ def test_a_fresh_process_after_a_service_restart_loads_the_pages_from_disk(store
     assert [bytes.fromhex(p) for p in seen["pages"]] == pages_of(pool, written, PAGES)
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_on_disk_is_a_miss_not_data(store, tmp_path):
     pool = pool_of("page_first")
     fill(pool, 3)
