@@ -73,11 +73,11 @@ def pages_of(pool, indices: torch.Tensor, count: int) -> list[bytes]:
 KEYS = [f"page-hash-{i}" for i in range(PAGES)]
 
 
-@pytest.mark.parametrize("kind", ["page_first", "layer_first", "mla"])
+@pytest.mark.parametrize("kind", ["page_first", "page_first_direct", "page_head", "layer_first", "mla"])
 def test_pages_round_trip_in_place_and_through_the_older_calls(store, kind):
     pool = pool_of(kind)
     fill(pool, 1)
-    hicache = backend(store, pool, mla=kind == "mla", page_first=kind != "layer_first")
+    hicache = backend(store, pool, mla=kind == "mla", page_first=kind.startswith("page_first"))
     try:
         written = pool.alloc(PAGES * PAGE_SIZE)
         assert hicache.batch_exists(KEYS) == 0
