@@ -5,6 +5,7 @@ bench/sglang_pools.py), through a real kvstore service with a disk tier."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,16 +14,28 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="needs the sglang extra")
 import torch
 from conftest import corrupt_record
 from engine_harness import service_client, stop_service
-from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from bench.sglang_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
-from engine_plugin.sglang_hicache import KVStoreHiCache
 from kvstore.format.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_imported():
+    """SGLang is imported when these tests run, not when pytest collects every module: its
+    import patches transformers and points JIT caches (torch inductor's among them) at its
+    own directory through the environment. The environment is put back for the vLLM
+    engines that later tests start."""
+    environ = dict(os.environ)
+    import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = 6
@@ -43,8 +56,12 @@ def extra(store: dict) -> dict:
             "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store}
 
 
-def backend(store: dict, pool, **config) -> KVStoreHiCache:
+def backend(store: dict, pool, **config):
     """As SGLang's cache controller does it: the factory, then the host pool."""
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    from engine_plugin.sglang_hicache import KVStoreHiCache
+
     made = StorageBackendFactory.create_backend("dynamic", storage_config(extra(store), **config), pool)
     assert isinstance(made, KVStoreHiCache)
     made.register_mem_pool_host(pool)
@@ -211,6 +228,8 @@ def test_a_hung_service_is_a_miss_within_the_deadline_never_an_exception(store):
 
 
 def test_a_missing_kvstore_config_is_a_clear_error(store):
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
     bad = {k: v for k, v in extra(store).items() if k != "config"}
     with pytest.raises(ConfigError, match="config"):
         StorageBackendFactory.create_backend("dynamic", storage_config(bad), None)
