@@ -25,6 +25,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from connectors.page_io import PageIO, Segments
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
+from kvstore.io.aligned import AlignedBuffer
 from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.lmcache")
@@ -78,6 +80,9 @@ class KVStoreBackend(StoragePluginInterface):
         self.reads, self.writes = PageIO(make_client, self.chunk_bytes), PageIO(make_client, self.chunk_bytes)
         self._pinned: set[bytes] = set()
         self._getter = ThreadPoolExecutor(1, "kvstore-lmcache-get")
+        self._scratch_memory: AlignedBuffer | None = None
+        self._scratch = np.empty((0, self.chunk_bytes), np.uint8)
+        self._scratch_lock = threading.Lock()
 
     @staticmethod
     def key(key: Any) -> bytes:
@@ -133,15 +138,22 @@ class KVStoreBackend(StoragePluginInterface):
 
     def batched_get_blocking(self, keys: list[Any]) -> list[MemoryObj | None]:
         """Each chunk lands in a scratch page, then its payload is copied into an object of
-        the stored shape from LMCache's CPU backend (the shape is known only once read)."""
-        scratch = np.empty((len(keys), self.chunk_bytes), np.uint8)
-        pages: list[Segments] = [[(scratch[i].ctypes.data, self.chunk_bytes)] for i in range(len(keys))]
-        try:
-            loaded = self.reads.load([self.key(k) for k in keys], pages)
-        except Exception:
-            log.exception("kvstore load failed; counted as misses")
-            return [None] * len(keys)
-        return [self._object(scratch[i]) if ok else None for i, ok in enumerate(loaded)]
+        the stored shape from LMCache's CPU backend (the shape is known only once read).
+        The scratch is kept for the next call, in huge pages where the kernel gives them:
+        fresh memory costs a page fault per 4 KiB page on first touch."""
+        with self._scratch_lock:
+            if len(self._scratch) < len(keys):
+                self._scratch_memory = AlignedBuffer(len(keys) * self.chunk_bytes)
+                self._scratch = np.frombuffer(self._scratch_memory.view, np.uint8).reshape(len(keys), -1)
+                self._scratch.fill(0)  # the faults now, not in the middle of a load
+            scratch = self._scratch
+            pages: list[Segments] = [[(scratch[i].ctypes.data, self.chunk_bytes)] for i in range(len(keys))]
+            try:
+                loaded = self.reads.load([self.key(k) for k in keys], pages)
+            except Exception:
+                log.exception("kvstore load failed; counted as misses")
+                return [None] * len(keys)
+            return [self._object(scratch[i]) if ok else None for i, ok in enumerate(loaded)]
 
     def _object(self, chunk: np.ndarray) -> MemoryObj | None:
         header = json.loads(chunk[:HEADER].tobytes().rstrip(b"\0"))
