@@ -149,6 +149,7 @@ def file_rounds(pages: _Pages, directory: str) -> list[Round]:
     for keys, indices in pages.batches(pages.written):  # cache_controller._generic_page_set
         assert backend.batch_set(keys, [pool.get_data_page(indices[i * PAGE_SIZE]) for i in range(len(keys))])
     rounds = [_timed("HiCacheFile", "warm", pages, load, None)]
+    os.sync()  # dirty pages are not dropped: written back first
     for name in os.listdir(path):
         fd = os.open(os.path.join(path, name), os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
