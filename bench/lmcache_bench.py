@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import xxhash
 
-from bench.sglang_bench import Round, _service_cpu
+from bench.sglang_bench import Round, service_cpu
 from kvstore.config.store import load_config
 from kvstore.format.units import parse_size
 from kvstore.service.client import stop_service
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[Round]:
             # Untimed, keys never stored: buffers warm as in a running engine, no chunk promoted.
             assert not any(backend.batched_get_blocking(absent))
             os.sync()
-            service0 = _service_cpu(store) if service else 0.0
+            service0 = service_cpu(store) if service else 0.0
             seen: list[bytes | None] = []
             elapsed = cpu = 0.0
             for start in range(0, count, BATCH):
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[Round]:
                     seen.append(None if obj is None else _digest(obj))
                     if obj is not None:
                         obj.ref_count_down()
-            cpu += (_service_cpu(store) - service0) if service else 0.0
+            cpu += (service_cpu(store) - service0) if service else 0.0
             gib = count * chunk_bytes / (1 << 30)
             return Round(name, hits, gib / elapsed, cpu / gib, seen == digests)
 

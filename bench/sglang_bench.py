@@ -50,7 +50,8 @@ class Round:
     verified: bool
 
 
-def _service_cpu(store: dict[str, Any]) -> float:
+def service_cpu(store: dict[str, Any]) -> float:
+    """CPU seconds (user + system) the running kvstore service has used so far."""
     client = attach(load_config(store))
     try:
         pid = int(client.info()["service_pid"])
@@ -118,7 +119,7 @@ def kvstore_rounds(pages: _Pages, directory: str) -> list[Round]:
     backend = open_backend()
     try:
         assert all(all(backend.batch_set_v1(k, i)) for k, i in pages.batches(pages.written))
-        cpu = lambda: _service_cpu(store)  # noqa: E731
+        cpu = lambda: service_cpu(store)  # noqa: E731
         rounds = [_timed("kvstore", "warm", pages, load(backend), cpu)]
         backend.close()
         stop_service(load_config(store))  # a restart: the DRAM tier is empty, the disk tier recovered
