@@ -105,9 +105,11 @@ def test_ttft_compares_each_added_tier(tmp_path):
     assert cli_main(["replay", trace, "--tier", "tape=1TiB", "--ttft"]) == 2  # named on stderr
 
 
-@pytest.mark.parametrize("policy", [TierPolicy(), TierPolicy(disk_min_seen=2),
-                                    TierPolicy(promote_on_hit=False)],
-                         ids=["default", "admission", "no-promote"])
+@pytest.mark.parametrize("policy", [
+    TierPolicy(chunk_tokens=BLOCK), TierPolicy(admission="second-touch", chunk_tokens=BLOCK),
+    TierPolicy(admission="tinylfu", chunk_tokens=BLOCK), TierPolicy(admission="predicted", chunk_tokens=BLOCK),
+    TierPolicy(eviction="cost", chunk_tokens=BLOCK), TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK)],
+    ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote"])
 def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
     """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,
     disk 10, no background threads; each request: lookup, prefetch, get, put): every
@@ -125,7 +127,8 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
     slot = record_bytes(chunk)
     config = {"tiers": {"host": {"capacity": 4 * slot},
                         "disk": [{"path": disk_dir, "capacity": 3 * 4096 + 10 * slot}]},
-              "promote_on_hit": policy.promote_on_hit, "disk_min_seen": policy.disk_min_seen,
+              "promote_on_hit": policy.promote_on_hit, "disk_admission": policy.admission,
+              "eviction": policy.eviction, "chunk_tokens": BLOCK,
               "io": {"engine": "threads", "queue_depth": 16}}  # a batch holds a request
     replayer = Replayer([("host", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,
                         block_tokens=BLOCK, policy=policy)
@@ -145,4 +148,13 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
             assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
         assert set(store.dram.table.index) == set(replayer.tiers[0].table.index)
         assert set(store.disk.table.index) == set(replayer.tiers[1].table.index)
-        assert store.stats.snapshot().get("host.evictions", 0) > 10  # the tiers were full
+        counters = store.stats.snapshot()
+        assert counters.get("host.evictions", 0) > 10  # the tiers were full
+        result = replayer.result()
+        assert result["disk_bytes_written"] == replayer.tiers[1].stats.bytes_written > 0
+        assert counters["disk.bytes_written"] == record_bytes(chunk) * (
+            result["disk_bytes_written"] // BLOCK)  # the same chunks went down
+        if policy.admission == "all":
+            assert result["admission_refused"] == counters.get("disk.admission_refused", 0) == 0
+        else:
+            assert result["admission_refused"] > 0 and counters["disk.admission_refused"] > 0

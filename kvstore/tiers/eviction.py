@@ -1,7 +1,12 @@
-"""Prefix-aware LRU: the tail of a prefix chain is evicted before its head.
+"""Eviction order of a tier: prefix-aware LRU (`lru`) or recompute-cost-aware (`cost`).
 
 A chunk's KV is useless without the KV of every chunk before it, so evicting a
-head while its tail stays wastes the tail's space. Invariants:
+head while its tail stays wastes the tail's space: both policies evict the tail of a
+prefix chain before its head (a victim is a leaf: no tracked key names it as parent).
+Both offer the same calls (Eviction): add, remove, touch_chain, victim, is_leaf, and
+iteration in eviction order. SlotTable (slots.py) calls them under its lock.
+
+PrefixLRU invariants:
 - `_order` holds every tracked key, least recently used first.
 - `_children[k]` counts tracked keys whose parent is k (k itself may be absent),
   so a key is a leaf, and so evictable, exactly when that count is zero.
@@ -12,8 +17,20 @@ head while its tail stays wastes the tail's space. Invariants:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+
+class Eviction(Protocol):
+    def __iter__(self) -> Iterator[bytes]: ...
+    def is_leaf(self, key: bytes) -> bool: ...
+    def add(self, key: bytes, parent: bytes | None) -> None: ...
+    def remove(self, key: bytes) -> None: ...
+    def touch_chain(self, keys: Iterable[bytes]) -> None: ...
+    def victim(self, skip: Callable[[bytes], bool] = ...) -> bytes | None: ...
 
 
 class PrefixLRU:
@@ -65,3 +82,108 @@ class PrefixLRU:
                 return key
         # Every unpinned key has children (they are pinned): evict the oldest anyway.
         return fallback
+
+
+class CostAware:
+    """Greedy-Dual-Size-Frequency over recompute cost, prefix-aware.
+
+    A chunk's value is what recomputing it would cost times its chance of reuse:
+    `cost(key, parent)` (TierPolicy.chunk_cost: attention makes a chunk deep in a long
+    prefix dearer than the first) times its uses while tracked (frequency), plus the
+    tier's clock, which rises to the value of each victim taken, so a chunk not used
+    for a while loses to newer ones (aging, as in GDSF). The victim is the leaf of least
+    value. Invariants:
+    - `_value[k]` is current for every tracked k; the heap holds (value, order, k) for it
+      and maybe stale entries (value or order no longer current), skipped when met.
+    - a value never falls; a parent's value is at least each tracked child's (raised
+      with it), so within a chain the tail goes first and a scan rarely meets a non-leaf;
+    - `_children` counts tracked children per key, as PrefixLRU's.
+    """
+
+    def __init__(self, cost: Callable[[bytes, bytes | None], float]) -> None:
+        self._cost = cost
+        self._parent: dict[bytes, bytes | None] = {}
+        self._children: dict[bytes, int] = {}
+        self._unit: dict[bytes, float] = {}  # key -> its recompute cost
+        self._uses: dict[bytes, int] = {}
+        self._value: dict[bytes, tuple[float, int]] = {}  # key -> (value, order)
+        self._heap: list[tuple[float, int, bytes]] = []
+        self._order = itertools.count()
+        self.clock = 0.0
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Tracked keys, least valuable first."""
+        return iter(sorted(self._value, key=self._value.__getitem__))
+
+    def is_leaf(self, key: bytes) -> bool:
+        return key not in self._children
+
+    def add(self, key: bytes, parent: bytes | None) -> None:
+        if key in self._value:
+            self.touch_chain([key])
+            return
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._unit[key] = self._cost(key, parent)
+        self._uses[key] = 1
+        self._set(key, self.clock + self._unit[key])
+
+    def remove(self, key: bytes) -> None:
+        if self._value.pop(key, None) is None:
+            return
+        del self._unit[key], self._uses[key]
+        parent = self._parent.pop(key)
+        if parent is not None:
+            count = self._children[parent] - 1
+            if count:
+                self._children[parent] = count
+            else:
+                del self._children[parent]
+
+    def touch_chain(self, keys: Iterable[bytes]) -> None:
+        """A chain (head first) was used: each tracked chunk's value is renewed."""
+        for key in reversed(list(keys)):
+            if key in self._value:
+                self._uses[key] += 1
+                self._set(key, self.clock + self._unit[key] * self._uses[key])
+
+    def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:
+        """The least valuable leaf not skipped (e.g. pinned), or None; the clock rises to it."""
+        passed: list[tuple[float, int, bytes]] = []
+        fallback = found = None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            value, order, key = item
+            if self._value.get(key) != (value, order):
+                continue  # stale
+            passed.append(item)
+            if skip(key):
+                continue
+            if key not in self._children:
+                found = key
+                break
+            fallback = fallback or key
+        for item in passed:
+            heapq.heappush(self._heap, item)
+        chosen = found or fallback
+        if chosen is not None:
+            self.clock = max(self.clock, self._value[chosen][0])
+        return chosen
+
+    def _set(self, key: bytes, value: float) -> None:
+        """Raise `key` to this value (a value never falls) and its tracked ancestors with it."""
+        node: bytes | None = key
+        while node is not None:
+            current = self._value.get(node)
+            if current is not None and current[0] >= value:
+                break
+            order = next(self._order)
+            self._value[node] = (value, order)
+            heapq.heappush(self._heap, (value, order, node))
+            node = self._parent.get(node)
+            if node is not None and node not in self._value:
+                break
+        if len(self._heap) > 4 * len(self._value) + 64:  # drop stale entries now and then
+            self._heap = [(v, o, k) for k, (v, o) in self._value.items()]
+            heapq.heapify(self._heap)
