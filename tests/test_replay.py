@@ -82,7 +82,34 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert {"capacity_bytes", "hit_ratio", "bytes_read", "bytes_written", "evictions"} <= set(
         result["tiers"][0])
     assert len(result["sweep"]) > 3 and out.with_suffix(".png").stat().st_size > 1000
-    assert "hit ratio" in capsys.readouterr().out
+    assert (result["admission"], result["eviction"]) == ("all", "lru")
+    assert result["disk_bytes_written"] == result["tiers"][1]["bytes_written"]
+    assert result["disk_bytes_read"] == result["tiers"][1]["bytes_read"]
+    assert {"write_amplification", "admission_refused", "recompute_cost",
+            "recompute_cost_no_cache"} <= set(result)
+    printed = capsys.readouterr().out
+    assert "hit ratio" in printed and "write amplification" in printed
+    assert cli_main(["replay", trace, "--tier", "host=4", "--tier", "disk=64", "--kv-bytes-per-token", "1",
+                     "--block-tokens", str(BLOCK), "--admission", "second-touch", "--eviction", "cost",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["admission"], result["eviction"]) == ("second-touch", "cost")
+    assert result["admission_refused"] == 1
+    # R1: its first chunk, seen once, is refused when its second takes the one DRAM slot; R2
+    # recomputes the first (seen twice now: the second goes down for it), R3 promotes the
+    # second (the first goes down): two writes where `all` makes them at R1 and R3.
+    assert result["disk_bytes_written"] == 2 * BLOCK
+
+
+def test_synthetic_shapes_are_repeatable_and_named():
+    agent = list(read_trace("synthetic:agent", BLOCK, limit=50))
+    assert agent == list(read_trace("synthetic:agent", BLOCK, limit=50)) and len(agent) == 50
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(agent, agent[1:], strict=False))
+    chat = list(read_trace("synthetic:multi-turn", BLOCK, limit=200))
+    continued = sum(any(b.keys[: len(a.keys)] == a.keys for a in chat[:i]) for i, b in enumerate(chat))
+    assert continued > 20  # next turns extend earlier prompts
+    with pytest.raises(KVStoreError, match="shapes: multi-turn, agent"):
+        list(read_trace("synthetic:batch"))
 
 
 def test_bad_tier_and_bad_trace_are_named(tmp_path):
@@ -107,8 +134,9 @@ def test_ttft_compares_each_added_tier(tmp_path):
 
 @pytest.mark.parametrize("policy", [
     TierPolicy(chunk_tokens=BLOCK), TierPolicy(admission="second-touch", chunk_tokens=BLOCK),
-    TierPolicy(admission="tinylfu", chunk_tokens=BLOCK), TierPolicy(admission="predicted", chunk_tokens=BLOCK),
-    TierPolicy(eviction="cost", chunk_tokens=BLOCK), TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK)],
+    TierPolicy(admission="tinylfu", chunk_tokens=BLOCK),
+    TierPolicy(admission="predicted", chunk_tokens=BLOCK), TierPolicy(eviction="cost", chunk_tokens=BLOCK),
+    TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK)],
     ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote"])
 def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
     """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,

@@ -110,6 +110,17 @@ class StoreParts:
             self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
                                        peer_copies=self.peer_copies, background=background)
 
+    def switch_policy(self, admission: str | None = None, eviction: str | None = None) -> None:
+        """Change disk admission and eviction while serving (a config reload's entry
+        point): no chunk a tier holds is dropped or rewritten; only later decisions change."""
+        if admission is not None:
+            self.policy.set_admission(admission)
+        if eviction is not None:
+            self.policy.set_eviction(eviction)
+            for tier in (self.dram, self.disk):
+                if tier is not None:
+                    tier.table.set_eviction(self.policy.make_eviction())
+
     def info(self) -> dict[str, Any]:
         tiers = []
         if self.dram:

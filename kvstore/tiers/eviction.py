@@ -17,11 +17,12 @@ PrefixLRU invariants:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
+
+from sortedcontainers import SortedList
 
 
 class Eviction(Protocol):
@@ -93,8 +94,8 @@ class CostAware:
     tier's clock, which rises to the value of each victim taken, so a chunk not used
     for a while loses to newer ones (aging, as in GDSF). The victim is the leaf of least
     value. Invariants:
-    - `_value[k]` is current for every tracked k; the heap holds (value, order, k) for it
-      and maybe stale entries (value or order no longer current), skipped when met.
+    - `_order` holds (value, n, key) exactly once for every tracked key, `_value[key]`
+      being that (value, n): sorted, least valuable first (ties: least recently set);
     - a value never falls; a parent's value is at least each tracked child's (raised
       with it), so within a chain the tail goes first and a scan rarely meets a non-leaf;
     - `_children` counts tracked children per key, as PrefixLRU's.
@@ -106,14 +107,14 @@ class CostAware:
         self._children: dict[bytes, int] = {}
         self._unit: dict[bytes, float] = {}  # key -> its recompute cost
         self._uses: dict[bytes, int] = {}
-        self._value: dict[bytes, tuple[float, int]] = {}  # key -> (value, order)
-        self._heap: list[tuple[float, int, bytes]] = []
-        self._order = itertools.count()
+        self._value: dict[bytes, tuple[float, int]] = {}
+        self._order = SortedList()
+        self._count = itertools.count()
         self.clock = 0.0
 
     def __iter__(self) -> Iterator[bytes]:
         """Tracked keys, least valuable first."""
-        return iter(sorted(self._value, key=self._value.__getitem__))
+        return (key for _, _, key in self._order)
 
     def is_leaf(self, key: bytes) -> bool:
         return key not in self._children
@@ -130,8 +131,10 @@ class CostAware:
         self._set(key, self.clock + self._unit[key])
 
     def remove(self, key: bytes) -> None:
-        if self._value.pop(key, None) is None:
+        current = self._value.pop(key, None)
+        if current is None:
             return
+        self._order.remove((*current, key))
         del self._unit[key], self._uses[key]
         parent = self._parent.pop(key)
         if parent is not None:
@@ -142,48 +145,44 @@ class CostAware:
                 del self._children[parent]
 
     def touch_chain(self, keys: Iterable[bytes]) -> None:
-        """A chain (head first) was used: each tracked chunk's value is renewed."""
-        for key in reversed(list(keys)):
-            if key in self._value:
-                self._uses[key] += 1
-                self._set(key, self.clock + self._unit[key] * self._uses[key])
+        """A chain (head first) was used: each tracked chunk's value is renewed, tail
+        first, each parent raised to at least its child's."""
+        chain = [key for key in keys if key in self._value]
+        floor = 0.0
+        for i in range(len(chain) - 1, -1, -1):
+            key = chain[i]
+            self._uses[key] += 1
+            floor = max(floor, self.clock + self._unit[key] * self._uses[key])
+            self._set(key, floor, climb=i == 0 or self._parent[chain[i]] != chain[i - 1])
 
     def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:
         """The least valuable leaf not skipped (e.g. pinned), or None; the clock rises to it."""
-        passed: list[tuple[float, int, bytes]] = []
-        fallback = found = None
-        while self._heap:
-            item = heapq.heappop(self._heap)
-            value, order, key = item
-            if self._value.get(key) != (value, order):
-                continue  # stale
-            passed.append(item)
-            if skip(key):
+        fallback = None
+        for value, _, key in self._order:
+            if key in self._children:  # not a leaf: only a fallback
+                if fallback is None and not skip(key):
+                    fallback = (value, key)
                 continue
-            if key not in self._children:
-                found = key
-                break
-            fallback = fallback or key
-        for item in passed:
-            heapq.heappush(self._heap, item)
-        chosen = found or fallback
-        if chosen is not None:
-            self.clock = max(self.clock, self._value[chosen][0])
-        return chosen
+            if not skip(key):
+                self.clock = max(self.clock, value)
+                return key
+        if fallback is None:
+            return None
+        self.clock = max(self.clock, fallback[0])
+        return fallback[1]
 
-    def _set(self, key: bytes, value: float) -> None:
-        """Raise `key` to this value (a value never falls) and its tracked ancestors with it."""
+    def _set(self, key: bytes, value: float, climb: bool = True) -> None:
+        """Raise `key` to this value (a value never falls) and, with `climb`, its tracked
+        ancestors with it."""
         node: bytes | None = key
         while node is not None:
             current = self._value.get(node)
-            if current is not None and current[0] >= value:
-                break
-            order = next(self._order)
-            self._value[node] = (value, order)
-            heapq.heappush(self._heap, (value, order, node))
-            node = self._parent.get(node)
+            if current is not None:
+                if current[0] >= value:
+                    break
+                self._order.remove((*current, node))
+            self._value[node] = (value, next(self._count))
+            self._order.add((value, self._value[node][1], node))
+            node = self._parent.get(node) if climb else None
             if node is not None and node not in self._value:
                 break
-        if len(self._heap) > 4 * len(self._value) + 64:  # drop stale entries now and then
-            self._heap = [(v, o, k) for k, (v, o) in self._value.items()]
-            heapq.heapify(self._heap)

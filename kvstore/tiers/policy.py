@@ -22,7 +22,8 @@ where `crossover_tokens` is the context length at which a token's attention FLOP
 its linear FLOPs (Llama 3.1 8B: 2 x 8.0e9 / (4 x 32 x 4096) = about 30,500; 32,768 here).
 A chunk's depth is learned from the chains seen (a bounded memory); an unknown one is 0.
 
-Switching a policy at runtime (`set_admission`, SlotTable.set_eviction) keeps every
+Switching a policy at runtime (`set_admission`, `set_eviction` with SlotTable.set_eviction:
+StoreParts.switch_policy; the service has no config reload yet) keeps every
 chunk a tier holds: admission only decides future writes, and the new eviction order is
 built from the chunks already published.
 """
@@ -56,8 +57,7 @@ class TierPolicy:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"eviction {self.eviction!r}: one of {', '.join(EVICTIONS)}")
+        self.set_eviction(self.eviction)
         self._admission: Admission = make_admission(self.admission, self.disk_min_seen)
         self._chains: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()  # key -> (family, depth)
 
@@ -66,6 +66,13 @@ class TierPolicy:
         admission = make_admission(name, self.disk_min_seen)
         with self._lock:
             self.admission, self._admission = name, admission
+
+    def set_eviction(self, name: str) -> None:
+        """Name the eviction order make_eviction builds (the tables switch with
+        SlotTable.set_eviction, keeping what they hold)."""
+        if name not in EVICTIONS:
+            raise ValueError(f"eviction {name!r}: one of {', '.join(EVICTIONS)}")
+        self.eviction = name
 
     def make_eviction(self) -> Eviction:
         """A tier's eviction order as `eviction` names it (SlotTable.set_eviction takes it)."""
