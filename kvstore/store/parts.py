@@ -86,6 +86,8 @@ class StoreParts:
                                  timeout_s=io.timeout_s, breaker_threshold=io.breaker_threshold)
             self.recovery = recover(self.disk)
             self.disk.table.set_eviction(self.policy.make_eviction())
+            for counter in ("disk.bytes_written", "disk.admission_refused"):  # scraped from the start
+                self.stats.add(counter, 0)
             self.flusher = Flusher(self.disk, self.dram, self.policy, self.staging,
                                    queue_chunks=config.write_behind_chunks, background=background,
                                    held_elsewhere=self.peer_copies.__contains__)
