@@ -112,16 +112,17 @@ def test_cost_evicts_a_shallow_chunk_before_a_deeper_one_used_as_often():
     assert victims == {"lru": a[2], "cost": b[0]}
 
 
-def test_a_chunk_used_often_outlives_a_dearer_one_used_once_and_the_clock_ages_both():
-    eviction = CostAware(lambda key, parent: 2.0 if key == b"deep" else 1.0)
-    eviction.add(b"deep", None)
-    eviction.add(b"hot", None)
-    for _ in range(3):
-        eviction.touch_chain([b"hot"])  # value 1 x 4 uses > 2 x 1 use
-    assert eviction.victim() == b"deep"
-    eviction.remove(b"deep")
-    eviction.add(b"new", None)  # enters at the clock the last victim set (2) + 1 = 3 < 4
-    assert eviction.clock == 2.0 and eviction.victim() == b"new"
+def test_a_dear_chunk_outlives_a_cheap_one_only_until_the_clock_passes_it():
+    eviction = CostAware(lambda key, parent: 3.0 if key == b"dear" else 1.0)
+    eviction.add(b"dear", None)  # value 3
+    eviction.add(b"cheap", None)  # value 1: newer, but cheaper
+    assert eviction.victim() == b"cheap"
+    for n in range(2):  # each victim raises the clock to its value; new chunks enter above it
+        victim = eviction.victim()
+        eviction.remove(victim)
+        assert victim == (b"cheap", b"new0")[n] and eviction.clock == n + 1
+        eviction.add(b"new%d" % n, None)
+    assert eviction.victim() == b"dear"  # unused since: new1 (clock 2 + 1) ties it, and is newer
 
 
 def test_a_deep_chunk_outlives_a_shallow_one_in_a_replay_under_cost(tmp_path):

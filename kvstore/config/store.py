@@ -244,8 +244,8 @@ class StoreConfig(Schema):
     eviction: Annotated[str, choice("lru", "cost")] = Field(
         "lru", description="what DRAM and disk evict first, always a chain's tail before its head: "
                            "`lru` the least recently used; `cost` the least valuable, a chunk's "
-                           "value being its recompute cost (deeper in a prompt: dearer) times its "
-                           "uses, aged (kvstore/tiers/policy.py)")
+                           "value being its recompute cost (deeper in a prompt: dearer) on top of "
+                           "a clock that ages it (GreedyDual; kvstore/tiers/policy.py)")
     service: ServiceConfig = Field(default_factory=ServiceConfig, description="the per-host service")
     cluster: ClusterConfig | None = Field(
         None, description="several hosts sharing one array: see [cluster.md](cluster.md); none: this "

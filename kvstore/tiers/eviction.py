@@ -86,14 +86,16 @@ class PrefixLRU:
 
 
 class CostAware:
-    """Greedy-Dual-Size-Frequency over recompute cost, prefix-aware.
+    """GreedyDual over recompute cost, prefix-aware.
 
-    A chunk's value is what recomputing it would cost times its chance of reuse:
-    `cost(key, parent)` (TierPolicy.chunk_cost: attention makes a chunk deep in a long
-    prefix dearer than the first) times its uses while tracked (frequency), plus the
-    tier's clock, which rises to the value of each victim taken, so a chunk not used
-    for a while loses to newer ones (aging, as in GDSF). The victim is the leaf of least
-    value. Invariants:
+    A chunk's value is what recomputing it would cost, `cost(key, parent)`
+    (TierPolicy.chunk_cost: attention makes a chunk deep in a long prefix dearer than the
+    first), weighed by its chance of reuse, which recency stands for: the tier's clock
+    rises to the value of each victim taken, and a chunk used is valued clock + cost, so
+    one unused for a while loses to newer ones, and of two used alike the cheaper goes
+    first (with equal costs this is LRU). Counting uses as well (GDSF) was measured and
+    lost: chunks of chains used many times long ago stayed (docs/replay.md). The victim
+    is the leaf of least value. Invariants:
     - `_order` holds (value, n, key) exactly once for every tracked key, `_value[key]`
       being that (value, n): sorted, least valuable first (ties: least recently set);
     - a value never falls; a parent's value is at least each tracked child's (raised
@@ -106,7 +108,6 @@ class CostAware:
         self._parent: dict[bytes, bytes | None] = {}
         self._children: dict[bytes, int] = {}
         self._unit: dict[bytes, float] = {}  # key -> its recompute cost
-        self._uses: dict[bytes, int] = {}
         self._value: dict[bytes, tuple[float, int]] = {}
         self._order = SortedList()
         self._count = itertools.count()
@@ -127,7 +128,6 @@ class CostAware:
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._unit[key] = self._cost(key, parent)
-        self._uses[key] = 1
         self._set(key, self.clock + self._unit[key])
 
     def remove(self, key: bytes) -> None:
@@ -135,7 +135,7 @@ class CostAware:
         if current is None:
             return
         self._order.remove((*current, key))
-        del self._unit[key], self._uses[key]
+        del self._unit[key]
         parent = self._parent.pop(key)
         if parent is not None:
             count = self._children[parent] - 1
@@ -151,8 +151,7 @@ class CostAware:
         floor = 0.0
         for i in range(len(chain) - 1, -1, -1):
             key = chain[i]
-            self._uses[key] += 1
-            floor = max(floor, self.clock + self._unit[key] * self._uses[key])
+            floor = max(floor, self.clock + self._unit[key])
             self._set(key, floor, climb=i == 0 or self._parent[chain[i]] != chain[i - 1])
 
     def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:

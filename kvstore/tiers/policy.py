@@ -10,7 +10,7 @@ ask this object the same questions, so a replay's hit ratios are the store's:
   (`seen`); with write_through every chunk goes down as soon as it is stored and is
   never refused (a PD producer in a cluster relies on it: connectors/handoff.py);
 - each tier evicts by `eviction` (eviction.py): `lru`, or `cost`, whose value of a
-  chunk is `chunk_cost` (below) times its uses;
+  chunk is `chunk_cost` (below) on top of a clock that makes recency its chance of reuse;
 - a lower-tier hit is promoted to the top (promote_on_hit).
 
 The cost model: recomputing a chunk of `chunk_tokens` tokens whose first token sits at
