@@ -275,7 +275,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission", choices=tuple(ADMISSIONS), default=DEFAULT_ADMISSION,
                         help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`)")
     parser.add_argument("--eviction", choices=EVICTIONS, default="lru",
-                        help="eviction of every tier: lru or cost (recompute cost x uses; config `eviction`)")
+                        help="eviction of every tier: lru, or cost (recompute cost on a recency clock); "
+                             "config `eviction`")
     parser.add_argument("--sweep", action="store_true",
                         help="also scale every tier by 1/64 .. 4x and report the hit-ratio curve")
     parser.add_argument("--ttft", action="store_true",

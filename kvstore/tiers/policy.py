@@ -20,7 +20,8 @@ token at position p', growing with depth). In units of one chunk's linear work:
     cost(depth) = 1 + (depth + 0.5) x chunk_tokens / crossover_tokens
 where `crossover_tokens` is the context length at which a token's attention FLOPs equal
 its linear FLOPs (Llama 3.1 8B: 2 x 8.0e9 / (4 x 32 x 4096) = about 30,500; 32,768 here).
-A chunk's depth is learned from the chains seen (a bounded memory); an unknown one is 0.
+A chunk's depth (and its family, for `predicted`) is learned from the chains seen, in a
+bounded memory kept only while `cost` or `predicted` asks for it; an unknown depth is 0.
 
 Switching a policy at runtime (`set_admission`, `set_eviction` with SlotTable.set_eviction:
 StoreParts.switch_policy; the service has no config reload yet) keeps every
@@ -83,6 +84,9 @@ class TierPolicy:
         if not keys:
             return
         with self._lock:
+            if self.eviction != "cost" and self.admission != "predicted":  # no depth or family asked
+                self._admission.see(keys, keys[0])
+                return
             above = None if parent is None else self._chains.get(parent)
             first = self._chains.get(keys[0])  # a read of a chain's later part: known already
             if above is not None:
