@@ -60,3 +60,16 @@ def test_bad_write_policy_names_the_field(disk_dir):
         load_config(_config(disk_dir, write_policy="always"))
     with pytest.raises(ConfigError, match="disk_min_seen"):
         load_config(_config(disk_dir, disk_min_seen=0))
+
+
+@pytest.mark.parametrize(("given", "admission"), [
+    ({"disk_min_seen": 3}, "second-touch"),  # the meaning it had before `disk_admission`
+    ({"disk_min_seen": 1}, "all"),
+    ({"disk_min_seen": 3, "disk_admission": "tinylfu"}, "tinylfu"),
+    ({}, "all"),
+])
+def test_disk_min_seen_alone_keeps_admission_on(disk_dir, given, admission):
+    from kvstore.config.store import load_config
+
+    config = load_config(_config(disk_dir, **given))
+    assert config.disk_admission == admission

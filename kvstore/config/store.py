@@ -280,7 +280,8 @@ class StoreConfig(Schema):
                            "from DRAM (`disk.admission_refused`); `write_through` copies are never refused")
     disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
         2, description="the sightings (stores or reads) `second-touch`, `tinylfu` and `predicted` "
-                       "ask of a chunk before writing it to disk")
+                       "ask of a chunk before writing it to disk; given above 1 without "
+                       "`disk_admission`, it means `second-touch` (its meaning before that key)")
     eviction: Annotated[str, choice("lru", "cost")] = Field(
         "lru", description="what DRAM and disk evict first, always a chain's tail before its head: "
                            "`lru` the least recently used; `cost` the least valuable, a chunk's "
@@ -297,6 +298,16 @@ class StoreConfig(Schema):
         if value == 0 and not isinstance(value, bool):
             raise ValueError("must be at least 1: with 0 no write_through copy could be queued")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _min_seen_alone_means_second_touch(cls, data: Any) -> Any:
+        """Before `disk_admission` existed, `disk_min_seen` above 1 alone turned admission on:
+        such a config keeps that meaning instead of silently writing everything."""
+        if (isinstance(data, dict) and "disk_admission" not in data
+                and isinstance(data.get("disk_min_seen"), int) and data["disk_min_seen"] > 1):
+            return {**data, "disk_admission": "second-touch"}
+        return data
 
     @property
     def host(self) -> HostTierConfig | None:
