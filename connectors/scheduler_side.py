@@ -65,7 +65,7 @@ class _Request:
     save_limit: int  # tokens that may be saved (the prompt's, or no limit)
     load_end: int  # token where a load from the store would end
     saved_chunks: int  # chunks [0, saved_chunks) are stored or queued for saving
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group (vLLM's index)
+    block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
 
     def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
