@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,12 +42,11 @@ from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
+from engine_plugin.cuda_host import register_for_dma
 from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
 from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
 from engine_plugin.scheduler_role import SchedulerRole, request_salt
 from kvstore.format.keys import KVNamespace
-from kvstore.format.record import record_bytes
-from kvstore.io.aligned import pin_for_cuda
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -62,31 +60,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvstore")
-
-
-def register_for_dma(client: StoreClient) -> threading.Thread | None:
-    """Make host-to-device copies from the client's window and its mapped DRAM tier DMAs:
-    the window at once (small), the tier in 1 GiB pieces on a thread of its own, off the
-    serving path (a large tier takes seconds; loads copy through the driver's bounce
-    buffers meanwhile, and a refusal there never reaches the engine's CUDA error state).
-    Returns that thread, if any."""
-    if client.window is not None:
-        pin_for_cuda(client.window)
-    tier, chunk_bytes = client.tier, client.chunk_bytes
-    if tier is None or chunk_bytes is None:
-        return None
-    slot_bytes = record_bytes(chunk_bytes)  # a load reads within one slot: pieces hold whole slots
-    piece_bytes = max(1, (1 << 30) // slot_bytes) * slot_bytes
-
-    def register() -> None:
-        done = pin_for_cuda(tier, read_only=True, piece_bytes=piece_bytes)
-        (log.info if done else log.warning)(
-            "kvstore: %s the %d-byte DRAM tier for host-to-device DMA", "registered" if done
-            else "the CUDA driver did not register", tier.nbytes)
-
-    thread = threading.Thread(target=register, name="kvstore-cuda-register", daemon=True)
-    thread.start()
-    return thread
 
 
 @dataclass
@@ -234,11 +207,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank()
         namespace = self._namespaces("")[rank].digest()
 
-        def make_client() -> StoreClient:
+        def make_client(map_tier: bool) -> StoreClient:
             client = StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
-                                 dtype=self._kv_dtype, shape=(layout.chunk_bytes,))
+                                 dtype=self._kv_dtype, shape=(layout.chunk_bytes,), map_tier=map_tier)
             if layout.device.type == "cuda":
-                register_for_dma(client)
+                register_for_dma(client)  # unregistered when the client goes (a reconnect)
             return client
 
         staging = None

@@ -6,6 +6,7 @@ pinned-window, side-stream path where a GPU exists."""
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 import pytest
@@ -86,7 +87,7 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config, dev
     target_caches = {name: torch.zeros_like(t, device=device) for name, t in caches.items()}
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
     pool = DeviceStagingPool(target.chunk_bytes, 8 * target.chunk_bytes, target.device)
-    worker = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False,
+    worker = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=False,
                         staging=pool)
     try:
         staged = worker.start_stages([Stage("r", (keys[:3],))])
