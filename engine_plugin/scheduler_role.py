@@ -13,7 +13,7 @@ from connectors.handoff import Handoff
 from connectors.link import ServiceLink
 from connectors.options import ConnectorOptions
 from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from connectors.scheduler_side import Saves, SchedulerCore, SchedulerSettings
 from engine_plugin.kv_events import RouterEvents
 from kvstore.format.keys import KVNamespace
 from kvstore.service.client import StoreClient
@@ -37,11 +37,11 @@ class SchedulerRole:
         # A lookup blocks the scheduler: its deadline is short, not the I/O deadline.
         self.link = ServiceLink(lambda: StoreClient(store, timeout_s=options.lookup_timeout_s))
         self.link.start()  # starts the service if needed: config errors surface now
+        kept: Saves = ("answers" if options.save_answers else "prompts") if saves else "none"
         settings = SchedulerSettings(load_async=options.load_async, prefetch=options.prefetch,
                                      stage_on_arrival=options.device_staging > 0,
-                                     wait_for_saves_s=options.wait_for_saves_s,
-                                     save_answers=options.save_answers, groups=rules,
-                                     saves=saves, handoff_wait_s=options.pd_wait_s)
+                                     wait_for_saves_s=options.wait_for_saves_s, saves=kept,
+                                     handoff_wait_s=options.pd_wait_s, groups=rules)
         self.core = SchedulerCore(store.chunk_tokens, block_size, namespaces, self._lookup, settings,
                                   notify=self._notify)
         self.router_events = RouterEvents(store.chunk_tokens, block_size, self.link) if kv_events else None

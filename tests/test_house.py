@@ -23,7 +23,6 @@ KNOWN = {
     "kvstore/devices/layout.py:Superblock.__init__: 8 parameters",
     "kvstore/format/keys.py:KVNamespace.__init__: 8 parameters",
     "kvstore/format/record.py:RecordHeader.__init__: 8 parameters",
-    "connectors/scheduler_side.py:SchedulerSettings.__init__: 8 parameters",
 }
 
 
