@@ -69,9 +69,13 @@ class _Request:
     salt: str
     save_limit: int  # tokens that may be saved (the prompt's, or no limit)
     load_end: int  # token where a load from the store would end
-    saved_chunks: int  # chunks [0, saved_chunks) are stored or queued for saving
-    block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
+    found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
+    block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
+    saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
+
+    def __post_init__(self) -> None:
+        self.saved_chunks = self.found.stored
 
     def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
         """The block ids of chunk `chunk` in KV cache group `group`."""
@@ -179,7 +183,7 @@ class SchedulerCore:
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
         limit = 1 << 62 if self.settings.saves == "answers" else len(prompt)
-        self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, saved_chunks=residency.stored,
+        self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, residency,
                                           prompt_tokens=len(prompt))
         return max(0, load_end - num_computed)
 
@@ -196,6 +200,17 @@ class SchedulerCore:
             return None
         chunks = min(request.saved_chunks, prompt_tokens // self.chunk_tokens, len(request.keys[0]))
         return Handoff(chunks, request.keys[0][chunks - 1], host) if chunks else None
+
+    def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
+        """The last `num_external` tokens of a request's hit by the tier that held them at
+        the lookup: `host` (DRAM) and `disk` (this host's disk or the shared array), for
+        the engine's per-source hit metrics."""
+        request = self._requests.get(req_id)
+        if request is None or num_external <= 0:
+            return {}
+        start = request.load_end - num_external
+        host = max(0, min(request.found.resident * self.chunk_tokens, request.load_end) - start)
+        return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
 
     def saves_done(self, save_ids: Iterable[int]) -> None:
         self.saves.done(save_ids)

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.handoff import Role, check_producer_store
@@ -152,6 +153,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.on_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's hit metrics by source: what was in DRAM at the lookup is `host`, the rest `disk`."""
+        assert self._scheduler is not None
+        split = self._scheduler.hit_sources(request.request_id, num_external_tokens)
+        return {CacheHitSource(tier): tokens for tier, tokens in split.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None

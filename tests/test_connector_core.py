@@ -44,6 +44,17 @@ def test_a_full_hit_leaves_one_token_to_compute():
     assert scheduler.num_new_matched_tokens("e", exact, 0) == 7 * CHUNK
 
 
+def test_a_hit_is_split_by_the_tier_that_held_it_at_the_lookup():
+    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+        return Residency(stored=6, resident=2)  # chunks 0-1 in DRAM, 2-5 on disk
+
+    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 384) == 6 * CHUNK - 384
+    assert scheduler.hit_sources("r", 6 * CHUNK - 384) == {"host": 2 * CHUNK - 384, "disk": 4 * CHUNK}
+    assert scheduler.hit_sources("r", 3 * CHUNK) == {"disk": 3 * CHUNK}  # the engine trimmed its own hit
+    assert scheduler.hit_sources("r", 0) == {} and scheduler.hit_sources("unknown", 256) == {}
+
+
 def test_every_rank_must_hold_a_chunk():
     stored = store_chunks(PROMPT, 8, ranks=(0,)) | store_chunks(PROMPT, 3, ranks=(1,))
     assert core(stored).num_new_matched_tokens("r", PROMPT, 0) == 3 * CHUNK
