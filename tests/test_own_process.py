@@ -33,7 +33,8 @@ def run_cases(python: Path | str, cases: str, tmp_path: Path, markexpr: str) -> 
                f"tests/{cases}"]
     if markexpr:
         command[3:3] = ["-m", markexpr]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     output = (done.stdout + done.stderr)[-6000:]
     assert done.returncode == 0, f"{cases} failed (exit {done.returncode}):\n{output}"
