@@ -157,7 +157,7 @@ class _Setup:
         assert not worker.take_failed_blocks(), "a chunk failed to load"
 
 
-def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[[], StoreClient],
+def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[..., StoreClient],
                  tier: bool, yardsticks: dict[str, Callable[[], None]],
                  after_load: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Fill the service's DRAM tier, then time the load (the worker mapping the tier or
@@ -185,7 +185,7 @@ def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[[], S
 def _cuda_rounds(setup: _Setup, workdir: str | Path | None) -> dict[str, float]:
     """DRAM hits into KV tensors on the GPU, from the tier registered as the connector
     registers it, against torch's pinned-memory `copy_` of the same bytes to the GPU."""
-    from engine_plugin.connector import register_for_dma
+    from engine_plugin.cuda_host import register_for_dma
 
     chunk_bytes, chunks = setup.source.chunk_bytes, len(setup.keys)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros_like(layer, device="cuda")
@@ -203,11 +203,11 @@ def _cuda_rounds(setup: _Setup, workdir: str | Path | None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         config = _config(setup.chunk_tokens, tmp, "own-user", dram_bytes=chunks * chunk_bytes + (64 << 20))
 
-        def make_client() -> StoreClient:
-            client = StoreClient(config, chunk_bytes)
-            thread = register_for_dma(client)
-            if thread is not None:
-                thread.join()  # registered before the timed rounds, as once serving
+        def make_client(map_tier: bool) -> StoreClient:
+            client = StoreClient(config, chunk_bytes, map_tier=map_tier)
+            registration = register_for_dma(client)
+            if registration.thread is not None:
+                registration.thread.join()  # registered before the timed rounds, as once serving
             return client
 
         best = _dram_rounds(replace(setup, target=target), config, make_client, True,

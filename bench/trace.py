@@ -5,11 +5,24 @@ One JSON object a line: `timestamp` (ms), `input_length`, `output_length` (token
 positions mean a shared prefix). No token ids are given, so a block's key is
 chained over the ids the way kvstore chains token chunks: key_i depends on every
 id before it, and two requests share key_i exactly when they share ids [0..i].
+
+`synthetic:<shape>` in place of a path generates a trace of that shape (seeded, so a
+run is repeatable; `limit` requests, SYNTHETIC_REQUESTS by default):
+  multi-turn  chat sessions (one every 2 s) on one of 40 system prompts of 2-8 blocks
+              (Zipf popularity); each turn adds the last answer and a new question
+              (1-3 blocks) and is followed by another with probability 0.65 after an
+              exponential think time (mean 60 s): a third of sessions are one turn
+  agent       tasks (one every 3 s) on one of 8 agent instructions of 6-12 blocks; each
+              runs 5-30 steps, each step adding a tool's output (1-2 blocks) after an
+              exponential tool latency (mean 3 s): long, deep, quickly returning chains
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +32,8 @@ import xxhash
 from kvstore.format.errors import KVStoreError
 
 MOONCAKE_BLOCK_TOKENS = 512
+SYNTHETIC_REQUESTS = 4000
+SHAPES = ("multi-turn", "agent")
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,13 @@ def block_keys(hash_ids: list[int]) -> tuple[bytes, ...]:
 def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                limit: int | None = None) -> Iterator[TraceRequest]:
     """Requests in file order; a partial last block gets no key (it is never stored)."""
+    if str(path).startswith("synthetic:"):
+        shape = str(path).partition(":")[2]
+        if shape not in SHAPES:
+            raise KVStoreError(f"{path}: no such synthetic trace; shapes: {', '.join(SHAPES)}")
+        for row in synthetic_rows(shape, limit or SYNTHETIC_REQUESTS, block_tokens):
+            yield _request(row, block_tokens)
+        return
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if limit is not None and number > limit:
@@ -47,13 +69,46 @@ def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                input_tokens = int(row["input_length"])
-                hash_ids = list(row["hash_ids"])
-                request = TraceRequest(arrival_s=float(row["timestamp"]) / 1000.0,
-                                       input_tokens=input_tokens,
-                                       output_tokens=int(row.get("output_length", 0)),
-                                       keys=block_keys(hash_ids[: input_tokens // block_tokens]))
+                request = _request(json.loads(line), block_tokens)
             except (ValueError, KeyError, TypeError) as exc:
                 raise KVStoreError(f"{path}:{number}: not a Mooncake trace line ({exc})") from exc
             yield request
+
+
+def _request(row: dict, block_tokens: int) -> TraceRequest:
+    input_tokens = int(row["input_length"])
+    hash_ids = list(row["hash_ids"])
+    return TraceRequest(arrival_s=float(row["timestamp"]) / 1000.0, input_tokens=input_tokens,
+                        output_tokens=int(row.get("output_length", 0)),
+                        keys=block_keys(hash_ids[: input_tokens // block_tokens]))
+
+
+def synthetic_rows(shape: str, requests: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                   seed: int = 0) -> list[dict]:
+    """`requests` Mooncake-format rows of a shape (module docstring), by arrival."""
+    rng = random.Random(seed)
+    fresh = itertools.count(1)
+    chat = shape == "multi-turn"
+    prompts = [[next(fresh) for _ in range(rng.randint(2, 8) if chat else rng.randint(6, 12))]
+               for _ in range(40 if chat else 8)]
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(prompts))]
+    # (arrival, order, context ids, turns left): a session's next request
+    due: list[tuple[float, int, list[int], int]] = []
+    order = itertools.count()
+    start = 0.0
+    rows: list[dict] = []
+    while len(rows) < requests:
+        start += rng.expovariate(1 / (2.0 if chat else 3.0))
+        context = list(rng.choices(prompts, weights)[0])
+        turns = 1_000_000 if chat else rng.randint(5, 30)
+        heapq.heappush(due, (start, next(order), context, turns))
+        while due and due[0][0] <= start and len(rows) < requests:
+            at, _, context, turns = heapq.heappop(due)
+            context = context + [next(fresh) for _ in range(rng.randint(1, 3) if chat else rng.randint(1, 2))]
+            rows.append({"timestamp": int(at * 1000), "input_length": len(context) * block_tokens,
+                         "output_length": rng.randint(50, 400), "hash_ids": context})
+            more = rng.random() < 0.65 if chat else turns > 1
+            if more:
+                gap = rng.expovariate(1 / 60.0) if chat else rng.expovariate(1 / 3.0)
+                heapq.heappush(due, (at + gap, next(order), context, turns - 1))
+    return rows

@@ -9,7 +9,7 @@ Invariants (each holds per request):
 - A chunk is saved once, in the step in which its last token's KV is computed
   (chunked prefill spreads a prompt over steps, decoding fills chunks one token at a
   time), and only if the store did not already hold it when the request arrived.
-  Chunks of generated tokens are saved like prompt chunks (`save_answers`), so the
+  Chunks of generated tokens are saved like prompt chunks (`saves="answers"`), so the
   next turn of a conversation (prompt + answer + new message) finds the answer too.
 - With a prefetch policy, a request's arrival starts promoting its stored chunks to
   DRAM, and the policy (connectors/prefetch.py) decides whether the scheduler asks
@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from connectors.groups import GroupRules, KVGroup, load_run, per_group, save_runs
 from connectors.handoff import Handoff, HandoffWaits
@@ -43,6 +44,9 @@ Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> acro
 Notify = Callable[[str, list[list[bytes]], float], None]
 
 
+Saves = Literal["answers", "prompts", "none"]
+
+
 @dataclass(frozen=True)
 class SchedulerSettings:
     """The engine-side options the scheduler acts on (connectors/options.py)."""
@@ -51,8 +55,9 @@ class SchedulerSettings:
     prefetch: PrefetchPolicy | None = None  # None: no promotion, every stored chunk counts at once
     stage_on_arrival: bool = False  # workers have device staging pools
     wait_for_saves_s: float = 5.0
-    save_answers: bool = True  # chunks of generated tokens are saved too
-    saves: bool = True  # False: plan no saves (a kv_consumer's default)
+    # What is saved: "answers" (prompt chunks and chunks of generated tokens), "prompts"
+    # (prompt chunks only), "none" (plan no saves: a kv_consumer's default).
+    saves: Saves = "answers"
     handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
     groups: GroupRules | None = None  # a hybrid model's KV cache groups; None: one group
 
@@ -65,7 +70,7 @@ class _Request:
     save_limit: int  # tokens that may be saved (the prompt's, or no limit)
     load_end: int  # token where a load from the store would end
     saved_chunks: int  # chunks [0, saved_chunks) are stored or queued for saving
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group (vLLM's index)
+    block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
 
     def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
@@ -173,7 +178,7 @@ class SchedulerCore:
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        limit = len(prompt) if not self.settings.save_answers else 1 << 62
+        limit = 1 << 62 if self.settings.saves == "answers" else len(prompt)
         self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, saved_chunks=residency.stored,
                                           prompt_tokens=len(prompt))
         return max(0, load_end - num_computed)
@@ -235,7 +240,7 @@ class SchedulerCore:
             new = per_group(block_ids)
             request.block_ids = new if replace or not request.block_ids else [
                 old + ids for old, ids in zip(request.block_ids, new, strict=True)]
-        if not self.settings.saves:
+        if self.settings.saves == "none":
             return
         done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
         if done <= request.saved_chunks:

@@ -12,6 +12,7 @@ import atexit
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.kv_layout import KVLayout
@@ -26,15 +27,20 @@ log = logging.getLogger("vllm.kvstore.worker")
 
 
 class WorkerCore:
-    def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient],
+    """Loads, saves and stages of one worker, each over a client of its own from
+    `make_client(map_tier=...)`: only the loading client maps the service's DRAM tier."""
+
+    def __init__(self, layout: KVLayout, rank: int, make_client: Callable[..., StoreClient],
                  load_async: bool, staging: DeviceStagingPool | None = None,
                  save_window_wait_s: float = 2.0) -> None:
         self.rank = rank
         self.stats = Stats()
         self.staging = staging
-        self.loads = LoadHandler(layout, rank, make_client, self.stats, load_async, staging)
-        self.saves = SaveHandler(layout, rank, make_client, self.stats, save_window_wait_s)
-        self.stages = (StageHandler(rank, make_client, self.stats, staging)
+        self.loads = LoadHandler(layout, rank, partial(make_client, map_tier=True), self.stats, load_async,
+                                 staging)
+        self.saves = SaveHandler(layout, rank, partial(make_client, map_tier=False), self.stats,
+                                 save_window_wait_s)
+        self.stages = (StageHandler(rank, partial(make_client, map_tier=False), self.stats, staging)
                        if staging is not None else None)
         # Engines do not always call shutdown before exiting; queued saves must still land.
         atexit.register(self.close)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,19 +37,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.device_staging import DeviceStagingPool
-from connectors.handoff import Handoff, Role, check_producer_store
-from connectors.link import ServiceLink
+from connectors.handoff import Role, check_producer_store
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
-from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
-from engine_plugin.kv_events import RouterEvents
+from engine_plugin.cuda_host import register_for_dma
 from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
 from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
+from engine_plugin.scheduler_role import SchedulerRole, request_salt
 from kvstore.format.keys import KVNamespace
-from kvstore.format.record import record_bytes
-from kvstore.io.aligned import pin_for_cuda
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -64,31 +60,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvstore")
-
-
-def register_for_dma(client: StoreClient) -> threading.Thread | None:
-    """Make host-to-device copies from the client's window and its mapped DRAM tier DMAs:
-    the window at once (small), the tier in 1 GiB pieces on a thread of its own, off the
-    serving path (a large tier takes seconds; loads copy through the driver's bounce
-    buffers meanwhile, and a refusal there never reaches the engine's CUDA error state).
-    Returns that thread, if any."""
-    if client.window is not None:
-        pin_for_cuda(client.window)
-    tier, chunk_bytes = client.tier, client.chunk_bytes
-    if tier is None or chunk_bytes is None:
-        return None
-    slot_bytes = record_bytes(chunk_bytes)  # a load reads within one slot: pieces hold whole slots
-    piece_bytes = max(1, (1 << 30) // slot_bytes) * slot_bytes
-
-    def register() -> None:
-        done = pin_for_cuda(tier, read_only=True, piece_bytes=piece_bytes)
-        (log.info if done else log.warning)(
-            "kvstore: %s the %d-byte DRAM tier for host-to-device DMA", "registered" if done
-            else "the CUDA driver did not register", tier.nbytes)
-
-    thread = threading.Thread(target=register, name="kvstore-cuda-register", daemon=True)
-    thread.start()
-    return thread
 
 
 @dataclass
@@ -131,22 +102,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_world = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
-        self._router_events: RouterEvents | None = None  # with --kv-events-config
+        self._role_side: SchedulerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # A lookup blocks the scheduler: its deadline is short, not the I/O deadline.
-            self._lookup_link = ServiceLink(
-                lambda: StoreClient(store, timeout_s=self.options.lookup_timeout_s))
-            self._lookup_link.start()  # starts the service if needed: config errors surface now
-            settings = SchedulerSettings(load_async=self.options.load_async, prefetch=self.options.prefetch,
-                                         stage_on_arrival=self.options.device_staging > 0,
-                                         wait_for_saves_s=self.options.wait_for_saves_s,
-                                         save_answers=self.options.save_answers, groups=self._rules,
-                                         saves=self._store_role.saves, handoff_wait_s=self.options.pd_wait_s)
-            self._scheduler = SchedulerCore(store.chunk_tokens, self.block_size, self._namespaces,
-                                            self._lookup, settings, notify=self._notify)
             events = vllm_config.kv_events_config
-            if events is not None and events.enable_kv_cache_events:
-                self._router_events = RouterEvents(store.chunk_tokens, self.block_size, self._lookup_link)
+            self._role_side = SchedulerRole(self.options, self.block_size, self._namespaces, self._rules,
+                                            self._tp_world, self._store_role.saves,
+                                            events is not None and events.enable_kv_cache_events)
+            self._scheduler = self._role_side.core
         log.info("kvstore connector (%s, %s): chunk %d tokens, KV cache groups: %s (%s), socket %s",
                  role.name, self._store_role.name, store.chunk_tokens, describe_groups(kv_cache_config),
                  self._kv_dtype, store.service.socket)
@@ -163,52 +125,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ----------------------------------------------------------------
 
-    def _lookup(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
-        client = self._lookup_link.get()
-        if client is None:
-            return Residency(0, 0)
-        try:
-            return Residency(*client.residency_ranks(keys, prefetch=prefetch))
-        except Exception as exc:  # the cache must never take the scheduler down
-            log.warning("kvstore lookup failed (%s); treating as a miss", exc)
-            self._lookup_link.fail()
-            return Residency(0, 0)
-
-    def _notify(self, kind: str, keys: list[list[bytes]], in_s: float) -> None:
-        """A request ended (`finished`) or a hint expects chunks later (`expect`): told to
-        the service's next-turn prediction; never fatal."""
-        client = self._lookup_link.get()
-        if client is None:
-            return
-        try:
-            if kind == "finished":
-                client.finished(keys)
-            else:
-                client.expect(keys, in_s)
-        except Exception as exc:
-            log.debug("kvstore: %s not told to the service (%s)", kind, exc)
-
     def on_new_request(self, request: Request) -> None:
-        """Arrival: start promoting its stored chunks, and those of any hinted tokens
-        (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]}, or vLLM's KV
-        hints: a `fetch` action now, an `expect` action `in_s` seconds ahead)."""
-        assert self._scheduler is not None
-        salt = _salt(request)
-        if self._router_events is not None:
-            groups = self._rules.groups if self._rules is not None else (None,)
-            per_group = self._namespaces(salt)[:: self._tp_world]  # rank 0's of each group
-            self._router_events.remember(request, list(zip(per_group, groups, strict=True)))
-        handoff = Handoff.from_params(request.kv_transfer_params)
-        if handoff is not None:  # handed off by a prefill instance: wait for its chunks
-            self._scheduler.expect_handoff(request.request_id, handoff)
-        self._scheduler.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
-        for tokens in _hinted_token_ids(request):
-            self._scheduler.hint(tokens, salt)
-        for tokens, in_s in _kv_hint_actions(request):
-            if in_s is None:
-                self._scheduler.hint(tokens, salt)
-            else:
-                self._scheduler.expect(tokens, in_s, salt)
+        assert self._role_side is not None
+        self._role_side.arrive(request)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -216,26 +135,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # The live token list: a resumed request looks up (and later saves) what it
         # generated too, and chunks decoding fills are saved as they complete.
         count = self._scheduler.num_new_matched_tokens(
-            request.request_id, request.all_token_ids, num_computed_tokens, salt=_salt(request))
-        self._report_counters()
+            request.request_id, request.all_token_ids, num_computed_tokens, salt=request_salt(request))
+        assert self._role_side is not None
+        self._role_side.report_counters()
         if count is None:
             return None, False
         return count, self.options.load_async and count > 0
-
-    def _report_counters(self) -> None:
-        """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
-        the service (kvstore info, Prometheus)."""
-        assert self._scheduler is not None
-        pending = self._scheduler.counters or (self._scheduler.prefetch is not None
-                                               and self._scheduler.prefetch.counters)
-        client = self._lookup_link.get() if pending else None
-        if client is None:
-            return
-        counters = self._scheduler.take_counters()
-        try:
-            client.count(counters)
-        except Exception as exc:
-            log.debug("kvstore: scheduler counters not reported (%s)", exc)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Saves the workers finished leave the scheduler's in-flight set."""
@@ -264,7 +169,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvstore's chunks entering and leaving its tiers, for KV-aware routers."""
-        return self._router_events.take() if self._router_events is not None else ()
+        events = self._role_side.router_events if self._role_side is not None else None
+        return events.take() if events is not None else ()
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -301,11 +207,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank()
         namespace = self._namespaces("")[rank].digest()
 
-        def make_client() -> StoreClient:
+        def make_client(map_tier: bool) -> StoreClient:
             client = StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
-                                 dtype=self._kv_dtype, shape=(layout.chunk_bytes,))
+                                 dtype=self._kv_dtype, shape=(layout.chunk_bytes,), map_tier=map_tier)
             if layout.device.type == "cuda":
-                register_for_dma(client)
+                register_for_dma(client)  # unregistered when the client goes (a reconnect)
             return client
 
         staging = None
@@ -351,40 +257,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._scheduler is not None:
-            self._lookup_link.close()
+        if self._role_side is not None:
+            self._role_side.link.close()
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TieredMetadata)
         return metadata.plan
-
-
-def _hinted_token_ids(request: Request) -> list[list[int]]:
-    """Token lists a request's kv_transfer_params announce (a future turn's prefix)."""
-    hint = (request.kv_transfer_params or {}).get("kvstore_prefetch_token_ids")
-    if not hint:
-        return []
-    lists = hint if isinstance(hint[0], list) else [hint]
-    return [[int(t) for t in tokens] for tokens in lists]
-
-
-def _kv_hint_actions(request: Request) -> list[tuple[list[int], float | None]]:
-    """vLLM's KV hints (`request.kv_hints`, a KvHintsEnvelope) that kvstore acts on:
-    action_type `fetch` ({"token_ids": [...]}: promote now) and `expect`
-    ({"token_ids": [...], "in_s": N}: wanted in N seconds); others are ignored."""
-    envelope = getattr(request, "kv_hints", None)
-    found: list[tuple[list[int], float | None]] = []
-    for action in getattr(envelope, "actions", None) or ():
-        tokens = action.payload.get("token_ids") if isinstance(action.payload, dict) else None
-        if not tokens or action.action_type not in ("fetch", "expect"):
-            continue
-        in_s = action.payload.get("in_s") if action.action_type == "expect" else None
-        found.append(([int(t) for t in tokens], None if in_s is None else float(in_s)))
-    return found
-
-
-def _salt(request: Request) -> str:
-    """What changes a prompt's KV besides its tokens: LoRA adapter, cache salt."""
-    lora = request.lora_request.lora_name if request.lora_request else ""
-    return f"{lora}|{request.cache_salt or ''}" if lora or request.cache_salt else ""

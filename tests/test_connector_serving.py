@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def service_pid(config: dict) -> int:
 def test_a_save_larger_than_the_window_goes_in_waves(service):
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
     try:
         assert worker.saves.link.get().slots == 2
         worker.save([save_transfer(0, 8, save_id=1)])  # one step computed 8 chunks
@@ -160,7 +161,7 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
 
     target_caches = caches(fill=False)
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    loader = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False)
+    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=False)
     try:
         load = save_transfer(0, 8, save_id=0)
         loader.start_loads([load], load_async=False)  # waves of one slot, fetched ahead
@@ -174,7 +175,7 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
 def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tmp_path):
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False,
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False,
                         save_window_wait_s=0.5)
     try:
         worker.save([save_transfer(0, 1, save_id=1)])
@@ -204,7 +205,7 @@ def test_a_save_never_connects_on_the_engine_thread(service):
     service may take the I/O deadline, which the forward loop must not wait for."""
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, lambda: StoreClient(config, source.chunk_bytes), load_async=False)
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
     try:
         worker.saves.link.fail()  # as after a put that timed out
         worker.saves.link._next_try = 0.0  # a reconnect is due
@@ -248,8 +249,7 @@ def test_an_fp8_kv_cache_round_trips_through_the_service(service):
     config = load_config(service)
     dtype = record_dtype_name(torch.float8_e4m3fn)
 
-    def make() -> StoreClient:
-        return StoreClient(config, source.chunk_bytes, dtype=dtype, shape=(source.chunk_bytes,))
+    make = partial(StoreClient, config, source.chunk_bytes, dtype=dtype, shape=(source.chunk_bytes,))
 
     worker = WorkerCore(source, 0, make, load_async=False)
     try:

@@ -6,6 +6,7 @@ pinned-window, side-stream path where a GPU exists."""
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 import pytest
@@ -66,7 +67,11 @@ def service_config(tmp_path, disk_dir):
     stop_service(raw)
 
 
-def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config, device):
+    """Prefetch into the device tier (HBM on CUDA), then a load takes what was staged."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     torch.manual_seed(0)
     caches = {f"layers.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64).half() for i in range(2)}
     source = PagedKVLayout(caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
@@ -79,10 +84,10 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config):
     assert writer.put(keys, range(4)) == [True] * 4
     writer.close()
 
-    target_caches = {name: torch.zeros_like(t) for name, t in caches.items()}
+    target_caches = {name: torch.zeros_like(t, device=device) for name, t in caches.items()}
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
     pool = DeviceStagingPool(target.chunk_bytes, 8 * target.chunk_bytes, target.device)
-    worker = WorkerCore(target, 0, lambda: StoreClient(config, target.chunk_bytes), load_async=False,
+    worker = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=False,
                         staging=pool)
     try:
         staged = worker.start_stages([Stage("r", (keys[:3],))])
@@ -91,10 +96,12 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config):
         assert all(k in pool for k in keys[:3]) and keys[3] not in pool
         load_blocks = ((8, 9), (10, 11), (12, 13), (14, 15))
         worker.start_loads([Transfer("r", (keys,), (None,), load_blocks)], load_async=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert worker.take_failed_blocks() == set()
         for name in caches:
             for src, dst in zip(blocks, load_blocks, strict=True):
-                assert torch.equal(target_caches[name][list(dst)], caches[name][list(src)])
+                assert torch.equal(target_caches[name][list(dst)].cpu(), caches[name][list(src)])
         assert worker.stats.snapshot()["staging.hits"] == 3  # the fourth came from the service
         assert not any(k in pool for k in keys)  # taken by the load
     finally:

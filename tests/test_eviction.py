@@ -1,6 +1,11 @@
+import json
+
 import pytest
 
-from kvstore.tiers.eviction import PrefixLRU
+from bench.replay import Replayer
+from bench.trace import block_keys, read_trace
+from kvstore.tiers.eviction import CostAware, Eviction, PrefixLRU
+from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.slots import SlotTable
 
 
@@ -8,7 +13,7 @@ def chain(name: str, length: int) -> list[bytes]:
     return [f"{name}{i}".encode() for i in range(length)]
 
 
-def add_chain(lru: PrefixLRU, keys: list[bytes]) -> None:
+def add_chain(lru: Eviction, keys: list[bytes]) -> None:
     for parent, key in zip([None, *keys[:-1]], keys, strict=True):
         lru.add(key, parent)
     lru.touch_chain(keys)
@@ -72,3 +77,82 @@ def test_striping_spreads_reservations_over_groups():
     table = SlotTable([4, 4])
     groups = [table.group_of(table.reserve(table.next_group()).slot)[0] for _ in range(6)]
     assert groups == [0, 1, 0, 1, 0, 1]
+
+
+def _drain(eviction: Eviction) -> list[bytes]:
+    order = []
+    while (victim := eviction.victim()) is not None:
+        order.append(victim)
+        eviction.remove(victim)
+    return order
+
+
+def test_cost_evicts_a_chain_tail_first_even_though_the_tail_costs_most():
+    policy = TierPolicy(eviction="cost", chunk_tokens=512)
+    keys = chain("a", 4)
+    policy.seen(keys)
+    cost = policy.make_eviction()
+    add_chain(cost, keys)
+    assert policy.chunk_cost(keys[3]) > policy.chunk_cost(keys[0])  # attention grows with depth
+    assert _drain(cost) == list(reversed(keys))
+
+
+def test_cost_evicts_a_shallow_chunk_before_a_deeper_one_used_as_often():
+    """A (3 chunks) then B (1) are stored: LRU takes A's tail, the oldest leaf; cost takes
+    B's only chunk, which is cheaper to recompute than A's third."""
+    a, b = chain("a", 3), chain("b", 1)
+    victims = {}
+    for name in ("lru", "cost"):
+        policy = TierPolicy(eviction=name, chunk_tokens=512)
+        eviction = policy.make_eviction()
+        for keys in (a, b):
+            policy.seen(keys)
+            add_chain(eviction, keys)
+        victims[name] = eviction.victim()
+    assert victims == {"lru": a[2], "cost": b[0]}
+
+
+def test_a_dear_chunk_outlives_a_cheap_one_only_until_the_clock_passes_it():
+    eviction = CostAware(lambda key, parent: 3.0 if key == b"dear" else 1.0)
+    eviction.add(b"dear", None)  # value 3
+    eviction.add(b"cheap", None)  # value 1: newer, but cheaper
+    assert eviction.victim() == b"cheap"
+    for n in range(2):  # each victim raises the clock to its value; new chunks enter above it
+        victim = eviction.victim()
+        eviction.remove(victim)
+        assert victim == (b"cheap", b"new0")[n] and eviction.clock == n + 1
+        eviction.add(b"new%d" % n, None)
+    assert eviction.victim() == b"dear"  # unused since: new1 (clock 2 + 1) ties it, and is newer
+
+
+def test_a_deep_chunk_outlives_a_shallow_one_in_a_replay_under_cost(tmp_path):
+    """DRAM of 4 chunks, no disk. R1 stores A (3 chunks), R2 B (1), R3 C (1) needs a slot;
+    R4 asks for A again: under LRU its third chunk is gone (2 hits), under cost B went (3)."""
+    rows = [([1, 2, 3], 3 * 512 + 1), ([4], 513), ([5], 513), ([1, 2, 3], 3 * 512 + 1)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": n, "output_length": 1,
+                                         "hash_ids": ids}) + "\n" for i, (ids, n) in enumerate(rows)))
+    results = {}
+    for name in ("lru", "cost"):
+        replayer = Replayer([("host", 4 * 512)], kv_bytes_per_token=1, block_tokens=512,
+                            policy=TierPolicy(eviction=name, chunk_tokens=512))
+        requests = list(read_trace(trace, 512))
+        hits = [replayer.serve(request) for request in requests[:3]]
+        assert (block_keys([4])[0] in replayer.tiers[0]) == (name == "lru")  # B, after C came
+        hits.append(replayer.serve(requests[3]))
+        results[name] = (hits[-1], replayer.result())
+    assert results["lru"][0] == [0, 0] and results["cost"][0] == [0, 0, 0]
+    assert results["cost"][1]["recompute_cost"] < results["lru"][1]["recompute_cost"]
+    assert results["cost"][1]["eviction"] == "cost"
+
+
+def test_switching_eviction_keeps_every_published_chunk():
+    table = SlotTable([4])
+    keys = chain("a", 3)
+    for parent, key in zip([None, *keys[:-1]], keys, strict=True):
+        reservation = table.reserve()
+        assert reservation is not None
+        reservation.publish(key, parent, 0)
+    table.set_eviction(TierPolicy(eviction="cost").make_eviction())
+    assert set(table.eviction) == set(keys) == set(table.index)
+    assert table.eviction.victim() == keys[2]  # still tail first

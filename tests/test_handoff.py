@@ -45,7 +45,7 @@ def test_roles_follow_vllm_kv_role():
 
 def test_a_consumer_plans_no_saves_unless_told():
     clock = Clock()
-    for saves, planned in ((False, 0), (True, 1)):
+    for saves, planned in (("none", 0), ("answers", 1)):
         scheduler = core(set(), SchedulerSettings(prefetch=None, saves=saves), clock)
         assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 0
         scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)

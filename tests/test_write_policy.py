@@ -41,7 +41,7 @@ def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, s
 
 
 def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
-    store = store_factory(_config(disk_dir, host_slots=4, disk_min_seen=2))
+    store = store_factory(_config(disk_dir, host_slots=4, disk_admission="second-touch"))
     popular, popular_payloads = make_keys(2, seed=1), make_payloads(2, seed=1)
     store.put_many(popular, popular_payloads)
     read_back(store, popular)  # seen twice: stored once, read once
@@ -50,7 +50,7 @@ def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
     store.flush()
     assert all(k in store.disk.table for k in popular)
     assert not any(k in store.disk.table for k in one_off[:4])  # evicted, never written
-    assert store.stats.snapshot()["disk.not_admitted"] >= 4
+    assert store.stats.snapshot()["disk.admission_refused"] >= 4
 
 
 def test_bad_write_policy_names_the_field(disk_dir):
@@ -60,3 +60,16 @@ def test_bad_write_policy_names_the_field(disk_dir):
         load_config(_config(disk_dir, write_policy="always"))
     with pytest.raises(ConfigError, match="disk_min_seen"):
         load_config(_config(disk_dir, disk_min_seen=0))
+
+
+@pytest.mark.parametrize(("given", "admission"), [
+    ({"disk_min_seen": 3}, "second-touch"),  # the meaning it had before `disk_admission`
+    ({"disk_min_seen": 1}, "all"),
+    ({"disk_min_seen": 3, "disk_admission": "tinylfu"}, "tinylfu"),
+    ({}, "all"),
+])
+def test_disk_min_seen_alone_keeps_admission_on(disk_dir, given, admission):
+    from kvstore.config.store import load_config
+
+    config = load_config(_config(disk_dir, **given))
+    assert config.disk_admission == admission

@@ -271,9 +271,22 @@ class StoreConfig(Schema):
         "write_back", description="`write_back`: DRAM's chunks reach disk when evicted (and at a clean "
                                   "shutdown); `write_through`: also as soon as they are stored, so a "
                                   "killed service loses nothing")
+    disk_admission: Annotated[str, choice("all", "second-touch", "tinylfu", "predicted")] = Field(
+        "all", description="which chunks leaving DRAM are written to disk (kvstore/tiers/admission.py): "
+                           "`all`; `second-touch`: one seen (stored or read) `disk_min_seen` times while "
+                           "a bounded ghost list remembers it; `tinylfu`: one a decaying frequency "
+                           "sketch counts `disk_min_seen` times; `predicted`: as second-touch, or one "
+                           "whose prefix family's chunks mostly come back. A refused chunk is dropped "
+                           "from DRAM (`disk.admission_refused`); `write_through` copies are never refused")
     disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
-        1, description="disk admission: a chunk is written to disk only once stored or read this many "
-                       "times (`disk.not_admitted` counts the others)")
+        2, description="the sightings (stores or reads) `second-touch`, `tinylfu` and `predicted` "
+                       "ask of a chunk before writing it to disk; given above 1 without "
+                       "`disk_admission`, it means `second-touch` (its meaning before that key)")
+    eviction: Annotated[str, choice("lru", "cost")] = Field(
+        "lru", description="what DRAM and disk evict first, always a chain's tail before its head: "
+                           "`lru` the least recently used; `cost` the least valuable, a chunk's "
+                           "value being its recompute cost (deeper in a prompt: dearer) on top of "
+                           "a clock that ages it (GreedyDual; kvstore/tiers/policy.py)")
     service: ServiceConfig = Field(default_factory=ServiceConfig, description="the per-host service")
     cluster: ClusterConfig | None = Field(
         None, description="several hosts sharing one array: see [cluster.md](cluster.md); none: this "
@@ -285,6 +298,16 @@ class StoreConfig(Schema):
         if value == 0 and not isinstance(value, bool):
             raise ValueError("must be at least 1: with 0 no write_through copy could be queued")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _min_seen_alone_means_second_touch(cls, data: Any) -> Any:
+        """Before `disk_admission` existed, `disk_min_seen` above 1 alone turned admission on:
+        such a config keeps that meaning instead of silently writing everything."""
+        if (isinstance(data, dict) and "disk_admission" not in data
+                and isinstance(data.get("disk_min_seen"), int) and data["disk_min_seen"] > 1):
+            return {**data, "disk_admission": "second-touch"}
+        return data
 
     @property
     def host(self) -> HostTierConfig | None:

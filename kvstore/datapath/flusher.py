@@ -65,7 +65,7 @@ class Flusher:
         on_disk = self._on_disk(key)
         fate = self.policy.victim_fate(key, on_disk, promotion=False)
         if fate is Fate.EVICT and not on_disk:
-            self.stats.add("disk.not_admitted")
+            self.stats.add("disk.admission_refused")
         return fate
 
     def clean_fate(self, key: bytes) -> Fate:
@@ -101,8 +101,6 @@ class Flusher:
     def write_through(self, key: bytes, slot: int) -> None:
         """A chunk just published in DRAM also goes down now (DRAM table lock held)."""
         assert self._queue is not None and self.dram is not None
-        if not self.policy.admits(key):
-            return
         if self._queue.offer((key, slot)):
             self.dram.table.pin(slot)
         else:

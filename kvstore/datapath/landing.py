@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.datapath.placement import DramPlacement
 from kvstore.datapath.prefetch_ledger import PrefetchLedger
@@ -39,11 +39,12 @@ class Landing:
     buffers: list[memoryview]
     payload: memoryview  # where the payload lands (inside buffers)
     reservation: Reservation | None = None  # the DRAM slot it is promoted into
-    staged: memoryview | None = None  # a staging or header buffer to give back
-    pool: StagingPool | None = None  # where `staged` goes back
     region: Region | None = None  # caller memory it lands in directly
-    header: RecordHeader | None = None  # set once verified
-    timed_out: bool = False
+    # Settled as the read goes, never given at the start:
+    staged: memoryview | None = field(default=None, init=False)  # a staging or header buffer to give back
+    pool: StagingPool | None = field(default=None, init=False)  # where `staged` goes back
+    header: RecordHeader | None = field(default=None, init=False)  # set once verified
+    timed_out: bool = field(default=False, init=False)
 
     @property
     def nbytes(self) -> int:

@@ -63,15 +63,16 @@ def is_fault(result: int, expected: int) -> bool:
 class DeviceHealth:
     label: str  # how an operator knows it: a path, or an NVMe-oF subsystem and namespace
     kind: str  # "disk" or "nvmeof"
-    state: str = IN_SERVICE
-    reason: str = ""
-    consecutive_faults: int = 0
-    faults: int = 0
-    trips: int = 0
-    since: float = field(default_factory=time.monotonic)
+    # Its state, kept by record() and take_out(), never given at the start:
+    state: str = field(default=IN_SERVICE, init=False)
+    reason: str = field(default="", init=False)
+    consecutive_faults: int = field(default=0, init=False)
+    faults: int = field(default=0, init=False)
+    trips: int = field(default=0, init=False)
+    since: float = field(default_factory=time.monotonic, init=False)
     # Bumped each time the device leaves service: a write reserved in an older epoch
     # lands on a device that was declared lost, so it is never published.
-    epoch: int = 0
+    epoch: int = field(default=0, init=False)
 
     @property
     def in_service(self) -> bool:

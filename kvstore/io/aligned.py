@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import mmap
 import sys
-from typing import Any
 
 from kvstore.format.record import BLOCK, round_up
 
@@ -35,30 +34,6 @@ class AlignedBuffer:
         self.view.release()
         with contextlib.suppress(BufferError):
             self._map.close()
-
-
-CUDA_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the pages are mapped read-only
-
-
-def pin_for_cuda(buffer: AlignedBuffer | Any, *, read_only: bool = False, piece_bytes: int = 0) -> bool:
-    """Register a region (anything with `address` and `nbytes`: an engine worker's
-    window, the service's DRAM tier mapped read-only) as CUDA pinned memory when CUDA
-    is present, so host-to-device copies from it are DMAs. `piece_bytes` (0: whole)
-    registers it in pieces, each a short driver call; a copy must not span two pieces,
-    so give a multiple of what one copy reads. False where CUDA is absent or the driver
-    refused (copies then go through the driver's bounce buffers: slower, still right)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    cudart = torch.cuda.cudart()
-    flags = CUDA_REGISTER_READ_ONLY if read_only else 0
-    step = piece_bytes or buffer.nbytes
-    for start in range(0, buffer.nbytes, step):
-        length = min(step, buffer.nbytes - start)
-        if int(cudart.cudaHostRegister(buffer.address + start, length, flags)) != 0:
-            return False
-    return True
 
 
 def byte_view(obj: object) -> memoryview:

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -143,21 +143,25 @@ class StoreClient:
     With `chunk_bytes` None the client can only `residency`, `count` and `info` (a
     scheduler). `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view)
     with chunk keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
-    Where the service shares its DRAM tier with this client, `tier` maps it read-only:
-    `pin(keys)` pins the DRAM hits and says where each payload is (`tier_payload`),
-    for the caller to copy out itself before `unpin`.
+    Where the service shares its DRAM tier and `map_tier` asks for it (a client that
+    loads), `tier` maps it read-only: `pin(keys)` pins the DRAM hits and says where each
+    payload is (`tier_payload`), for the caller to copy out itself before `unpin`.
+    `before_unmap` callbacks run when `close()` is about to unmap the window and tier (a
+    CUDA worker unregisters them from the driver there).
     `timeout_s` is each request's deadline (default: twice io.timeout_s).
     """
 
     def __init__(self, config: StoreConfig, chunk_bytes: int | None = None, *,
                  namespace: bytes = bytes(16), dtype: str = "uint8",
-                 shape: tuple[int, ...] = (), timeout_s: float | None = None) -> None:
+                 shape: tuple[int, ...] = (), timeout_s: float | None = None,
+                 map_tier: bool = True) -> None:
         self.config = config
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s if timeout_s is not None else 2 * config.io.timeout_s
         self.window: Window | None = None
         self.tier: SharedMemory | None = None
         self.slots = 0
+        self.before_unmap: list[Callable[[], object]] = []
         self._conn: P.Channel | None = connect(config)
         try:
             # The first hello with a chunk size makes the store (opens the tiers, recovers
@@ -172,7 +176,9 @@ class StoreClient:
                 self.window = Window.attach(fd, int(reply["window_bytes"]), str(reply["pages"]))
                 self.slots = int(reply["slots"])
                 tier_fd = self._conn.take_fd() if self._conn and "tier_bytes" in reply else None
-                if tier_fd is not None:
+                if tier_fd is not None and not map_tier:
+                    os.close(tier_fd)
+                elif tier_fd is not None:
                     self.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]),
                                                     str(reply["tier_pages"]), writable=False)
         except BaseException:
@@ -254,6 +260,9 @@ class StoreClient:
 
     def close(self) -> None:
         self.disconnect()
+        for callback in self.before_unmap:
+            callback()
+        self.before_unmap.clear()
         for memory in (self.window, self.tier):
             if memory is not None:
                 memory.close()

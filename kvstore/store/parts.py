@@ -49,7 +49,8 @@ class StoreParts:
         self.slot_bytes = record_bytes(chunk_bytes)
         self.policy = TierPolicy(promote_on_hit=config.promote_on_hit,
                                  write_through=config.write_policy == "write_through",
-                                 disk_min_seen=config.disk_min_seen)
+                                 admission=config.disk_admission, disk_min_seen=config.disk_min_seen,
+                                 eviction=config.eviction, chunk_tokens=config.chunk_tokens)
         self.regions = DirectRegions()
         self.ledger = PrefetchLedger(self.stats, chunk_bytes)
         self.owns_engine = engine is None
@@ -76,6 +77,7 @@ class StoreParts:
         if config.host is not None:
             self.dram = DramTier(config.host.capacity, self.slot_bytes,
                                  shared=config.service.share_dram != "off")
+            self.dram.table.set_eviction(self.policy.make_eviction())
         plans = [DevicePlan(d.path, d.capacity) for d in config.disk]
         if config.nvmeof is not None:
             plans += namespace_plans(config.nvmeof)
@@ -83,6 +85,9 @@ class StoreParts:
             self.disk = DiskTier(plans, self.slot_bytes, chunk_bytes, self.engine, stats=self.stats,
                                  timeout_s=io.timeout_s, breaker_threshold=io.breaker_threshold)
             self.recovery = recover(self.disk)
+            self.disk.table.set_eviction(self.policy.make_eviction())
+            for counter in ("disk.bytes_written", "disk.admission_refused"):  # scraped from the start
+                self.stats.add(counter, 0)
             self.flusher = Flusher(self.disk, self.dram, self.policy, self.staging,
                                    queue_chunks=config.write_behind_chunks, background=background,
                                    held_elsewhere=self.peer_copies.__contains__)
@@ -106,6 +111,17 @@ class StoreParts:
 
             self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
                                        peer_copies=self.peer_copies, background=background)
+
+    def switch_policy(self, admission: str | None = None, eviction: str | None = None) -> None:
+        """Change disk admission and eviction while serving (a config reload's entry
+        point): no chunk a tier holds is dropped or rewritten; only later decisions change."""
+        if admission is not None:
+            self.policy.set_admission(admission)
+        if eviction is not None:
+            self.policy.set_eviction(eviction)
+            for tier in (self.dram, self.disk):
+                if tier is not None:
+                    tier.table.set_eviction(self.policy.make_eviction())
 
     def info(self) -> dict[str, Any]:
         tiers = []

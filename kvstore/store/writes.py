@@ -31,7 +31,7 @@ class Writes:
         parts = self.parts
         parents = [parent, *keys[:-1]]
         stored = [False] * len(keys)
-        parts.policy.seen(keys)
+        parts.policy.seen(keys, parent)
         with ExitStack() as stack:
             to_dram, to_disk = self._place(keys, stored, stack)
             if to_dram:
@@ -49,7 +49,7 @@ class Writes:
                 parts.stats.add("host.bytes_written", len(to_dram) * parts.chunk_bytes)
         if to_disk and parts.flusher is not None:
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
-            parts.stats.add("disk.not_admitted", len(to_disk) - len(admitted))
+            parts.stats.add("disk.admission_refused", len(to_disk) - len(admitted))
             headers = [self.encoder.header(keys[i], parents[i], seq, views[i]) for i in admitted]
             done = parts.flusher.put_direct(headers, [views[i] for i in admitted])
             for i, landed in zip(admitted, done, strict=True):

@@ -1,30 +1,168 @@
-"""Disk admission: write a chunk to disk only once it has been seen `min_seen` times.
+"""Disk admission: which chunks leaving DRAM are worth an SSD write.
 
-A chunk computed once and never asked for again costs an SSD write and evicts a
-useful one. Seen = stored (by any request that computed it) or read. Counts live in
-a bounded table (least recently seen forgotten first), so memory stays fixed however
-many distinct chunks pass. Not thread-safe: TierPolicy (policy.py) calls it under its lock.
+Most chunks of real traffic are computed once and never asked for again; writing them
+spends the SSD's endurance and write bandwidth and pushes a useful chunk off the disk.
+A policy sees every chain a request stores or reads (`see`) and says whether a chunk
+may be written to disk now (`admit`). Policies (ADMISSIONS, named in the config's
+`disk_admission`):
+  all           every chunk (the store's behaviour before admission existed)
+  second-touch  a chunk seen `min_seen` (2) times while still remembered in a bounded
+                ghost list (least recently seen forgotten first)
+  tinylfu       a chunk whose estimated frequency, in a count-min sketch whose counters
+                are halved every `10 x width` sightings (aging), reaches `min_seen`
+  predicted     a chunk seen twice, or one whose prefix family (chains sharing a first
+                chunk: a system prompt, an agent's instructions) has had at least
+                RETURN_RATE of its chunks come back: its new chunks will likely too
+Invariants: every policy's memory is bounded (`capacity` keys or sketch counters)
+however many distinct chunks pass; `admit` never changes state. Not thread-safe:
+TierPolicy (policy.py) calls them under its lock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import xxhash
 
 TRACKED_KEYS = 1 << 16
+RETURN_RATE = 0.5  # `predicted`: a family whose chunks came back at least this often
+_FAMILY_MIN = 8  # `predicted`: a family's own rate counts once it has this many chunks
+_HALVE = bytes(i >> 1 for i in range(256))  # counter aging, one table lookup per byte
 
 
-class AdmissionFilter:
-    def __init__(self, min_seen: int, capacity: int = TRACKED_KEYS) -> None:
+class Admission(Protocol):
+    name: str
+
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        """A request stored or read these chunks of one chain whose first chunk is `family`."""
+
+    def admit(self, key: bytes) -> bool:
+        """Whether the disk takes this chunk now."""
+
+
+class AdmitAll:
+    name = "all"
+
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        pass
+
+    def admit(self, key: bytes) -> bool:
+        return True
+
+
+class SecondTouch:
+    """Admit on the `min_seen`-th sighting; the ghost list remembers `capacity` keys."""
+
+    name = "second-touch"
+
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
         self.min_seen = min_seen
         self.capacity = capacity
         self._seen: OrderedDict[bytes, int] = OrderedDict()
 
-    def see(self, key: bytes) -> None:
-        if self.min_seen <= 1:
-            return
-        self._seen[key] = self._seen.pop(key, 0) + 1
-        if len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        for key in keys:
+            self._seen[key] = self._seen.pop(key, 0) + 1
+            if len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+
+    def count(self, key: bytes) -> int:
+        return self._seen.get(key, 0)
 
     def admit(self, key: bytes) -> bool:
-        return self.min_seen <= 1 or self._seen.get(key, 0) >= self.min_seen
+        return self.min_seen <= 1 or self.count(key) >= self.min_seen
+
+
+class TinyLFU:
+    """A count-min sketch (4 rows of 8-bit saturating counters) with periodic halving,
+    so a chunk popular long ago does not stay admitted forever."""
+
+    name = "tinylfu"
+    ROWS = 4
+
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+        self.min_seen = min_seen
+        self.width = 1 << max(4, (capacity - 1).bit_length())
+        self._rows = [bytearray(self.width) for _ in range(self.ROWS)]
+        self._sample = 10 * self.width  # sightings between two halvings
+        self._added = 0
+
+    def _cells(self, key: bytes) -> list[int]:
+        digest = xxhash.xxh3_128_intdigest(key)
+        return [(digest >> (32 * row)) & (self.width - 1) for row in range(self.ROWS)]
+
+    def estimate(self, key: bytes) -> int:
+        return min(row[cell] for row, cell in zip(self._rows, self._cells(key), strict=True))
+
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        for key in keys:
+            cells = self._cells(key)
+            least = min(row[cell] for row, cell in zip(self._rows, cells, strict=True))
+            for row, cell in zip(self._rows, cells, strict=True):
+                if row[cell] == least and least < 255:  # conservative update
+                    row[cell] += 1
+            self._added += 1
+            if self._added >= self._sample:
+                self._rows = [bytearray(row.translate(_HALVE)) for row in self._rows]
+                self._added //= 2
+
+    def admit(self, key: bytes) -> bool:
+        return self.min_seen <= 1 or self.estimate(key) >= self.min_seen
+
+
+class Predicted:
+    """Second touch, plus first-touch admission for families whose chunks come back."""
+
+    name = "predicted"
+
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+        self.ghost = SecondTouch(min_seen, capacity)
+        self.capacity = capacity
+        self._family: OrderedDict[bytes, bytes] = OrderedDict()  # chunk -> its family
+        self._counts: OrderedDict[bytes, list[int]] = OrderedDict()  # family -> [chunks, came back]
+        self._total = [0, 0]
+
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        counts = self._counts.pop(family, None) or [0, 0]
+        self._counts[family] = counts
+        if len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+        for key in keys:
+            back = key in self._family
+            if back and self.ghost.count(key) == 1:  # its first return
+                known = self._counts.get(self._family[key])
+                if known is not None:
+                    known[1] += 1
+                self._total[1] += 1
+            elif not back:
+                counts[0] += 1
+                self._total[0] += 1
+                self._family[key] = family
+                if len(self._family) > self.capacity:
+                    self._family.popitem(last=False)
+        self.ghost.see(keys, family)
+
+    def return_rate(self, family: bytes) -> float:
+        """The share of this family's chunks seen again (everyone's while it has few)."""
+        chunks, back = self._counts.get(family, (0, 0))
+        if chunks < _FAMILY_MIN:
+            chunks, back = self._total
+        return back / chunks if chunks else 0.0
+
+    def admit(self, key: bytes) -> bool:
+        if self.ghost.admit(key):
+            return True
+        family = self._family.get(key)
+        return family is not None and self.return_rate(family) >= RETURN_RATE
+
+
+ADMISSIONS = {policy.name: policy for policy in (AdmitAll, SecondTouch, TinyLFU, Predicted)}
+
+
+def make_admission(name: str, min_seen: int = 2) -> Admission:
+    """The named policy (ADMISSIONS); a bad name is a ValueError naming the known ones."""
+    if name not in ADMISSIONS:
+        raise ValueError(f"disk admission {name!r}: one of {', '.join(ADMISSIONS)}")
+    return AdmitAll() if name == "all" else ADMISSIONS[name](min_seen)  # type: ignore[call-arg]

@@ -1,7 +1,12 @@
-"""Prefix-aware LRU: the tail of a prefix chain is evicted before its head.
+"""Eviction order of a tier: prefix-aware LRU (`lru`) or recompute-cost-aware (`cost`).
 
 A chunk's KV is useless without the KV of every chunk before it, so evicting a
-head while its tail stays wastes the tail's space. Invariants:
+head while its tail stays wastes the tail's space: both policies evict the tail of a
+prefix chain before its head (a victim is a leaf: no tracked key names it as parent).
+Both offer the same calls (Eviction): add, remove, touch_chain, victim, is_leaf, and
+iteration in eviction order. SlotTable (slots.py) calls them under its lock.
+
+PrefixLRU invariants:
 - `_order` holds every tracked key, least recently used first.
 - `_children[k]` counts tracked keys whose parent is k (k itself may be absent),
   so a key is a leaf, and so evictable, exactly when that count is zero.
@@ -12,8 +17,21 @@ head while its tail stays wastes the tail's space. Invariants:
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from sortedcontainers import SortedList
+
+
+class Eviction(Protocol):
+    def __iter__(self) -> Iterator[bytes]: ...
+    def is_leaf(self, key: bytes) -> bool: ...
+    def add(self, key: bytes, parent: bytes | None) -> None: ...
+    def remove(self, key: bytes) -> None: ...
+    def touch_chain(self, keys: Iterable[bytes]) -> None: ...
+    def victim(self, skip: Callable[[bytes], bool] = ...) -> bytes | None: ...
 
 
 class PrefixLRU:
@@ -65,3 +83,105 @@ class PrefixLRU:
                 return key
         # Every unpinned key has children (they are pinned): evict the oldest anyway.
         return fallback
+
+
+class CostAware:
+    """GreedyDual over recompute cost, prefix-aware.
+
+    A chunk's value is what recomputing it would cost, `cost(key, parent)`
+    (TierPolicy.chunk_cost: attention makes a chunk deep in a long prefix dearer than the
+    first), weighed by its chance of reuse, which recency stands for: the tier's clock
+    rises to the value of each victim taken, and a chunk used is valued clock + cost, so
+    one unused for a while loses to newer ones, and of two used alike the cheaper goes
+    first (with equal costs this is LRU). Counting uses as well (GDSF) was measured and
+    lost: chunks of chains used many times long ago stayed (docs/replay.md). The victim
+    is the leaf of least value. Invariants:
+    - `_order` holds (value, n, key) exactly once for every tracked key, `_value[key]`
+      being that (value, n): sorted, least valuable first (ties: least recently set);
+    - a value never falls; a parent's value is at least each tracked child's (raised
+      with it), so within a chain the tail goes first and a scan rarely meets a non-leaf;
+    - `_children` counts tracked children per key, as PrefixLRU's.
+    """
+
+    def __init__(self, cost: Callable[[bytes, bytes | None], float]) -> None:
+        self._cost = cost
+        self._parent: dict[bytes, bytes | None] = {}
+        self._children: dict[bytes, int] = {}
+        self._unit: dict[bytes, float] = {}  # key -> its recompute cost
+        self._value: dict[bytes, tuple[float, int]] = {}
+        self._order = SortedList()
+        self._count = itertools.count()
+        self.clock = 0.0
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Tracked keys, least valuable first."""
+        return (key for _, _, key in self._order)
+
+    def is_leaf(self, key: bytes) -> bool:
+        return key not in self._children
+
+    def add(self, key: bytes, parent: bytes | None) -> None:
+        if key in self._value:
+            self.touch_chain([key])
+            return
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._unit[key] = self._cost(key, parent)
+        self._set(key, self.clock + self._unit[key])
+
+    def remove(self, key: bytes) -> None:
+        current = self._value.pop(key, None)
+        if current is None:
+            return
+        self._order.remove((*current, key))
+        del self._unit[key]
+        parent = self._parent.pop(key)
+        if parent is not None:
+            count = self._children[parent] - 1
+            if count:
+                self._children[parent] = count
+            else:
+                del self._children[parent]
+
+    def touch_chain(self, keys: Iterable[bytes]) -> None:
+        """A chain (head first) was used: each tracked chunk's value is renewed, tail
+        first, each parent raised to at least its child's."""
+        chain = [key for key in keys if key in self._value]
+        floor = 0.0
+        for i in range(len(chain) - 1, -1, -1):
+            key = chain[i]
+            floor = max(floor, self.clock + self._unit[key])
+            self._set(key, floor, climb=i == 0 or self._parent[chain[i]] != chain[i - 1])
+
+    def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:
+        """The least valuable leaf not skipped (e.g. pinned), or None; the clock rises to it."""
+        fallback = None
+        for value, _, key in self._order:
+            if key in self._children:  # not a leaf: only a fallback
+                if fallback is None and not skip(key):
+                    fallback = (value, key)
+                continue
+            if not skip(key):
+                self.clock = max(self.clock, value)
+                return key
+        if fallback is None:
+            return None
+        self.clock = max(self.clock, fallback[0])
+        return fallback[1]
+
+    def _set(self, key: bytes, value: float, climb: bool = True) -> None:
+        """Raise `key` to this value (a value never falls) and, with `climb`, its tracked
+        ancestors with it."""
+        node: bytes | None = key
+        while node is not None:
+            current = self._value.get(node)
+            if current is not None:
+                if current[0] >= value:
+                    break
+                self._order.remove((*current, node))
+            self._value[node] = (value, next(self._count))
+            self._order.add((value, self._value[node][1], node))
+            node = self._parent.get(node) if climb else None
+            if node is not None and node not in self._value:
+                break

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,14 +32,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RecoveryReport:
-    records: int = 0
-    torn: int = 0
-    stale: int = 0  # older copies of a key, zeroed
-    from_checkpoint: int = 0  # devices whose index came from a clean-shutdown checkpoint
-    scanned: int = 0  # devices whose slots were scanned
-    io_errors: int = 0  # header reads that failed (their slots are treated as torn)
-    seconds: float = 0.0
-    max_seq: int = 0
+    """Counted as recovery goes: it starts empty (its constructor takes nothing)."""
+
+    records: int = field(default=0, init=False)
+    torn: int = field(default=0, init=False)
+    stale: int = field(default=0, init=False)  # older copies of a key, zeroed
+    from_checkpoint: int = field(default=0, init=False)  # devices indexed from a clean-shutdown checkpoint
+    scanned: int = field(default=0, init=False)  # devices whose slots were scanned
+    io_errors: int = field(default=0, init=False)  # header reads that failed (slots treated as torn)
+    seconds: float = field(default=0.0, init=False)
+    max_seq: int = field(default=0, init=False)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -5,7 +5,7 @@ device; the DRAM tier has one group). The table has its own lock; every method
 takes it, so callers never touch the state directly. Invariants:
 - A slot is in exactly one state: free (in its group's free list), reserved (being
   written, invisible to lookups, owned by one Reservation), or published (in
-  `index`, tracked by the LRU).
+  `index`, tracked by the eviction policy).
 - `pins` counts holders of a slot: readers and writers in flight, and the one
   Reservation of a reserved slot. A published slot is never rewritten: it leaves
   the index first (`unpublish`) and returns to the free list only once its last
@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvstore.tiers.eviction import PrefixLRU
+from kvstore.tiers.eviction import Eviction, PrefixLRU
 
 
 class Fate(enum.Enum):
-    """What a reservation may do with a victim (a least recently used leaf)."""
+    """What a reservation may do with a victim (the leaf the eviction policy picks)."""
 
     EVICT = "evict"  # drop it now and take its slot
     DEMOTE = "demote"  # take its slot once the caller has written it elsewhere (take_over)
@@ -177,7 +177,7 @@ class SlotTable(SlotGroups):
             for start, size in zip(self.group_start, group_sizes, strict=True)
         ]
         self.index: dict[bytes, int] = {}
-        self.lru = PrefixLRU()
+        self.eviction: Eviction = PrefixLRU()
         self._next_group = 0
         self.disabled: set[int] = set()  # groups out of service: nothing is reserved there
         self.retired = 0  # slots kept pinned forever after an abandoned read
@@ -216,7 +216,15 @@ class SlotTable(SlotGroups):
 
     def touch_chain(self, keys: Iterable[bytes]) -> None:
         with self.lock:
-            self.lru.touch_chain(keys)
+            self.eviction.touch_chain(keys)
+
+    def set_eviction(self, eviction: Eviction) -> None:
+        """Switch the eviction policy (config, or a policy switched at runtime): every
+        published chunk stays, handed to the new policy in the old one's order."""
+        with self.lock:
+            for key in self.eviction:
+                eviction.add(key, self.slots[self.index[key]].parent)
+            self.eviction = eviction
 
     # -- reads -----------------------------------------------------------------------
 
@@ -257,7 +265,7 @@ class SlotTable(SlotGroups):
     def reserve(self, preferred_group: int = 0,
                 fate: Callable[[bytes], Fate] | None = None) -> Reservation | None:
         """A slot to write into, pinned by the returned Reservation; with the table
-        full, the least recently used leaf that `fate` lets go (default: any) makes
+        full, the leaf the eviction policy picks that `fate` lets go (default: any) makes
         room. None when no victim may go (all pinned, or skipped).
 
         `fate(key)` runs under this table's lock: EVICT drops the victim now; DEMOTE
@@ -279,7 +287,7 @@ class SlotTable(SlotGroups):
                     fates[key] = Fate.EVICT if fate is None else fate(key)
                 return fates[key] is Fate.SKIP
 
-            victim = self.lru.victim(skip=skip)
+            victim = self.eviction.victim(skip=skip)
             if victim is None:
                 return None
             slot = self.index[victim]
@@ -305,7 +313,7 @@ class SlotTable(SlotGroups):
         info.key, info.parent, info.seq = key, parent, seq
         info.published = info.ever_written = True
         self.index[key] = slot
-        self.lru.add(key, parent)
+        self.eviction.add(key, parent)
         if self.listeners:
             self._tell(True, Entry(key, slot, parent, seq))
 
@@ -313,7 +321,7 @@ class SlotTable(SlotGroups):
         slot = self.index.pop(key, None)
         if slot is None:
             return None
-        self.lru.remove(key)
+        self.eviction.remove(key)
         info = self.slots[slot]
         info.published = False
         if self.listeners:

@@ -1,0 +1,285 @@
+"""The house rules, checked over any source tree: tests/test_house.py runs them on this
+repository, and on small bad trees to show each rule can fail.
+
+- Floors: the folders of kvstore/ in the order docs/architecture.md draws them (its
+  house diagram lists the top first); a module imports from its own floor and the ones
+  below, never above. Relative imports and `from kvstore import X` count like any other,
+  and so do TYPE_CHECKING imports. A folder the diagram does not place is an error.
+- Packages: kvstore < connectors < engine_plugin < bench, each importing only those
+  before it; vLLM only in engine_plugin and bench.
+- Sizes: a class with the in-project classes it derives from is at most 200 lines; a
+  constructor (its `__init__`, or a dataclass's init fields with those it inherits)
+  takes at most 7 parameters; kvstore/ keeps at most a dozen top modules.
+
+`check()` also says how much it looked at, so a run that scanned nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench")  # each may import only those before it
+VLLM_PACKAGES = ("engine_plugin", "bench")
+SIZED_PACKAGES = ("kvstore", "connectors", "engine_plugin")  # bench's runners are scripts, not parts
+MAX_CLASS_LINES = 200
+MAX_PARAMETERS = 7
+MAX_TOP_MODULES = 12
+DOC = Path("docs") / "architecture.md"
+
+
+@dataclass
+class Report:
+    floors: tuple[str, ...] = ()
+    modules: dict[str, int] = field(default_factory=dict)  # package -> modules parsed
+    imports: dict[str, int] = field(default_factory=dict)  # package -> imports resolved and checked
+    classes: int = 0  # classes measured
+    problems: dict[str, list[str]] = field(default_factory=dict)  # rule -> findings
+
+    def add(self, rule: str, finding: str) -> None:
+        self.problems.setdefault(rule, []).append(finding)
+
+
+def documented_floors(root: Path) -> tuple[str, ...]:
+    """The floors, lowest first, from the house diagram in docs/architecture.md: the
+    fenced block after the "The house" heading, one `folder/` per line, top first."""
+    text = (root / DOC).read_text()
+    section = re.search(r"^## The house.*?^```\n(.*?)^```", text, re.S | re.M)
+    if section is None:
+        raise ValueError(f"{DOC}: no house diagram (a fenced block under '## The house')")
+    floors = re.findall(r"^([a-z_]+)/\s", section.group(1), re.M)
+    if not floors:
+        raise ValueError(f"{DOC}: the house diagram names no floors")
+    return tuple(reversed(floors))
+
+
+@dataclass
+class _Module:
+    name: str  # dotted, e.g. kvstore.tiers.dram
+    path: Path
+    tree: ast.Module
+    is_package: bool  # an __init__.py
+
+    def resolve(self, node: ast.ImportFrom) -> str:
+        """The absolute module a `from ... import` names (relative ones resolved)."""
+        if node.level == 0:
+            return node.module or ""
+        parts = self.name.split(".")
+        base = parts if self.is_package else parts[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join([*base, node.module] if node.module else base)
+
+
+def _load(root: Path, package: str) -> list[_Module]:
+    modules = []
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        modules.append(_Module(".".join(parts), path, ast.parse(path.read_text(), str(path)), is_package))
+    return modules
+
+
+class _Names:
+    """What each dotted name in the scanned tree is: a module, or a name a module binds."""
+
+    def __init__(self, modules: list[_Module]) -> None:
+        self.modules = {m.name: m for m in modules}
+        self.bindings: dict[str, dict[str, str]] = {m.name: self._bindings(m) for m in modules}
+
+    @staticmethod
+    def _bindings(module: _Module) -> dict[str, str]:
+        found = {}
+        for node in module.tree.body:
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = f"{module.name}.{node.name}"
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        found[alias.asname] = alias.name
+                    else:
+                        top = alias.name.split(".")[0]
+                        found.setdefault(top, top)
+            elif isinstance(node, ast.ImportFrom):
+                source = module.resolve(node)
+                for alias in node.names:
+                    found[alias.asname or alias.name] = f"{source}.{alias.name}"
+        return found
+
+    def imported(self, module: _Module) -> list[str]:
+        """Each module this one imports; `from P import X` is P.X where X is a module of
+        the tree, else P (the names come from P's own module)."""
+        found = []
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Import):
+                found += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = module.resolve(node)
+                found += [f"{source}.{a.name}" if f"{source}.{a.name}" in self.modules else source
+                          for a in node.names]
+        return found
+
+    def canonical(self, dotted: str) -> str:
+        """Follow re-exports (`from kvstore import KVNamespace`) to where a name is defined."""
+        for _ in range(10):
+            module, _, name = dotted.rpartition(".")
+            target = self.bindings.get(module, {}).get(name)
+            if target is None or target == dotted:
+                return dotted
+            dotted = target
+        return dotted
+
+    def expression(self, module: _Module, node: ast.expr) -> str | None:
+        """The dotted name a base-class expression refers to, if it is a plain name path."""
+        if isinstance(node, ast.Subscript):  # Generic[T], Base[X]
+            return self.expression(module, node.value)
+        if isinstance(node, ast.Name):
+            bound = self.bindings[module.name].get(node.id)
+            return self.canonical(bound) if bound else None
+        if isinstance(node, ast.Attribute):
+            head = self.expression(module, node.value)
+            return self.canonical(f"{head}.{node.attr}") if head else None
+        return None
+
+
+def _floor_of(module: str, floors: tuple[str, ...], face: int) -> int | None:
+    """The floor index of a kvstore module; len(floors) for the top (cli); `face` for the
+    package itself (its floor is the highest it imports); None: not kvstore."""
+    parts = module.split(".")
+    if parts[0] != "kvstore":
+        return None
+    if len(parts) == 1:
+        return face
+    return floors.index(parts[1]) if parts[1] in floors else len(floors)
+
+
+def _check_floors(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
+    floors = report.floors
+    folders = {p.name for p in (root / "kvstore").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    if folders != set(floors):
+        report.add("floors", f"{DOC} places {sorted(floors)}, kvstore/ holds {sorted(folders)}: "
+                             f"place {sorted(folders - set(floors))}, drop {sorted(set(floors) - folders)}")
+    face_module = names.modules.get("kvstore")
+    face_imports = names.imported(face_module) if face_module else []
+    face = max((f for m in face_imports if (f := _floor_of(m, floors, 0)) is not None and m != "kvstore"),
+               default=0)
+    for module in modules:
+        if module.name == "kvstore":
+            continue  # the package's face: it may import the floors it re-exports
+        own = _floor_of(module.name, floors, face)
+        assert own is not None
+        for target in names.imported(module):
+            floor = _floor_of(target, floors, face)
+            if floor is not None and floor > own:
+                report.add("floors", f"{module.path.relative_to(root)} ({_floor_name(own, floors)}) "
+                                     f"imports {target} ({_floor_name(floor, floors)})")
+
+
+def _floor_name(index: int, floors: tuple[str, ...]) -> str:
+    return floors[index] if index < len(floors) else "top"
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    """Decorated @dataclass / @dataclasses.dataclass(...) with its generated __init__."""
+    for decorator in node.decorator_list:
+        call = decorator if isinstance(decorator, ast.Call) else None
+        target = call.func if call else decorator
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if name == "dataclass":
+            return not any(k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+                           for k in (call.keywords if call else []))
+    return False
+
+
+def _init_fields(node: ast.ClassDef) -> list[str]:
+    """A dataclass's own fields that its __init__ takes."""
+    found = []
+    for item in node.body:
+        if not isinstance(item, ast.AnnAssign) or not isinstance(item.target, ast.Name):
+            continue
+        annotation = ast.unparse(item.annotation)
+        if "ClassVar" in annotation or "KW_ONLY" in annotation:
+            continue
+        value = item.value
+        if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] == "field" and any(
+                k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+                for k in value.keywords):
+            continue
+        found.append(item.target.id)
+    return found
+
+
+def _init_parameters(node: ast.ClassDef) -> int | None:
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            args = item.args
+            return (len(args.posonlyargs) + len(args.args) - 1 + len(args.kwonlyargs)
+                    + (args.vararg is not None) + (args.kwarg is not None))
+    return None
+
+
+def _check_classes(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
+    classes: dict[str, tuple[_Module, ast.ClassDef]] = {}
+    for module in modules:
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(f"{module.name}.{node.name}", (module, node))
+
+    def lineage(name: str) -> list[str]:
+        """The class and every in-project class it derives from, each once, own first."""
+        order, todo = [], [name]
+        while todo:
+            current = todo.pop(0)
+            if current in order or current not in classes:
+                continue
+            order.append(current)
+            module, node = classes[current]
+            todo += [b for base in node.bases if (b := names.expression(module, base))]
+        return order
+
+    for name, (module, node) in classes.items():
+        if module.name.split(".")[0] not in SIZED_PACKAGES:
+            continue
+        report.classes += 1
+        where = f"{module.path.relative_to(root)}:{node.name}"
+        family = lineage(name)
+        lines = sum((n.end_lineno or n.lineno) - n.lineno + 1 for _, n in (classes[c] for c in family))
+        if lines > MAX_CLASS_LINES:
+            bases = f" (with {', '.join(c.rsplit('.', 1)[1] for c in family[1:])})" if family[1:] else ""
+            report.add("class size", f"{where}: {lines} lines{bases}")
+        count = _init_parameters(node)
+        if count is None and _is_dataclass(node):
+            count = sum(len(_init_fields(classes[c][1])) for c in family if _is_dataclass(classes[c][1]))
+        if count is not None and count > MAX_PARAMETERS:
+            report.add("constructor", f"{where}.__init__: {count} parameters")
+
+
+def check(root: Path) -> Report:
+    """Every rule over the tree at `root`; what it found is in `problems`, and what it
+    looked at in `modules`, `imports` and `classes`."""
+    report = Report(floors=documented_floors(root))
+    modules = {package: _load(root, package) for package in PACKAGES}
+    every = [m for found in modules.values() for m in found]
+    names = _Names(every)
+    for index, package in enumerate(PACKAGES):
+        report.modules[package] = len(modules[package])
+        if not modules[package]:
+            report.add("scanned", f"{package}/: no modules found under {root}")
+        above = set(PACKAGES[index + 1:]) | (set() if package in VLLM_PACKAGES else {"vllm"})
+        checked = 0
+        for module in modules[package]:
+            for target in names.imported(module):
+                checked += 1
+                if target.split(".")[0] in above:
+                    report.add("packages", f"{module.path.relative_to(root)} imports {target}")
+        report.imports[package] = checked
+    _check_floors(root, modules["kvstore"], names, report)
+    _check_classes(root, every, names, report)
+    top = sorted(p.name for p in (root / "kvstore").glob("*.py"))
+    if len(top) > MAX_TOP_MODULES:
+        report.add("top modules", f"kvstore/ has {len(top)} top modules: {top}")
+    return report
