@@ -1,8 +1,8 @@
 """Loading LMCache chunks: kvstore's storage plugin against LMCache's own LocalDiskBackend.
 
-    VENV/bin/python -m bench.lmcache_bench [--dir DIR] [--total 512MiB] [--json out.json]
+    .venv-lmcache/bin/python -m bench.lmcache_bench [--dir DIR] [--total 512MiB] [--json out.json]
 
-(VENV holds lmcache==0.5.6 and kvstore: docs/lmcache.md.) LMCache's own
+(.venv-lmcache holds lmcache==0.5.6 and kvstore: scripts/setup_lmcache.sh.) LMCache's own
 CreateStorageBackends makes both from one config (`local_disk` with O_DIRECT and its 4
 read threads, and `storage_plugins: [kvstore]`); both store the same chunks, then each
 round loads all of them with `batched_get_blocking` in batches, into objects from

@@ -27,10 +27,10 @@ from bench.storage_cases import CaseResult, clock
 
 RESULT_PREFIX = "PEER_RESULT "
 MISSING_EXIT = 3  # the child could not import lmcache
-INSTALL = ("install it in a virtualenv of its own (its pins clash with vllm's): python3 -m venv VENV && "
-           "VENV/bin/pip install torch==2.13.0 (the CPU wheel; a GPU machine brings its CUDA torch) && "
-           "VENV/bin/pip install -e '.[peer]', then run VENV/bin/kvstore bench --peer lmcache "
-           "(docs/benchmarks.md)")
+INSTALL = ("it lives in a virtualenv of its own (its pins clash with vllm's): "
+           "bash scripts/setup_lmcache.sh builds .venv-lmcache (torch==2.13.0, then "
+           "pip install -e '.[dev,peer]'; scripts/setup.sh runs it), "
+           "then run .venv-lmcache/bin/kvstore bench --peer lmcache (docs/benchmarks.md)")
 THREADS = 4  # LMCache's default disk_io_threads, set explicitly so the row can say it
 
 

@@ -1,7 +1,11 @@
 """kvstore as SGLang's HiCache storage backend, against the installed SGLang (the `sglang`
 extra): created by SGLang's own StorageBackendFactory from its `dynamic` extra config,
 moving pages in and out of SGLang's own host KV pools (built on the CPU,
-bench/sglang_pools.py), through a real kvstore service with a disk tier."""
+bench/sglang_pools.py), through a real kvstore service with a disk tier.
+
+Not collected by the main run: tests/test_own_process.py runs this file in a pytest
+process of its own, because importing SGLang patches transformers (and points JIT caches
+at its own directory through the environment) for the rest of the process."""
 
 from __future__ import annotations
 
@@ -22,19 +26,6 @@ from bench.sglang_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_
 from kvstore.format.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def sglang_imported():
-    """SGLang is imported when these tests run, not when pytest collects every module: its
-    import patches transformers and points JIT caches (torch inductor's among them) at its
-    own directory through the environment. The environment is put back for the vLLM
-    engines that later tests start."""
-    environ = dict(os.environ)
-    import sglang.srt.mem_cache.hicache_storage  # noqa: F401
-
-    for key in set(os.environ) - set(environ):
-        del os.environ[key]
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +115,7 @@ def test_pages_round_trip_in_place_and_through_the_older_calls(store, kind):
 FRESH = """
 import json, sys, torch
 from bench.sglang_pools import PAGE_SIZE
-from test_sglang_hicache import backend, pages_of, pool_of, KEYS
+from sglang_hicache_cases import backend, pages_of, pool_of, KEYS
 store, kind, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 pool = pool_of(kind)
 hicache = backend(store, pool, mla=kind == "mla")

