@@ -81,8 +81,8 @@ class TierPolicy:
 
     def seen(self, keys: list[bytes], parent: bytes | None = None) -> None:
         """Requests stored or read these chunks of one chain, `parent` before the first."""
-        if not keys:
-            return
+        if not keys or (self.admission == "all" and self.eviction != "cost"):
+            return  # nothing to remember (the default): no lock on every put and get
         with self._lock:
             if self.eviction != "cost" and self.admission != "predicted":  # no depth or family asked
                 self._admission.see(keys, keys[0])
@@ -104,8 +104,9 @@ class TierPolicy:
             self._admission.see(keys, family)
 
     def admits(self, key: bytes) -> bool:
-        """Whether the disk takes this chunk now (always, writing through)."""
-        if self.write_through:
+        """Whether the disk takes this chunk now (always, writing through or under `all`:
+        without the lock, as a victim's fate is asked under the DRAM table's)."""
+        if self.write_through or self.admission == "all":
             return True
         with self._lock:
             return self._admission.admit(key)
