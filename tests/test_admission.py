@@ -82,6 +82,27 @@ def test_predicted_admits_a_new_chunk_of_a_family_that_comes_back():
     assert policy.admit(b"f-new") and not policy.admit(b"g-new")
 
 
+def test_predicted_everyones_rate_ages_so_recent_families_weigh_most():
+    """A family too small for its own rate gets everyone's: halved as it grows, it follows a
+    change of traffic (chunks that came back, then chunks that never do) instead of the
+    whole history, and its counts stay bounded."""
+    policy = Predicted(capacity=16)
+    for i in range(200):  # every chunk comes back
+        policy.see([b"a%d" % i], b"a%d" % i)
+        policy.see([b"a%d" % i], b"a%d" % i)
+    assert policy.return_rate(b"new") == 1.0
+    for i in range(400):  # now nothing does
+        policy.see([b"b%d" % i], b"b%d" % i)
+    assert policy.return_rate(b"new") < 0.2
+    assert max(policy._total) < 10 * 16
+
+
+def test_every_named_policy_is_made_alike():
+    assert {make_admission(name, 3).name for name in ("all", "second-touch", "tinylfu", "predicted")} == {
+        "all", "second-touch", "tinylfu", "predicted"}
+    assert make_admission("all").admit(b"never seen")
+
+
 def test_an_unknown_policy_is_named():
     with pytest.raises(ValueError, match="second-touch"):
         make_admission("sometimes")

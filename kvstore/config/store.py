@@ -277,8 +277,8 @@ class StoreConfig(Schema):
                            "a bounded ghost list remembers it; `tinylfu`: one a decaying frequency "
                            "sketch counts `disk_min_seen` times; `predicted`: as second-touch, or one "
                            "whose prefix family's chunks mostly come back. A refused chunk is dropped "
-                           "from DRAM (`disk.admission_refused`). Only `all` goes with `write_policy: write_through`, "
-                           "which writes every chunk")
+                           "from DRAM (`disk.admission_refused`). Only `all` goes with "
+                           "`write_policy: write_through`, which writes every chunk")
     disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
         2, description="the sightings (stores or reads) `second-touch`, `tinylfu` and `predicted` "
                        "ask of a chunk before writing it to disk; given above 1 without "
