@@ -46,7 +46,8 @@ def test_second_touch_refuses_a_chunk_seen_once_and_admits_it_on_its_ghost_hit(t
     result = replayer.result()
     assert result["admission_refused"] == 3  # A, B, then the second A's victim B again
     assert result["disk_bytes_written"] == BLOCK  # A, once
-    assert result["disk_bytes_read"] == BLOCK and result["write_amplification"] == 1.0
+    assert result["disk_bytes_read"] == BLOCK and result["disk_bytes_written_per_byte_read"] == 1.0
+    assert result["disk_bytes_written_never_read"] == 0  # A was read
 
 
 def test_the_ghost_list_is_bounded_and_forgets_the_least_recently_seen():
