@@ -11,8 +11,10 @@ store makes (kvstore/store/tiered.py, flusher.py), so a replay's hits are the st
   down first), then, for what found no slot, as the get does (only slots whose chunk
   the tier below already holds);
 - the put: the rest is stored in the top tier; a victim there goes down one tier
-  first unless that tier holds it or does not admit it (then it is dropped); with
-  no slot free for it, a chunk goes down directly.
+  first unless that tier holds it or, being a disk tier, does not admit it (then it is
+  dropped); with no slot free for it, a chunk goes down directly. A disk tier is one
+  below the top not named as memory (MEMORY_TIERS): disk admission, as in the store,
+  applies only to it, and its writes are the ones counted (`disk_bytes_*`).
 tests/test_replay.py checks this against a real TieredStore chunk for chunk.
 
 A host of a cluster (bench/cluster_replay.py, `--hosts`) also reads the bottom tiers of
@@ -39,6 +41,9 @@ from kvstore.format.units import format_size, parse_size
 from kvstore.tiers.admission import ADMISSIONS
 from kvstore.tiers.policy import DEFAULT_ADMISSION, EVICTIONS, TierPolicy
 from kvstore.tiers.slots import Entry, Fate, Reservation, SlotTable
+
+MEMORY_TIERS = ("gpu", "hbm", "host", "dram")  # tier names that are not disk: nothing refused
+_ADMIT_ALL = TierPolicy()  # victim fates between memory tiers: admission is the disk's alone
 
 
 @dataclass
@@ -87,6 +92,11 @@ class Replayer:
         self.peer_stats = TierStats("peer", sum(p.stats.capacity_bytes for p in peers or ()))
         self._from_peers: set[bytes] = set()  # DRAM copies of chunks read from a peer
         self.tiers[0].table.listeners.append(self._left_top)
+        self.disks = {i for i, t in enumerate(self.tiers) if i and t.stats.name not in MEMORY_TIERS}
+        self._unread: set[bytes] = set()  # on a disk tier, not read since written there
+        self.disk_writes_read = 0  # disk writes read at least once before leaving the disk
+        for level in self.disks:
+            self.tiers[level].table.listeners.append(self._disk_changed)
 
     def run(self, requests: Iterable[TraceRequest]) -> dict[str, Any]:
         for request in requests:
@@ -113,6 +123,9 @@ class Replayer:
             stats = self.tiers[tier].stats if tier < len(self.tiers) else self.peer_stats
             stats.hit_tokens += self.block_tokens
             stats.bytes_read += self.chunk_bytes
+            if tier in self.disks and key in self._unread:
+                self._unread.discard(key)
+                self.disk_writes_read += 1
         self.recompute_cost += sum(map(self.policy.depth_cost, range(len(found), usable)))
         self.recompute_cost_no_cache += sum(map(self.policy.depth_cost, range(usable)))
         parents = [None, *keys[:-1]]
@@ -151,6 +164,13 @@ class Replayer:
     def _promote_from_peers(self, up: list[int], keys: list[bytes], parents: list[bytes | None]) -> None:
         """Chunks read from peers move up as a get promotes them (only into a clean slot)."""
         self._store(0, [keys[i] for i in up], [parents[i] for i in up], "get", from_peer=True)
+
+    def _disk_changed(self, published: bool, entry: Entry) -> None:
+        """Disk tier listener: a written chunk is unread until a hit reads it."""
+        if published:
+            self._unread.add(entry.key)
+        else:
+            self._unread.discard(entry.key)
 
     def _left_top(self, published: bool, entry: Entry) -> None:
         """Top tier listener: a chunk read from a peer leaves DRAM."""
@@ -212,9 +232,10 @@ class Replayer:
             tier.stats.bytes_written += self.chunk_bytes
         below = level + 1
         if mode == "put" and below < len(self.tiers):
-            admitted = [(key, parent) for key, parent in down if self.policy.admits(key)]
-            self.admission_refused += len(down) - len(admitted)
-            down = admitted
+            if below in self.disks:
+                admitted = [(key, parent) for key, parent in down if self.policy.admits(key)]
+                self.admission_refused += len(down) - len(admitted)
+                down = admitted
             self._store(below, [k for k, _ in down], [p for _, p in down])
 
     def _fate(self, level: int, key: bytes, mode: str) -> Fate:
@@ -224,7 +245,8 @@ class Replayer:
         if below >= len(self.tiers):
             return Fate.EVICT
         held = key in self.tiers[below] or key in self._from_peers
-        fate = self.policy.victim_fate(key, held, promotion=mode == "get")
+        policy = self.policy if below in self.disks else _ADMIT_ALL
+        fate = policy.victim_fate(key, held, promotion=mode == "get")
         if fate is Fate.EVICT and not held:
             self._refusing.add(key)
         return fate
@@ -234,13 +256,15 @@ class Replayer:
         for tier in stats:
             tier.hit_ratio = tier.hit_tokens / max(1, self.total_tokens)
         hits = sum(t.hit_tokens for t in stats)
-        written = sum(t.stats.bytes_written for t in self.tiers[1:])
-        read = sum(t.stats.bytes_read for t in self.tiers[1:])
+        written = sum(self.tiers[i].stats.bytes_written for i in self.disks)
+        read = sum(self.tiers[i].stats.bytes_read for i in self.disks)
+        never_read = written - self.disk_writes_read * self.chunk_bytes
         return {"requests": self.requests, "prompt_tokens": self.total_tokens,
                 "chunk_bytes": self.chunk_bytes, "hit_ratio": hits / max(1, self.total_tokens),
                 "admission": self.policy.admission, "eviction": self.policy.eviction,
                 "disk_bytes_written": written, "disk_bytes_read": read,
-                "write_amplification": written / read if read else None,
+                "disk_bytes_written_per_byte_read": written / read if read else None,
+                "disk_bytes_written_never_read": never_read,
                 "admission_refused": self.admission_refused,
                 "recompute_cost": self.recompute_cost,
                 "recompute_cost_no_cache": self.recompute_cost_no_cache,
@@ -263,7 +287,9 @@ SWEEP_FACTORS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="Mooncake-format JSONL trace")
     parser.add_argument("--tier", action="append", default=[], metavar="NAME=SIZE",
-                        help="a tier, top first (repeat): e.g. --tier host=64GiB --tier disk=2TiB")
+                        help="a tier, top first (repeat): e.g. --tier host=64GiB --tier disk=2TiB; "
+                             "a tier below the top not named gpu, hbm, host or dram is a disk "
+                             "(disk admission applies to it and its writes are counted)")
     parser.add_argument("--kv-bytes-per-token", type=int, default=131072,
                         help="KV bytes one token takes (2 x layers x kv_heads x head_dim x dtype); a "
                              "hybrid model: its full-attention groups' bytes plus each sliding-window "
@@ -403,10 +429,12 @@ def _print(result: dict[str, Any]) -> None:
               f"{format_size(tier['bytes_read']):>10} {format_size(tier['bytes_written']):>10} "
               f"{tier['evictions']:>10}")
     print(f"{'all':<8} {'':>10} {result['hit_ratio']:>10.3f}")
-    amplification = result["write_amplification"]
-    print(f"admission {result['admission']}, eviction {result['eviction']}: below the top tier "
-          f"{format_size(result['disk_bytes_written'])} written, {format_size(result['disk_bytes_read'])} "
-          f"read (write amplification {'-' if amplification is None else f'{amplification:.2f}'}), "
+    per_read = result["disk_bytes_written_per_byte_read"]
+    print(f"admission {result['admission']}, eviction {result['eviction']}: disk "
+          f"{format_size(result['disk_bytes_written'])} written ("
+          f"{format_size(result['disk_bytes_written_never_read'])} never read), "
+          f"{format_size(result['disk_bytes_read'])} read ({'-' if per_read is None else f'{per_read:.2f}'} "
+          f"written per byte read), "
           f"{result['admission_refused']} chunks refused; recompute cost "
           f"{result['recompute_cost'] / max(1e-9, result['recompute_cost_no_cache']):.3f} of no cache")
     if "next_turn" in result:

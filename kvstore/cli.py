@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvstore.service.server import StoreService
 
     logging.getLogger("kvstore").setLevel(logging.INFO)
-    StoreService(_service_config(args)).serve_forever()
+    StoreService(_service_config(args)).serve_forever(reload=lambda: _service_config(args))
     return 0
 
 

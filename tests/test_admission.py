@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+import yaml
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from bench.replay import Replayer
 from bench.trace import block_keys, read_trace
+from kvstore.config.store import load_config
 from kvstore.format.record import record_bytes
+from kvstore.service.client import StoreClient
 from kvstore.tiers.admission import Predicted, SecondTouch, TinyLFU, make_admission
 from kvstore.tiers.policy import TierPolicy
 
@@ -46,7 +54,8 @@ def test_second_touch_refuses_a_chunk_seen_once_and_admits_it_on_its_ghost_hit(t
     result = replayer.result()
     assert result["admission_refused"] == 3  # A, B, then the second A's victim B again
     assert result["disk_bytes_written"] == BLOCK  # A, once
-    assert result["disk_bytes_read"] == BLOCK and result["write_amplification"] == 1.0
+    assert result["disk_bytes_read"] == BLOCK and result["disk_bytes_written_per_byte_read"] == 1.0
+    assert result["disk_bytes_written_never_read"] == 0  # A was read
 
 
 def test_the_ghost_list_is_bounded_and_forgets_the_least_recently_seen():
@@ -80,6 +89,27 @@ def test_predicted_admits_a_new_chunk_of_a_family_that_comes_back():
     # f: 9 of its 10 chunks came back (not the new one, yet); g: 1 of 10
     assert policy.return_rate(b"f") == pytest.approx(0.9) and policy.return_rate(b"g") == pytest.approx(0.1)
     assert policy.admit(b"f-new") and not policy.admit(b"g-new")
+
+
+def test_predicted_everyones_rate_ages_so_recent_families_weigh_most():
+    """A family too small for its own rate gets everyone's: halved as it grows, it follows a
+    change of traffic (chunks that came back, then chunks that never do) instead of the
+    whole history, and its counts stay bounded."""
+    policy = Predicted(capacity=16)
+    for i in range(200):  # every chunk comes back
+        policy.see([b"a%d" % i], b"a%d" % i)
+        policy.see([b"a%d" % i], b"a%d" % i)
+    assert policy.return_rate(b"new") == 1.0
+    for i in range(400):  # now nothing does
+        policy.see([b"b%d" % i], b"b%d" % i)
+    assert policy.return_rate(b"new") < 0.2
+    assert max(policy._total) < 10 * 16
+
+
+def test_every_named_policy_is_made_alike():
+    assert {make_admission(name, 3).name for name in ("all", "second-touch", "tinylfu", "predicted")} == {
+        "all", "second-touch", "tinylfu", "predicted"}
+    assert make_admission("all").admit(b"never seen")
 
 
 def test_an_unknown_policy_is_named():
@@ -116,3 +146,81 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
     assert not any(key in store.disk.table for key in fresh)
     assert store.stats.snapshot()["disk.admission_refused"] >= 2
     assert on_disk <= set(store.disk.table.index)
+
+
+def _write_config(path, disk_dir, **changes) -> dict:
+    slot = record_bytes(CHUNK_BYTES)
+    raw = {"tiers": {"host": {"capacity": 2 * slot},
+                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": 32 * slot}]},
+           "io": {"timeout_s": 5, "queue_depth": 8},
+           "service": {"socket": str(path.parent / "run" / "kv.sock"), "staging": "1MiB", "spawn": False},
+           **changes}
+    path.write_text(yaml.safe_dump(raw))
+    return raw
+
+
+def _put_one_at_a_time(client: StoreClient, keys, payloads) -> None:
+    for key, payload in zip(keys, payloads, strict=True):  # each pushes the last out of DRAM
+        client.slot(0)[:] = payload.tobytes()
+        assert client.put([key], [0]) == [True]
+
+
+def _wait_for(path, text: str, after: int = 0) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        log = path.read_text()
+        if text in log[after:]:
+            return log[after:]
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the service's log: {path.read_text()[after:]}")
+
+
+def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_path, disk_dir):
+    """A real `kvstore serve`: 6 chunks under `all` + LRU (4 go to disk), then the config file
+    says second-touch + cost (and a restart-only key) and the service gets SIGHUP: the policy
+    changes at once (new one-off chunks are refused: a counter), every chunk that was on disk
+    reads back verified, and a file the running service could not take changes nothing."""
+    path = tmp_path / "kv.yaml"
+    raw = _write_config(path, disk_dir)
+    config = load_config(str(path))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        service = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(path)],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log, "listening")
+        keys, payloads = make_keys(10, seed=3), make_payloads(10, seed=3)
+        client = StoreClient(config, CHUNK_BYTES)
+        _put_one_at_a_time(client, keys[:6], payloads[:6])
+        info = client.info()
+        assert [t["chunks"] for t in info["tiers"]] == [2, 4]  # keys[:4] on disk
+        assert info["counters"]["disk.admission_refused"] == 0
+        seen = len(log.read_text())
+        _write_config(path, disk_dir, disk_admission="second-touch", eviction="cost",
+                      service={**raw["service"], "max_clients": 7})
+        service.send_signal(signal.SIGHUP)
+        reloaded = _wait_for(log, "reload: disk_admission second-touch, eviction cost", seen)
+        assert "reload: service changed: applied only by a restart" in reloaded
+        client.close()
+        client = StoreClient(load_config(str(path)), CHUNK_BYTES)  # the new file's config is taken
+        assert client.info()["tiers"][1]["chunks"] == 4
+        for key, payload in zip(keys[:4], payloads[:4], strict=True):  # what was on disk
+            assert client.get([key], [1]) == [True]
+            assert bytes(client.slot(1)) == payload.tobytes()
+        before = client.info()["counters"]["disk.admission_refused"]
+        _put_one_at_a_time(client, keys[6:], payloads[6:])
+        assert client.info()["counters"]["disk.admission_refused"] >= before + 2  # seen once: refused
+        seen = len(log.read_text())
+        _write_config(path, disk_dir, disk_admission="tinylfu", write_policy="write_through")
+        service.send_signal(signal.SIGHUP)
+        assert "disk_admission" in _wait_for(log, "reload: the config is unchanged", seen)
+        client.close()
+        running = {**raw, "disk_admission": "second-touch", "eviction": "cost"}
+        client = StoreClient(load_config(running), CHUNK_BYTES)  # the bad file was not taken
+        client.shutdown(timeout_s=60)
+        assert service.wait(timeout=30) == 0
+    finally:
+        if service.poll() is None:
+            service.kill()
+            service.wait()
+    assert "Traceback" not in log.read_text()

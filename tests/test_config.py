@@ -103,6 +103,10 @@ HOST = {"host": {"capacity": "1GiB"}}
     ({"tiers": HOST, "io": {"timeout_s": "30s"}}, "io.timeout_s", "seconds"),
     ({"tiers": HOST, "write_policy": "sometimes"}, "write_policy", "write_back, write_through"),
     ({"tiers": HOST, "io": None}, "io", "must be a mapping"),
+    ({"tiers": HOST, "write_policy": "write_through", "disk_admission": "tinylfu"}, "disk_admission",
+     "write_policy write_through writes every chunk to disk, so disk_admission 'tinylfu' would refuse"),
+    ({"tiers": HOST, "write_policy": "write_through", "disk_min_seen": 3}, "disk_admission",
+     "'second-touch' would refuse none"),
     ({}, "tiers", "at least one tier"),
 ])
 def test_errors_name_the_dotted_path(data, field, words):
@@ -218,7 +222,7 @@ _configs = st.fixed_dictionaries({"tiers": _tiers}, optional={
     "service": st.fixed_dictionaries({}, optional={
         "socket": st.from_regex(r"/tmp/[a-z0-9]{1,40}\.sock", fullmatch=True), "spawn": st.booleans(),
         "staging": st.integers(1 << 20, 1 << 30), "metrics_port": st.integers(0, 65535)}),
-})
+}).filter(lambda c: c.get("write_policy") != "write_through" or c.get("disk_min_seen", 1) == 1)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -156,3 +156,35 @@ def test_switching_eviction_keeps_every_published_chunk():
     table.set_eviction(TierPolicy(eviction="cost").make_eviction())
     assert set(table.eviction) == set(keys) == set(table.index)
     assert table.eviction.victim() == keys[2]  # still tail first
+
+
+def test_switching_to_cost_keeps_parents_above_children_and_recency():
+    """Chains seen first (depths and costs differ), stored under LRU, then the table
+    switches to cost: every parent is worth at least each child, the first key in cost
+    order is a leaf (a victim scan takes it at once), and the least recently used chain's
+    tail goes first, as under LRU."""
+    policy = TierPolicy(eviction="cost", chunk_tokens=4096)  # remembers depths
+    table = SlotTable([60])  # LRU until the switch
+    chains = [chain(f"c{n}-", 6) for n in range(10)]
+    for keys in chains:
+        policy.seen(keys)
+        for parent, key in zip([None, *keys[:-1]], keys, strict=True):
+            reservation = table.reserve()
+            assert reservation is not None
+            reservation.publish(key, parent, 0)
+        table.touch_chain(keys)
+    table.touch_chain(chains[0])  # now the most recent: the oldest is chains[1]
+    assert isinstance(table.eviction, PrefixLRU)
+    table.set_eviction(policy.make_eviction())
+    eviction = table.eviction
+    assert isinstance(eviction, CostAware)
+    assert set(eviction) == set(table.index)
+    for keys in chains:
+        values = [eviction._value[key][0] for key in keys]
+        assert values == sorted(values, reverse=True)  # parent >= child
+        assert policy.chunk_cost(keys[-1]) > policy.chunk_cost(keys[0])
+    first = next(iter(eviction))
+    assert eviction.is_leaf(first) and first == chains[1][-1]
+    scanned = []
+    assert eviction.victim(skip=lambda key: scanned.append(key) or False) == first
+    assert scanned == [first]  # no head or middle chunk walked past

@@ -85,10 +85,10 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert (result["admission"], result["eviction"]) == ("all", "lru")
     assert result["disk_bytes_written"] == result["tiers"][1]["bytes_written"]
     assert result["disk_bytes_read"] == result["tiers"][1]["bytes_read"]
-    assert {"write_amplification", "admission_refused", "recompute_cost",
-            "recompute_cost_no_cache"} <= set(result)
+    assert {"disk_bytes_written_per_byte_read", "disk_bytes_written_never_read", "admission_refused",
+            "recompute_cost", "recompute_cost_no_cache"} <= set(result)
     printed = capsys.readouterr().out
-    assert "hit ratio" in printed and "write amplification" in printed
+    assert "hit ratio" in printed and "written per byte read" in printed and "never read" in printed
     assert cli_main(["replay", trace, "--tier", "host=4", "--tier", "disk=64", "--kv-bytes-per-token", "1",
                      "--block-tokens", str(BLOCK), "--admission", "second-touch", "--eviction", "cost",
                      "--json", str(out)]) == 0
@@ -185,4 +185,20 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
         if policy.admission == "all":
             assert result["admission_refused"] == counters.get("disk.admission_refused", 0) == 0
         else:
-            assert result["admission_refused"] > 0 and counters["disk.admission_refused"] > 0
+            assert result["admission_refused"] == counters["disk.admission_refused"] > 0
+
+
+def test_admission_and_write_counts_are_the_disk_tiers_alone(tmp_path):
+    """gpu over host over disk, second-touch: a gpu victim always goes down to host (only the
+    disk refuses), and disk_bytes_* count the disk's traffic, not the host's. A, B, C, A, D, A
+    with one slot per memory tier: A reaches the disk only once seen twice."""
+    trace = write_trace(tmp_path / "t.jsonl", [([i], BLOCK + 1) for i in (1, 2, 3, 1, 4, 1, 5, 6, 1)])
+    replayer = Replayer([("gpu", BLOCK), ("host", BLOCK), ("disk", 8 * BLOCK)], kv_bytes_per_token=1,
+                        block_tokens=BLOCK, policy=TierPolicy(admission="second-touch", chunk_tokens=BLOCK))
+    result = replayer.run(read_trace(trace, BLOCK))
+    host, disk = replayer.tiers[1].stats, replayer.tiers[2].stats
+    assert host.bytes_written > disk.bytes_written > 0  # every gpu victim went to host
+    assert result["disk_bytes_written"] == disk.bytes_written
+    assert result["disk_bytes_read"] == disk.bytes_read > 0
+    assert result["disk_bytes_written_per_byte_read"] == disk.bytes_written / disk.bytes_read
+    assert 0 <= result["disk_bytes_written_never_read"] < disk.bytes_written

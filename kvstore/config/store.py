@@ -277,7 +277,8 @@ class StoreConfig(Schema):
                            "a bounded ghost list remembers it; `tinylfu`: one a decaying frequency "
                            "sketch counts `disk_min_seen` times; `predicted`: as second-touch, or one "
                            "whose prefix family's chunks mostly come back. A refused chunk is dropped "
-                           "from DRAM (`disk.admission_refused`); `write_through` copies are never refused")
+                           "from DRAM (`disk.admission_refused`). Only `all` goes with "
+                           "`write_policy: write_through`, which writes every chunk")
     disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
         2, description="the sightings (stores or reads) `second-touch`, `tinylfu` and `predicted` "
                        "ask of a chunk before writing it to disk; given above 1 without "
@@ -308,6 +309,17 @@ class StoreConfig(Schema):
                 and isinstance(data.get("disk_min_seen"), int) and data["disk_min_seen"] > 1):
             return {**data, "disk_admission": "second-touch"}
         return data
+
+    @model_validator(mode="after")
+    def _write_through_admits_all(self) -> StoreConfig:
+        """write_through writes every chunk down as it is stored and never refuses one (a
+        PD producer relies on it), so an admission policy there would silently do nothing."""
+        if self.write_policy == "write_through" and self.disk_admission != "all":
+            raise Refused(f"write_policy write_through writes every chunk to disk, so disk_admission "
+                          f"{self.disk_admission!r} would refuse none: set disk_admission to `all` "
+                          f"(and leave disk_min_seen out) or write_policy to `write_back`",
+                          "disk_admission", value=self.disk_admission)
+        return self
 
     @property
     def host(self) -> HostTierConfig | None:

@@ -30,9 +30,11 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from kvstore.config.runtime import ensure_private_directory, open_private
-from kvstore.config.store import StoreConfig
+from kvstore.config.store import StoreConfig, dump_config, load_config
 from kvstore.devices.device import path_problem
 from kvstore.devices.nvmeof.plans import namespace_plans
 from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
@@ -40,6 +42,7 @@ from kvstore.service import protocol as P
 from kvstore.service.handlers import Client, Requests
 
 log = logging.getLogger(__name__)
+LIVE_KEYS = ("disk_admission", "disk_min_seen", "eviction")  # what a SIGHUP reload applies
 _BACKLOG = 64
 _ACCEPT_BACKOFF_S = (0.05, 1.0)
 
@@ -60,6 +63,17 @@ def check_paths_usable(config: StoreConfig) -> None:
         problem = path_problem(disk.path)
         if problem:
             raise ConfigError(f"tiers.disk[{i}].path", disk.path, problem)
+
+
+def policy_reload(running: StoreConfig, fresh: StoreConfig) -> tuple[dict[str, Any], list[str], StoreConfig]:
+    """What a reload applies: the changed LIVE_KEYS, the other top-level keys changed (a
+    restart applies them), and the running config with the live ones changed, validated
+    (a ConfigError if they do not go with what keeps running, e.g. write_through)."""
+    old, new = dump_config(running), dump_config(fresh)
+    live = {key: new[key] for key in LIVE_KEYS if new[key] != old[key]}
+    restart = sorted(key for key in old.keys() | new.keys()
+                     if key not in LIVE_KEYS and old.get(key) != new.get(key))
+    return live, restart, load_config({**old, **live})
 
 
 def _unpin_from_parent() -> None:
@@ -125,10 +139,19 @@ class StoreService:
 
     # -- the accept loop ---------------------------------------------------------------
 
-    def serve_forever(self) -> None:
-        """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT."""
+    def serve_forever(self, reload: Callable[[], StoreConfig] | None = None) -> None:
+        """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT; on
+        SIGHUP, `reload` (the config file read again) is applied (`reload_config`)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
+        reloads = threading.Event()  # set by SIGHUP, acted on by this loop, not the handler
+
+        def hangup(*_: object) -> None:
+            reloads.set()
+            self.stop(wake_only=True)
+
+        if reload is not None:
+            signal.signal(signal.SIGHUP, hangup)
         log.warning("kvstore service listening on %s", self.socket_path)
         backoff = _ACCEPT_BACKOFF_S[0]
         poller = select.poll()
@@ -136,7 +159,13 @@ class StoreService:
         poller.register(self._wake_read, select.POLLIN)
         try:
             while not self._stopping.is_set():
-                if not any(fd == self._listener.fileno() for fd, _ in poller.poll()):
+                ready = poller.poll()
+                if reloads.is_set() and reload is not None:
+                    reloads.clear()
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, 64)
+                    self._reload(reload)
+                if not any(fd == self._listener.fileno() for fd, _ in ready):
                     continue
                 try:
                     conn, _ = self._listener.accept()
@@ -177,11 +206,32 @@ class StoreService:
             channel.send(P.Reply(False, error=why))
         channel.close()
 
-    def stop(self) -> None:
-        """Make serve_forever return (safe from a signal handler and from any thread)."""
-        self._stopping.set()
+    def stop(self, wake_only: bool = False) -> None:
+        """Make serve_forever return, or with `wake_only` look at its flags (safe from a
+        signal handler and from any thread)."""
+        if not wake_only:
+            self._stopping.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"x")
+
+    def _reload(self, reload: Callable[[], StoreConfig]) -> None:
+        """Apply the config file as it is now: LIVE_KEYS at once (StoreParts.switch_policy
+        keeps every chunk a tier holds), anything else changed only logged, as it needs a
+        restart. A bad file changes nothing. Clients connecting later hand the new config."""
+        try:
+            live, restart, merged = policy_reload(self.config, reload())
+        except KVStoreError as exc:
+            log.warning("reload: the config is unchanged: %s", exc)
+            return
+        if restart:
+            log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
+        with self.requests.lock:  # no store made meanwhile from the config being replaced
+            if live and self.requests.store is not None:
+                self.requests.store.switch_policy(
+                    admission=live.get("disk_admission"), eviction=live.get("eviction"),
+                    min_seen=live.get("disk_min_seen"))
+            self.config = self.requests.config = merged
+        log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 
     def _close(self) -> None:
         """Store first, socket last: while the socket exists the tiers are still held,

@@ -112,11 +112,12 @@ class StoreParts:
             self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
                                        peer_copies=self.peer_copies, background=background)
 
-    def switch_policy(self, admission: str | None = None, eviction: str | None = None) -> None:
-        """Change disk admission and eviction while serving (a config reload's entry
-        point): no chunk a tier holds is dropped or rewritten; only later decisions change."""
-        if admission is not None:
-            self.policy.set_admission(admission)
+    def switch_policy(self, admission: str | None = None, eviction: str | None = None,
+                      min_seen: int | None = None) -> None:
+        """Change disk admission (and `disk_min_seen`) and eviction while serving (the service's
+        SIGHUP reload): no chunk a tier holds is dropped or rewritten; only later decisions change."""
+        if admission is not None or min_seen is not None:
+            self.policy.set_admission(admission or self.policy.admission, min_seen)
         if eviction is not None:
             self.policy.set_eviction(eviction)
             for tier in (self.dram, self.disk):

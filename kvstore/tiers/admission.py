@@ -13,6 +13,8 @@ may be written to disk now (`admit`). Policies (ADMISSIONS, named in the config'
   predicted     a chunk seen twice, or one whose prefix family (chains sharing a first
                 chunk: a system prompt, an agent's instructions) has had at least
                 RETURN_RATE of its chunks come back: its new chunks will likely too
+                (everyone's rate, halved as it grows so recent families weigh most, stands
+                for a family with few chunks)
 Invariants: every policy's memory is bounded (`capacity` keys or sketch counters)
 however many distinct chunks pass; `admit` never changes state. Not thread-safe:
 TierPolicy (policy.py) calls them under its lock.
@@ -21,10 +23,12 @@ TierPolicy (policy.py) calls them under its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import xxhash
+
+from kvstore.tiers.next_turn import return_rate
 
 TRACKED_KEYS = 1 << 16
 RETURN_RATE = 0.5  # `predicted`: a family whose chunks came back at least this often
@@ -44,6 +48,9 @@ class Admission(Protocol):
 
 class AdmitAll:
     name = "all"
+
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+        """Takes what every policy takes (make_admission), and needs none of it."""
 
     def see(self, keys: Sequence[bytes], family: bytes) -> None:
         pass
@@ -122,7 +129,7 @@ class Predicted:
         self.capacity = capacity
         self._family: OrderedDict[bytes, bytes] = OrderedDict()  # chunk -> its family
         self._counts: OrderedDict[bytes, list[int]] = OrderedDict()  # family -> [chunks, came back]
-        self._total = [0, 0]
+        self._total = [0, 0]  # every family's [chunks, came back], halved as it grows (aging)
 
     def see(self, keys: Sequence[bytes], family: bytes) -> None:
         counts = self._counts.pop(family, None) or [0, 0]
@@ -142,14 +149,13 @@ class Predicted:
                 self._family[key] = family
                 if len(self._family) > self.capacity:
                     self._family.popitem(last=False)
+        if self._total[0] >= 10 * self.capacity:  # the recent families' behaviour weighs most
+            self._total = [n // 2 for n in self._total]
         self.ghost.see(keys, family)
 
     def return_rate(self, family: bytes) -> float:
         """The share of this family's chunks seen again (everyone's while it has few)."""
-        chunks, back = self._counts.get(family, (0, 0))
-        if chunks < _FAMILY_MIN:
-            chunks, back = self._total
-        return back / chunks if chunks else 0.0
+        return return_rate(self._counts.get(family, (0, 0)), self._total, _FAMILY_MIN, unknown=0.0)
 
     def admit(self, key: bytes) -> bool:
         if self.ghost.admit(key):
@@ -158,11 +164,12 @@ class Predicted:
         return family is not None and self.return_rate(family) >= RETURN_RATE
 
 
-ADMISSIONS = {policy.name: policy for policy in (AdmitAll, SecondTouch, TinyLFU, Predicted)}
+ADMISSIONS: dict[str, Callable[[int], Admission]] = {
+    policy.name: policy for policy in (AdmitAll, SecondTouch, TinyLFU, Predicted)}
 
 
 def make_admission(name: str, min_seen: int = 2) -> Admission:
     """The named policy (ADMISSIONS); a bad name is a ValueError naming the known ones."""
     if name not in ADMISSIONS:
         raise ValueError(f"disk admission {name!r}: one of {', '.join(ADMISSIONS)}")
-    return AdmitAll() if name == "all" else ADMISSIONS[name](min_seen)  # type: ignore[call-arg]
+    return ADMISSIONS[name](min_seen)

@@ -3,8 +3,9 @@
 A chunk's KV is useless without the KV of every chunk before it, so evicting a
 head while its tail stays wastes the tail's space: both policies evict the tail of a
 prefix chain before its head (a victim is a leaf: no tracked key names it as parent).
-Both offer the same calls (Eviction): add, remove, touch_chain, victim, is_leaf, and
-iteration in eviction order. SlotTable (slots.py) calls them under its lock.
+Both offer the same calls (Eviction): add, remove, touch_chain, victim, is_leaf, load
+(take over another order's keys when the policy is switched), and iteration in eviction
+order. SlotTable (slots.py) calls them under its lock.
 
 PrefixLRU invariants:
 - `_order` holds every tracked key, least recently used first.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from sortedcontainers import SortedList
@@ -32,6 +33,39 @@ class Eviction(Protocol):
     def remove(self, key: bytes) -> None: ...
     def touch_chain(self, keys: Iterable[bytes]) -> None: ...
     def victim(self, skip: Callable[[bytes], bool] = ...) -> bytes | None: ...
+    def load(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None: ...
+
+
+def _link(children: dict[bytes, int], parent: bytes | None) -> None:
+    """One more tracked child of `parent`."""
+    if parent is not None:
+        children[parent] = children.get(parent, 0) + 1
+
+
+def _unlink(children: dict[bytes, int], parent: bytes | None) -> None:
+    """One tracked child of `parent` fewer; a parent with none left is a leaf again."""
+    if parent is not None:
+        count = children[parent] - 1
+        if count:
+            children[parent] = count
+        else:
+            del children[parent]
+
+
+def _depths(parents: Mapping[bytes, bytes | None]) -> dict[bytes, int]:
+    """Each key's depth among these keys (0: its parent is not one of them)."""
+    depth: dict[bytes, int] = {}
+    for key in parents:
+        path: list[bytes] = []
+        node: bytes | None = key
+        while node is not None and node in parents and node not in depth and node not in path:
+            path.append(node)
+            node = parents[node]
+        base = depth.get(node, -1) if node is not None else -1
+        for step in reversed(path):
+            base += 1
+            depth[step] = base
+    return depth
 
 
 class PrefixLRU:
@@ -53,17 +87,15 @@ class PrefixLRU:
             self._order.move_to_end(key)
             return
         self._order[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
+        _link(self._children, parent)
 
     def remove(self, key: bytes) -> None:
-        parent = self._order.pop(key, None)
-        if parent is not None:
-            count = self._children[parent] - 1
-            if count:
-                self._children[parent] = count
-            else:
-                del self._children[parent]
+        _unlink(self._children, self._order.pop(key, None))
+
+    def load(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """Take over (key, parent) pairs, least recently used (or valuable) first."""
+        for key, parent in entries:
+            self.add(key, parent)
 
     def touch_chain(self, keys: Iterable[bytes]) -> None:
         """Mark a chain (head first) as just used, keeping tails older than heads."""
@@ -125,10 +157,32 @@ class CostAware:
             self.touch_chain([key])
             return
         self._parent[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
+        _link(self._children, parent)
         self._unit[key] = self._cost(key, parent)
         self._set(key, self.clock + self._unit[key])
+
+    def load(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """Take over another order's (key, parent) pairs, least valuable first, into an
+        empty order. Each keeps its rank there: valued cost + a clock `rank` below this
+        one's, the old order spread over one unit (a full tier's turnover raises a
+        GreedyDual clock by about one chunk's cost), so recency still counts; then every
+        parent is raised to its children's values, deepest first, whatever order the pairs
+        came in (a tail added before its head would otherwise leave the head cheaper, and
+        each victim scan would walk past every head)."""
+        values: dict[bytes, float] = {}
+        for rank, (key, parent) in enumerate(entries):
+            self._parent[key] = parent
+            _link(self._children, parent)
+            self._unit[key] = self._cost(key, parent)
+            values[key] = self.clock - (len(entries) - rank) / len(entries) + self._unit[key]
+        depth = _depths(self._parent)
+        for key in sorted(values, key=depth.__getitem__, reverse=True):
+            parent = self._parent[key]
+            if parent is not None and parent in values:
+                values[parent] = max(values[parent], values[key])
+        for key, value in values.items():  # in the old order: ties keep it
+            self._value[key] = (value, next(self._count))
+            self._order.add((value, self._value[key][1], key))
 
     def remove(self, key: bytes) -> None:
         current = self._value.pop(key, None)
@@ -136,13 +190,7 @@ class CostAware:
             return
         self._order.remove((*current, key))
         del self._unit[key]
-        parent = self._parent.pop(key)
-        if parent is not None:
-            count = self._children[parent] - 1
-            if count:
-                self._children[parent] = count
-            else:
-                del self._children[parent]
+        _unlink(self._children, self._parent.pop(key))
 
     def touch_chain(self, keys: Iterable[bytes]) -> None:
         """A chain (head first) was used: each tracked chunk's value is renewed, tail

@@ -23,9 +23,17 @@ import heapq
 import itertools
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _MIN_SAMPLES = 3  # a family's own gaps count once it has this many
+
+
+def return_rate(own: Sequence[int], overall: Sequence[int], min_samples: int, unknown: float) -> float:
+    """From (seen, came back) counts: the share of a family's that came back once it has
+    `min_samples`, else everyone's, else `unknown` (also Predicted's, admission.py)."""
+    seen, back = own if own[0] >= min_samples else overall
+    return back / seen if seen >= min_samples else unknown
 
 
 @dataclass(order=True)
@@ -85,11 +93,8 @@ class NextTurnPredictor:
         """How often this family's finished chains were continued; everyone's while it has
         few finishes; 1.0 before anything was seen (as the connector always warmed the last
         turn)."""
-        finishes = self._finishes.get(family, 0)
-        if finishes >= _MIN_SAMPLES:
-            return self._returns.get(family, 0) / finishes
-        finished, returned = self._total
-        return 1.0 if finished < _MIN_SAMPLES else returned / finished
+        own = (self._finishes.get(family, 0), self._returns.get(family, 0))
+        return return_rate(own, self._total, _MIN_SAMPLES, unknown=1.0)
 
     def expect(self, keys: list[bytes], at: float) -> None:
         """A hint: `keys` are wanted at `at` (fetched `lead_s` before)."""

@@ -24,7 +24,7 @@ A chunk's depth (and its family, for `predicted`) is learned from the chains see
 bounded memory kept only while `cost` or `predicted` asks for it; an unknown depth is 0.
 
 Switching a policy at runtime (`set_admission`, `set_eviction` with SlotTable.set_eviction:
-StoreParts.switch_policy; the service has no config reload yet) keeps every
+StoreParts.switch_policy, which `kvstore serve` calls on SIGHUP) keeps every
 chunk a tier holds: admission only decides future writes, and the new eviction order is
 built from the chunks already published.
 """
@@ -62,11 +62,12 @@ class TierPolicy:
         self._admission: Admission = make_admission(self.admission, self.disk_min_seen)
         self._chains: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()  # key -> (family, depth)
 
-    def set_admission(self, name: str) -> None:
-        """Switch the disk admission policy now; what the disk holds stays."""
-        admission = make_admission(name, self.disk_min_seen)
+    def set_admission(self, name: str, min_seen: int | None = None) -> None:
+        """Switch the disk admission policy (and its sightings) now; what the disk holds stays."""
+        admission = make_admission(name, self.disk_min_seen if min_seen is None else min_seen)
         with self._lock:
             self.admission, self._admission = name, admission
+            self.disk_min_seen = self.disk_min_seen if min_seen is None else min_seen
 
     def set_eviction(self, name: str) -> None:
         """Name the eviction order make_eviction builds (the tables switch with
@@ -81,8 +82,8 @@ class TierPolicy:
 
     def seen(self, keys: list[bytes], parent: bytes | None = None) -> None:
         """Requests stored or read these chunks of one chain, `parent` before the first."""
-        if not keys:
-            return
+        if not keys or (self.admission == "all" and self.eviction != "cost"):
+            return  # nothing to remember (the default): no lock on every put and get
         with self._lock:
             if self.eviction != "cost" and self.admission != "predicted":  # no depth or family asked
                 self._admission.see(keys, keys[0])
@@ -104,8 +105,9 @@ class TierPolicy:
             self._admission.see(keys, family)
 
     def admits(self, key: bytes) -> bool:
-        """Whether the disk takes this chunk now (always, writing through)."""
-        if self.write_through:
+        """Whether the disk takes this chunk now (always, writing through or under `all`:
+        without the lock, as a victim's fate is asked under the DRAM table's)."""
+        if self.write_through or self.admission == "all":
             return True
         with self._lock:
             return self._admission.admit(key)

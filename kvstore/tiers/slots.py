@@ -220,10 +220,9 @@ class SlotTable(SlotGroups):
 
     def set_eviction(self, eviction: Eviction) -> None:
         """Switch the eviction policy (config, or a policy switched at runtime): every
-        published chunk stays, handed to the new policy in the old one's order."""
+        published chunk stays, handed to the new policy in the old one's order (load)."""
         with self.lock:
-            for key in self.eviction:
-                eviction.add(key, self.slots[self.index[key]].parent)
+            eviction.load([(key, self.slots[self.index[key]].parent) for key in self.eviction])
             self.eviction = eviction
 
     # -- reads -----------------------------------------------------------------------
