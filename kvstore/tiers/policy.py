@@ -55,7 +55,8 @@ class TierPolicy:
     chunk_tokens: int = 256
     crossover_tokens: int = CROSSOVER_TOKENS
 
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # guards the admission state and the chains; not a setting, so not a constructor parameter
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.set_eviction(self.eviction)
