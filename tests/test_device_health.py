@@ -36,7 +36,7 @@ def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldo
 
 
 def _device_of(store, key) -> int:
-    return store.disk.table.group_of(store.disk.table.find(key))[0]
+    return store.disk.table.groups.of(store.disk.table.find(key))[0]
 
 
 def _served_match(ok, outs, payloads):

@@ -38,7 +38,7 @@ def test_striped_namespaces_lose_and_regain_one_path(namespaces, engine, store_f
     assert all(d.is_block and d.logical_block == 4096 for d in store.disk.devices)
     keys, payloads = make_keys(40), make_payloads(40)
     assert all(store.put_many(keys, payloads))
-    groups = [store.disk.table.group_of(store.disk.table.find(k))[0] for k in keys]
+    groups = [store.disk.table.groups.of(store.disk.table.find(k))[0] for k in keys]
     assert groups.count(0) == groups.count(1) == 20  # one prompt's chunks use both namespaces
     assert store.lookup(keys).tiers == ("nvmeof",) * 40
 
@@ -138,7 +138,7 @@ def test_a_namespace_absent_at_start_up_is_added_when_it_appears(namespaces, dis
         assert store.disk.devices[2].path == third.devices[0]
         more, more_payloads = make_keys(6, seed=4), make_payloads(6, seed=4)
         assert all(store.put_many(more, more_payloads))
-        assert {store.disk.table.group_of(store.disk.table.find(k))[0] for k in more} == {0, 1, 2}
+        assert {store.disk.table.groups.of(store.disk.table.find(k))[0] for k in more} == {0, 1, 2}
         ok, outs = read_back(store, keys + more)
         assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads + more_payloads,
                                                                    strict=True))

@@ -588,7 +588,7 @@ def test_9_a_crash_mid_write_after_a_clean_restart_leaves_no_valid_header_over_o
     faulty.add(Fault("error", reads=False, writes=True,  # the new header never lands: the crash
                      match=lambda r: r.nbytes == BLOCK and any(r.buffers[0][:4])))
     assert reopened.put_many(keys[3:], payloads[3:]) == [False]
-    assert reopened.disk.table.group_of(slot)[1] == 0
+    assert reopened.disk.table.groups.of(slot)[1] == 0
     reopened.simulate_crash()
     faulty.close()
     assert fsck(disk_dir) == {"valid": 2, "corrupt": 0, "torn": 0, "empty": 13}  # of 15 slots
