@@ -24,9 +24,9 @@ A chunk's depth (and its family, for `predicted`) is learned from the chains see
 bounded memory kept only while `cost` or `predicted` asks for it; an unknown depth is 0.
 
 Switching a policy at runtime (`set_admission`, `set_eviction` with SlotTable.set_eviction:
-StoreParts.switch_policy; the service has no config reload yet) keeps every
-chunk a tier holds: admission only decides future writes, and the new eviction order is
-built from the chunks already published.
+StoreParts.switch_policy, reached as store.parts.switch_policy; the service has no config
+reload yet) keeps every chunk a tier holds: admission only decides future writes, and the
+new eviction order is built from the chunks already published.
 """
 
 from __future__ import annotations
