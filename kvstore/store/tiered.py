@@ -4,6 +4,8 @@ Chunks enter DRAM (`put_many`); DRAM victims are written down to disk before the
 slot is reused; disk hits are promoted back into DRAM. This module checks input at the
 API edge (edge.py) and sequences the parts it holds (`parts`, parts.py: built in order,
 released once); each concern has its own home:
+  store/reads.py         a get's order: DRAM hits copied out, then disk, then peers; prefetch
+  store/writes.py        a put's order: DRAM slots (victims written down first) or disk
   tiers/policy.py        where chunks go and when they move (shared with the trace replay)
   datapath/placement.py  DRAM slots for new records, victims written down first
   datapath/reader.py     disk reads: destination, verification, promotion (landing.py)
@@ -68,7 +70,7 @@ class TieredStore:
         background: bool = True,
     ) -> None:
         """`background` False starts no threads (tests): demotions are written by
-        `flush()` and devices are checked by `monitor.check_once()`."""
+        `flush()` and devices are checked by `parts.monitor.check_once()`."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ShapeError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         self.encoder = RecordEncoder(namespace, dtype, shape)
