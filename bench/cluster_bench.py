@@ -54,7 +54,7 @@ def measure(root: str, url: str, chunk_bytes: int, chunks: int, lookup_keys: int
     payloads = [np.random.default_rng(i).integers(0, 256, chunk_bytes, dtype=np.uint8) for i in range(chunks)]
     a = TieredStore(_config("a", "b", root, capacity, url), chunk_bytes, background=False)
     b = TieredStore(_config("b", "a", root, capacity, url), chunk_bytes, background=False)
-    node_a, node_b = a.cluster, b.cluster
+    node_a, node_b = a.parts.cluster, b.parts.cluster
     assert node_a is not None and node_b is not None and node_a.publisher is not None
     node_a.devices.check_once()  # b's device exists now
     index = redis.Redis.from_url(url)
@@ -85,7 +85,7 @@ def measure(root: str, url: str, chunk_bytes: int, chunks: int, lookup_keys: int
         local_s = time.perf_counter() - started
         assert all(bytes(x) == bytes(y) for x, y in zip(outs[:4], own[:4], strict=True))
         return {"chunk_bytes": chunk_bytes, "chunks": chunks, "lookup_keys": lookup_keys,
-                "io_engine": a.engine.name,
+                "io_engine": a.parts.engine.name,
                 "lookup_p50_ms": 1000 * statistics.median(samples),
                 "lookup_p99_ms": 1000 * samples[int(0.99 * len(samples))],
                 "publish_updates_per_s": chunks / publish_s,

@@ -84,6 +84,13 @@ class _Request:
             raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, expected {per_chunk}")
         return tuple(ids)
 
+    def sources(self, num_external: int, chunk_tokens: int) -> dict[str, int]:
+        """The last `num_external` tokens of the hit by the tier that held them at the lookup:
+        `host` (DRAM) and `disk` (this host's disk or the shared array); zeros left out."""
+        start = self.load_end - num_external
+        host = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
+        return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
+
     def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
                  group: int, save_id: int = 0) -> Transfer:
         """Chunks [first, first + len(blocks)) of the group whose keys are `streams` of self.keys."""
@@ -112,7 +119,6 @@ class SchedulerCore:
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
         self.settings = settings
-        self.load_async = settings.load_async
         self._namespaces = namespaces
         self._lookup = lookup
         self._notify = notify
@@ -120,7 +126,7 @@ class SchedulerCore:
                          else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
-        self._plan = StepPlan(load_async=self.load_async)
+        self._plan = StepPlan(load_async=settings.load_async)
         self.counters: Counter[str] = Counter()
         self.rules = settings.groups
         self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
@@ -202,15 +208,9 @@ class SchedulerCore:
         return Handoff(chunks, request.keys[0][chunks - 1], host) if chunks else None
 
     def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
-        """The last `num_external` tokens of a request's hit by the tier that held them at
-        the lookup: `host` (DRAM) and `disk` (this host's disk or the shared array), for
-        the engine's per-source hit metrics."""
+        """A hit's tokens by the tier that held them (`_Request.sources`), for engines' metrics."""
         request = self._requests.get(req_id)
-        if request is None or num_external <= 0:
-            return {}
-        start = request.load_end - num_external
-        host = max(0, min(request.found.resident * self.chunk_tokens, request.load_end) - start)
-        return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
+        return {} if request is None else request.sources(num_external, self.chunk_tokens)
 
     def saves_done(self, save_ids: Iterable[int]) -> None:
         self.saves.done(save_ids)
@@ -276,8 +276,7 @@ class SchedulerCore:
         return slice(position * self.ranks, (position + 1) * self.ranks)
 
     def _extend_keys(self, request: _Request, chunks: int) -> None:
-        """Keys of the first `chunks` chunks: those generated tokens filled are hashed on,
-        continuing each rank's chain."""
+        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each rank's chain."""
         have = len(request.keys[0])
         if have >= chunks:
             return
@@ -288,13 +287,12 @@ class SchedulerCore:
 
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty."""
-        plan, self._plan = self._plan, StepPlan(load_async=self.load_async)
+        plan, self._plan = self._plan, StepPlan(load_async=self.settings.load_async)
         return plan
 
     def on_finished(self, req_id: str) -> None:
-        """Forget the request, and tell the service it ended with these chunks (prompt and
-        answer): the next turn of its conversation starts with them, and the service brings
-        them into DRAM before it is expected (kvstore/service/next_turns.py)."""
+        """Forget the request; tell the service it ended with these chunks (prompt and answer), which
+        it brings into DRAM before the next turn is expected (kvstore/service/next_turns.py)."""
         request = self._requests.pop(req_id, None)
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)

@@ -47,7 +47,7 @@ from engine_plugin.cuda_host import register_for_dma
 from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
 from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
 from engine_plugin.scheduler_role import SchedulerRole, request_salt
-from kvstore.format.keys import KVNamespace
+from kvstore.format.keys import KVNamespace, TensorParallel
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(
             KVNamespace(model=self._model_id, kv_dtype=self._kv_dtype,
                         kv_layout=self._kv_layout, chunk_tokens=self.options.store.chunk_tokens,
-                        tp_rank=rank, tp_world_size=self._tp_world, salt=salt, group=group)
+                        tp=TensorParallel(rank, self._tp_world), salt=salt, group=group)
             for group in groups for rank in range(self._tp_world))
 
     # -- scheduler side ----------------------------------------------------------------

@@ -118,7 +118,7 @@ def store_factory() -> Iterator:
 
     yield open_store
     for store in opened:
-        if store.dram is not None or store.disk is not None:
+        if store.parts.dram is not None or store.parts.disk is not None:
             store.close()
 
 

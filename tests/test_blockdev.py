@@ -23,11 +23,11 @@ def test_striped_block_devices_round_trip_and_recover(loop_devices, engine, stor
     config = {"tiers": {"disk": [{"path": d, "capacity": "12MiB"} for d in loop_devices]},
               "io": {"engine": engine, "queue_depth": 8}}
     store = store_factory(config)
-    assert all(d.is_block and d.logical_block == 4096 for d in store.disk.devices)
+    assert all(d.is_block and d.logical_block == 4096 for d in store.parts.disk.devices)
     keys, payloads = make_keys(40), make_payloads(40)
     assert all(store.put_many(keys, payloads))
-    per_device = [sum(1 for k in keys if store.disk.table.group_of(store.disk.table.find(k))[0] == g)
-                  for g in range(2)]
+    table = store.parts.disk.table
+    per_device = [sum(1 for k in keys if table.groups.of(table.find(k))[0] == g) for g in range(2)]
     assert per_device == [20, 20]  # one prompt's chunks alternate between the devices
     store.close()
     reopened = store_factory(config)

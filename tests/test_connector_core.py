@@ -9,11 +9,11 @@ from connectors.plan import SKIP
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
-from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KVNamespace, TensorParallel, chunk_keys
 
 CHUNK, BLOCK = 256, 128
-NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=0, tp_world_size=2),
-              KVNamespace("m", "float16", "cpu", CHUNK, tp_rank=1, tp_world_size=2))
+NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(0, 2)),
+              KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(1, 2)))
 
 
 def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,

@@ -29,14 +29,14 @@ def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldo
     # that is already past every cooldown unless the test is about the cooldown.
     store = store_factory(config, engine=faulty, background=False)
     if cooldown_passed:
-        store.monitor.clock = lambda: time.monotonic() + 3600
+        store.parts.monitor.clock = lambda: time.monotonic() + 3600
     keys, payloads = make_keys(count), make_payloads(count)
     assert all(store.put_many(keys, payloads))
     return store, keys, payloads
 
 
 def _device_of(store, key) -> int:
-    return store.disk.table.group_of(store.disk.table.find(key))[0]
+    return store.parts.disk.table.groups.of(store.parts.disk.table.find(key))[0]
 
 
 def _served_match(ok, outs, payloads):
@@ -49,15 +49,15 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
     on_a = [i for i, k in enumerate(keys) if _device_of(store, k) == 0]
     assert len(on_a) == 4  # striped: half the chunks on each device
-    fd_a = store.disk.devices[0].fd
+    fd_a = store.parts.disk.devices[0].fd
     faulty.add(Fault("error", error=error, match=lambda r: r.fd == fd_a))
 
     ok, outs = read_back(store, keys)
     assert [i for i, served in enumerate(ok) if not served] == on_a
     assert _served_match(ok, outs, payloads)
-    health = store.disk.availability.health[0]
+    health = store.parts.disk.availability.health[0]
     assert health.state == TRIPPED and health.trips == 1
-    assert store.disk.availability.health[1].state == IN_SERVICE
+    assert store.parts.disk.availability.health[1].state == IN_SERVICE
     counters = store.stats.snapshot()
     assert counters["disk.trips"] == 1
     # Device b's chunks are still served; device a's are misses without any I/O.
@@ -67,11 +67,11 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     assert store.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
     assert all(_device_of(store, k) == 1 for k in make_keys(2, seed=9))  # nothing placed on a
 
-    store.monitor.check_once()  # still failing: the superblock read fails, a stays out
+    store.parts.monitor.check_once()  # still failing: the superblock read fails, a stays out
     assert health.state == TRIPPED and "revalidation failed" in health.reason
 
     faulty.clear()
-    store.monitor.check_once()
+    store.parts.monitor.check_once()
     assert health.state == IN_SERVICE
     ok, outs = read_back(store, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
@@ -80,14 +80,14 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
 
 def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory, timeout_s=0.5)
-    fd_a = store.disk.devices[0].fd
+    fd_a = store.parts.disk.devices[0].fd
     faulty.add(Fault("hang", match=lambda r: r.fd == fd_a))
     started = time.monotonic()
     ok, outs = read_back(store, keys)
     first = time.monotonic() - started
     assert sum(ok) == 4 and _served_match(ok, outs, payloads)
     assert first < 5, f"a get took {first:.1f} s past a 0.5 s deadline"
-    assert store.disk.availability.health[0].state == TRIPPED
+    assert store.parts.disk.availability.health[0].state == TRIPPED
     started = time.monotonic()
     ok, _ = read_back(store, keys)
     assert sum(ok) == 4 and time.monotonic() - started < first  # no second deadline
@@ -95,21 +95,21 @@ def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, fault
 
 def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, store_factory):
     store, _, _ = _two_devices(disk_dir, faulty, store_factory, count=2)
-    fd_a = store.disk.devices[0].fd
+    fd_a = store.parts.disk.devices[0].fd
     faulty.add(Fault("latency", reads=False, writes=True, delay_s=0.5, match=lambda r: r.fd == fd_a))
     keys, payloads = make_keys(2, seed=5), make_payloads(2, seed=5)
     result = {}
     writer = threading.Thread(target=lambda: result.update(stored=store.put_many(keys, payloads)))
     writer.start()
     time.sleep(0.2)  # the write to device a is now in flight
-    store.disk.availability.take_out(0, OFFLINE, "test: controller lost")
+    store.parts.disk.availability.take_out(0, OFFLINE, "test: controller lost")
     writer.join(timeout=10)
     assert not writer.is_alive()
     faulty.clear()
     lost = [k for k in keys if store.lookup([k]).count == 0]
     assert len(lost) == 1  # the chunk striped onto device a
     assert store.stats.snapshot()["disk.write_dropped_device_lost"] == 1
-    assert store.disk.availability.revalidate(0)
+    assert store.parts.disk.availability.revalidate(0)
     # Its bytes did land, but its header was zeroed before the device served again.
     assert store.lookup(lost).count == 0
     ok, _ = read_back(store, lost)
@@ -118,11 +118,11 @@ def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, st
 
 def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
-    config = store.config
-    store.disk.availability.take_out(0, OFFLINE, "test")
+    config = store.parts.config
+    store.parts.disk.availability.take_out(0, OFFLINE, "test")
     store.close()
     reopened = store_factory(config, engine=faulty)
-    assert reopened.recovery.from_checkpoint == 1 and reopened.recovery.scanned == 1
+    assert reopened.parts.recovery.from_checkpoint == 1 and reopened.parts.recovery.scanned == 1
     ok, outs = read_back(reopened, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
 
@@ -141,20 +141,20 @@ def test_a_timed_out_promotion_never_reuses_its_dram_slot(disk_dir, faulty, stor
     assert store.stats.snapshot()["host.slots_retired"] == 2
     # The two DRAM slots the reads were aimed at stay pinned: no new record can land there
     # while the kernel might still write into them.
-    assert store.dram.table.retired == 2
-    assert sum(info.pins > 0 for info in store.dram.table.slots) == 2
+    assert store.parts.dram.table.retired == 2
+    assert sum(info.pins > 0 for info in store.parts.dram.table.slots) == 2
 
 
 def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, faulty, store_factory):
     store, keys, _ = _two_devices(disk_dir, faulty, store_factory, cooldown_passed=False)
-    fd_a = store.disk.devices[0].fd
+    fd_a = store.parts.disk.devices[0].fd
     faulty.add(Fault("error", match=lambda r: r.fd == fd_a, remaining=2))
     read_back(store, keys)
-    health = store.disk.availability.health[0]
+    health = store.parts.disk.availability.health[0]
     assert health.state == TRIPPED
-    store.monitor.check_once()  # healthy again, but within the cooldown: stays out
+    store.parts.monitor.check_once()  # healthy again, but within the cooldown: stays out
     assert health.state == TRIPPED and health.reason.startswith("2 faults in a row")
     later = time.monotonic() + 31
-    store.monitor.clock = lambda: later
-    store.monitor.check_once()
+    store.parts.monitor.clock = lambda: later
+    store.parts.monitor.check_once()
     assert health.state == IN_SERVICE

@@ -75,7 +75,7 @@ def test_a_reservation_left_unsettled_goes_back_to_the_free_list():
 
 def test_striping_spreads_reservations_over_groups():
     table = SlotTable([4, 4])
-    groups = [table.group_of(table.reserve(table.next_group()).slot)[0] for _ in range(6)]
+    groups = [table.groups.of(table.reserve(table.next_group()).slot)[0] for _ in range(6)]
     assert groups == [0, 1, 0, 1, 0, 1]
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.devices.layout import Superblock, parse_superblock
+from kvstore.devices.layout import CheckpointMark, Superblock, parse_superblock
 from kvstore.format.record import (
     HEADER_BLOCK,
     HEADER_LEN,
     KEY_OFFSET,
     HeaderState,
     RecordHeader,
+    TensorSpec,
     pack_header,
     parse_header,
     payload_checksum,
@@ -24,9 +25,10 @@ GOLDEN = Path(__file__).parent / "golden"
 PAYLOAD = bytes(range(256)) * 16
 HEADER = RecordHeader(key=bytes(range(16)), namespace=bytes(range(16, 32)), parent=bytes(range(32, 48)),
                       seq=7, payload_len=len(PAYLOAD), payload_checksum=payload_checksum(PAYLOAD),
-                      dtype="float16", shape=(2, 8, 128))
-SUPERBLOCK = Superblock(slot_bytes=69632, num_slots=10, data_offset=12288, chunk_bytes=65536, clean=True,
-                        checkpoint_entries=3, checkpoint_checksum=0x1234, device_id=bytes(range(16)))
+                      tensor=TensorSpec("float16", (2, 8, 128)))
+SUPERBLOCK = Superblock(slot_bytes=69632, num_slots=10, data_offset=12288, chunk_bytes=65536,
+                        checkpoint=CheckpointMark(clean=True, entries=3, checksum=0x1234),
+                        device_id=bytes(range(16)))
 
 
 def _golden(name: str) -> bytes:

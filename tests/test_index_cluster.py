@@ -64,7 +64,7 @@ def test_a_host_starts_with_the_cluster_unreachable_and_looks_up_locally_in_time
     try:
         keys, payloads = make_keys(2, seed=23), make_payloads(2, seed=23, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True, True]
-        assert not a.cluster.publisher.step()  # it cannot publish, and says so
+        assert not a.parts.cluster.publisher.step()  # it cannot publish, and says so
         started = time.monotonic()
         assert a.lookup(keys + make_keys(2, seed=24)).count == 2
         assert time.monotonic() - started < DEADLINE_S + 0.3
@@ -84,7 +84,7 @@ def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[Tier
             config["cluster"].update(index_deadline_s=DEADLINE_S, **cluster)
             stores.append(TieredStore(config, CHUNK, background=True))
         for store in stores:
-            store.cluster.devices.check_once()  # the later hosts' devices exist now
+            store.parts.cluster.devices.check_once()  # the later hosts' devices exist now
     except BaseException:
         for store in stores:
             store.close()
@@ -98,7 +98,7 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
     try:
         keys, payloads = make_keys(CHUNKS, seed=20), make_payloads(CHUNKS, seed=20, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
-        assert a.cluster.publisher.step()
+        assert a.parts.cluster.publisher.step()
         assert b.lookup(keys).tiers == ("peer",) * CHUNKS
         ok, outs = read_back(b, keys)
         assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
@@ -115,23 +115,23 @@ def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_di
     try:
         keys, payloads = make_keys(CHUNKS, seed=21), make_payloads(CHUNKS, seed=21, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
-        assert a.cluster.publisher.step()
-        assert b.cluster.index.locate(keys).keys() == set(keys)
+        assert a.parts.cluster.publisher.step()
+        assert b.parts.cluster.index.locate(keys).keys() == set(keys)
         moved = IndexKeys("kvstore:").chunk(keys[0])
         source = redis_cluster.primary_of(moved)
         target = next(port for port in redis_cluster.primaries(source) if port != source)
 
         def midway() -> None:  # the key is on the target, the slot still the source's: ASK
-            assert b.cluster.index.locate(keys).keys() == set(keys)
+            assert b.parts.cluster.index.locate(keys).keys() == set(keys)
 
         redis_cluster.move_slot(moved, target, midway)
         assert redis_cluster.primary_of(moved) == target
-        assert b.cluster.index.locate(keys).keys() == set(keys)  # MOVED, then the new map
+        assert b.parts.cluster.index.locate(keys).keys() == set(keys)  # MOVED, then the new map
         ok, outs = read_back(b, keys)
         assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
         more, more_payloads = make_keys(4, seed=22), make_payloads(4, seed=22, chunk_bytes=CHUNK)
         assert a.put_many(more, more_payloads) == [True] * 4  # evicting 4 of the first
-        assert a.cluster.publisher.step()  # writes follow the new map too
+        assert a.parts.cluster.publisher.step()  # writes follow the new map too
         ok, outs = read_back(b, more)
         assert ok == [True] * 4 and all((o == p).all() for o, p in zip(outs, more_payloads, strict=True))
         assert "peer.index_errors" not in b.stats.snapshot()
@@ -208,13 +208,13 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
         # not received) are sent again by their host within republish_s.
         with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.live()) as r:
             assert [r.hdel(index.chunk(key), "a") for key in keys[0][:4]] == [1] * 4
-        assert set(stores[1].cluster.index.locate(keys[0])) == set(keys[0][4:])
+        assert set(stores[1].parts.cluster.index.locate(keys[0])) == set(keys[0][4:])
         wait_for(lambda: trace.round([1], [0]) == (CHUNKS, 0), timeout_s=5, what="the lost entries back")
         assert stores[0].stats.snapshot()["peer.republished"] > 0
 
         # A host that dies (its publisher stops, its lease is not withdrawn): its entries
         # stop counting once its lease runs out, the others' stay.
-        dead = stores[3].cluster.publisher
+        dead = stores[3].parts.cluster.publisher
         dead._stop.set()
         dead._wake.set()
         dead._thread.join(5)

@@ -91,8 +91,8 @@ def test_a_pinned_slot_is_never_evicted_or_reused_until_released():
         first = _keys(1, 4)
         assert store.put_many(first, [k[:1] * CHUNK for k in first]) == [True] * 4
         lease = leases.pin(store, first[:2])
-        assert store.dram is not None
-        pinned = [store.dram.slab.view[o : o + CHUNK] for o in lease.offsets]
+        assert store.parts.dram is not None
+        pinned = [store.parts.dram.slab.view[o : o + CHUNK] for o in lease.offsets]
         for wave in (_keys(10, 4), _keys(20, 4)):  # every unpinned slot is taken, twice over
             store.put_many(wave, [k[:1] * CHUNK for k in wave])
         assert store.lookup(first[:2]).tiers == ("host", "host")
@@ -185,9 +185,10 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
     store = store_factory(_disk_config(disk_dir))
     assert store.lookup(keys).tiers == ("disk",) * 4
     lease = leases.pin(store, [*keys[:3], b"\xee" * 16])
-    assert store.dram is not None
+    assert store.parts.dram is not None
     assert lease.offsets[1] == lease.offsets[3] == -1  # did not verify; absent
-    assert [bytes(store.dram.slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
+    slab = store.parts.dram.slab
+    assert [bytes(slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
         keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
     counters = store.stats.snapshot()
     assert counters["disk.hits"] == counters["host.leased"] == 2
@@ -195,7 +196,7 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
     assert store.lookup(keys[:1]).tiers == ("host",)
     others = _keys(10, 8)  # DRAM turns over twice; the leased slots stay
     store.put_many(others, [k[:1] * CHUNK for k in others])
-    assert [bytes(store.dram.slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
+    assert [bytes(slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
         keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
     assert store.lookup([keys[0]]).tiers == ("host",)
     leases.release(store, lease)
@@ -297,8 +298,8 @@ def test_the_load_path_benchmark_measures_every_path_it_reports(disk_dir):
 
 def test_a_shared_dram_tier_in_small_pages_over_a_disk_tier_is_reported(disk_dir, store_factory, caplog):
     store = store_factory(_disk_config(disk_dir))
-    assert store.dram is not None
-    small_pages = getattr(store.dram.slab, "pages", None) == "4k"  # the host decides: both ways are checked
+    assert store.parts.dram is not None
+    small_pages = getattr(store.parts.dram.slab, "pages", None) == "4k"  # the host decides: both are checked
     assert ("split at each device's segment limit" in caplog.text) == small_pages
 
 
@@ -319,8 +320,8 @@ def test_a_hung_disk_read_under_a_pin_is_a_miss_within_the_deadline(disk_dir, fa
     assert counters["disk.miss.timeout"] == 1 and counters["host.slots_retired"] == 1
     leases.release(store, lease)
     again = leases.pin(store, keys)  # the record stays on disk; the device answers now
-    assert store.dram is not None and all(offset >= 0 for offset in again.offsets)
-    loaded = [bytes(store.dram.slab.view[o : o + CHUNK]) for o in again.offsets]
+    assert store.parts.dram is not None and all(offset >= 0 for offset in again.offsets)
+    loaded = [bytes(store.parts.dram.slab.view[o : o + CHUNK]) for o in again.offsets]
     assert loaded == [k[:1] * CHUNK for k in keys]
     leases.release(store, again)
 

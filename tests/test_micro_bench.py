@@ -19,6 +19,7 @@ from kvstore.format.record import (
     HEADER_BLOCK,
     HeaderState,
     RecordHeader,
+    TensorSpec,
     check_record,
     pack_header,
     parse_header,
@@ -50,7 +51,7 @@ def _record(payload_bytes: int) -> tuple[RecordHeader, memoryview, memoryview]:
     payload = memoryview(np.random.default_rng(0).integers(0, 256, payload_bytes, np.uint8))
     header = RecordHeader(key=bytes(range(16)), namespace=bytes(16), parent=bytes(16), seq=7,
                           payload_len=payload_bytes, payload_checksum=payload_checksum(payload),
-                          dtype="bfloat16", shape=(2, 16, 8, 128))
+                          tensor=TensorSpec("bfloat16", (2, 16, 8, 128)))
     block = memoryview(bytearray(HEADER_BLOCK))
     pack_header(header, block)
     return header, block, payload

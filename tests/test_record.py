@@ -8,6 +8,7 @@ from kvstore.format.record import (
     HeaderState,
     MissReason,
     RecordHeader,
+    TensorSpec,
     check_record,
     invalidate_header,
     pack_header,
@@ -21,7 +22,7 @@ key_st = st.binary(min_size=16, max_size=16)
 def _record(payload: bytes, key: bytes = b"k" * 16) -> bytearray:
     block = bytearray(HEADER_BLOCK)
     header = RecordHeader(key, b"n" * 16, b"p" * 16, 7, len(payload), payload_checksum(payload),
-                          "bfloat16", (2, len(payload) // 2))
+                          TensorSpec("bfloat16", (2, len(payload) // 2)))
     pack_header(header, memoryview(block))
     return block
 
@@ -30,7 +31,7 @@ def _record(payload: bytes, key: bytes = b"k" * 16) -> bytearray:
        st.lists(st.integers(0, 2**40), max_size=8))
 def test_header_round_trip(key, namespace, parent, seq, payload, shape):
     header = RecordHeader(key, namespace, parent, seq, len(payload), payload_checksum(payload),
-                          "float16", tuple(shape))
+                          TensorSpec("float16", tuple(shape)))
     block = bytearray(HEADER_BLOCK)
     pack_header(header, memoryview(block))
     assert parse_header(block) == (HeaderState.VALID, header)
@@ -64,7 +65,7 @@ def test_wrong_key_and_empty_and_invalidated():
 
 def test_header_refuses_what_it_cannot_encode():
     with pytest.raises(ValueError, match="dimensions"):
-        pack_header(RecordHeader(b"k" * 16, b"n" * 16, b"p" * 16, 0, 0, 0, "u8", (1,) * 9),
+        pack_header(RecordHeader(b"k" * 16, b"n" * 16, b"p" * 16, 0, 0, 0, TensorSpec("u8", (1,) * 9)),
                     memoryview(bytearray(HEADER_BLOCK)))
 
 

@@ -162,7 +162,7 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
                         block_tokens=BLOCK, policy=policy)
     payload = np.zeros(chunk, np.uint8)
     with TieredStore(config, chunk, background=False) as store:
-        assert store.disk.table.capacity == 10
+        assert store.parts.disk.table.capacity == 10
         for request in requests:
             keys = list(request.keys)
             usable = min(len(keys), (request.input_tokens - 1) // BLOCK)
@@ -174,8 +174,8 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
             store.put_many(keys, [payload] * len(keys))
             replayed = replayer.serve(request)
             assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
-        assert set(store.dram.table.index) == set(replayer.tiers[0].table.index)
-        assert set(store.disk.table.index) == set(replayer.tiers[1].table.index)
+        assert set(store.parts.dram.table.index) == set(replayer.tiers[0].table.index)
+        assert set(store.parts.disk.table.index) == set(replayer.tiers[1].table.index)
         counters = store.stats.snapshot()
         assert counters.get("host.evictions", 0) > 10  # the tiers were full
         result = replayer.result()

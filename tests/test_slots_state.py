@@ -31,8 +31,8 @@ class SlotTableMachine(RuleBasedStateMachine):
         before = {key: table.slots[slot].pins for key, slot in table.index.items()}
         leaves_free = [key for key in table.eviction if table.eviction.is_leaf(key) and before[key] == 0
                        and fates.get(key, Fate.EVICT) is not Fate.SKIP]
-        free_before = sum(len(f) for g, f in enumerate(table.free) if g not in table.disabled)
-        reservation = table.reserve(group % len(table.group_sizes),
+        free_before = sum(len(f) for g, f in enumerate(table.groups.free) if g not in table.groups.disabled)
+        reservation = table.reserve(group % len(table.groups.sizes),
                                     fate=lambda key: fates.get(key, Fate.EVICT))
         if reservation is None:
             assert free_before == 0
@@ -92,7 +92,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     @invariant()
     def each_slot_is_in_exactly_one_state(self) -> None:
         table = self.table
-        free = [slot for group in table.free for slot in group]
+        free = [slot for group in table.groups.free for slot in group]
         assert len(free) == len(set(free)), "a slot is twice on the free lists"
         reserved = {r.slot for r in self.open}
         published = set(table.index.values())
@@ -118,7 +118,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     def capacity_is_never_exceeded(self) -> None:
         table = self.table
         in_use = {slot for slot, info in enumerate(table.slots) if info.published or info.pins}
-        free = {slot for group in table.free for slot in group}
+        free = {slot for group in table.groups.free for slot in group}
         assert not in_use & free and len(in_use | free) == table.capacity
 
     @invariant()

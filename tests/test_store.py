@@ -29,7 +29,7 @@ def test_disk_only_round_trip_both_engines(disk_dir, engine, store_factory):
     ok, outs = read_back(store, keys)
     assert all(ok)
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
-    assert store.engine.name == engine
+    assert store.parts.engine.name == engine
 
 
 def test_dram_victims_go_down_to_disk_and_come_back_up(disk_dir, engine, store_factory):
@@ -89,10 +89,10 @@ def test_capacity_is_never_exceeded_under_concurrent_writers(disk_dir, engine, s
     info = store.info()["tiers"][0]
     assert info["used_bytes"] <= info["capacity_bytes"] <= capacity
     import os
-    assert os.path.getsize(store.disk.devices[0].path) <= capacity
+    assert os.path.getsize(store.parts.disk.devices[0].path) <= capacity
     keys = [k for seed in range(4) for k in make_keys(30, seed)]
     present = [k for k in keys if store.contains(k)]
-    assert len(present) == store.disk.table.capacity
+    assert len(present) == store.parts.disk.table.capacity
     ok, _ = read_back(store, present)
     assert all(ok)
 
@@ -131,8 +131,8 @@ def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
     store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
-    slot = store.dram.table.find(keys[1])
-    store.dram.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
+    slot = store.parts.dram.table.find(keys[1])
+    store.parts.dram.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
     ok, _ = read_back(store, keys)
     assert ok == [True, False]
     assert store.stats.snapshot()["host.miss.wrong_key"] == 1

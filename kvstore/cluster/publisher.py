@@ -106,7 +106,7 @@ class IndexPublisher:
         return True
 
     def _location(self, slot: int, seq: int) -> bytes | None:
-        group, local = self.disk.table.group_of(slot)
+        group, local = self.disk.table.groups.of(slot)
         layout = self.disk.devices.layouts[group]
         if layout is None:
             return None

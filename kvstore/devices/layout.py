@@ -47,20 +47,33 @@ CHECKPOINT_DTYPE = np.dtype([("slot", "<u4"), ("seq", "<u8"), ("key", "S16"), ("
 
 
 @dataclass(frozen=True)
+class CheckpointMark:
+    """What the superblock says of the checkpoint area. Invariant: `clean` only after a
+    clean close wrote `entries` entries hashing to `checksum`; cleared (the counts kept)
+    before the first write after an open, so a stale checkpoint is never trusted."""
+
+    clean: bool = False
+    entries: int = 0
+    checksum: int = 0
+
+
+@dataclass(frozen=True)
 class Superblock:
+    """A device's geometry, checkpoint mark and identity. Grouping fields changes no byte:
+    `pack` and `parse_superblock` keep the flat layout in this module's docstring."""
+
     slot_bytes: int
     num_slots: int
     data_offset: int
     chunk_bytes: int
-    clean: bool = False
-    checkpoint_entries: int = 0
-    checkpoint_checksum: int = 0
+    checkpoint: CheckpointMark = CheckpointMark()
     device_id: bytes = b""
 
     def pack(self) -> bytes:
+        mark = self.checkpoint
         body = _SB_BODY.pack(SB_MAGIC, SB_VERSION, 0, self.slot_bytes, self.num_slots,
-                             self.data_offset, self.chunk_bytes, int(self.clean),
-                             self.checkpoint_entries, self.checkpoint_checksum, self.device_id)
+                             self.data_offset, self.chunk_bytes, int(mark.clean),
+                             mark.entries, mark.checksum, self.device_id)
         block = body + _SB_SUM.pack(xxhash.xxh3_64_intdigest(body))
         return block + bytes(BLOCK - len(block))
 
@@ -87,8 +100,8 @@ def parse_superblock(block: bytes) -> tuple[int, Superblock | None]:
         return _Copy.DAMAGED, None
     (_, _, _, slot_bytes, num_slots, data_offset, chunk_bytes, clean, entries, checksum,
      device_id) = _SB_BODY.unpack(body)
-    return _Copy.VALID, Superblock(slot_bytes, num_slots, data_offset, chunk_bytes, bool(clean),
-                                   entries, checksum, device_id)
+    return _Copy.VALID, Superblock(slot_bytes, num_slots, data_offset, chunk_bytes,
+                                   CheckpointMark(bool(clean), entries, checksum), device_id)
 
 
 def geometry(capacity: int, slot_bytes: int) -> tuple[int, int]:
@@ -189,15 +202,16 @@ class DeviceLayout:
     def take_checkpoint(self) -> np.ndarray | None:
         """The clean-shutdown index if it verifies; marks the device dirty either way."""
         entries = None
-        if self.sb.clean and not self.rebuilt:
-            size = self.sb.checkpoint_entries * CHECKPOINT_DTYPE.itemsize
+        mark = self.sb.checkpoint
+        if mark.clean and not self.rebuilt:
+            size = mark.entries * CHECKPOINT_DTYPE.itemsize
             try:
                 raw = _read(self.engine, self.device, SB_COPIES * BLOCK, round_up(max(size, 1)),
                             self.timeout_s, "checkpoint read")[:size]
             except DeviceError as exc:
                 log.warning("%s; scanning the slots instead", exc)
             else:
-                if xxhash.xxh3_64_intdigest(raw) == self.sb.checkpoint_checksum:
+                if xxhash.xxh3_64_intdigest(raw) == mark.checksum:
                     entries = np.frombuffer(raw, dtype=CHECKPOINT_DTYPE)
                 else:
                     log.warning("%s: checkpoint does not verify; scanning the slots instead",
@@ -207,14 +221,14 @@ class DeviceLayout:
 
     def mark_dirty(self) -> None:
         """Before the first write: a checkpoint on the device no longer describes it."""
-        self.sb = replace(self.sb, clean=False)
+        self.sb = replace(self.sb, checkpoint=replace(self.sb.checkpoint, clean=False))
         self.write_superblock()
 
     def write_checkpoint(self, entries: np.ndarray) -> None:
         raw = entries.astype(CHECKPOINT_DTYPE).tobytes()
         _write(self.engine, self.device, SB_COPIES * BLOCK, raw, self.timeout_s, "checkpoint write")
-        self.sb = replace(self.sb, clean=True, checkpoint_entries=len(entries),
-                          checkpoint_checksum=xxhash.xxh3_64_intdigest(raw))
+        self.sb = replace(self.sb, checkpoint=CheckpointMark(True, len(entries),
+                                                             xxhash.xxh3_64_intdigest(raw)))
         self.rebuilt = False
         self.write_superblock()
 

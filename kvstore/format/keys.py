@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -23,15 +23,27 @@ _MAX_TOKEN_ID = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """Which shard of a tensor-parallel model's KV heads a rank holds: `rank` of
+    `world_size` (each rank's KV is its own, so each has its own keys)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
 class KVNamespace:
-    """Everything that changes the KV bytes of a token sequence."""
+    """Everything that changes the KV bytes of a token sequence.
+
+    Invariant: the digest is that of the flat JSON object it has always been (`tp_rank`
+    and `tp_world_size` at the top level, `group` only when set), so grouping fields here
+    never moves a key: stored chunks stay findable."""
 
     model: str
     kv_dtype: str
     kv_layout: str
     chunk_tokens: int
-    tp_rank: int = 0
-    tp_world_size: int = 1
+    tp: TensorParallel = TensorParallel()
     salt: str = ""
     # One KV cache group of a hybrid model (its index, spec kind and geometry, e.g.
     # "1:sliding_window:w256:L1:b128"): groups never share records. Empty for a model
@@ -40,9 +52,12 @@ class KVNamespace:
 
     def digest(self) -> bytes:
         """xxh3-128 of a canonical JSON encoding (sorted keys, no whitespace)."""
-        fields = asdict(self)
-        if not fields["group"]:
-            del fields["group"]
+        fields: dict[str, str | int] = {
+            "model": self.model, "kv_dtype": self.kv_dtype, "kv_layout": self.kv_layout,
+            "chunk_tokens": self.chunk_tokens, "tp_rank": self.tp.rank,
+            "tp_world_size": self.tp.world_size, "salt": self.salt}
+        if self.group:
+            fields["group"] = self.group
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(text.encode())
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import xxhash
 
@@ -74,15 +75,26 @@ class MissReason(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """What a payload holds: a tensor's dtype name (ASCII, at most DTYPE_BYTES) and shape
+    (at most MAX_NDIM sizes). The header carries it so a record describes itself."""
+
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class RecordHeader:
+    """One record's header as decoded. Grouping fields (`tensor`) changes no byte on
+    disk: pack_header and parse_header write and read the flat layout above."""
+
     key: bytes
     namespace: bytes
     parent: bytes
     seq: int
     payload_len: int
     payload_checksum: int
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
+    tensor: TensorSpec = TensorSpec()
 
 
 KEY_OFFSET = 16
@@ -119,25 +131,30 @@ class RecordEncoder:
         if len(self.shape) > MAX_NDIM or any(not isinstance(d, int) or d < 0 for d in self.shape):
             raise ShapeError(f"shape must be at most {MAX_NDIM} sizes >= 0, got {self.shape!r}")
 
+    @cached_property
+    def tensor(self) -> TensorSpec:
+        return TensorSpec(self.dtype, self.shape)
+
     def header(self, key: bytes, parent: bytes | None, seq: int,
                payload: memoryview | bytes) -> RecordHeader:
         return RecordHeader(key=key, namespace=self.namespace, parent=parent or bytes(16), seq=seq,
                             payload_len=len(payload), payload_checksum=payload_checksum(payload),
-                            dtype=self.dtype, shape=self.shape)
+                            tensor=self.tensor)
 
 
 def pack_header(header: RecordHeader, block: memoryview) -> None:
     """Write `header` into the first HEADER_BLOCK bytes of `block`, zeroing the rest."""
-    if len(header.shape) > MAX_NDIM:
-        raise ValueError(f"at most {MAX_NDIM} dimensions, got shape {header.shape}")
-    dtype = header.dtype.encode("ascii")
+    tensor = header.tensor
+    if len(tensor.shape) > MAX_NDIM:
+        raise ValueError(f"at most {MAX_NDIM} dimensions, got shape {tensor.shape}")
+    dtype = tensor.dtype.encode("ascii")
     if len(dtype) > DTYPE_BYTES:
-        raise ValueError(f"dtype name too long: {header.dtype!r}")
-    shape = tuple(header.shape) + (0,) * (MAX_NDIM - len(header.shape))
+        raise ValueError(f"dtype name too long: {tensor.dtype!r}")
+    shape = tuple(tensor.shape) + (0,) * (MAX_NDIM - len(tensor.shape))
     fields = (
         MAGIC, FORMAT_VERSION, HEADER_LEN, 0, 0,
         header.key, header.namespace, header.parent, header.seq, header.payload_len,
-        header.payload_checksum, dtype, len(header.shape), *shape,
+        header.payload_checksum, dtype, len(tensor.shape), *shape,
     )
     body = _BODY.pack(*fields)
     block[: _BODY.size] = body
@@ -174,8 +191,7 @@ def parse_header(block: memoryview | bytes) -> tuple[HeaderState, RecordHeader |
         seq=seq,
         payload_len=payload_len,
         payload_checksum=checksum,
-        dtype=dtype.rstrip(b"\0").decode("ascii", "replace"),
-        shape=tuple(shape[:ndim]),
+        tensor=TensorSpec(dtype.rstrip(b"\0").decode("ascii", "replace"), tuple(shape[:ndim])),
     )
     return HeaderState.VALID, header
 

@@ -34,10 +34,10 @@ class ChunkEvents:
 
     def watch(self, store: TieredStore) -> None:
         """Record the store's DRAM and disk tiers from now on."""
-        if store.dram is not None:
-            self._watch(store.dram.table, lambda _slot: "kvstore-dram")
-        if store.disk is not None:
-            disk = store.disk
+        dram, disk = store.parts.dram, store.parts.disk
+        if dram is not None:
+            self._watch(dram.table, lambda _slot: "kvstore-dram")
+        if disk is not None:
             self._watch(disk.table, lambda slot: f"kvstore-{disk.kind_of(slot)}")
 
     def _watch(self, table: SlotTable, medium: Callable[[int], str]) -> None:

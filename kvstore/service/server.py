@@ -227,7 +227,7 @@ class StoreService:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
         with self.requests.lock:  # no store made meanwhile from the config being replaced
             if live and self.requests.store is not None:
-                self.requests.store.switch_policy(
+                self.requests.store.parts.switch_policy(
                     admission=live.get("disk_admission"), eviction=live.get("eviction"),
                     min_seen=live.get("disk_min_seen"))
             self.config = self.requests.config = merged

@@ -37,10 +37,11 @@ def pin(store: TieredStore, keys: Sequence[bytes]) -> Lease:
     there, and pinned as they are published: one DMA from the disk, one copy out."""
     keys = check_keys(keys)
     offsets = [-1] * len(keys)
-    dram = store.dram
+    parts = store.parts
+    dram = parts.dram
     if dram is None:
         return Lease([], offsets)
-    store.touch(keys)  # first: promoting this prompt's chunks never evicts its own
+    parts.touch(keys)  # first: promoting this prompt's chunks never evicts its own
     slots = []
     with dram.table.pinned(keys) as pins:
         for i, slot in pins.hits:
@@ -53,17 +54,17 @@ def pin(store: TieredStore, keys: Sequence[bytes]) -> Lease:
             offsets[i] = dram.payload_offset(slot)
     in_dram = [key for key, offset in zip(keys, offsets, strict=True) if offset >= 0]
     held: dict[int, int] = {}
-    if store.reader is not None and store.disk is not None and store.policy.promote_on_hit:
+    if parts.reader is not None and parts.disk is not None and parts.policy.promote_on_hit:
         missing = [i for i, offset in enumerate(offsets) if offset < 0]
-        with store.disk.table.pinned(keys, missing) as disk_pins:
-            store.reader.read(keys, disk_pins, None, True, [False] * len(keys), held=held)
+        with parts.disk.table.pinned(keys, missing) as disk_pins:
+            parts.reader.read(keys, disk_pins, None, True, [False] * len(keys), held=held)
         for i, slot in held.items():
             slots.append(slot)
             offsets[i] = dram.payload_offset(slot)
-        store.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
+        parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
     served = [key for key, offset in zip(keys, offsets, strict=True) if offset >= 0]
-    store.policy.seen(served)
-    store.ledger.read(in_dram)
+    parts.policy.seen(served)
+    parts.ledger.read(in_dram)
     for name, amount in (("get.chunks", len(served)), ("get.hits", len(served)),
                          ("host.hits", len(in_dram)), ("host.leased", len(served)),
                          ("host.bytes_read", len(in_dram) * store.chunk_bytes)):
@@ -76,6 +77,7 @@ def release(store: TieredStore, lease: Lease) -> None:
     if lease.released:
         return
     lease.released = True
-    if store.dram is not None:
+    dram = store.parts.dram
+    if dram is not None:
         for slot in lease.slots:
-            store.dram.table.unpin(slot)
+            dram.table.unpin(slot)

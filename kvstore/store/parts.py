@@ -40,6 +40,9 @@ STAGING_BYTES = 256 << 20  # bound on staging memory one disk-read wave may use
 
 
 class StoreParts:
+    """Every part of one store, each built once from the config (None: not configured,
+    or released by `close`). TieredStore holds one and sequences requests over it."""
+
     def __init__(self, config: StoreConfig, chunk_bytes: int, engine: IoEngine | None,
                  background: bool) -> None:
         io = config.io
@@ -111,6 +114,20 @@ class StoreParts:
 
             self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
                                        peer_copies=self.peer_copies, background=background)
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark `keys` (one chain, head first) recently used in every local tier."""
+        for tier in (self.dram, self.disk):
+            if tier is not None:
+                tier.table.touch_chain(keys)
+
+    def local_tier(self, key: bytes) -> str | None:
+        """Which local tier holds `key` ('host', 'disk' or 'nvmeof'), DRAM first."""
+        if self.dram and key in self.dram.table:
+            return "host"
+        if self.disk and (slot := self.disk.table.find(key)) is not None:
+            return self.disk.kind_of(slot)
+        return None
 
     def switch_policy(self, admission: str | None = None, eviction: str | None = None,
                       min_seen: int | None = None) -> None:

@@ -2,7 +2,10 @@
 
 Chunks enter DRAM (`put_many`); DRAM victims are written down to disk before their
 slot is reused; disk hits are promoted back into DRAM. This module checks input at the
-API edge (edge.py) and sequences the parts (parts.py); each concern has its own home:
+API edge (edge.py) and sequences the parts it holds (`parts`, parts.py: built in order,
+released once); each concern has its own home:
+  store/reads.py         a get's order: DRAM hits copied out, then disk, then peers; prefetch
+  store/writes.py        a put's order: DRAM slots (victims written down first) or disk
   tiers/policy.py        where chunks go and when they move (shared with the trace replay)
   datapath/placement.py  DRAM slots for new records, victims written down first
   datapath/reader.py     disk reads: destination, verification, promotion (landing.py)
@@ -17,19 +20,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ShapeError
-from kvstore.format.record import MissReason, RecordEncoder
+from kvstore.format.record import RecordEncoder
 from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.copier import copy_many
 from kvstore.store.edge import check_keys, chunk_views
 from kvstore.store.parts import StoreParts
+from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,13 @@ class Lookup:
         return next((i for i, tier in enumerate(self.tiers) if tier != "host"), self.count)
 
 
-class TieredStore(StoreParts):
+class TieredStore:
+    """The store's API over its parts (`parts`: tiers, reader, flusher, placement,
+    cluster node...), which it holds rather than is. `stats` and `regions` are the
+    parts' counters and the memory reads may land in, for the service.
+    Invariants: input is checked before anything is reserved; every get and put touches
+    its chain before and after, so a request never evicts its own prefix."""
+
     def __init__(
         self,
         config: StoreConfig | dict[str, Any] | str,
@@ -62,15 +70,17 @@ class TieredStore(StoreParts):
         background: bool = True,
     ) -> None:
         """`background` False starts no threads (tests): demotions are written by
-        `flush()` and devices are checked by `monitor.check_once()`."""
+        `flush()` and devices are checked by `parts.monitor.check_once()`."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ShapeError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         self.encoder = RecordEncoder(namespace, dtype, shape)
         self.chunk_bytes = chunk_bytes
         self._read_buffers: list[AlignedBuffer] = []
-        super().__init__(load_config(config), chunk_bytes, engine, background)
-        self._seq = itertools.count(self.recovery.max_seq + 1)
-        self._writes = Writes(self, self.encoder)
+        self.parts = StoreParts(load_config(config), chunk_bytes, engine, background)
+        self.stats, self.regions = self.parts.stats, self.parts.regions
+        self._seq = itertools.count(self.parts.recovery.max_seq + 1)
+        self._reads = Reads(self.parts)
+        self._writes = Writes(self.parts, self.encoder)
 
     # -- queries -------------------------------------------------------------------
 
@@ -79,23 +89,17 @@ class TieredStore(StoreParts):
         before it leaves DRAM, so a lookup racing it still finds it. With a cluster, what
         the local tiers lack is looked for at the peers (one index read)."""
         keys = check_keys(keys)
-        in_dram = self.dram.table.index if self.dram is not None else {}
+        dram, cluster = self.parts.dram, self.parts.cluster
+        in_dram = dram.table.index if dram is not None else {}
         tiers = []
         for key in keys:
-            tier = "host" if key in in_dram else self._local_tier(key)  # DRAM first, inline: hot
+            tier = "host" if key in in_dram else self.parts.local_tier(key)  # DRAM first, inline: hot
             if tier is None:
                 break
             tiers.append(tier)
-        if self.cluster is not None and len(tiers) < len(keys):
-            tiers += self.cluster.lookup(keys[len(tiers) :], self._local_tier)
+        if cluster is not None and len(tiers) < len(keys):
+            tiers += cluster.lookup(keys[len(tiers) :], self.parts.local_tier)
         return Lookup(len(tiers), tuple(tiers))
-
-    def _local_tier(self, key: bytes) -> str | None:
-        if self.dram and key in self.dram.table:
-            return "host"
-        if self.disk and (slot := self.disk.table.find(key)) is not None:
-            return self.disk.kind_of(slot)
-        return None
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]).count == 1
@@ -119,78 +123,13 @@ class TieredStore(StoreParts):
         """
         keys = check_keys(keys)
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
-        ok = [False] * len(keys)
-        self.touch(keys)  # first: promoting this prompt's chunks never evicts its own
-        if self.dram is not None:
-            with self.dram.table.pinned(keys) as pins:
-                self._read_dram(keys, views, pins.hits, ok)
-                for i, slot in pins.hits:
-                    if not ok[i]:
-                        pins.drop(keys[i], slot)
-        if self.reader is not None:
-            assert self.disk is not None
-            missing = [i for i, served in enumerate(ok) if not served]
-            with self.disk.table.pinned(keys, missing) as pins:
-                self.reader.read(keys, pins, views, self.policy.promote_on_hit, ok)
-        if self.cluster is not None:
-            self.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views,
-                              self.policy.promote_on_hit, ok)
-        self.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
-        self.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
-        self.stats.add("get.chunks", len(keys))
-        self.stats.add("get.hits", sum(ok))
-        return ok
-
-    def _read_dram(self, keys: Sequence[bytes], views: list[memoryview],
-                   hits: list[tuple[int, int]], ok: list[bool]) -> None:
-        assert self.dram is not None
-        copies = []
-        for i, slot in hits:
-            payload = self.dram.payload(slot, keys[i], len(views[i]))
-            if payload is None:
-                self.stats.miss("host", MissReason.WRONG_KEY, f"slot {slot}")
-                continue
-            copies.append((views[i], payload))
-            ok[i] = True
-        if copies:
-            started = time.perf_counter()
-            copy_many(copies)  # the slots stay pinned until it returns
-            # per chunk, as for disk reads: its time from the start of its batch
-            self.stats.observe("host.read", time.perf_counter() - started, len(copies))
-        served = [keys[i] for i, _ in hits if ok[i]]
-        self.ledger.read(served)
-        self.stats.add("host.hits", len(served))
-        self.stats.add("host.bytes_read", len(served) * self.chunk_bytes)
+        return self._reads.get(keys, views)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
         that will want it (a request waiting to be scheduled); chunks already in DRAM
         are touched so eviction keeps them. Returns chunks promoted."""
-        keys = check_keys(keys)
-        if self.dram is None or (self.reader is None and self.cluster is None):
-            return 0
-        self.dram.table.touch_chain(keys)
-        wanted = []
-        for i, key in enumerate(keys):
-            if key in self.dram.table:
-                continue
-            if self.disk is None or key not in self.disk.table:
-                if self.cluster is None:
-                    break
-                continue  # a peer's, read below
-            wanted.append(i)
-        ok = [False] * len(keys)
-        wave = max(1, self.config.prefetch_inflight // self.slot_bytes)  # the cap on bytes in flight
-        if self.reader is not None:
-            assert self.disk is not None
-            with self.disk.table.pinned(keys, wanted) as pins:
-                self.reader.read(keys, pins, None, promote=True, ok=ok, wave_chunks=wave)
-        if self.cluster is not None:  # what no local tier holds, from peers
-            self.cluster.read(keys, [i for i, key in enumerate(keys) if self._local_tier(key) is None],
-                              None, True, ok)
-        self.stats.add("prefetch.chunks", sum(ok))
-        self.stats.add("prefetch.bytes", sum(ok) * self.chunk_bytes)
-        return sum(ok)
+        return self._reads.prefetch(check_keys(keys))
 
     # -- writes --------------------------------------------------------------------
 
@@ -205,16 +144,10 @@ class TieredStore(StoreParts):
         if parent is not None:
             check_keys([parent])
         views = chunk_views(payloads, len(keys), self.chunk_bytes, writable=False)
-        self.touch(keys)  # first: storing this prompt's chunks never evicts its own
+        self.parts.touch(keys)  # first: storing this prompt's chunks never evicts its own
         stored = self._writes.put(keys, views, parent, next(self._seq))
-        self.touch(keys)  # again: new chunks join their chain tail-older-than-head
+        self.parts.touch(keys)  # again: new chunks join their chain tail-older-than-head
         return stored
-
-    def touch(self, keys: list[bytes]) -> None:
-        """Mark `keys` (one chain, head first) recently used in every local tier."""
-        for tier in (self.dram, self.disk):
-            if tier is not None:
-                tier.table.touch_chain(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
@@ -223,15 +156,20 @@ class TieredStore(StoreParts):
 
     # -- housekeeping ----------------------------------------------------------------
 
+    def info(self) -> dict[str, Any]:
+        """Tiers, capacities, counters and what recovery found, as `kvstore info` prints."""
+        return self.parts.info()
+
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait for queued write-through copies to reach disk."""
-        return self.flusher.flush(timeout_s) if self.flusher else True
+        flusher = self.parts.flusher
+        return flusher.flush(timeout_s) if flusher else True
 
     def close(self, crash: bool = False) -> None:
         """Drain write-through, write DRAM-only chunks down, checkpoint, release everything
         (DRAM does not survive the process; the disk does, so a restarted service still
         serves them). `crash` True: stop as kill -9 would (tests of recovery)."""
-        super().close(crash)
+        self.parts.close(crash)
         for buffer in self._read_buffers:
             buffer.close()
         self._read_buffers.clear()

@@ -36,11 +36,11 @@ class DeviceAvailability:
     def epoch_of(self, slot: int) -> int:
         """The epoch of the slot's device; see `still_serving`."""
         with self.disk.table.lock:
-            return self.health[self.disk.table.group_of(slot)[0]].epoch
+            return self.health[self.disk.table.groups.of(slot)[0]].epoch
 
     def still_serving(self, slot: int, epoch: int) -> bool:
         """Whether the slot's device has stayed in service since `epoch` (table lock held)."""
-        health = self.health[self.disk.table.group_of(slot)[0]]
+        health = self.health[self.disk.table.groups.of(slot)[0]]
         return health.in_service and health.epoch == epoch
 
     def account(self, slots: Sequence[int], results: Sequence[int], expected: Sequence[int]) -> None:
@@ -48,7 +48,7 @@ class DeviceAvailability:
         table = self.disk.table
         with table.lock:
             for slot, result, size in zip(slots, results, expected, strict=True):
-                group = table.group_of(slot)[0]
+                group = table.groups.of(slot)[0]
                 health = self.health[group]
                 if health.record(is_fault(result, size), self.breaker_threshold):
                     self.take_out(group, TRIPPED, f"{health.consecutive_faults} faults in a row "
@@ -60,7 +60,7 @@ class DeviceAvailability:
         with table.lock:
             health = self.health[group]
             health.take_out(state, reason)
-            lost, in_flight = table.take_out_group(group)
+            lost, in_flight = table.service.take_out(group)
             self._in_flight_at_loss[group].update(in_flight)
         self.disk.stats.add("disk.lost_chunks", lost)
         if state == TRIPPED:
@@ -75,10 +75,10 @@ class DeviceAvailability:
         disk, table = self.disk, self.disk.table
         health = self.health[group]
         with table.lock:
-            if health.in_service or table.group_pinned(group):
+            if health.in_service or table.service.held(group):
                 return health.in_service
             suspects = sorted(self._in_flight_at_loss[group])
-        problem, reopened = disk.devices.reopen(group, path, table.group_sizes[group])
+        problem, reopened = disk.devices.reopen(group, path, table.groups.sizes[group])
         layout = disk.devices.layouts[group]
         if problem is None and layout is not None and not reopened:
             problem = layout.still_ours()
@@ -96,7 +96,7 @@ class DeviceAvailability:
                 health.reason, health.since = f"revalidation failed: {problem}", time.monotonic()
                 log.warning("disk tier: %s stays out of service: %s", health.label, problem)
                 return False
-            table.bring_back_group(group, found)
+            table.service.bring_back(group, found)
             self._in_flight_at_loss[group].clear()
             health.put_back()
         disk.stats.add("disk.revalidated_chunks", len(found))

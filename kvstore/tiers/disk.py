@@ -57,14 +57,14 @@ class DiskTier:
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(fd, byte offset) of a slot."""
-        return self.devices.locate(*self.table.group_of(slot))
+        return self.devices.locate(*self.table.groups.of(slot))
 
     def kind_of(self, slot: int) -> str:
-        return self.devices.plans[self.table.group_of(slot)[0]].kind
+        return self.devices.plans[self.table.groups.of(slot)[0]].kind
 
     def describe(self, slot: int) -> str:
         """Where a slot lives, for log lines an operator can act on."""
-        group, local = self.table.group_of(slot)
+        group, local = self.table.groups.of(slot)
         return f"slot {local} of {self.devices.devices[group].path}"
 
     def read(self, slots: Sequence[int], buffers: Sequence[list[memoryview]], timeout_s: float,

@@ -24,7 +24,7 @@ A chunk's depth (and its family, for `predicted`) is learned from the chains see
 bounded memory kept only while `cost` or `predicted` asks for it; an unknown depth is 0.
 
 Switching a policy at runtime (`set_admission`, `set_eviction` with SlotTable.set_eviction:
-StoreParts.switch_policy, which `kvstore serve` calls on SIGHUP) keeps every
+StoreParts.switch_policy (store.parts.switch_policy), which `kvstore serve` calls on SIGHUP) keeps every
 chunk a tier holds: admission only decides future writes, and the new eviction order is
 built from the chunks already published.
 """
@@ -55,7 +55,8 @@ class TierPolicy:
     chunk_tokens: int = 256
     crossover_tokens: int = CROSSOVER_TOKENS
 
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # guards the admission state and the chains; not a setting, so not a constructor parameter
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.set_eviction(self.eviction)

@@ -51,7 +51,7 @@ def scan_group(disk: DiskTier, group: int, report: RecoveryReport) -> list[Entry
     """The valid records of one device, by scanning every slot's header."""
     layout = disk.devices.layouts[group]
     assert layout is not None
-    base = disk.table.group_start[group]
+    base = disk.table.groups.start[group]
     found = []
     for scanned in scan_headers(disk.engine, layout.device.fd, layout.sb.data_offset,
                                 layout.sb.slot_bytes, layout.sb.num_slots, disk.timeout_s):
@@ -91,7 +91,7 @@ def recover(disk: DiskTier) -> RecoveryReport:
             continue
         if not layout.fresh:
             existed.append(group)
-        base = disk.table.group_start[group]
+        base = disk.table.groups.start[group]
         checkpoint = layout.take_checkpoint()
         if checkpoint is not None:
             report.from_checkpoint += 1
@@ -128,7 +128,7 @@ def checkpoint(disk: DiskTier) -> None:
     table = disk.table
     per_group: list[list[tuple[int, int, bytes, bytes]]] = [[] for _ in disk.devices.layouts]
     for entry in table.entries():
-        group, local = table.group_of(entry.slot)
+        group, local = table.groups.of(entry.slot)
         per_group[group].append((local, entry.seq, entry.key, entry.parent or bytes(16)))
     for layout, rows, health in zip(disk.devices.layouts, per_group, disk.availability.health,
                                     strict=True):

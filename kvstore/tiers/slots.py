@@ -150,36 +150,54 @@ class Pins:
 
 
 class SlotGroups:
-    """The geometry of a tier's slots: consecutive numbers, one run per group (device)."""
+    """A tier's slots split into groups (one per disk device; DRAM has one): where each
+    group's run of slot numbers starts, each group's free list, the groups out of service,
+    and the round-robin cursor that stripes consecutive chunks over the devices.
 
-    def __init__(self, group_sizes: Sequence[int]) -> None:
-        self.group_start = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
-        self.group_sizes = list(group_sizes)
+    Invariants: slot numbers are consecutive, one run per group; a free slot is in its
+    own group's list exactly once; nothing is taken from a disabled group. No lock of its
+    own: the SlotTable holding it guards it with the table's lock."""
 
-    def group_of(self, slot: int) -> tuple[int, int]:
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes = list(sizes)
+        self.start = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.free: list[list[int]] = [list(reversed(self.span(g))) for g in range(len(sizes))]
+        self.disabled: set[int] = set()  # out of service: nothing is reserved there
+        self._cursor = 0
+
+    def of(self, slot: int) -> tuple[int, int]:
         """(group, slot number within the group)."""
-        for group in range(len(self.group_start) - 1, -1, -1):
-            if slot >= self.group_start[group]:
-                return group, slot - self.group_start[group]
+        for group in range(len(self.start) - 1, -1, -1):
+            if slot >= self.start[group]:
+                return group, slot - self.start[group]
         raise IndexError(slot)
 
-    def group_slots(self, group: int) -> range:
-        return range(self.group_start[group], self.group_start[group] + self.group_sizes[group])
+    def span(self, group: int) -> range:
+        return range(self.start[group], self.start[group] + self.sizes[group])
+
+    def next_in_service(self) -> int:
+        """The next group round robin, passing over disabled ones (0 when all are)."""
+        for _ in range(len(self.sizes)):
+            group, self._cursor = self._cursor, (self._cursor + 1) % len(self.sizes)
+            if group not in self.disabled:
+                return group
+        return 0  # all disabled: take_free finds nothing
+
+    def take_free(self, preferred: int) -> int | None:
+        """A free slot of a group in service, `preferred` first."""
+        for group in [preferred, *(g for g in range(len(self.free)) if g != preferred)]:
+            if self.free[group] and group not in self.disabled:
+                return self.free[group].pop()
+        return None
 
 
-class SlotTable(SlotGroups):
+class SlotTable:
     def __init__(self, group_sizes: Sequence[int]) -> None:
-        super().__init__(group_sizes)
         self.lock = threading.RLock()
+        self.groups = SlotGroups(group_sizes)
         self.slots = [SlotInfo() for _ in range(sum(group_sizes))]
-        self.free: list[list[int]] = [
-            list(range(start + size - 1, start - 1, -1))
-            for start, size in zip(self.group_start, group_sizes, strict=True)
-        ]
         self.index: dict[bytes, int] = {}
         self.eviction: Eviction = PrefixLRU()
-        self._next_group = 0
-        self.disabled: set[int] = set()  # groups out of service: nothing is reserved there
         self.retired = 0  # slots kept pinned forever after an abandoned read
         # Told (published?, the record) whenever a key is published or unpublished, under
         # the lock (the cluster index, chunk events): each must be quick and take no lock
@@ -254,12 +272,7 @@ class SlotTable(SlotGroups):
     def next_group(self) -> int:
         """Round-robin group for striping consecutive chunks over devices in service."""
         with self.lock:
-            for _ in range(len(self.group_sizes)):
-                group = self._next_group
-                self._next_group = (group + 1) % len(self.group_sizes)
-                if group not in self.disabled:
-                    return group
-            return 0  # all disabled: reserve() finds nothing
+            return self.groups.next_in_service()
 
     def reserve(self, preferred_group: int = 0,
                 fate: Callable[[bytes], Fate] | None = None) -> Reservation | None:
@@ -271,12 +284,10 @@ class SlotTable(SlotGroups):
         hands its slot over with the victim still in it (Reservation.take_over).
         """
         with self.lock:
-            groups = range(len(self.free))
-            for group in [preferred_group, *(g for g in groups if g != preferred_group)]:
-                if self.free[group] and group not in self.disabled:
-                    slot = self.free[group].pop()
-                    self.slots[slot].pins = 1
-                    return Reservation(self, slot, None)
+            free = self.groups.take_free(preferred_group)
+            if free is not None:
+                self.slots[free].pins = 1
+                return Reservation(self, free, None)
             fates: dict[bytes, Fate] = {}
 
             def skip(key: bytes) -> bool:
@@ -294,7 +305,7 @@ class SlotTable(SlotGroups):
                 self.slots[slot].pins += 1
                 return Reservation(self, slot, None, victim=victim)
             self._unpublish(victim)  # unpinned, so this appends it to its free list
-            self.free[self.group_of(slot)[0]].pop()
+            self.groups.free[self.groups.of(slot)[0]].pop()
             self.slots[slot].pins = 1
             return Reservation(self, slot, victim)
 
@@ -344,12 +355,16 @@ class SlotTable(SlotGroups):
     def _free(self, slot: int) -> None:
         info = self.slots[slot]
         info.key = info.parent = None
-        self.free[self.group_of(slot)[0]].append(slot)
+        self.groups.free[self.groups.of(slot)[0]].append(slot)
 
 
 class DiskSlotTable(SlotTable):
     """The disk tier's table: slots that may hold a record from before this start, and
-    groups (devices) that leave service and come back after revalidation."""
+    groups (devices) that leave service and come back (`service`)."""
+
+    def __init__(self, group_sizes: Sequence[int]) -> None:
+        super().__init__(group_sizes)
+        self.service = GroupService(self)
 
     def mark_written(self, slot: int) -> bool:
         """Note that a write is about to reach the slot; True if an older record's
@@ -368,39 +383,51 @@ class DiskSlotTable(SlotTable):
             for entry in entries:
                 self._publish(entry.slot, entry.key, entry.parent, entry.seq)
                 in_use.add(entry.slot)
-            for group, free in enumerate(self.free):
-                self.free[group] = [s for s in free if s not in in_use]
+            free = self.groups.free
+            for group in range(len(free)):
+                free[group] = [s for s in free[group] if s not in in_use]
             for group in written_groups:
-                for slot in self.group_slots(group):
+                for slot in self.groups.span(group):
                     self.slots[slot].ever_written = True
 
-    # -- devices leaving and rejoining service (tiers/availability.py) ----------------------
 
-    def take_out_group(self, group: int) -> tuple[int, list[int]]:
+class GroupService:
+    """A disk table's groups (devices) leaving service and coming back after
+    revalidation (tiers/availability.py drives it). Each call takes the table's lock.
+    Invariants: a group out of service has nothing published and gets no reservation;
+    a slot still pinned by I/O from before the loss is not freed until that pin goes,
+    and rejoins the free list only once it is neither published nor held."""
+
+    def __init__(self, table: DiskSlotTable) -> None:
+        self.table = table
+
+    def take_out(self, group: int) -> tuple[int, list[int]]:
         """Nothing more is reserved in `group` and its records leave the index now.
         Returns (records unpublished, slots reserved for a write in flight there)."""
-        with self.lock:
-            self.disabled.add(group)
+        table = self.table
+        with table.lock:
+            table.groups.disabled.add(group)
             lost, in_flight = 0, []
-            for slot in self.group_slots(group):
-                info = self.slots[slot]
+            for slot in table.groups.span(group):
+                info = table.slots[slot]
                 if info.published and info.key is not None:
-                    self._unpublish(info.key)
+                    table._unpublish(info.key)
                     lost += 1
                 elif info.pins:
                     in_flight.append(slot)
             return lost, in_flight
 
-    def group_pinned(self, group: int) -> bool:
-        """Whether any slot of `group` is still held (an I/O from before a loss)."""
-        with self.lock:
-            return any(self.slots[s].pins for s in self.group_slots(group))
+    def held(self, group: int) -> bool:
+        """Whether any slot of `group` is still pinned (an I/O from before a loss)."""
+        with self.table.lock:
+            return any(self.table.slots[s].pins for s in self.table.groups.span(group))
 
-    def bring_back_group(self, group: int, entries: Iterable[Entry]) -> None:
+    def bring_back(self, group: int, entries: Iterable[Entry]) -> None:
         """Publish the records revalidation verified and serve `group` again: its free
         list is every slot neither published nor held."""
-        with self.lock:
-            self.restore([e for e in entries if e.key not in self.index], [group])
-            self.free[group] = [s for s in reversed(self.group_slots(group))
-                                if not self.slots[s].published and not self.slots[s].pins]
-            self.disabled.discard(group)
+        table = self.table
+        with table.lock:
+            table.restore([e for e in entries if e.key not in table.index], [group])
+            table.groups.free[group] = [s for s in reversed(table.groups.span(group))
+                                        if not table.slots[s].published and not table.slots[s].pins]
+            table.groups.disabled.discard(group)

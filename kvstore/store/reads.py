@@ -1,0 +1,100 @@
+"""Reads out of the store: DRAM hits copied out under their pins, the rest read from
+disk (promoted into DRAM as the policy says) or from peers; prefetches ahead of a get.
+
+Invariants: a chunk is served only if its record verifies (DRAM: key and length under
+the pin, its checksums verified when it entered; disk and peers: header, key and payload
+checksum, datapath/landing.py); a slot stays pinned until its copy out has returned; a
+record that does not verify is dropped from its tier's index and counted as a miss.
+Each read touches its chain before and after, so promotions never evict the prompt's own
+chunks and promoted ones join the chain tail-older-than-head.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvstore.format.record import MissReason
+from kvstore.io.copier import copy_many
+from kvstore.store.parts import StoreParts
+
+
+class Reads:
+    def __init__(self, parts: StoreParts) -> None:
+        self.parts = parts
+
+    def get(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """Checked keys into checked buffers; True per chunk served."""
+        parts, promote = self.parts, self.parts.policy.promote_on_hit
+        ok = [False] * len(keys)
+        parts.touch(keys)  # first: promoting this prompt's chunks never evicts its own
+        if parts.dram is not None:
+            with parts.dram.table.pinned(keys) as pins:
+                self._from_dram(keys, views, pins.hits, ok)
+                for i, slot in pins.hits:
+                    if not ok[i]:
+                        pins.drop(keys[i], slot)
+        if parts.reader is not None:
+            assert parts.disk is not None
+            missing = [i for i, served in enumerate(ok) if not served]
+            with parts.disk.table.pinned(keys, missing) as pins:
+                parts.reader.read(keys, pins, views, promote, ok)
+        if parts.cluster is not None:
+            parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
+        parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
+        parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
+        parts.stats.add("get.chunks", len(keys))
+        parts.stats.add("get.hits", sum(ok))
+        return ok
+
+    def _from_dram(self, keys: Sequence[bytes], views: list[memoryview],
+                   hits: list[tuple[int, int]], ok: list[bool]) -> None:
+        parts, dram = self.parts, self.parts.dram
+        assert dram is not None
+        copies = []
+        for i, slot in hits:
+            payload = dram.payload(slot, keys[i], len(views[i]))
+            if payload is None:
+                parts.stats.miss("host", MissReason.WRONG_KEY, f"slot {slot}")
+                continue
+            copies.append((views[i], payload))
+            ok[i] = True
+        if copies:
+            started = time.perf_counter()
+            copy_many(copies)  # the slots stay pinned until it returns
+            # per chunk, as for disk reads: its time from the start of its batch
+            parts.stats.observe("host.read", time.perf_counter() - started, len(copies))
+        served = [keys[i] for i, _ in hits if ok[i]]
+        parts.ledger.read(served)
+        parts.stats.add("host.hits", len(served))
+        parts.stats.add("host.bytes_read", len(served) * parts.chunk_bytes)
+
+    def prefetch(self, keys: list[bytes]) -> int:
+        """The leading run of checked `keys` on disk (or at peers) into DRAM, in waves of
+        `prefetch_inflight` bytes; chunks already in DRAM are touched. Returns chunks promoted."""
+        parts = self.parts
+        dram, disk, reader, cluster = parts.dram, parts.disk, parts.reader, parts.cluster
+        if dram is None or (reader is None and cluster is None):
+            return 0
+        dram.table.touch_chain(keys)
+        wanted = []
+        for i, key in enumerate(keys):
+            if key in dram.table:
+                continue
+            if disk is None or key not in disk.table:
+                if cluster is None:
+                    break
+                continue  # a peer's, read below
+            wanted.append(i)
+        ok = [False] * len(keys)
+        wave = max(1, parts.config.prefetch_inflight // parts.slot_bytes)  # the cap on bytes in flight
+        if reader is not None:
+            assert disk is not None
+            with disk.table.pinned(keys, wanted) as pins:
+                reader.read(keys, pins, None, promote=True, ok=ok, wave_chunks=wave)
+        if cluster is not None:  # what no local tier holds, from peers
+            cluster.read(keys, [i for i, key in enumerate(keys) if parts.local_tier(key) is None],
+                         None, True, ok)
+        parts.stats.add("prefetch.chunks", sum(ok))
+        parts.stats.add("prefetch.bytes", sum(ok) * parts.chunk_bytes)
+        return sum(ok)
