@@ -77,7 +77,7 @@ def test_a_chunk_key_hashes_whole_even_with_braces_inside():
 def test_nodes_that_accept_and_never_answer_hold_no_lookup(disk_dir):
     """The cluster client's first slot map is read in the background: a caller waits at
     most its deadline, however many startup nodes hang."""
-    listeners = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(3)]
+    listeners = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(5)]  # read in turn: 1 s
     try:
         url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in listeners)
         a = TieredStore(host_config("a", ["b"], disk_dir, url), CHUNK, background=False)
@@ -125,7 +125,7 @@ def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[Tier
             config["tiers"]["disk"][0]["capacity"] = capacity_for(CHUNKS)
             for peer in config["cluster"]["peers"]:
                 peer["disk"][0]["capacity"] = capacity_for(CHUNKS)
-            config["cluster"].update(index_deadline_s=DEADLINE_S, **cluster)
+            config["cluster"].update({"index_deadline_s": DEADLINE_S, **cluster})
             stores.append(TieredStore(config, CHUNK, background=True))
         for store in stores:
             store.cluster.devices.check_once()  # the later hosts' devices exist now
@@ -217,8 +217,9 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
     monkeypatch.setattr(kvstore.cluster.node, "RECENT_S", 0.0)  # every lookup asks the index
     monkeypatch.setattr(kvstore.cluster.node, "RECENT_MISS_S", 0.0)
     names = ["a", "b", "c", "d"]
+    deadline_s = 0.5  # a shard of a loaded 2-core machine may answer past 0.2 s: a miss, not a fault
     stores = cluster_hosts(disk_dir, redis_cluster.url, names, lease_s=3.0, republish_s=2.0,
-                           index_backoff_s=0.3)
+                           index_backoff_s=0.3, index_deadline_s=deadline_s)
     try:
         keys = [make_keys(CHUNKS, seed=30 + i) for i in range(4)]
         payloads = [make_payloads(CHUNKS, seed=30 + i, chunk_bytes=CHUNK) for i in range(4)]
@@ -246,7 +247,7 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
         # Hits come back, no host restarted (the slot map is read again by the client).
         wait_for(lambda: trace.round(range(4))[0] == everything, timeout_s=15, what="hits after failover")
         back = time.monotonic() - killed
-        assert trace.slowest < DEADLINE_S + 0.3
+        assert trace.slowest < deadline_s + 0.3
 
         # Entries the index lost without an error (as a failover loses writes its replica had
         # not received) are sent again by their host within republish_s. Host a's publishing
@@ -290,7 +291,9 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
     within the deadline (redis-py's pipeline then retries the hung shard's commands one
     by one, for seconds, on a thread nobody waits for), the other shards' keys are hits,
     and only that shard is skipped afterwards."""
-    a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"], index_backoff_s=5.0)
+    deadline_s = 0.5  # the live shards' answers must come in time on a loaded 2-core machine
+    a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"], index_backoff_s=5.0,
+                         index_deadline_s=deadline_s)
     try:
         keys, payloads = make_keys(CHUNKS, seed=26), make_payloads(CHUNKS, seed=26, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
@@ -304,15 +307,17 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
         assert b.cluster.index.locate(asked).keys() == set(keys)
         redis_cluster.pause(hung)
         try:
+            took = []
             for _ in range(3):  # the first pays the deadline, the next skip the hung shard at once
                 started = time.monotonic()
                 answer = b.cluster.index.locate(asked)
-                took = time.monotonic() - started
-                assert took < 3 * DEADLINE_S, f"a lookup took {took:.2f} s with a master hung"
+                took.append(time.monotonic() - started)
+                assert took[-1] < 3 * deadline_s, f"a lookup took {took[-1]:.2f} s with a master hung"
                 assert answer is not None and answer.keys() == alive
             stats = b.stats.snapshot()
             assert stats["peer.index_shard_misses"] >= 3 * (CHUNKS - len(alive))
             assert "peer.index_errors" not in stats  # the index as a whole was never given up
+            print("hung master: 60-key lookups took " + ", ".join(f"{t * 1000:.0f}" for t in took) + " ms")
         finally:
             redis_cluster.resume(hung)
     finally:
