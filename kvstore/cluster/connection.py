@@ -7,8 +7,8 @@ reads the slot map; it follows MOVED and ASK and reads the map again after a nod
 Neither client retries (redis-py's would, which multiplies a deadline): a failure is the
 caller's to count.
 
-On a cluster every shard's part of a batch is its own pipeline, sent from a thread of
-its own and waited for until one deadline: a shard that does not answer (its master
+On a cluster every shard's part of a batch is its own pipeline, sent from a worker
+thread of its own and waited for until one deadline: a shard that does not answer (its master
 died, or hangs, and no replica has taken over yet) costs only its own commands, within
 that deadline, however long redis-py's pipeline then spends retrying them one by one.
 Such a shard is skipped for `backoff_s` (and while a part sent to it is still overdue);
@@ -19,9 +19,11 @@ cannot hold a host's start or its lookups.
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -62,6 +64,38 @@ def _queue(pipe: Any, name: str, args: tuple[Any, ...]) -> None:
         getattr(pipe, name)(*args)
 
 
+class _Workers:
+    """Daemon threads that send shards' parts. A thread is added whenever none is idle (a
+    part stuck on a hung node holds its thread), so no part waits for another's."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that one takes it
+            else:
+                self._threads += 1
+                threading.Thread(target=self._work, name="kvstore-index-shard", daemon=True).start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            for _ in range(self._threads):
+                self._jobs.put(None)
+            self._threads = self._idle = 0
+
+
 class _Part:
     """One shard's commands in flight on a thread of their own."""
 
@@ -94,6 +128,7 @@ class IndexConnection:
         self._built = threading.Event()
         self._skip_until: dict[str, float] = {}  # node name -> when it may be asked again
         self._overdue: dict[str, int] = {}  # node name -> its parts still running past their deadline
+        self._workers = _Workers()
         self._closed = False
 
     @property
@@ -165,8 +200,7 @@ class IndexConnection:
                     results[i] = refused
                 continue
             part = _Part(node, indices)
-            threading.Thread(target=self._send, args=(client, commands, part), name="kvstore-index-shard",
-                             daemon=True).start()
+            self._workers.submit(functools.partial(self._send, client, commands, part))
             parts.append(part)
         until = started + (self.timeout_s if deadline_s is None else deadline_s)
         for part in parts:
@@ -190,8 +224,8 @@ class IndexConnection:
             for i in part.indices:
                 _queue(pipe, *commands[i])
             answers = list(pipe.execute(raise_on_error=False))
-        except FAILURES as exc:
-            answers = [exc] * len(part.indices)
+        except Exception as exc:  # FAILURES, or redis-py's own errors when closed under a late part:
+            answers = [exc] * len(part.indices)  # either way the part ends and its shard is freed
         with self._lock:
             part.answers = answers
             part.done.set()
@@ -216,3 +250,4 @@ class IndexConnection:
             self._closed = True
             if self._client is not None:
                 self._client.close()
+        self._workers.close()
