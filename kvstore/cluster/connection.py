@@ -112,8 +112,8 @@ class IndexConnection:
     cluster, shard by shard."""
 
     def __init__(self, url: str, timeout_s: float, backoff_s: float = 0.0) -> None:
-        """`timeout_s`: each socket operation's, and a batch's deadline unless `run` names
-        one; `backoff_s`: how long a cluster shard that failed is not asked again."""
+        """`timeout_s`: each socket operation's, and a batch's deadline; `backoff_s`: how
+        long a cluster shard that failed is not asked again."""
         self.url = url
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self.timeout_s = timeout_s
@@ -161,7 +161,7 @@ class IndexConnection:
         try:
             client = RedisCluster(startup_nodes=nodes, ssl=self.url.startswith("rediss"),
                                   require_full_coverage=False, **_credentials(self.url), **self._options)
-        except FAILURES as exc:
+        except Exception as exc:  # FAILURES, or anything else: the next caller builds again
             error = exc
         with self._lock:
             self._building = None
@@ -173,10 +173,10 @@ class IndexConnection:
                 self._build_error = error
             self._built.set()
 
-    def run(self, commands: Sequence[Command], deadline_s: float | None = None) -> list[Any]:
+    def run(self, commands: Sequence[Command]) -> list[Any]:
         """The commands' results. One instance: one pipeline; a failure raises. A cluster:
-        one pipeline per shard, all within `deadline_s` (default `timeout_s`); a shard that
-        fails, is late or is backing off gives its commands' exceptions as their results."""
+        one pipeline per shard, all within `timeout_s`; a shard that fails, is late or is
+        backing off gives its commands' exceptions as their results."""
         if not self.cluster:
             pipe = self.client.pipeline(transaction=False)
             for name, args in commands:
@@ -202,10 +202,10 @@ class IndexConnection:
             part = _Part(node, indices)
             self._workers.submit(functools.partial(self._send, client, commands, part))
             parts.append(part)
-        until = started + (self.timeout_s if deadline_s is None else deadline_s)
+        until = started + self.timeout_s
         for part in parts:
             part.done.wait(max(0.0, until - time.monotonic()))
-            answers = self._collect(part, until - started)
+            answers = self._collect(part)
             for i, answer in zip(part.indices, answers, strict=True):
                 results[i] = answer
         return results
@@ -232,14 +232,14 @@ class IndexConnection:
             if part.overdue:
                 self._overdue[part.node] -= 1
 
-    def _collect(self, part: _Part, deadline_s: float) -> list[Any]:
+    def _collect(self, part: _Part) -> list[Any]:
         """The part's answers, or a timeout for each if it is late (it then holds its shard)."""
         with self._lock:
             if not part.done.is_set():
                 part.overdue = True
                 self._overdue[part.node] = self._overdue.get(part.node, 0) + 1
                 self._skip_until[part.node] = time.monotonic() + self.backoff_s
-                late = redis.TimeoutError(f"shard {part.node} did not answer within {deadline_s:g} s")
+                late = redis.TimeoutError(f"shard {part.node} did not answer within {self.timeout_s:g} s")
                 return [late] * len(part.indices)
             if any(isinstance(answer, NODE_DOWN) for answer in part.answers):
                 self._skip_until[part.node] = time.monotonic() + self.backoff_s

@@ -3,13 +3,14 @@
 The slot table tells a listener of every publish and unpublish (under its lock); the
 listener only appends to a bounded queue, so the data path never waits on Redis. The
 thread sends the queue in pipelines (HSET/SADD, HDEL/SREM) and renews the lease, in a
-command of its own, at least every `lease_s`/3: on a Redis Cluster each shard's part
+command of its own, at least every `lease_s`/3. On a Redis Cluster each shard's part
 goes on its own (connection.py), so a shard that is down costs only the writes routed
-to it, never the lease's renewal or the other shards' writes. When anything is lost (the queue
-overflowed, a pipeline failed, the lease was gone when renewed (Redis restarted or was
-flushed), or at start, when the index recovered from the devices was never sent), the
-thread reconciles instead: it compares the set of keys this host has published with its
-slot table and sends the difference, so the index converges on what the devices hold
+to it, which are sent again at the next step, never the lease's renewal or the other
+shards' writes. When more is lost (the queue or the writes to send again overflowed,
+one Redis failed, the lease was gone when renewed (Redis restarted or was flushed), or
+at start, when the index recovered from the devices was never sent), the thread
+reconciles instead: it compares the set of keys this host has published with its slot
+table and sends the difference, so the index converges on what the devices hold
 however long Redis was away.
 
 Some losses no error shows: a Redis Cluster master that dies takes the writes its
@@ -55,6 +56,8 @@ class IndexPublisher:
         self._renewed = 0.0
         self._failing = False
         self._error: BaseException | None = None  # this step's first failure, for the log
+        self._retry: list[Command] = []  # writes a shard failed: sent again at the next step
+        self._reconcile_after = 0.0  # a reconcile that could not read this host's set waits
         self._round: list[bytes] = []  # this republish round's keys not yet sent again
         self.sent = 0  # updates (and reconciles) that reached the index: tests wait on it
         disk.table.listeners.append(self._changed)
@@ -84,12 +87,16 @@ class IndexPublisher:
         round's share of the republish; False if the index (or one of its shards) failed."""
         self._error = None
         try:
-            due = time.monotonic() - self._renewed >= self.config.lease_s / 3
+            now = time.monotonic()
+            due = now - self._renewed >= self.config.lease_s / 3
             ok = self._renew() if due or self._dirty else True
-            if self._dirty:
+            if self._dirty and now >= self._reconcile_after:
                 ok = self._reconcile() and ok
             elif due:
                 ok = self._republish() and ok
+            if self._retry:
+                retry, self._retry = self._retry, []
+                ok = self._send(retry) and ok
             while self._queue:
                 ok = self._send_queued() and ok
         except FAILURES as exc:  # one instance failed, or the cluster's slot map is not read yet
@@ -109,14 +116,18 @@ class IndexPublisher:
         return True
 
     def _send(self, commands: list[Command]) -> bool:
-        """Send `commands` (in batches, each shard its part); False if any failed: this
-        host's part of the index may then differ from its table, so it reconciles next."""
+        """Send `commands` (in batches, each shard its part); False if any failed. Those
+        are sent again at the next step (a shard down costs only its own writes, again),
+        or, past QUEUE_LIMIT of them, a reconcile follows."""
         ok = True
         for start in range(0, len(commands), 2 * _BATCH):
-            for answer in self._index.run(commands[start : start + 2 * _BATCH]):
+            batch = commands[start : start + 2 * _BATCH]
+            for command, answer in zip(batch, self._index.run(batch), strict=True):
                 if isinstance(answer, BaseException):
-                    self._error = self._error or answer
-                    self._dirty, ok = True, False
+                    self._error, ok = self._error or answer, False
+                    self._retry.append(command)
+        if len(self._retry) > QUEUE_LIMIT:
+            self._dirty, self._retry = True, []
         return ok
 
     def _location(self, slot: int, seq: int) -> bytes | None:
@@ -153,14 +164,16 @@ class IndexPublisher:
         with self.disk.table.lock:  # no change slips between the snapshot and the queue
             self._dirty = False
             self._queue.clear()
+            self._retry = []
             entries = self.disk.table.entries()
         mine = {e.key: location for e in entries if (location := self._location(e.slot, e.seq))}
         published = self.keys.published(self.host_id)
         try:
             gone = [key for key in self._index.client.sscan_iter(published, count=10000) if key not in mine]
-        except FAILURES as exc:  # the set's shard is down: withdraw nothing now, publish the rest
-            self._error, gone = exc, []
+        except FAILURES as exc:  # the set's shard is down: withdraw nothing now, publish the rest,
+            self._error, gone = exc, []  # and reconcile again after lease_s (not at every step)
             self._dirty = True
+            self._reconcile_after = time.monotonic() + self.config.lease_s
         commands = [c for key in gone for c in self._withdraw(key)]
         commands += [c for key, location in mine.items() for c in self._put(key, location)]
         ok = self._send(commands) and not self._dirty
@@ -203,7 +216,7 @@ class IndexPublisher:
             return False
         if existing and not answer:
             log.warning("cluster index: this host's lease was gone; publishing everything again")
-            self._dirty = True
+            self._dirty, self._reconcile_after = True, 0.0
             return self._renew()  # made again, without XX now
         self._renewed = time.monotonic()
         return True
