@@ -90,6 +90,13 @@ class IndexKeys:
     def lease(self, host: str) -> bytes:
         return self._lease + host.encode()
 
+    def put(self, host: str, key: bytes, location: bytes) -> list[Command]:
+        """`host`'s entry for chunk `key`, and the key in its set."""
+        return [("hset", (self.chunk(key), host, location)), ("sadd", (self.published(host), key))]
+
+    def withdraw(self, host: str, key: bytes) -> list[Command]:
+        return [("hdel", (self.chunk(key), host)), ("srem", (self.published(host), key))]
+
 
 class IndexReader:
     """Batched lookups of chunk keys among the configured peers, within the deadline."""

@@ -52,6 +52,7 @@ class IndexPublisher:
         self._queue: deque[tuple[bool, bytes, int, int]] = deque()
         self._dirty = True  # the recovered index has not been sent yet
         self._wake = threading.Event()
+        self._stepping = threading.Lock()
         self._stop = threading.Event()
         self._renewed = 0.0
         self._failing = False
@@ -85,35 +86,36 @@ class IndexPublisher:
     def step(self) -> bool:
         """Renew the lease, send what is queued (or reconcile) and, at a renewal, this
         round's share of the republish; False if the index (or one of its shards) failed."""
-        self._error = None
-        try:
-            now = time.monotonic()
-            due = now - self._renewed >= self.config.lease_s / 3
-            ok = self._renew() if due or self._dirty else True
-            if self._dirty and now >= self._reconcile_after:
-                ok = self._reconcile() and ok
-            elif due:
-                ok = self._republish() and ok
-            if self._retry:
-                retry, self._retry = self._retry, []
-                ok = self._send(retry) and ok
-            while self._queue:
-                ok = self._send_queued() and ok
-        except FAILURES as exc:  # one instance failed, or the cluster's slot map is not read yet
-            self._dirty = True  # what was taken from the queue is lost: reconcile next time
-            self._error, ok = exc, False
-        if not ok:
-            self.stats.add("peer.publish_errors")
-            if not self._failing:
-                log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
-                            shown(self.config.index_url), self._error, self.config.index_backoff_s)
-            self._failing = True
-            self._stop.wait(self.config.index_backoff_s)
-            return False
-        if self._failing:
-            log.warning("cluster index %s: publishing again", shown(self.config.index_url))
-            self._failing = False
-        return True
+        with self._stepping:  # the thread's, or a caller's (tests, a flush) waiting for it
+            self._error = None
+            try:
+                now = time.monotonic()
+                due = now - self._renewed >= self.config.lease_s / 3
+                ok = self._renew() if due or self._dirty else True
+                if self._dirty and now >= self._reconcile_after:
+                    ok = self._reconcile() and ok
+                elif due:
+                    ok = self._republish() and ok
+                if self._retry:
+                    retry, self._retry = self._retry, []
+                    ok = self._send(retry) and ok
+                while self._queue:
+                    ok = self._send_queued() and ok
+            except FAILURES as exc:  # one instance failed, or the cluster's slot map is not read yet
+                self._dirty = True  # what was taken from the queue is lost: reconcile next time
+                self._error, ok = exc, False
+            if not ok:
+                self.stats.add("peer.publish_errors")
+                if not self._failing:
+                    log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
+                                shown(self.config.index_url), self._error, self.config.index_backoff_s)
+                self._failing = True
+                self._stop.wait(self.config.index_backoff_s)
+                return False
+            if self._failing:
+                log.warning("cluster index %s: publishing again", shown(self.config.index_url))
+                self._failing = False
+            return True
 
     def _send(self, commands: list[Command]) -> bool:
         """Send `commands` (in batches, each shard its part); False if any failed. Those
@@ -137,21 +139,14 @@ class IndexPublisher:
             return None
         return Location(self.generation, group, layout.sb.device_id[:DEVICE_ID_BYTES], local, seq).pack()
 
-    def _put(self, key: bytes, location: bytes) -> list[Command]:
-        return [("hset", (self.keys.chunk(key), self.host_id, location)),
-                ("sadd", (self.keys.published(self.host_id), key))]
-
-    def _withdraw(self, key: bytes) -> list[Command]:
-        return [("hdel", (self.keys.chunk(key), self.host_id)),
-                ("srem", (self.keys.published(self.host_id), key))]
-
     def _send_queued(self) -> bool:
         commands: list[Command] = []
         sent = 0
         while self._queue and sent < _BATCH:
             add, key, slot, seq = self._queue.popleft()
             location = self._location(slot, seq) if add else None
-            commands += self._put(key, location) if location is not None else self._withdraw(key)
+            commands += (self.keys.withdraw(self.host_id, key) if location is None
+                         else self.keys.put(self.host_id, key, location))
             sent += 1
         ok = self._send(commands)
         self.sent += sent
@@ -174,8 +169,8 @@ class IndexPublisher:
             self._error, gone = exc, []  # and reconcile again after lease_s (not at every step)
             self._dirty = True
             self._reconcile_after = time.monotonic() + self.config.lease_s
-        commands = [c for key in gone for c in self._withdraw(key)]
-        commands += [c for key, location in mine.items() for c in self._put(key, location)]
+        commands = [c for key in gone for c in self.keys.withdraw(self.host_id, key)]
+        commands += [c for key, location in mine.items() for c in self.keys.put(self.host_id, key, location)]
         ok = self._send(commands) and not self._dirty
         self.sent += 1
         self.stats.add("peer.reconciles")
@@ -199,7 +194,7 @@ class IndexPublisher:
             del self._round[-share:]
         commands = [c for key, entry in current
                     if entry is not None and (location := self._location(entry.slot, entry.seq)) is not None
-                    for c in self._put(key, location)]
+                    for c in self.keys.put(self.host_id, key, location)]
         self.stats.add("peer.republished", len(commands) // 2)
         return self._send(commands)
 
@@ -230,20 +225,15 @@ class IndexPublisher:
             self._thread.join(self.config.lease_s)
         with self.disk.table.lock:
             self.disk.table.listeners.remove(self._changed)
-        if withdraw:
-            self._withdraw_lease()
-        self._index.close()
-
-    def _withdraw_lease(self) -> None:
-        """Delete the lease; after a failover the first try may go to the dead master (a
-        stale slot map, which that failure makes the client read again): one more try."""
-        answer: object = None
-        for _ in range(2):
-            try:
+        for _ in range(2 if withdraw else 0):  # after a failover the first try may meet the dead
+            try:  # master (a stale slot map, which that failure makes the client read again)
                 answer = self._index.run([("delete", (self.keys.lease(self.host_id),))])[0]
             except FAILURES as exc:
                 answer = exc
             if not isinstance(answer, BaseException):
-                return
-        log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", answer,
-                    self.config.lease_s)
+                break
+        else:
+            if withdraw:
+                log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", answer,
+                            self.config.lease_s)
+        self._index.close()
