@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.redis_server import RedisClusterServers, RedisServer, redis_server_unavailable
-from kvstore.cluster.connection import IndexConnection
+from kvstore.cluster.connection import Command, IndexConnection
 from kvstore.cluster.index import IndexKeys, IndexReader, Location
 from kvstore.config.store import ClusterConfig, load_config
 from kvstore.tiers.stats import Stats
@@ -53,18 +53,21 @@ def _chunk_keys(peer: int, chunks: int) -> list[bytes]:
 
 def fill(url: str, peers: int, chunks: int) -> None:
     """Every peer's lease and `chunks` entries, as their publishers would have sent them."""
-    keys = IndexKeys("kvstore:")
     index = IndexConnection(url, 30)
+    keys = IndexKeys("kvstore:", index.cluster)
     try:
         for peer in range(peers):
             host, generation = f"h{peer}", peer + 1
             index.client.set(keys.lease(host), generation.to_bytes(8, "little"), px=int(LEASE_S * 1000))
             for start in range(0, chunks, 4096):
-                pipe = index.pipeline()
+                commands: list[Command] = []
                 for i, key in enumerate(_chunk_keys(peer, chunks)[start : start + 4096], start):
-                    pipe.hset(keys.chunk(key), host, Location(generation, 0, bytes(8), i, i).pack())
-                    pipe.sadd(keys.published(host), key)
-                pipe.execute()
+                    location = Location(generation, 0, bytes(8), i, i).pack()
+                    commands.append(("hset", (keys.chunk(key), host, location)))
+                    commands.append(("sadd", (keys.published(host), key)))
+                failed = [answer for answer in index.run(commands) if isinstance(answer, BaseException)]
+                if failed:
+                    raise failed[0]
     finally:
         index.close()
 

@@ -150,7 +150,8 @@ class RedisClusterServers:
 
     def primaries(self, port: int) -> set[int]:
         """The ports of the masters serving slots, as the node at `port` sees them."""
-        slots = self._client(port).execute_command("CLUSTER", "SLOTS")
+        with self._client(port) as client:
+            slots = client.execute_command("CLUSTER", "SLOTS")
         return {int(row[2][1]) for row in slots}
 
     def live(self) -> int:
@@ -159,9 +160,10 @@ class RedisClusterServers:
 
     def primary_of(self, key: bytes) -> int:
         """The port of the master serving `key`'s slot now."""
-        client = self._client(self.live())
-        slot = client.execute_command("CLUSTER", "KEYSLOT", key)
-        for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+        with self._client(self.live()) as client:
+            slot = client.execute_command("CLUSTER", "KEYSLOT", key)
+            slots = client.execute_command("CLUSTER", "SLOTS")
+        for start, end, master, *_ in slots:
             if start <= slot <= end:
                 return int(master[1])
         raise LookupError(f"no master serves slot {slot}")
@@ -183,10 +185,27 @@ class RedisClusterServers:
                 with self._client(port) as node:
                     node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", new_id)
 
+    def replicas(self, port: int) -> list[int]:
+        """The ports of the replicas of the master at `port`."""
+        with self._client(port) as client:
+            me = client.execute_command("CLUSTER", "MYID")
+            me = me.decode() if isinstance(me, bytes) else me
+            nodes = client.execute_command("CLUSTER", "REPLICAS", me)
+        return [int(line.split()[1].split("@")[0].rpartition(":")[2])
+                for line in (n.decode() if isinstance(n, bytes) else n for n in nodes)]
+
     def kill(self, port: int) -> None:
         """SIGKILL one node (no clean stop: its replica must notice and take over)."""
         self.processes[port].kill()
         self.processes[port].wait()
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP one node: it accepts connections and answers nothing (a hung master)."""
+        os.kill(self.processes[port].pid, signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.processes[port].pid, signal.SIGCONT)
 
     def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -211,7 +230,7 @@ class RedisClusterServers:
     def stop(self) -> None:
         for process in self.processes.values():
             if process.poll() is None:
-                process.kill()
+                process.kill()  # SIGKILL ends a stopped process too
             process.wait()
 
 

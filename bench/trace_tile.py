@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,10 @@ def tile(source: str | Path, copies: int) -> list[dict[str, Any]]:
     if copies < 1:
         raise ValueError(f"--copies {copies}: must be at least 1")
     rows = [json.loads(line) for line in Path(source).read_text().splitlines() if line.strip()]
+    for i, (row, after) in enumerate(itertools.pairwise(rows)):
+        if after["timestamp"] < row["timestamp"]:  # the merge below needs each copy in order
+            raise ValueError(f"{source}: request {i + 2} arrives at {after['timestamp']}, before request "
+                             f"{i + 1} ({row['timestamp']}): the trace must be in arrival order")
     stride = 1 + max((i for row in rows for i in row["hash_ids"]), default=0)
     tenants = [[{**row, "hash_ids": [i + k * stride for i in row["hash_ids"]]} for row in rows]
                for k in range(copies)]

@@ -142,3 +142,6 @@ def test_a_tiled_trace_is_k_tenants_that_share_no_block(tmp_path, capsys):
     assert "150 requests" in capsys.readouterr().out
     with pytest.raises(ValueError, match="at least 1"):
         tile(trace, 0)
+    (tmp_path / "shuffled.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [rows[1], rows[0]]))
+    with pytest.raises(ValueError, match=r"request 2 arrives at .* before request 1.*arrival order"):
+        tile(tmp_path / "shuffled.jsonl", 2)

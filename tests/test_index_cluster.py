@@ -1,11 +1,14 @@
 """The chunk index on a real Redis Cluster (3 masters, a replica each): hosts share
-chunks through it, a master killed with SIGKILL costs only the lookups of its keys
-(misses within the deadline, never wrong bytes) until its replica takes over, lost
-entries come back, and a dead host's entries expire; eight store processes on one
-loop array share through it."""
+chunks through it, a master killed with SIGKILL or hung with SIGSTOP costs only the
+lookups of its keys (misses within the deadline, never wrong bytes) until its replica
+takes over, a shard down for good costs no host its lease, lost entries come back, and
+a dead host's entries expire; eight store processes on one loop array share through it."""
 
 from __future__ import annotations
 
+import binascii
+import contextlib
+import socket
 import time
 
 import numpy as np
@@ -17,7 +20,7 @@ from test_cluster import CHUNK, capacity_for, client, counters, found, get, host
 
 import kvstore.cluster.node
 from bench.loopdev import LoopDevices
-from kvstore.cluster.connection import shown
+from kvstore.cluster.connection import IndexConnection, shown
 from kvstore.cluster.index import IndexKeys
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
@@ -25,9 +28,10 @@ from kvstore.service.client import StoreClient
 from kvstore.store.tiered import TieredStore
 
 redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e .)")
+from redis.crc import key_slot  # noqa: E402 - the redis client's own slot function
 
 CHUNKS = 12  # per host
-DEADLINE_S = 0.2
+DEADLINE_S = 0.5  # a shard of this loaded 2-core machine may answer past 0.2 s: a miss, yet not the test's
 
 
 @pytest.mark.parametrize(("url", "error"), [
@@ -46,16 +50,57 @@ def test_a_bad_cluster_url_is_refused_naming_the_problem(url, error):
     ("redis+cluster://user:s3cret@10.0.0.9:7000,10.0.0.9:7001", "redis+cluster://user:***@10.0.0.9:7000,10.0.0.9:7001"),
     ("redis://:s3cret@10.0.0.9:6379/0", "redis://:***@10.0.0.9:6379/0"),
     ("redis://10.0.0.9:6379/0", "redis://10.0.0.9:6379/0"),
+    ("redis://:p@ss@10.0.0.9:6379/0", "redis://:***@10.0.0.9:6379/0"),  # a raw @ in the password
 ])
 def test_logs_and_info_hide_the_password(url, seen):
     assert shown(url) == seen
 
 
-def test_a_prefix_with_a_hash_tag_is_refused():
+def test_a_prefix_with_a_hash_tag_is_refused_for_a_cluster_only():
     config = {"tiers": {"host": {"capacity": "1MiB"}},
               "cluster": {"host_id": "a", "index_url": "redis+cluster://h:1", "key_prefix": "kv{x}:"}}
     with pytest.raises(ConfigError, match=r"cluster\.key_prefix.*one hash slot"):
         load_config(config)
+    config["cluster"]["index_url"] = "redis://h:1/0"  # one instance: as it always was
+    assert load_config(config).cluster.key_prefix == "kv{x}:"
+
+
+def test_a_chunk_key_hashes_whole_even_with_braces_inside():
+    """Raw chunk keys are any 16 bytes; a `{x}` in one must not become its hash tag."""
+    raw = b"{x}" + bytes(range(13))
+    name = IndexKeys("kvstore:", cluster=True).chunk(raw)
+    assert key_slot(name) == binascii.crc_hqx(name, 0) % 16384 != key_slot(b"{x}")  # CRC16 of it all
+    assert IndexKeys("kvstore:", cluster=False).chunk(raw) == b"kvstore:c:" + raw  # one instance: unchanged
+    assert IndexKeys("kvstore:", cluster=False).lease("a") == b"kvstore:l:a"
+
+
+def test_nodes_that_accept_and_never_answer_hold_no_lookup(disk_dir):
+    """The cluster client's first slot map is read in the background: a caller waits at
+    most its deadline, however many startup nodes hang."""
+    deadline_s = 0.2  # host_config's index_deadline_s
+    listeners = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(5)]  # read in turn: 1 s
+    try:
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in listeners)
+        a = TieredStore(host_config("a", ["b"], disk_dir, url), CHUNK, background=False)
+        try:
+            keys = make_keys(2, seed=25)
+            for _ in range(3):
+                started = time.monotonic()
+                assert a.lookup(keys).count == 0
+                assert time.monotonic() - started < 3 * deadline_s
+            index = IndexConnection(url, deadline_s)
+            try:
+                started = time.monotonic()
+                with pytest.raises(redis.TimeoutError, match="slot map"):
+                    index.run([("hmget", (b"k", ["a"]))])
+                assert time.monotonic() - started < 3 * deadline_s
+            finally:
+                index.close()
+        finally:
+            a.close()
+    finally:
+        for listener in listeners:
+            listener.close()
 
 
 def test_a_host_starts_with_the_cluster_unreachable_and_looks_up_locally_in_time(disk_dir):
@@ -81,7 +126,7 @@ def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[Tier
             config["tiers"]["disk"][0]["capacity"] = capacity_for(CHUNKS)
             for peer in config["cluster"]["peers"]:
                 peer["disk"][0]["capacity"] = capacity_for(CHUNKS)
-            config["cluster"].update(index_deadline_s=DEADLINE_S, **cluster)
+            config["cluster"].update({"index_deadline_s": DEADLINE_S, **cluster})
             stores.append(TieredStore(config, CHUNK, background=True))
         for store in stores:
             store.parts.cluster.devices.check_once()  # the later hosts' devices exist now
@@ -102,7 +147,7 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
         assert b.lookup(keys).tiers == ("peer",) * CHUNKS
         ok, outs = read_back(b, keys)
         assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
-        names = IndexKeys("kvstore:")
+        names = IndexKeys("kvstore:", cluster=True)
         assert len({redis_cluster.primary_of(names.chunk(key)) for key in keys}) == 3  # spread
         assert len({redis_cluster.primary_of(names.lease(h)) for h in "ab"}) == 1  # the leases: one shard
     finally:
@@ -117,7 +162,7 @@ def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_di
         assert a.put_many(keys, payloads) == [True] * CHUNKS
         assert a.parts.cluster.publisher.step()
         assert b.parts.cluster.index.locate(keys).keys() == set(keys)
-        moved = IndexKeys("kvstore:").chunk(keys[0])
+        moved = IndexKeys("kvstore:", cluster=True).chunk(keys[0])
         source = redis_cluster.primary_of(moved)
         target = next(port for port in redis_cluster.primaries(source) if port != source)
 
@@ -183,7 +228,7 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
         trace = Trace(stores, keys, payloads)
         everything = 4 * 3 * CHUNKS
         wait_for(lambda: trace.round(range(4))[0] == everything, what="every host finding the others'")
-        index = IndexKeys("kvstore:")
+        index = IndexKeys("kvstore:", cluster=True)
         victim = redis_cluster.primary_of(index.lease("a"))  # the leases' shard, and a third of the keys
         on_victim = sum(redis_cluster.primary_of(index.chunk(k)) == victim for own in keys for k in own)
         assert 0 < on_victim < 4 * CHUNKS
@@ -205,30 +250,109 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
         assert trace.slowest < DEADLINE_S + 0.3
 
         # Entries the index lost without an error (as a failover loses writes its replica had
-        # not received) are sent again by their host within republish_s.
+        # not received) are sent again by their host within republish_s. Host a's publishing
+        # thread is stopped first (its steps are then taken here), so no republish can
+        # restore them before they are seen missing.
+        publisher = stores[0].parts.cluster.publisher
+        stop_thread(publisher)
         with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.live()) as r:
             assert [r.hdel(index.chunk(key), "a") for key in keys[0][:4]] == [1] * 4
         assert set(stores[1].parts.cluster.index.locate(keys[0])) == set(keys[0][4:])
-        wait_for(lambda: trace.round([1], [0]) == (CHUNKS, 0), timeout_s=5, what="the lost entries back")
+        wait_for(lambda: publisher.step() and trace.round([1], [0]) == (CHUNKS, 0), timeout_s=5,
+                 what="the lost entries back")
         assert stores[0].stats.snapshot()["peer.republished"] > 0
 
         # A host that dies (its publisher stops, its lease is not withdrawn): its entries
         # stop counting once its lease runs out, the others' stay.
-        dead = stores[3].parts.cluster.publisher
-        dead._stop.set()
-        dead._wake.set()
-        dead._thread.join(5)
+        stop_thread(stores[3].parts.cluster.publisher)
         died = time.monotonic()
         wait_for(lambda: trace.round([0], [3]) == (0, CHUNKS), timeout_s=6, what="the dead host's expiry")
         assert time.monotonic() - died < 3.0 + 1.5
         assert stores[0].stats.snapshot()["peer.index_expired"] > 0
         assert trace.round([0], [1, 2]) == (2 * CHUNKS, 0)
         assert trace.wrong == 0
+        stores.pop(1).close()  # a clean stop after the failover withdraws the lease at once
+        with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.live()) as r:
+            assert not r.exists(index.lease("b"))
         print(f"failover: promoted after {promoted:.1f} s, all hits back after {back:.1f} s, "
               f"slowest lookup {trace.slowest * 1000:.0f} ms")
     finally:
         for store in stores:
             store.close()
+
+
+def stop_thread(publisher) -> None:
+    """Stop a host's publishing thread as its death would (the lease is not withdrawn)."""
+    publisher._stop.set()
+    publisher._wake.set()
+    publisher._thread.join(5)
+    assert not publisher._thread.is_alive()
+
+
+def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_cluster):  # noqa: F811
+    """SIGSTOP: the master accepts and never answers. A 60-key lookup still returns
+    within the deadline (redis-py's pipeline then retries the hung shard's commands one
+    by one, for seconds, on a thread nobody waits for), the other shards' keys are hits,
+    and only that shard is skipped afterwards."""
+    a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"], index_backoff_s=5.0)
+    try:
+        keys, payloads = make_keys(CHUNKS, seed=26), make_payloads(CHUNKS, seed=26, chunk_bytes=CHUNK)
+        assert a.put_many(keys, payloads) == [True] * CHUNKS
+        assert a.parts.cluster.publisher.step()
+        index = IndexKeys("kvstore:", cluster=True)
+        leases = redis_cluster.primary_of(index.lease("a"))
+        hung = next(port for port in redis_cluster.primaries(leases) if port != leases)
+        alive = {k for k in keys if redis_cluster.primary_of(index.chunk(k)) != hung}
+        assert 0 < len(alive) < CHUNKS
+        asked = keys + make_keys(60 - CHUNKS, seed=27)  # 60 keys, as a long prompt's lookup
+        assert b.parts.cluster.index.locate(asked).keys() == set(keys)
+        redis_cluster.pause(hung)
+        try:
+            took = []
+            for _ in range(3):  # the first pays the deadline, the next skip the hung shard at once
+                started = time.monotonic()
+                answer = b.parts.cluster.index.locate(asked)
+                took.append(time.monotonic() - started)
+                assert took[-1] < 3 * DEADLINE_S, f"a lookup took {took[-1]:.2f} s with a master hung"
+                assert answer is not None and answer.keys() == alive
+            stats = b.stats.snapshot()
+            assert stats["peer.index_shard_misses"] >= 3 * (CHUNKS - len(alive))
+            assert "peer.index_errors" not in stats  # the index as a whole was never given up
+            print("hung master: 60-key lookups took " + ", ".join(f"{t * 1000:.0f}" for t in took) + " ms")
+        finally:
+            redis_cluster.resume(hung)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_shard_down_for_good_costs_no_host_its_lease(disk_dir, redis_cluster):  # noqa: F811
+    """A shard other than the leases' loses its master and its replica: no failover. Each
+    host still renews its lease (it goes alone, not in a pipeline that spans the dead
+    shard) and publishes to the live shards, so past `lease_s` the live shards' chunks
+    are still hits."""
+    lease_s = 1.5
+    a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"], lease_s=lease_s, republish_s=1.0)
+    try:
+        keys, payloads = make_keys(CHUNKS, seed=28), make_payloads(CHUNKS, seed=28, chunk_bytes=CHUNK)
+        assert a.put_many(keys, payloads) == [True] * CHUNKS
+        wait_for(lambda: b.lookup(keys).tiers == ("peer",) * CHUNKS, what="b finding a's chunks")
+        index = IndexKeys("kvstore:", cluster=True)
+        leases = redis_cluster.primary_of(index.lease("a"))
+        dead = next(port for port in redis_cluster.primaries(leases) if port != leases)
+        alive = [k for k in keys if redis_cluster.primary_of(index.chunk(k)) != dead]
+        assert 0 < len(alive) < CHUNKS
+        for port in [dead, *redis_cluster.replicas(dead)]:
+            redis_cluster.kill(port)
+        time.sleep(2 * lease_s)  # every lease read before the kill has run out by now
+        assert b.parts.cluster.index.locate(keys).keys() == set(alive)
+        ok, outs = read_back(b, alive)
+        expected = [payloads[keys.index(k)] for k in alive]
+        assert ok == [True] * len(alive) and all((o == p).all() for o, p in zip(outs, expected, strict=True))
+        assert a.stats.snapshot()["peer.publish_errors"] > 0  # the dead shard's writes failed
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.slow
@@ -252,8 +376,12 @@ def test_eight_store_processes_on_one_loop_array_share_through_the_cluster_index
                                           for i in range(8) if i != me]}}
 
         configs = [config(i) for i in range(8)]
-        try:
+        with contextlib.ExitStack() as closing:
+            for c in configs:
+                closing.callback(stop_service, c)
             stores = [client(c) for c in configs]
+            for store in stores:
+                closing.callback(store.close)
             keys = [make_keys(4, seed=40 + i) for i in range(8)]
             payloads = [make_payloads(4, seed=40 + i, chunk_bytes=CHUNK) for i in range(8)]
             for store, own, data in zip(stores, keys, payloads, strict=True):
@@ -274,13 +402,11 @@ def test_eight_store_processes_on_one_loop_array_share_through_the_cluster_index
 
             wait_for(everyone_reads_everything, timeout_s=30, what="every host reading the other seven")
             assert all(counters(c)["peer.hits"] >= 28 for c in configs)
-            redis_cluster.kill(redis_cluster.primary_of(IndexKeys("kvstore:").chunk(keys[0][0])))
+            index = IndexKeys("kvstore:", cluster=True)
+            redis_cluster.kill(redis_cluster.primary_of(index.chunk(keys[0][0])))
             time.sleep(1.1)  # past the hosts' memory of earlier answers (kvstore.cluster.node.RECENT_S)
             wait_for(everyone_reads_everything, timeout_s=30, what="every host reading all after failover")
             assert sum(counters(c).get("peer.index_shard_misses", 0) for c in configs) > 0
-        finally:
-            for c in configs:
-                stop_service(c)
 
 
 def get_all(store: StoreClient, keys: list[bytes]) -> tuple[list[bool], list[bytes]]:

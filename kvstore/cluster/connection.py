@@ -5,21 +5,27 @@
 names a Redis Cluster (redis-py's cluster client): the nodes listed are where it first
 reads the slot map; it follows MOVED and ASK and reads the map again after a node fails.
 Neither client retries (redis-py's would, which multiplies a deadline): a failure is the
-caller's to count. The cluster client is made on first use, so a host starts while the
-cluster is unreachable, as it does with one instance down.
+caller's to count.
 
-A cluster pipeline goes to every shard at once. When a shard does not answer (its master
-died and no replica has taken over yet), `run` sends each shard's part on its own, so
-only the commands routed to the dead shard fail.
+On a cluster every shard's part of a batch is its own pipeline, sent from a worker
+thread of its own and waited for until one deadline: a shard that does not answer (its master
+died, or hangs, and no replica has taken over yet) costs only its own commands, within
+that deadline, however long redis-py's pipeline then spends retrying them one by one.
+Such a shard is skipped for `backoff_s` (and while a part sent to it is still overdue);
+the others are not. The cluster client (its first slot map) is built in the background:
+a caller waits for it at most its deadline, so nodes that accept and never answer
+cannot hold a host's start or its lookups.
 """
 
 from __future__ import annotations
 
-import re
+import functools
+import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -30,12 +36,17 @@ from redis.retry import Retry
 from kvstore.config.store import CLUSTER_SCHEMES, cluster_nodes
 
 FAILURES = (redis.RedisError, RedisClusterException, OSError)  # what a dead or slow index raises
+NODE_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)  # a shard's node, not a command, failed
 Command = tuple[str, tuple[Any, ...]]  # a pipeline method's name and its arguments; args[0] names the key(s)
 
 
 def shown(url: str) -> str:
     """The index URL with its password hidden, for logs and `kvstore info`."""
-    return re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", url)
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}"))
 
 
 def _credentials(url: str) -> dict[str, Any]:
@@ -53,67 +64,190 @@ def _queue(pipe: Any, name: str, args: tuple[Any, ...]) -> None:
         getattr(pipe, name)(*args)
 
 
-class IndexConnection:
-    """A client for `url` whose every command answers within `timeout_s` or fails."""
+class _Workers:
+    """Daemon threads that send shards' parts. A thread is added whenever none is idle (a
+    part stuck on a hung node holds its thread), so no part waits for another's."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that one takes it
+            else:
+                self._threads += 1
+                threading.Thread(target=self._work, name="kvstore-index-shard", daemon=True).start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            for _ in range(self._threads):
+                self._jobs.put(None)
+            self._threads = self._idle = 0
+
+
+class _Part:
+    """One shard's commands in flight on a thread of their own."""
+
+    def __init__(self, node: str, indices: list[int]) -> None:
+        self.node = node
+        self.indices = indices
+        self.answers: list[Any] = []
+        self.done = threading.Event()
+        self.overdue = False  # its caller stopped waiting; it still holds its shard
+
+
+class IndexConnection:
+    """A client for `url` whose every batch answers within its deadline or fails: on a
+    cluster, shard by shard."""
+
+    def __init__(self, url: str, timeout_s: float, backoff_s: float = 0.0) -> None:
+        """`timeout_s`: each socket operation's, and a batch's deadline; `backoff_s`: how
+        long a cluster shard that failed is not asked again."""
         self.url = url
         self.cluster = url.startswith(CLUSTER_SCHEMES)
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
         self._options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                                          "retry": Retry(NoBackoff(), 0)}
         self._client: Any = None if self.cluster else redis.Redis.from_url(
             url, health_check_interval=0, **self._options)
-        self._lock = threading.Lock()  # one cluster client, however many threads ask first
+        self._lock = threading.Lock()
+        self._building: threading.Thread | None = None
+        self._build_error: BaseException | None = None
+        self._built = threading.Event()
+        self._skip_until: dict[str, float] = {}  # node name -> when it may be asked again
+        self._overdue: dict[str, int] = {}  # node name -> its parts still running past their deadline
+        self._workers = _Workers()
+        self._closed = False
 
     @property
     def client(self) -> Any:
-        """redis.Redis, or RedisCluster once the slot map could be read (else a FAILURE)."""
-        with self._lock:
-            if self._client is None:
-                nodes = [ClusterNode(host, port) for host, port in cluster_nodes(self.url)]
-                self._client = RedisCluster(startup_nodes=nodes, ssl=self.url.startswith("rediss"),
-                                            require_full_coverage=False, **_credentials(self.url),
-                                            **self._options)
+        """redis.Redis, or RedisCluster once its slot map was read (else a FAILURE: the
+        build goes on in the background, the caller waits at most `timeout_s`)."""
+        if self._client is not None:
             return self._client
+        with self._lock:
+            if self._closed:
+                raise redis.ConnectionError("the index connection is closed")
+            if self._building is None and self._client is None:
+                self._built.clear()
+                self._building = threading.Thread(target=self._build, name="kvstore-index-connect",
+                                                  daemon=True)
+                self._building.start()
+        self._built.wait(self.timeout_s)
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if self._build_error is not None:
+                error, self._build_error = self._build_error, None
+                raise error
+        raise redis.TimeoutError(f"the Redis Cluster's slot map was not read within {self.timeout_s:g} s")
 
-    def pipeline(self) -> Any:
-        return self.client.pipeline(transaction=False)
+    def _build(self) -> None:
+        nodes = [ClusterNode(host, port) for host, port in cluster_nodes(self.url)]
+        client: Any = None
+        error: BaseException | None = None
+        try:
+            client = RedisCluster(startup_nodes=nodes, ssl=self.url.startswith("rediss"),
+                                  require_full_coverage=False, **_credentials(self.url), **self._options)
+        except Exception as exc:  # FAILURES, or anything else: the next caller builds again
+            error = exc
+        with self._lock:
+            self._building = None
+            if client is not None and self._closed:
+                client.close()
+            elif client is not None:
+                self._client = client
+            else:
+                self._build_error = error
+            self._built.set()
 
     def run(self, commands: Sequence[Command]) -> list[Any]:
-        """The commands' results in one pipeline (per shard). One instance: a failure raises.
-        A cluster: a shard that fails gives its commands' exceptions as their results."""
-        pipe = self.pipeline()
-        for name, args in commands:
-            _queue(pipe, name, args)
+        """The commands' results. One instance: one pipeline; a failure raises. A cluster:
+        one pipeline per shard, all within `timeout_s`; a shard that fails, is late or is
+        backing off gives its commands' exceptions as their results."""
         if not self.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            for name, args in commands:
+                _queue(pipe, name, args)
             return list(pipe.execute())
-        try:
-            return list(pipe.execute(raise_on_error=False))
-        except FAILURES:  # a shard did not answer: send each shard's part alone
-            return self._by_shard(commands)
-
-    def _by_shard(self, commands: Sequence[Command]) -> list[Any]:
-        shards: dict[str, list[int]] = {}
+        client = self.client
+        started = time.monotonic()
         results: list[Any] = [None] * len(commands)
+        shards: dict[str, list[int]] = {}
         for i, (_, args) in enumerate(commands):
             key = args[0] if isinstance(args[0], bytes | str) else args[0][0]
             try:
-                shards.setdefault(self.client.get_node_from_key(key).name, []).append(i)
+                shards.setdefault(client.get_node_from_key(key).name, []).append(i)
             except FAILURES as exc:  # no shard serves its slot now
                 results[i] = exc
-        for indices in shards.values():
-            pipe = self.pipeline()
-            for i in indices:
-                _queue(pipe, *commands[i])
-            try:
-                answers = pipe.execute(raise_on_error=False)
-            except FAILURES as exc:
-                answers = [exc] * len(indices)
-            for i, answer in zip(indices, answers, strict=True):
+        parts = []
+        for node, indices in shards.items():
+            refused = self._refused(node, started)
+            if refused is not None:
+                for i in indices:
+                    results[i] = refused
+                continue
+            part = _Part(node, indices)
+            self._workers.submit(functools.partial(self._send, client, commands, part))
+            parts.append(part)
+        until = started + self.timeout_s
+        for part in parts:
+            part.done.wait(max(0.0, until - time.monotonic()))
+            answers = self._collect(part)
+            for i, answer in zip(part.indices, answers, strict=True):
                 results[i] = answer
         return results
 
+    def _refused(self, node: str, now: float) -> BaseException | None:
+        with self._lock:
+            if self._overdue.get(node):
+                return redis.TimeoutError(f"shard {node} still owes an earlier answer")
+            if self._skip_until.get(node, 0.0) > now:
+                return redis.ConnectionError(f"shard {node} failed; not asked for {self.backoff_s:g} s")
+        return None
+
+    def _send(self, client: Any, commands: Sequence[Command], part: _Part) -> None:
+        try:
+            pipe = client.pipeline(transaction=False)
+            for i in part.indices:
+                _queue(pipe, *commands[i])
+            answers = list(pipe.execute(raise_on_error=False))
+        except Exception as exc:  # FAILURES, or redis-py's own errors when closed under a late part:
+            answers = [exc] * len(part.indices)  # either way the part ends and its shard is freed
+        with self._lock:
+            part.answers = answers
+            part.done.set()
+            if part.overdue:
+                self._overdue[part.node] -= 1
+
+    def _collect(self, part: _Part) -> list[Any]:
+        """The part's answers, or a timeout for each if it is late (it then holds its shard)."""
+        with self._lock:
+            if not part.done.is_set():
+                part.overdue = True
+                self._overdue[part.node] = self._overdue.get(part.node, 0) + 1
+                self._skip_until[part.node] = time.monotonic() + self.backoff_s
+                late = redis.TimeoutError(f"shard {part.node} did not answer within {self.timeout_s:g} s")
+                return [late] * len(part.indices)
+            if any(isinstance(answer, NODE_DOWN) for answer in part.answers):
+                self._skip_until[part.node] = time.monotonic() + self.backoff_s
+            return part.answers
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._client is not None:
                 self._client.close()
+        self._workers.close()

@@ -3,13 +3,15 @@
 Keys, all under `cluster.key_prefix` (P):
   P c:<chunk key>  a hash: one field per host holding the chunk, host id -> Location
   P h:<host id>    a set: the chunk keys that host has published (its own clean-up)
-  P l:{P}<host id> that host's lease: its generation (random per start), expiring
+  P l:<host id>    that host's lease: its generation (random per start), expiring
 
-On a Redis Cluster the chunk keys spread over the shards by their own hash: a chunk is
-in every prompt that shares its prefix, so no tag of one request's chain could name it,
-and a popular prefix's chunks on one shard would make that shard the hot one. A lookup
-is one pipeline per shard, sent at once (connection.py). The leases share one hash tag
-({P}): one MGET reads them all.
+On a Redis Cluster the chunk keys are `P c:{}<chunk key>` and spread over the shards by
+the hash of the whole key (the empty tag `{}` comes first, so a `{...}` inside a raw
+chunk key is no tag): a chunk is in every prompt that shares its prefix, so no tag of
+one request's chain could name it, and a popular prefix's chunks on one shard would
+make that shard the hot one. A lookup is one pipeline per shard, sent at once
+(connection.py). The leases are `P l:{P}<host id>`: one hash tag, so one MGET reads
+them all. (One instance keeps the plain names.)
 
 Each host writes only its own fields, its own set and its own lease: no value has two
 writers and nothing is locked. An entry counts only while its host's lease lives and
@@ -19,8 +21,9 @@ record checks it (peer_reader.py), so a stale entry costs a miss, never wrong KV
 
 Reads have a short deadline and a backoff: an index that is down or slow makes lookups
 local-only at once, and for `index_backoff_s` they do not try it again. On a cluster, a
-shard that does not answer (its master died; its replica not yet promoted) costs only
-the lookups of its keys (`peer.index_shard_misses`), and while the leases' shard is the
+shard that does not answer in time (its master died or hangs; its replica not yet
+promoted) costs only the lookups of its keys (`peer.index_shard_misses`), within the
+deadline, and only that shard is skipped for `index_backoff_s`; while the leases' shard is the
 one down, the leases last read count for at most `lease_s` more.
 """
 
@@ -70,19 +73,29 @@ class PeerHit:
 
 
 class IndexKeys:
-    """The names of index keys under one prefix."""
+    """The names of index keys under one prefix; on a Redis Cluster (`cluster`), with the
+    hash tags that place them."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, cluster: bool) -> None:
         self.prefix = prefix.encode()
+        self._chunk = self.prefix + (b"c:{}" if cluster else b"c:")
+        self._lease = self.prefix + (b"l:{" + self.prefix + b"}" if cluster else b"l:")
 
     def chunk(self, key: bytes) -> bytes:
-        return self.prefix + b"c:" + key
+        return self._chunk + key
 
     def published(self, host: str) -> bytes:
         return self.prefix + b"h:" + host.encode()
 
     def lease(self, host: str) -> bytes:
-        return self.prefix + b"l:{" + self.prefix + b"}" + host.encode()
+        return self._lease + host.encode()
+
+    def put(self, host: str, key: bytes, location: bytes) -> list[Command]:
+        """`host`'s entry for chunk `key`, and the key in its set."""
+        return [("hset", (self.chunk(key), host, location)), ("sadd", (self.published(host), key))]
+
+    def withdraw(self, host: str, key: bytes) -> list[Command]:
+        return [("hdel", (self.chunk(key), host)), ("srem", (self.published(host), key))]
 
 
 class IndexReader:
@@ -91,9 +104,9 @@ class IndexReader:
     def __init__(self, config: ClusterConfig, stats: Stats) -> None:
         self.config = config
         self.stats = stats
-        self.keys = IndexKeys(config.key_prefix)
+        self._index = IndexConnection(config.index_url, config.index_deadline_s, config.index_backoff_s)
+        self.keys = IndexKeys(config.key_prefix, self._index.cluster)
         self.peers = [peer.host_id for peer in config.peers]
-        self._index = IndexConnection(config.index_url, config.index_deadline_s)
         self._lock = threading.Lock()
         self._skip_until = 0.0
         self._leases: dict[str, tuple[int, float]] = {}  # host -> generation, when it expires
@@ -123,12 +136,14 @@ class IndexReader:
             self._fail(str(failed[0]) or type(failed[0]).__name__)
             return None
         self.stats.observe("peer.index", elapsed)
-        if elapsed > self.config.index_deadline_s:  # answered, but too late to count on
+        # answered, but too late to count on (a cluster's late shards have failed on their own)
+        late = elapsed > self.config.index_deadline_s
+        if late and not self._index.cluster:
             self._fail(f"answered in {elapsed * 1000:.0f} ms, past the deadline")
         self.stats.add("peer.index_reads")
         if failed:
             self.stats.add("peer.index_shard_errors")
-        elif self.last_error and elapsed <= self.config.index_deadline_s:
+        elif self.last_error and not late:
             log.warning("cluster index %s answers again", shown(self.config.index_url))
             self.last_error = ""
         live = self._live(started, answers[0])

@@ -2,12 +2,15 @@
 
 The slot table tells a listener of every publish and unpublish (under its lock); the
 listener only appends to a bounded queue, so the data path never waits on Redis. The
-thread sends the queue in pipelines (HSET/SADD, HDEL/SREM) and renews the lease in the
-same round trip at least every `lease_s`/3. When anything is lost (the queue
-overflowed, a pipeline failed, the lease was gone when renewed (Redis restarted or was
-flushed), or at start, when the index recovered from the devices was never sent), the
-thread reconciles instead: it compares the set of keys this host has published with its
-slot table and sends the difference, so the index converges on what the devices hold
+thread sends the queue in pipelines (HSET/SADD, HDEL/SREM) and renews the lease, in a
+command of its own, at least every `lease_s`/3. On a Redis Cluster each shard's part
+goes on its own (connection.py), so a shard that is down costs only the writes routed
+to it, which are sent again at the next step, never the lease's renewal or the other
+shards' writes. When more is lost (the queue or the writes to send again overflowed,
+one Redis failed, the lease was gone when renewed (Redis restarted or was flushed), or
+at start, when the index recovered from the devices was never sent), the thread
+reconciles instead: it compares the set of keys this host has published with its slot
+table and sends the difference, so the index converges on what the devices hold
 however long Redis was away.
 
 Some losses no error shows: a Redis Cluster master that dies takes the writes its
@@ -24,9 +27,8 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
 
-from kvstore.cluster.connection import FAILURES, IndexConnection, shown
+from kvstore.cluster.connection import FAILURES, Command, IndexConnection, shown
 from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location
 from kvstore.config.store import ClusterConfig
 from kvstore.tiers.disk import DiskTier
@@ -44,15 +46,19 @@ class IndexPublisher:
         self.disk = disk
         self.stats = stats
         self.host_id = config.host_id
-        self.keys = IndexKeys(config.key_prefix)
         self.generation = int.from_bytes(os.urandom(8), "little")
         self._index = IndexConnection(config.index_url, config.lease_s / 3)
+        self.keys = IndexKeys(config.key_prefix, self._index.cluster)
         self._queue: deque[tuple[bool, bytes, int, int]] = deque()
         self._dirty = True  # the recovered index has not been sent yet
         self._wake = threading.Event()
+        self._stepping = threading.Lock()
         self._stop = threading.Event()
         self._renewed = 0.0
         self._failing = False
+        self._error: BaseException | None = None  # this step's first failure, for the log
+        self._retry: list[Command] = []  # writes a shard failed: sent again at the next step
+        self._reconcile_after = 0.0  # a reconcile that could not read this host's set waits
         self._round: list[bytes] = []  # this republish round's keys not yet sent again
         self.sent = 0  # updates (and reconciles) that reached the index: tests wait on it
         disk.table.listeners.append(self._changed)
@@ -78,32 +84,53 @@ class IndexPublisher:
             self.step()
 
     def step(self) -> bool:
-        """Send what is queued (or reconcile) and renew the lease; False if Redis failed."""
-        try:
-            if self._dirty:
-                self._reconcile()
-            while self._queue:
-                self._send_queued()
-            if time.monotonic() - self._renewed >= self.config.lease_s / 3:
-                pipe = self._index.pipeline()
-                self._republish(pipe)
-                self._renew(pipe, existing=True)
-                if not pipe.execute()[-1]:
-                    log.warning("cluster index: this host's lease was gone; publishing everything again")
-                    self._reconcile()
-        except FAILURES as exc:
-            self._dirty = True  # what was taken from the queue is lost: reconcile next time
-            self.stats.add("peer.publish_errors")
-            if not self._failing:
-                log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
-                            shown(self.config.index_url), exc, self.config.index_backoff_s)
-            self._failing = True
-            self._stop.wait(self.config.index_backoff_s)
-            return False
-        if self._failing:
-            log.warning("cluster index %s: publishing again", shown(self.config.index_url))
-            self._failing = False
-        return True
+        """Renew the lease, send what is queued (or reconcile) and, at a renewal, this
+        round's share of the republish; False if the index (or one of its shards) failed."""
+        with self._stepping:  # the thread's, or a caller's (tests, a flush) waiting for it
+            self._error = None
+            try:
+                now = time.monotonic()
+                due = now - self._renewed >= self.config.lease_s / 3
+                ok = self._renew() if due or self._dirty else True
+                if self._dirty and now >= self._reconcile_after:
+                    ok = self._reconcile() and ok
+                elif due:
+                    ok = self._republish() and ok
+                if self._retry:
+                    retry, self._retry = self._retry, []
+                    ok = self._send(retry) and ok
+                while self._queue:
+                    ok = self._send_queued() and ok
+            except FAILURES as exc:  # one instance failed, or the cluster's slot map is not read yet
+                self._dirty = True  # what was taken from the queue is lost: reconcile next time
+                self._error, ok = exc, False
+            if not ok:
+                self.stats.add("peer.publish_errors")
+                if not self._failing:
+                    log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
+                                shown(self.config.index_url), self._error, self.config.index_backoff_s)
+                self._failing = True
+                self._stop.wait(self.config.index_backoff_s)
+                return False
+            if self._failing:
+                log.warning("cluster index %s: publishing again", shown(self.config.index_url))
+                self._failing = False
+            return True
+
+    def _send(self, commands: list[Command]) -> bool:
+        """Send `commands` (in batches, each shard its part); False if any failed. Those
+        are sent again at the next step (a shard down costs only its own writes, again),
+        or, past QUEUE_LIMIT of them, a reconcile follows."""
+        ok = True
+        for start in range(0, len(commands), 2 * _BATCH):
+            batch = commands[start : start + 2 * _BATCH]
+            for command, answer in zip(batch, self._index.run(batch), strict=True):
+                if isinstance(answer, BaseException):
+                    self._error, ok = self._error or answer, False
+                    self._retry.append(command)
+        if len(self._retry) > QUEUE_LIMIT:
+            self._dirty, self._retry = True, []
+        return ok
 
     def _location(self, slot: int, seq: int) -> bytes | None:
         group, local = self.disk.table.groups.of(slot)
@@ -112,58 +139,51 @@ class IndexPublisher:
             return None
         return Location(self.generation, group, layout.sb.device_id[:DEVICE_ID_BYTES], local, seq).pack()
 
-    def _send_queued(self) -> None:
-        pipe = self._index.pipeline()
-        published = self.keys.published(self.host_id)
+    def _send_queued(self) -> bool:
+        commands: list[Command] = []
         sent = 0
         while self._queue and sent < _BATCH:
             add, key, slot, seq = self._queue.popleft()
             location = self._location(slot, seq) if add else None
-            if location is not None:
-                pipe.hset(self.keys.chunk(key), self.host_id, location)
-                pipe.sadd(published, key)
-            else:
-                pipe.hdel(self.keys.chunk(key), self.host_id)
-                pipe.srem(published, key)
+            commands += (self.keys.withdraw(self.host_id, key) if location is None
+                         else self.keys.put(self.host_id, key, location))
             sent += 1
-        self._renew(pipe, existing=True)
-        if not pipe.execute()[-1]:
-            self._dirty = True  # the lease was gone: so may the entries be (reconciled next)
+        ok = self._send(commands)
         self.sent += sent
         self.stats.add("peer.published", sent)
+        return ok
 
-    def _reconcile(self) -> None:
-        """Make this host's part of the index what its slot table holds now."""
+    def _reconcile(self) -> bool:
+        """Make this host's part of the index what its slot table holds now (as far as the
+        shards that answer allow: while one does not, the next step reconciles again)."""
         with self.disk.table.lock:  # no change slips between the snapshot and the queue
             self._dirty = False
             self._queue.clear()
+            self._retry = []
             entries = self.disk.table.entries()
         mine = {e.key: location for e in entries if (location := self._location(e.slot, e.seq))}
         published = self.keys.published(self.host_id)
-        gone = [key for key in self._index.client.sscan_iter(published, count=10000) if key not in mine]
-        pipe = self._index.pipeline()
-        for i, key in enumerate(gone):
-            pipe.hdel(self.keys.chunk(key), self.host_id)
-            pipe.srem(published, key)
-            if i % _BATCH == _BATCH - 1:
-                pipe.execute()
-        for i, (key, location) in enumerate(mine.items()):
-            pipe.hset(self.keys.chunk(key), self.host_id, location)
-            pipe.sadd(published, key)
-            if i % _BATCH == _BATCH - 1:
-                pipe.execute()
-        self._renew(pipe)
-        pipe.execute()
+        try:
+            gone = [key for key in self._index.client.sscan_iter(published, count=10000) if key not in mine]
+        except FAILURES as exc:  # the set's shard is down: withdraw nothing now, publish the rest,
+            self._error, gone = exc, []  # and reconcile again after lease_s (not at every step)
+            self._dirty = True
+            self._reconcile_after = time.monotonic() + self.config.lease_s
+        commands = [c for key in gone for c in self.keys.withdraw(self.host_id, key)]
+        commands += [c for key, location in mine.items() for c in self.keys.put(self.host_id, key, location)]
+        ok = self._send(commands) and not self._dirty
         self.sent += 1
         self.stats.add("peer.reconciles")
-        log.info("cluster index: %d chunks published, %d withdrawn", len(mine), len(gone))
+        log.info("cluster index: %d chunks published, %d withdrawn%s", len(mine), len(gone),
+                 "" if ok else " (a shard failed: again at the next step)")
+        return ok
 
-    def _republish(self, pipe: Any) -> None:
-        """Queue this renewal's share of the entries sent again (all every `republish_s`).
-        Each is taken under the table's lock as it is now; a change after that is queued,
-        so it is sent after this and the index ends as the table is."""
+    def _republish(self) -> bool:
+        """Send this renewal's share of the entries again (all every `republish_s`). Each
+        is taken under the table's lock as it is now; a change after that is queued, so it
+        is sent after this and the index ends as the table is."""
         if not self.config.republish_s:
-            return
+            return True
         with self.disk.table.lock:
             table = self.disk.table
             if not self._round:
@@ -172,19 +192,29 @@ class IndexPublisher:
             current = [(key, table.entry(slot)) for key in self._round[-share:]
                        if (slot := table.find(key)) is not None]
             del self._round[-share:]
-        published = self.keys.published(self.host_id)
-        for key, entry in current:
-            if entry is not None and (location := self._location(entry.slot, entry.seq)) is not None:
-                pipe.hset(self.keys.chunk(key), self.host_id, location)
-                pipe.sadd(published, key)
-        self.stats.add("peer.republished", len(current))
+        commands = [c for key, entry in current
+                    if entry is not None and (location := self._location(entry.slot, entry.seq)) is not None
+                    for c in self.keys.put(self.host_id, key, location)]
+        self.stats.add("peer.republished", len(commands) // 2)
+        return self._send(commands)
 
-    def _renew(self, pipe: Any, existing: bool = False) -> None:
-        """Queue the lease's renewal; `existing`: only if it is still there (its result is
-        then None when it was gone: the index lost this host's state)."""
-        pipe.set(self.keys.lease(self.host_id), self.generation.to_bytes(8, "little"),
-                 px=int(self.config.lease_s * 1000), xx=existing)
+    def _renew(self) -> bool:
+        """Renew the lease, alone (its shard answers whichever others do not). Unless a
+        reconcile follows anyway, only if it is still there: when it was gone the index
+        lost this host's state, and everything is published again."""
+        existing = not self._dirty
+        lease = (self.keys.lease(self.host_id), self.generation.to_bytes(8, "little"), None,
+                 int(self.config.lease_s * 1000), False, existing)  # SET key value PX ms [XX]
+        answer = self._index.run([("set", lease)])[0]
+        if isinstance(answer, BaseException):
+            self._error = answer
+            return False
+        if existing and not answer:
+            log.warning("cluster index: this host's lease was gone; publishing everything again")
+            self._dirty, self._reconcile_after = True, 0.0
+            return self._renew()  # made again, without XX now
         self._renewed = time.monotonic()
+        return True
 
     def close(self, withdraw: bool = True) -> None:
         """Stop the thread; `withdraw` (a clean stop) ends the lease at once, so peers stop
@@ -195,10 +225,15 @@ class IndexPublisher:
             self._thread.join(self.config.lease_s)
         with self.disk.table.lock:
             self.disk.table.listeners.remove(self._changed)
-        if withdraw:
-            try:
-                self._index.client.delete(self.keys.lease(self.host_id))
+        for _ in range(2 if withdraw else 0):  # after a failover the first try may meet the dead
+            try:  # master (a stale slot map, which that failure makes the client read again)
+                answer = self._index.run([("delete", (self.keys.lease(self.host_id),))])[0]
             except FAILURES as exc:
-                log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", exc,
+                answer = exc
+            if not isinstance(answer, BaseException):
+                break
+        else:
+            if withdraw:
+                log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", answer,
                             self.config.lease_s)
         self._index.close()

@@ -170,18 +170,18 @@ class ClusterConfig(Schema):
                            "at each lease renewal, so entries the index lost without an error (a Redis "
                            "Cluster master that died before its replica had them) come back; 0: never")
     key_prefix: Text = Field(
-        "kvstore:", description="prefix of every index key (clusters may share one Redis); no `{` or "
-                                "`}` (Redis Cluster hash tags)")
+        "kvstore:", description="prefix of every index key (clusters may share one Redis); with a "
+                                "Redis Cluster index, no `{` or `}` (hash tags)")
     peers: tuple[PeerConfig, ...] = Field(
         (), description="hosts whose devices this host may read; the others' index entries are ignored")
 
-    @field_validator("key_prefix")
-    @classmethod
-    def _no_hash_tag(cls, value: str) -> str:
-        if "{" in value or "}" in value:
-            raise ValueError("must not contain { or }: on a Redis Cluster they would put every key "
-                             "in one hash slot")
-        return value
+    @model_validator(mode="after")
+    def _no_hash_tag_on_a_cluster(self) -> ClusterConfig:
+        """One instance takes any prefix (as it always has); a cluster's would place keys."""
+        if self.index_url.startswith(CLUSTER_SCHEMES) and ("{" in self.key_prefix or "}" in self.key_prefix):
+            raise Refused("must not contain { or } with a Redis Cluster index: they would put every key "
+                          "in one hash slot", "key_prefix", value=self.key_prefix)
+        return self
 
     @model_validator(mode="after")
     def _distinct_hosts(self) -> ClusterConfig:
