@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
 import xxhash
 
-from bench.sglang_bench import Round, service_cpu
+from bench.backend_rounds import Round, report, service_cpu
 from kvstore.config.store import load_config
 from kvstore.format.units import parse_size
 from kvstore.service.client import stop_service
@@ -136,13 +134,7 @@ def main(argv: list[str] | None = None) -> list[Round]:
     base = next(r.gib_s for r in rounds if r.backend.startswith("LMCache"))
     print(f"{count} chunks of {chunk_bytes >> 20} MiB ({count * chunk_bytes / (1 << 30):.2f} GiB), "
           f"batches of {BATCH}")
-    print(f"{'backend':<26} {'hits':<5} {'GiB/s':>7} {'CPU s/GiB':>10} {'x LMCache':>9}  verified")
-    for r in rounds:
-        print(f"{r.backend:<26} {r.hits:<5} {r.gib_s:7.2f} {r.cpu_s_per_gib:10.3f} {r.gib_s / base:9.2f}  "
-              f"{r.verified}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rounds], f, indent=1)
+    report(rounds, lambda r: base, "x LMCache", args.json)
     return rounds
 
 

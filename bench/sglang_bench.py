@@ -20,46 +20,23 @@ CPU s/GiB counts this process and, for kvstore, its service process too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import xxhash
 
+from bench.backend_rounds import Round, report, service_cpu
 from bench.sglang_pools import PAGE_SIZE, mha_host_pool, storage_config
 from kvstore.config.store import load_config
 from kvstore.format.units import parse_size
-from kvstore.service.client import attach, stop_service
+from kvstore.service.client import stop_service
 
 Loader = Callable[[list[str], torch.Tensor], bool]
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per storage call
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128  # a Llama-3-8B-like shard: 2 MiB pages of 16 tokens, fp16
-
-
-@dataclass
-class Round:
-    backend: str
-    hits: str
-    gib_s: float
-    cpu_s_per_gib: float
-    verified: bool
-
-
-def service_cpu(store: dict[str, Any]) -> float:
-    """CPU seconds (user + system) the running kvstore service has used so far."""
-    client = attach(load_config(store))
-    try:
-        pid = int(client.info()["service_pid"])
-    finally:
-        client.close()
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Pages:
@@ -175,13 +152,7 @@ def main(argv: list[str] | None = None) -> list[Round]:
     base = {r.hits: r.gib_s for r in rounds if r.backend == "HiCacheFile"}
     print(f"{len(pages.keys)} pages of {pages.page_bytes >> 20} MiB ({total / (1 << 30):.2f} GiB), "
           f"batches of {BATCH}")
-    print(f"{'backend':<12} {'hits':<5} {'GiB/s':>7} {'CPU s/GiB':>10} {'x file':>7}  verified")
-    for r in rounds:
-        print(f"{r.backend:<12} {r.hits:<5} {r.gib_s:7.2f} {r.cpu_s_per_gib:10.3f} "
-              f"{r.gib_s / base[r.hits]:7.2f}  {r.verified}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rounds], f, indent=1)
+    report(rounds, lambda r: base[r.hits], "x file", args.json)
     return rounds
 
 

@@ -201,12 +201,12 @@ def service_case(data: DiskSet, engine: str, queue_depth: int, workdir: str) -> 
         batch = client.slots
         warm = data.keys[:batch]  # fewer chunks than the window holds with a small --total
         client.get(warm, range(len(warm)))  # untimed, as in the other cases
-        service_cpu = _process_cpu(pid)
+        service_cpu = process_cpu(pid)
         with clock() as read:
             for start in range(0, data.count, batch):
                 picked = [data.keys[i] for i in order[start : start + batch]]
                 served += sum(client.get(picked, range(len(picked))))
-        service_cpu = _process_cpu(pid) - service_cpu
+        service_cpu = process_cpu(pid) - service_cpu
         pages = client.window.pages if client.window else "?"
     finally:
         client.close()
@@ -219,7 +219,7 @@ def service_case(data: DiskSet, engine: str, queue_depth: int, workdir: str) -> 
                       extra={"batch": batch, "window_pages": pages})
 
 
-def _process_cpu(pid: int) -> float:
+def process_cpu(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()

@@ -35,3 +35,12 @@ def counters(store_config: dict[str, Any]) -> dict[str, int]:
 
 def stop_service(store_config: dict[str, Any]) -> None:
     _stop(load_config(store_config))
+
+
+def small_service_config(tmp_path: Path, disk_dir: str) -> dict[str, Any]:
+    """A service of its own for an engine backend's test: 8 MiB of DRAM over a 32 MiB disk
+    tier, a short I/O deadline, its socket under `tmp_path`."""
+    return {"tiers": {"host": {"capacity": "8MiB"},
+                      "disk": [{"path": str(Path(disk_dir) / "disk"), "capacity": "32MiB"}]},
+            "io": {"timeout_s": 0.5},
+            "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "2MiB"}}

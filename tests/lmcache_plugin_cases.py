@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from conftest import corrupt_record
-from engine_harness import stop_service
+from engine_harness import small_service_config, stop_service
 
 from engine_plugin.lmcache_storage import KVStoreBackend
 from kvstore.format.errors import ConfigError
@@ -30,10 +30,7 @@ COUNT = 5  # the last one a prompt's shorter final chunk
 
 @pytest.fixture
 def store(tmp_path, disk_dir):
-    raw = {"tiers": {"host": {"capacity": "8MiB"},
-                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "32MiB"}]},
-           "io": {"timeout_s": 0.5},
-           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "2MiB"}}
+    raw = small_service_config(tmp_path, disk_dir)
     yield raw
     stop_service(raw)
 
@@ -157,3 +154,12 @@ def test_a_missing_kvstore_config_is_a_clear_error():
 
     with pytest.raises(ConfigError, match=r"kvstore\.config"):
         KVStoreBackend("cpu", LMCacheEngineConfig.from_defaults(extra_config={}), None, CPU(), None)
+
+
+def test_the_benchmark_measures_the_plugin_against_lmcaches_disk_backend(disk_dir):
+    from bench.lmcache_bench import main
+
+    rounds = main(["--total", "32MiB", "--dir", disk_dir])
+    assert [(r.backend, r.hits) for r in rounds] == [("LMCache LocalDiskBackend", "disk"),
+                                                     ("kvstore plugin", "warm"), ("kvstore plugin", "disk")]
+    assert all(r.verified and r.gib_s > 0 for r in rounds)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import corrupt_record
-from engine_harness import service_client, stop_service
+from engine_harness import service_client, small_service_config, stop_service
 
 from bench.sglang_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
 from kvstore.format.errors import ConfigError
@@ -34,10 +34,7 @@ PAGES = 6
 
 @pytest.fixture
 def store(tmp_path, disk_dir):
-    raw = {"tiers": {"host": {"capacity": "8MiB"},
-                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "32MiB"}]},
-           "io": {"timeout_s": 0.5},
-           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "2MiB"}}
+    raw = small_service_config(tmp_path, disk_dir)
     yield raw
     stop_service(raw)
 
@@ -224,3 +221,12 @@ def test_a_missing_kvstore_config_is_a_clear_error(store):
     bad = {k: v for k, v in extra(store).items() if k != "config"}
     with pytest.raises(ConfigError, match="config"):
         StorageBackendFactory.create_backend("dynamic", storage_config(bad), None)
+
+
+def test_the_benchmark_measures_kvstore_against_sglangs_file_backend(disk_dir):
+    from bench.sglang_bench import main
+
+    rounds = main(["--total", "16MiB", "--dir", disk_dir])
+    assert {(r.backend, r.hits) for r in rounds} == {(b, h) for b in ("HiCacheFile", "kvstore")
+                                                    for h in ("warm", "disk")}
+    assert all(r.verified and r.gib_s > 0 and r.cpu_s_per_gib > 0 for r in rounds)
