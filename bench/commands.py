@@ -10,5 +10,5 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("demo", "bench.demo", "a real conversation on vLLM: recompute vs DRAM vs disk, turn by turn"),
     ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
     ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
-    ("replay", "bench.replay", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
+    ("replay", "bench.replay_cli", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
 )
