@@ -20,6 +20,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -141,11 +142,19 @@ class OpenAIServer:
         `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`): its own count of
         loaded tokens, for requests whose reply passed through a router that drops
         `usage.prompt_tokens_details`."""
+        return self.tokens_by_source("vllm:prompt_tokens_by_source").get("external_kv_transfer", 0.0)
+
+    def tokens_by_source(self, metric: str) -> dict[str, float]:
+        """One of vLLM's per-source prompt-token counters from /metrics, summed per `source`
+        label (e.g. `vllm:prompt_tokens_cached_by_source`: host, disk, ... as the connector
+        reports them)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:prompt_tokens_by_source_total{")
-                   and 'source="external_kv_transfer"' in line)
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(metric + "_total{") and (source := re.search(r'source="([^"]*)"', line)):
+                found[source[1]] = found.get(source[1], 0.0) + float(line.rsplit(" ", 1)[1])
+        return found
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:

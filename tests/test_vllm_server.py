@@ -142,6 +142,11 @@ def test_a_restarted_server_and_service_hit_from_disk(restarted, reference, stor
     read = counters(store_config)  # read by the load itself, or promoted by the lookup's prefetch
     assert read.get("disk.hits", 0) + read.get("prefetch.chunks", 0) >= 7
     assert read.get("host.leased", 0) >= 7  # each copied into the engine from its DRAM slot
+    # vLLM's per-source hit metric: every loaded token under the tier that held it (a disk
+    # hit the lookup's prefetch promoted counts as host), none "external_unspecified".
+    by_source = restarted.tokens_by_source("vllm:prompt_tokens_cached_by_source")
+    assert by_source.get("host", 0) + by_source.get("disk", 0) == 7 * CHUNK, by_source
+    assert by_source.get("external_unspecified", 0) == 0, by_source
 
 
 def test_a_hung_service_costs_a_request_its_lookup_deadline(restarted, reference, store_config):
