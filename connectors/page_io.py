@@ -6,7 +6,9 @@ one chunk. A load copies each chunk once, straight into those segments: from the
 service's DRAM tier where this process maps it (the service pins the chunk's slot; a
 disk hit is read into DRAM and verified there first), otherwise from the window slot
 the service filled (DRAM copy or O_DIRECT read, checksummed). A save gathers the
-segments into window slots and hands them to the service. Whatever did not verify, went
+segments into window slots and hands them to the service. A wave's copies go to
+kvstore's copier in one call: shared out across threads that release the GIL, as the
+vLLM client's loads are (engine_plugin/layout.py). Whatever did not verify, went
 missing, or ran past the service deadline is a miss (False), never an exception: the
 engine's storage threads must survive a fault.
 """
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from connectors.link import ServiceLink
 from kvstore.format.errors import KVStoreError
+from kvstore.io.copier import copy_many
 from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.page_io")
@@ -31,18 +34,18 @@ def segments_bytes(page: Segments) -> int:
     return sum(size for _, size in page)
 
 
-def _copy_in(page: Segments, source: int) -> None:
-    """Scatter one chunk at address `source` into the page's segments."""
-    for address, size in page:
-        ctypes.memmove(address, source, size)
-        source += size
+def _memory(address: int, size: int) -> memoryview:
+    """`size` bytes of the engine's memory at `address`, as bytes the copier takes."""
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
 
-def _copy_out(page: Segments, target: int) -> None:
-    """Gather the page's segments into one chunk at address `target`."""
+def _pieces(page: Segments, chunk: memoryview) -> list[tuple[memoryview, memoryview]]:
+    """(page segment, the chunk's bytes for it) for each of the page's segments, in order."""
+    pairs, at = [], 0
     for address, size in page:
-        ctypes.memmove(target, address, size)
-        target += size
+        pairs.append((_memory(address, size), chunk[at : at + size]))
+        at += size
+    return pairs
 
 
 class PageIO:
@@ -97,8 +100,8 @@ class PageIO:
             try:
                 for start in range(0, len(keys), client.slots):
                     wave = range(start, min(start + client.slots, len(keys)))
-                    for slot, i in enumerate(wave):
-                        _copy_out(pages[i], client.window.address + slot * self.chunk_bytes)
+                    copy_many([(slot_bytes, segment) for slot, i in enumerate(wave)
+                               for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
                     stored = client.put([keys[i] for i in wave], list(range(len(wave))))
                     done[wave.start:wave.stop] = stored
             except KVStoreError as exc:
@@ -114,17 +117,17 @@ class PageIO:
         if client.tier is not None:
             lease, offsets = client.pin(keys)
         try:
-            for i, offset in enumerate(offsets):
-                if offset >= 0:
-                    _copy_in(pages[i], client.tier.address + offset)  # type: ignore[union-attr]
-                    done[i] = True
+            pinned = [i for i, offset in enumerate(offsets) if offset >= 0]
+            copy_many([pair for i in pinned for pair in _pieces(pages[i], client.tier_payload(offsets[i]))])
+            for i in pinned:
+                done[i] = True
             rest = [i for i, offset in enumerate(offsets) if offset < 0]
             if rest and client.window is not None:
                 found = client.get([keys[i] for i in rest], list(range(len(rest))))
-                for slot, (i, ok) in enumerate(zip(rest, found, strict=True)):
-                    if ok:
-                        _copy_in(pages[i], client.window.address + slot * self.chunk_bytes)
-                        done[i] = True
+                served = [(slot, i) for slot, (i, ok) in enumerate(zip(rest, found, strict=True)) if ok]
+                copy_many([pair for slot, i in served for pair in _pieces(pages[i], client.slot(slot))])
+                for _, i in served:
+                    done[i] = True
         finally:
             if lease is not None:
                 client.unpin([lease])
