@@ -1,6 +1,7 @@
 """Loading LMCache chunks: kvstore's storage plugin against LMCache's own LocalDiskBackend.
 
-    .venv-lmcache/bin/python -m bench.lmcache_bench [--dir DIR] [--total 512MiB] [--json out.json]
+    .venv-lmcache/bin/python -m bench.lmcache_bench [--dir DIR] [--total 512MiB] [--fio-seconds 3]
+        [--json out.json]
 
 (.venv-lmcache holds lmcache==0.5.6 and kvstore: scripts/setup_lmcache.sh.) LMCache's own
 CreateStorageBackends makes both from one config (`local_disk` with O_DIRECT and its 4
@@ -10,9 +11,11 @@ LMCache's CPU backend, and checks them against what was stored, outside the time
 
 - warm: kvstore from its DRAM tier; LMCache's disk backend has no DRAM tier of its own
   (its O_DIRECT reads go to the disk), so its warm and disk rounds are the same reads.
-- disk: kvstore after a service restart (its DRAM tier empty).
+- disk: kvstore after a service restart (its DRAM tier empty; O_DIRECT reads into it, in
+  huge pages reserved for the service as root, as fio's buffers are).
 
-CPU s/GiB counts this process and, for kvstore, its service process too.
+CPU s/GiB counts this process and, for kvstore, its service process too. fio reads the
+same disk before and after the rounds (bench/backend_rounds.py): the disk's ceiling.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Any
 import torch
 import xxhash
 
-from bench.backend_rounds import Round, report, service_cpu
+from bench.backend_rounds import Round, measure_disk, report, report_ceiling, service_cpu, service_huge_pages
+from bench.fio import Yardstick
 from kvstore.config.store import load_config
 from kvstore.format.units import parse_size
 from kvstore.service.client import stop_service
@@ -66,8 +70,11 @@ def main(argv: list[str] | None = None) -> list[Round]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", help="an O_DIRECT-capable directory; default: a temporary one here")
     parser.add_argument("--total", default="512MiB", help="bytes of chunks each round loads")
-    parser.add_argument("--json", help="write the rounds here")
+    parser.add_argument("--fio-seconds", type=float, default=3.0,
+                        help="each fio run's length (0: no fio)")
+    parser.add_argument("--json", help="write the rounds and fio's runs here")
     args = parser.parse_args(argv)
+    yardstick = Yardstick(args.fio_seconds)
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryFormat
 
@@ -78,63 +85,70 @@ def main(argv: list[str] | None = None) -> list[Round]:
                            "disk": [{"path": os.path.join(directory, "kvstore"),
                                      "capacity": int(count * (chunk_bytes + 8192) * 1.6)}]},
                  "service": {"socket": os.path.join(directory, "run", "kvstore.sock"), "staging": "256MiB"}}
-        backends, loop = _backends(directory, store, count, chunk_bytes)
-        cpu, disk, plugin = backends["LocalCPUBackend"], backends["LocalDiskBackend"], backends["kvstore"]
-        keys = [CacheEngineKey("bench/model", 1, 0, i, torch.float16) for i in range(count)]
-        absent = [CacheEngineKey("bench/model", 1, 0, count + i, torch.float16) for i in range(BATCH)]
-        shape = torch.Size([LAYERS, 2, CHUNK_TOKENS, HEADS * HEAD_DIM])
-        digests = []
-        for start in range(0, count, BATCH):
-            objs = [cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD) for _ in range(BATCH)]
-            for i, obj in enumerate(objs):
-                raw = obj.tensor.view(torch.uint8)
-                seeded = torch.Generator().manual_seed(start + i)
-                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=seeded))
-                digests.append(_digest(obj))
-            disk.batched_submit_put_task(keys[start : start + BATCH], objs)
-            plugin.batched_submit_put_task(keys[start : start + BATCH], objs)
-            for obj in objs:
-                obj.ref_count_down()
-            while any(disk.exists_in_put_tasks(k) for k in keys[start : start + BATCH]):
-                time.sleep(0.001)
-
-        def timed(name: str, hits: str, backend: Any, service: bool) -> Round:
-            # Untimed, keys never stored: buffers warm as in a running engine, no chunk promoted.
-            assert not any(backend.batched_get_blocking(absent))
-            os.sync()
-            service0 = service_cpu(store) if service else 0.0
-            seen: list[bytes | None] = []
-            elapsed = cpu = 0.0
+        if args.fio_seconds > 0:
+            measure_disk(yardstick, directory, chunk_bytes, count * chunk_bytes)
+        with service_huge_pages(store, clients=2):  # the plugin reads and writes apart
+            backends, loop = _backends(directory, store, count, chunk_bytes)
+            cpu, disk, plugin = backends["LocalCPUBackend"], backends["LocalDiskBackend"], backends["kvstore"]
+            keys = [CacheEngineKey("bench/model", 1, 0, i, torch.float16) for i in range(count)]
+            absent = [CacheEngineKey("bench/model", 1, 0, count + i, torch.float16) for i in range(BATCH)]
+            shape = torch.Size([LAYERS, 2, CHUNK_TOKENS, HEADS * HEAD_DIM])
+            digests = []
             for start in range(0, count, BATCH):
-                wall0, cpu0 = time.perf_counter(), time.process_time()
-                objs = backend.batched_get_blocking(keys[start : start + BATCH])
-                elapsed, cpu = elapsed + time.perf_counter() - wall0, cpu + time.process_time() - cpu0
-                for obj in objs:  # checked, and handed back, outside the timed part
-                    seen.append(None if obj is None else _digest(obj))
-                    if obj is not None:
-                        obj.ref_count_down()
-            cpu += (service_cpu(store) - service0) if service else 0.0
-            gib = count * chunk_bytes / (1 << 30)
-            return Round(name, hits, gib / elapsed, cpu / gib, seen == digests)
+                objs = [cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD) for _ in range(BATCH)]
+                for i, obj in enumerate(objs):
+                    raw = obj.tensor.view(torch.uint8)
+                    seeded = torch.Generator().manual_seed(start + i)
+                    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=seeded))
+                    digests.append(_digest(obj))
+                disk.batched_submit_put_task(keys[start : start + BATCH], objs)
+                plugin.batched_submit_put_task(keys[start : start + BATCH], objs)
+                for obj in objs:
+                    obj.ref_count_down()
+                while any(disk.exists_in_put_tasks(k) for k in keys[start : start + BATCH]):
+                    time.sleep(0.001)
 
-        try:
-            rounds = [timed("LMCache LocalDiskBackend", "disk", disk, False),
-                      timed("kvstore plugin", "warm", plugin, True)]
-            plugin.close()
-            stop_service(load_config(store))
-            from engine_plugin.lmcache_storage import KVStoreBackend
+            def timed(name: str, hits: str, backend: Any, service: bool) -> Round:
+                # Untimed, keys never stored: buffers warm as in a running engine, no chunk promoted.
+                assert not any(backend.batched_get_blocking(absent))
+                os.sync()
+                service0 = service_cpu(store) if service else 0.0
+                seen: list[bytes | None] = []
+                elapsed = cpu = 0.0
+                for start in range(0, count, BATCH):
+                    wall0, cpu0 = time.perf_counter(), time.process_time()
+                    objs = backend.batched_get_blocking(keys[start : start + BATCH])
+                    elapsed, cpu = elapsed + time.perf_counter() - wall0, cpu + time.process_time() - cpu0
+                    for obj in objs:  # checked, and handed back, outside the timed part
+                        seen.append(None if obj is None else _digest(obj))
+                        if obj is not None:
+                            obj.ref_count_down()
+                cpu += (service_cpu(store) - service0) if service else 0.0
+                gib = count * chunk_bytes / (1 << 30)
+                return Round(name, hits, gib / elapsed, cpu / gib, seen == digests)
 
-            again = KVStoreBackend("cpu", plugin.config, plugin.metadata, cpu, loop)
-            rounds.append(timed("kvstore plugin", "disk", again, True))
-            again.close()
-        finally:
-            stop_service(load_config(store))
-            disk.close()
-            loop.call_soon_threadsafe(loop.stop)
+            try:
+                rounds = [timed("LMCache LocalDiskBackend", "disk", disk, False),
+                          timed("kvstore plugin", "warm", plugin, True)]
+                plugin.close()
+                stop_service(load_config(store))
+                from engine_plugin.lmcache_storage import KVStoreBackend
+
+                again = KVStoreBackend("cpu", plugin.config, plugin.metadata, cpu, loop)
+                rounds.append(timed("kvstore plugin", "disk", again, True))
+                again.close()
+            finally:
+                stop_service(load_config(store))
+                disk.close()
+                loop.call_soon_threadsafe(loop.stop)
+        if args.fio_seconds > 0:
+            measure_disk(yardstick, directory, chunk_bytes, count * chunk_bytes)
     base = next(r.gib_s for r in rounds if r.backend.startswith("LMCache"))
     print(f"{count} chunks of {chunk_bytes >> 20} MiB ({count * chunk_bytes / (1 << 30):.2f} GiB), "
           f"batches of {BATCH}")
-    report(rounds, lambda r: base, "x LMCache", args.json)
+    report(rounds, lambda r: base, "x LMCache", args.json, yardstick)
+    if args.fio_seconds > 0:
+        report_ceiling(yardstick, rounds, chunk_bytes, "LMCache LocalDiskBackend")
     return rounds
 
 

@@ -1,6 +1,6 @@
 """Loading SGLang HiCache pages: kvstore's backend against SGLang's own `file` backend.
 
-    python -m bench.sglang_bench [--dir DIR] [--total 512MiB] [--json out.json]
+    python -m bench.sglang_bench [--dir DIR] [--total 512MiB] [--fio-seconds 3] [--json out.json]
 
 Both backends get the same pages of one of SGLang's own host pools (MHA, page-first,
 bench/sglang_pools.py) and load them back into it the way SGLang's cache controller
@@ -11,10 +11,12 @@ against what was stored.
 
 - warm: kvstore from its DRAM tier; HiCacheFile from the OS page cache (its files were
   just written).
-- disk: kvstore after a service restart (its DRAM tier is empty; O_DIRECT reads);
+- disk: kvstore after a service restart (its DRAM tier is empty; O_DIRECT reads into it,
+  in huge pages reserved for the service as root, as fio's buffers are);
   HiCacheFile after its files were dropped from the page cache (posix_fadvise DONTNEED).
 
-CPU s/GiB counts this process and, for kvstore, its service process too.
+CPU s/GiB counts this process and, for kvstore, its service process too. fio reads the
+same disk before and after the rounds (bench/backend_rounds.py): the disk's ceiling.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from collections.abc import Callable
 import torch
 import xxhash
 
-from bench.backend_rounds import Round, report, service_cpu
+from bench.backend_rounds import Round, measure_disk, report, report_ceiling, service_cpu, service_huge_pages
+from bench.fio import Yardstick
 from bench.sglang_pools import PAGE_SIZE, mha_host_pool, storage_config
 from kvstore.config.store import load_config
 from kvstore.format.units import parse_size
@@ -93,18 +96,19 @@ def kvstore_rounds(pages: _Pages, directory: str) -> list[Round]:
     def load(backend: KVStoreHiCache) -> Loader:
         return lambda keys, indices: all(backend.batch_get_v1(keys, indices))
 
-    backend = open_backend()
-    try:
-        assert all(all(backend.batch_set_v1(k, i)) for k, i in pages.batches(pages.written))
-        cpu = lambda: service_cpu(store)  # noqa: E731
-        rounds = [_timed("kvstore", "warm", pages, load(backend), cpu)]
-        backend.close()
-        stop_service(load_config(store))  # a restart: the DRAM tier is empty, the disk tier recovered
+    with service_huge_pages(store, clients=2):  # the backend's reads and writes connect apart
         backend = open_backend()
-        rounds.append(_timed("kvstore", "disk", pages, load(backend), cpu))
-    finally:
-        backend.close()
-        stop_service(load_config(store))
+        try:
+            assert all(all(backend.batch_set_v1(k, i)) for k, i in pages.batches(pages.written))
+            cpu = lambda: service_cpu(store)  # noqa: E731
+            rounds = [_timed("kvstore", "warm", pages, load(backend), cpu)]
+            backend.close()
+            stop_service(load_config(store))  # a restart: the DRAM tier is empty, the disk tier recovered
+            backend = open_backend()
+            rounds.append(_timed("kvstore", "disk", pages, load(backend), cpu))
+        finally:
+            backend.close()
+            stop_service(load_config(store))
     return rounds
 
 
@@ -142,17 +146,27 @@ def main(argv: list[str] | None = None) -> list[Round]:
     parser.add_argument("--dir", help="a directory on the disk to test (O_DIRECT-capable); "
                                       "default: a temporary one here")
     parser.add_argument("--total", default="512MiB", help="bytes of pages each round loads")
-    parser.add_argument("--json", help="write the rounds here")
+    parser.add_argument("--fio-seconds", type=float, default=3.0,
+                        help="each fio run's length (0: no fio)")
+    parser.add_argument("--json", help="write the rounds and fio's runs here")
     args = parser.parse_args(argv)
     total_wanted = parse_size(args.total)
+    yardstick = Yardstick(args.fio_seconds)
     with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="sglang-bench-") as directory:
         pages = _Pages(max(1, total_wanted // (2 * PAGE_SIZE * LAYERS * HEADS * HEAD_DIM * 2)))
         total = len(pages.keys) * pages.page_bytes
+        for_fio = args.fio_seconds > 0
+        if for_fio:
+            measure_disk(yardstick, directory, pages.page_bytes, total)
         rounds = file_rounds(pages, directory) + kvstore_rounds(pages, directory)
+        if for_fio:
+            measure_disk(yardstick, directory, pages.page_bytes, total)
     base = {r.hits: r.gib_s for r in rounds if r.backend == "HiCacheFile"}
     print(f"{len(pages.keys)} pages of {pages.page_bytes >> 20} MiB ({total / (1 << 30):.2f} GiB), "
           f"batches of {BATCH}")
-    report(rounds, lambda r: base[r.hits], "x file", args.json)
+    report(rounds, lambda r: base[r.hits], "x file", args.json, yardstick)
+    if for_fio:
+        report_ceiling(yardstick, rounds, pages.page_bytes, "HiCacheFile")
     return rounds
 
 

@@ -81,8 +81,9 @@ class KVStoreBackend(StoragePluginInterface):
         self._pinned: set[bytes] = set()
         self._getter = ThreadPoolExecutor(1, "kvstore-lmcache-get")
         self._scratch_memory: AlignedBuffer | None = None
-        self._scratch = np.empty((0, self.chunk_bytes), np.uint8)
+        self._scratch = np.empty((0, 0), np.uint8)
         self._scratch_lock = threading.Lock()
+        self._full: tuple[torch.Size, torch.dtype, MemoryFormat] | None = None
 
     @staticmethod
     def key(key: Any) -> bytes:
@@ -118,6 +119,7 @@ class KVStoreBackend(StoragePluginInterface):
                 log.warning("kvstore: chunk %s (%d bytes, %d tensors) not stored: one tensor of at most "
                             "%d bytes fits", key, size, len(obj.get_shapes()), self.chunk_bytes - HEADER)
                 continue
+            self._learn(obj)
             headers.append(_header(obj))
             pad = self.chunk_bytes - HEADER - size
             page: Segments = [(headers[-1].ctypes.data, HEADER), (obj.data_ptr, size)]
@@ -137,32 +139,64 @@ class KVStoreBackend(StoragePluginInterface):
         return None
 
     def batched_get_blocking(self, keys: list[Any]) -> list[MemoryObj | None]:
-        """Each chunk lands in a scratch page, then its payload is copied into an object of
-        the stored shape from LMCache's CPU backend (the shape is known only once read).
-        The scratch is kept for the next call, in huge pages where the kernel gives them:
-        fresh memory costs a page fault per 4 KiB page on first touch."""
+        """Each chunk is loaded straight into an object of a full chunk's shape (learnt from
+        the first full chunk put or loaded: one copy), its header into a scratch row. A
+        chunk of another shape (a prompt's shorter last chunk) is then copied into an
+        object of its own; before any full shape is known, whole chunks land in scratch."""
+        full = self._full
         with self._scratch_lock:
-            if len(self._scratch) < len(keys):
-                self._scratch_memory = AlignedBuffer(len(keys) * self.chunk_bytes)
-                self._scratch = np.frombuffer(self._scratch_memory.view, np.uint8).reshape(len(keys), -1)
-                self._scratch.fill(0)  # the faults now, not in the middle of a load
-            scratch = self._scratch
-            pages: list[Segments] = [[(scratch[i].ctypes.data, self.chunk_bytes)] for i in range(len(keys))]
+            scratch = self._scratch_rows(len(keys), HEADER if full else self.chunk_bytes)
+            landed = [self.local_cpu_backend.allocate(*full) if full else None for _ in keys]
+            pages: list[Segments | None] = [
+                [(row.ctypes.data, self.chunk_bytes)] if full is None
+                else None if obj is None  # LMCache's CPU backend is full: a miss
+                else [(row.ctypes.data, HEADER), (obj.data_ptr, self.chunk_bytes - HEADER)]
+                for row, obj in zip(scratch, landed, strict=False)]
+            wanted = [i for i, page in enumerate(pages) if page is not None]
             try:
-                loaded = self.reads.load([self.key(k) for k in keys], pages)
+                loaded = self.reads.load([self.key(keys[i]) for i in wanted],
+                                         [page for page in pages if page is not None])
             except Exception:
                 log.exception("kvstore load failed; counted as misses")
-                return [None] * len(keys)
-            return [self._object(scratch[i]) if ok else None for i, ok in enumerate(loaded)]
+                loaded = [False] * len(wanted)
+            found: list[MemoryObj | None] = [None] * len(keys)
+            for i, ok in zip(wanted, loaded, strict=True):
+                found[i] = self._object(scratch[i], landed[i]) if ok else None
+            for obj, kept in zip(landed, found, strict=True):
+                if obj is not None and obj is not kept:
+                    obj.ref_count_down()
+            if full is None and any(found):
+                self._learn(next(obj for obj in found if obj is not None))
+            return found
 
-    def _object(self, chunk: np.ndarray) -> MemoryObj | None:
+    def _scratch_rows(self, rows: int, width: int) -> np.ndarray:
+        """Reusable scratch rows, in huge pages where the kernel gives them: fresh memory
+        costs a page fault per 4 KiB page on first touch."""
+        if self._scratch.shape[0] < rows or self._scratch.shape[1] < width:
+            self._scratch_memory = AlignedBuffer(rows * width)
+            self._scratch = np.frombuffer(self._scratch_memory.view, np.uint8).reshape(rows, width)
+            self._scratch.fill(0)  # the faults now, not in the middle of a load
+        return self._scratch
+
+    def _learn(self, obj: MemoryObj) -> None:
+        """Remember a full chunk's (shape, dtype, format): loads allocate it up front."""
+        if self._full is None and obj.get_size() == self.chunk_bytes - HEADER and len(obj.get_shapes()) == 1:
+            self._full = (obj.get_shape(), obj.get_dtype(), obj.get_memory_format())
+
+    def _object(self, chunk: np.ndarray, landed: MemoryObj | None) -> MemoryObj | None:
+        """The loaded chunk as an object of its stored shape: `landed` where it is of that
+        shape (the payload is already in it), else a new one the payload is copied into."""
         header = json.loads(chunk[:HEADER].tobytes().rstrip(b"\0"))
-        obj = self.local_cpu_backend.allocate(torch.Size(header["shape"]), getattr(torch, header["dtype"]),
-                                              MemoryFormat[header["fmt"]])
+        stored = (torch.Size(header["shape"]), getattr(torch, header["dtype"]), MemoryFormat[header["fmt"]])
+        if landed is not None and stored == (landed.get_shape(), landed.get_dtype(),
+                                             landed.get_memory_format()):
+            return landed
+        obj = self.local_cpu_backend.allocate(*stored)
         if obj is None:
             log.warning("kvstore: LMCache's CPU backend is full; a stored chunk counts as a miss")
             return None
-        ctypes.memmove(obj.data_ptr, chunk.ctypes.data + HEADER, header["size"])
+        source = landed.data_ptr if landed is not None else chunk.ctypes.data + HEADER
+        ctypes.memmove(obj.data_ptr, source, header["size"])
         return obj
 
     def get_blocking(self, key: Any) -> MemoryObj | None:

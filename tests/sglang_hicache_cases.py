@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,10 +224,14 @@ def test_a_missing_kvstore_config_is_a_clear_error(store):
         StorageBackendFactory.create_backend("dynamic", storage_config(bad), None)
 
 
-def test_the_benchmark_measures_kvstore_against_sglangs_file_backend(disk_dir):
+def test_the_benchmark_measures_kvstore_against_sglangs_file_backend(disk_dir, capsys):
     from bench.sglang_bench import main
 
-    rounds = main(["--total", "16MiB", "--dir", disk_dir])
+    rounds = main(["--total", "16MiB", "--dir", disk_dir, "--fio-seconds", "1"])
     assert {(r.backend, r.hits) for r in rounds} == {(b, h) for b in ("HiCacheFile", "kvstore")
                                                     for h in ("warm", "disk")}
     assert all(r.verified and r.gib_s > 0 and r.cpu_s_per_gib > 0 for r in rounds)
+    printed = capsys.readouterr().out
+    if shutil.which("fio"):  # the disk's ceiling, measured in the same sitting
+        assert "depth 1 " in printed and "depth 16 " in printed
+        assert "kvstore disk hits:" in printed and "ceiling over HiCacheFile's disk hits" in printed
