@@ -230,3 +230,141 @@ def test_the_benchmark_measures_kvstore_against_sglangs_file_backend(disk_dir):
     assert {(r.backend, r.hits) for r in rounds} == {(b, h) for b in ("HiCacheFile", "kvstore")
                                                     for h in ("warm", "disk")}
     assert all(r.verified and r.gib_s > 0 and r.cpu_s_per_gib > 0 for r in rounds)
+
+
+# SGLang's v2 pool interface (hybrid models): a Mamba state pool (TRAILING_PAGES, one state
+# per page, a page of 3 chunks and a padded fourth) and a sliding-window KV pool (an MHA
+# pool of 2 layers: half a chunk per page), next to the KV pool, as SGLang's
+# HybridCacheController registers them; every answer compared with SGLang's HiCacheFile.
+MAMBA_AT = (2, 5)  # pages whose Mamba state is stored (node ends)
+SWA_AT = (0, 1, 2, 4, 5)  # pages whose sliding-window KV is stored
+
+
+def hybrid_pools() -> dict:
+    from bench.sglang_pools import mamba_host_pool
+
+    pools = {"kv": pool_of("page_first"), "mamba": mamba_host_pool(3 * PAGES),
+             "swa": mha_host_pool("page_first", 3 * PAGES, layers=2)}
+    for seed, pool in enumerate(pools.values()):
+        fill(pool, 10 + seed)
+    return pools
+
+
+def attach(made, pools: dict):
+    """As HybridCacheController.attach_storage_backend: the anchor, then every entry."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    made.register_mem_pool_host(pools["kv"])
+    for name, pool in pools.items():
+        made.register_mem_host_pool_v2(pool, PoolName(name))
+    made.on_host_pools_registered()
+    return made
+
+
+def file_backend(tmp_path: Path, pools: dict):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    return attach(HiCacheFile(storage_config({}), file_path=str(tmp_path / "hicache")), pools)
+
+
+def transfer(name: str, keys: list, indices=None, policy: str = "trailing_pages"):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    return PoolTransfer(name=PoolName(name), host_indices=indices, keys=keys, hit_policy=PoolHitPolicy(policy))
+
+
+def named(results: dict) -> dict:
+    """A v2 answer by pool name (SGLang's PoolName hashes apart from its string value)."""
+    return {str(name): value for name, value in results.items()}
+
+
+def pool_bytes(pool, indices: torch.Tensor) -> list[bytes]:
+    size = pool.page_size
+    return [pool.get_data_page(indices[i * size]).contiguous().view(torch.uint8).numpy().tobytes()
+            for i in range(len(indices) // size)]
+
+
+def store_hybrid(kvstore, hicache_file, pools: dict) -> dict:
+    """KV for every page, Mamba state and sliding-window KV where MAMBA_AT / SWA_AT say;
+    the host indices written, by pool."""
+    written = {name: pool.alloc(len(KEYS) * pool.page_size) for name, pool in pools.items()}
+    assert kvstore.batch_set_v1(KEYS, written["kv"]) == [True] * PAGES
+    assert hicache_file.batch_set(KEYS, [pools["kv"].get_data_page(written["kv"][i * PAGE_SIZE])
+                                         for i in range(PAGES)])
+    sets = [transfer("mamba", [KEYS[i] for i in MAMBA_AT], written["mamba"][list(MAMBA_AT)]),
+            transfer("swa", [KEYS[i] for i in SWA_AT],
+                     torch.cat([written["swa"][i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in SWA_AT]))]
+    for backend_ in (kvstore, hicache_file):
+        assert named(backend_.batch_set_v2(sets)) == {"mamba": [True] * 2, "swa": [True] * 5}
+    return written
+
+
+QUERIES = {  # name: extra-pool transfers of a batch_exists_v2
+    "mamba": [("mamba", 1, "trailing_pages")],
+    "swa window": [("swa", 2, "trailing_pages")],
+    "swa all": [("swa", 0, "all_pages")],
+    "mamba + swa window": [("mamba", 1, "trailing_pages"), ("swa", 2, "trailing_pages")],
+    "mamba + swa all": [("mamba", 1, "trailing_pages"), ("swa", 0, "all_pages")],
+}
+
+
+def exists_v2(made, keys: list, query: list):
+    return made.batch_exists_v2(keys, [transfer(name, keys[-n:] if n else None, policy=policy)
+                                       for name, n, policy in query])
+
+
+def assert_exists_like_hicache_file(kvstore, hicache_file) -> dict:
+    """Every query, on the stored keys and on a run with a gap, answers as HiCacheFile does."""
+    seen = {}
+    for label, query in QUERIES.items():
+        for keys in (KEYS, [*KEYS[:4], "never-stored", *KEYS[5:]]):
+            ours, theirs = exists_v2(kvstore, keys, query), exists_v2(hicache_file, keys, query)
+            assert ours == theirs, (label, keys)
+        seen[label] = exists_v2(kvstore, KEYS, query)
+    return seen
+
+
+def load_hybrid(made, pools: dict) -> tuple[dict, dict]:
+    """batch_get_v2 of every page of both extra pools into fresh host indices."""
+    into = {name: pools[name].alloc(PAGES * pools[name].page_size) for name in ("mamba", "swa")}
+    got = made.batch_get_v2([transfer(name, KEYS, into[name]) for name in into])
+    return got, into
+
+
+def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_path):
+    pools = hybrid_pools()
+    kvstore = attach(backend(store, pools["kv"]), pools)
+    hicache_file = file_backend(tmp_path, pools)
+    try:
+        assert named(kvstore.batch_get_v2([transfer("mamba", KEYS[:1], pools["mamba"].alloc(1))])) == {
+            "mamba": [False]}
+        chunk = kvstore.reads.chunk_bytes  # the KV page: a Mamba state is 3 chunks and a part
+        mamba, swa = kvstore.pools.pools["mamba"], kvstore.pools.pools["swa"]
+        assert mamba.zero_copy and mamba.parts(chunk) == 4 and mamba.page_bytes % chunk
+        assert swa.zero_copy and swa.parts(chunk) == 1 and 2 * swa.page_bytes == chunk
+        written = store_hybrid(kvstore, hicache_file, pools)
+        seen = assert_exists_like_hicache_file(kvstore, hicache_file)
+        # Mamba restorable only at its states (3 and 6 pages); a 2-page window of
+        # sliding-window KV at 1, 2, 3 and 6; every page of it only up to 3.
+        assert seen["mamba"].restorable_prefix_pages == [3, 6] and seen["mamba"].kv_hit_pages == 6
+        assert seen["swa window"].restorable_prefix_pages == [1, 2, 3, 6]
+        assert seen["mamba + swa all"].kv_hit_pages == 3
+
+        for made in (kvstore, hicache_file):
+            got, into = load_hybrid(made, pools)
+            assert named(got) == {"mamba": [i in MAMBA_AT for i in range(PAGES)],
+                           "swa": [i in SWA_AT for i in range(PAGES)]}
+            for name, at in (("mamba", MAMBA_AT), ("swa", SWA_AT)):
+                size = pools[name].page_size
+                loaded, stored = pool_bytes(pools[name], into[name]), pool_bytes(pools[name], written[name])
+                assert [loaded[i] for i in at] == [stored[i] for i in at]
+                assert all(loaded[i] != stored[i] for i in range(PAGES) if i not in at)
+                assert size == (1 if name == "mamba" else PAGE_SIZE)
+
+        fresh = attach(backend(store, pools["kv"]), pools)  # a new backend instance finds them
+        try:
+            assert assert_exists_like_hicache_file(fresh, hicache_file) == seen
+        finally:
+            fresh.close()
+    finally:
+        kvstore.close()
