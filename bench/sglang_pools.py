@@ -92,15 +92,19 @@ def mla_host_pool(layout: str, pages: int, layers: int = 4, kv_lora_rank: int = 
 
 
 def mamba_host_pool(slots: int, layers: int = 2, heads: int = 6, state: tuple[int, int] = (32, 64),
-                    conv: tuple[int, int] = (16, 3)) -> Any:
+                    conv: tuple[int, int] = (16, 3), side_state: int = 0) -> Any:
     """SGLang's Mamba state host pool (page_first, one state per page) of `slots` slots:
-    an fp32 temporal state and a bf16 conv state per layer, as a hybrid model's."""
+    an fp32 temporal state and a bf16 conv state per layer, as a hybrid model's, and with
+    `side_state` a per-slot int32 side state of that many values (which SGLang's pool
+    offers no zero-copy page metadata for: its pages move as flat pages)."""
     import_pools()
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(temporal=torch.zeros(layers, slots, heads, *state, dtype=torch.float32),
-                                conv=(torch.zeros(layers, slots, *conv, dtype=torch.bfloat16),))
+                                conv=(torch.zeros(layers, slots, *conv, dtype=torch.bfloat16),),
+                                extra_checkpoint_buffers=(torch.zeros(slots, side_state, dtype=torch.int32),)
+                                if side_state else ())
     return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, layout="page_first")
 
 

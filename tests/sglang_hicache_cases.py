@@ -240,10 +240,10 @@ MAMBA_AT = (2, 5)  # pages whose Mamba state is stored (node ends)
 SWA_AT = (0, 1, 2, 4, 5)  # pages whose sliding-window KV is stored
 
 
-def hybrid_pools() -> dict:
+def hybrid_pools(side_state: int = 0) -> dict:
     from bench.sglang_pools import mamba_host_pool
 
-    pools = {"kv": pool_of("page_first"), "mamba": mamba_host_pool(3 * PAGES),
+    pools = {"kv": pool_of("page_first"), "mamba": mamba_host_pool(3 * PAGES, side_state=side_state),
              "swa": mha_host_pool("page_first", 3 * PAGES, layers=2)}
     for seed, pool in enumerate(pools.values()):
         fill(pool, 10 + seed)
@@ -331,8 +331,9 @@ def load_hybrid(made, pools: dict) -> tuple[dict, dict]:
     return got, into
 
 
-def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_path):
-    pools = hybrid_pools()
+@pytest.mark.parametrize("side_state", [0, 100], ids=["zero-copy", "flat-pages"])
+def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_path, side_state):
+    pools = hybrid_pools(side_state)
     kvstore = attach(backend(store, pools["kv"]), pools)
     hicache_file = file_backend(tmp_path, pools)
     try:
@@ -340,7 +341,7 @@ def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_p
             "mamba": [False]}
         chunk = kvstore.reads.chunk_bytes  # the KV page: a Mamba state is 3 chunks and a part
         mamba, swa = kvstore.pools.pools["mamba"], kvstore.pools.pools["swa"]
-        assert mamba.zero_copy and mamba.parts(chunk) == 4 and mamba.page_bytes % chunk
+        assert mamba.zero_copy == (not side_state) and mamba.parts(chunk) == 4 and mamba.page_bytes % chunk
         assert swa.zero_copy and swa.parts(chunk) == 1 and 2 * swa.page_bytes == chunk
         written = store_hybrid(kvstore, hicache_file, pools)
         seen = assert_exists_like_hicache_file(kvstore, hicache_file)
@@ -366,5 +367,72 @@ def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_p
             assert assert_exists_like_hicache_file(fresh, hicache_file) == seen
         finally:
             fresh.close()
+    finally:
+        kvstore.close()
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_or_a_missing_page_in_an_extra_pool_shrinks_the_hit(store, tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = hybrid_pools()
+    kvstore = attach(backend(store, pools["kv"]), pools)
+    hicache_file = file_backend(tmp_path, pools)
+    store_hybrid(kvstore, hicache_file, pools)
+    chunk = kvstore.reads.chunk_bytes
+    flipped = {"mamba": (5, kvstore.pools.pools["mamba"].chunk_keys([KEYS[5]], chunk)[1]),  # its 2nd part
+               "swa": (1, kvstore.pools.pools["swa"].chunk_keys([KEYS[1]], chunk)[0])}
+    kvstore.close()
+    stop_service(store)  # its DRAM tier goes: what comes back is read from disk and verified
+    for name, (page, key) in flipped.items():
+        corrupt_record(store["tiers"]["disk"][0]["path"], key=key)
+        # HiCacheFile, given the same presence pattern: that page's file is gone.
+        (tmp_path / "hicache" / f"{hicache_file._get_component_key(KEYS[page], PoolName(name))}.bin").unlink()
+
+    fresh = attach(backend(store, pools["kv"]), pools)
+    try:
+        got, _ = load_hybrid(fresh, pools)
+        assert named(got) == {"mamba": [i == 2 for i in range(PAGES)], "swa": [i in (0, 2, 4, 5) for i in range(PAGES)]}
+        assert named(load_hybrid(hicache_file, pools)[0]) == named(got)
+        client = service_client(store)
+        try:
+            assert client.info()["counters"]["disk.miss.bad_checksum"] == 2
+        finally:
+            client.close()
+        # The pages that failed verification are gone from the index: the hit shrinks,
+        # TRAILING_PAGES (Mamba: 6 pages -> 3) and ALL_PAGES (sliding-window KV: 3 -> 1).
+        seen = assert_exists_like_hicache_file(fresh, hicache_file)
+        assert seen["mamba"].restorable_prefix_pages == [3]
+        assert seen["swa all"].kv_hit_pages == 1 and seen["swa window"].restorable_prefix_pages == [1, 6]
+        assert seen["mamba + swa all"].kv_hit_pages == 0
+    finally:
+        fresh.close()
+
+
+def test_v2_calls_it_cannot_serve_are_misses_never_exceptions(store, tmp_path):
+    pools = hybrid_pools()
+    kvstore = attach(backend(store, pools["kv"]), pools)
+    hicache_file = file_backend(tmp_path, pools)
+    try:
+        store_hybrid(kvstore, hicache_file, pools)
+        # A hit policy it does not implement (SGLang's HiCacheFile raises; SGLang counts that as 0).
+        unsupported = exists_v2(kvstore, KEYS, [("mamba", 1, "block_groups")])
+        assert (unsupported.kv_hit_pages, unsupported.extra_pool_hit_pages) == (0, {})
+        with pytest.raises(ValueError, match="hit policy"):
+            exists_v2(hicache_file, KEYS, [("mamba", 1, "block_groups")])
+        # A pool never registered, and host indices that do not match the keys.
+        assert named(kvstore.batch_get_v2([transfer("indexer", KEYS[:2], pools["swa"].alloc(2 * PAGE_SIZE)),
+                                           transfer("swa", KEYS[:2], pools["swa"].alloc(PAGE_SIZE))])) == {
+            "indexer": [False, False], "swa": [False, False]}
+        assert exists_v2(kvstore, KEYS, [("indexer", 0, "all_pages")]).kv_hit_pages == 0
+        # A stopped service: misses within the deadline.
+        pid = service_client(store).info()["service_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            got, _ = load_hybrid(kvstore, pools)
+            assert named(got) == {"mamba": [False] * PAGES, "swa": [False] * PAGES}
+            assert exists_v2(kvstore, KEYS, QUERIES["mamba"]).kv_hit_pages == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
     finally:
         kvstore.close()
