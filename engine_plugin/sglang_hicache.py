@@ -18,6 +18,10 @@ Keys: SGLang's page hash plus what the page's bytes depend on, hashed into kvsto
 across tensor-parallel ranks, so each rank's pages are keyed apart; MLA KV is the same on
 every rank, so the ranks share one key and only SGLang's storage writer stores it.
 
+A hybrid model's further host pools (Mamba state, sliding-window KV, a DSA indexer) come
+through SGLang's v2 calls (`register_mem_host_pool_v2`, `batch_exists_v2`,
+`batch_get_v2`, `batch_set_v2`); engine_plugin/sglang_pools.py keys and moves their pages.
+
 This module imports SGLang (the class must subclass its HiCacheStorage); nothing in
 kvstore/ or connectors/ imports it.
 """

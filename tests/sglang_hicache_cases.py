@@ -240,10 +240,10 @@ MAMBA_AT = (2, 5)  # pages whose Mamba state is stored (node ends)
 SWA_AT = (0, 1, 2, 4, 5)  # pages whose sliding-window KV is stored
 
 
-def hybrid_pools(side_state: int = 0) -> dict:
+def hybrid_pools(side_state: int = 0, kv: str = "page_first") -> dict:
     from bench.sglang_pools import mamba_host_pool
 
-    pools = {"kv": pool_of("page_first"), "mamba": mamba_host_pool(3 * PAGES, side_state=side_state),
+    pools = {"kv": pool_of(kv), "mamba": mamba_host_pool(3 * PAGES, side_state=side_state),
              "swa": mha_host_pool("page_first", 3 * PAGES, layers=2)}
     for seed, pool in enumerate(pools.values()):
         fill(pool, 10 + seed)
@@ -270,11 +270,12 @@ def file_backend(tmp_path: Path, pools: dict):
 def transfer(name: str, keys: list, indices=None, policy: str = "trailing_pages"):
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    return PoolTransfer(name=PoolName(name), host_indices=indices, keys=keys, hit_policy=PoolHitPolicy(policy))
+    return PoolTransfer(name=PoolName(name), host_indices=indices, keys=keys,
+                        hit_policy=PoolHitPolicy(policy))
 
 
 def named(results: dict) -> dict:
-    """A v2 answer by pool name (SGLang's PoolName hashes apart from its string value)."""
+    """A v2 answer keyed by plain pool names, as a failed assert prints them."""
     return {str(name): value for name, value in results.items()}
 
 
@@ -371,7 +372,6 @@ def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_p
         kvstore.close()
 
 
-@pytest.mark.slow
 def test_a_flipped_byte_or_a_missing_page_in_an_extra_pool_shrinks_the_hit(store, tmp_path):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
@@ -392,7 +392,8 @@ def test_a_flipped_byte_or_a_missing_page_in_an_extra_pool_shrinks_the_hit(store
     fresh = attach(backend(store, pools["kv"]), pools)
     try:
         got, _ = load_hybrid(fresh, pools)
-        assert named(got) == {"mamba": [i == 2 for i in range(PAGES)], "swa": [i in (0, 2, 4, 5) for i in range(PAGES)]}
+        assert named(got) == {"mamba": [i == 2 for i in range(PAGES)],
+                              "swa": [i in (0, 2, 4, 5) for i in range(PAGES)]}
         assert named(load_hybrid(hicache_file, pools)[0]) == named(got)
         client = service_client(store)
         try:
@@ -436,3 +437,28 @@ def test_v2_calls_it_cannot_serve_are_misses_never_exceptions(store, tmp_path):
             os.kill(pid, signal.SIGCONT)
     finally:
         kvstore.close()
+
+
+def test_mla_ranks_share_extra_pools_but_each_keeps_its_own_mamba_state(store):
+    """As SGLang's file backend keys them: Mamba state is split across TP ranks even where
+    the model's MLA KV (and its other pools) are the same on every rank and stored once."""
+    pools = hybrid_pools(kv="mla")
+    rank0, rank1 = (attach(backend(store, pools["kv"], tp_rank=r, tp_size=2, mla=True), pools)
+                    for r in (0, 1))
+
+    def stored(made) -> dict:
+        hits = {name: exists_v2(made, KEYS[:1], [(name, 1, "trailing_pages")]) for name in ("mamba", "swa")}
+        return {name: hit.extra_pool_hit_pages.get(name, 0) for name, hit in hits.items()}
+
+    try:
+
+        sets = [transfer("mamba", KEYS[:1], pools["mamba"].alloc(1)),
+                transfer("swa", KEYS[:1], pools["swa"].alloc(PAGE_SIZE))]
+        assert rank0.batch_set_v1(KEYS[:1], pools["kv"].alloc(PAGE_SIZE)) == [True]
+        assert named(rank1.batch_set_v2(sets)) == {"mamba": [True], "swa": [True]}  # not the writer
+        assert stored(rank1) == {"mamba": 1, "swa": 0} and stored(rank0) == {"mamba": 0, "swa": 0}
+        assert named(rank0.batch_set_v2(sets)) == {"mamba": [True], "swa": [True]}
+        assert stored(rank1) == {"mamba": 1, "swa": 1} and stored(rank0) == {"mamba": 1, "swa": 1}
+    finally:
+        rank0.close()
+        rank1.close()
