@@ -92,6 +92,8 @@ class HostPool:
         if self.zero_copy:
             pointers, sizes = self.pool.get_page_buffer_meta(host_indices)
             pieces = list(zip(flat_ints(pointers), flat_ints(sizes), strict=True))
+            if len(pieces) % count:
+                raise ValueError(f"{len(pieces)} buffer pieces for {count} pages")
             per = len(pieces) // count
             return [pieces[i * per : (i + 1) * per] for i in range(count)], []
         size = self.pool.page_size
