@@ -1,7 +1,8 @@
 """SGLang's own host KV pools, built on the CPU for the HiCache backend's tests and benchmark.
 
-These are SGLang's classes (MHATokenToKVPoolHost, MLATokenToKVPoolHost), laid out from a
-CPU device pool of SGLang's own, as SGLang's own storage unit tests build them. One
+These are SGLang's classes (MHATokenToKVPoolHost, MLATokenToKVPoolHost, and a hybrid
+model's MambaPoolHost), laid out from CPU device buffers, as SGLang's own storage unit
+tests build them. One
 obstacle: SGLang's memory_pool module imports sglang.srt.configs, which imports
 torchvision at import time for a vision model's image constants. PyPI's torchvision is
 built against CUDA torch and does not load next to the CPU torch==2.13.0 (its operators
@@ -88,6 +89,23 @@ def mla_host_pool(layout: str, pages: int, layers: int = 4, kv_lora_rank: int = 
     return host_cls(device.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE_SIZE, layout,
                     pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
                     end_layer=layers - 1, target_layer_num=layers, host_token_capacity=pages * PAGE_SIZE)
+
+
+def mamba_host_pool(slots: int, layers: int = 2, heads: int = 6, state: tuple[int, int] = (32, 64),
+                    conv: tuple[int, int] = (16, 3), side_state: int = 0) -> Any:
+    """SGLang's Mamba state host pool (page_first, one state per page) of `slots` slots:
+    an fp32 temporal state and a bf16 conv state per layer, as a hybrid model's, and with
+    `side_state` a per-slot int32 side state of that many values (which SGLang's pool
+    offers no zero-copy page metadata for: its pages move as flat pages)."""
+    import_pools()
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(layers, slots, heads, *state, dtype=torch.float32),
+                                conv=(torch.zeros(layers, slots, *conv, dtype=torch.bfloat16),),
+                                extra_checkpoint_buffers=(torch.zeros(slots, side_state, dtype=torch.int32),)
+                                if side_state else ())
+    return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, layout="page_first")
 
 
 def storage_config(extra: dict[str, Any], tp_rank: int = 0, tp_size: int = 1, mla: bool = False,

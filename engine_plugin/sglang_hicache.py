@@ -18,6 +18,10 @@ Keys: SGLang's page hash plus what the page's bytes depend on, hashed into kvsto
 across tensor-parallel ranks, so each rank's pages are keyed apart; MLA KV is the same on
 every rank, so the ranks share one key and only SGLang's storage writer stores it.
 
+A hybrid model's further host pools (Mamba state, sliding-window KV, a DSA indexer) come
+through SGLang's v2 calls (`register_mem_host_pool_v2`, `batch_exists_v2`,
+`batch_get_v2`, `batch_set_v2`); engine_plugin/sglang_pools.py keys and moves their pages.
+
 This module imports SGLang (the class must subclass its HiCacheStorage); nothing in
 kvstore/ or connectors/ imports it.
 """
@@ -30,27 +34,22 @@ from typing import Any
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from connectors.page_io import PageIO, Segments
+from engine_plugin.sglang_pools import HybridPools, flat_ints, shard_suffix
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
 from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.sglang")
-
-
-def shard_suffix(config: HiCacheStorageConfig) -> str:
-    """What keys a page to its shard: the TP rank (not for MLA, replicated on every rank),
-    pipeline stage, attention context-parallel and decode context-parallel rank."""
-    parts = [] if config.is_mla_model else [f"tp{config.tp_rank}/{config.tp_size}"]
-    if config.pp_size > 1:
-        parts.append(f"pp{config.pp_rank}/{config.pp_size}")
-    if config.attn_cp_size > 1:
-        parts.append(f"cp{config.attn_cp_rank}/{config.attn_cp_size}")
-    if config.dcp_size > 1:
-        parts.append(f"dcp{config.dcp_rank}/{config.dcp_size}/page{config.logical_page_size}")
-    return "|".join(parts)
 
 
 def store_config(extra: dict[str, Any] | None) -> StoreConfig:
@@ -71,8 +70,10 @@ class KVStoreHiCache(HiCacheStorage):
         self.store = store_config(storage_config.extra_config)
         extra = storage_config.extra_config or {}
         self.model = str(extra.get("model_id") or storage_config.model_name or "")
-        self.suffix = shard_suffix(storage_config)
+        self.suffix = shard_suffix(storage_config, storage_config.is_mla_model)
         self.writer = storage_config.is_storage_writer
+        kind = "mla" if storage_config.is_mla_model else "mha"
+        self.pools = HybridPools(storage_config, f"sglang|{self.model}|{kind}|v2")
         self.reads: PageIO | None = None
         self.writes: PageIO | None = None
         self._identity = ""
@@ -104,7 +105,7 @@ class KVStoreHiCache(HiCacheStorage):
         """Each page's segments in the host pool, in the flat page's order (all K, then all
         V: the pool lists a layer-first page's pieces as K0, V0, K1, V1, ...)."""
         pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        pieces = list(zip(_flat(pointers), _flat(sizes), strict=True))
+        pieces = list(zip(flat_ints(pointers), flat_ints(sizes), strict=True))
         if count == 0 or len(pieces) % count:
             raise ValueError(f"{len(pieces)} buffer pieces for {count} pages")
         per = len(pieces) // count
@@ -147,6 +148,31 @@ class KVStoreHiCache(HiCacheStorage):
         except Exception:
             log.exception("kvstore lookup failed; counted as a miss")
             return 0
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's host pool (SGLang registers the KV pool here too, which the v1
+        path already serves): its pages are keyed and cut into chunks apart."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) != PoolName.KV.value:
+            self.pools.register(str(host_pool_name), host_pool)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The usable prefix: the KV run, shrunk by each extra pool's hit policy."""
+        return self.pools.exists(self.reads, keys, self.batch_exists(keys), pool_transfers or [])
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._v2(transfers, load=True)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._v2(transfers, load=False)
+
+    def _v2(self, transfers: list[PoolTransfer], load: bool) -> dict[str, list[bool]]:
+        io = self.reads if load else self.writes
+        return {t.name: self._v1(list(t.keys or []), t.host_indices, load) if str(t.name) == PoolName.KV.value
+                else self.pools.move(io, t, load) for t in transfers}
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -216,10 +242,3 @@ class KVStoreHiCache(HiCacheStorage):
                 io.close()
         self.reads = self.writes = None
 
-
-def _flat(values: Any) -> list[int]:
-    """The pool's pointer/size lists, flattened (a multi-buffer pool nests one list per page)."""
-    out: list[int] = []
-    for value in values:
-        out.extend(_flat(value) if isinstance(value, list | tuple) else [int(value)])
-    return out

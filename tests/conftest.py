@@ -122,19 +122,21 @@ def store_factory() -> Iterator:
             store.close()
 
 
-def corrupt_record(directory: str, payload_byte: int | None = None) -> None:
+def corrupt_record(directory: str, payload_byte: int | None = None, key: bytes | None = None) -> None:
     """Flip one payload byte of the first valid record in a disk tier's data file (with
-    `payload_byte`: of the first whose payload holds that byte where the flip goes)."""
+    `payload_byte`: of the first whose payload holds that byte where the flip goes; with
+    `key`: of the record of that chunk key)."""
     with open(os.path.join(directory, DATA_FILE), "r+b") as f:
         _, superblock = parse_superblock(f.read(4096))
         assert superblock is not None
         for slot in range(superblock.num_slots):
             offset = superblock.data_offset + slot * superblock.slot_bytes
             f.seek(offset)
-            state, _ = parse_header(f.read(HEADER_BLOCK))
+            state, header = parse_header(f.read(HEADER_BLOCK))
             f.seek(offset + HEADER_BLOCK + 1000)
             byte = f.read(1)
-            if state is HeaderState.VALID and payload_byte in (None, byte[0]):
+            if (state is HeaderState.VALID and payload_byte in (None, byte[0])
+                    and key in (None, header.key if header else None)):
                 f.seek(offset + HEADER_BLOCK + 1000)
                 f.write(bytes([byte[0] ^ 0xFF]))
                 return

@@ -36,6 +36,14 @@ def store(tmp_path, disk_dir):
     stop_service(raw)
 
 
+@pytest.fixture
+def patient_store(store):
+    """`store` with a 5 s I/O deadline: the first disk reads after a restart can outlast the
+    short one the fault cases want on a busy machine, and these cases are about data."""
+    store["io"]["timeout_s"] = 5.0
+    return store
+
+
 def lmcache_backends(store: dict):
     """LMCache's own set-up, as its engine does it: (backends, a stop function)."""
     import asyncio
@@ -132,20 +140,20 @@ def store_chunks(store: dict) -> list[tuple[list[int], str]]:
         stop()
 
 
-def test_a_fresh_process_after_a_service_restart_loads_every_chunk(store, tmp_path):
-    stored = store_chunks(store)
-    stop_service(store)  # its DRAM tier goes: what comes back comes from disk
-    seen = fresh_process(store, tmp_path)
+def test_a_fresh_process_after_a_service_restart_loads_every_chunk(patient_store, tmp_path):
+    stored = store_chunks(patient_store)
+    stop_service(patient_store)  # its DRAM tier goes: what comes back comes from disk
+    seen = fresh_process(patient_store, tmp_path)
     assert seen["found"] == COUNT
     assert [tuple(c) for c in seen["chunks"]] == [tuple(c) for c in stored]
     assert [tuple(c) for c in seen["again"]] == [tuple(c) for c in stored]
 
 
-def test_a_flipped_byte_on_disk_is_a_miss_not_data(store, tmp_path):
-    stored = store_chunks(store)
-    stop_service(store)
-    corrupt_record(store["tiers"]["disk"][0]["path"])
-    seen = fresh_process(store, tmp_path)
+def test_a_flipped_byte_on_disk_is_a_miss_not_data(patient_store, tmp_path):
+    stored = store_chunks(patient_store)
+    stop_service(patient_store)
+    corrupt_record(patient_store["tiers"]["disk"][0]["path"])
+    seen = fresh_process(patient_store, tmp_path)
     for loaded in (seen["chunks"], seen["again"]):
         assert loaded.count(None) == 1
         assert all(c is None or tuple(c) == tuple(s) for c, s in zip(loaded, stored, strict=True))

@@ -40,6 +40,14 @@ def store(tmp_path, disk_dir):
     stop_service(raw)
 
 
+@pytest.fixture
+def patient_store(store):
+    """`store` with a 5 s I/O deadline: the first disk reads after a restart can outlast the
+    short one the fault cases want on a busy machine, and these cases are about data."""
+    store["io"]["timeout_s"] = 5.0
+    return store
+
+
 def extra(store: dict) -> dict:
     return {"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
             "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store}
@@ -139,37 +147,37 @@ def fresh_process(store: dict, kind: str, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["page_first", "mla"])
-def test_a_fresh_process_after_a_service_restart_loads_the_pages_from_disk(store, kind, tmp_path):
+def test_a_fresh_process_after_a_service_restart_loads_the_pages_from_disk(patient_store, kind, tmp_path):
     pool = pool_of(kind)
     fill(pool, 2)
-    hicache = backend(store, pool, mla=kind == "mla")
+    hicache = backend(patient_store, pool, mla=kind == "mla")
     written = pool.alloc(PAGES * PAGE_SIZE)
     assert all(hicache.batch_set_v1(KEYS, written))
     hicache.close()
-    stop_service(store)  # its DRAM tier goes: what comes back comes from disk
+    stop_service(patient_store)  # its DRAM tier goes: what comes back comes from disk
 
-    seen = fresh_process(store, kind, tmp_path)
+    seen = fresh_process(patient_store, kind, tmp_path)
     assert seen["found"] == PAGES and seen["loaded"] == [True] * PAGES
     assert [bytes.fromhex(p) for p in seen["pages"]] == pages_of(pool, written, PAGES)
 
 
 @pytest.mark.slow
-def test_a_flipped_byte_on_disk_is_a_miss_not_data(store, tmp_path):
+def test_a_flipped_byte_on_disk_is_a_miss_not_data(patient_store, tmp_path):
     pool = pool_of("page_first")
     fill(pool, 3)
-    hicache = backend(store, pool)
+    hicache = backend(patient_store, pool)
     written = pool.alloc(PAGES * PAGE_SIZE)
     assert all(hicache.batch_set_v1(KEYS, written))
     hicache.close()
-    stop_service(store)
-    corrupt_record(store["tiers"]["disk"][0]["path"])
+    stop_service(patient_store)
+    corrupt_record(patient_store["tiers"]["disk"][0]["path"])
 
-    seen = fresh_process(store, "page_first", tmp_path)
+    seen = fresh_process(patient_store, "page_first", tmp_path)
     assert seen["loaded"].count(False) == 1
     good = pages_of(pool, written, PAGES)
     for ok, page, expected in zip(seen["loaded"], seen["pages"], good, strict=True):
         assert not ok or bytes.fromhex(page) == expected
-    client = service_client(store)
+    client = service_client(patient_store)
     try:
         assert client.info()["counters"]["disk.miss.bad_checksum"] == 1
     finally:
@@ -235,3 +243,235 @@ def test_the_benchmark_measures_kvstore_against_sglangs_file_backend(disk_dir, c
     if shutil.which("fio"):  # the disk's ceiling, measured in the same sitting
         assert "depth 1 " in printed and "depth 16 " in printed
         assert "kvstore disk hits:" in printed and "ceiling over HiCacheFile's disk hits" in printed
+
+
+# SGLang's v2 pool interface (hybrid models): a Mamba state pool (TRAILING_PAGES, one state
+# per page, a page of 3 chunks and a padded fourth) and a sliding-window KV pool (an MHA
+# pool of 2 layers: half a chunk per page), next to the KV pool, as SGLang's
+# HybridCacheController registers them; every answer compared with SGLang's HiCacheFile.
+MAMBA_AT = (2, 5)  # pages whose Mamba state is stored (node ends)
+SWA_AT = (0, 1, 2, 4, 5)  # pages whose sliding-window KV is stored
+
+
+def hybrid_pools(side_state: int = 0, kv: str = "page_first") -> dict:
+    from bench.sglang_pools import mamba_host_pool
+
+    pools = {"kv": pool_of(kv), "mamba": mamba_host_pool(3 * PAGES, side_state=side_state),
+             "swa": mha_host_pool("page_first", 3 * PAGES, layers=2)}
+    for seed, pool in enumerate(pools.values()):
+        fill(pool, 10 + seed)
+    return pools
+
+
+def attach(made, pools: dict):
+    """As HybridCacheController.attach_storage_backend: the anchor, then every entry."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    made.register_mem_pool_host(pools["kv"])
+    for name, pool in pools.items():
+        made.register_mem_host_pool_v2(pool, PoolName(name))
+    made.on_host_pools_registered()
+    return made
+
+
+def file_backend(tmp_path: Path, pools: dict):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    return attach(HiCacheFile(storage_config({}), file_path=str(tmp_path / "hicache")), pools)
+
+
+def transfer(name: str, keys: list, indices=None, policy: str = "trailing_pages"):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    return PoolTransfer(name=PoolName(name), host_indices=indices, keys=keys,
+                        hit_policy=PoolHitPolicy(policy))
+
+
+def named(results: dict) -> dict:
+    """A v2 answer keyed by plain pool names, as a failed assert prints them."""
+    return {str(name): value for name, value in results.items()}
+
+
+def pool_bytes(pool, indices: torch.Tensor) -> list[bytes]:
+    size = pool.page_size
+    return [pool.get_data_page(indices[i * size]).contiguous().view(torch.uint8).numpy().tobytes()
+            for i in range(len(indices) // size)]
+
+
+def store_hybrid(kvstore, hicache_file, pools: dict) -> dict:
+    """KV for every page, Mamba state and sliding-window KV where MAMBA_AT / SWA_AT say;
+    the host indices written, by pool."""
+    written = {name: pool.alloc(len(KEYS) * pool.page_size) for name, pool in pools.items()}
+    assert kvstore.batch_set_v1(KEYS, written["kv"]) == [True] * PAGES
+    assert hicache_file.batch_set(KEYS, [pools["kv"].get_data_page(written["kv"][i * PAGE_SIZE])
+                                         for i in range(PAGES)])
+    sets = [transfer("mamba", [KEYS[i] for i in MAMBA_AT], written["mamba"][list(MAMBA_AT)]),
+            transfer("swa", [KEYS[i] for i in SWA_AT],
+                     torch.cat([written["swa"][i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in SWA_AT]))]
+    for backend_ in (kvstore, hicache_file):
+        assert named(backend_.batch_set_v2(sets)) == {"mamba": [True] * 2, "swa": [True] * 5}
+    return written
+
+
+QUERIES = {  # name: extra-pool transfers of a batch_exists_v2
+    "mamba": [("mamba", 1, "trailing_pages")],
+    "swa window": [("swa", 2, "trailing_pages")],
+    "swa all": [("swa", 0, "all_pages")],
+    "mamba + swa window": [("mamba", 1, "trailing_pages"), ("swa", 2, "trailing_pages")],
+    "mamba + swa all": [("mamba", 1, "trailing_pages"), ("swa", 0, "all_pages")],
+}
+
+
+def exists_v2(made, keys: list, query: list):
+    return made.batch_exists_v2(keys, [transfer(name, keys[-n:] if n else None, policy=policy)
+                                       for name, n, policy in query])
+
+
+def assert_exists_like_hicache_file(kvstore, hicache_file) -> dict:
+    """Every query, on the stored keys and on a run with a gap, answers as HiCacheFile does."""
+    seen = {}
+    for label, query in QUERIES.items():
+        for keys in (KEYS, [*KEYS[:4], "never-stored", *KEYS[5:]]):
+            ours, theirs = exists_v2(kvstore, keys, query), exists_v2(hicache_file, keys, query)
+            assert ours == theirs, (label, keys)
+        seen[label] = exists_v2(kvstore, KEYS, query)
+    return seen
+
+
+def load_hybrid(made, pools: dict) -> tuple[dict, dict]:
+    """batch_get_v2 of every page of both extra pools into fresh host indices."""
+    into = {name: pools[name].alloc(PAGES * pools[name].page_size) for name in ("mamba", "swa")}
+    got = made.batch_get_v2([transfer(name, KEYS, into[name]) for name in into])
+    return got, into
+
+
+@pytest.mark.parametrize("side_state", [0, 100], ids=["zero-copy", "flat-pages"])
+def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_path, side_state):
+    pools = hybrid_pools(side_state)
+    kvstore = attach(backend(store, pools["kv"]), pools)
+    hicache_file = file_backend(tmp_path, pools)
+    try:
+        assert named(kvstore.batch_get_v2([transfer("mamba", KEYS[:1], pools["mamba"].alloc(1))])) == {
+            "mamba": [False]}
+        chunk = kvstore.reads.chunk_bytes  # the KV page: a Mamba state is 3 chunks and a part
+        mamba, swa = kvstore.pools.pools["mamba"], kvstore.pools.pools["swa"]
+        assert mamba.zero_copy == (not side_state) and mamba.parts(chunk) == 4 and mamba.page_bytes % chunk
+        assert swa.zero_copy and swa.parts(chunk) == 1 and 2 * swa.page_bytes == chunk
+        written = store_hybrid(kvstore, hicache_file, pools)
+        seen = assert_exists_like_hicache_file(kvstore, hicache_file)
+        # Mamba restorable only at its states (3 and 6 pages); a 2-page window of
+        # sliding-window KV at 1, 2, 3 and 6; every page of it only up to 3.
+        assert seen["mamba"].restorable_prefix_pages == [3, 6] and seen["mamba"].kv_hit_pages == 6
+        assert seen["swa window"].restorable_prefix_pages == [1, 2, 3, 6]
+        assert seen["mamba + swa all"].kv_hit_pages == 3
+
+        for made in (kvstore, hicache_file):
+            got, into = load_hybrid(made, pools)
+            assert named(got) == {"mamba": [i in MAMBA_AT for i in range(PAGES)],
+                           "swa": [i in SWA_AT for i in range(PAGES)]}
+            for name, at in (("mamba", MAMBA_AT), ("swa", SWA_AT)):
+                size = pools[name].page_size
+                loaded, stored = pool_bytes(pools[name], into[name]), pool_bytes(pools[name], written[name])
+                assert [loaded[i] for i in at] == [stored[i] for i in at]
+                assert all(loaded[i] != stored[i] for i in range(PAGES) if i not in at)
+                assert size == (1 if name == "mamba" else PAGE_SIZE)
+
+        fresh = attach(backend(store, pools["kv"]), pools)  # a new backend instance finds them
+        try:
+            assert assert_exists_like_hicache_file(fresh, hicache_file) == seen
+        finally:
+            fresh.close()
+    finally:
+        kvstore.close()
+
+
+def test_a_flipped_byte_or_a_missing_page_in_an_extra_pool_shrinks_the_hit(patient_store, tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = hybrid_pools()
+    kvstore = attach(backend(patient_store, pools["kv"]), pools)
+    hicache_file = file_backend(tmp_path, pools)
+    store_hybrid(kvstore, hicache_file, pools)
+    chunk = kvstore.reads.chunk_bytes
+    flipped = {"mamba": (5, kvstore.pools.pools["mamba"].chunk_keys([KEYS[5]], chunk)[1]),  # its 2nd part
+               "swa": (1, kvstore.pools.pools["swa"].chunk_keys([KEYS[1]], chunk)[0])}
+    kvstore.close()
+    stop_service(patient_store)  # its DRAM tier goes: what comes back is read from disk and verified
+    for name, (page, key) in flipped.items():
+        corrupt_record(patient_store["tiers"]["disk"][0]["path"], key=key)
+        # HiCacheFile, given the same presence pattern: that page's file is gone.
+        (tmp_path / "hicache" / f"{hicache_file._get_component_key(KEYS[page], PoolName(name))}.bin").unlink()
+
+    fresh = attach(backend(patient_store, pools["kv"]), pools)
+    try:
+        got, _ = load_hybrid(fresh, pools)
+        assert named(got) == {"mamba": [i == 2 for i in range(PAGES)],
+                              "swa": [i in (0, 2, 4, 5) for i in range(PAGES)]}
+        assert named(load_hybrid(hicache_file, pools)[0]) == named(got)
+        client = service_client(patient_store)
+        try:
+            assert client.info()["counters"]["disk.miss.bad_checksum"] == 2
+        finally:
+            client.close()
+        # The pages that failed verification are gone from the index: the hit shrinks,
+        # TRAILING_PAGES (Mamba: 6 pages -> 3) and ALL_PAGES (sliding-window KV: 3 -> 1).
+        seen = assert_exists_like_hicache_file(fresh, hicache_file)
+        assert seen["mamba"].restorable_prefix_pages == [3]
+        assert seen["swa all"].kv_hit_pages == 1 and seen["swa window"].restorable_prefix_pages == [1, 6]
+        assert seen["mamba + swa all"].kv_hit_pages == 0
+    finally:
+        fresh.close()
+
+
+def test_v2_calls_it_cannot_serve_are_misses_never_exceptions(store, tmp_path):
+    pools = hybrid_pools()
+    kvstore = attach(backend(store, pools["kv"]), pools)
+    hicache_file = file_backend(tmp_path, pools)
+    try:
+        store_hybrid(kvstore, hicache_file, pools)
+        # A hit policy it does not implement (SGLang's HiCacheFile raises; SGLang counts that as 0).
+        unsupported = exists_v2(kvstore, KEYS, [("mamba", 1, "block_groups")])
+        assert (unsupported.kv_hit_pages, unsupported.extra_pool_hit_pages) == (0, {})
+        with pytest.raises(ValueError, match="hit policy"):
+            exists_v2(hicache_file, KEYS, [("mamba", 1, "block_groups")])
+        # A pool never registered, and host indices that do not match the keys.
+        assert named(kvstore.batch_get_v2([transfer("indexer", KEYS[:2], pools["swa"].alloc(2 * PAGE_SIZE)),
+                                           transfer("swa", KEYS[:2], pools["swa"].alloc(PAGE_SIZE))])) == {
+            "indexer": [False, False], "swa": [False, False]}
+        assert exists_v2(kvstore, KEYS, [("indexer", 0, "all_pages")]).kv_hit_pages == 0
+        # A stopped service: misses within the deadline.
+        pid = service_client(store).info()["service_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            got, _ = load_hybrid(kvstore, pools)
+            assert named(got) == {"mamba": [False] * PAGES, "swa": [False] * PAGES}
+            assert exists_v2(kvstore, KEYS, QUERIES["mamba"]).kv_hit_pages == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        kvstore.close()
+
+
+def test_mla_ranks_share_extra_pools_but_each_keeps_its_own_mamba_state(store):
+    """As SGLang's file backend keys them: Mamba state is split across TP ranks even where
+    the model's MLA KV (and its other pools) are the same on every rank and stored once."""
+    pools = hybrid_pools(kv="mla")
+    rank0, rank1 = (attach(backend(store, pools["kv"], tp_rank=r, tp_size=2, mla=True), pools)
+                    for r in (0, 1))
+
+    def stored(made) -> dict:
+        hits = {name: exists_v2(made, KEYS[:1], [(name, 1, "trailing_pages")]) for name in ("mamba", "swa")}
+        return {name: hit.extra_pool_hit_pages.get(name, 0) for name, hit in hits.items()}
+
+    try:
+
+        sets = [transfer("mamba", KEYS[:1], pools["mamba"].alloc(1)),
+                transfer("swa", KEYS[:1], pools["swa"].alloc(PAGE_SIZE))]
+        assert rank0.batch_set_v1(KEYS[:1], pools["kv"].alloc(PAGE_SIZE)) == [True]
+        assert named(rank1.batch_set_v2(sets)) == {"mamba": [True], "swa": [True]}  # not the writer
+        assert stored(rank1) == {"mamba": 1, "swa": 0} and stored(rank0) == {"mamba": 0, "swa": 0}
+        assert named(rank0.batch_set_v2(sets)) == {"mamba": [True], "swa": [True]}
+        assert stored(rank1) == {"mamba": 1, "swa": 1} and stored(rank0) == {"mamba": 1, "swa": 1}
+    finally:
+        rank0.close()
+        rank1.close()
