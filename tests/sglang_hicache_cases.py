@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -298,6 +299,12 @@ def pool_bytes(pool, indices: torch.Tensor) -> list[bytes]:
             for i in range(len(indices) // size)]
 
 
+def both_backends(store: dict, tmp_path: Path, **pool_options) -> tuple[dict, Any, Any]:
+    """SGLang's hybrid host pools, kvstore's backend attached to them, HiCacheFile beside it."""
+    pools = hybrid_pools(**pool_options)
+    return pools, attach(backend(store, pools["kv"]), pools), file_backend(tmp_path, pools)
+
+
 def store_hybrid(kvstore, hicache_file, pools: dict) -> dict:
     """KV for every page, Mamba state and sliding-window KV where MAMBA_AT / SWA_AT say;
     the host indices written, by pool."""
@@ -347,9 +354,7 @@ def load_hybrid(made, pools: dict) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("side_state", [0, 100], ids=["zero-copy", "flat-pages"])
 def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_path, side_state):
-    pools = hybrid_pools(side_state)
-    kvstore = attach(backend(store, pools["kv"]), pools)
-    hicache_file = file_backend(tmp_path, pools)
+    pools, kvstore, hicache_file = both_backends(store, tmp_path, side_state=side_state)
     try:
         assert named(kvstore.batch_get_v2([transfer("mamba", KEYS[:1], pools["mamba"].alloc(1))])) == {
             "mamba": [False]}
@@ -388,9 +393,7 @@ def test_v2_pools_round_trip_and_answer_as_sglangs_own_file_backend(store, tmp_p
 def test_a_flipped_byte_or_a_missing_page_in_an_extra_pool_shrinks_the_hit(patient_store, tmp_path):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    pools = hybrid_pools()
-    kvstore = attach(backend(patient_store, pools["kv"]), pools)
-    hicache_file = file_backend(tmp_path, pools)
+    pools, kvstore, hicache_file = both_backends(patient_store, tmp_path)
     store_hybrid(kvstore, hicache_file, pools)
     chunk = kvstore.reads.chunk_bytes
     flipped = {"mamba": (5, kvstore.pools.pools["mamba"].chunk_keys([KEYS[5]], chunk)[1]),  # its 2nd part
@@ -424,9 +427,7 @@ def test_a_flipped_byte_or_a_missing_page_in_an_extra_pool_shrinks_the_hit(patie
 
 
 def test_v2_calls_it_cannot_serve_are_misses_never_exceptions(store, tmp_path):
-    pools = hybrid_pools()
-    kvstore = attach(backend(store, pools["kv"]), pools)
-    hicache_file = file_backend(tmp_path, pools)
+    pools, kvstore, hicache_file = both_backends(store, tmp_path)
     try:
         store_hybrid(kvstore, hicache_file, pools)
         # A hit policy it does not implement (SGLang's HiCacheFile raises; SGLang counts that as 0).
