@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +19,12 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from conftest import corrupt_record
-from engine_harness import small_service_config, stop_service
+from engine_harness import fresh_python, small_service_config, stop_service
 from lmcache.v1.check import check_mode_test_l2_adapter as lmcache_check
 
 from engine_plugin.lmcache_l2 import KVStoreL2Adapter, KVStoreL2AdapterConfig
 from kvstore.format.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 ELEMENTS = 16 * 1024  # float32: 64 KiB objects
 COUNT = 5
 
@@ -127,12 +123,8 @@ adapter.close()
 
 
 def fresh_process(store: dict, tmp_path: Path) -> dict:
-    out = tmp_path / "fresh.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", FRESH, json.dumps(store), str(out)], cwd=ROOT, env=env, check=True,
-                   timeout=240)
-    return json.loads(out.read_text())
+    seen: dict = fresh_python(FRESH, store, tmp_path)
+    return seen
 
 
 def test_a_fresh_process_after_a_service_restart_finds_and_loads_every_chunk(store, tmp_path):
