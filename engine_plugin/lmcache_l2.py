@@ -6,7 +6,7 @@ kvstore service, loaded by LMCache's own `plugin` adapter type (docs/lmcache.md)
 
     --l2-adapter '{"type": "plugin", "module_path": "engine_plugin.lmcache_l2",
                    "class_name": "KVStoreL2Adapter",
-                   "adapter_params": {"config": "/etc/kvstore.yaml", "chunk_bytes": 29360128}}'
+                   "adapter_params": {"config": "/etc/kvstore.yaml", "chunk_bytes": 33554432}}'
 
 LMCache finds `KVStoreL2AdapterConfig` by its name and builds it from `adapter_params`.
 `chunk_bytes` is the size of the server's chunk objects (chunk_size x layers x 2 x KV
