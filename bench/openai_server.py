@@ -28,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,10 +109,7 @@ class OpenAIServer:
     def start(self, timeout_s: float = 300) -> None:
         """Start the server and wait until it answers /health; on failure or past the
         deadline the process group is killed and the error carries the log's tail."""
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
-                                            start_new_session=True)
+        self.process = start_group(self.command, self.log_path, self.env)
         problem = wait_healthy(self.url, self.process, timeout_s)
         if problem is not None:
             self.stop()
@@ -119,15 +117,8 @@ class OpenAIServer:
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the whole process group, SIGKILL to what is left after `timeout_s`."""
-        if self.process is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=wait_s)
-                if not _group_alive(self.process.pid):
-                    break
+        if self.process is not None:
+            stop_group(self.process, timeout_s)
         self.process = None
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -190,34 +181,60 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
     router's too, is spoken to the same way.)"""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     started = time.perf_counter()
     text: list[str] = []
     prompt_ids: list[int] = []
     token_ids: list[int] = []
     cached, first = 0, None
+    for at, event in _events(url + "/v1/chat/completions", body, timeout_s):
+        prompt_ids = event.get("prompt_token_ids") or prompt_ids
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") and first is None:
+                first = at
+            text.append(delta.get("content") or "")
+            token_ids += choice.get("token_ids") or []
+        usage = event.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
+    seconds = time.perf_counter() - started
+    return ChatReply("".join(text), list(prompt_ids), token_ids, cached,
+                     first if first is not None else seconds, seconds)
+
+
+def stream_complete(url: str, body: dict[str, Any], timeout_s: float = 600) -> tuple[Completion, float]:
+    """`body` (completion_body) streamed to URL/v1/completions: the completion and its time
+    to the first token (request sent -> first token received)."""
+    started = time.perf_counter()
+    token_ids: list[int] = []
+    cached = prompt_tokens = 0
+    first: float | None = None
+    for at, event in _events(url + "/v1/completions", {**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}, timeout_s):
+        for choice in event.get("choices") or ():
+            if choice.get("token_ids") and first is None:
+                first = at
+            token_ids += choice.get("token_ids") or []
+        usage = event.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
+        prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
+    seconds = time.perf_counter() - started
+    done = Completion(token_ids=token_ids, cached_tokens=cached, prompt_tokens=prompt_tokens, seconds=seconds)
+    return done, first if first is not None else seconds
+
+
+def _events(url: str, body: dict[str, Any], timeout_s: float) -> Iterator[tuple[float, dict[str, Any]]]:
+    """The server-sent events of a streamed request, each with the seconds since it was sent."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             for raw in reply:
                 line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                prompt_ids = event.get("prompt_token_ids") or prompt_ids
-                for choice in event.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") and first is None:
-                        first = time.perf_counter() - started
-                    text.append(delta.get("content") or "")
-                    token_ids += choice.get("token_ids") or []
-                usage = event.get("usage") or {}
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield time.perf_counter() - started, json.loads(line[len("data: "):])
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from None
-    seconds = time.perf_counter() - started
-    return ChatReply("".join(text), list(prompt_ids), token_ids, cached,
-                     first if first is not None else seconds, seconds)
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> str | None:
@@ -232,6 +249,25 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -
                 return None
         time.sleep(0.3)
     return f"not up within {timeout_s:.0f} s"
+
+
+def start_group(command: list[str], log_path: str | Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`command` in a process group of its own (so stop_group reaches everything it starts),
+    its output appended to `log_path`."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT, start_new_session=True)
+
+
+def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """SIGTERM to the process's whole group, SIGKILL to what is left after `timeout_s`."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=wait_s)
+            if not _group_alive(process.pid):
+                break
 
 
 def _group_alive(pgid: int) -> bool:

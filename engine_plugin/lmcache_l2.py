@@ -1,0 +1,242 @@
+"""kvstore as the L2 storage adapter of LMCache's multi-process (MP) server.
+
+LMCache's MP server (`python -m lmcache.v1.multiprocess.server`) keeps KV chunks in its
+own L1 memory and hands them to its L2 adapters; this one stores them in the per-host
+kvstore service, loaded by LMCache's own `plugin` adapter type (docs/lmcache.md):
+
+    --l2-adapter '{"type": "plugin", "module_path": "engine_plugin.lmcache_l2",
+                   "class_name": "KVStoreL2Adapter",
+                   "adapter_params": {"config": "/etc/kvstore.yaml", "chunk_bytes": 33554432}}'
+
+LMCache finds `KVStoreL2AdapterConfig` by its name and builds it from `adapter_params`.
+`chunk_bytes` is the size of the server's chunk objects (chunk_size x layers x 2 x KV
+heads x head size x dtype bytes for a plain attention model): the kvstore service stores
+one chunk size, and a fresh server must know it before it has seen an object. A chunk is
+stored as in the storage plugin (engine_plugin/lmcache_storage.py): a 4 KiB header
+(shape, dtype, payload size) and the payload, padded to `chunk_bytes`, under LMCache's
+key (model, rank, object group, chunk hash, cache salt) hashed into kvstore's 16-byte key.
+
+Every task runs on a thread of its own and ends with its event fd signalled; whatever
+misses, fails the service's verification, runs past its deadline or raises is a miss
+(a 0 bit) or a failed store, never an exception into LMCache's controller threads.
+
+Locks: `submit_lookup_and_lock_task` locks nothing and `submit_unlock` has nothing to
+release. kvstore evicts by its own policy and its pins are per connection and per
+request; a chunk evicted between LMCache's lookup and its load is a 0 bit in the load's
+bitmap (LMCache then recomputes it), never wrong data: the load reads the chunk anew and
+the service verifies it.
+
+This module imports LMCache (the class must subclass its L2AdapterInterface); nothing in
+kvstore/ or connectors/ imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform import create_event_notifier
+
+from connectors.page_io import Segments, service_pages
+from engine_plugin.lmcache_storage import HEADER, chunk_header, read_header
+from kvstore.format.errors import ConfigError
+
+log = logging.getLogger("kvstore.lmcache")
+Result = TypeVar("Result")
+
+
+class KVStoreL2AdapterConfig(L2AdapterConfigBase):
+    """`adapter_params`: `config` (a kvstore YAML/JSON file or the config as a mapping)
+    and `chunk_bytes` (the MP server's chunk object size; larger objects are not stored)."""
+
+    def __init__(self, config: Any, chunk_bytes: int) -> None:
+        self.config = config
+        self.chunk_bytes = chunk_bytes
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVStoreL2AdapterConfig:
+        if not d.get("config"):
+            raise ConfigError("adapter_params.config", None,
+                              "required: a kvstore YAML/JSON file or the config as a mapping")
+        size = d.get("chunk_bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ConfigError("adapter_params.chunk_bytes", size,
+                              "required: the MP server's chunk object size in bytes (a positive int)")
+        return cls(d["config"], size)
+
+    @classmethod
+    def help(cls) -> str:
+        return ("kvstore L2 adapter (adapter_params):\n"
+                "- config (str or dict): the kvstore config file, or the config itself (required)\n"
+                "- chunk_bytes (int): the size of the MP server's chunk objects (required)")
+
+
+def object_key(key: ObjectKey) -> bytes:
+    """LMCache's whole key (every field that names a chunk) hashed into kvstore's key."""
+    text = (f"lmcache-mp|{key.model_name}@{key.kv_rank:#x}@{key.object_group_id:x}@"
+            f"{key.chunk_hash.hex()}@{key.cache_salt}")
+    return xxhash.xxh3_128_digest(text.encode())
+
+
+class KVStoreL2Adapter(L2AdapterInterface):
+    """L2AdapterInterface over the kvstore service: stores on one thread and one service
+    connection, lookups and loads on another, so a load never waits behind a store."""
+
+    def __init__(self, config: KVStoreL2AdapterConfig | dict[str, Any],
+                 l1_memory_desc: L1MemoryDesc | None = None) -> None:
+        super().__init__()
+        if isinstance(config, dict):  # LMCache passes the raw dict where it finds no config class
+            config = KVStoreL2AdapterConfig.from_dict(config)
+        self.payload_bytes = config.chunk_bytes
+        self.chunk_bytes = HEADER + config.chunk_bytes
+        self._padding = np.zeros(self.chunk_bytes, np.uint8)  # saves read it: stays zero
+        self._sink = np.empty(self.chunk_bytes, np.uint8)  # loads drop a short chunk's padding here
+        self.reads, self.writes = service_pages(
+            config.config, "adapter_params.config", self.chunk_bytes,
+            xxhash.xxh3_128_digest(f"lmcache-mp|{self.chunk_bytes}".encode()))
+        self._notifiers = {name: create_event_notifier() for name in ("store", "lookup", "load")}
+        self._storer = ThreadPoolExecutor(1, "kvstore-l2-store")
+        self._reader = ThreadPoolExecutor(1, "kvstore-l2-load")
+        self._lock = threading.Lock()
+        self._next_id: L2TaskId = 0
+        self._done: dict[str, dict[L2TaskId, Any]] = {"store": {}, "lookup": {}, "load": {}}
+
+    # Event fds: one each, as LMCache's controllers require.
+
+    def get_store_event_fd(self) -> int:
+        return int(self._notifiers["store"].fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._notifiers["lookup"].fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._notifiers["load"].fileno())
+
+    # Tasks
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit(self._storer, "store", lambda: self._store(keys, objects),
+                            L2StoreResult(False, 0))
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._done["store"] = self._done["store"], {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
+                                    group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
+        """The leading run of keys the service holds (one request); locks nothing (module
+        docstring)."""
+        return self._submit(self._reader, "lookup", lambda: self._lookup(keys), Bitmap(len(keys)))
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            result: Bitmap | None = self._done["lookup"].pop(task_id, None)
+        return result
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        """Nothing was locked (module docstring)."""
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit(self._reader, "load", lambda: self._load(keys, objects), Bitmap(len(keys)))
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            result: Bitmap | None = self._done["load"].pop(task_id, None)
+        return result
+
+    def _submit(self, pool: ThreadPoolExecutor, kind: str, work: Callable[[], Result],
+                failed: Result) -> L2TaskId:
+        """Run `work` on `pool`; its result (or `failed`, if it raised) is kept under the
+        task id, then the kind's event fd is signalled."""
+        with self._lock:
+            task_id = self._next_id
+            self._next_id += 1
+
+        def run() -> None:
+            try:
+                result = work()
+            except Exception:
+                log.exception("kvstore L2 %s task %d failed; counted as a miss", kind, task_id)
+                result = failed
+            with self._lock:
+                self._done[kind][task_id] = result
+            self._notifiers[kind].notify()
+
+        pool.submit(run)
+        return task_id
+
+    def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
+        headers, pages, chosen, sizes = [], [], [], []
+        for key, obj in zip(keys, objects, strict=True):
+            size = obj.get_size()
+            if size > self.payload_bytes:
+                log.warning("kvstore: an L2 object of %d bytes is not stored: chunk_bytes is %d",
+                            size, self.payload_bytes)
+                continue
+            headers.append(chunk_header(obj))
+            pages.append(self._page(headers[-1].ctypes.data, obj.data_ptr, size, self._padding))
+            chosen.append(key)
+            sizes.append(size)
+        stored = self.writes.save([object_key(k) for k in chosen], pages)
+        kept = [(key, size) for key, size, ok in zip(chosen, sizes, stored, strict=True) if ok]
+        if kept:
+            self._notify_keys_stored([key for key, _ in kept], [size for _, size in kept])
+        return L2StoreResult(len(kept) == len(keys), sum(size for _, size in kept))
+
+    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+        return Bitmap(len(keys), self.reads.present([object_key(k) for k in keys]))
+
+    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
+        """Each chunk straight into LMCache's buffer, its header into a scratch row; a
+        chunk whose header names another size or dtype is a miss."""
+        bitmap = Bitmap(len(keys))
+        rows = np.empty((len(keys), HEADER), np.uint8)
+        wanted = [i for i, obj in enumerate(objects) if obj.get_size() <= self.payload_bytes]
+        pages = [self._page(rows[i].ctypes.data, objects[i].data_ptr, objects[i].get_size(), self._sink)
+                 for i in wanted]
+        loaded = self.reads.load([object_key(keys[i]) for i in wanted], pages)
+        for i, ok in zip(wanted, loaded, strict=True):
+            if ok and self._fits(read_header(rows[i]), objects[i]):
+                bitmap.set(i)
+        found = [keys[i] for i in range(len(keys)) if bitmap.test(i)]
+        if found:
+            self._notify_keys_accessed(found)
+        return bitmap
+
+    @staticmethod
+    def _fits(header: dict[str, Any], obj: MemoryObj) -> bool:
+        dtype = str(obj.get_dtype()).removeprefix("torch.")
+        if header.get("size") == obj.get_size() and header.get("dtype") == dtype:
+            return True
+        log.warning("kvstore: a stored L2 chunk (%s) does not fit LMCache's buffer (%d bytes, %s); "
+                    "counted as a miss", header, obj.get_size(), dtype)
+        return False
+
+    def _page(self, header: int, payload: int, size: int, padding: np.ndarray) -> Segments:
+        pad = self.payload_bytes - size
+        page: Segments = [(header, HEADER), (payload, size)]
+        return [*page, (padding.ctypes.data, pad)] if pad else page
+
+    def report_status(self) -> dict[str, Any]:
+        return {"is_healthy": self.reads.link.peek() is not None, "type": "KVStoreL2Adapter",
+                "chunk_bytes": self.payload_bytes}
+
+    def close(self) -> None:
+        self._storer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self.reads.close()
+        self.writes.close()
+        for notifier in self._notifiers.values():
+            notifier.close()
