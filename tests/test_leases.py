@@ -235,6 +235,7 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
     finally:
         worker.close()
         holder.close()
+        stop_service(config)  # the service it started must not outlive the test
     loaded = caches["layer"].view(torch.uint8).numpy().reshape(32, -1)
     assert np.array_equal(loaded[31:15:-1].reshape(-1), payloads[0])
     assert np.array_equal(loaded[:16].reshape(-1), payloads[1])
