@@ -260,14 +260,20 @@ def start_group(command: list[str], log_path: str | Path, env: dict[str, str]) -
 
 
 def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    """SIGTERM to the process's whole group, SIGKILL to what is left after `timeout_s`."""
+    """SIGTERM to the process's whole group, SIGKILL to what is left after `timeout_s`.
+    It waits for the whole group, not just its leader: vLLM's engine leaves its shared-memory
+    queues (/dev/shm/psm_*) to Python's resource tracker, which outlives the server by a
+    moment to unlink them, and a SIGKILL then would leave them behind."""
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
+        deadline = time.monotonic() + wait_s
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=wait_s)
-            if not _group_alive(process.pid):
-                break
+        while _group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(process.pid):
+            break
 
 
 def _group_alive(pgid: int) -> bool:
