@@ -93,11 +93,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     """L2AdapterInterface over the kvstore service: stores on one thread and one service
     connection, lookups and loads on another, so a load never waits behind a store."""
 
-    def __init__(self, config: KVStoreL2AdapterConfig | dict[str, Any],
-                 l1_memory_desc: L1MemoryDesc | None = None) -> None:
+    def __init__(self, config: KVStoreL2AdapterConfig, l1_memory_desc: L1MemoryDesc | None = None) -> None:
         super().__init__()
-        if isinstance(config, dict):  # LMCache passes the raw dict where it finds no config class
-            config = KVStoreL2AdapterConfig.from_dict(config)
         self.payload_bytes = config.chunk_bytes
         self.chunk_bytes = HEADER + config.chunk_bytes
         self._padding = np.zeros(self.chunk_bytes, np.uint8)  # saves read it: stays zero

@@ -43,11 +43,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from connectors.page_io import PageIO, Segments
+from connectors.page_io import PageIO, Segments, service_pages
 from engine_plugin.sglang_pools import HybridPools, flat_ints, shard_suffix
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
-from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.sglang")
 
@@ -91,12 +90,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.close()
         mla = "mla" if self.storage_config.is_mla_model else "mha"
         self._identity = f"sglang|{self.model}|{mla}|{layout}|{chunk_bytes}"
-        namespace = xxhash.xxh3_128_digest(self._identity.encode())
-
-        def make_client() -> StoreClient:
-            return StoreClient(self.store, chunk_bytes, namespace=namespace)
-
-        self.reads, self.writes = PageIO(make_client, chunk_bytes), PageIO(make_client, chunk_bytes)
+        self.reads, self.writes = service_pages(self.store, "config", chunk_bytes,
+                                                xxhash.xxh3_128_digest(self._identity.encode()))
 
     def key(self, key: str) -> bytes:
         return xxhash.xxh3_128_digest(f"{self._identity}|{self.suffix}|{key}".encode())
