@@ -416,22 +416,17 @@ def test_6_a_client_truncating_its_window_cannot_crash_the_service(service_confi
 
 def test_6_bad_puts_leak_no_slots(service_config):
     client = StoreClient(load_config(service_config), CHUNK_BYTES)
-    channel = _raw_channel(service_config)
-    channel.send(_hello(service_config))
-    channel.recv(P.REPLY, 30)
+    not_bytes = msgspec.msgpack.encode({"type": "put", "keys": ["not bytes"], "slots": [0]})
+    short = msgspec.msgpack.encode(P.Put([b"short"], [0]))
     for _ in range(10):
-        frame = msgspec.msgpack.encode({"type": "put", "keys": ["not bytes"], "slots": [0]})
-        channel.sock.sendall(struct.pack(">I", len(frame)) + frame)
-        reply = channel.recv(P.REPLY, 10)
-        assert not reply.ok and "keys" in reply.error
-        channel.close()
-        channel = _raw_channel(service_config)
-        channel.send(_hello(service_config))
-        channel.recv(P.REPLY, 30)
-        channel.send(P.Put([b"short"], [0]))
-        reply = channel.recv(P.REPLY, 10)
-        assert not reply.ok and "16 bytes" in reply.error
-    channel.close()
+        for frame, why in ((not_bytes, "keys"), (short, "`bytes` of length >= 16")):
+            channel = _raw_channel(service_config)  # a frame that is not one ends its connection
+            channel.send(_hello(service_config))
+            channel.recv(P.REPLY, 30)
+            channel.sock.sendall(struct.pack(">I", len(frame)) + frame)
+            reply = channel.recv(P.REPLY, 10)
+            assert not reply.ok and why in reply.error
+            channel.close()
     keys = make_keys(4)
     for i in range(len(keys)):
         client.slot(i)[:] = make_payloads(1, seed=i)[0]
