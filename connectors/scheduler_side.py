@@ -297,17 +297,21 @@ class SchedulerCore:
     def on_finished(self, req_id: str) -> None:
         """Forget the request; tell the service it ended with these chunks (prompt and answer), which
         it brings into DRAM before the next turn is expected (kvstore/service/next_turns.py)."""
-        request = self._requests.pop(req_id, None)
+        request = self._forget(req_id)
+        if request is not None and request.saved_chunks and self._notify is not None:
+            self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
+
+    def abandon(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
+        """A fault while serving `req_id`: its load in this step's plan is given up whole, or
+        `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
+        forgotten (the service is not told it ended: what it kept may be what faulted)."""
+        self._plan.give_up(req_id, blocks)
+        self._forget(req_id)
+
+    def _forget(self, req_id: str) -> _Request | None:
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        if request is not None and request.saved_chunks and self._notify is not None:
-            self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
-
-    def abandon(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
-        """A fault while serving `req_id`: forget it; its load in this step's plan is given
-        up whole, or `blocks` allocated for a hit never planned are (StepPlan.give_up)."""
-        self.on_finished(req_id)
-        self._plan.give_up(req_id, blocks)
+        return self._requests.pop(req_id, None)

@@ -72,10 +72,13 @@ class SchedulerRole:
                 "kvstore: %s failed%s; served without kvstore (counted as connector.faults%s)", hook,
                 f" for request {req_id}" if req_id is not None else "", ", logged once" if first else "")
             self.core.counters["connector.faults"] += 1
-            if req_id is not None:
+        if req_id is not None:
+            (self._abandoned.discard if hook == "request_finished" else self._abandoned.add)(req_id)
+            try:
                 self.core.abandon(req_id, blocks)
-                (self._abandoned.discard if hook == "request_finished" else self._abandoned.add)(req_id)
-            return fallback
+            except Exception:  # what it forgets may be what faulted: the plan is given up first
+                log.debug("kvstore: request %s not wholly forgotten", req_id, exc_info=True)
+        return fallback
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens the store supplies, load async?), or (None,
