@@ -110,7 +110,10 @@ def _spawn(config: StoreConfig) -> P.Channel:
         json.dump(dump_config(config), f)
     service = [sys.executable, "-m", "kvstore.cli", "serve", "--config", config_path]
     launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service],
-                              capture_output=True, text=True, timeout=30, check=True)
+                              capture_output=True, text=True, timeout=30)
+    if launched.returncode != 0:  # killed before it started the service: try again later
+        raise ServiceUnavailable(f"the launcher of a kvstore service at {path} exited with "
+                                 f"{launched.returncode}: {launched.stderr.strip()[-300:]}")
     pid = int(launched.stdout)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while time.monotonic() < deadline:
