@@ -167,11 +167,10 @@ class StoreService:
                       hung_up: threading.Event | None = None) -> None:
         """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT; on
         SIGHUP, `reload` (the config file read again) is applied (`_reload`). `hung_up`:
-        set by whoever caught SIGHUP before this ran (`kvstore serve` from its first
-        line): that reload is done once serving."""
+        set by who caught SIGHUP before (`kvstore serve`, from its first line)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
-        reloads = threading.Event()  # set by SIGHUP, acted on by this loop, not the handler
+        reloads = hung_up or threading.Event()  # set by SIGHUP, acted on by this loop, not the handler
 
         def hangup(*_: object) -> None:
             reloads.set()
@@ -179,7 +178,7 @@ class StoreService:
 
         if reload is not None:
             signal.signal(signal.SIGHUP, hangup)
-            if hung_up is not None and hung_up.is_set():  # checked after ours took over: none lost
+            if reloads.is_set():  # checked after ours took over: none is lost
                 hangup()
         log.warning("kvstore service listening on %s", self.socket_path)
         backoff = _ACCEPT_BACKOFF_S[0]
@@ -189,10 +188,11 @@ class StoreService:
         try:
             while not self._stopping.is_set():
                 ready = poller.poll()
+                if any(fd == self._wake_read for fd, _ in ready):  # drained before the flag is read:
+                    with contextlib.suppress(BlockingIOError):  # a SIGHUP after it wakes us again
+                        os.read(self._wake_read, 64)
                 if reloads.is_set() and reload is not None:
                     reloads.clear()
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_read, 64)
                     self._reload(reload)
                 if not any(fd == self._listener.fileno() for fd, _ in ready):
                     continue
