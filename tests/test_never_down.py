@@ -8,6 +8,7 @@ test_vllm_server.py; config files on reload: test_reload.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ from types import SimpleNamespace as NS
 
 import msgspec
 import pytest
+import yaml
 from conftest import CHUNK_BYTES
 from engine_harness import stop_service
 from hypothesis import given, settings
@@ -37,6 +39,7 @@ from connectors.hints import (
 )
 from connectors.plan import StepPlan, Transfer
 from kvstore.config.store import load_config
+from kvstore.format.errors import ConfigError
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service import protocol as P
 from kvstore.service.client import StoreClient
@@ -154,6 +157,31 @@ def test_a_given_up_request_is_never_half_loaded():
     assert [(t.blocks, t.group) for t in plan.loads if t.req_id == "t"] == [(((7, 8),), 0), (((9,),), 2)]
 
 
+YAML_TEXT = st.text(alphabet=st.sampled_from(list("abcdeiorstu:_-{}[],&*!#|>'\"\n 0123456789.")),
+                    max_size=200)
+TOP_KEYS = st.sampled_from(["tiers", "io", "service", "eviction", "chunk_tokens", "cluster", "x"])
+CONFIG_FILES = st.one_of(st.binary(max_size=200), YAML_TEXT.map(str.encode),
+                         st.builds(lambda tree: yaml.safe_dump(tree).encode(),
+                                   st.dictionaries(TOP_KEYS, JSON, max_size=4)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(CONFIG_FILES)
+def test_any_config_file_loads_or_is_a_config_error(tmp_path_factory, content):
+    """What a SIGHUP reload reads (server.reread catches anything else too, as a last resort)."""
+    path = tmp_path_factory.getbasetemp() / "fuzzed.yaml"
+    path.write_bytes(content)
+    with contextlib.suppress(ConfigError):
+        load_config(str(path))
+
+
+def test_the_services_own_counters_are_scraped_before_any_store():
+    from kvstore.service.metrics import StoreCollector
+
+    families = {f.name: f for f in StoreCollector(lambda: None, lambda: {"malformed.frame": 2}).collect()}
+    assert families["kvstore_malformed_frame"].samples[0].value == 2
+
+
 # -- the next-turn thread ---------------------------------------------------------------
 
 def test_a_hint_in_inf_or_nan_seconds_reaches_no_timer():
@@ -244,7 +272,12 @@ def _footprint(pid: int) -> tuple[int, int, set[str]]:
 
 TAGS = ["hello", "residency", "finished", "expect", "count", "get", "put", "pin", "unpin", "info", "events",
         "nonsense"]  # never "shutdown": the owner may send it (allowed users may not: test_security.py)
-FIELD_VALUES = (JSON | st.binary(max_size=20) | st.lists(st.binary(min_size=15, max_size=17), max_size=4)
+# What msgpack can encode (its ints are 64-bit): JSON values as a peer could send them.
+WIRE_SCALARS = (st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
+                | st.text(max_size=6) | st.sampled_from([math.inf, math.nan, -1, 0, 1 << 63]))
+WIRE = st.recursive(WIRE_SCALARS, lambda inner: st.lists(inner, max_size=6)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=24)
+FIELD_VALUES = (WIRE | st.binary(max_size=20) | st.lists(st.binary(min_size=15, max_size=17), max_size=4)
                 | st.lists(st.lists(st.binary(min_size=16, max_size=16), max_size=3), max_size=3))
 FIELDS = ["version", "config", "chunk_bytes", "namespace", "dtype", "shape", "ranks", "prefetch", "in_s",
           "counters", "keys", "slots", "parent", "leases", "since", "extra"]
