@@ -61,8 +61,8 @@ class SchedulerRole:
               blocks: Sequence[Sequence[int]] = ()) -> T:
         """`call(*args)` for vLLM's hook `hook`, or after a fault `fallback`: counted
         (`connector.faults`), logged once per hook (then at debug), and the request (if
-        any) abandoned (SchedulerCore.abandon: a miss from now on, its planned load given
-        up whole, with `blocks` where vLLM allocated a hit never planned)."""
+        any) a miss until it finishes, its planned load given up whole (SchedulerCore.abandon;
+        `blocks`: those vLLM allocated for a hit whose load was never planned)."""
         try:
             return call(*args)
         except Exception:

@@ -5,8 +5,8 @@ service's protocol frames, a config file read on reload) raise `Malformed` namin
 kind of input and what is wrong with it; the code that called them counts it as
 `malformed.KIND` (shown by `kvstore info` and Prometheus) and goes on without it. The
 first of each kind is logged as a warning, later ones at debug level, so a peer that
-sends nothing but garbage cannot flood the log. Secrets never reach the log or a
-counter: details name the field and the problem, not the value.
+sends nothing but garbage cannot flood the log. A detail names the field and the
+problem; where it quotes a config value, a URL's password in it is masked (errors.masked).
 """
 
 from __future__ import annotations
