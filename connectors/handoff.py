@@ -18,6 +18,7 @@ vLLM report the prefill's cached tokens as the decode's.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -26,8 +27,12 @@ from typing import Any
 
 from kvstore.config.store import StoreConfig
 from kvstore.format.errors import ConfigError
+from kvstore.format.malformed import Malformed, whole
 
 PARAMS_KEY = "kvstore_handoff"
+MAX_CHUNKS = 1 << 24  # more chunks than any context holds
+MAX_HOST = 255
+_HEX = re.compile(r"[0-9a-fA-F]+")
 PRODUCER_ROLES = ("kv_producer", "kv_both")
 
 
@@ -84,18 +89,21 @@ class Handoff:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> Handoff | None:
-        """The handoff in a request's kv_transfer_params; None if absent or malformed."""
-        raw = (params or {}).get(PARAMS_KEY)
+        """The handoff in a request's kv_transfer_params, None if absent; Malformed (kind
+        `handoff`) unless it is {"chunks": 1..MAX_CHUNKS, "last_key": 32 hex digits,
+        "host": a short string or null}. It comes from an HTTP request: nothing else raises."""
+        raw = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+        if raw is None:
+            return None
         if not isinstance(raw, Mapping):
-            return None
-        try:
-            chunks, key = int(raw["chunks"]), bytes.fromhex(str(raw["last_key"]))
-        except (KeyError, TypeError, ValueError):
-            return None
-        if chunks <= 0 or len(key) != 16:
-            return None
-        host = raw.get("host")
-        return cls(chunks, key, str(host) if host is not None else None)
+            raise Malformed("handoff", f"{PARAMS_KEY} must be a mapping")
+        chunks = whole(raw.get("chunks"), "handoff", "chunks", 1, MAX_CHUNKS)
+        key, host = raw.get("last_key"), raw.get("host")
+        if not isinstance(key, str) or len(key) != 32 or not _HEX.fullmatch(key):
+            raise Malformed("handoff", "last_key must be a 16-byte key as 32 hex digits")
+        if host is not None and (not isinstance(host, str) or not 0 < len(host) <= MAX_HOST):
+            raise Malformed("handoff", f"host must be a host id of 1 to {MAX_HOST} characters or null")
+        return cls(chunks, bytes.fromhex(key), host)
 
 
 @dataclass

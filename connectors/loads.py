@@ -81,23 +81,14 @@ class LoadHandler:
                 self._load(transfer, False)
 
     def _load(self, transfer: Transfer, report_finished: bool) -> None:
-        failed: list[int] = []
+        every = [b for blocks in transfer.blocks for b in blocks if b != SKIP]
         try:
-            keys = transfer.keys[self.rank]
-            pending = [i for i in range(transfer.num_chunks)
-                       if not self._load_staged(keys[i], transfer.blocks[i], transfer.group)]
-            client = self.link.get() if pending else None
-            if client is None:
-                failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
-            else:
-                failed = self._load_waves(client, [keys[i] for i in pending],
-                                          [transfer.blocks[i] for i in pending], transfer.group)
-            self.stats.add("load.chunks", transfer.num_chunks)
-            self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
+            # No keys: given up by the scheduler after a fault (SchedulerCore.abandon).
+            failed = self._load_chunks(transfer) if transfer.keys else every
         except Exception:  # never let a load bug kill the engine: recompute instead
             log.exception("kvstore load for %s failed; its tokens will be recomputed",
                           transfer.req_id)
-            failed = [b for blocks in transfer.blocks for b in blocks if b != SKIP]
+            failed = every
         with self._lock:
             if failed:
                 self.stats.add("load.failed_blocks", len(failed))
@@ -107,6 +98,22 @@ class LoadHandler:
                 del self._loads_left[transfer.req_id]
                 if report_finished:
                     self._finished_loads.add(transfer.req_id)
+
+    def _load_chunks(self, transfer: Transfer) -> list[int]:
+        """Load one transfer (from the device pool where staged, else through the service);
+        the block ids that did not load."""
+        keys = transfer.keys[self.rank]
+        pending = [i for i in range(transfer.num_chunks)
+                   if not self._load_staged(keys[i], transfer.blocks[i], transfer.group)]
+        client = self.link.get() if pending else None
+        if client is None:
+            failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
+        else:
+            failed = self._load_waves(client, [keys[i] for i in pending],
+                                      [transfer.blocks[i] for i in pending], transfer.group)
+        self.stats.add("load.chunks", transfer.num_chunks)
+        self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
+        return failed
 
     def _load_waves(self, client: StoreClient, keys: list[bytes],
                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:

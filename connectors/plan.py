@@ -7,6 +7,7 @@ it crosses process boundaries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SKIP = -1  # a block id that a load must not write (the engine already holds it)
@@ -22,6 +23,8 @@ class Transfer:
     A save has a `save_id`, by which each worker reports it done (stored or given up),
     so the scheduler knows which chunks are still on their way to the store.
     A hybrid model's groups each move in transfers of their own (keys of that group).
+    A load with no keys at all was given up by the scheduler after a fault
+    (SchedulerCore.abandon): workers report its blocks failed, so the engine recomputes them.
     """
 
     req_id: str
@@ -50,3 +53,14 @@ class StepPlan:
     saves: list[Transfer] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
     load_async: bool = True
+
+    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
+        """Never half-load `req_id` after a fault: its loads become given-up ones (no keys:
+        every block reported failed and, if async, the load finished, so the engine
+        recomputes them), or, with none planned, `blocks` (per KV cache group) do; its
+        stages are dropped; its saves stay (their keys and blocks were whole when planned)."""
+        mine = [(t.blocks, t.group) for t in self.loads if t.req_id == req_id]
+        given_up = mine or [((tuple(ids),), group) for group, ids in enumerate(blocks) if ids]
+        self.loads = [t for t in self.loads if t.req_id != req_id]
+        self.loads += [Transfer(req_id, (), (), ids, group=group) for ids, group in given_up]
+        self.stages = [s for s in self.stages if s.req_id != req_id]

@@ -20,6 +20,9 @@ Invariants (each holds per request):
 - A request handed off by a prefill instance (connectors/handoff.py) is held until the
   chunks its producer named are readable, at most `pd_wait_s`; an instance whose
   role saves nothing (a kv_consumer) plans no saves.
+- A request abandoned after a fault (`abandon`) is forgotten and never half-loaded: a
+  load planned for it and not yet shipped is given up whole (every block reported
+  failed, so the engine recomputes it rather than read blocks never filled).
 """
 
 from __future__ import annotations
@@ -90,6 +93,17 @@ class _Request:
         start = self.load_end - num_external
         host = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
         return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
+
+    def extend_keys(self, chunks: int, namespaces: Sequence[KVNamespace], chunk_tokens: int) -> None:
+        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each
+        rank's chain (`namespaces`: one per key list)."""
+        have = len(self.keys[0])
+        if have >= chunks:
+            return
+        tokens = list(self.tokens[have * chunk_tokens : chunks * chunk_tokens])
+        for rank_keys, namespace in zip(self.keys, namespaces, strict=True):
+            parent = rank_keys[-1] if rank_keys else bytes(16)
+            rank_keys += chunk_keys(tokens, namespace, parent)
 
     def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
                  group: int, save_id: int = 0) -> Transfer:
@@ -260,7 +274,7 @@ class SchedulerCore:
         done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
-        self._extend_keys(request, done)
+        request.extend_keys(done, self._namespaces(request.salt), self.chunk_tokens)
         for position, group in enumerate(self.groups):
             runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
                              functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
@@ -275,16 +289,6 @@ class SchedulerCore:
         """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
         return slice(position * self.ranks, (position + 1) * self.ranks)
 
-    def _extend_keys(self, request: _Request, chunks: int) -> None:
-        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each rank's chain."""
-        have = len(request.keys[0])
-        if have >= chunks:
-            return
-        tokens = list(request.tokens[have * self.chunk_tokens : chunks * self.chunk_tokens])
-        for rank_keys, namespace in zip(request.keys, self._namespaces(request.salt), strict=True):
-            parent = rank_keys[-1] if rank_keys else bytes(16)
-            rank_keys += chunk_keys(tokens, namespace, parent)
-
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty."""
         plan, self._plan = self._plan, StepPlan(load_async=self.settings.load_async)
@@ -293,11 +297,21 @@ class SchedulerCore:
     def on_finished(self, req_id: str) -> None:
         """Forget the request; tell the service it ended with these chunks (prompt and answer), which
         it brings into DRAM before the next turn is expected (kvstore/service/next_turns.py)."""
-        request = self._requests.pop(req_id, None)
+        request = self._forget(req_id)
+        if request is not None and request.saved_chunks and self._notify is not None:
+            self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
+
+    def abandon(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
+        """A fault while serving `req_id`: its load in this step's plan is given up whole, or
+        `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
+        forgotten (the service is not told it ended: what it kept may be what faulted)."""
+        self._plan.give_up(req_id, blocks)
+        self._forget(req_id)
+
+    def _forget(self, req_id: str) -> _Request | None:
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        if request is not None and request.saved_chunks and self._notify is not None:
-            self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
+        return self._requests.pop(req_id, None)

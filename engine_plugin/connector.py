@@ -9,6 +9,12 @@ step's plan (connectors.plan.StepPlan) from one to the others.
 Workers report each save done through vLLM's worker metadata; the scheduler holds a
 request whose prefix is still being saved (connectors/scheduler_side.py).
 
+vLLM calls the scheduler hooks on its scheduler thread, where an exception ends the
+engine. So each is guarded (SchedulerRole.guard): a fault in kvstore is counted
+(`connector.faults`), logged once per hook, and is a miss for that request
+(SchedulerCore.abandon: a load planned for it is given up whole, recomputed by the
+engine); build_connector_meta always returns a plan.
+
 `kv_role` (connectors/handoff.py): kv_both saves and loads; kv_producer also returns, in
 `kv_transfer_params`, the prompt chunks it stored, and a consumer given them waits for
 those chunks before loading (prefill/decode disaggregation, docs/pd.md); kv_consumer
@@ -39,6 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.handoff import Role, check_producer_store
+from connectors.hints import HintLimits
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
@@ -46,7 +53,7 @@ from connectors.worker_side import WorkerCore
 from engine_plugin.cuda_host import register_for_dma
 from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
 from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
-from engine_plugin.scheduler_role import SchedulerRole, request_salt
+from engine_plugin.scheduler_role import SchedulerRole
 from kvstore.format.keys import KVNamespace, TensorParallel
 from kvstore.service.client import StoreClient
 
@@ -61,6 +68,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvstore")
+_MISS: tuple[int | None, bool] = (0, False)  # what a guarded lookup answers after a fault
 
 
 @dataclass
@@ -106,9 +114,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._role_side: SchedulerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
+            model = vllm_config.model_config
             self._role_side = SchedulerRole(self.options, self.block_size, self._namespaces, self._rules,
-                                            self._tp_world, self._store_role.saves,
-                                            events is not None and events.enable_kv_cache_events)
+                                            self._store_role.saves,
+                                            events is not None and events.enable_kv_cache_events,
+                                            HintLimits(model.max_model_len, model.get_vocab_size()))
             self._scheduler = self._role_side.core
         log.info("kvstore connector (%s, %s): chunk %d tokens, KV cache groups: %s (%s), socket %s",
                  role.name, self._store_role.name, store.chunk_tokens, describe_groups(kv_cache_config),
@@ -126,73 +136,73 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ----------------------------------------------------------------
 
+    def _side(self) -> SchedulerRole:
+        assert self._role_side is not None, "a scheduler hook called on a worker's connector"
+        return self._role_side
+
     def on_new_request(self, request: Request) -> None:
-        assert self._role_side is not None
-        self._role_side.arrive(request)
+        self._side().guard("on_new_request", request.request_id, self._side().arrive, request, fallback=None)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        # The live token list: a resumed request looks up (and later saves) what it
-        # generated too, and chunks decoding fills are saved as they complete.
-        count = self._scheduler.num_new_matched_tokens(
-            request.request_id, request.all_token_ids, num_computed_tokens, salt=request_salt(request))
-        assert self._role_side is not None
-        self._role_side.report_counters()
-        if count is None:
-            return None, False
-        return count, self.options.load_async and count > 0
+        side = self._side()
+        return side.guard("get_num_new_matched_tokens", request.request_id, side.matched_tokens,
+                          request, num_computed_tokens, fallback=_MISS)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Saves the workers finished leave the scheduler's in-flight set."""
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, TieredWorkerMetadata):
-            self._scheduler.saves_done(meta.done_saves)
+            self._side().guard("update_connector_output", None, self._scheduler.saves_done,
+                               meta.done_saves, fallback=None)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.on_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        block_ids = blocks.get_block_ids()
+        # A hit whose load fails to be planned is given up on every block of the request:
+        # the engine recomputes it all rather than read blocks never filled.
+        self._side().guard("update_state_after_alloc", request.request_id, self._scheduler.on_alloc,
+                           request.request_id, block_ids, num_external_tokens, fallback=None,
+                           blocks=block_ids if num_external_tokens else ())
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         """vLLM's hit metrics by source: what was in DRAM at the lookup is `host`, the rest `disk`."""
         assert self._scheduler is not None
-        split = self._scheduler.hit_sources(request.request_id, num_external_tokens)
+        split: dict[str, int] = self._side().guard("get_external_cache_hit_sources", None,
+                                                   self._scheduler.hit_sources, request.request_id,
+                                                   num_external_tokens, fallback={})
         return {CacheHitSource(tier): tokens for tier, tokens in split.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's plan; a request whose bookkeeping faults is abandoned, the others go on."""
         assert self._scheduler is not None
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._scheduler.on_scheduled(new.req_id, new.block_ids, True,
-                                         new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._side().guard("build_connector_meta", new.req_id, self._scheduler.on_scheduled, new.req_id,
+                               new.block_ids, True, new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                               fallback=None)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            new_blocks = cached.new_block_ids[i]
-            self._scheduler.on_scheduled(req_id, new_blocks or None,
-                                         req_id in cached.resumed_req_ids,
-                                         cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._side().guard("build_connector_meta", req_id, self._scheduler.on_scheduled, req_id,
+                               cached.new_block_ids[i] or None, req_id in cached.resumed_req_ids,
+                               cached.num_computed_tokens[i] + scheduled.get(req_id, 0), fallback=None)
         return TieredMetadata(plan=self._scheduler.take_plan())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvstore's chunks entering and leaving its tiers, for KV-aware routers."""
         events = self._role_side.router_events if self._role_side is not None else None
-        return events.take() if events is not None else ()
+        return self._side().guard("take_events", None, events.take, fallback=()) if events is not None else ()
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Blocks can be freed at once: saves copy chunks out within their step. A
-        producer's reply names the prompt chunks it stored (saves may still be on their
-        way: the consumer waits for them to be readable, connectors/handoff.py)."""
-        assert self._scheduler is not None
-        params = None
-        if self._store_role.hands_off(request.kv_transfer_params):
-            cluster = self.options.store.cluster
-            handoff = self._scheduler.handoff(request.request_id, request.num_prompt_tokens,
-                                              cluster.host_id if cluster is not None else None)
-            params = handoff.params() if handoff is not None else None
-        self._scheduler.on_finished(request.request_id)
+        producer's reply names the prompt chunks it stored (SchedulerRole.finished)."""
+        cluster = self.options.store.cluster
+        params = self._side().guard("request_finished", request.request_id, self._side().finished, request,
+                                    self._store_role, cluster.host_id if cluster is not None else None,
+                                    fallback=None)
         return False, params
 
     def request_finished_all_groups(self, request: Request,

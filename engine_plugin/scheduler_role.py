@@ -6,34 +6,44 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from connectors.groups import GroupRules
-from connectors.handoff import Handoff
+from connectors.handoff import Handoff, Role
+from connectors.hints import MAX_HINTS, Hint, HintLimits, action_hint, prefetch_hints
 from connectors.link import ServiceLink
 from connectors.options import ConnectorOptions
 from connectors.prefetch import Residency
 from connectors.scheduler_side import Saves, SchedulerCore, SchedulerSettings
 from engine_plugin.kv_events import RouterEvents
 from kvstore.format.keys import KVNamespace
+from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvstore")
+MAX_ACTIONS = 8 * MAX_HINTS  # KV hint actions read per request (others' included)
+T = TypeVar("T")
 
 
 class SchedulerRole:
     """`core` decides what to load and save; this feeds it lookups and requests and
     reports its counters and ends to the service. Never fatal: a service that fails
-    a lookup is a miss."""
+    a lookup is a miss; what a request asks for is validated (connectors/hints.py,
+    connectors/handoff.py), a malformed part counted (`malformed.*`) and ignored; and the
+    connector runs each vLLM hook through `guard`, so a fault is a miss for its request."""
 
     def __init__(self, options: ConnectorOptions, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]], rules: GroupRules | None,
-                 tp_world: int, saves: bool, kv_events: bool) -> None:
+                 saves: bool, kv_events: bool, limits: HintLimits) -> None:
         store = options.store
-        self._namespaces, self._rules, self._tp_world = namespaces, rules, tp_world
+        self._namespaces, self._rules = namespaces, rules
+        self.limits = limits
+        self.load_async = options.load_async
+        self._faults_logged: set[str] = set()
+        self._abandoned: set[str] = set()  # faulted: misses until they finish
         # A lookup blocks the scheduler: its deadline is short, not the I/O deadline.
         self.link = ServiceLink(lambda: StoreClient(store, timeout_s=options.lookup_timeout_s))
         self.link.start()  # starts the service if needed: config errors surface now
@@ -45,6 +55,55 @@ class SchedulerRole:
         self.core = SchedulerCore(store.chunk_tokens, block_size, namespaces, self._lookup, settings,
                                   notify=self._notify)
         self.router_events = RouterEvents(store.chunk_tokens, block_size, self.link) if kv_events else None
+        self.malformed = MalformedCounts(log, self.core.counters)  # reported with the core's
+
+    def guard(self, hook: str, req_id: str | None, call: Callable[..., T], *args: Any, fallback: T,
+              blocks: Sequence[Sequence[int]] = ()) -> T:
+        """`call(*args)` for vLLM's hook `hook`, or after a fault `fallback`: counted
+        (`connector.faults`), logged once per hook (then at debug), and the request (if
+        any) a miss until it finishes, its planned load given up whole (SchedulerCore.abandon;
+        `blocks`: those vLLM allocated for a hit whose load was never planned)."""
+        try:
+            return call(*args)
+        except Exception:
+            first = hook not in self._faults_logged
+            self._faults_logged.add(hook)
+            (log.exception if first else log.debug)(
+                "kvstore: %s failed%s; served without kvstore (counted as connector.faults%s)", hook,
+                f" for request {req_id}" if req_id is not None else "", ", logged once" if first else "")
+            self.core.counters["connector.faults"] += 1
+        if req_id is not None:
+            (self._abandoned.discard if hook == "request_finished" else self._abandoned.add)(req_id)
+            try:
+                self.core.abandon(req_id, blocks)
+            except Exception:  # what it forgets may be what faulted: the plan is given up first
+                log.debug("kvstore: request %s not wholly forgotten", req_id, exc_info=True)
+        return fallback
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """get_num_new_matched_tokens: (tokens the store supplies, load async?), or (None,
+        False): ask again later. An abandoned request is a miss (a fault that recurs on
+        every lookup must not loop it between a planned load and a given-up one)."""
+        if request.request_id in self._abandoned:
+            return 0, False
+        # The live token list: a resumed request looks up (and later saves) what it
+        # generated too, and chunks decoding fills are saved as they complete.
+        count = self.core.num_new_matched_tokens(
+            request.request_id, request.all_token_ids, num_computed_tokens, salt=request_salt(request))
+        self.report_counters()
+        if count is None:
+            return None, False
+        return count, self.load_async and count > 0
+
+    def finished(self, request: Request, role: Role, host: str | None) -> dict[str, Any] | None:
+        """request_finished: forget it; a producer's reply names the prompt chunks it stored
+        (saves may still be on their way: the consumer waits for them, connectors/handoff.py)."""
+        self._abandoned.discard(request.request_id)
+        handoff = None
+        if role.hands_off(request.kv_transfer_params):
+            handoff = self.core.handoff(request.request_id, request.num_prompt_tokens, host)
+        self.core.on_finished(request.request_id)
+        return handoff.params() if handoff is not None else None
 
     def _lookup(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
         client = self.link.get()
@@ -78,19 +137,21 @@ class SchedulerRole:
         salt = request_salt(request)
         if self.router_events is not None:
             groups = self._rules.groups if self._rules is not None else (None,)
-            per_group = self._namespaces(salt)[:: self._tp_world]  # rank 0's of each group
+            per_group = self._namespaces(salt)[:: self.core.ranks]  # rank 0's of each group
             self.router_events.remember(request, list(zip(per_group, groups, strict=True)))
-        handoff = Handoff.from_params(request.kv_transfer_params)
+        try:
+            handoff = Handoff.from_params(request.kv_transfer_params)
+        except Malformed as exc:
+            self.malformed.count(exc, "the request is served without waiting for a prefill")
+            handoff = None
         if handoff is not None:  # handed off by a prefill instance: wait for its chunks
             self.core.expect_handoff(request.request_id, handoff)
         self.core.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
-        for tokens in hinted_token_ids(request):
-            self.core.hint(tokens, salt)
-        for tokens, in_s in kv_hint_actions(request):
-            if in_s is None:
-                self.core.hint(tokens, salt)
+        for hint in request_hints(request, self.limits, self.malformed):
+            if hint.in_s is None:
+                self.core.hint(hint.tokens, salt)
             else:
-                self.core.expect(tokens, in_s, salt)
+                self.core.expect(hint.tokens, hint.in_s, salt)
 
     def report_counters(self) -> None:
         """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
@@ -106,28 +167,34 @@ class SchedulerRole:
             log.debug("kvstore: scheduler counters not reported (%s)", exc)
 
 
-def hinted_token_ids(request: Request) -> list[list[int]]:
-    """Token lists a request's kv_transfer_params announce (a future turn's prefix)."""
-    hint = (request.kv_transfer_params or {}).get("kvstore_prefetch_token_ids")
-    if not hint:
-        return []
-    lists = hint if isinstance(hint[0], list) else [hint]
-    return [[int(t) for t in tokens] for tokens in lists]
-
-
-def kv_hint_actions(request: Request) -> list[tuple[list[int], float | None]]:
-    """vLLM's KV hints (`request.kv_hints`, a KvHintsEnvelope) that kvstore acts on:
-    action_type `fetch` ({"token_ids": [...]}: promote now) and `expect`
-    ({"token_ids": [...], "in_s": N}: wanted in N seconds); others are ignored."""
+def request_hints(request: Request, limits: HintLimits, malformed: MalformedCounts) -> list[Hint]:
+    """The hints a request carries: its kv_transfer_params' prefetch token lists, then
+    vLLM's KV hints (`request.kv_hints`, a KvHintsEnvelope: kvstore's `fetch` and `expect`
+    actions; others are another component's). A malformed part is counted and skipped;
+    past MAX_HINTS the rest are counted and dropped."""
+    hints: list[Hint] = []
+    try:
+        hints += prefetch_hints(request.kv_transfer_params, limits)
+    except Malformed as exc:
+        malformed.count(exc)
     envelope = getattr(request, "kv_hints", None)
-    found: list[tuple[list[int], float | None]] = []
-    for action in getattr(envelope, "actions", None) or ():
-        tokens = action.payload.get("token_ids") if isinstance(action.payload, dict) else None
-        if not tokens or action.action_type not in ("fetch", "expect"):
+    actions = getattr(envelope, "actions", None) or ()
+    actions = actions if isinstance(actions, list | tuple) else ()
+    if len(actions) > MAX_ACTIONS:
+        malformed.count(Malformed("kv_hints", f"{len(actions)} actions in one request"),
+                        f"the first {MAX_ACTIONS} are read")
+    for action in actions[:MAX_ACTIONS]:
+        try:
+            hint = action_hint(getattr(action, "action_type", None), getattr(action, "payload", None), limits)
+        except Malformed as exc:
+            malformed.count(exc)
             continue
-        in_s = action.payload.get("in_s") if action.action_type == "expect" else None
-        found.append(([int(t) for t in tokens], None if in_s is None else float(in_s)))
-    return found
+        if hint is not None:
+            hints.append(hint)
+    if len(hints) > MAX_HINTS:
+        malformed.count(Malformed("kv_hints", f"{len(hints)} hints in one request"),
+                        f"the first {MAX_HINTS} are taken")
+    return hints[:MAX_HINTS]
 
 
 def request_salt(request: Request) -> str:

@@ -7,7 +7,9 @@ import argparse
 import importlib
 import json
 import logging
+import signal
 import sys
+import threading
 from importlib.metadata import entry_points
 
 from kvstore.format.errors import KVStoreError
@@ -46,6 +48,8 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     if "chunk_bytes" not in info:
         print(f"service at {info['socket']} (pid {info['service_pid']}): no engine has connected yet")
+        for name, value in sorted(info["counters"].items()):  # the service's own (malformed.*)
+            print(f"  {name} = {value}")
         return 0
     print(f"chunk {format_size(info['chunk_bytes'])}, io engine {info['io_engine']}")
     for tier in info["tiers"]:
@@ -82,8 +86,14 @@ def _serve(args: argparse.Namespace) -> int:
     from kvstore.service.server import StoreService
 
     logging.getLogger("kvstore").setLevel(logging.INFO)
-    StoreService(_service_config(args)).serve_forever(reload=lambda: _service_config(args))
+    StoreService(_service_config(args)).serve_forever(reload=lambda: _service_config(args),
+                                                      hung_up=_HUNG_UP)
     return 0
+
+
+# SIGHUP's default action ends a process: `kvstore serve` catches it from its first line
+# (main) and reloads once serving, so a SIGHUP sent while it starts cannot end it.
+_HUNG_UP = threading.Event()
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -153,6 +163,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command == "serve" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, lambda *_: _HUNG_UP.set())
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

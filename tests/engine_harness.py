@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,15 @@ def small_service_config(tmp_path: Path, disk_dir: str) -> dict[str, Any]:
                       "disk": [{"path": str(Path(disk_dir) / "disk"), "capacity": "32MiB"}]},
             "io": {"timeout_s": 0.5},
             "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "2MiB"}}
+
+
+def wait_for_log(path: Path, text: str, after: int = 0, timeout_s: float = 30) -> str:
+    """The log at `path` from character `after` on, once `text` is in it (AssertionError
+    with what it holds after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = path.read_text(errors="replace")
+        if text in log[after:]:
+            return log[after:]
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the log: {path.read_text(errors='replace')[after:]}")

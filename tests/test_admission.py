@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import yaml
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+from engine_harness import wait_for_log
 
 from bench.replay import Replayer
 from bench.trace import block_keys, read_trace
@@ -165,16 +165,6 @@ def _put_one_at_a_time(client: StoreClient, keys, payloads) -> None:
         assert client.put([key], [0]) == [True]
 
 
-def _wait_for(path, text: str, after: int = 0) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        log = path.read_text()
-        if text in log[after:]:
-            return log[after:]
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} not in the service's log: {path.read_text()[after:]}")
-
-
 def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_path, disk_dir):
     """A real `kvstore serve`: 6 chunks under `all` + LRU (4 go to disk), then the config file
     says second-touch + cost (and a restart-only key) and the service gets SIGHUP: the policy
@@ -188,7 +178,7 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         service = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(path)],
                                    stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_for(log, "listening")
+        wait_for_log(log, "listening")
         keys, payloads = make_keys(10, seed=3), make_payloads(10, seed=3)
         client = StoreClient(config, CHUNK_BYTES)
         _put_one_at_a_time(client, keys[:6], payloads[:6])
@@ -199,7 +189,7 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         _write_config(path, disk_dir, disk_admission="second-touch", eviction="cost",
                       service={**raw["service"], "max_clients": 7})
         service.send_signal(signal.SIGHUP)
-        reloaded = _wait_for(log, "reload: disk_admission second-touch, eviction cost", seen)
+        reloaded = wait_for_log(log, "reload: disk_admission second-touch, eviction cost", seen)
         assert "reload: service changed: applied only by a restart" in reloaded
         client.close()
         client = StoreClient(load_config(str(path)), CHUNK_BYTES)  # the new file's config is taken
@@ -213,7 +203,7 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         seen = len(log.read_text())
         _write_config(path, disk_dir, disk_admission="tinylfu", write_policy="write_through")
         service.send_signal(signal.SIGHUP)
-        assert "disk_admission" in _wait_for(log, "reload: the config is unchanged", seen)
+        assert "disk_admission" in wait_for_log(log, "reload: the config is unchanged", seen)
         client.close()
         running = {**raw, "disk_admission": "second-touch", "eviction": "cost"}
         client = StoreClient(load_config(running), CHUNK_BYTES)  # the bad file was not taken

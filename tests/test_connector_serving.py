@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_harness import counters, service_client, stop_service
 
-from connectors.plan import Transfer
+from connectors.plan import StepPlan, Transfer
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from connectors.worker_side import WorkerCore
@@ -218,6 +218,26 @@ def test_a_save_never_connects_on_the_engine_thread(service):
         worker.close()
     assert elapsed < 0.2, elapsed
     assert worker.stats.snapshot()["save.dropped"] == 2
+
+
+def test_a_load_given_up_by_the_scheduler_fails_every_block_and_finishes(service):
+    """After a fault the scheduler gives a planned load up (StepPlan.give_up): the workers
+    report every one of its blocks failed (the engine recomputes them, never reads them
+    unfilled) and, for an async load, the request finished, so it never waits for ever."""
+    target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    loader = WorkerCore(target, 0, partial(StoreClient, load_config(service), target.chunk_bytes),
+                        load_async=True)
+    plan = StepPlan(loads=[save_transfer(0, 3, save_id=0)])
+    plan.give_up("r")
+    try:
+        loader.start_loads(plan.loads, load_async=True)
+        deadline = time.monotonic() + 30
+        while "r" not in loader.take_finished_loads():
+            assert time.monotonic() < deadline, "a given-up load never finished"
+            time.sleep(0.01)
+        assert loader.take_failed_blocks() == set(range(6))
+    finally:
+        loader.close()
 
 
 def test_a_hung_service_costs_a_lookup_its_short_deadline(service):

@@ -11,6 +11,7 @@ from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.malformed import Malformed
 
 CHUNK, BLOCK = 256, 128
 NAMESPACE = KVNamespace("m", "float16", "cpu", CHUNK)
@@ -60,7 +61,8 @@ def test_the_producer_names_its_stored_prompt_chunks_and_they_round_trip():
     assert handoff == Handoff(8, KEYS[7], "host-p")
     params = {"do_remote_decode": True, **handoff.params()}
     assert Handoff.from_params(params) == handoff
-    assert Handoff.from_params({PARAMS_KEY: {"chunks": "x"}}) is None
+    with pytest.raises(Malformed, match="chunks must be an integer"):
+        Handoff.from_params({PARAMS_KEY: {"chunks": "x"}})
     assert Handoff.from_params(None) is None
 
 

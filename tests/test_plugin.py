@@ -47,9 +47,14 @@ def test_an_explicit_reservation_still_wins(monkeypatch):
 
 
 def test_kv_hints_fetch_now_or_expect_later_and_others_are_ignored():
+    import logging
+    from collections import Counter
+
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-    from engine_plugin.scheduler_role import kv_hint_actions
+    from connectors.hints import Hint, HintLimits
+    from engine_plugin.scheduler_role import request_hints
+    from kvstore.format.malformed import MalformedCounts
 
     def action(kind: str, payload: dict) -> KvHintAction:
         return KvHintAction(action_id=kind, action_type=kind, action_version="1", payload=payload)
@@ -57,5 +62,10 @@ def test_kv_hints_fetch_now_or_expect_later_and_others_are_ignored():
     hints = KvHintsEnvelope(protocol_version="1", message_id="m", actions=[
         action("fetch", {"token_ids": [1, 2, 3]}), action("expect", {"token_ids": [4, 5], "in_s": 30}),
         action("evict", {"token_ids": [6]}), action("fetch", {})])
-    assert kv_hint_actions(NS(kv_hints=hints)) == [([1, 2, 3], None), ([4, 5], 30.0)]
-    assert kv_hint_actions(NS(kv_hints=None)) == []
+    counters: Counter[str] = Counter()
+    malformed = MalformedCounts(logging.getLogger("test"), counters)
+    limits = HintLimits(max_tokens=100, vocab=50)
+    found = request_hints(NS(kv_hints=hints, kv_transfer_params=None), limits, malformed)
+    assert found == [Hint([1, 2, 3]), Hint([4, 5], 30.0)]
+    assert counters == {"malformed.kv_hints": 1}  # the fetch without token_ids
+    assert request_hints(NS(kv_hints=None, kv_transfer_params=None), limits, malformed) == []

@@ -284,6 +284,56 @@ def test_2_an_allowed_user_of_another_uid_gets_no_dram_tier_and_cannot_pin(intru
         stop_service(load_config(raw))
 
 
+def test_2_an_allowed_user_can_neither_stop_the_service_nor_make_its_store(intruder, shared_tmp):
+    """An allowed user may use the service (docs/security.md), not run it: its Shutdown is
+    refused, and its engine, first to connect, cannot fix the store's chunk size (nor have a
+    fresh tier formatted for it): the store is made by the service's own user's engine."""
+    raw = {"tiers": {"host": {"capacity": "4MiB"}},
+           "service": {"socket": str(shared_tmp / "run" / "kvstore.sock"), "staging": "1MiB",
+                       "allowed_uids": [intruder.uid]}}
+    theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
+    scheduler = StoreClient(load_config(raw))  # the owner's service, no store yet
+    script = ("import json\n"
+              "from kvstore.config.store import load_config\n"
+              "from kvstore.format.errors import KVStoreError\n"
+              "from kvstore.service.client import StoreClient\n"
+              f"config = load_config(json.loads({json.dumps(theirs)!r}))\n"
+              "for what in ('store', 'stop'):\n"
+              "    try:\n"
+              "        if what == 'store':\n"
+              f"            StoreClient(config, {2 * CHUNK_BYTES})\n"
+              "        else:\n"
+              "            StoreClient(config).shutdown(timeout_s=5)\n"
+              "        print(what, 'done')\n"
+              "    except KVStoreError as exc:\n"
+              "        print(what, 'refused:', exc)\n")
+    try:
+        done = intruder.run(script)
+        assert "store refused: kvstore service: the store is made by the first engine of the service's own" \
+            in done.stdout, done.stdout + done.stderr
+        assert "stop refused: kvstore service: only the service's own user may stop it" in done.stdout
+        owner = StoreClient(load_config(raw), CHUNK_BYTES)  # still up; the owner's chunk size is taken
+        assert owner.info()["chunk_bytes"] == CHUNK_BYTES
+        owner.close()
+    finally:
+        scheduler.close()
+        stop_service(load_config(raw))
+
+
+def test_2_a_refused_hello_names_the_keys_that_differ_not_the_config(service_config):
+    """The hello error used to print the service's whole config, a Redis password in
+    `cluster.index_url` included: now only the names of the keys that differ."""
+    secret = {**service_config, "cluster": {"host_id": "a", "index_url": "redis://u:hunter2@127.0.0.1:1/0"}}
+    StoreClient(load_config(secret)).close()  # no store made: the index is never dialled
+    try:
+        with pytest.raises(KVStoreError) as refused:
+            StoreClient(load_config(service_config))
+        assert "they differ in cluster" in str(refused.value)
+        assert "hunter2" not in str(refused.value) and "tiers" not in str(refused.value)
+    finally:
+        stop_service(load_config(secret))
+
+
 # -- 3. squatted storage paths ------------------------------------------------------------
 
 @needs_root
@@ -416,22 +466,17 @@ def test_6_a_client_truncating_its_window_cannot_crash_the_service(service_confi
 
 def test_6_bad_puts_leak_no_slots(service_config):
     client = StoreClient(load_config(service_config), CHUNK_BYTES)
-    channel = _raw_channel(service_config)
-    channel.send(_hello(service_config))
-    channel.recv(P.REPLY, 30)
+    not_bytes = msgspec.msgpack.encode({"type": "put", "keys": ["not bytes"], "slots": [0]})
+    short = msgspec.msgpack.encode(P.Put([b"short"], [0]))
     for _ in range(10):
-        frame = msgspec.msgpack.encode({"type": "put", "keys": ["not bytes"], "slots": [0]})
-        channel.sock.sendall(struct.pack(">I", len(frame)) + frame)
-        reply = channel.recv(P.REPLY, 10)
-        assert not reply.ok and "keys" in reply.error
-        channel.close()
-        channel = _raw_channel(service_config)
-        channel.send(_hello(service_config))
-        channel.recv(P.REPLY, 30)
-        channel.send(P.Put([b"short"], [0]))
-        reply = channel.recv(P.REPLY, 10)
-        assert not reply.ok and "16 bytes" in reply.error
-    channel.close()
+        for frame, why in ((not_bytes, "keys"), (short, "`bytes` of length >= 16")):
+            channel = _raw_channel(service_config)  # a frame that is not one ends its connection
+            channel.send(_hello(service_config))
+            channel.recv(P.REPLY, 30)
+            channel.sock.sendall(struct.pack(">I", len(frame)) + frame)
+            reply = channel.recv(P.REPLY, 10)
+            assert not reply.ok and why in reply.error
+            channel.close()
     keys = make_keys(4)
     for i in range(len(keys)):
         client.slot(i)[:] = make_payloads(1, seed=i)[0]

@@ -14,8 +14,11 @@ restart of both; each is started with a deadline and its process group killed af
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +26,7 @@ from pathlib import Path
 import pytest
 from engine_harness import counters, service_client, stop_service
 
-from bench.openai_server import SERVER_MODULE, Completion, OpenAIServer
+from bench.openai_server import SERVER_MODULE, Completion, OpenAIServer, completion_body
 from bench.tiny_model import build_llama3_8b_geometry, prompt_token_ids
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
@@ -119,6 +122,30 @@ def test_two_clients_at_once_with_shared_and_distinct_prefixes(server, reference
         assert second.cached_tokens == 4 * CHUNK, name
         assert first.token_ids == second.token_ids == reference[name].token_ids, name
     assert "save.dropped" not in counters(store_config)
+
+
+def test_a_malformed_kv_transfer_params_never_takes_the_server_down(server, reference, store_config):
+    """The bodies that used to kill the engine from vLLM's add_request (one as raw JSON text
+    with 1e999, which Python's JSON reads as inf): each is answered (200 or 4xx), /health
+    stays 200, the malformed part is counted, and the next request's tokens are unchanged."""
+    tokens, max_tokens = PROMPTS["short"]
+    plain = json.dumps(completion_body(server.model, tokens, max_tokens))
+    for params in ('{"kvstore_prefetch_token_ids": "x"}',
+                   '{"kvstore_handoff": {"chunks": 1e999, "last_key": "' + "ab" * 16 + '"}}'):
+        body = plain[:-1] + ', "kv_transfer_params": ' + params + "}"
+        request = urllib.request.Request(server.url + "/v1/completions", data=body.encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=300) as reply:
+                status = reply.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert status == 200 or 400 <= status < 500, (params, status)
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as health:
+            assert health.status == 200
+    found = counters(store_config)
+    assert found["malformed.kv_transfer_params"] >= 1 and found["malformed.handoff"] >= 1
+    assert complete(server, "short").token_ids == reference["short"].token_ids
 
 
 @pytest.fixture(scope="module")

@@ -334,6 +334,11 @@ class StoreConfig(Schema):
         return self.tiers.nvmeof
 
 
+# What a SIGHUP reload applies to a running service (kvstore/service/server.py); engines
+# started before it keep the config they started with, so a hello does not compare these.
+LIVE_KEYS = ("disk_admission", "disk_min_seen", "eviction")
+
+
 def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:
     """Accept a StoreConfig, a dict, JSON/YAML text, or a path to a .yaml/.json file."""
     if isinstance(source, StoreConfig):
@@ -345,14 +350,53 @@ def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -
     if _names_a_file(text, path):
         if not path.is_file():
             raise ConfigError("config", text, "file not found")
-        text = path.read_text()
+        text = _read_config_file(path)
     try:
         data = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError("config", str(source)[:80], f"not valid YAML/JSON: {exc}") from exc
+    except RecursionError:
+        raise ConfigError("config", str(source)[:80], "nested too deeply to be a config") from None
     if not isinstance(data, dict):
-        raise ConfigError("config", data, "must be a mapping")
+        raise ConfigError("config", str(data)[:80], "must be a mapping")
+    _check_extent(data, str(source)[:80])
     return validate(StoreConfig, data)
+
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000  # YAML aliases make a short file a huge tree: counted as a tree
+MAX_CONFIG_DEPTH = 32
+
+
+def _read_config_file(path: Path) -> str:
+    """The file's text; a ConfigError if it cannot be read, is over MAX_CONFIG_BYTES or
+    is not UTF-8 (a service reloading it keeps its config: server.py)."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError("config", str(path), f"cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("config", str(path), f"is larger than {MAX_CONFIG_BYTES} bytes: not a config")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", str(path), f"is not UTF-8 text (byte {exc.start} is not)") from None
+
+
+def _check_extent(data: Any, source: str) -> None:
+    """Refuse a parsed config too deep or with too many values (as a tree: an alias counts
+    every time it is used) before anything walks it whole."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES or depth > MAX_CONFIG_DEPTH:
+            raise ConfigError("config", source, f"holds more than {MAX_CONFIG_VALUES} values or is nested "
+                                                f"more than {MAX_CONFIG_DEPTH} deep: not a config")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _names_a_file(text: str, path: Path) -> bool:

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
+# scheme://user:PASSWORD@host: the password (no / or @ in it: a URL quotes those)
+_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:)[^\s/@'\"]*@")
+
+
+def masked(text: str) -> str:
+    """`text` with the password of every URL in it hidden (`redis://user:***@host`), for any
+    message that may quote a config (an index URL's password) and reach a log or a client."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
 
 class KVStoreError(Exception):
     """Base class for every error kvstore raises on purpose."""
@@ -14,7 +25,7 @@ class ConfigError(KVStoreError, ValueError):
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"config field '{field}' = {value!r}: {reason}")
+        super().__init__(masked(f"config field '{field}' = {value!r}: {reason}"))
 
 
 class DeviceError(KVStoreError, OSError):

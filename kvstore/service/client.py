@@ -89,7 +89,10 @@ def connect(config: StoreConfig) -> P.Channel:
 # Starts the service and exits at once, so the service is no descendant of the
 # engine: vLLM kills its workers' whole process trees on shutdown, and the
 # service (with its DRAM tier) must outlive the engine that happened to start it.
-_LAUNCHER = ("import os, subprocess, sys\n"
+# The service starts with SIGHUP ignored (inherited through exec) until `kvstore serve`
+# catches it (cli.main): a reload asked for while it starts cannot end it.
+_LAUNCHER = ("import os, signal, subprocess, sys\n"
+             "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
              "log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW"
              " | os.O_CLOEXEC, 0o600)\n"
              "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,"
@@ -107,7 +110,10 @@ def _spawn(config: StoreConfig) -> P.Channel:
         json.dump(dump_config(config), f)
     service = [sys.executable, "-m", "kvstore.cli", "serve", "--config", config_path]
     launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service],
-                              capture_output=True, text=True, timeout=30, check=True)
+                              capture_output=True, text=True, timeout=30)
+    if launched.returncode != 0:  # killed before it started the service: try again later
+        raise ServiceUnavailable(f"the launcher of a kvstore service at {path} exited with "
+                                 f"{launched.returncode}: {launched.stderr.strip()[-300:]}")
     pid = int(launched.stdout)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -199,18 +205,38 @@ class StoreClient:
     def residency_ranks(self, ranks: Sequence[Sequence[bytes]],
                         prefetch: bool = False) -> tuple[int, int, bool]:
         """`residency` of one prompt whose keys differ per tensor-parallel rank: a chunk
-        counts only where every rank's copy is there; one request, one snapshot."""
-        stored, resident, pending = self._request(P.Residency([list(k) for k in ranks], prefetch))
-        return int(stored), int(resident), bool(pending)
+        counts only where every rank's copy is there; one request, one snapshot. A prompt
+        with more keys than one frame carries (protocol.MAX_KEYS, every rank's together)
+        is asked about a piece of chunks at a time, the next only while all of one is stored."""
+        lists = [list(k) for k in ranks]
+        step = _per_rank(lists)
+        stored = resident = 0
+        pending = False
+        for start in range(0, max(1, max((len(k) for k in lists), default=0)), step):
+            piece = [k[start : start + step] for k in lists]
+            found, in_dram, queued = self._request(P.Residency(piece, prefetch))
+            if resident == stored:  # a leading run: DRAM's continues only where all before was there
+                resident += int(in_dram)
+            stored += int(found)
+            pending = pending or bool(queued)
+            if int(found) < min((len(k) for k in piece), default=0):
+                break
+        return stored, resident, pending
 
     def finished(self, ranks: Sequence[Sequence[bytes]]) -> None:
         """A request's stored chunks (prompt and answer, per rank) ended: the service expects
-        the conversation back and brings them into DRAM before (config `next_turn`)."""
-        self._request(P.Finished([list(k) for k in ranks]))
+        the conversation back and brings them into DRAM before (config `next_turn`). A chain
+        longer than one frame carries is told by its leading part."""
+        lists = [list(k) for k in ranks]
+        self._request(P.Finished([k[: _per_rank(lists)] for k in lists]))
 
     def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float) -> None:
-        """A hint: these chunks are wanted in `in_s` seconds."""
-        self._request(P.Expect([list(k) for k in ranks], float(in_s)))
+        """A hint: these chunks (their leading part, as `finished`) are wanted in `in_s`
+        seconds, finite and at most protocol.MAX_EXPECT_S (else a KVStoreError)."""
+        if not 0 <= in_s <= P.MAX_EXPECT_S:  # NaN too
+            raise KVStoreError(f"a hint's in_s must be between 0 and {P.MAX_EXPECT_S:g} s, not {in_s}")
+        lists = [list(k) for k in ranks]
+        self._request(P.Expect([k[: _per_rank(lists)] for k in lists], float(in_s)))
 
     def count(self, counters: Mapping[str, float]) -> None:
         """Add to the service's counters (shown by `kvstore info` and Prometheus)."""
@@ -292,6 +318,11 @@ class StoreClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _per_rank(ranks: Sequence[Sequence[bytes]]) -> int:
+    """Keys of each rank's list that one frame carries for all of them (protocol.MAX_KEYS)."""
+    return max(1, P.MAX_KEYS // max(1, len(ranks)))
 
 
 def attach(config: StoreConfig) -> StoreClient:

@@ -1,15 +1,19 @@
 """The service's requests: one store shared by every client, each client's window, and
 what each request does with them.
 
-The store is made by the first hello that gives a chunk size (a worker's); later
-hellos must agree on it. Residency answers are one snapshot: the chunks found, the
-ones in DRAM and whether a prefetch of that run is queued are read while no prefetch
-can finish, and one request covers every tensor-parallel rank's keys. Invariants: a
-client's window is registered as a direct-read region while it lives; a region a
-late read may still land in (retired) is never unmapped; prefetches run one at a
-time, a run queued at most once; a client's DRAM leases (store/leases.py) are released
-by its Unpin or, whatever way it leaves, when its connection ends, and together pin no
-more chunks than its window holds.
+The store is made by the first hello that gives a chunk size (a worker's) from the
+service's own user (an allowed user's engine cannot fix the store's chunk size nor have a
+fresh tier formatted for it); later hellos must agree on it. A hello's config must agree
+with the service's on what both act on: not `service` (the service's own) nor the keys a
+SIGHUP reload changes while engines run (LIVE_KEYS); a refusal names the keys that
+differ, never their values (they may hold a password). Residency answers are one
+snapshot: the chunks found, the ones in DRAM and whether a prefetch of that run is
+queued are read while no prefetch can finish, and one request covers every
+tensor-parallel rank's keys. Invariants: a client's window is registered as a
+direct-read region while it lives; a region a late read may still land in (retired) is
+never unmapped; prefetches run one at a time, a run queued at most once; a client's
+DRAM leases (store/leases.py) are released by its Unpin or, whatever way it leaves, when
+its connection ends, and together pin no more chunks than its window holds.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import logging
 import os
 import re
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvstore.config.store import StoreConfig, dump_config
+from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.format.malformed import MalformedCounts
 from kvstore.io.regions import Region
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
@@ -35,14 +41,23 @@ from kvstore.store.tiered import TieredStore
 log = logging.getLogger(__name__)
 # The counters a client may add to (the scheduler's and the workers'): a bounded set of
 # names, so a client cannot grow the service's counters (and /metrics) without end.
-CLIENT_COUNTER = re.compile(r"(prefetch|save|save_wait|staging|load|handoff)\.[a-z_]{1,32}")
+CLIENT_COUNTER = re.compile(
+    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector)\.[a-z_]{1,32}")
+
+
+def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The top-level config keys on which a client and the service differ where both act on
+    them: not `service` (the service's own) nor LIVE_KEYS (a reload changes them live)."""
+    return sorted(key for key in ours.keys() | theirs.keys()
+                  if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
 
 
 class Client:
     """What the service keeps for one connection."""
 
-    def __init__(self, channel: P.Channel) -> None:
+    def __init__(self, channel: P.Channel, uid: int) -> None:
         self.channel = channel
+        self.uid = uid  # SO_PEERCRED's at accept
         self.window: Window | None = None
         self.region: Region | None = None
         self.slots = 0
@@ -65,6 +80,7 @@ class Requests:
         self._prefetch_lock = threading.Lock()  # held across a residency snapshot
         self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
+        self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
@@ -72,8 +88,7 @@ class Requests:
             return self._hello(client, request)
         store = self.store
         if isinstance(request, P.Info):
-            info = store.info() if store else {"tiers": [], "counters": {}}
-            return {**info, "service_pid": os.getpid(), "socket": self.socket_path}, ()
+            return self.info(), ()
         if isinstance(request, P.Residency):
             self.next_turns.arrived(request.ranks)
             return self._residency(store, request), ()
@@ -113,23 +128,32 @@ class Requests:
             return store.get_many(request.keys, views), ()
         return store.put_many(request.keys, views, parent=request.parent), ()
 
+    def info(self) -> dict[str, Any]:
+        """The store's info (none yet: no tiers), with the service's own counters added."""
+        info = self.store.info() if self.store else {"tiers": [], "counters": {}}
+        counters = Counter(info["counters"])
+        counters.update(self.malformed.snapshot())  # adds, and keeps zeros
+        return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
+
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
         if hello.version != P.PROTOCOL_VERSION:
             raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
                                f"{self.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
                                "the same kvstore version (kvstore stop)")
-        ours, theirs = dump_config(self.config), dict(hello.config)
-        ours.pop("service")
-        theirs.pop("service", None)
-        if ours != theirs:
+        differ = disagreement(dump_config(self.config), hello.config)
+        if differ:
             raise ConfigError("service.socket", self.socket_path,
-                              f"a kvstore service with another config listens there "
-                              f"(its config: {ours}); stop it (kvstore stop) or use another socket")
+                              f"a kvstore service with another config listens there (they differ in "
+                              f"{', '.join(k[:64] for k in differ[:16])}); stop it (kvstore stop) or "
+                              "use another socket")
         if hello.chunk_bytes is None:
             return None, ()
         if client.window is not None:
             raise KVStoreError("this connection has a window already")
         with self.lock:
+            if self.store is None and client.uid != os.geteuid():
+                raise KVStoreError("the store is made by the first engine of the service's own user "
+                                   "(its chunk size sets the tiers' format); none has connected yet")
             if self.store is None:
                 self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
                                          dtype=hello.dtype, shape=hello.shape)
@@ -155,8 +179,7 @@ class Requests:
     def _may_map_dram(self, client: Client) -> bool:
         """service.share_dram: the service's own user's engines, every allowed one, or none."""
         mode = self.config.service.share_dram
-        _, uid, _ = P.peer_credentials(client.channel.sock)
-        return mode == "allowed" or (mode == "own-user" and uid == os.geteuid())
+        return mode == "allowed" or (mode == "own-user" and client.uid == os.geteuid())
 
     @staticmethod
     def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:

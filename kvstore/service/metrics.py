@@ -12,12 +12,14 @@ the hot path pays nothing extra.
   kvstore_read_seconds{tier}        histogram of per-chunk read latency since start
   kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
   kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
+The service's own counters (`malformed.*`: input it refused) are added to the store's,
+and are scraped before any engine made the store too.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -32,17 +34,20 @@ def _name(counter: str) -> str:
 
 
 class StoreCollector(Collector):
-    def __init__(self, store: Callable[[], TieredStore | None]) -> None:
+    def __init__(self, store: Callable[[], TieredStore | None],
+                 own: Callable[[], Mapping[str, float]] = dict) -> None:
         self._store = store  # the service creates its store on the first worker's hello
+        self._own = own  # the service's own counters
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         store = self._store()
-        if store is None:
-            return
-        info = store.info()
+        info = store.info() if store is not None else {"tiers": [], "counters": {}}
+        counters = dict(info["counters"])
+        for counter, value in self._own().items():
+            counters[counter] = counters.get(counter, 0) + value
         misses = CounterMetricFamily("kvstore_misses", "chunks that looked present but were not "
                                      "served (the engine recomputed them)", labels=["tier", "reason"])
-        for counter, value in sorted(info["counters"].items()):
+        for counter, value in sorted(counters.items()):
             tier, _, reason = counter.partition(".miss.")
             if reason:
                 misses.add_metric([tier, reason], value)
@@ -51,6 +56,8 @@ class StoreCollector(Collector):
             family.add_metric([], value)
             yield family
         yield misses
+        if store is None:
+            return
         for field, text in (("chunks", "chunks stored"), ("used_bytes", "bytes used"),
                             ("capacity_bytes", "bytes the tier may use")):
             gauge = GaugeMetricFamily(f"kvstore_tier_{field}", text, labels=["tier"])
@@ -90,11 +97,12 @@ def _device_families(info: dict) -> Iterator[CounterMetricFamily | GaugeMetricFa
     yield from (in_service, faults, trips)
 
 
-def serve_metrics(host: str, port: int, store: Callable[[], TieredStore | None]) -> None:
+def serve_metrics(host: str, port: int, store: Callable[[], TieredStore | None],
+                  own: Callable[[], Mapping[str, float]] = dict) -> None:
     """Expose /metrics on host:port (service.metrics_host, loopback by default) from a
     daemon thread."""
     from prometheus_client import start_http_server
 
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store))
+    registry.register(StoreCollector(store, own))
     start_http_server(port, addr=host, registry=registry)

@@ -6,18 +6,25 @@ when its prediction falls due.
 learning and a zero gap); `off` does nothing. A promotion goes through the service's
 one prefetch queue (handlers.py), so it is bounded like any other and never blocks a
 request. Invariants: the predictor is touched under this object's lock only; the
-thread never outlives `close`.
+thread never outlives `close`, and nothing ends it before: a hint's `in_s` outside
+[0, MAX_AHEAD_S] (inf, NaN) is refused before it reaches the predictor, the timer never
+sleeps longer than MAX_SLEEP_S, and a failing round is logged and the loop goes on.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from kvstore.tiers.next_turn import NextTurnPredictor
 
+log = logging.getLogger(__name__)
 Promote = Callable[[tuple[bytes, ...]], None]
+MAX_AHEAD_S = 86400.0  # a hint further ahead is refused (protocol.MAX_EXPECT_S)
+MAX_SLEEP_S = 3600.0  # the timer wakes at least this often (a longer wait cannot overflow)
 
 
 class NextTurns:
@@ -53,7 +60,10 @@ class NextTurns:
             self._lock.notify()
 
     def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float) -> None:
-        """A hint: these chains are wanted in `in_s` seconds (fetched lead_s before)."""
+        """A hint: these chains are wanted in `in_s` seconds (fetched lead_s before); a
+        ValueError if `in_s` is not a finite number of seconds in [0, MAX_AHEAD_S]."""
+        if not (math.isfinite(in_s) and 0 <= in_s <= MAX_AHEAD_S):
+            raise ValueError(f"a hint's in_s must be between 0 and {MAX_AHEAD_S:g} s")
         with self._lock:
             for keys in ranks:
                 self._predictor.expect(list(keys), self._clock() + in_s)
@@ -61,16 +71,21 @@ class NextTurns:
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                if self._closed:
-                    return
-                due = self._predictor.due(self._clock())
-                if not due:
-                    wake = self._predictor.next_due()
-                    self._lock.wait(None if wake is None else max(0.0, wake - self._clock()))
-                    continue
-            for keys in due:
-                self._promote(keys)
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    due = self._predictor.due(self._clock())
+                    if not due:
+                        wake = self._predictor.next_due()
+                        self._lock.wait(MAX_SLEEP_S if wake is None else
+                                        min(MAX_SLEEP_S, max(0.0, wake - self._clock())))
+                        continue
+                for keys in due:
+                    self._promote(keys)
+            except Exception:  # one bad round must not stop predictions for every engine
+                log.exception("next-turn promotion failed; going on")
+                time.sleep(0.1)
 
     def close(self) -> None:
         with self._lock:

@@ -25,7 +25,14 @@ Requests (a tagged union) and what a Reply's value holds:
   Info()                   -> the store's info
   Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
                               (chunk_events.py; since < 0: the current cursor only)
-  Shutdown()               -> None; the service drains, checkpoints and exits
+  Shutdown()               -> None; the service drains, checkpoints and exits (its own
+                              user only, not an allowed one)
+
+Every field is bounded where it is decoded: keys are 16 bytes, key lists at most
+MAX_KEYS long (a longer prompt is asked about in several frames: client.py), numbers
+finite and in range, strings and maps short. A frame that breaks a bound, does not
+decode, or nests deeper than the decoder goes (RecursionError) is a ProtocolError: the
+end of that connection, counted by the service as `malformed.frame`, never of the service.
 """
 
 from __future__ import annotations
@@ -35,17 +42,27 @@ import os
 import socket
 import struct
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvstore.format.errors import KVStoreError
 
 PROTOCOL_VERSION = 5
-MAX_FRAME = 4 << 20  # a 1M-token prompt's keys are 64 KiB: plenty, and bounded
+MAX_FRAME = 4 << 20
+MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
+MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
+MAX_EXPECT_S = 86400.0  # how far ahead a hint may say its chunks are wanted
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
 _MAX_FDS = 4
+
+Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+Ranks = Annotated[list[Keys], msgspec.Meta(max_length=MAX_RANKS)]
+Whole = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Amount = Annotated[float, msgspec.Meta(ge=0, le=1e15)]  # NaN and inf fail both bounds
+Name = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class ProtocolError(KVStoreError):
@@ -54,48 +71,48 @@ class ProtocolError(KVStoreError):
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     version: int
-    config: dict[str, Any]
-    chunk_bytes: int | None = None
-    namespace: bytes = bytes(16)
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
+    config: dict[Name, Any]  # compared with the service's (handlers.py), never acted on
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 36)] | None = None
+    namespace: Key = bytes(16)
+    dtype: Name = "uint8"
+    shape: Annotated[tuple[Whole, ...], msgspec.Meta(max_length=8)] = ()
 
 
 class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
-    ranks: list[list[bytes]]  # one prompt's keys per tensor-parallel rank
+    ranks: Ranks  # one prompt's keys per tensor-parallel rank
     prefetch: bool = False
 
 
 class Finished(msgspec.Struct, tag="finished", forbid_unknown_fields=True):
-    ranks: list[list[bytes]]  # a finished request's stored chunks (prompt and answer), per rank
+    ranks: Ranks  # a finished request's stored chunks (prompt and answer), per rank
 
 
 class Expect(msgspec.Struct, tag="expect", forbid_unknown_fields=True):
-    ranks: list[list[bytes]]
-    in_s: float
+    ranks: Ranks
+    in_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_EXPECT_S)]
 
 
 class Count(msgspec.Struct, tag="count", forbid_unknown_fields=True):
-    counters: dict[str, float]
+    counters: Annotated[dict[Name, Amount], msgspec.Meta(max_length=256)]
 
 
 class Get(msgspec.Struct, tag="get", forbid_unknown_fields=True):
-    keys: list[bytes]
-    slots: list[int]
+    keys: Keys
+    slots: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class Put(msgspec.Struct, tag="put", forbid_unknown_fields=True):
-    keys: list[bytes]
-    slots: list[int]
-    parent: bytes | None = None
+    keys: Keys
+    slots: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
+    parent: Key | None = None
 
 
 class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class Unpin(msgspec.Struct, tag="unpin", forbid_unknown_fields=True):
-    leases: list[int]
+    leases: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class Info(msgspec.Struct, tag="info", forbid_unknown_fields=True):
@@ -163,6 +180,8 @@ class Channel:
             return decoder.decode(self._read(length, deadline))
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise ProtocolError(f"not a message of this protocol: {exc}") from None
+        except RecursionError:
+            raise ProtocolError("not a message of this protocol: nested too deeply") from None
 
     def take_fd(self) -> int | None:
         return self.fds.pop(0) if self.fds else None

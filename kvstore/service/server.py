@@ -13,9 +13,12 @@ memcpy, from disk by O_DIRECT reads straight into the window), a put reads them.
 A worker's load or save is thus a plain copy between its KV tensors and its window.
 
 Sharing a host safely: only peers of this user (or uids/gids the config allows)
-are served; frames are size-limited; clients are bounded in number; a request that
-fails is an error reply for that client, never the end of the service; SIGTERM
-always ends it cleanly; and while it runs it holds SOCKET.lock, so a second
+are served, and only this user may stop it; frames are size-limited and every field
+bounded (a frame that is not one is counted, `malformed.frame`, and ends that
+connection); clients are bounded in number; a request that fails is an error reply for
+that client (with any URL's password masked), never the end of the service; SIGTERM
+always ends it cleanly; a SIGHUP reload that cannot be read or applied changes nothing
+(counted, `malformed.config`); and while it runs it holds SOCKET.lock, so a second
 `kvstore serve` on the same socket refuses to start instead of stealing it.
 """
 
@@ -34,15 +37,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.config.runtime import ensure_private_directory, open_private
-from kvstore.config.store import StoreConfig, dump_config, load_config
+from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config, load_config
 from kvstore.devices.device import path_problem
 from kvstore.devices.nvmeof.plans import namespace_plans
-from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
+from kvstore.format.errors import ConfigError, DeviceError, KVStoreError, masked
+from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service import protocol as P
 from kvstore.service.handlers import Client, Requests
 
 log = logging.getLogger(__name__)
-LIVE_KEYS = ("disk_admission", "disk_min_seen", "eviction")  # what a SIGHUP reload applies
 _BACKLOG = 64
 _ACCEPT_BACKOFF_S = (0.05, 1.0)
 
@@ -74,6 +77,27 @@ def policy_reload(running: StoreConfig, fresh: StoreConfig) -> tuple[dict[str, A
     restart = sorted(key for key in old.keys() | new.keys()
                      if key not in LIVE_KEYS and old.get(key) != new.get(key))
     return live, restart, load_config({**old, **live})
+
+
+def reread(reload: Callable[[], StoreConfig], running: StoreConfig,
+           malformed: MalformedCounts) -> tuple[dict[str, Any], list[str], StoreConfig] | None:
+    """policy_reload of the config file as it is now, or None if it cannot be read or
+    applied (missing, unreadable, not UTF-8, nested too deep, invalid): logged with why and
+    counted (`malformed.config`); the service goes on as it was."""
+    try:
+        return policy_reload(running, reload())
+    except Exception as exc:  # whatever the file holds
+        why = masked(str(exc) if isinstance(exc, KVStoreError) else f"{type(exc).__name__}: {exc}")[:2000]
+        log.warning("reload: the config is unchanged: %s", why)
+        malformed.count(Malformed("config", why), logged=True)
+        return None
+
+
+def _refuse(channel: P.Channel, why: str) -> None:
+    """Tell a client why (if it still listens) and hang up."""
+    with contextlib.suppress(OSError):
+        channel.send(P.Reply(False, error=why))
+    channel.close()
 
 
 def _unpin_from_parent() -> None:
@@ -135,16 +159,18 @@ class StoreService:
             from kvstore.service.metrics import serve_metrics
 
             serve_metrics(config.service.metrics_host, config.service.metrics_port,
-                          lambda: self.requests.store)
+                          lambda: self.requests.store, self.requests.malformed.snapshot)
 
     # -- the accept loop ---------------------------------------------------------------
 
-    def serve_forever(self, reload: Callable[[], StoreConfig] | None = None) -> None:
+    def serve_forever(self, reload: Callable[[], StoreConfig] | None = None,
+                      hung_up: threading.Event | None = None) -> None:
         """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT; on
-        SIGHUP, `reload` (the config file read again) is applied (`reload_config`)."""
+        SIGHUP, `reload` (the config file read again) is applied (`_reload`). `hung_up`:
+        set by who caught SIGHUP before (`kvstore serve`, from its first line)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
-        reloads = threading.Event()  # set by SIGHUP, acted on by this loop, not the handler
+        reloads = hung_up or threading.Event()  # set by SIGHUP, acted on by this loop, not the handler
 
         def hangup(*_: object) -> None:
             reloads.set()
@@ -152,6 +178,8 @@ class StoreService:
 
         if reload is not None:
             signal.signal(signal.SIGHUP, hangup)
+            if reloads.is_set():  # checked after ours took over: none is lost
+                hangup()
         log.warning("kvstore service listening on %s", self.socket_path)
         backoff = _ACCEPT_BACKOFF_S[0]
         poller = select.poll()
@@ -160,10 +188,11 @@ class StoreService:
         try:
             while not self._stopping.is_set():
                 ready = poller.poll()
+                if any(fd == self._wake_read for fd, _ in ready):  # drained before the flag is read:
+                    with contextlib.suppress(BlockingIOError):  # a SIGHUP after it wakes us again
+                        os.read(self._wake_read, 64)
                 if reloads.is_set() and reload is not None:
                     reloads.clear()
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_read, 64)
                     self._reload(reload)
                 if not any(fd == self._listener.fileno() for fd, _ in ready):
                     continue
@@ -184,27 +213,21 @@ class StoreService:
         _, uid, gid = P.peer_credentials(conn)
         if uid not in self._allowed_uids and gid not in self._allowed_gids:
             log.warning("refused a client running as uid %d gid %d", uid, gid)
-            self._refuse(channel, f"uid {uid} is not allowed by this service (service.allowed_uids)")
+            _refuse(channel, f"uid {uid} is not allowed by this service (service.allowed_uids)")
             return
         with self._clients_lock:
             if len(self._clients) >= self.config.service.max_clients:
                 full = True
             else:
                 full = False
-                client = Client(channel)
+                client = Client(channel, uid)
                 self._clients.add(client)
         if full:
-            self._refuse(channel, f"the service has {self.config.service.max_clients} clients "
+            _refuse(channel, f"the service has {self.config.service.max_clients} clients "
                                   "already (service.max_clients)")
             return
         threading.Thread(target=self._serve_client, args=(client,), daemon=True,
                          name="kvstore-client").start()
-
-    @staticmethod
-    def _refuse(channel: P.Channel, why: str) -> None:
-        with contextlib.suppress(OSError):
-            channel.send(P.Reply(False, error=why))
-        channel.close()
 
     def stop(self, wake_only: bool = False) -> None:
         """Make serve_forever return, or with `wake_only` look at its flags (safe from a
@@ -217,12 +240,13 @@ class StoreService:
     def _reload(self, reload: Callable[[], StoreConfig]) -> None:
         """Apply the config file as it is now: LIVE_KEYS at once (StoreParts.switch_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
-        restart. A bad file changes nothing. Clients connecting later hand the new config."""
-        try:
-            live, restart, merged = policy_reload(self.config, reload())
-        except KVStoreError as exc:
-            log.warning("reload: the config is unchanged: %s", exc)
+        restart. A file that cannot be read changes nothing (`reread`). Engines connected
+        before keep connecting with the config they started with (the hello leaves
+        LIVE_KEYS out)."""
+        fresh = reread(reload, self.config, self.requests.malformed)
+        if fresh is None:
             return
+        live, restart, merged = fresh
         if restart:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
         with self.requests.lock:  # no store made meanwhile from the config being replaced
@@ -254,21 +278,24 @@ class StoreService:
                 except (EOFError, OSError):
                     return
                 except P.ProtocolError as exc:
-                    self._refuse(channel, str(exc))  # the stream cannot be trusted any more
+                    self.requests.malformed.count(Malformed("frame", str(exc)[:300]), "connection closed")
+                    _refuse(channel, str(exc)[:1000])  # the stream cannot be trusted any more
                     return
                 fds: tuple[int, ...] = ()
                 try:
                     if isinstance(request, P.Shutdown):
+                        if client.uid != os.geteuid():
+                            raise KVStoreError("only the service's own user may stop it")
                         channel.send(P.Reply(True))
                         self.stop()
                         return
                     value, fds = self.requests.handle(client, request)
                     reply = P.Reply(True, value)
                 except KVStoreError as exc:
-                    reply = P.Reply(False, error=str(exc))
+                    reply = P.Reply(False, error=masked(str(exc)))
                 except Exception as exc:  # a bug must not take the whole service down
                     log.exception("request %s failed", type(request).__name__)
-                    reply = P.Reply(False, error=f"{type(exc).__name__}: {exc}")
+                    reply = P.Reply(False, error=masked(f"{type(exc).__name__}: {exc}"[:2000]))
                 try:
                     channel.send(reply, fds)
                 except OSError:

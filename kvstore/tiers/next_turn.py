@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -97,8 +98,9 @@ class NextTurnPredictor:
         return return_rate(own, self._total, _MIN_SAMPLES, unknown=1.0)
 
     def expect(self, keys: list[bytes], at: float) -> None:
-        """A hint: `keys` are wanted at `at` (fetched `lead_s` before)."""
-        if keys:
+        """A hint: `keys` are wanted at `at` (fetched `lead_s` before); a time that is not
+        finite is ignored (it would never fall due, or sort nowhere in the queue)."""
+        if keys and math.isfinite(at):
             self._push(keys, at - self.lead_s)
 
     def predicted_gap(self, family: bytes) -> float:

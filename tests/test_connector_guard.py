@@ -1,0 +1,165 @@
+"""The connector's scheduler hooks under vLLM's own scheduler: malformed request params and
+KV hints are counted and ignored, and a fault in kvstore is a miss for its request, never
+an exception on the scheduler thread (where it would end the engine).
+
+vLLM's real Scheduler runs in this process with TieredKVConnector and a real kvstore
+service; nothing is computed (no model runs), so each step's plan is read from the
+scheduler's output. Faults are injected by making one SchedulerCore method raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from engine_harness import counters, stop_service
+
+pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from connectors.plan import StepPlan
+from connectors.scheduler_side import SchedulerCore
+from kvstore.config.store import load_config
+from kvstore.service.client import StoreClient
+
+pytestmark = pytest.mark.vllm
+CHUNK = BLOCK = 16
+BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def store_config(tmp_path_factory) -> Iterator[dict]:
+    folder = tmp_path_factory.mktemp("guard")
+    config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "16MiB"}},
+              "service": {"socket": str(folder / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    yield config
+    stop_service(config)
+
+
+@pytest.fixture(scope="module")
+def data(store_config) -> Iterator[StoreClient]:
+    """A data client: it makes the store, and stores chunks under the keys a plan names."""
+    client = StoreClient(load_config(store_config), 4096)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def scheduler(tmp_path_factory, store_config, data) -> Scheduler:
+    model = build_tiny_llama(tmp_path_factory.mktemp("model"))
+    args = EngineArgs(model=str(model), enforce_eager=True, max_model_len=1024, block_size=BLOCK,
+                      dtype="float16", enable_prefix_caching=False,
+                      kv_transfer_config={"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+                                          "kv_connector_extra_config": {"config": store_config}})
+    vllm_config = args.create_engine_config()
+    vllm_config.cache_config.num_gpu_blocks = BLOCKS
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                             dtype=vllm_config.model_config.dtype)
+    kv_cache = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    return Scheduler(vllm_config, kv_cache, StructuredOutputManager(vllm_config), block_size=BLOCK)
+
+
+def _request(req_id: str, prompt: list[int], params: object = None,
+             hints: KvHintsEnvelope | None = None) -> Request:
+    request = Request(req_id, prompt, SamplingParams(max_tokens=2), None, kv_hints=hints)
+    request.kv_transfer_params = params  # type: ignore[assignment]  (what the HTTP body said)
+    return request
+
+
+def _step(scheduler: Scheduler) -> tuple[SchedulerOutput, StepPlan]:
+    output = scheduler.schedule()
+    return output, output.kv_connector_metadata.plan  # type: ignore[union-attr]
+
+
+def _finish(scheduler: Scheduler, *req_ids: str) -> None:
+    scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
+    _step(scheduler)  # nothing left to run: an empty step
+
+
+def _store(data: StoreClient, plan: StepPlan, req_id: str) -> int:
+    """Store the chunks the plan saves for `req_id` (any bytes: nothing is computed here)."""
+    keys = [key for save in plan.saves if save.req_id == req_id for key in save.keys[0]]
+    for i in range(len(keys)):
+        data.slot(i)[:] = bytes([i]) * 4096
+    assert data.put(keys, list(range(len(keys)))) == [True] * len(keys)
+    return len(keys)
+
+
+def test_malformed_params_and_hints_are_counted_and_the_requests_served(scheduler, store_config):
+    bodies = [{"kvstore_prefetch_token_ids": "x"}, {"kvstore_prefetch_token_ids": {"a": 1}},
+              {"kvstore_prefetch_token_ids": 5}, {"kvstore_prefetch_token_ids": [["1", None]]},
+              {"kvstore_prefetch_token_ids": [[float("inf")]]},
+              {"kvstore_handoff": {"chunks": float("inf"), "last_key": "ab" * 16}},
+              {"kvstore_prefetch_token_ids": [[1 << 40]]}]
+    hints = KvHintsEnvelope("1", "m", [KvHintAction("a", "expect", "1", {"token_ids": [5, 6], "in_s": "abc"}),
+                                        KvHintAction("b", "fetch", "1", {})])
+    for i, params in enumerate(bodies):
+        scheduler.add_request(_request(f"bad-{i}", prompt_token_ids(40, seed=i), params))
+    scheduler.add_request(_request("hinted", prompt_token_ids(40, seed=99), None, hints))
+    output, _ = _step(scheduler)
+    assert set(output.num_scheduled_tokens) == {f"bad-{i}" for i in range(len(bodies))} | {"hinted"}
+    _finish(scheduler, *output.num_scheduled_tokens)
+    found = counters(store_config)
+    assert found["malformed.kv_transfer_params"] == 6 and found["malformed.handoff"] == 1
+    assert found["malformed.kv_hints"] == 2
+
+
+def test_a_fault_while_planning_a_load_gives_it_up_whole(scheduler, store_config, data, monkeypatch):
+    prompt = prompt_token_ids(100, seed=7)  # 6 full chunks
+    scheduler.add_request(_request("first", prompt))
+    _, plan = _step(scheduler)
+    assert _store(data, plan, "first") == 6
+    _finish(scheduler, "first")
+
+    def fault(*args: object) -> None:
+        raise RuntimeError("a fault in kvstore")
+
+    monkeypatch.setattr(SchedulerCore, "on_alloc", fault)
+    scheduler.add_request(_request("faulted", prompt))
+    _, plan = _step(scheduler)  # the lookup found 96 tokens; planning their load faults
+    monkeypatch.undo()
+    (given_up,) = [load for load in plan.loads if load.req_id == "faulted"]
+    (allocated,) = scheduler.kv_cache_manager.get_block_ids("faulted")
+    assert given_up.keys == () and given_up.blocks == (tuple(allocated),)  # every block: recomputed
+    scheduler.add_request(_request("again", prompt))  # the connector goes on: a hit, loaded
+    _, plan = _step(scheduler)
+    (load,) = [load for load in plan.loads if load.req_id == "again"]
+    assert len(load.keys[0]) == 6
+    assert counters(store_config)["connector.faults"] == 1  # reported with the lookup just made
+    _finish(scheduler, "faulted", "again")
+
+
+def test_a_fault_in_one_requests_bookkeeping_leaves_the_others_plan(scheduler, monkeypatch):
+    real = SchedulerCore.on_scheduled
+
+    def fault_for_one(self, req_id, *args, **kwargs):
+        if req_id == "broken":
+            raise RuntimeError("a fault in kvstore")
+        return real(self, req_id, *args, **kwargs)
+
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    monkeypatch.setattr(SchedulerCore, "on_scheduled", fault_for_one)
+    scheduler.add_request(_request("broken", prompt_token_ids(40, seed=11)))
+    scheduler.add_request(_request("fine", prompt_token_ids(40, seed=12)))
+    _, plan = _step(scheduler)
+    assert {save.req_id for save in plan.saves} == {"fine"}
+    monkeypatch.undo()
+
+    def fault(*args: object) -> None:
+        raise RuntimeError("a fault in kvstore")
+
+    monkeypatch.setattr(SchedulerCore, "on_finished", fault)
+    _finish(scheduler, "broken", "fine")  # request_finished faults: the blocks are still freed
+    monkeypatch.undo()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free

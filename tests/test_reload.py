@@ -1,0 +1,202 @@
+"""SIGHUP reload keeps the service and its engines: an engine connected before a reload
+that changed a live key reconnects with the config it started with and loads; a file
+that cannot be read (not UTF-8, unreadable, nested or aliased past bounds, too large)
+leaves the service serving with its old config, counted as malformed.config; and a
+SIGHUP while a spawned service starts (through its first store, recovery included)
+never ends it. Each test runs a real `kvstore serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CHUNK_BYTES, make_keys, make_payloads
+from engine_harness import stop_service, wait_for_log
+
+from kvstore.config.store import load_config
+from kvstore.format.errors import KVStoreError
+from kvstore.format.record import record_bytes
+from kvstore.service.client import StoreClient
+
+
+def _raw(tmp_path: Path, disk_dir: str, **changes) -> dict:
+    slot = record_bytes(CHUNK_BYTES)
+    return {"tiers": {"host": {"capacity": 4 * slot},
+                      "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": 32 * slot}]},
+            "io": {"timeout_s": 5},
+            "service": {"socket": str(tmp_path / "run" / "kv.sock"), "staging": "1MiB", "spawn": False},
+            **changes}
+
+
+@contextmanager
+def serving(config_file: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvstore serve --config FILE` until the block ends (stopped by its owner, or killed)."""
+    with open(log, "w") as out:
+        command = [sys.executable, "-m", "kvstore.cli", "serve", "--config", str(config_file)]
+        service = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_log(log, "listening")
+        yield service
+    finally:
+        if service.poll() is None:
+            service.kill()
+            service.wait()
+
+
+def _put(client: StoreClient, keys, payloads) -> None:
+    for i, payload in enumerate(payloads):
+        client.slot(i)[:] = payload.tobytes()
+    assert client.put(keys, list(range(len(keys)))) == [True] * len(keys)
+
+
+def _loads(client: StoreClient, keys, payloads) -> bool:
+    slots = list(range(len(keys)))
+    return client.get(keys, slots) == [True] * len(keys) and all(
+        bytes(client.slot(i)) == payload.tobytes() for i, payload in enumerate(payloads))
+
+
+def test_an_engine_connected_before_a_reload_that_changed_eviction_reconnects_and_loads(tmp_path, disk_dir):
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    started = _raw(tmp_path, disk_dir)
+    path.write_text(yaml.safe_dump(started))
+    keys, payloads = make_keys(3, seed=5), make_payloads(3, seed=5)
+    with serving(path, log) as service:
+        engine = StoreClient(load_config(started), CHUNK_BYTES)  # the config it started with
+        _put(engine, keys, payloads)
+        seen = len(log.read_text())
+        path.write_text(yaml.safe_dump({**started, "eviction": "cost", "disk_admission": "second-touch"}))
+        service.send_signal(signal.SIGHUP)
+        wait_for_log(log, "reload: disk_admission second-touch, eviction cost", seen)
+        assert _loads(engine, keys, payloads)  # its connection kept
+        engine.close()  # engines reconnect after any missed deadline
+        engine = StoreClient(load_config(started), CHUNK_BYTES)
+        assert _loads(engine, keys, payloads)
+        newer = StoreClient(load_config(str(path)), CHUNK_BYTES)  # and one started after the reload
+        assert _loads(newer, keys, payloads)
+        for client in (engine, newer):
+            client.close()
+        other = {**started, "write_behind_chunks": 3}  # a key the reload does not apply: still refused
+        with pytest.raises(KVStoreError, match=r"another config listens there \(they differ in write_behind"):
+            StoreClient(load_config(other), CHUNK_BYTES)
+        stop_service(started)
+        assert service.wait(timeout=30) == 0
+
+
+def _nested(depth: int) -> str:
+    return "tiers: " + "[" * depth + "]" * depth + "\n"
+
+
+def _aliased(levels: int) -> str:
+    """A YAML alias bomb: a few hundred bytes that name 10**levels values."""
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_file_that_cannot_be_read_leaves_the_service_serving(tmp_path, disk_dir):
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir)
+    path.write_text(yaml.safe_dump(raw))
+    keys, payloads = make_keys(2, seed=6), make_payloads(2, seed=6)
+    good = path.read_bytes()
+    bad = {"not UTF-8": good + b"# caf\xe9\n", "nested too deep": _nested(20_000).encode(),
+           "aliased past bounds": _aliased(9).encode(), "too large": b"# " + b"x" * (2 << 20) + b"\n",
+           "unreadable": None}  # a file whose read fails (EIO) whoever reads it, root included
+    with serving(path, log) as service:
+        client = StoreClient(load_config(raw), CHUNK_BYTES)
+        _put(client, keys, payloads)
+        for what, content in bad.items():
+            path.unlink()
+            if content is None:
+                path.symlink_to("/proc/self/mem")  # the service's own memory, read at address 0
+            else:
+                path.write_bytes(content)
+            seen = len(log.read_text())
+            service.send_signal(signal.SIGHUP)
+            wait_for_log(log, "reload: the config is unchanged", seen)
+            assert service.poll() is None, what
+            assert _loads(client, keys, payloads), what
+        assert client.info()["counters"]["malformed.config"] == len(bad)
+        client.close()
+        path.unlink()
+        path.write_bytes(good)
+        stop_service(raw)
+        assert service.wait(timeout=30) == 0
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert "cannot be read" in text and "not UTF-8" in text and "nested too deeply" in text
+    assert "more than 100000 values" in text and "larger than" in text
+
+
+def test_sighup_while_a_spawned_service_starts_never_ends_it(tmp_path, disk_dir):
+    """A service an engine spawns gets SIGHUP over and over from its first instant, through
+    its first store (the disk tier's recovery): it comes up, serves, and reloads."""
+    raw = _raw(tmp_path, disk_dir)
+    raw["service"]["spawn"] = True
+    keys, payloads = make_keys(4, seed=7), make_payloads(4, seed=7)
+    first = StoreClient(load_config(raw), CHUNK_BYTES)  # records on disk for the next recovery
+    _put(first, keys, payloads)
+    first.close()
+    stop_service(raw)
+    service_argv = [b"-m", b"kvstore.cli", b"serve", b"--config", f"{raw['service']['socket']}.json".encode()]
+    hups, done = [0], threading.Event()
+
+    def hang_up_on_it() -> None:
+        while not done.is_set():
+            for pid in _processes_running(service_argv):
+                try:
+                    os.kill(pid, signal.SIGHUP)
+                    hups[0] += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+
+    storm = threading.Thread(target=hang_up_on_it)
+    storm.start()
+    try:
+        client = StoreClient(load_config(raw), CHUNK_BYTES)  # spawns it, its hello makes the store
+        assert _loads(client, keys, payloads)
+    finally:
+        done.set()
+        storm.join()
+    assert hups[0] > 0
+    assert client.info()["service_pid"]  # still there after the storm
+    client.close()
+    stop_service(raw)
+    log = Path(raw["service"]["socket"] + ".log").read_text()
+    assert "reload: no policy changed" in log and "Traceback" not in log
+
+
+def _processes_running(argv: list[bytes]) -> list[int]:
+    """Interpreters running `argv` (the service itself, not the launcher that names it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[1:-1] == argv:
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_config_error_names_no_password(tmp_path, disk_dir):
+    """A config error quoting an index URL masks its password (ConfigError), so a reload
+    that logs it does too."""
+    from kvstore.format.errors import ConfigError
+
+    url = "redis+cluster://u:hunter2@h:notaport"
+    with pytest.raises(ConfigError) as raised:
+        load_config(json.dumps({**_raw(tmp_path, disk_dir), "cluster": {"host_id": "a", "index_url": url}}))
+    assert "hunter2" not in str(raised.value) and "u:***@h" in str(raised.value)
