@@ -17,7 +17,7 @@ What it sets up, and why each is safe on this path (docs/sglang.md):
 - `torchvision`: SGLang's configs import it for a vision model's image constants. PyPI's
   build is CUDA-linked and does not load next to the CPU torch. Stood in for by SGLang's
   own module stand-in (`sglang._platform_stubs._MockModule`, which SGLang uses for Triton
-  on Apple Silicon), after transformers has noted that torchvision is absent (so its
+  on Apple Silicon), after transformers has cached that torchvision is absent (so its
   image processors never take the stand-in for the real thing).
 - `sgl_kernel`: imported by SGLang's modules at load time; no CPU wheel of it (or of
   `sglang-kernel`) exists on the package index. The same stand-in: a text model served
@@ -128,8 +128,9 @@ def install() -> None:
     if any(isinstance(finder, StandIn) for finder in sys.meta_path):
         return
     check_version()
-    import transformers.utils.import_utils  # noqa: F401  (notes torchvision absent before the stand-in)
+    from transformers.utils.import_utils import is_torchvision_available
 
+    is_torchvision_available()  # cached: transformers has torchvision absent, stand-in or not
     sys.meta_path.insert(0, StandIn(STAND_INS))
     from sglang.srt.mem_cache.pool_host import base, mha
 

@@ -51,7 +51,8 @@ for line in importlib.metadata.requires("sglang") or []:
         kept.append(str(requirement))
 open(sys.argv[1], "w").write("\n".join(kept) + "\n")
 PY
-    "$py" -m pip install -q -r "$requirements" torch==2.13.0 -e .
+    # --no-warn-conflicts: pip would list the CUDA stack left out above as missing.
+    "$py" -m pip install -q --no-warn-conflicts -r "$requirements" torch==2.13.0 -e .
     rm -f "$requirements"
     # timm pulls the registry's torchvision, built against CUDA torch.
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
