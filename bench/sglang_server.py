@@ -38,8 +38,11 @@ from bench.openai_server import (
     stream_events,
     wait_healthy,
 )
+from bench.tiny_model import prompt_token_ids
+from connectors.link import RECONNECT_INTERVAL_S
 
 SGLANG_VENV = ROOT / ".venv-sglang"
+VOCAB = 49152  # the chat model's (SmolLM2)
 PAGE_TOKENS = 16  # SGLang's page: one page of the host pool is one kvstore chunk
 TOP_LOGPROBS = 5
 START_TIMEOUT_S = 400.0
@@ -85,10 +88,12 @@ def kvstore_backend(config: str | Path, prefetch_threshold: int | None = None) -
             "--hicache-storage-backend-extra-config", json.dumps(extra)]
 
 
-def file_backend(directory: str | Path) -> list[str]:
+def file_backend(directory: str | Path, prefetch_threshold: int | None = None) -> list[str]:
     """SGLang's own file backend (HiCacheFile: one file per page) in `directory`."""
-    return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
-            json.dumps({"file_storage_path": str(directory)})]
+    extra: dict[str, Any] = {"file_storage_path": str(directory)}
+    if prefetch_threshold is not None:
+        extra["prefetch_threshold"] = prefetch_threshold
+    return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", json.dumps(extra)]
 
 
 @dataclass
@@ -220,3 +225,14 @@ def answers_close(a: Sequence[Hashable], top_a: Sequence[dict[Hashable, float]],
         return (f"token {i}: {x!r} (top {top_a[i] if i < len(top_a) else {}}) against {y!r} "
                 f"(top {top_b[i] if i < len(top_b) else {}})")
     return None if len(a) == len(b) else f"{len(a)} tokens against {len(b)}, equal as far as both go"
+
+
+def reconnect(*servers: SGLangServer) -> None:
+    """After a kvstore service restart: each server's next storage lookup finds its
+    connection gone (a miss) and its backend reconnects, respawning the service, on a
+    lookup at least RECONNECT_INTERVAL_S later. So each answers a 4-page prompt (looked
+    up where the servers' prefetch_threshold is at most that), then the interval passes."""
+    probe = prompt_token_ids(4 * PAGE_TOKENS, seed=99, vocab=VOCAB)
+    for server in servers:
+        server.generate(probe, 1)
+    time.sleep(RECONNECT_INTERVAL_S + 1)

@@ -39,20 +39,20 @@ from bench.chat_model import build_chat_model, default_chat_model_dir
 from bench.lmcache_mp import wait_stored
 from bench.sglang_server import (
     PAGE_TOKENS,
+    VOCAB,
     Generation,
     SGLangServer,
     answers_close,
     file_backend,
     kvstore_backend,
     kvstore_store,
+    reconnect,
     sglang_python,
 )
 from bench.tiny_model import prompt_token_ids
-from connectors.link import RECONNECT_INTERVAL_S
 from kvstore.config.store import load_config
 from kvstore.service.client import stop_service
 
-VOCAB = 49152  # SmolLM2's
 NEW_TOKENS = 4
 LOADS = ("kvstore DRAM", "kvstore disk", "HiCacheFile page cache", "HiCacheFile disk")
 
@@ -74,7 +74,7 @@ def warm_up(server: SGLangServer) -> None:
 def kvstore_round(python: Path, model: Path, work: Path, prompts: list[list[int]], layout: str,
                   number: int) -> list[Request]:
     store, config = kvstore_store(work, host="1GiB", disk="2GiB")
-    backend = kvstore_backend(config)
+    backend = kvstore_backend(config, prefetch_threshold=PAGE_TOKENS)
     try:
         with SGLangServer(python, model, backend, work / "a.log", layout=layout) as a:
             warm_up(a)
@@ -86,8 +86,7 @@ def kvstore_round(python: Path, model: Path, work: Path, prompts: list[list[int]
             warm_up(b)
             dram = b.generate(prompts[0], NEW_TOKENS)
             stop_service(load_config(store))
-            warm_up(b)  # its lookups find the connection gone: it reconnects on the next after this
-            time.sleep(RECONNECT_INTERVAL_S + 1)
+            reconnect(b)
             disk = b.generate(prompts[1], NEW_TOKENS)
     finally:
         stop_service(load_config(store))
@@ -98,7 +97,7 @@ def kvstore_round(python: Path, model: Path, work: Path, prompts: list[list[int]
 def file_round(python: Path, model: Path, work: Path, prompts: list[list[int]], layout: str,
                number: int) -> list[Request]:
     files = work / "hicache"
-    backend = file_backend(files)
+    backend = file_backend(files, prefetch_threshold=PAGE_TOKENS)
     with SGLangServer(python, model, backend, work / "a.log", layout=layout) as a:
         warm_up(a)
         computed = [a.generate(prompt, NEW_TOKENS) for prompt in prompts]
@@ -115,17 +114,26 @@ def file_round(python: Path, model: Path, work: Path, prompts: list[list[int]], 
 
 
 def wait_files(directory: Path, pages: int, timeout_s: float = 120) -> None:
-    """HiCacheFile writes a file per page behind the request: wait until all are there."""
+    """HiCacheFile writes a file per page behind the request: wait until there are as
+    many, or their count has not grown for 5 s (B's answers then show what was stored)."""
     deadline = time.monotonic() + timeout_s
-    while len(list(directory.glob("*"))) < pages:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"HiCacheFile wrote {len(list(directory.glob('*')))} of {pages} pages")
+    seen, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = len(stored_files(directory))
+        if count >= pages or (count == seen and count and time.monotonic() - since > 5):
+            return
+        if count != seen:
+            seen, since = count, time.monotonic()
         time.sleep(0.5)
+
+
+def stored_files(directory: Path) -> list[Path]:
+    return [path for path in directory.rglob("*") if path.is_file()] if directory.exists() else []
 
 
 def drop_page_cache(directory: Path) -> None:
     os.sync()  # dirty pages are not dropped: written back first
-    for path in directory.iterdir():
+    for path in stored_files(directory):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

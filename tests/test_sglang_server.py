@@ -28,7 +28,6 @@ through all the checks of a layout, so a run starts four servers in all.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -44,22 +43,22 @@ from bench.conversation import QUESTIONS, reuse_bound
 from bench.lmcache_mp import wait_stored
 from bench.sglang_server import (
     PAGE_TOKENS,
+    VOCAB,
     Generation,
     SGLangServer,
     answers_close,
     kvstore_backend,
     kvstore_store,
+    reconnect,
     sglang_python,
 )
 from bench.tiny_model import prompt_token_ids
-from connectors.link import RECONNECT_INTERVAL_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.timeout(1500)]
 
 PROMPT_TOKENS = 356
 PAGES = PROMPT_TOKENS // PAGE_TOKENS  # 22 full pages: 352 tokens
 NEW_TOKENS = 8
-VOCAB = 49152  # SmolLM2's
 PROMPTS = {name: prompt_token_ids(PROMPT_TOKENS, seed=seed, vocab=VOCAB)
            for name, seed in (("P3", 3), ("P1", 1), ("P2", 2))}  # P3 first: its records come first on disk
 SYSTEM = "You are a helpful assistant for a city guide. Answer in full sentences."
@@ -136,12 +135,7 @@ def restarted(pair) -> Pair:
     first = min(r.seq for r in records)
     chain = [r for r in records if r.seq == first]  # A's first put: P3's pages, in order
     corrupt_record(disk, key=next(r.key for r in chain if r.parent not in {c.key for c in chain}))
-    # Each server's next lookup finds its connection gone (a miss) and reconnects, which
-    # respawns the service, at most every RECONNECT_INTERVAL_S: a short prompt to each first.
-    probe = prompt_token_ids(4 * PAGE_TOKENS, seed=99, vocab=VOCAB)
-    pair.a.generate(probe, 1)
-    pair.b.generate(probe, 1)
-    time.sleep(RECONNECT_INTERVAL_S + 1)
+    reconnect(pair.a, pair.b)
     ask(pair, "disk", PROMPTS["P2"])
     ask(pair, "flipped", PROMPTS["P3"])
     return pair
