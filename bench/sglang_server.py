@@ -48,12 +48,14 @@ TOP_LOGPROBS = 5
 START_TIMEOUT_S = 400.0
 # SGLang's server on the CPU (bench/sglang_cpu.py says why each of these), HiCache with the
 # `direct` io backend, a small device pool and host pool (two servers fit beside each
-# other on a 24 GiB machine), no warm-up request of its own (callers send theirs).
+# other on a 24 GiB machine), no warm-up request of its own (callers send theirs), and an
+# idle scheduler that sleeps (by default it polls, taking a whole core from the others).
 SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                "--disable-cuda-graph", "--mem-fraction-static", "0.3", "--max-total-tokens", "8192",
                "--enable-hierarchical-cache", "--hicache-io-backend", "direct",
                "--page-size", str(PAGE_TOKENS), "--hicache-size", "1",
-               "--hicache-storage-prefetch-policy", "wait_complete", "--skip-server-warmup"]
+               "--hicache-storage-prefetch-policy", "wait_complete", "--skip-server-warmup",
+               "--sleep-on-idle"]
 ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
 
 
@@ -194,7 +196,7 @@ class SGLangServer:
         details = dict(sglext.get("cached_tokens_details") or {})
         content = (choice.get("logprobs") or {}).get("content") or []
         return ChatTurn(choice["message"]["content"] or "", list(sglext.get("input_ids") or ()),
-                        list(sglext.get("output_ids") or ()),
+                        list((sglext.get("output_ids") or [[]])[0]),  # one list per choice
                         sum(int(details.get(source) or 0) for source in ("device", "host", "storage")),
                         seconds, seconds, details, [entry["token"] for entry in content],
                         [{top["token"]: float(top["logprob"]) for top in entry.get("top_logprobs") or ()}

@@ -17,8 +17,9 @@ kvstore service and two servers, A and B, both kept up for the module:
   the service respawns, recovers its records and serves all 22 pages from disk; then P3:
   that page fails its checksum, a counted miss, and B recomputes the prompt (the pages
   after the first are not loaded: SGLang loads a leading run only) with A's answer;
-- a conversation over /v1/chat/completions, turn by turn on A, B, A: each turn finds the
-  previous turn's prompt and answer, computed by the other server, in storage.
+- (layer_first only: the layout changes nothing there) a conversation over
+  /v1/chat/completions, turn by turn on A, B, A: each turn finds the previous turn's
+  prompt and answer, computed by the other server, in storage.
 
 Every check of what was loaded asks for SGLang's storage count and kvstore's own hit
 counters, so a backend removed or loading nothing fails them. Both servers stay up
@@ -36,7 +37,7 @@ from typing import Any
 
 import pytest
 from conftest import corrupt_record, direct_io_dir, disk_records
-from engine_harness import counters, stop_service
+from engine_harness import stop_service
 
 from bench.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
 from bench.conversation import QUESTIONS, reuse_bound
@@ -53,6 +54,8 @@ from bench.sglang_server import (
     sglang_python,
 )
 from bench.tiny_model import prompt_token_ids
+from kvstore.config.store import load_config
+from kvstore.service.client import service_info
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.timeout(1500)]
 
@@ -95,6 +98,11 @@ def model() -> Path:
         pytest.skip(str(exc))
 
 
+def service_counters(store: dict[str, Any]) -> dict[str, int]:
+    info = service_info(load_config(store)) or {}
+    return dict(info.get("counters") or {})
+
+
 def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """The counters that changed, by how much."""
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
@@ -102,9 +110,9 @@ def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 def ask(pair: Pair, name: str, prompt: list[int]) -> None:
     """B answers `prompt`; its answer and the counters it moved are kept under `name`."""
-    before = counters(pair.store)
+    before = service_counters(pair.store)  # none: a stopped service, respawned by this request
     pair.answers[name] = pair.b.generate(prompt, NEW_TOKENS)
-    pair.hits[name] = moved(before, counters(pair.store))
+    pair.hits[name] = moved(before, service_counters(pair.store))
 
 
 @pytest.fixture(scope="module", params=["layer_first", "page_first"])
@@ -169,6 +177,7 @@ def test_a_flipped_byte_on_disk_is_a_miss_and_the_prompt_is_recomputed(restarted
     same_answer(restarted, "flipped", "P3")
 
 
+@pytest.mark.parametrize("pair", ["layer_first"], indirect=True)  # the layout changes nothing here
 def test_each_chat_turn_finds_the_previous_answer_from_the_other_server(pair):
     """A and B at once on one service: turns 1 and 3 on A, turn 2 on B. Each turn's
     prompt is the previous one's, its answer and a new question: the previous answer was
