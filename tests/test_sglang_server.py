@@ -196,3 +196,13 @@ def test_each_chat_turn_finds_the_previous_answer_from_the_other_server(pair):
         assert turn.storage > 0, f"turn {number}: nothing from storage: {turn.details}"
         assert turn.cached_tokens >= bound - PAGE_TOKENS, (
             f"turn {number}: {turn.cached_tokens} cached ({turn.details}) of a {bound}-token bound")
+
+
+def test_answers_agree_when_equal_or_at_a_near_tie_only():
+    top = [{5: -0.1, 6: -0.2}, {7: -0.1, 8: -3.0}, {9: -0.5}]
+    assert answers_close([5, 7, 9], top, [5, 7, 9], top) is None
+    tie = [{5: -0.1, 6: -0.2}, {8: -0.1, 7: -0.15}, {1: -0.5}]
+    # 7 and 8 each in the other's top: a near-tie; what follows it is not compared
+    assert answers_close([5, 7, 9], top, [5, 8, 1], tie) is None
+    assert answers_close([5, 7, 9], top, [5, 8, 9], [{5: 0}, {8: -0.1, 2: -0.2}, {9: 0}]) is not None
+    assert answers_close([5, 7], top, [5, 7, 9], top) is not None
