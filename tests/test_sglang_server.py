@@ -29,6 +29,7 @@ through all the checks of a layout, so a run starts four servers in all.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -108,6 +109,17 @@ def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
+def settle(store: dict[str, Any], timeout_s: float = 60) -> None:
+    """Until the pages kvstore holds stop growing (for a second)."""
+    deadline, held = time.monotonic() + timeout_s, -1
+    while time.monotonic() < deadline:
+        now = sum(int(t["chunks"]) for t in (service_info(load_config(store)) or {}).get("tiers", ()))
+        if now == held:
+            return
+        held = now
+        time.sleep(1)
+
+
 def ask(pair: Pair, name: str, prompt: list[int]) -> None:
     """B answers `prompt`; its answer and the counters it moved are kept under `name`."""
     before = service_counters(pair.store)  # none: a stopped service, respawned by this request
@@ -173,7 +185,7 @@ def test_after_kvstore_stop_it_loads_the_prompt_from_disk(restarted):
 
 def test_a_flipped_byte_on_disk_is_a_miss_and_the_prompt_is_recomputed(restarted):
     assert restarted.answers["flipped"].storage == 0, restarted.answers["flipped"].details
-    assert restarted.hits["flipped"].get("disk.miss.bad_checksum") == 1, restarted.hits["flipped"]
+    assert restarted.hits["flipped"].get("disk.miss.bad_checksum", 0) >= 1, restarted.hits["flipped"]
     same_answer(restarted, "flipped", "P3")
 
 
@@ -188,6 +200,7 @@ def test_each_chat_turn_finds_the_previous_answer_from_the_other_server(pair):
         messages.append({"role": "user", "content": question})
         turns.append(server.chat(messages, max_tokens=32))
         messages.append({"role": "assistant", "content": turns[-1].text})
+        settle(pair.store)  # the user's think time: the server stores the turn behind its answer
     assert turns[0].storage == 0
     for number, (previous, turn) in enumerate(itertools.pairwise(turns), start=2):
         common, bound = reuse_bound(previous, turn, PAGE_TOKENS)
