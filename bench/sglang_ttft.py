@@ -198,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, run in (("kvstore", kvstore_round), ("file", file_round)):
                 work = root / f"round{number}" / name
                 (work / "run").mkdir(mode=0o700, parents=True, exist_ok=True)
-                requests += run(python, model, work, prompts, args.layout, number)
-                print(f"round {number}, {name}: done", flush=True)
+                done = run(python, model, work, prompts, args.layout, number)
+                requests += done
+                for r in done:
+                    print(f"round {number}: {r.what}: TTFT {r.ttft_s:.3f} s, {r.storage_tokens} tokens from "
+                          f"storage, agrees {r.agrees}", flush=True)
     print(f"SmolLM2-135M-Instruct, {args.prompt_tokens}-token prompts, {args.layout} host pool, "
           f"pages of {PAGE_TOKENS} tokens")
     good = report(requests, args.prompt_tokens)
