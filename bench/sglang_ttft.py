@@ -153,7 +153,7 @@ def loaded(number: int, what: str, reference: Generation, answer: Generation) ->
 
 def report(requests: list[Request], prompt_tokens: int) -> bool:
     """Prints every request and the ratios; True where every load was whole and agreed."""
-    full = prompt_tokens // PAGE_TOKENS * PAGE_TOKENS
+    full = (prompt_tokens - 1) // PAGE_TOKENS * PAGE_TOKENS  # whole pages, one token at least computed
     print("| round | request | TTFT s | storage tokens | answer agrees with A |")
     print("| --- | --- | --- | --- | --- |")
     for r in requests:
