@@ -40,6 +40,8 @@ from bench.openai_server import (
 )
 from bench.tiny_model import prompt_token_ids
 from connectors.link import RECONNECT_INTERVAL_S
+from kvstore.config.store import load_config
+from kvstore.service.client import service_info
 
 SGLANG_VENV = ROOT / ".venv-sglang"
 VOCAB = 49152  # the chat model's (SmolLM2)
@@ -67,9 +69,9 @@ def sglang_python() -> Path | None:
 
 
 def kvstore_store(work: Path, host: str = "256MiB", disk: str = "512MiB") -> tuple[dict[str, Any], Path]:
-    """A kvstore config for the servers' backend under `work` (a DRAM tier, a disk tier
-    written through, so every page stored reaches disk; the service is spawned by the
-    first backend that needs it), and the file SGLang's extra config names."""
+    """A kvstore config for the servers' backend under `work` (a DRAM tier over a disk
+    tier, written through; the service is spawned by the first backend that needs it),
+    and the file SGLang's extra config names."""
     store = {"tiers": {"host": {"capacity": host}, "disk": [{"path": str(work / "disk"), "capacity": disk}]},
              "write_policy": "write_through", "io": {"timeout_s": 5.0},
              "service": {"socket": str(work / "run" / "kv.sock"), "staging": "64MiB"}}
@@ -238,3 +240,18 @@ def reconnect(*servers: SGLangServer) -> None:
     for server in servers:
         server.generate(probe, 1)
     time.sleep(RECONNECT_INTERVAL_S + 1)
+
+
+def wait_held(store: dict[str, Any], pages: int, timeout_s: float = 120) -> int:
+    """Wait until the kvstore service's DRAM tier holds `pages` pages (SGLang stores them
+    behind its answers); the count there when it does or the deadline passes. Not the
+    disk tier's: write-through copies that find its queue full go down when evicted,
+    and `kvstore stop` drains the DRAM tier to disk, so after a stop all of them are there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = service_info(load_config(store)) or {}
+        held = sum(int(t["chunks"]) for t in info.get("tiers", ()) if t["name"] == "host")
+        if held >= pages or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
+

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.chat_model import build_chat_model, default_chat_model_dir
-from bench.lmcache_mp import wait_stored
 from bench.sglang_server import (
     PAGE_TOKENS,
     VOCAB,
@@ -48,6 +47,7 @@ from bench.sglang_server import (
     kvstore_store,
     reconnect,
     sglang_python,
+    wait_held,
 )
 from bench.tiny_model import prompt_token_ids
 from kvstore.config.store import load_config
@@ -80,8 +80,8 @@ def kvstore_round(python: Path, model: Path, work: Path, prompts: list[list[int]
             warm_up(a)
             computed = [a.generate(prompt, NEW_TOKENS) for prompt in prompts]
             pages = sum(len(p) // PAGE_TOKENS for p in prompts)
-            if wait_stored(store, pages) < pages:
-                raise RuntimeError(f"kvstore's disk tier did not reach {pages} pages")
+            if wait_held(store, pages) < pages:
+                raise RuntimeError(f"kvstore's DRAM tier did not reach {pages} pages")
         with SGLangServer(python, model, backend, work / "b.log", layout=layout) as b:
             warm_up(b)
             dram = b.generate(prompts[0], NEW_TOKENS)

@@ -42,7 +42,6 @@ from engine_harness import stop_service
 
 from bench.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
 from bench.conversation import QUESTIONS, reuse_bound
-from bench.lmcache_mp import wait_stored
 from bench.sglang_server import (
     PAGE_TOKENS,
     VOCAB,
@@ -53,6 +52,7 @@ from bench.sglang_server import (
     kvstore_store,
     reconnect,
     sglang_python,
+    wait_held,
 )
 from bench.tiny_model import prompt_token_ids
 from kvstore.config.store import load_config
@@ -138,8 +138,8 @@ def pair(request, python, model, tmp_path_factory) -> Iterator[Pair]:
         stack.callback(stop_service, store)
         a = stack.enter_context(SGLangServer(python, model, backend, work / "a.log", layout=layout))
         reference = {name: a.generate(prompt, NEW_TOKENS) for name, prompt in PROMPTS.items()}
-        stored = wait_stored(store, len(PROMPTS) * PAGES)
-        assert stored >= len(PROMPTS) * PAGES, f"kvstore's disk holds {stored} pages"
+        held = wait_held(store, len(PROMPTS) * PAGES)
+        assert held >= len(PROMPTS) * PAGES, f"kvstore holds {held} pages"
         b = stack.enter_context(SGLangServer(python, model, backend, work / "b.log", layout=layout))
         found = Pair(layout, store, a, b, reference)
         ask(found, "dram", PROMPTS["P1"])
