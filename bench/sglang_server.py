@@ -17,6 +17,7 @@ prompt tokens came from: `device`, `host`, `storage`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -143,6 +144,7 @@ class SGLangServer:
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, **ENV, "PYTHONPATH": path}
         self.process: Any = None
+        self.shm_before: set[str] = set()
 
     def __enter__(self) -> SGLangServer:
         self.start()
@@ -154,6 +156,7 @@ class SGLangServer:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start the server and wait until it answers /health; on failure or past the
         deadline the process group is killed and the error carries the log's tail."""
+        self.shm_before = shm_leftovers()
         self.process = start_group(self.command, self.log_path, self.env)
         problem = wait_healthy(self.url, self.process, timeout_s)
         if problem is not None:
@@ -164,6 +167,7 @@ class SGLangServer:
     def stop(self, timeout_s: float = 30) -> None:
         if self.process is not None:
             stop_group(self.process, timeout_s)
+            remove_shm_leftovers(self.shm_before)
         self.process = None
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 8, timeout_s: float = 600) -> Generation:
@@ -254,4 +258,33 @@ def wait_held(store: dict[str, Any], pages: int, timeout_s: float = 120) -> int:
         if held >= pages or time.monotonic() > deadline:
             return held
         time.sleep(0.5)
+
+
+SHM = Path("/dev/shm")
+SHM_KINDS = ("sglang_loads_", "sem.mp-")  # SGLang's load-snapshot slots, multiprocessing's semaphores
+
+
+def shm_leftovers() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith(SHM_KINDS)} if SHM.is_dir() else set()
+
+
+def remove_shm_leftovers(before: set[str]) -> None:
+    """SGLang's processes are killed, not unlinking what they made in /dev/shm (its own CI
+    sweeps it: sglang/srt/utils/stale_shm_cleanup.py). Removes the files of those kinds
+    made since `before` that no live process maps or holds open (another server's stay)."""
+    made = shm_leftovers() - before
+    if not made:
+        return
+    in_use: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            in_use.update(line.split("/dev/shm/", 1)[1].split(" ")[0]
+                          for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line)
+            in_use.update(os.readlink(fd)[len("/dev/shm/"):] for fd in (proc / "fd").iterdir()
+                          if os.readlink(fd).startswith("/dev/shm/"))
+    for name in made - in_use:
+        with contextlib.suppress(OSError):
+            (SHM / name).unlink()
 
