@@ -195,7 +195,7 @@ def _convert(source: Path, target: Path) -> None:
     config.pop("quantization_config", None)
     for key in ("_name_or_path", "_model_name_or_path"):
         config.pop(key, None)
-    # The GGUF config names no architecture; vLLM picks its model class by this one.
+    # The GGUF config names no architecture; vLLM and SGLang pick their model class by this one.
     config.update(architectures=[type(model).__name__], tie_word_embeddings=True, dtype="float16",
                   torch_dtype="float16")
     geometry = kv_geometry(config)

