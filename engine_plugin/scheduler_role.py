@@ -14,8 +14,9 @@ from connectors.hints import MAX_HINTS, Hint, HintLimits, action_hint, prefetch_
 from connectors.link import ServiceLink
 from connectors.options import ConnectorOptions
 from connectors.prefetch import Residency
-from connectors.scheduler_side import Saves, SchedulerCore, SchedulerSettings
+from connectors.scheduler_side import Keying, Saves, SchedulerCore, SchedulerSettings
 from engine_plugin.kv_events import RouterEvents
+from engine_plugin.request_keys import Unnamed, request_extras
 from kvstore.format.keys import KVNamespace
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
@@ -56,6 +57,7 @@ class SchedulerRole:
                                   notify=self._notify)
         self.router_events = RouterEvents(store.chunk_tokens, block_size, self.link) if kv_events else None
         self.malformed = MalformedCounts(log, self.core.counters)  # reported with the core's
+        self._warned: set[str] = set()  # reasons a request went uncached, logged once each
 
     def guard(self, hook: str, req_id: str | None, call: Callable[..., T], *args: Any, fallback: T,
               blocks: Sequence[Sequence[int]] = ()) -> T:
@@ -86,10 +88,16 @@ class SchedulerRole:
         every lookup must not loop it between a planned load and a given-up one)."""
         if request.request_id in self._abandoned:
             return 0, False
+        try:
+            extras = request_extras(request, self.core.chunk_tokens)
+        except Unnamed:  # counted at arrival: neither loaded nor saved
+            self.report_counters()
+            return 0, False
         # The live token list: a resumed request looks up (and later saves) what it
         # generated too, and chunks decoding fills are saved as they complete.
-        count = self.core.num_new_matched_tokens(
-            request.request_id, request.all_token_ids, num_computed_tokens, salt=request_salt(request))
+        keying = Keying(request_salt(request), extras)
+        count = self.core.num_new_matched_tokens(request.request_id, request.all_token_ids,
+                                                 num_computed_tokens, keying)
         self.report_counters()
         if count is None:
             return None, False
@@ -133,12 +141,21 @@ class SchedulerRole:
     def arrive(self, request: Request) -> None:
         """Arrival: start promoting its stored chunks, and those of any hinted tokens
         (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]}, or vLLM's KV
-        hints: a `fetch` action now, an `expect` action `in_s` seconds ahead)."""
+        hints: a `fetch` action now, an `expect` action `in_s` seconds ahead). A request
+        whose inputs its keys cannot name is counted and left alone (request_keys.py)."""
         salt = request_salt(request)
+        try:
+            extras = request_extras(request, self.core.chunk_tokens)
+        except Unnamed as exc:
+            self.core.counters[f"keys.uncached_{exc.reason}"] += 1  # reported with the core's
+            (log.debug if exc.reason in self._warned else log.warning)(
+                "kvstore: request %s is neither loaded nor saved: %s", request.request_id, exc)
+            self._warned.add(exc.reason)
+            return
         if self.router_events is not None:
             groups = self._rules.groups if self._rules is not None else (None,)
             per_group = self._namespaces(salt)[:: self.core.ranks]  # rank 0's of each group
-            self.router_events.remember(request, list(zip(per_group, groups, strict=True)))
+            self.router_events.remember(request, list(zip(per_group, groups, strict=True)), extras)
         try:
             handoff = Handoff.from_params(request.kv_transfer_params)
         except Malformed as exc:
@@ -146,7 +163,7 @@ class SchedulerRole:
             handoff = None
         if handoff is not None:  # handed off by a prefill instance: wait for its chunks
             self.core.expect_handoff(request.request_id, handoff)
-        self.core.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
+        self.core.on_arrival(request.request_id, request.all_token_ids, Keying(salt, extras))
         for hint in request_hints(request, self.limits, self.malformed):
             if hint.in_s is None:
                 self.core.hint(hint.tokens, salt)

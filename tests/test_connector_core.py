@@ -7,9 +7,9 @@ import pytest
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import SKIP
 from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from connectors.scheduler_side import Keying, SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
-from kvstore.format.keys import KVNamespace, TensorParallel, chunk_keys
+from kvstore.format.keys import KeyExtras, KVNamespace, Placeholder, TensorParallel, chunk_keys
 
 CHUNK, BLOCK = 256, 128
 NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(0, 2)),
@@ -109,6 +109,25 @@ def test_chunks_generated_tokens_fill_are_saved_under_the_keys_of_the_whole_sequ
     assert [s.keys[0] for s in saves] == [tuple(whole[:8]), (whole[8],)]
     assert saves[1].parents[0] == whole[7] and saves[1].blocks == ((16, 17),)
     assert saves[1].keys[1] == (chunk_keys(PROMPT + answer, NAMESPACES[1])[8],)
+
+
+def test_an_image_is_in_the_keys_of_prompt_and_answer_chunks_and_handoffs():
+    """An image at the prompt's end: the chunks it overlaps (the last one filled by the
+    answer) and every later one are keyed with it; chunks before it are text keys."""
+    image = KeyExtras((Placeholder("img-a", 2000, 100),))
+    tokens = list(PROMPT)
+    scheduler = core()
+    scheduler.num_new_matched_tokens("r", tokens, 0, Keying(extras=image))
+    scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
+    answer = list(range(600, 600 + 300))
+    tokens += answer
+    scheduler.on_scheduled("r", [16, 17, 18], replace=False, computed_after_step=len(tokens))
+    saves = scheduler.take_plan().saves
+    keyed, text = chunk_keys(tokens, NAMESPACES[0], extras=image), chunk_keys(tokens, NAMESPACES[0])
+    assert [k for s in saves for k in s.keys[0]] == keyed[:9]
+    assert keyed[:7] == text[:7] and not set(keyed[7:]) & set(text)
+    handoff = scheduler.handoff("r", len(PROMPT))
+    assert handoff is not None and handoff.last_key == keyed[7]
 
 
 def test_answers_are_not_saved_when_the_option_is_off():

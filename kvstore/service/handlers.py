@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # The counters a client may add to (the scheduler's and the workers'): a bounded set of
 # names, so a client cannot grow the service's counters (and /metrics) without end.
 CLIENT_COUNTER = re.compile(
-    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector)\.[a-z_]{1,32}")
+    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector|keys)\.[a-z_]{1,32}")
 
 
 def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
