@@ -128,6 +128,11 @@ class _Request:
                         blocks=tuple(blocks), save_id=save_id, group=group)
 
 
+def _streams(position: int, ranks: int) -> slice:
+    """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
+    return slice(position * ranks, (position + 1) * ranks)
+
+
 class SchedulerCore:
     """Per-request bookkeeping behind get_num_new_matched_tokens and friends.
 
@@ -135,8 +140,7 @@ class SchedulerCore:
     rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
     request's salt (with KV cache groups: one per group and rank, group-major, in
     `settings.groups` order). Counters (take_counters): the save tracker's and the prefetch
-    policy's.
-    """
+    policy's."""
 
     def __init__(self, chunk_tokens: int, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]], lookup: Lookup,
@@ -184,6 +188,10 @@ class SchedulerCore:
             self.prefetch.arrived(req_id, residency)
         if self.settings.stage_on_arrival and residency.stored:
             self._plan.stages.append(Stage(req_id, tuple(tuple(k[: residency.stored]) for k in keys)))
+
+    def forget_lookups(self) -> None:
+        """The namespaces changed (a new generation): keys computed at arrival are stale."""
+        self._arrived.clear()
 
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
         """Tokens a future request will start with: promote what the store holds of them."""
@@ -268,8 +276,8 @@ class SchedulerCore:
             run = load_run(group, blocks_of, num_computed, request.load_end, self.chunk_tokens,
                            self.block_size)
             if run is not None:
-                self._plan.loads.append(request.transfer(req_id, run[0], run[1], self._streams(position),
-                                                         group.index))
+                streams = _streams(position, self.ranks)
+                self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -294,13 +302,10 @@ class SchedulerCore:
                                                group=group.index))
             for first, blocks in runs:
                 keys = request.keys[position * self.ranks][first : first + len(blocks)]
-                self._plan.saves.append(request.transfer(req_id, first, blocks, self._streams(position),
-                                                         group.index, self.saves.started(keys)))
+                streams = _streams(position, self.ranks)
+                self._plan.saves.append(request.transfer(req_id, first, blocks, streams, group.index,
+                                                         self.saves.started(keys)))
         request.saved_chunks = done
-
-    def _streams(self, position: int) -> slice:
-        """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
-        return slice(position * self.ranks, (position + 1) * self.ranks)
 
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty."""

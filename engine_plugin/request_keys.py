@@ -1,4 +1,5 @@
-"""What a vLLM request's KV depends on besides its token ids, for its chunk keys.
+"""What a vLLM request's KV depends on besides its token ids, for its chunk keys, and
+which weights compute it (the namespace's `Weights`).
 
 vLLM keys its own prefix cache with each block's extra keys
 (`vllm/v1/core/kv_cache_utils.py::generate_block_hash_extra_keys`): the multimodal
@@ -9,20 +10,32 @@ salt are in the namespace (request_salt), the rest are each chunk's extra bytes.
 
 A request whose inputs the key cannot name (a multimodal input without an identifier)
 raises Unnamed: it is neither loaded nor saved, and counted (`keys.uncached_<reason>`).
+
+The weights are named by the operator's `model_revision`, else by a fingerprint of the
+checkpoint files vLLM loaded (connectors/weights.py); a LoRA adapter by its name and a
+fingerprint of its files (vLLM keys it by name and path: a name re-pointed at another
+adapter, or an adapter rewritten in place, must not meet the KV of the old one).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
+from connectors.weights import WeightsUnknown, fingerprint, model_fingerprint
+from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KeyExtras, Placeholder
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvstore")
 
 
 class Unnamed(ValueError):
@@ -75,3 +88,28 @@ def _embeds(request: Request, chunk_tokens: int) -> tuple[bytes, ...]:
         digests.append(hasher.digest())
     _embeds_digests[request] = (id(embeds), found := tuple(digests))
     return found
+
+
+def model_weights(vllm_config: VllmConfig, revision: str | None) -> str:
+    """The weights' identity: `rev:` and the operator's `model_revision`, else the
+    fingerprint of the checkpoint vLLM loaded (a Hugging Face id: its local snapshot).
+    ConfigError naming `model_revision` when neither can be had: kvstore would not know
+    which weights computed what it stores."""
+    if revision:
+        return f"rev:{revision}"
+    model = vllm_config.model_config
+    try:
+        found = model_fingerprint(model.model_weights or model.model, model.revision)
+    except (WeightsUnknown, OSError) as exc:
+        raise ConfigError("model_revision", None, f"the weights of {model.model} could not be fingerprinted "
+                                                  f"({exc}): name them with model_revision") from None
+    log.info("kvstore: weights of %s are %s", model.model, found)
+    return found
+
+
+def lora_identity(lora: LoRARequest) -> str:
+    """`name@fingerprint` of a LoRA adapter's files (`name@path` where they cannot be read)."""
+    try:
+        return f"{lora.lora_name}@{fingerprint(lora.lora_path)}"
+    except (WeightsUnknown, OSError):
+        return f"{lora.lora_name}@{lora.lora_path}"

@@ -16,7 +16,7 @@ from connectors.options import ConnectorOptions
 from connectors.prefetch import Residency
 from connectors.scheduler_side import Keying, Saves, SchedulerCore, SchedulerSettings
 from engine_plugin.kv_events import RouterEvents
-from engine_plugin.request_keys import Unnamed, request_extras
+from engine_plugin.request_keys import Unnamed, lora_identity, request_extras
 from kvstore.format.keys import KVNamespace
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
@@ -215,6 +215,6 @@ def request_hints(request: Request, limits: HintLimits, malformed: MalformedCoun
 
 
 def request_salt(request: Request) -> str:
-    """What changes a prompt's KV besides its tokens: LoRA adapter, cache salt."""
-    lora = request.lora_request.lora_name if request.lora_request else ""
+    """What changes a prompt's KV besides its tokens: LoRA adapter (by name and files), cache salt."""
+    lora = lora_identity(request.lora_request) if request.lora_request else ""
     return f"{lora}|{request.cache_salt or ''}" if lora or request.cache_salt else ""

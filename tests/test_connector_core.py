@@ -9,11 +9,11 @@ from connectors.plan import SKIP
 from connectors.prefetch import Residency
 from connectors.scheduler_side import Keying, SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
-from kvstore.format.keys import KeyExtras, KVNamespace, Placeholder, TensorParallel, chunk_keys
+from kvstore.format.keys import KeyExtras, KVNamespace, Placeholder, Shard, TensorParallel, chunk_keys
 
 CHUNK, BLOCK = 256, 128
-NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(0, 2)),
-              KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(1, 2)))
+NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(0, 2))),
+              KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(1, 2))))
 
 
 def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.format.keys import KEY_BYTES, KeyExtras, KVNamespace, Placeholder, TensorParallel, chunk_keys
+from kvstore.format.keys import (
+    KEY_BYTES,
+    KeyExtras,
+    KVNamespace,
+    Placeholder,
+    Shard,
+    TensorParallel,
+    Weights,
+    chunk_keys,
+)
 
 NS = KVNamespace("m", "bfloat16", "NHD", 4)
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
@@ -38,9 +47,12 @@ def test_a_changed_token_changes_its_chunk_and_every_later_key():
 
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("kv_dtype", "float16"),
-                                         ("kv_layout", "HND"), ("tp", TensorParallel(1, 1)),
-                                         ("tp", TensorParallel(0, 2)), ("salt", "lora-a"),
-                                         ("group", "1:sliding_window:w256:L1:b128")])
+                                         ("kv_layout", "HND"), ("shard", Shard(TensorParallel(1, 1))),
+                                         ("shard", Shard(TensorParallel(0, 2))), ("salt", "lora-a"),
+                                         ("shard", Shard(group="1:sliding_window:w256:L1:b128")),
+                                         ("weights", Weights("xxh3:00")),
+                                         ("weights", Weights(generation="a1")),
+                                         ("weights", Weights("xxh3:00", "a1"))])
 def test_every_namespace_field_separates_keys(field, value):
     other = dataclasses.replace(NS, **{field: value})
     assert chunk_keys(range(4), NS) != chunk_keys(range(4), other)
@@ -62,17 +74,27 @@ def test_numpy_and_list_tokens_agree_and_bad_ids_are_refused():
 
 
 def test_a_namespace_without_a_group_keeps_the_digest_it_had_before_groups():
-    """Chunks stored before hybrid models were supported are found again by one-group models."""
+    """Chunks stored before hybrid models were supported are found again by one-group models
+    (and so are chunks of a namespace that names no weights)."""
     assert NS.digest().hex() == "940357a323f94fd80f6995a3a9389979"
 
 
 def test_grouped_fields_keep_the_digest_of_the_flat_namespace():
     """tp rank and world size are one field now; the digest is still the flat JSON of before."""
-    sharded = KVNamespace("m", "bfloat16", "NHD", 4, TensorParallel(1, 2), salt="lora-a")
+    sharded = KVNamespace("m", "bfloat16", "NHD", 4, Shard(TensorParallel(1, 2)), salt="lora-a")
     assert sharded.digest().hex() == "d108c1e32436d696b917a2174ae9b6c6"
-    grouped = KVNamespace("m", "bfloat16", "NHD", 4, TensorParallel(3, 4),
-                          group="1:sliding_window:w256:L1:b128")
+    grouped = KVNamespace("m", "bfloat16", "NHD", 4,
+                          Shard(TensorParallel(3, 4), "1:sliding_window:w256:L1:b128"))
     assert grouped.digest().hex() == "0cb0c03a052998e55441ee0ddc719229"
+
+
+def test_two_engines_that_updated_their_weights_differently_never_share_a_namespace():
+    """Generations are random nonces, not counters: two engines one update past the same
+    checkpoint name different namespaces (the connector draws them: secrets.token_hex)."""
+    one, other = (KVNamespace("m", "bfloat16", "NHD", 4, weights=Weights("xxh3:00", nonce))
+                  for nonce in ("9f2c", "41aa"))
+    assert one.digest() != other.digest()
+    assert one.fields()["weights"] == "xxh3:00" and one.fields()["generation"] == "9f2c"
 
 
 # -- what the token ids do not show: images behind placeholders, prompt embeddings --------

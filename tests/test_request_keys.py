@@ -7,6 +7,8 @@ images shows up here."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -14,13 +16,17 @@ pytest.importorskip("vllm")
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys
 from vllm.v1.request import Request
 
-from engine_plugin.request_keys import Unnamed, request_extras
-from kvstore.format.keys import KVNamespace, chunk_keys
+from connectors.weights import FileDigests, fingerprint
+from engine_plugin.namespaces import EngineNamespaces
+from engine_plugin.request_keys import Unnamed, lora_identity, model_weights, request_extras
+from kvstore.format.errors import ConfigError
+from kvstore.format.keys import KVNamespace, Weights, chunk_keys
 
 CHUNK = 16
 NS = KVNamespace("m", "float16", "cpu", CHUNK)
@@ -109,3 +115,43 @@ def test_an_image_without_an_identifier_is_not_cached():
     with pytest.raises(Unnamed) as caught:
         request_extras(request([1] * 32, [(None, 4, 8)]), CHUNK)
     assert caught.value.reason == "mm_input"
+
+
+# -- which weights computed the KV -------------------------------------------------------
+
+def _vllm_config(model: str) -> SimpleNamespace:
+    return SimpleNamespace(model_config=SimpleNamespace(model=model, model_weights="", revision=None))
+
+
+def test_the_weights_are_named_by_revision_or_by_their_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    assert model_weights(_vllm_config(str(tmp_path)), "v7") == "rev:v7"  # type: ignore[arg-type]
+    found = model_weights(_vllm_config(str(tmp_path)), None)  # type: ignore[arg-type]
+    assert found == fingerprint(str(tmp_path), FileDigests(None))
+    with pytest.raises(ConfigError, match="model_revision"):
+        model_weights(_vllm_config(str(tmp_path / "nowhere")), None)  # type: ignore[arg-type]
+
+
+def test_a_lora_adapter_is_named_by_its_files(tmp_path):
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"a")
+    (tmp_path / "adapter_config.json").write_text("{}")
+    lora = LoRARequest("sql", 1, str(tmp_path))
+    named = lora_identity(lora)
+    assert named == f"sql@{fingerprint(str(tmp_path), FileDigests(None))}"
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"b")  # rewritten in place, same name
+    assert lora_identity(lora) != named
+    assert lora_identity(LoRARequest("sql", 1, "/no/such/adapter")) == "sql@/no/such/adapter"
+
+
+def test_a_new_generation_moves_every_namespace_and_no_two_engines_share_one():
+    base = KVNamespace("m", "float16", "cpu", CHUNK, weights=Weights("xxh3:ab"))
+    one, other = EngineNamespaces(base, [""], 2), EngineNamespaces(base, [""], 2)
+    before = {ns.digest() for ns in one("") + one("salt")}
+    assert {ns.digest() for ns in other("")} <= before  # same weights, same generation: shared
+    one.new_generation()
+    other.new_generation()
+    after = {ns.digest() for ns in one("") + one("salt")}
+    assert not before & after and len(after) == 4
+    assert one.weights.fingerprint == "xxh3:ab" and one.weights.generation != other.weights.generation
+    assert not after & {ns.digest() for ns in other("") + other("salt")}

@@ -41,23 +41,43 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Which part of a model's KV a namespace holds: a tensor-parallel rank's heads, and
+    one KV cache group of a hybrid model (its index, spec kind and geometry, e.g.
+    "1:sliding_window:w256:L1:b128"): shards never share records. `group` is empty for
+    a model with one group, and then left out of the digest, so its keys stay as they were."""
+
+    tp: TensorParallel = TensorParallel()
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Which weights compute the KV: `fingerprint` names the checkpoint (a digest of its
+    files, connectors/weights.py, or the operator's `model_revision`); `generation` is a
+    random nonce a running engine draws when its weights change in place (a counter would
+    let two engines that updated differently meet). Each is left out of the digest when
+    empty."""
+
+    fingerprint: str = ""
+    generation: str = ""
+
+
+@dataclass(frozen=True)
 class KVNamespace:
     """Everything that changes the KV bytes of a token sequence.
 
     Invariant: the digest is that of the flat JSON object it has always been (`tp_rank`
-    and `tp_world_size` at the top level, `group` only when set), so grouping fields here
-    never moves a key: stored chunks stay findable."""
+    and `tp_world_size` at the top level; `group`, `weights` and `generation` only when
+    set), so grouping fields here never moves a key: stored chunks stay findable."""
 
     model: str
     kv_dtype: str
     kv_layout: str
     chunk_tokens: int
-    tp: TensorParallel = TensorParallel()
+    shard: Shard = Shard()
     salt: str = ""
-    # One KV cache group of a hybrid model (its index, spec kind and geometry, e.g.
-    # "1:sliding_window:w256:L1:b128"): groups never share records. Empty for a model
-    # with one group, and then left out of the digest, so its keys stay as they were.
-    group: str = ""
+    weights: Weights = Weights()
 
     def digest(self) -> bytes:
         """xxh3-128 of a canonical JSON encoding (sorted keys, no whitespace)."""
@@ -68,10 +88,11 @@ class KVNamespace:
         """The flat JSON object the digest is taken of (optional fields only when set)."""
         fields: dict[str, str | int] = {
             "model": self.model, "kv_dtype": self.kv_dtype, "kv_layout": self.kv_layout,
-            "chunk_tokens": self.chunk_tokens, "tp_rank": self.tp.rank,
-            "tp_world_size": self.tp.world_size, "salt": self.salt}
-        if self.group:
-            fields["group"] = self.group
+            "chunk_tokens": self.chunk_tokens, "tp_rank": self.shard.tp.rank,
+            "tp_world_size": self.shard.tp.world_size, "salt": self.salt}
+        optional = {"group": self.shard.group, "weights": self.weights.fingerprint,
+                    "generation": self.weights.generation}
+        fields.update((name, value) for name, value in optional.items() if value)
         return fields
 
 
