@@ -81,8 +81,8 @@ class Keying:
 class _Request:
     keys: list[list[bytes]]  # [rank][chunk] for every full chunk of the tokens known so far
     tokens: Sequence[int]  # the engine's live token list (prompt, then what it generates)
-    keying: Keying
-    save_limit: int  # tokens that may be saved (the prompt's, or no limit)
+    namespaces: Sequence[KVNamespace]  # each key list's (one per group and rank), as at the lookup
+    extras: KeyExtras | None  # what its keys cover besides its tokens
     load_end: int  # token where a load from the store would end
     found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
@@ -92,16 +92,17 @@ class _Request:
     def __post_init__(self) -> None:
         self.saved_chunks = self.found.stored
 
-    def extend_keys(self, chunks: int, namespaces: Sequence[KVNamespace], chunk_tokens: int) -> None:
+    def extend_keys(self, chunks: int, chunk_tokens: int) -> None:
         """Hash the keys of the first `chunks` chunks that generated tokens filled, on each
-        stream's chain (`namespaces`: one per group and rank, as `keys`)."""
+        stream's chain, in the namespaces its prompt was keyed in (a new generation since
+        does not move a running request's chains)."""
         have = len(self.keys[0])
         if have >= chunks:
             return
         tokens = list(self.tokens[have * chunk_tokens : chunks * chunk_tokens])
-        for stream_keys, namespace in zip(self.keys, namespaces, strict=True):
+        for stream_keys, namespace in zip(self.keys, self.namespaces, strict=True):
             parent = stream_keys[-1] if stream_keys else bytes(16)
-            stream_keys += chunk_keys(tokens, namespace, parent, self.keying.extras, first=have)
+            stream_keys += chunk_keys(tokens, namespace, parent, self.extras, first=have)
 
     def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
         """The block ids of chunk `chunk` in KV cache group `group`."""
@@ -125,7 +126,8 @@ class _Request:
         keys = self.keys[streams]
         return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
                         parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
-                        blocks=tuple(blocks), save_id=save_id, group=group)
+                        blocks=tuple(blocks), save_id=save_id, group=group,
+                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]))
 
 
 def _streams(position: int, ranks: int) -> slice:
@@ -207,7 +209,7 @@ class SchedulerCore:
         """Tokens beyond `num_computed` (the engine's own hit) that the store can supply,
         or None: saves of its next chunks are in flight, or the prefetch policy holds
         the request; ask again later."""
-        arrived = self._arrived.get(req_id)
+        arrived = self._arrived.get(req_id)  # keyed in the namespaces of now too (forget_lookups)
         keys = arrived if arrived is not None else self._keys(prompt, keying)
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
                                     cap=(len(prompt) - 1) // self.chunk_tokens)
@@ -223,9 +225,8 @@ class SchedulerCore:
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        limit = 1 << 62 if self.settings.saves == "answers" else len(prompt)
-        self._requests[req_id] = _Request(keys, prompt, keying, limit, load_end, residency,
-                                          prompt_tokens=len(prompt))
+        self._requests[req_id] = _Request(keys, prompt, self._namespaces(keying.salt), keying.extras,
+                                          load_end, residency, prompt_tokens=len(prompt))
         return max(0, load_end - num_computed)
 
     def expect_handoff(self, req_id: str, handoff: Handoff) -> None:
@@ -292,10 +293,11 @@ class SchedulerCore:
                 old + ids for old, ids in zip(request.block_ids, new, strict=True)]
         if self.settings.saves == "none":
             return
-        done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
+        limit = request.prompt_tokens if self.settings.saves == "prompts" else len(request.tokens)
+        done = min(computed_after_step, limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
-        request.extend_keys(done, self._namespaces(request.keying.salt), self.chunk_tokens)
+        request.extend_keys(done, self.chunk_tokens)
         for position, group in enumerate(self.groups):
             runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
                              functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,

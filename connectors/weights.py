@@ -9,7 +9,7 @@ without any, `*.bin`, `*.pt`, `*.pth`, `*.gguf`) and the config files that shape
 Hashing reads every byte of the checkpoint (about 16 GB for an 8B model), so each file's
 digest is kept in a cache file keyed by the file's (device, inode, size, mtime): a
 restart re-reads nothing, and a file replaced or rewritten in place is hashed again. The
-cache is `weights.json` in `$XDG_CACHE_HOME/kvstore` (else `~/.cache/kvstore`), a
+cache is `weight-digests.json` in `$XDG_CACHE_HOME/kvstore` (else `~/.cache/kvstore`), a
 directory only this user may write (made 0700), the file 0600 and never followed
 through a link; if the directory is unsafe or unwritable, digests are not cached.
 Weight files themselves may be links (a Hugging Face snapshot's are): they are read,
@@ -125,7 +125,7 @@ def default_digests() -> FileDigests:
     if problem is not None:
         log.warning("weights digests are not cached: %s %s", directory, problem)
         return FileDigests(None)
-    return FileDigests(os.path.join(directory, "weights.json"))
+    return FileDigests(os.path.join(directory, "weight-digests.json"))
 
 
 _shared: FileDigests | None = None

@@ -35,6 +35,8 @@ class EngineNamespaces:
         self.base = base
         self.groups = tuple(groups)
         self.tp_world = tp_world
+        # Namespaces made and not yet announced to the service (kvstore/service/namespaces.py).
+        self.unannounced: list[KVNamespace] = []
 
     @classmethod
     def of_engine(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, options: ConnectorOptions,
@@ -55,9 +57,15 @@ class EngineNamespaces:
 
     @functools.cache  # noqa: B019 - one small entry per salt and generation, for the engine's lifetime
     def _of(self, salt: str, base: KVNamespace) -> tuple[KVNamespace, ...]:
-        return tuple(dataclasses.replace(base, shard=Shard(TensorParallel(rank, self.tp_world), group),
+        made = tuple(dataclasses.replace(base, shard=Shard(TensorParallel(rank, self.tp_world), group),
                                          salt=salt)
                      for group in self.groups for rank in range(self.tp_world))
+        self.unannounced += made
+        return made
+
+    def announced(self, count: int) -> None:
+        """The first `count` unannounced namespaces were told to the service."""
+        del self.unannounced[:count]
 
     @property
     def weights(self) -> Weights:

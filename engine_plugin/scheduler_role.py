@@ -16,8 +16,8 @@ from connectors.options import ConnectorOptions
 from connectors.prefetch import Residency
 from connectors.scheduler_side import Keying, Saves, SchedulerCore, SchedulerSettings
 from engine_plugin.kv_events import RouterEvents
+from engine_plugin.namespaces import EngineNamespaces
 from engine_plugin.request_keys import Unnamed, lora_identity, request_extras
-from kvstore.format.keys import KVNamespace
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
 
@@ -37,7 +37,7 @@ class SchedulerRole:
     connector runs each vLLM hook through `guard`, so a fault is a miss for its request."""
 
     def __init__(self, options: ConnectorOptions, block_size: int,
-                 namespaces: Callable[[str], Sequence[KVNamespace]], rules: GroupRules | None,
+                 namespaces: EngineNamespaces, rules: GroupRules | None,
                  saves: bool, kv_events: bool, limits: HintLimits) -> None:
         store = options.store
         self._namespaces, self._rules = namespaces, rules
@@ -172,16 +172,21 @@ class SchedulerRole:
 
     def report_counters(self) -> None:
         """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
-        the service (kvstore info, Prometheus)."""
+        the service (kvstore info, Prometheus), and so do namespaces it has not been told
+        of yet (described, for `kvstore purge`; told again after a failure)."""
         pending = self.core.counters or (self.core.prefetch is not None and self.core.prefetch.counters)
-        client = self.link.get() if pending else None
+        new = list(self._namespaces.unannounced)
+        client = self.link.get() if pending or new else None
         if client is None:
             return
-        counters = self.core.take_counters()
         try:
-            client.count(counters)
+            if new:
+                client.announce([(ns.digest(), ns.description()) for ns in new])
+                self._namespaces.announced(len(new))
+            if pending:
+                client.count(self.core.take_counters())
         except Exception as exc:
-            log.debug("kvstore: scheduler counters not reported (%s)", exc)
+            log.debug("kvstore: scheduler counters or namespaces not reported (%s)", exc)
 
 
 def request_hints(request: Request, limits: HintLimits, malformed: MalformedCounts) -> list[Hint]:

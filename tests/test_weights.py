@@ -78,15 +78,15 @@ def test_a_damaged_cache_file_is_an_empty_cache(tmp_path, garbage):
 def test_the_cache_lives_in_a_private_directory_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     digests = default_digests()
-    assert digests.path == str(tmp_path / "xdg" / "kvstore" / "weights.json")
+    assert digests.path == str(tmp_path / "xdg" / "kvstore" / "weight-digests.json")
     assert stat.S_IMODE(os.stat(tmp_path / "xdg" / "kvstore").st_mode) == 0o700
     os.chmod(tmp_path / "xdg" / "kvstore", 0o777)  # others could swap the file: not used
     assert default_digests().path is None
     link = tmp_path / "link-target"
     link.write_text("{}")
     os.chmod(tmp_path / "xdg" / "kvstore", 0o700)
-    os.unlink(tmp_path / "xdg" / "kvstore" / "weights.json")
-    os.symlink(link, tmp_path / "xdg" / "kvstore" / "weights.json")
+    os.unlink(tmp_path / "xdg" / "kvstore" / "weight-digests.json")
+    os.symlink(link, tmp_path / "xdg" / "kvstore" / "weight-digests.json")
     model = checkpoint(tmp_path / "m")
     assert fingerprint(model, default_digests()).startswith("xxh3:")  # a link is never followed
     assert link.read_text() == "{}"

@@ -95,6 +95,13 @@ class KVNamespace:
         fields.update((name, value) for name, value in optional.items() if value)
         return fields
 
+    def description(self) -> dict[str, str | int]:
+        """What the service is told about this namespace (kvstore/service/namespaces.py): its
+        fields, the salt (a LoRA adapter and cache salt: it may name a user) as a digest."""
+        fields = self.fields()
+        fields["salt"] = xxhash.xxh3_64_hexdigest(self.salt.encode()) if self.salt else ""
+        return fields
+
 
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian uint32; refuses ids that do not fit."""
