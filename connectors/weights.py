@@ -29,6 +29,7 @@ import time
 import xxhash
 
 from kvstore.config.runtime import directory_problem, open_private
+from kvstore.format.errors import ConfigError
 
 log = logging.getLogger("kvstore.weights")
 
@@ -169,6 +170,22 @@ def fingerprint(path: str, digests: FileDigests | None = None) -> str:
         hasher.update(name.encode() + b"\0" + digests.digest(os.path.join(base, name)))
     found = "xxh3:" + hasher.hexdigest()
     log.debug("weights at %s: %s (%d files, %.2f s)", path, found, len(files), time.monotonic() - started)
+    return found
+
+
+def weights_identity(model: str, model_revision: str | None, hub_revision: str | None = None) -> str:
+    """What names a model's weights in its namespaces: `rev:` and the operator's
+    `model_revision`, else the fingerprint of its checkpoint (model_fingerprint).
+    ConfigError naming `model_revision` where neither can be had: kvstore would not know
+    which weights computed what it stores."""
+    if model_revision:
+        return f"rev:{model_revision}"
+    try:
+        found = model_fingerprint(model, hub_revision)
+    except (WeightsUnknown, OSError) as exc:
+        raise ConfigError("model_revision", None, f"the weights of {model} could not be fingerprinted "
+                                                  f"({exc}): name them with model_revision") from None
+    log.info("weights of %s: %s", model, found)
     return found
 
 

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from connectors.weights import WeightsUnknown, fingerprint, model_fingerprint
-from kvstore.format.errors import ConfigError
+from connectors.weights import WeightsUnknown, fingerprint, weights_identity
 from kvstore.format.keys import KeyExtras, Placeholder
 
 if TYPE_CHECKING:
@@ -91,20 +90,10 @@ def _embeds(request: Request, chunk_tokens: int) -> tuple[bytes, ...]:
 
 
 def model_weights(vllm_config: VllmConfig, revision: str | None) -> str:
-    """The weights' identity: `rev:` and the operator's `model_revision`, else the
-    fingerprint of the checkpoint vLLM loaded (a Hugging Face id: its local snapshot).
-    ConfigError naming `model_revision` when neither can be had: kvstore would not know
-    which weights computed what it stores."""
-    if revision:
-        return f"rev:{revision}"
+    """The weights' identity (connectors/weights.py: weights_identity) of the checkpoint
+    vLLM loaded (a Hugging Face id: its local snapshot at vLLM's revision)."""
     model = vllm_config.model_config
-    try:
-        found = model_fingerprint(model.model_weights or model.model, model.revision)
-    except (WeightsUnknown, OSError) as exc:
-        raise ConfigError("model_revision", None, f"the weights of {model.model} could not be fingerprinted "
-                                                  f"({exc}): name them with model_revision") from None
-    log.info("kvstore: weights of %s are %s", model.model, found)
-    return found
+    return weights_identity(model.model_weights or model.model, revision, model.revision)
 
 
 def lora_identity(lora: LoRARequest) -> str:
