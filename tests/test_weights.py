@@ -103,3 +103,12 @@ def test_links_to_weight_files_are_read_like_a_hub_snapshot(tmp_path):
     (snapshot / "config.json").write_text('{"layers": 2}')
     assert fingerprint(str(snapshot), FileDigests(None)) == fingerprint(checkpoint(tmp_path / "m"),
                                                                         FileDigests(None))
+
+
+def test_the_cost_measurement_runs_and_a_restart_reads_nothing(tmp_path):
+    """bench/weights_cost.py (the figures in docs/vllm.md), on a few MiB."""
+    from bench.weights_cost import measure
+
+    result = measure(str(tmp_path / "ckpt"), shards=2, gib=1 / 256)
+    assert result["bytes"] >= 2 * (4 << 20) and result["cached_s"] < result["cold_s"]
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.digests.json").exists()
