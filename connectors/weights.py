@@ -53,10 +53,12 @@ def cache_directory() -> str:
 
 class FileDigests:
     """xxh3-128 of files, remembered by (device, inode, size, mtime_ns) in `path` (None:
-    in memory only). Thread-safe; a damaged cache file counts as empty."""
+    in memory only). Thread-safe; a damaged cache file counts as empty. `hashed` counts the
+    files this one read (not found in the cache)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
+        self.hashed = 0
         self._lock = threading.Lock()
         self._known: dict[str, list[int | str]] = self._load()
 
@@ -70,6 +72,7 @@ class FileDigests:
             return bytes.fromhex(str(known[4]))
         digest = _hash_file(file)
         with self._lock:
+            self.hashed += 1
             self._known.pop(name, None)
             self._known[name] = [*stamp, digest.hex()]
             while len(self._known) > CACHE_ENTRIES:
