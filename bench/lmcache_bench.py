@@ -52,6 +52,7 @@ def _backends(directory: str, store: dict[str, Any], count: int, chunk_bytes: in
         local_disk=os.path.join(directory, "lmcache"), max_local_disk_size=(count + 4) * chunk_bytes / gib,
         storage_plugins=["kvstore"],
         extra_config={"use_odirect": True, "disk_io_threads": 4, "kvstore.config": store,
+                      "kvstore.model_revision": "bench",
                       "storage_plugin.kvstore.module_path": "engine_plugin.lmcache_storage",
                       "storage_plugin.kvstore.class_name": "KVStoreBackend"})
     metadata = LMCacheMetadata(model_name="bench/model", world_size=1, local_world_size=1, worker_id=0,

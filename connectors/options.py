@@ -34,6 +34,12 @@ class ConnectorOptions(Schema):
         None, description="the model identity in chunk keys (none: the engine's model path); set it "
                           "when one model is served from different paths, so they share chunks",
         json_schema_extra={"doc_default": "the model path"})
+    model_revision: Text | None = Field(
+        None, description="the weights' identity in chunk keys, instead of a fingerprint of the "
+                          "checkpoint's files (xxh3 over its safetensors and config files, cached by "
+                          "file: see [vllm.md](vllm.md#weights-in-the-key)); give a new one whenever "
+                          "the weights change",
+        json_schema_extra={"doc_default": "a fingerprint of the weight files"})
     prefetch: PrefetchPolicy | None = Field(
         default_factory=PrefetchPolicy,
         description="a request's arrival (vLLM's `on_new_request`) starts promoting its stored chunks "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from connectors.link import ServiceLink
@@ -152,15 +152,25 @@ class PageIO:
             self.link.close()
 
 
-def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes) -> tuple[PageIO, PageIO]:
+def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
+                  description: Mapping[str, str | int] | None = None) -> tuple[PageIO, PageIO]:
     """(reads, writes): two connections to the service that `source` configures (a
     kvstore YAML/JSON file or the config as a mapping; `field` names where it came
-    from, for the error when it is missing), so a save never waits behind a load."""
+    from, for the error when it is missing), so a save never waits behind a load. Their
+    records' headers name `namespace`, announced with `description` at each connect
+    (what `kvstore purge --list` shows)."""
     if not source:
         raise ConfigError(field, None, "required: a kvstore YAML/JSON file or the config as a mapping")
     store = load_config(source)
 
     def make_client() -> StoreClient:
-        return StoreClient(store, chunk_bytes, namespace=namespace)
+        client = StoreClient(store, chunk_bytes, namespace=namespace)
+        if description is not None:
+            try:
+                client.announce([(namespace, description)])
+            except BaseException:
+                client.close()
+                raise
+        return client
 
     return PageIO(make_client, chunk_bytes), PageIO(make_client, chunk_bytes)

@@ -25,6 +25,8 @@ class Transfer:
     A hybrid model's groups each move in transfers of their own (keys of that group).
     A load with no keys at all was given up by the scheduler after a fault
     (SchedulerCore.abandon): workers report its blocks failed, so the engine recomputes them.
+    namespaces[rank] is the digest of the namespace rank `rank`'s keys were made in: a
+    save's records carry it in their headers (what `kvstore purge` finds them by).
     """
 
     req_id: str
@@ -33,6 +35,7 @@ class Transfer:
     blocks: tuple[tuple[int, ...], ...]
     save_id: int = 0
     group: int = 0  # the engine's KV cache group whose blocks these are (hybrid models)
+    namespaces: tuple[bytes, ...] = ()
 
     @property
     def num_chunks(self) -> int:

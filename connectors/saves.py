@@ -38,6 +38,7 @@ class _Write:
     keys: tuple[bytes, ...]
     slots: list[int]
     parent: bytes | None
+    namespace: bytes | None  # what the records' headers name (the scheduler's namespace digest)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class SaveHandler:
                 for slot, blocks in zip(slots, transfer.blocks[done:], strict=False):
                     self.layout.gather(blocks, client.slot(slot), transfer.group)
                 parent = keys[done - 1] if done else transfer.parents[self.rank]
-                self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent))
+                namespace = transfer.namespaces[self.rank] if transfer.namespaces else None
+                self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent, namespace))
                 done += len(slots)
             self._writes.put(_SaveDone(transfer.save_id, transfer.num_chunks - done, client))
 
@@ -126,7 +128,7 @@ class SaveHandler:
 
     def _write(self, write: _Write) -> None:
         try:
-            stored = write.client.put(write.keys, write.slots, write.parent)
+            stored = write.client.put(write.keys, write.slots, write.parent, write.namespace)
             self.stats.add("save.chunks", sum(stored))
         except Exception as exc:  # a failed save is a future miss, never an engine crash
             log.warning("kvstore put failed (%s); %d chunks not saved", exc, len(write.keys))

@@ -17,6 +17,9 @@ Invariants (each holds per request):
 - Saves in flight hold requests that would miss them (connectors/save_tracker.py).
 - A hybrid model's KV cache groups each have their own keys, block ids and transfers;
   what each group stores, loads and needs for a hit is connectors/groups.py's.
+- A request's keys cover what its token ids do not show (its `KeyExtras`: images behind
+  placeholder tokens, prompt embeddings), for prompt chunks and for the chunks its
+  generated tokens fill; hints carry token ids only, so they name text chunks alone.
 - A request handed off by a prefill instance (connectors/handoff.py) is held until the
   chunks its producer named are readable, at most `pd_wait_s`; an instance whose
   role saves nothing (a kv_consumer) plans no saves.
@@ -39,7 +42,7 @@ from connectors.handoff import Handoff, HandoffWaits
 from connectors.plan import Stage, StepPlan, Transfer
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from connectors.save_tracker import SaveTracker
-from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
 
 Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
 # Tell the service about a chain: ("finished", keys per rank, 0) when a request ends (its
@@ -65,12 +68,21 @@ class SchedulerSettings:
     groups: GroupRules | None = None  # a hybrid model's KV cache groups; None: one group
 
 
+@dataclass(frozen=True)
+class Keying:
+    """What a request's keys depend on besides its token ids: the salt its namespaces
+    take (LoRA adapter, cache salt) and its chunks' extras (images, prompt embeddings)."""
+
+    salt: str = ""
+    extras: KeyExtras | None = None
+
+
 @dataclass
 class _Request:
     keys: list[list[bytes]]  # [rank][chunk] for every full chunk of the tokens known so far
     tokens: Sequence[int]  # the engine's live token list (prompt, then what it generates)
-    salt: str
-    save_limit: int  # tokens that may be saved (the prompt's, or no limit)
+    namespaces: Sequence[KVNamespace]  # each key list's (one per group and rank), as at the lookup
+    extras: KeyExtras | None  # what its keys cover besides its tokens
     load_end: int  # token where a load from the store would end
     found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
@@ -79,6 +91,18 @@ class _Request:
 
     def __post_init__(self) -> None:
         self.saved_chunks = self.found.stored
+
+    def extend_keys(self, chunks: int, chunk_tokens: int) -> None:
+        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each
+        stream's chain, in the namespaces its prompt was keyed in (a new generation since
+        does not move a running request's chains)."""
+        have = len(self.keys[0])
+        if have >= chunks:
+            return
+        tokens = list(self.tokens[have * chunk_tokens : chunks * chunk_tokens])
+        for stream_keys, namespace in zip(self.keys, self.namespaces, strict=True):
+            parent = stream_keys[-1] if stream_keys else bytes(16)
+            stream_keys += chunk_keys(tokens, namespace, parent, self.extras, first=have)
 
     def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
         """The block ids of chunk `chunk` in KV cache group `group`."""
@@ -94,16 +118,6 @@ class _Request:
         host = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
         return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
 
-    def extend_keys(self, chunks: int, namespaces: Sequence[KVNamespace], chunk_tokens: int) -> None:
-        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each
-        rank's chain (`namespaces`: one per key list)."""
-        have = len(self.keys[0])
-        if have >= chunks:
-            return
-        tokens = list(self.tokens[have * chunk_tokens : chunks * chunk_tokens])
-        for rank_keys, namespace in zip(self.keys, namespaces, strict=True):
-            parent = rank_keys[-1] if rank_keys else bytes(16)
-            rank_keys += chunk_keys(tokens, namespace, parent)
 
     def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
                  group: int, save_id: int = 0) -> Transfer:
@@ -112,7 +126,13 @@ class _Request:
         keys = self.keys[streams]
         return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
                         parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
-                        blocks=tuple(blocks), save_id=save_id, group=group)
+                        blocks=tuple(blocks), save_id=save_id, group=group,
+                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]))
+
+
+def _streams(position: int, ranks: int) -> slice:
+    """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
+    return slice(position * ranks, (position + 1) * ranks)
 
 
 class SchedulerCore:
@@ -122,8 +142,7 @@ class SchedulerCore:
     rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
     request's salt (with KV cache groups: one per group and rank, group-major, in
     `settings.groups` order). Counters (take_counters): the save tracker's and the prefetch
-    policy's.
-    """
+    policy's."""
 
     def __init__(self, chunk_tokens: int, block_size: int,
                  namespaces: Callable[[str], Sequence[KVNamespace]], lookup: Lookup,
@@ -148,8 +167,8 @@ class SchedulerCore:
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock)
 
-    def _keys(self, prompt: Sequence[int], salt: str) -> list[list[bytes]]:
-        return [chunk_keys(prompt, ns) for ns in self._namespaces(salt)]
+    def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
+        return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
 
     def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None) -> Residency:
         """Leading chunks stored for every rank (and every group, at most `cap`)."""
@@ -160,34 +179,38 @@ class SchedulerCore:
         grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.groups))]
         return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
 
-    def on_arrival(self, req_id: str, prompt: Sequence[int], salt: str = "") -> None:
+    def on_arrival(self, req_id: str, prompt: Sequence[int], keying: Keying = Keying()) -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,
         long before the scheduler reaches it, and have the workers stage them."""
         if self.prefetch is None and not self.settings.stage_on_arrival:
             return
-        keys = self._arrived[req_id] = self._keys(prompt, salt)
+        keys = self._arrived[req_id] = self._keys(prompt, keying)
         residency = self._residency(keys, prefetch=self.prefetch is not None)
         if self.prefetch is not None:
             self.prefetch.arrived(req_id, residency)
         if self.settings.stage_on_arrival and residency.stored:
             self._plan.stages.append(Stage(req_id, tuple(tuple(k[: residency.stored]) for k in keys)))
 
+    def forget_lookups(self) -> None:
+        """The namespaces changed (a new generation): keys computed at arrival are stale."""
+        self._arrived.clear()
+
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
         """Tokens a future request will start with: promote what the store holds of them."""
-        self._residency(self._keys(prompt, salt), prefetch=True)
+        self._residency(self._keys(prompt, Keying(salt)), prefetch=True)
 
     def expect(self, prompt: Sequence[int], in_s: float, salt: str = "") -> None:
         """Tokens a request will start with in `in_s` seconds: promoted just before."""
         if self._notify is not None:
-            self._notify("expect", self._keys(prompt, salt), in_s)
+            self._notify("expect", self._keys(prompt, Keying(salt)), in_s)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               salt: str = "") -> int | None:
+                               keying: Keying = Keying()) -> int | None:
         """Tokens beyond `num_computed` (the engine's own hit) that the store can supply,
         or None: saves of its next chunks are in flight, or the prefetch policy holds
         the request; ask again later."""
-        arrived = self._arrived.get(req_id)
-        keys = arrived if arrived is not None else self._keys(prompt, salt)
+        arrived = self._arrived.get(req_id)  # keyed in the namespaces of now too (forget_lookups)
+        keys = arrived if arrived is not None else self._keys(prompt, keying)
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
                                     cap=(len(prompt) - 1) // self.chunk_tokens)
         if (self.saves.held(req_id, keys[0], residency.stored)
@@ -202,9 +225,8 @@ class SchedulerCore:
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        limit = 1 << 62 if self.settings.saves == "answers" else len(prompt)
-        self._requests[req_id] = _Request(keys, prompt, salt, limit, load_end, residency,
-                                          prompt_tokens=len(prompt))
+        self._requests[req_id] = _Request(keys, prompt, self._namespaces(keying.salt), keying.extras,
+                                          load_end, residency, prompt_tokens=len(prompt))
         return max(0, load_end - num_computed)
 
     def expect_handoff(self, req_id: str, handoff: Handoff) -> None:
@@ -255,8 +277,8 @@ class SchedulerCore:
             run = load_run(group, blocks_of, num_computed, request.load_end, self.chunk_tokens,
                            self.block_size)
             if run is not None:
-                self._plan.loads.append(request.transfer(req_id, run[0], run[1], self._streams(position),
-                                                         group.index))
+                streams = _streams(position, self.ranks)
+                self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -271,23 +293,21 @@ class SchedulerCore:
                 old + ids for old, ids in zip(request.block_ids, new, strict=True)]
         if self.settings.saves == "none":
             return
-        done = min(computed_after_step, len(request.tokens), request.save_limit) // self.chunk_tokens
+        limit = request.prompt_tokens if self.settings.saves == "prompts" else len(request.tokens)
+        done = min(computed_after_step, limit) // self.chunk_tokens
         if done <= request.saved_chunks:
             return
-        request.extend_keys(done, self._namespaces(request.salt), self.chunk_tokens)
+        request.extend_keys(done, self.chunk_tokens)
         for position, group in enumerate(self.groups):
             runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
                              functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
                                                group=group.index))
             for first, blocks in runs:
                 keys = request.keys[position * self.ranks][first : first + len(blocks)]
-                self._plan.saves.append(request.transfer(req_id, first, blocks, self._streams(position),
-                                                         group.index, self.saves.started(keys)))
+                streams = _streams(position, self.ranks)
+                self._plan.saves.append(request.transfer(req_id, first, blocks, streams, group.index,
+                                                         self.saves.started(keys)))
         request.saved_chunks = done
-
-    def _streams(self, position: int) -> slice:
-        """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
-        return slice(position * self.ranks, (position + 1) * self.ranks)
 
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty."""

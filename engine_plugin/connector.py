@@ -27,7 +27,6 @@ Turn it on with
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -52,9 +51,8 @@ from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
 from engine_plugin.cuda_host import register_for_dma
 from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
-from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
+from engine_plugin.namespaces import EngineNamespaces
 from engine_plugin.scheduler_role import SchedulerRole
-from kvstore.format.keys import KVNamespace, TensorParallel
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -103,16 +101,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._store_role = Role.of(self._kv_transfer_config.kv_role, self.options.pd_consumer_saves)
         check_producer_store(self._store_role, store)
-        self._model_id = self.options.model_id or str(vllm_config.model_config.model)
-        self._kv_dtype = record_dtype_name(spec_dtype(first_group_spec(kv_cache_config)))
         self._rules = group_rules(kv_cache_config, store.chunk_tokens, self.block_size,
                                   self.options.sliding_window_interval)
-        self._kv_layout = layout_signature(vllm_config, kv_cache_config)
-        self._tp_world = vllm_config.parallel_config.tensor_parallel_size
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self._namespaces = EngineNamespaces.of_engine(vllm_config, kv_cache_config, self.options, self._rules,
+                                                      name_weights=scheduler)
+        self._kv_dtype = self._namespaces.base.kv_dtype
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
         self._role_side: SchedulerRole | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if scheduler:
             events = vllm_config.kv_events_config
             model = vllm_config.model_config
             self._role_side = SchedulerRole(self.options, self.block_size, self._namespaces, self._rules,
@@ -124,15 +122,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                  role.name, self._store_role.name, store.chunk_tokens, describe_groups(kv_cache_config),
                  self._kv_dtype, store.service.socket)
 
-    @functools.cache  # noqa: B019 - one small entry per salt, for the connector's lifetime
-    def _namespaces(self, salt: str) -> tuple[KVNamespace, ...]:
-        """One per tensor-parallel rank; a hybrid model's: one per group and rank, group-major."""
-        groups = [g.signature for g in self._rules.groups] if self._rules is not None else [""]
-        return tuple(
-            KVNamespace(model=self._model_id, kv_dtype=self._kv_dtype,
-                        kv_layout=self._kv_layout, chunk_tokens=self.options.store.chunk_tokens,
-                        tp=TensorParallel(rank, self._tp_world), salt=salt, group=group)
-            for group in groups for rank in range(self._tp_world))
+    def reset_cache(self) -> bool:
+        """vLLM resets its prefix cache with the connector's (after a weight update:
+        `reset_prefix_cache(reset_connector=True)`, the server's `?reset_external=true`):
+        this engine's namespaces start a new generation, so nothing stored before is loaded
+        by it again. Nothing is deleted: the store is shared, and other engines may still
+        run the old weights (`kvstore purge` removes a generation's records)."""
+        def reset() -> bool:
+            weights = self._namespaces.new_generation()
+            self._side().core.forget_lookups()
+            log.info("kvstore: new generation %s of %s's namespaces (weights %s)", weights.generation,
+                     self._namespaces.base.model, weights.fingerprint)
+            return True
+
+        return self._side().guard("reset_cache", None, reset, fallback=False)
 
     # -- scheduler side ----------------------------------------------------------------
 

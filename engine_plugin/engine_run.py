@@ -6,11 +6,13 @@ end-to-end tests, the README demo and `kvstore ttft`.
 
   python -m engine_plugin.engine_run --model DIR --prompts prompts.json [--connector JSON]
       [--single-process] [--max-num-batched-tokens N] [--max-tokens 8] [--busy busy.json]
-      [--kv-events ENDPOINT]
+      [--kv-events ENDPOINT] [--reset-before I ...]
 
 Prompts run one at a time (TTFT of a request alone), unless --busy names prompts to
 submit first: then the busy prompts and all measured prompts go in at once, and the
 measured ones queue behind a busy engine (results are for the measured ones only).
+--reset-before resets vLLM's prefix cache with the connector's before those prompts (as
+vLLM's weight-update flow does: `reset_prefix_cache(reset_connector=True)`).
 
 prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "logprobs": [...], "ttft_s": t}, ...]}
 (logprobs: of each generated token, for comparisons finer than the tokens)
@@ -25,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,7 +85,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.hints) as f:
             hints = json.load(f)
     results = []
-    for tokens, hint in zip(prompts, hints, strict=True):  # one at a time: TTFT alone, not in a batch
+    for index, (tokens, hint) in enumerate(zip(prompts, hints, strict=True)):  # one at a time: TTFT alone
+        if index in args.reset_before:
+            llm.reset_prefix_cache(reset_connector=True)
         request_params = params
         if hint:  # tokens a later request will start with (connectors/prefetch.py: hints)
             request_params = params.clone()
@@ -115,7 +120,8 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
               max_model_len: int = 4096, module_path: bool = False, timeout_s: float = 600,
               check: bool = True, busy_file: str | Path | None = None,
               hints_file: str | Path | None = None, kv_events: str | None = None,
-              kv_cache_dtype: str = "auto", dtype: str = "float16") -> EngineRun:
+              kv_cache_dtype: str = "auto", dtype: str = "float16",
+              reset_before: Sequence[int] = ()) -> EngineRun:
     """Run this module in a new process (a cold engine) and parse its result line."""
     command = [sys.executable, "-m", "engine_plugin.engine_run", "--model", str(model),
                "--prompts", str(prompts_file), "--max-model-len", str(max_model_len),
@@ -126,6 +132,8 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
         command += ["--hints", str(hints_file)]
     if kv_events is not None:
         command += ["--kv-events", kv_events]
+    if reset_before:
+        command += ["--reset-before", *map(str, reset_before)]
     if connector is not None:
         command += ["--connector", json.dumps(connector)]
     if single_process:
@@ -178,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, ...)")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")
     parser.add_argument("--hints", help="JSON: per prompt, token ids to hint with it (or null)")
+    parser.add_argument("--reset-before", type=int, nargs="*", default=[], metavar="I",
+                        help="reset vLLM's prefix cache with the connector's before prompt I")
     parser.add_argument("--kv-events", help="publish KV events over ZMQ at this endpoint (e.g. "
                                             "ipc:///tmp/kv-events; a tcp:// one with a host connects)")
     return parser

@@ -20,7 +20,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from connectors.groups import KVGroup
 from connectors.kv_events import ChunkCatalog
 from connectors.link import ServiceLink
-from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -37,12 +37,13 @@ class RouterEvents:
         self._lost_logged = False
         self.take()  # learns the current cursor: what happened before this engine is not its news
 
-    def remember(self, request: Request, namespaces: Sequence[tuple[KVNamespace, KVGroup | None]]) -> None:
+    def remember(self, request: Request, namespaces: Sequence[tuple[KVNamespace, KVGroup | None]],
+                 extras: KeyExtras | None = None) -> None:
         """The request's chunks in each KV cache group (rank 0's namespace of each)."""
         tokens = request.prompt_token_ids or []
         lora = request.lora_request
         for namespace, group in namespaces:
-            self.catalog.remember(chunk_keys(tokens, namespace), tokens, request.block_hashes,
+            self.catalog.remember(chunk_keys(tokens, namespace, extras=extras), tokens, request.block_hashes,
                                   lora.adapter_id if lora else None, lora.name if lora else None, group)
 
     def take(self) -> list[KVCacheEvent]:

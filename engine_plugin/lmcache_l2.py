@@ -14,7 +14,11 @@ heads x head size x dtype bytes for a plain attention model): the kvstore servic
 one chunk size, and a fresh server must know it before it has seen an object. A chunk is
 stored as in the storage plugin (engine_plugin/lmcache_storage.py): a 4 KiB header
 (shape, dtype, payload size) and the payload, padded to `chunk_bytes`, under LMCache's
-key (model, rank, object group, chunk hash, cache salt) hashed into kvstore's 16-byte key.
+key (model, rank, object group, chunk hash, cache salt) behind the model's weights
+(`model_revision`, else a fingerprint of the checkpoint the key's model names:
+connectors/key_scope.py), hashed into kvstore's 16-byte key. A model whose weights cannot
+be named is neither stored nor loaded (logged once). `delete` hides chunks from this
+adapter; nothing is deleted.
 
 Every task runs on a thread of its own and ends with its event fd signalled; whatever
 misses, fails the service's verification, runs past its deadline or raises is a miss
@@ -48,7 +52,9 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
+from connectors.key_scope import KeyScope
 from connectors.page_io import Segments, service_pages
+from connectors.weights import weights_identity
 from engine_plugin.lmcache_storage import HEADER, chunk_header, read_header
 from kvstore.format.errors import ConfigError
 
@@ -57,12 +63,14 @@ Result = TypeVar("Result")
 
 
 class KVStoreL2AdapterConfig(L2AdapterConfigBase):
-    """`adapter_params`: `config` (a kvstore YAML/JSON file or the config as a mapping)
-    and `chunk_bytes` (the MP server's chunk object size; larger objects are not stored)."""
+    """`adapter_params`: `config` (a kvstore YAML/JSON file or the config as a mapping),
+    `chunk_bytes` (the MP server's chunk object size; larger objects are not stored) and
+    `model_revision` (optional: the weights' identity instead of a checkpoint fingerprint)."""
 
-    def __init__(self, config: Any, chunk_bytes: int) -> None:
+    def __init__(self, config: Any, chunk_bytes: int, model_revision: str | None = None) -> None:
         self.config = config
         self.chunk_bytes = chunk_bytes
+        self.model_revision = model_revision
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVStoreL2AdapterConfig:
@@ -73,20 +81,25 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ConfigError("adapter_params.chunk_bytes", size,
                               "required: the MP server's chunk object size in bytes (a positive int)")
-        return cls(d["config"], size)
+        revision = d.get("model_revision")
+        if revision is not None and not isinstance(revision, str):
+            raise ConfigError("adapter_params.model_revision", revision, "must be a string")
+        return cls(d["config"], size, revision)
 
     @classmethod
     def help(cls) -> str:
         return ("kvstore L2 adapter (adapter_params):\n"
                 "- config (str or dict): the kvstore config file, or the config itself (required)\n"
-                "- chunk_bytes (int): the size of the MP server's chunk objects (required)")
+                "- chunk_bytes (int): the size of the MP server's chunk objects (required)\n"
+                "- model_revision (str): the weights' identity in keys (default: a fingerprint of "
+                "the model's checkpoint files)")
 
 
-def object_key(key: ObjectKey) -> bytes:
-    """LMCache's whole key (every field that names a chunk) hashed into kvstore's key."""
-    text = (f"lmcache-mp|{key.model_name}@{key.kv_rank:#x}@{key.object_group_id:x}@"
-            f"{key.chunk_hash.hex()}@{key.cache_salt}")
-    return xxhash.xxh3_128_digest(text.encode())
+def object_key(key: ObjectKey, scope: KeyScope) -> bytes:
+    """LMCache's whole key (every field that names a chunk) behind its model's weights,
+    hashed into kvstore's key."""
+    return scope.key(f"lmcache-mp|{key.model_name}@{key.kv_rank:#x}@{key.object_group_id:x}@"
+                     f"{key.chunk_hash.hex()}@{key.cache_salt}")
 
 
 class KVStoreL2Adapter(L2AdapterInterface):
@@ -108,6 +121,36 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._lock = threading.Lock()
         self._next_id: L2TaskId = 0
         self._done: dict[str, dict[L2TaskId, Any]] = {"store": {}, "lookup": {}, "load": {}}
+        self._revision = config.model_revision
+        self._scopes: dict[str, KeyScope | None] = {}  # by model name; None: its weights are unknown
+
+    def _keys(self, keys: list[ObjectKey]) -> list[bytes | None]:
+        """kvstore's key of each (None: its model's weights cannot be named, or it was deleted)."""
+        found: list[bytes | None] = []
+        for key in keys:
+            scope = self._scope(key.model_name)
+            found.append(object_key(key, scope) if scope is not None else None)
+        return found
+
+    def _scope(self, model: str) -> KeyScope | None:
+        with self._lock:
+            if model in self._scopes:
+                return self._scopes[model]
+        try:
+            scope: KeyScope | None = KeyScope(weights_identity(model, self._revision))
+        except ConfigError as exc:
+            log.error("kvstore: chunks of %s are neither stored nor loaded: %s", model, exc)
+            scope = None
+        with self._lock:
+            return self._scopes.setdefault(model, scope)
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """LMCache deletes chunks: this adapter never finds them again (hidden; nothing is
+        deleted from the shared store)."""
+        for key, ours in zip(keys, self._keys(keys), strict=True):
+            scope = self._scope(key.model_name)
+            if scope is not None and ours is not None:
+                scope.hide([ours])
 
     # Event fds: one each, as LMCache's controllers require.
 
@@ -186,24 +229,41 @@ class KVStoreL2Adapter(L2AdapterInterface):
             pages.append(self._page(headers[-1].ctypes.data, obj.data_ptr, size, self._padding))
             chosen.append(key)
             sizes.append(size)
-        stored = self.writes.save([object_key(k) for k in chosen], pages)
+        ours = self._keys(chosen)
+        usable = [i for i, key in enumerate(ours) if key is not None]
+        saved = self.writes.save([key for key in ours if key is not None], [pages[i] for i in usable])
+        stored = [False] * len(chosen)
+        for i, ok in zip(usable, saved, strict=True):
+            stored[i] = ok
         kept = [(key, size) for key, size, ok in zip(chosen, sizes, stored, strict=True) if ok]
         if kept:
             self._notify_keys_stored([key for key, _ in kept], [size for _, size in kept])
         return L2StoreResult(len(kept) == len(keys), sum(size for _, size in kept))
 
     def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
-        return Bitmap(len(keys), self.reads.present([object_key(k) for k in keys]))
+        ours = self._visible(keys)
+        run = ours.index(None) if None in ours else len(ours)
+        return Bitmap(len(keys), self.reads.present([key for key in ours[:run] if key is not None]))
+
+    def _visible(self, keys: list[ObjectKey]) -> list[bytes | None]:
+        """_keys, with the ones this adapter deleted as None."""
+        ours = self._keys(keys)
+        for i, (key, mine) in enumerate(zip(keys, ours, strict=True)):
+            scope = self._scope(key.model_name)
+            if mine is not None and scope is not None and not scope.visible([mine])[0]:
+                ours[i] = None
+        return ours
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Each chunk straight into LMCache's buffer, its header into a scratch row; a
         chunk whose header names another size or dtype is a miss."""
         bitmap = Bitmap(len(keys))
         rows = np.empty((len(keys), HEADER), np.uint8)
-        wanted = [i for i, obj in enumerate(objects) if obj.get_size() <= self.payload_bytes]
+        ours = self._visible(keys)
+        wanted = [i for i, obj in enumerate(objects) if obj.get_size() <= self.payload_bytes and ours[i]]
         pages = [self._page(rows[i].ctypes.data, objects[i].data_ptr, objects[i].get_size(), self._sink)
                  for i in wanted]
-        loaded = self.reads.load([object_key(keys[i]) for i in wanted], pages)
+        loaded = self.reads.load([key for i in wanted if (key := ours[i]) is not None], pages)
         for i, ok in zip(wanted, loaded, strict=True):
             if ok and self._fits(read_header(rows[i]), objects[i]):
                 bitmap.set(i)

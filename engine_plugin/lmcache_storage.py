@@ -12,7 +12,9 @@ One LMCache chunk is one kvstore chunk: a 4 KiB header (the chunk's shape, dtype
 memory format, which LMCache needs to allocate the object it returns, and the size of a
 prompt's shorter last chunk) followed by the payload, padded to LMCache's full chunk
 size. Keys are LMCache's own key string (model, world size, worker, chunk hash, dtype)
-hashed into kvstore's 16-byte key. Whatever misses, fails verification or runs past the
+behind the weights' identity and generation (connectors/key_scope.py), hashed into
+kvstore's 16-byte key: `clear` starts a new generation, `remove` hides a chunk from this
+engine; nothing is deleted. Whatever misses, fails verification or runs past the
 service deadline is None / False, never an exception into LMCache's threads.
 
 This module imports LMCache (the class must subclass its StoragePluginInterface);
@@ -32,11 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from connectors.page_io import Segments, service_pages
+from connectors.key_scope import KeyScope
+from connectors.page_io import Segments
+from connectors.weights import weights_identity
 from kvstore.format.errors import ConfigError
 from kvstore.io.aligned import AlignedBuffer
 
@@ -73,9 +76,12 @@ class KVStoreBackend(StoragePluginInterface):
                                                  "CPU backend: set max_local_cpu_size > 0")
         self.chunk_bytes = HEADER + int(local_cpu_backend.get_full_chunk_size_bytes())
         self._padding = np.zeros(self.chunk_bytes, np.uint8)
-        source = (getattr(config, "extra_config", None) or {}).get("kvstore.config")
-        self.reads, self.writes = service_pages(source, "extra_config.kvstore.config", self.chunk_bytes,
-                                                xxhash.xxh3_128_digest(f"lmcache|{self.chunk_bytes}".encode()))
+        extra = getattr(config, "extra_config", None) or {}
+        if not (source := extra.get("kvstore.config")):
+            raise ConfigError("extra_config.kvstore.config", None, "required: a kvstore file or mapping")
+        self._source, self._model = source, str(getattr(metadata, "model_name", "") or "")
+        self.scope = KeyScope(weights_identity(self._model, extra.get("kvstore.model_revision")))
+        self._connect()
         self._pinned: set[bytes] = set()
         self._getter = ThreadPoolExecutor(1, "kvstore-lmcache-get")
         self._scratch_memory: AlignedBuffer | None = None
@@ -83,9 +89,12 @@ class KVStoreBackend(StoragePluginInterface):
         self._scratch_lock = threading.Lock()
         self._full: tuple[torch.Size, torch.dtype, MemoryFormat] | None = None
 
-    @staticmethod
-    def key(key: Any) -> bytes:
-        return xxhash.xxh3_128_digest(key.to_string().encode())
+    def _connect(self) -> None:
+        self.reads, self.writes = self.scope.pages(self._source, "extra_config.kvstore.config",
+                                                   self.chunk_bytes, "lmcache", self._model)
+
+    def key(self, key: Any) -> bytes:
+        return self.scope.key(key.to_string())
 
     def contains(self, key: Any, pin: bool = False) -> bool:
         return self.batched_contains([key], pin) == 1
@@ -93,7 +102,7 @@ class KVStoreBackend(StoragePluginInterface):
     def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
         """The leading run of keys stored (one request)."""
         try:
-            found = self.reads.present([self.key(k) for k in keys])
+            found = self.reads.present(self.scope.leading([self.key(k) for k in keys]))
         except Exception:
             log.exception("kvstore lookup failed; counted as a miss")
             return 0
@@ -150,7 +159,8 @@ class KVStoreBackend(StoragePluginInterface):
                 else None if obj is None  # LMCache's CPU backend is full: a miss
                 else [(row.ctypes.data, HEADER), (obj.data_ptr, self.chunk_bytes - HEADER)]
                 for row, obj in zip(scratch, landed, strict=False)]
-            wanted = [i for i, page in enumerate(pages) if page is not None]
+            shown = self.scope.visible([self.key(k) for k in keys])
+            wanted = [i for i, page in enumerate(pages) if page is not None and shown[i]]
             try:
                 loaded = self.reads.load([self.key(keys[i]) for i in wanted],
                                          [page for page in pages if page is not None])
@@ -227,9 +237,19 @@ class KVStoreBackend(StoragePluginInterface):
         return True
 
     def remove(self, key: Any, force: bool = True) -> bool:
-        """kvstore's service takes no deletes from engines (the store is shared and
-        evicts by itself): nothing is removed."""
-        return False
+        """Hidden from this backend, not deleted (module docstring)."""
+        self.scope.hide([self.key(key)])
+        return True
+
+    def clear(self) -> int:
+        """A new generation (after a weight update; module docstring); 0 tokens removed here."""
+        old = (self.reads, self.writes)
+        weights = self.scope.new_generation()
+        self._connect()
+        for io in old:
+            io.close()
+        log.info("kvstore: LMCache clear() started generation %s (nothing deleted)", weights.generation)
+        return 0
 
     def touch_cache(self) -> None:
         pass

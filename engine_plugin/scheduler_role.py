@@ -14,9 +14,10 @@ from connectors.hints import MAX_HINTS, Hint, HintLimits, action_hint, prefetch_
 from connectors.link import ServiceLink
 from connectors.options import ConnectorOptions
 from connectors.prefetch import Residency
-from connectors.scheduler_side import Saves, SchedulerCore, SchedulerSettings
+from connectors.scheduler_side import Keying, Saves, SchedulerCore, SchedulerSettings
 from engine_plugin.kv_events import RouterEvents
-from kvstore.format.keys import KVNamespace
+from engine_plugin.namespaces import EngineNamespaces
+from engine_plugin.request_keys import Unnamed, lora_identity, request_extras
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
 
@@ -36,7 +37,7 @@ class SchedulerRole:
     connector runs each vLLM hook through `guard`, so a fault is a miss for its request."""
 
     def __init__(self, options: ConnectorOptions, block_size: int,
-                 namespaces: Callable[[str], Sequence[KVNamespace]], rules: GroupRules | None,
+                 namespaces: EngineNamespaces, rules: GroupRules | None,
                  saves: bool, kv_events: bool, limits: HintLimits) -> None:
         store = options.store
         self._namespaces, self._rules = namespaces, rules
@@ -56,6 +57,7 @@ class SchedulerRole:
                                   notify=self._notify)
         self.router_events = RouterEvents(store.chunk_tokens, block_size, self.link) if kv_events else None
         self.malformed = MalformedCounts(log, self.core.counters)  # reported with the core's
+        self._warned: set[str] = set()  # reasons a request went uncached, logged once each
 
     def guard(self, hook: str, req_id: str | None, call: Callable[..., T], *args: Any, fallback: T,
               blocks: Sequence[Sequence[int]] = ()) -> T:
@@ -86,10 +88,16 @@ class SchedulerRole:
         every lookup must not loop it between a planned load and a given-up one)."""
         if request.request_id in self._abandoned:
             return 0, False
+        try:
+            extras = request_extras(request, self.core.chunk_tokens)
+        except Unnamed:  # counted at arrival: neither loaded nor saved
+            self.report_counters()
+            return 0, False
         # The live token list: a resumed request looks up (and later saves) what it
         # generated too, and chunks decoding fills are saved as they complete.
-        count = self.core.num_new_matched_tokens(
-            request.request_id, request.all_token_ids, num_computed_tokens, salt=request_salt(request))
+        keying = Keying(request_salt(request), extras)
+        count = self.core.num_new_matched_tokens(request.request_id, request.all_token_ids,
+                                                 num_computed_tokens, keying)
         self.report_counters()
         if count is None:
             return None, False
@@ -133,12 +141,21 @@ class SchedulerRole:
     def arrive(self, request: Request) -> None:
         """Arrival: start promoting its stored chunks, and those of any hinted tokens
         (kv_transfer_params {"kvstore_prefetch_token_ids": [[...], ...]}, or vLLM's KV
-        hints: a `fetch` action now, an `expect` action `in_s` seconds ahead)."""
+        hints: a `fetch` action now, an `expect` action `in_s` seconds ahead). A request
+        whose inputs its keys cannot name is counted and left alone (request_keys.py)."""
         salt = request_salt(request)
+        try:
+            extras = request_extras(request, self.core.chunk_tokens)
+        except Unnamed as exc:
+            self.core.counters[f"keys.uncached_{exc.reason}"] += 1  # reported with the core's
+            (log.debug if exc.reason in self._warned else log.warning)(
+                "kvstore: request %s is neither loaded nor saved: %s", request.request_id, exc)
+            self._warned.add(exc.reason)
+            return
         if self.router_events is not None:
             groups = self._rules.groups if self._rules is not None else (None,)
             per_group = self._namespaces(salt)[:: self.core.ranks]  # rank 0's of each group
-            self.router_events.remember(request, list(zip(per_group, groups, strict=True)))
+            self.router_events.remember(request, list(zip(per_group, groups, strict=True)), extras)
         try:
             handoff = Handoff.from_params(request.kv_transfer_params)
         except Malformed as exc:
@@ -146,7 +163,7 @@ class SchedulerRole:
             handoff = None
         if handoff is not None:  # handed off by a prefill instance: wait for its chunks
             self.core.expect_handoff(request.request_id, handoff)
-        self.core.on_arrival(request.request_id, request.prompt_token_ids or [], salt)
+        self.core.on_arrival(request.request_id, request.all_token_ids, Keying(salt, extras))
         for hint in request_hints(request, self.limits, self.malformed):
             if hint.in_s is None:
                 self.core.hint(hint.tokens, salt)
@@ -155,16 +172,21 @@ class SchedulerRole:
 
     def report_counters(self) -> None:
         """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
-        the service (kvstore info, Prometheus)."""
+        the service (kvstore info, Prometheus), and so do namespaces it has not been told
+        of yet (described, for `kvstore purge`; told again after a failure)."""
         pending = self.core.counters or (self.core.prefetch is not None and self.core.prefetch.counters)
-        client = self.link.get() if pending else None
+        new = list(self._namespaces.unannounced)
+        client = self.link.get() if pending or new else None
         if client is None:
             return
-        counters = self.core.take_counters()
         try:
-            client.count(counters)
+            if new:
+                client.announce([(ns.digest(), ns.description()) for ns in new])
+                self._namespaces.announced(len(new))
+            if pending:
+                client.count(self.core.take_counters())
         except Exception as exc:
-            log.debug("kvstore: scheduler counters not reported (%s)", exc)
+            log.debug("kvstore: scheduler counters or namespaces not reported (%s)", exc)
 
 
 def request_hints(request: Request, limits: HintLimits, malformed: MalformedCounts) -> list[Hint]:
@@ -198,6 +220,6 @@ def request_hints(request: Request, limits: HintLimits, malformed: MalformedCoun
 
 
 def request_salt(request: Request) -> str:
-    """What changes a prompt's KV besides its tokens: LoRA adapter, cache salt."""
-    lora = request.lora_request.lora_name if request.lora_request else ""
+    """What changes a prompt's KV besides its tokens: LoRA adapter (by name and files), cache salt."""
+    lora = lora_identity(request.lora_request) if request.lora_request else ""
     return f"{lora}|{request.cache_salt or ''}" if lora or request.cache_salt else ""

@@ -14,9 +14,19 @@ Without it SGLang uses the older tensor calls, `batch_get`/`batch_set`. Both sto
 same bytes: the pool's flat page (`get_data_page`), all K then all V.
 
 Keys: SGLang's page hash plus what the page's bytes depend on, hashed into kvstore's
-16-byte key: the model, the host pool's layout and dtype, and the shard. MHA KV is split
-across tensor-parallel ranks, so each rank's pages are keyed apart; MLA KV is the same on
-every rank, so the ranks share one key and only SGLang's storage writer stores it.
+16-byte key: the model, its weights (`model_revision` in the extra config, else a
+fingerprint of the checkpoint at SGLang's model path: connectors/weights.py) and their
+generation, the host pool's layout and dtype, and the shard. SGLang's page hash itself
+chains the page's token ids from the prompt's start, seeded with the request's extra key
+(its LoRA id) and cache salt, and an image's tokens are stand-ins derived from the
+image's content: so a key covers images, LoRA and salt as SGLang's own cache does (input
+embeddings never reach HiCache: SGLang refuses them with its radix cache on). MHA KV is
+split across tensor-parallel ranks, so each rank's pages are keyed apart; MLA KV is the
+same on every rank, so the ranks share one key and only SGLang's storage writer stores it.
+
+`clear()` (SGLang's `POST /hicache/storage-backend/clear`) starts a new generation of the
+weights: a random nonce in every key, so nothing this backend stored before is found by
+it again; nothing is deleted (the store is shared; `kvstore purge` removes a generation).
 
 A hybrid model's further host pools (Mamba state, sliding-window KV, a DSA indexer) come
 through SGLang's v2 calls (`register_mem_host_pool_v2`, `batch_exists_v2`,
@@ -29,6 +39,7 @@ kvstore/ or connectors/ imports it.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -44,9 +55,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from connectors.page_io import PageIO, Segments, service_pages
+from connectors.weights import weights_identity
 from engine_plugin.sglang_pools import HybridPools, flat_ints, shard_suffix
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
+from kvstore.format.keys import Weights
 
 log = logging.getLogger("kvstore.sglang")
 
@@ -71,11 +84,13 @@ class KVStoreHiCache(HiCacheStorage):
         self.model = str(extra.get("model_id") or storage_config.model_name or "")
         self.suffix = shard_suffix(storage_config, storage_config.is_mla_model)
         self.writer = storage_config.is_storage_writer
-        kind = "mla" if storage_config.is_mla_model else "mha"
-        self.pools = HybridPools(storage_config, f"sglang|{self.model}|{kind}|v2")
+        model_path = str(storage_config.model_name or "")
+        self.weights = Weights(weights_identity(model_path, extra.get("model_revision")))
+        self.pools = HybridPools(storage_config, self._pools_prefix())
         self.reads: PageIO | None = None
         self.writes: PageIO | None = None
         self._identity = ""
+        self._opened: tuple[int, str] | None = None  # the chunk size and layout opened with
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
 
@@ -86,12 +101,25 @@ class KVStoreHiCache(HiCacheStorage):
         chunk_bytes = sum(size for _, size in self._pool_pages(first_page, 1)[0])
         self._open(chunk_bytes, f"{mem_pool_host.layout}|{mem_pool_host.dtype}")
 
+    def _pools_prefix(self) -> str:
+        kind = "mla" if self.storage_config.is_mla_model else "mha"
+        return f"sglang|{self.model}|{self._weights_id()}|{kind}|v2"
+
+    def _weights_id(self) -> str:
+        return self.weights.fingerprint + (f"#{self.weights.generation}" if self.weights.generation else "")
+
     def _open(self, chunk_bytes: int, layout: str) -> None:
+        """(Re)connect for pages of `chunk_bytes`; the connection's namespace (what its
+        records' headers name) is this backend's identity, announced described."""
         self.close()
         mla = "mla" if self.storage_config.is_mla_model else "mha"
-        self._identity = f"sglang|{self.model}|{mla}|{layout}|{chunk_bytes}"
+        self._identity = f"sglang|{self.model}|{self._weights_id()}|{mla}|{layout}|{chunk_bytes}"
+        self._opened = (chunk_bytes, layout)
+        description: dict[str, str | int] = {
+            "engine": "sglang", "model": self.model, "weights": self.weights.fingerprint,
+            "generation": self.weights.generation, "kv_layout": f"{mla}|{layout}", "chunk_bytes": chunk_bytes}
         self.reads, self.writes = service_pages(self.store, "config", chunk_bytes,
-                                                xxhash.xxh3_128_digest(self._identity.encode()))
+                                                xxhash.xxh3_128_digest(self._identity.encode()), description)
 
     def key(self, key: str) -> bytes:
         return xxhash.xxh3_128_digest(f"{self._identity}|{self.suffix}|{key}".encode())
@@ -227,9 +255,15 @@ class KVStoreHiCache(HiCacheStorage):
         return metrics
 
     def clear(self) -> None:
-        """kvstore evicts by itself and shares its tiers with other engines: clearing
-        SGLang's view removes nothing (a page no longer wanted ages out)."""
-        log.info("kvstore: clear() leaves the shared store as it is")
+        """SGLang clears its storage tier (after a weight update, or asked to): a new
+        generation of this backend's keys, so nothing it stored before is found by it again.
+        Nothing is deleted: the tiers are shared with other engines (`kvstore purge`)."""
+        self.weights = Weights(self.weights.fingerprint, secrets.token_hex(8))
+        self.pools.rekey(self._pools_prefix())
+        if self._opened is not None:
+            self._open(*self._opened)
+        log.info("kvstore: clear() started generation %s of %s's pages (nothing deleted)",
+                 self.weights.generation, self.model)
 
     def close(self) -> None:
         for io in (self.reads, self.writes):

@@ -132,6 +132,13 @@ class HybridPools:
         self.pools: dict[str, HostPool] = {}
         self._warned: set[str] = set()
 
+    def rekey(self, prefix: str) -> None:
+        """A new prefix (the weights' new generation): every registered pool's pages are
+        keyed under it from now on."""
+        self.prefix = prefix
+        for name, host in list(self.pools.items()):
+            self.register(name, host.pool)
+
     def register(self, name: str, pool: Any) -> None:
         # SGLang's Mamba state is split across TP ranks even where the model's MLA KV is not.
         replicated = self.config.is_mla_model and name != PoolName.MAMBA.value

@@ -1,4 +1,4 @@
-"""The `kvstore` command: nvmeof, fsck, info, serve, stop, and the commands other packages
+"""The `kvstore` command: nvmeof, purge, fsck, info, serve, stop, and the commands other packages
 register (bench: demo, bench, ttft, replay)."""
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ def _stop(args: argparse.Namespace) -> int:
 # a sequence of such (name, module, help) rows (bench/commands.py registers bench's).
 _MODULE_COMMANDS = (
     ("nvmeof", "kvstore.nvmeof_cli", "connect, disconnect and check the NVMe-oF namespaces"),
+    ("purge", "kvstore.purge_cli", "remove a model's or a weights generation's records from this host"),
 )
-_BUILT_IN = {"nvmeof", "fsck", "info", "serve", "stop"}
+_BUILT_IN = {"nvmeof", "purge", "fsck", "info", "serve", "stop"}
 
 
 def _module_commands(command: str | None) -> list[tuple[str, str, str]]:

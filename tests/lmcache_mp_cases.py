@@ -39,15 +39,18 @@ def store(tmp_path, disk_dir):
     stop_service(raw)
 
 
-def make_adapter(store: dict, elements: int = ELEMENTS) -> tuple[KVStoreL2Adapter, torch.Tensor]:
+def make_adapter(store: dict, elements: int = ELEMENTS,
+                 revision: str | None = "test") -> tuple[KVStoreL2Adapter, torch.Tensor]:
     """The adapter as LMCache's MP server makes it from `--l2-adapter`, and an L1 buffer of
     2 x COUNT objects (the first COUNT to store from, the rest to load into)."""
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
+    params = {"config": store, "chunk_bytes": elements * 4}
+    if revision:
+        params["model_revision"] = revision
     raw = json.dumps({"type": "plugin", "module_path": "engine_plugin.lmcache_l2",
-                      "class_name": "KVStoreL2Adapter",
-                      "adapter_params": {"config": store, "chunk_bytes": elements * 4}})
+                      "class_name": "KVStoreL2Adapter", "adapter_params": params})
     config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[raw]))
     l1 = torch.zeros(2 * COUNT * ELEMENTS, dtype=torch.float32)
     adapter = create_l2_adapter(config.adapters[0], l1_memory_desc=lmcache_check._create_l1_memory_desc(l1))
@@ -151,6 +154,30 @@ def test_a_buffer_of_another_size_is_a_miss(store):
     try:
         loaded, _ = load(adapter, l1, elements=ELEMENTS // 2)
         assert loaded == [False] * COUNT
+    finally:
+        adapter.close()
+
+
+def test_unnamed_weights_are_neither_stored_nor_loaded_and_a_delete_hides_chunks(store):
+    """A model the adapter cannot fingerprint ("test/model" is no checkpoint) and no
+    `model_revision`: nothing stored, nothing found. With one: LMCache's `delete` hides the
+    chunks from this adapter (nothing is deleted from the shared store)."""
+    unnamed, l1 = make_adapter(store, revision=None)
+    try:
+        _, ok = lmcache_check._run_store_phase(unnamed, keys(), objects(l1, 0, fill=True))
+        assert not ok
+        _, found = lmcache_check._run_lookup_phase(unnamed, keys())
+        assert bits(found) == [False] * COUNT
+    finally:
+        unnamed.close()
+    store_chunks(store)
+    adapter, l1 = make_adapter(store)
+    try:
+        adapter.delete(keys()[1:2])
+        _, found = lmcache_check._run_lookup_phase(adapter, keys())
+        assert bits(found) == [True] + [False] * (COUNT - 1)  # the leading run stops at it
+        loaded, _ = load(adapter, l1)
+        assert loaded == [i != 1 for i in range(COUNT)]
     finally:
         adapter.close()
 

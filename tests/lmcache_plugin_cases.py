@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from conftest import corrupt_record
-from engine_harness import fresh_python, small_service_config, stop_service
+from engine_harness import fresh_python, service_client, small_service_config, stop_service
 
 from engine_plugin.lmcache_storage import KVStoreBackend
 from kvstore.format.errors import ConfigError
@@ -51,7 +51,8 @@ def lmcache_backends(store: dict):
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK_TOKENS, local_cpu=True, max_local_cpu_size=0.05, storage_plugins=["kvstore"],
         extra_config={"storage_plugin.kvstore.module_path": "engine_plugin.lmcache_storage",
-                      "storage_plugin.kvstore.class_name": "KVStoreBackend", "kvstore.config": store})
+                      "storage_plugin.kvstore.class_name": "KVStoreBackend", "kvstore.config": store,
+                      "kvstore.model_revision": "test"})
     metadata = LMCacheMetadata(model_name="test/model", world_size=1, local_world_size=1, worker_id=0,
                                local_worker_id=0, kv_dtype=torch.float16,
                                kv_shape=(LAYERS, 2, CHUNK_TOKENS, HEADS, HEAD_DIM))
@@ -148,6 +149,37 @@ def test_a_flipped_byte_on_disk_is_a_miss_not_data(patient_store, tmp_path):
     for loaded in (seen["chunks"], seen["again"]):
         assert loaded.count(None) == 1
         assert all(c is None or tuple(c) == tuple(s) for c, s in zip(loaded, stored, strict=True))
+
+
+def test_remove_hides_a_chunk_and_clear_starts_a_generation_that_finds_nothing_before(store):
+    """LMCache's `remove` (a chunk, e.g. `remove_after_retrieve`) and `clear` (everything,
+    after a weight update, through its storage manager): this plugin never finds those
+    chunks again, and finds what it stores after; nothing is deleted from the store."""
+    backends, stop = lmcache_backends(store)
+    try:
+        plugin = backends["kvstore"]
+        objs = chunks(backends["LocalCPUBackend"])
+        plugin.batched_submit_put_task(keys(), objs)
+        assert plugin.batched_contains(keys()) == COUNT
+        assert plugin.remove(keys()[2])
+        assert plugin.batched_contains(keys()) == 2 and not plugin.contains(keys()[2])
+        assert plugin.batched_get_blocking(keys()[1:3])[1] is None
+        before = [plugin.key(k) for k in keys()]
+        assert plugin.clear() == 0  # what LMCache's StorageManager.clear calls
+        assert plugin.scope.weights.generation
+        assert plugin.batched_contains(keys()) == 0 and plugin.batched_get_blocking(keys()) == [None] * COUNT
+        assert plugin.contains(keys()[0]) is False
+        plugin.batched_submit_put_task(keys(), objs)
+        assert plugin.batched_contains(keys()) == COUNT  # the new generation's chunks, and key 2 again
+        client = service_client(store)
+        try:
+            assert client.residency(before)[0] == COUNT  # the old generation's records: not deleted
+            assert {e["description"]["generation"] for e in client.namespaces()} == {
+                "", plugin.scope.weights.generation}
+        finally:
+            client.close()
+    finally:
+        stop()
 
 
 def test_a_missing_kvstore_config_is_a_clear_error():

@@ -51,7 +51,7 @@ def patient_store(store):
 
 def extra(store: dict) -> dict:
     return {"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
-            "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store}
+            "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store, "model_revision": "test"}
 
 
 def backend(store: dict, pool, **config):
@@ -476,3 +476,36 @@ def test_mla_ranks_share_extra_pools_but_each_keeps_its_own_mamba_state(store):
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_clear_starts_a_new_generation_whose_lookups_miss_what_was_stored_before(store, tmp_path):
+    """SGLang's storage `clear()` (its answer to a weight update): this backend's lookups
+    and loads miss every page it stored before, KV and extra pools alike, and what it stores
+    after is found again; another engine's pages, and the records, stay (nothing deleted)."""
+    from kvstore.format.keys import Weights
+
+    pools = hybrid_pools()
+    cleared, other = attach(backend(store, pools["kv"]), pools), attach(backend(store, pools["kv"]), pools)
+    watcher = service_client(store)
+    try:
+        written = store_hybrid(cleared, file_backend(tmp_path, pools), pools)
+        assert cleared.batch_exists(KEYS) == PAGES and exists_v2(cleared, KEYS, QUERIES["mamba"]).kv_hit_pages
+        records = sum(tier["chunks"] for tier in watcher.info()["tiers"])
+        cleared.clear()
+        assert cleared.weights == Weights("rev:test", cleared.weights.generation)
+        assert cleared.weights.generation
+        assert cleared.batch_exists(KEYS) == 0
+        assert cleared.batch_get_v1(KEYS, pools["kv"].alloc(PAGES * PAGE_SIZE)) == [False] * PAGES
+        assert exists_v2(cleared, KEYS, QUERIES["mamba + swa all"]).restorable_prefix_pages == []
+        got, _ = load_hybrid(cleared, pools)
+        assert named(got) == {"mamba": [False] * PAGES, "swa": [False] * PAGES}
+        assert other.batch_exists(KEYS) == PAGES  # not cleared: the old generation is still its own
+        assert sum(tier["chunks"] for tier in watcher.info()["tiers"]) == records  # nothing deleted
+        assert cleared.batch_set_v1(KEYS, written["kv"]) == [True] * PAGES
+        assert cleared.batch_exists(KEYS) == PAGES
+        announced = {entry["description"]["generation"] for entry in watcher.namespaces()}
+        assert announced == {"", cleared.weights.generation}  # kvstore purge can name either
+    finally:
+        watcher.close()
+        cleared.close()
+        other.close()

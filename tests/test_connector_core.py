@@ -2,32 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from connectors.options import check_chunk_size, parse_options
 from connectors.plan import SKIP
 from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from connectors.scheduler_side import Keying, SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
-from kvstore.format.keys import KVNamespace, TensorParallel, chunk_keys
+from kvstore.format.keys import (
+    KeyExtras,
+    KVNamespace,
+    Placeholder,
+    Shard,
+    TensorParallel,
+    Weights,
+    chunk_keys,
+)
 
 CHUNK, BLOCK = 256, 128
-NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(0, 2)),
-              KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(1, 2)))
+NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(0, 2))),
+              KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(1, 2))))
 
 
 def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,
          settings: SchedulerSettings | None = None) -> SchedulerCore:
     """A scheduler over a store holding `stored` (all in DRAM), prefetch off."""
-    present = stored if stored is not None else {}
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup_in(stored or {}),
+                         settings or SchedulerSettings(load_async))
 
+
+def lookup_in(present: dict[bytes, bool]):  # -> Lookup
     def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
         count = min(next((i for i, key in enumerate(keys) if key not in present), len(keys))
                     for keys in ranks)
         return Residency(count, count)
 
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
-                         settings or SchedulerSettings(load_async))
+    return lookup
 
 
 def store_chunks(tokens: list[int], chunks: int, ranks: tuple[int, ...] = (0, 1)) -> dict[bytes, bool]:
@@ -90,6 +102,7 @@ def test_chunked_prefill_saves_each_chunk_once_when_complete():
         (chunk_keys(PROMPT, NAMESPACES[0])[2], 6),
     ]
     assert saves[2].blocks[0] == (4, 5) and saves[2].parents[0] == chunk_keys(PROMPT, NAMESPACES[0])[1]
+    assert all(s.namespaces == (NAMESPACES[0].digest(), NAMESPACES[1].digest()) for s in saves)
 
 
 def test_chunks_generated_tokens_fill_are_saved_under_the_keys_of_the_whole_sequence():
@@ -109,6 +122,51 @@ def test_chunks_generated_tokens_fill_are_saved_under_the_keys_of_the_whole_sequ
     assert [s.keys[0] for s in saves] == [tuple(whole[:8]), (whole[8],)]
     assert saves[1].parents[0] == whole[7] and saves[1].blocks == ((16, 17),)
     assert saves[1].keys[1] == (chunk_keys(PROMPT + answer, NAMESPACES[1])[8],)
+
+
+def test_an_image_is_in_the_keys_of_prompt_and_answer_chunks_and_handoffs():
+    """An image at the prompt's end: the chunks it overlaps (the last one filled by the
+    answer) and every later one are keyed with it; chunks before it are text keys."""
+    image = KeyExtras((Placeholder("img-a", 2000, 100),))
+    tokens = list(PROMPT)
+    scheduler = core()
+    scheduler.num_new_matched_tokens("r", tokens, 0, Keying(extras=image))
+    scheduler.on_scheduled("r", list(range(17)), replace=True, computed_after_step=2049)
+    answer = list(range(600, 600 + 300))
+    tokens += answer
+    scheduler.on_scheduled("r", [16, 17, 18], replace=False, computed_after_step=len(tokens))
+    saves = scheduler.take_plan().saves
+    keyed, text = chunk_keys(tokens, NAMESPACES[0], extras=image), chunk_keys(tokens, NAMESPACES[0])
+    assert [k for s in saves for k in s.keys[0]] == keyed[:9]
+    assert keyed[:7] == text[:7] and not set(keyed[7:]) & set(text)
+    handoff = scheduler.handoff("r", len(PROMPT))
+    assert handoff is not None and handoff.last_key == keyed[7]
+
+
+def test_a_new_generation_keys_new_lookups_and_leaves_running_requests_in_theirs():
+    """After a weight update the engine's namespaces move on: a request that was running
+    keeps saving its answer on its old chains (its KV is the old weights'), a new one is
+    keyed in the new namespaces, and keys computed at arrival are not reused."""
+    current = {"namespaces": NAMESPACES}
+    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: current["namespaces"], lookup_in({}),
+                              SchedulerSettings(True, stage_on_arrival=True))
+    tokens = list(PROMPT)
+    scheduler.num_new_matched_tokens("running", tokens, 0)
+    scheduler.on_scheduled("running", list(range(17)), replace=True, computed_after_step=2049)
+    scheduler.on_arrival("waiting", PROMPT)
+    current["namespaces"] = tuple(dataclasses.replace(ns, weights=Weights("", "9f01")) for ns in NAMESPACES)
+    scheduler.forget_lookups()
+    tokens += range(600, 900)
+    scheduler.on_scheduled("running", [16, 17, 18], replace=False, computed_after_step=len(tokens))
+    scheduler.num_new_matched_tokens("waiting", PROMPT, 0)
+    scheduler.on_scheduled("waiting", list(range(17)), replace=True, computed_after_step=2049)
+    saves = scheduler.take_plan().saves
+    answer = [s for s in saves if s.req_id == "running"][-1]
+    assert answer.keys[0] == (chunk_keys(tokens, NAMESPACES[0])[8],)
+    assert answer.namespaces == (NAMESPACES[0].digest(), NAMESPACES[1].digest())
+    (fresh,) = [s for s in saves if s.req_id == "waiting"]
+    assert fresh.keys[0] == tuple(chunk_keys(PROMPT, current["namespaces"][0])[:8])
+    assert fresh.namespaces == tuple(ns.digest() for ns in current["namespaces"])
 
 
 def test_answers_are_not_saved_when_the_option_is_off():

@@ -1,6 +1,7 @@
 """The connector's scheduler hooks under vLLM's own scheduler: malformed request params and
 KV hints are counted and ignored, and a fault in kvstore is a miss for its request, never
-an exception on the scheduler thread (where it would end the engine).
+an exception on the scheduler thread (where it would end the engine); an image is in the
+keys, and a prefix-cache reset starts a new generation.
 
 vLLM's real Scheduler runs in this process with TieredKVConnector and a real kvstore
 service; nothing is computed (no model runs), so each step's plan is read from the
@@ -163,3 +164,44 @@ def test_a_fault_in_one_requests_bookkeeping_leaves_the_others_plan(scheduler, m
     _finish(scheduler, "broken", "fine")  # request_finished faults: the blocks are still freed
     monkeypatch.undo()
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def _image_request(req_id: str, prompt: list[int], identifier: str | None, offset: int) -> Request:
+    """A request with one image behind placeholder tokens `prompt[offset : offset + 20]`."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,  # type: ignore[arg-type]
+                                    mm_position=PlaceholderRange(offset, 20))
+    return Request(req_id, prompt, SamplingParams(max_tokens=2), None, mm_features=[feature])
+
+
+def test_an_image_request_finds_only_the_text_before_its_image_and_a_reset_finds_nothing(
+        scheduler, store_config, data):
+    """Keys name images (engine_plugin/request_keys.py): a prompt stored as text is found by
+    a request with an image in it only up to the image's chunk; an image without an
+    identifier is neither looked up nor saved (counted); after vLLM resets the prefix cache
+    with the connector's (a weight update), nothing stored before is found. Last in this
+    module: the connector's generation moves."""
+    connector = scheduler.connector
+    assert connector is not None
+    prompt = prompt_token_ids(100, seed=21)  # 6 full chunks of 16
+    scheduler.add_request(_request("text", prompt))
+    _, plan = _step(scheduler)
+    assert _store(data, plan, "text") == 6
+    _finish(scheduler, "text")
+
+    asked = [_request("text-again", prompt), _image_request("image-at-40", prompt, "img-a", 40),
+             _image_request("image-at-0", prompt, "img-a", 0), _image_request("unnamed", prompt, None, 40)]
+    found = {}
+    for request in asked:
+        connector.on_new_request(request)
+        found[request.request_id] = connector.get_num_new_matched_tokens(request, 0)[0]
+        connector.request_finished(request, [])
+    assert found == {"text-again": 96, "image-at-40": 32, "image-at-0": 0, "unnamed": 0}
+    assert counters(store_config)["keys.uncached_mm_input"] == 1
+
+    assert connector.reset_cache() is True
+    after = _request("after-reset", prompt)
+    connector.on_new_request(after)
+    assert connector.get_num_new_matched_tokens(after, 0)[0] == 0
+    connector.request_finished(after, [])

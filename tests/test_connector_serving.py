@@ -32,12 +32,12 @@ from engine_plugin.kv_spec import (
 )
 from engine_plugin.layout import PagedKVLayout
 from kvstore.config.store import load_config
-from kvstore.format.keys import KVNamespace, TensorParallel
+from kvstore.format.keys import KVNamespace, Shard, TensorParallel
 from kvstore.service.client import ServiceUnavailable, StoreClient
 
 CHUNK, BLOCK = 256, 128
-NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(0, 2)),
-              KVNamespace("m", "float16", "cpu", CHUNK, TensorParallel(1, 2)))
+NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(0, 2))),
+              KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(1, 2))))
 PROMPT = list(range(3, 3 + 1025))  # 4 full chunks
 NUM_BLOCKS, BLOCKS_PER_CHUNK = 32, 2
 

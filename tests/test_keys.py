@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.format.keys import KEY_BYTES, KVNamespace, TensorParallel, chunk_keys
+from kvstore.format.keys import (
+    KEY_BYTES,
+    KeyExtras,
+    KVNamespace,
+    Placeholder,
+    Shard,
+    TensorParallel,
+    Weights,
+    chunk_keys,
+)
 
 NS = KVNamespace("m", "bfloat16", "NHD", 4)
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
@@ -38,9 +47,12 @@ def test_a_changed_token_changes_its_chunk_and_every_later_key():
 
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("kv_dtype", "float16"),
-                                         ("kv_layout", "HND"), ("tp", TensorParallel(1, 1)),
-                                         ("tp", TensorParallel(0, 2)), ("salt", "lora-a"),
-                                         ("group", "1:sliding_window:w256:L1:b128")])
+                                         ("kv_layout", "HND"), ("shard", Shard(TensorParallel(1, 1))),
+                                         ("shard", Shard(TensorParallel(0, 2))), ("salt", "lora-a"),
+                                         ("shard", Shard(group="1:sliding_window:w256:L1:b128")),
+                                         ("weights", Weights("xxh3:00")),
+                                         ("weights", Weights(generation="a1")),
+                                         ("weights", Weights("xxh3:00", "a1"))])
 def test_every_namespace_field_separates_keys(field, value):
     other = dataclasses.replace(NS, **{field: value})
     assert chunk_keys(range(4), NS) != chunk_keys(range(4), other)
@@ -62,14 +74,106 @@ def test_numpy_and_list_tokens_agree_and_bad_ids_are_refused():
 
 
 def test_a_namespace_without_a_group_keeps_the_digest_it_had_before_groups():
-    """Chunks stored before hybrid models were supported are found again by one-group models."""
+    """Chunks stored before hybrid models were supported are found again by one-group models
+    (and so are chunks of a namespace that names no weights)."""
     assert NS.digest().hex() == "940357a323f94fd80f6995a3a9389979"
 
 
 def test_grouped_fields_keep_the_digest_of_the_flat_namespace():
     """tp rank and world size are one field now; the digest is still the flat JSON of before."""
-    sharded = KVNamespace("m", "bfloat16", "NHD", 4, TensorParallel(1, 2), salt="lora-a")
+    sharded = KVNamespace("m", "bfloat16", "NHD", 4, Shard(TensorParallel(1, 2)), salt="lora-a")
     assert sharded.digest().hex() == "d108c1e32436d696b917a2174ae9b6c6"
-    grouped = KVNamespace("m", "bfloat16", "NHD", 4, TensorParallel(3, 4),
-                          group="1:sliding_window:w256:L1:b128")
+    grouped = KVNamespace("m", "bfloat16", "NHD", 4,
+                          Shard(TensorParallel(3, 4), "1:sliding_window:w256:L1:b128"))
     assert grouped.digest().hex() == "0cb0c03a052998e55441ee0ddc719229"
+
+
+def test_two_engines_that_updated_their_weights_differently_never_share_a_namespace():
+    """Generations are random nonces, not counters: two engines one update past the same
+    checkpoint name different namespaces (the connector draws them: secrets.token_hex)."""
+    one, other = (KVNamespace("m", "bfloat16", "NHD", 4, weights=Weights("xxh3:00", nonce))
+                  for nonce in ("9f2c", "41aa"))
+    assert one.digest() != other.digest()
+    assert one.fields()["weights"] == "xxh3:00" and one.fields()["generation"] == "9f2c"
+
+
+# -- what the token ids do not show: images behind placeholders, prompt embeddings --------
+
+TEXT_KEYS = ["4db2cb35d80490b6e53a2e9a767b7015", "705d0019c77f6792a5734efd90dcb3d9",
+             "3fbe8e9b8e8ba63d85ace1e0971c81fa"]  # chunk_keys(range(12), NS) before extras existed
+placeholder_st = st.builds(Placeholder, st.text(min_size=1, max_size=8), st.integers(0, 40),
+                           st.integers(0, 12))
+
+
+def test_text_only_keys_are_the_ones_stored_before_extras_existed():
+    assert [k.hex() for k in chunk_keys(range(12), NS)] == TEXT_KEYS
+    assert [k.hex() for k in chunk_keys(range(12), NS, extras=KeyExtras())] == TEXT_KEYS
+
+
+@given(tokens_st, st.lists(placeholder_st, max_size=3))
+def test_chunks_no_placeholder_touches_keep_their_text_keys(tokens, placeholders):
+    """Extras change a chunk's key only from the first chunk they touch on (the chain
+    carries them on); every chunk before it keeps the key it has without extras."""
+    extras = KeyExtras(tuple(placeholders))
+    plain, keyed = chunk_keys(tokens, NS), chunk_keys(tokens, NS, extras=extras)
+    touched = [i for i in range(len(plain)) if extras.chunk(i, NS.chunk_tokens)]
+    first = touched[0] if touched else len(plain)
+    assert keyed[:first] == plain[:first]
+    assert all(a != b for a, b in zip(keyed[first:], plain[first:], strict=True))
+
+
+@given(st.lists(st.integers(0, 9), min_size=12, max_size=12), st.integers(0, 8), st.integers(1, 4),
+       st.text(min_size=1, max_size=8), st.text(min_size=1, max_size=8))
+def test_two_images_at_one_place_give_other_keys_from_the_image_on(tokens, offset, length, a, b):
+    """The same text (the same placeholder tokens) with another image: every key from the
+    image's first chunk on differs, the ones before do not."""
+    keys_a = chunk_keys(tokens, NS, extras=KeyExtras((Placeholder(a, offset, length),)))
+    keys_b = chunk_keys(tokens, NS, extras=KeyExtras((Placeholder(b, offset, length),)))
+    first = offset // NS.chunk_tokens
+    assert keys_a[:first] == keys_b[:first]
+    assert (a == b) == (keys_a[first:] == keys_b[first:])
+    if a != b:
+        assert not set(keys_a[first:]) & set(keys_b[first:])
+
+
+@given(st.integers(0, 7), st.integers(1, 4), st.integers(1, 3))
+def test_the_same_image_at_another_offset_gives_other_keys(offset, length, shift):
+    """Placeholder tokens look alike wherever they sit: the offset is what tells them apart,
+    even when the image moves inside one chunk."""
+    tokens = [0] * 16
+    here = chunk_keys(tokens, NS, extras=KeyExtras((Placeholder("img", offset, length),)))
+    there = chunk_keys(tokens, NS, extras=KeyExtras((Placeholder("img", offset + shift, length),)))
+    first = offset // NS.chunk_tokens
+    assert here[:first] == there[:first] and here[first:] != there[first:]
+    assert all(x != y for x, y in zip(here[first:], there[first:], strict=True))
+
+
+def test_an_image_spanning_chunks_is_in_each_of_them_with_its_offset_from_each():
+    extras = KeyExtras((Placeholder("img", 2, 5),))
+    assert [bool(extras.chunk(i, 4)) for i in range(3)] == [True, True, False]
+    assert extras.chunk(0, 4) != extras.chunk(1, 4)  # offset +2 in the first, -2 in the second
+
+
+@given(st.binary(min_size=1, max_size=16), st.binary(min_size=1, max_size=16))
+def test_prompt_embeddings_digests_separate_keys(a, b):
+    tokens = [0] * 8  # an embeddings prompt has no token ids: the engine's stand-ins
+    keys_a = chunk_keys(tokens, NS, extras=KeyExtras(embeds=(a, a)))
+    keys_b = chunk_keys(tokens, NS, extras=KeyExtras(embeds=(b, a)))
+    assert (keys_a == keys_b) == (a == b)
+    assert keys_a != chunk_keys(tokens, NS)
+
+
+@given(st.lists(st.integers(0, 9), min_size=16, max_size=16), st.lists(placeholder_st, max_size=3),
+       st.integers(1, 3))
+def test_continuing_a_chain_with_extras_gives_the_same_keys(tokens, placeholders, cut):
+    extras = KeyExtras(tuple(placeholders), embeds=(b"e0", b"", b"e2"))
+    full = chunk_keys(tokens, NS, extras=extras)
+    rest = chunk_keys(tokens[cut * 4 :], NS, parent=full[cut - 1], extras=extras, first=cut)
+    assert rest == full[cut:]
+
+
+@pytest.mark.parametrize("identifier,offset,length", [("", 0, 1), ("x", -1, 1), ("x", 0, -1),
+                                                      ("x", True, 1), (None, 0, 1)])
+def test_a_bad_placeholder_is_refused(identifier, offset, length):
+    with pytest.raises(ValueError, match="placeholder"):
+        Placeholder(identifier, offset, length)

@@ -9,7 +9,7 @@ from connectors.groups import GroupRules, KVGroup
 from connectors.plan import SKIP
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
-from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KVNamespace, Shard, chunk_keys
 
 CHUNK, BLOCK, WINDOW = 256, 128, 256
 FULL = KVGroup(2, "full_attention", "2:full")
@@ -22,7 +22,7 @@ def rules(interval: int = 0) -> GroupRules:
 
 
 def namespaces(salt: str) -> tuple[KVNamespace, ...]:
-    return tuple(KVNamespace("m", "float16", "cpu", CHUNK, salt=salt, group=g.signature)
+    return tuple(KVNamespace("m", "float16", "cpu", CHUNK, Shard(group=g.signature), salt=salt)
                  for g in (FULL, SLIDING))
 
 

@@ -334,6 +334,41 @@ def test_2_a_refused_hello_names_the_keys_that_differ_not_the_config(service_con
         stop_service(load_config(secret))
 
 
+def test_2_an_allowed_user_may_announce_but_not_list_or_purge(intruder, shared_tmp):
+    """`kvstore purge` deletes every user's records of a namespace: the service's owner only."""
+    raw = {"tiers": {"host": {"capacity": "4MiB"}},
+           "service": {"socket": str(shared_tmp / "run" / "kvstore.sock"), "staging": "1MiB",
+                       "allowed_uids": [intruder.uid]}}
+    theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
+    owner = StoreClient(load_config(raw), CHUNK_BYTES)
+    try:
+        owner.slot(0)[:] = b"s" * CHUNK_BYTES
+        assert owner.put([b"k" * 16], [0], namespace=b"n" * 16) == [True]
+        done = intruder.run(
+            "import json\n"
+            "from kvstore.config.store import load_config\n"
+            "from kvstore.format.errors import KVStoreError\n"
+            "from kvstore.service.client import StoreClient\n"
+            f"client = StoreClient(load_config(json.loads({json.dumps(theirs)!r})))\n"
+            "client.announce([(b'm' * 16, {'model': 'theirs'})])\n"
+            "print('announced')\n"
+            "for ask in (client.namespaces, lambda: client.purge([b'n' * 16], dry_run=False)):\n"
+            "    try:\n"
+            "        ask()\n"
+            "        print('allowed')\n"
+            "    except KVStoreError as exc:\n"
+            "        print('refused', exc)\n")
+        assert "announced" in done.stdout, done.stderr
+        assert done.stdout.count("refused") == 2 and "allowed" not in done.stdout
+        assert "for the service's owner" in done.stdout
+        assert owner.residency([b"k" * 16])[0] == 1
+        assert [e["uid"] for e in owner.namespaces()] == [intruder.uid]  # labelled by who said it
+        assert owner.purge([b"n" * 16], dry_run=False)["removed"] == 1
+    finally:
+        owner.close()
+        stop_service(load_config(raw))
+
+
 # -- 3. squatted storage paths ------------------------------------------------------------
 
 @needs_root

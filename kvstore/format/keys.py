@@ -4,8 +4,16 @@ A prompt is cut into chunks of `chunk_tokens` tokens. Chunk i's key is a 128-bit
 xxh3 digest over (key of chunk i-1, namespace digest, chunk i's token ids as
 little-endian uint32). Chaining makes a key stand for the whole prefix up to and
 including its chunk, which is what KV depends on; the namespace digest keeps KV of
-different models, dtypes, layouts or tensor-parallel shards apart. Only stable
-byte encodings go in, so keys agree across processes, hosts and restarts.
+different models, weights, dtypes, layouts or tensor-parallel shards apart. Only
+stable byte encodings go in, so keys agree across processes, hosts and restarts.
+
+What the token ids do not show (an image behind its placeholder tokens, prompt
+embeddings) is a chunk's extra bytes (`KeyExtras.chunk`), folded in after its tokens,
+as vLLM folds `generate_block_hash_extra_keys` into its block hashes. Invariant: a
+chunk with no extra bytes hashes exactly as it always has, so text-only keys and the
+chunks stored under them stay valid; a chunk with some hashes more bytes than any
+text-only chunk, so the two never meet; the chain carries a chunk's extras into every
+later key.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import xxhash
 KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)  # the "previous key" of chunk 0
 _MAX_TOKEN_ID = (1 << 32) - 1
+_EXTRA_TAG = b"KVX1"  # opens a chunk's extra bytes in its hash input
 
 
 @dataclass(frozen=True)
@@ -32,34 +41,66 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Which part of a model's KV a namespace holds: a tensor-parallel rank's heads, and
+    one KV cache group of a hybrid model (its index, spec kind and geometry, e.g.
+    "1:sliding_window:w256:L1:b128"): shards never share records. `group` is empty for
+    a model with one group, and then left out of the digest, so its keys stay as they were."""
+
+    tp: TensorParallel = TensorParallel()
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Which weights compute the KV: `fingerprint` names the checkpoint (a digest of its
+    files, connectors/weights.py, or the operator's `model_revision`); `generation` is a
+    random nonce a running engine draws when its weights change in place (a counter would
+    let two engines that updated differently meet). Each is left out of the digest when
+    empty."""
+
+    fingerprint: str = ""
+    generation: str = ""
+
+
+@dataclass(frozen=True)
 class KVNamespace:
     """Everything that changes the KV bytes of a token sequence.
 
     Invariant: the digest is that of the flat JSON object it has always been (`tp_rank`
-    and `tp_world_size` at the top level, `group` only when set), so grouping fields here
-    never moves a key: stored chunks stay findable."""
+    and `tp_world_size` at the top level; `group`, `weights` and `generation` only when
+    set), so grouping fields here never moves a key: stored chunks stay findable."""
 
     model: str
     kv_dtype: str
     kv_layout: str
     chunk_tokens: int
-    tp: TensorParallel = TensorParallel()
+    shard: Shard = Shard()
     salt: str = ""
-    # One KV cache group of a hybrid model (its index, spec kind and geometry, e.g.
-    # "1:sliding_window:w256:L1:b128"): groups never share records. Empty for a model
-    # with one group, and then left out of the digest, so its keys stay as they were.
-    group: str = ""
+    weights: Weights = Weights()
 
     def digest(self) -> bytes:
         """xxh3-128 of a canonical JSON encoding (sorted keys, no whitespace)."""
+        text = json.dumps(self.fields(), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_digest(text.encode())
+
+    def fields(self) -> dict[str, str | int]:
+        """The flat JSON object the digest is taken of (optional fields only when set)."""
         fields: dict[str, str | int] = {
             "model": self.model, "kv_dtype": self.kv_dtype, "kv_layout": self.kv_layout,
-            "chunk_tokens": self.chunk_tokens, "tp_rank": self.tp.rank,
-            "tp_world_size": self.tp.world_size, "salt": self.salt}
-        if self.group:
-            fields["group"] = self.group
-        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return xxhash.xxh3_128_digest(text.encode())
+            "chunk_tokens": self.chunk_tokens, "tp_rank": self.shard.tp.rank,
+            "tp_world_size": self.shard.tp.world_size, "salt": self.salt}
+        optional = {"group": self.shard.group, "weights": self.weights.fingerprint,
+                    "generation": self.weights.generation}
+        fields.update((name, value) for name, value in optional.items() if value)
+        return fields
+
+    def description(self) -> dict[str, str | int]:
+        """What the service is told about this namespace (kvstore/service/namespaces.py): its
+        fields, the salt (a LoRA adapter and cache salt: it may name a user) as a digest."""
+        fields = self.fields()
+        fields["salt"] = xxhash.xxh3_64_hexdigest(self.salt.encode()) if self.salt else ""
+        return fields
 
 
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -70,14 +111,73 @@ def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     return array.astype("<u4", copy=False).tobytes()
 
 
+@dataclass(frozen=True)
+class Placeholder:
+    """Placeholder tokens standing for an input the token ids do not show (an image, an
+    audio clip): `identifier` names that input's content (vLLM's `mm_feature.identifier`),
+    `offset` and `length` are where its tokens sit in the prompt (vLLM's `mm_position`)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise ValueError(f"a placeholder's identifier must be a non-empty string, "
+                             f"got {self.identifier!r}")
+        for name in ("offset", "length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"a placeholder's {name} must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KeyExtras:
+    """What shapes one request's KV besides its token ids and namespace, chunk by chunk.
+
+    `placeholders`: inputs behind placeholder tokens; a chunk overlapping one folds in
+    its identifier and its offset from the chunk's start (negative when it began in an
+    earlier chunk), as vLLM's `_gen_mm_extra_hash_keys` does per block, so the same
+    image at another offset, or another image at the same one, gives other keys.
+    `embeds[i]`: a digest of chunk i's prompt embeddings (empty: none).
+    """
+
+    placeholders: tuple[Placeholder, ...] = ()
+    embeds: tuple[bytes, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.placeholders or self.embeds)
+
+    def chunk(self, index: int, chunk_tokens: int) -> bytes:
+        """Chunk `index`'s extra bytes (b"" when it has none): one field per placeholder
+        it overlaps, in the given order, then its embeddings' digest; each field a tag,
+        a length and its bytes, so no two different lists encode alike."""
+        start, end = index * chunk_tokens, (index + 1) * chunk_tokens
+        out = bytearray()
+        for item in self.placeholders:
+            if item.offset < end and item.offset + item.length > start:
+                where = (item.offset - start).to_bytes(8, "little", signed=True)
+                _field(out, b"M", item.identifier.encode() + where)
+        if index < len(self.embeds) and self.embeds[index]:
+            _field(out, b"E", self.embeds[index])
+        return bytes(out)
+
+
+def _field(out: bytearray, tag: bytes, body: bytes) -> None:
+    out += tag + len(body).to_bytes(4, "little") + body
+
+
 def chunk_keys(
     tokens: Sequence[int] | np.ndarray,
     namespace: KVNamespace,
     parent: bytes = ROOT_KEY,
+    extras: KeyExtras | None = None,
+    first: int = 0,
 ) -> list[bytes]:
     """Keys of every full chunk of `tokens`; a trailing partial chunk gets none.
 
-    `parent` continues a chain: pass the key of the chunk before `tokens[0]`.
+    `parent` continues a chain: pass the key of the chunk before `tokens[0]`, and
+    `first`, that chunk's index + 1 (where `extras` counts chunks from).
     """
     size = namespace.chunk_tokens
     encoded = encode_tokens(tokens)
@@ -85,10 +185,14 @@ def chunk_keys(
     step = size * 4
     keys = []
     previous = parent
-    for start in range(0, len(encoded) - step + 1, step):
+    for index, start in enumerate(range(0, len(encoded) - step + 1, step), first):
         hasher = xxhash.xxh3_128(previous)
         hasher.update(ns_digest)
         hasher.update(encoded[start : start + step])
+        extra = extras.chunk(index, size) if extras else b""
+        if extra:
+            hasher.update(_EXTRA_TAG + len(extra).to_bytes(8, "little"))
+            hasher.update(extra)
         previous = hasher.digest()
         keys.append(previous)
     return keys

@@ -113,8 +113,9 @@ def payload_checksum(payload: memoryview | bytes) -> int:
 
 @dataclass(frozen=True)
 class RecordEncoder:
-    """What every record of one store shares (namespace, dtype, shape), checked once,
-    when the store is made, so a bad value is an error before any slot is taken."""
+    """What every record of one store shares (dtype, shape, and the namespace of a record
+    put without one), checked once, when the store is made, so a bad value is an error
+    before any slot is taken."""
 
     namespace: bytes = bytes(16)
     dtype: str = "uint8"
@@ -136,9 +137,10 @@ class RecordEncoder:
         return TensorSpec(self.dtype, self.shape)
 
     def header(self, key: bytes, parent: bytes | None, seq: int,
-               payload: memoryview | bytes) -> RecordHeader:
-        return RecordHeader(key=key, namespace=self.namespace, parent=parent or bytes(16), seq=seq,
-                            payload_len=len(payload), payload_checksum=payload_checksum(payload),
+               payload: memoryview | bytes, namespace: bytes | None = None) -> RecordHeader:
+        """The record's header; `namespace` is the chunk's own (None: the store's)."""
+        return RecordHeader(key=key, namespace=namespace or self.namespace, parent=parent or bytes(16),
+                            seq=seq, payload_len=len(payload), payload_checksum=payload_checksum(payload),
                             tensor=self.tensor)
 
 

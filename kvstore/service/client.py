@@ -246,8 +246,24 @@ class StoreClient:
         return list(self._request(P.Get(list(keys), list(slots))))
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int],
-            parent: bytes | None = None) -> list[bool]:
-        return list(self._request(P.Put(list(keys), list(slots), parent)))
+            parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
+        """Store chunk keys[i] from window slot slots[i]; their headers name `namespace`
+        (the digest of the namespace the keys were made in; None: this client's hello's)."""
+        return list(self._request(P.Put(list(keys), list(slots), parent, namespace)))
+
+    def announce(self, namespaces: Sequence[tuple[bytes, Mapping[str, str | int]]]) -> None:
+        """Tell the service which namespaces this client stores under, described (their
+        digest, and KVNamespace.description()), so its owner can purge them by name."""
+        self._request(P.Announce([(digest, dict(description)) for digest, description in namespaces]))
+
+    def namespaces(self) -> list[dict[str, Any]]:
+        """The namespaces clients announced (the service's owner only)."""
+        return list(self._request(P.Namespaces()))
+
+    def purge(self, namespaces: Sequence[bytes], dry_run: bool = True) -> dict[str, int]:
+        """Remove (or, with `dry_run`, count) the records of these namespace digests from
+        every tier of this host (the service's owner only)."""
+        return dict(self._request(P.Purge(list(namespaces), dry_run), timeout_s=max(self.timeout_s, 600.0)))
 
     def pin(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         """(lease, offsets): chunk keys[i]'s payload is at offsets[i] of the DRAM tier (-1: not

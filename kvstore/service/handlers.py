@@ -33,6 +33,7 @@ from kvstore.format.malformed import MalformedCounts
 from kvstore.io.regions import Region
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.window import Window
 from kvstore.store import leases
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # The counters a client may add to (the scheduler's and the workers'): a bounded set of
 # names, so a client cannot grow the service's counters (and /metrics) without end.
 CLIENT_COUNTER = re.compile(
-    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector)\.[a-z_]{1,32}")
+    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector|keys)\.[a-z_]{1,32}")
 
 
 def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
@@ -50,6 +51,17 @@ def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     them: not `service` (the service's own) nor LIVE_KEYS (a reload changes them live)."""
     return sorted(key for key in ours.keys() | theirs.keys()
                   if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
+
+
+def add_counters(store: TieredStore | None, counters: dict[str, float]) -> None:
+    """Add a client's counters to the store's: only CLIENT_COUNTER names, or none at all."""
+    for name in counters:
+        if not CLIENT_COUNTER.fullmatch(name):
+            raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
+                               f"{CLIENT_COUNTER.pattern} counters")
+    if store is not None:
+        for name, amount in counters.items():
+            store.stats.add(name, amount)
 
 
 class Client:
@@ -62,6 +74,7 @@ class Client:
         self.region: Region | None = None
         self.slots = 0
         self.maps_tier = False  # given the DRAM tier to map: only then may it pin
+        self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
         self.leases: dict[int, leases.Lease] = {}  # DRAM pins it holds, by lease number
         self.lease_ids = itertools.count(1)
 
@@ -82,6 +95,7 @@ class Requests:
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
+        self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         if isinstance(request, P.Hello):
@@ -101,18 +115,14 @@ class Requests:
         if isinstance(request, P.Events):
             return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
-            for name in request.counters:
-                if not CLIENT_COUNTER.fullmatch(name):
-                    raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
-                                       f"{CLIENT_COUNTER.pattern} counters")
-            if store is not None:
-                for name, amount in request.counters.items():
-                    store.stats.add(name, amount)
+            add_counters(store, request.counters)
             return None, ()
         if isinstance(request, P.Unpin):
             for lease in request.leases:
                 self._release(client, lease)
             return None, ()
+        if isinstance(request, P.Announce | P.Namespaces | P.Purge):
+            return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], store, request), ()
         if not isinstance(request, P.Get | P.Put | P.Pin):
             raise KVStoreError(f"unknown request {type(request).__name__}")
         if store is None or client.window is None:
@@ -126,7 +136,7 @@ class Requests:
         views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
         if isinstance(request, P.Get):
             return store.get_many(request.keys, views), ()
-        return store.put_many(request.keys, views, parent=request.parent), ()
+        return store.put_many(request.keys, views, request.parent, request.namespace or client.namespace), ()
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
@@ -148,6 +158,7 @@ class Requests:
                               "use another socket")
         if hello.chunk_bytes is None:
             return None, ()
+        client.namespace = hello.namespace
         if client.window is not None:
             raise KVStoreError("this connection has a window already")
         with self.lock:
@@ -259,6 +270,7 @@ class Requests:
     def close(self) -> None:
         """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""
         self.next_turns.close()
+        self.namespaces.close()
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         with self.lock:
             if self.store is not None:

@@ -17,7 +17,9 @@ Requests (a tagged union) and what a Reply's value holds:
   Expect(ranks, in_s)      -> None; a hint: these chunks are wanted in `in_s` seconds
   Count(counters)          -> None; adds to the service's counters
   Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
-  Put(keys, slots, parent) -> [bool]: chunk keys[i] (in window slot slots[i]) is stored
+  Put(keys, slots, parent, namespace)
+                           -> [bool]: chunk keys[i] (in window slot slots[i]) is stored, its
+                              header naming `namespace` (None: the hello's)
   Pin(keys)                -> [lease, [offset]]: chunk keys[i]'s payload is at offset[i] of
                               the DRAM tier (-1: not in DRAM), pinned until Unpin(lease)
                               or the connection ends; at most a window's worth at a time
@@ -25,6 +27,11 @@ Requests (a tagged union) and what a Reply's value holds:
   Info()                   -> the store's info
   Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
                               (chunk_events.py; since < 0: the current cursor only)
+  Announce(namespaces)     -> None; [digest, description] of namespaces the client stores
+                              under (kvstore/service/namespaces.py)
+  Namespaces()             -> the announced namespaces (the service's owner only)
+  Purge(namespaces, dry_run)-> what was (or would be) removed of the records of these
+                              namespace digests (the service's owner only)
   Shutdown()               -> None; the service drains, checkpoints and exits (its own
                               user only, not an allowed one)
 
@@ -48,11 +55,14 @@ import msgspec
 
 from kvstore.format.errors import KVStoreError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
 MAX_EXPECT_S = 86400.0  # how far ahead a hint may say its chunks are wanted
+MAX_ANNOUNCED = 1024  # namespaces in one announcement
+MAX_FIELDS = 16  # fields of one namespace's description
+MAX_TEXT = 512  # characters of one description field
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
 _MAX_FDS = 4
@@ -105,6 +115,25 @@ class Put(msgspec.Struct, tag="put", forbid_unknown_fields=True):
     keys: Keys
     slots: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
     parent: Key | None = None
+    namespace: Key | None = None  # what the records' headers name (None: the hello's)
+
+
+Description = Annotated[dict[Name, Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+                             | Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]],
+                        msgspec.Meta(max_length=MAX_FIELDS)]
+
+
+class Announce(msgspec.Struct, tag="announce", forbid_unknown_fields=True):
+    namespaces: Annotated[list[tuple[Key, Description]], msgspec.Meta(max_length=MAX_ANNOUNCED)]
+
+
+class Namespaces(msgspec.Struct, tag="namespaces", forbid_unknown_fields=True):
+    pass
+
+
+class Purge(msgspec.Struct, tag="purge", forbid_unknown_fields=True):
+    namespaces: Keys
+    dry_run: bool = True
 
 
 class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
@@ -127,7 +156,8 @@ class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
     since: int
 
 
-Request = Hello | Residency | Finished | Expect | Count | Get | Put | Info | Shutdown | Events | Pin | Unpin
+Request = (Hello | Residency | Finished | Expect | Count | Get | Put | Info | Shutdown | Events | Pin | Unpin
+           | Announce | Namespaces | Purge)
 
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True):

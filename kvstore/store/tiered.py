@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.store.edge import check_keys, chunk_views
 from kvstore.store.parts import StoreParts
+from kvstore.store.purge import purge
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
 
@@ -134,18 +135,21 @@ class TieredStore:
     # -- writes --------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any],
-                 parent: bytes | None = None) -> list[bool]:
+                 parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
         """Store chunks of one chain (head first); result i: chunk i is now stored.
 
         `parent` is the key of the chunk before keys[0] (None for a prompt's first
-        chunk). Keys already present are kept, not rewritten (content addressing).
+        chunk); `namespace` the digest of the namespace they were keyed in, which their
+        headers carry (None: the store's), so `purge` can find them. Keys already present
+        are kept, not rewritten (content addressing).
         """
         keys = check_keys(keys)
-        if parent is not None:
-            check_keys([parent])
+        for named in (parent, namespace):
+            if named is not None:
+                check_keys([named])
         views = chunk_views(payloads, len(keys), self.chunk_bytes, writable=False)
         self.parts.touch(keys)  # first: storing this prompt's chunks never evicts its own
-        stored = self._writes.put(keys, views, parent, next(self._seq))
+        stored = self._writes.put(keys, views, parent, next(self._seq), namespace)
         self.parts.touch(keys)  # again: new chunks join their chain tail-older-than-head
         return stored
 
@@ -153,6 +157,11 @@ class TieredStore:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
         Returns the records removed."""
         return self._writes.delete(check_keys(keys))
+
+    def purge(self, namespaces: Collection[bytes], dry_run: bool = False) -> dict[str, int]:
+        """Remove every record whose header names one of `namespaces` from every tier of
+        this host (store/purge.py); a dry run only counts them."""
+        return purge(self, set(check_keys(list(namespaces))), dry_run)
 
     # -- housekeeping ----------------------------------------------------------------
 

@@ -26,8 +26,9 @@ class Writes:
         self.encoder = encoder
 
     def put(self, keys: list[bytes], views: list[memoryview], parent: bytes | None,
-            seq: int) -> list[bool]:
-        """Store checked chunks of one chain under sequence number `seq`; True per chunk stored."""
+            seq: int, namespace: bytes | None = None) -> list[bool]:
+        """Store checked chunks of one chain under sequence number `seq`, their headers naming
+        `namespace` (None: the store's); True per chunk stored."""
         parts = self.parts
         parents = [parent, *keys[:-1]]
         stored = [False] * len(keys)
@@ -38,8 +39,8 @@ class Writes:
                 dram = parts.dram
                 assert dram is not None
                 for i, reservation in to_dram:
-                    dram.write(reservation.slot, self.encoder.header(keys[i], parents[i], seq, views[i]),
-                               views[i])
+                    dram.write(reservation.slot,
+                               self.encoder.header(keys[i], parents[i], seq, views[i], namespace), views[i])
                 with dram.table.lock:
                     for i, reservation in to_dram:
                         reservation.publish(keys[i], parents[i], seq)
@@ -50,7 +51,7 @@ class Writes:
         if to_disk and parts.flusher is not None:
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
             parts.stats.add("disk.admission_refused", len(to_disk) - len(admitted))
-            headers = [self.encoder.header(keys[i], parents[i], seq, views[i]) for i in admitted]
+            headers = [self.encoder.header(keys[i], parents[i], seq, views[i], namespace) for i in admitted]
             done = parts.flusher.put_direct(headers, [views[i] for i in admitted])
             for i, landed in zip(admitted, done, strict=True):
                 stored[i] = landed

@@ -1,0 +1,78 @@
+"""The namespaces one vLLM engine keys its chunks in, and their generations.
+
+One namespace per KV cache group and tensor-parallel rank (group-major, as SchedulerCore
+and the plan expect), for each request salt (LoRA adapter, cache salt); all share the
+engine's model, KV format and weights (kvstore/format/keys.py: Weights). A weight update
+in the running engine (vLLM resets its prefix cache with the connector's) moves every one
+of them to a new generation: a random nonce, so two engines that updated differently never
+meet, and nothing stored under the old weights is found again by this engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from connectors.groups import GroupRules
+from connectors.options import ConnectorOptions
+from engine_plugin.kv_spec import first_group_spec, layout_signature, record_dtype_name, spec_dtype
+from engine_plugin.request_keys import model_weights
+from kvstore.format.keys import KVNamespace, Shard, TensorParallel, Weights
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class EngineNamespaces:
+    """`namespaces(salt)`: the request's namespaces under the current generation;
+    `new_generation()` starts the next one. `base` holds the engine-wide fields."""
+
+    def __init__(self, base: KVNamespace, groups: Sequence[str], tp_world: int) -> None:
+        self.base = base
+        self.groups = tuple(groups)
+        self.tp_world = tp_world
+        # Namespaces made and not yet announced to the service (kvstore/service/namespaces.py).
+        self.unannounced: list[KVNamespace] = []
+
+    @classmethod
+    def of_engine(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, options: ConnectorOptions,
+                  rules: GroupRules | None, name_weights: bool) -> EngineNamespaces:
+        """The engine's: its model id (`model_id`, else the model path), KV dtype, layout
+        signature, chunk size, groups and ranks; its weights named where `name_weights`
+        (the scheduler, which plans every transfer; workers need no fingerprint)."""
+        weights = Weights(model_weights(vllm_config, options.model_revision)) if name_weights else Weights()
+        base = KVNamespace(options.model_id or str(vllm_config.model_config.model),
+                           record_dtype_name(spec_dtype(first_group_spec(kv_cache_config))),
+                           layout_signature(vllm_config, kv_cache_config), options.store.chunk_tokens,
+                           weights=weights)
+        groups = [g.signature for g in rules.groups] if rules is not None else [""]
+        return cls(base, groups, vllm_config.parallel_config.tensor_parallel_size)
+
+    def __call__(self, salt: str) -> tuple[KVNamespace, ...]:
+        return self._of(salt, self.base)
+
+    @functools.cache  # noqa: B019 - one small entry per salt and generation, for the engine's lifetime
+    def _of(self, salt: str, base: KVNamespace) -> tuple[KVNamespace, ...]:
+        made = tuple(dataclasses.replace(base, shard=Shard(TensorParallel(rank, self.tp_world), group),
+                                         salt=salt)
+                     for group in self.groups for rank in range(self.tp_world))
+        self.unannounced += made
+        return made
+
+    def announced(self, count: int) -> None:
+        """The first `count` unannounced namespaces were told to the service."""
+        del self.unannounced[:count]
+
+    @property
+    def weights(self) -> Weights:
+        return self.base.weights
+
+    def new_generation(self) -> Weights:
+        """The same weights' fingerprint under a fresh random generation."""
+        weights = Weights(self.base.weights.fingerprint, secrets.token_hex(8))
+        self.base = dataclasses.replace(self.base, weights=weights)
+        return weights

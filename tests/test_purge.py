@@ -1,0 +1,153 @@
+"""`kvstore purge`: a namespace's records leave every tier of this host, others' stay.
+
+Records carry their namespace digest in the header (a put names it); the service keeps
+what engines announced about each namespace; the owner purges by model, weights and
+generation, or by digest, with a dry run that only counts. (An `allowed_uids` client is
+refused: tests/test_security.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import CHUNK_BYTES, make_payloads
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.config.store import load_config
+from kvstore.format.errors import KVStoreError
+from kvstore.format.keys import KVNamespace, Weights, chunk_keys
+from kvstore.format.record import record_bytes
+from kvstore.service.client import StoreClient, stop_service
+from kvstore.service.namespaces import NamespaceBook
+
+SLOT = record_bytes(CHUNK_BYTES)
+OLD = KVNamespace("llama", "float16", "cpu", 16, weights=Weights("xxh3:aa"))
+NEW = KVNamespace("llama", "float16", "cpu", 16, weights=Weights("xxh3:aa", "9f01"))
+OTHER = KVNamespace("qwen", "float16", "cpu", 16, weights=Weights("xxh3:bb"))
+
+
+def tiers(directory: str, dram_slots: int = 4) -> dict:
+    return {"tiers": {"host": {"capacity": dram_slots * SLOT},
+                      "disk": [{"path": os.path.join(directory, "disk"), "capacity": 64 * SLOT}]}}
+
+
+def put_chain(store, namespace: KVNamespace, chunks: int, seed: int) -> list[bytes]:
+    keys = chunk_keys(range(seed, seed + 16 * chunks), namespace)
+    stored = store.put_many(keys, make_payloads(chunks, seed=seed), namespace=namespace.digest())
+    assert stored == [True] * chunks
+    return keys
+
+
+def test_a_purge_removes_one_namespace_from_dram_and_disk_and_nothing_else(disk_dir, store_factory):
+    store = store_factory(tiers(disk_dir), background=False)
+    new = put_chain(store, NEW, 2, seed=1000)
+    other = put_chain(store, OTHER, 2, seed=2000)
+    unnamed = chunk_keys(range(16), OLD)[:1]
+    store.put_many(unnamed, make_payloads(1, seed=3))  # no namespace: the store's (zeros)
+    old = put_chain(store, OLD, 6, seed=1)  # more than DRAM holds: some written down to disk
+    assert {tier for key in old for tier in store.lookup([key]).tiers} == {"host", "disk"}
+
+    dry = store.purge([OLD.digest()], dry_run=True)
+    assert dry["chunks"] == 6 and dry["removed"] == 0
+    assert dry["host_chunks"] + dry["disk_chunks"] >= 6 and dry["bytes"] == (
+        dry["host_chunks"] + dry["disk_chunks"]) * CHUNK_BYTES
+    assert store.lookup(old).count == 6  # a dry run touches nothing
+
+    done = store.purge([OLD.digest()])
+    assert done["removed"] >= 6 and done["chunks"] == 6
+    assert all(store.lookup([key]).count == 0 for key in old)
+    assert store.lookup(new).count == 2 and store.lookup(other).count == 2
+    assert store.lookup(unnamed).count == 1
+    store.close()
+    reopened = store_factory(tiers(disk_dir), background=False)  # the disk headers were zeroed
+    assert all(reopened.lookup([key]).count == 0 for key in old)
+    assert reopened.lookup(other).count == 2
+    assert reopened.purge([OLD.digest()], dry_run=True)["chunks"] == 0
+
+
+def test_the_service_lists_announced_namespaces_and_purges_by_model_and_generation(disk_dir, tmp_path):
+    raw = {**tiers(disk_dir), "io": {"timeout_s": 5},
+           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    config_file = tmp_path / "kvstore.json"
+    config_file.write_text(json.dumps(raw))
+    config = load_config(raw)
+
+    def purge(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "kvstore.cli", "purge", "--config", str(config_file), *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    client = StoreClient(config, CHUNK_BYTES)
+    try:
+        stored = {}
+        for number, namespace in enumerate((OLD, NEW, OTHER)):
+            keys = chunk_keys(range(number * 100, number * 100 + 48), namespace)
+            for slot, payload in enumerate(make_payloads(3, seed=number)):
+                client.slot(slot)[:] = payload.tobytes()
+            assert client.put(keys, [0, 1, 2], namespace=namespace.digest()) == [True] * 3
+            stored[namespace] = keys
+        client.announce([(ns.digest(), ns.description()) for ns in (OLD, NEW, OTHER)])
+        listing = purge("--list")
+        assert listing.returncode == 0, listing.stderr
+        assert "llama  weights xxh3:aa  generation base: 1 namespaces" in listing.stdout
+        assert "llama  weights xxh3:aa  generation 9f01: 1 namespaces" in listing.stdout
+
+        dry = purge("--model", "llama", "--generation", "base", "--dry-run", "--json")
+        assert json.loads(dry.stdout)["chunks"] == 3 and json.loads(dry.stdout)["removed"] == 0
+        assert client.residency(stored[OLD])[0] == 3
+        done = purge("--model", "llama", "--generation", "base")
+        assert done.returncode == 0 and "removed 3 chunks" in done.stdout, done.stderr
+        assert client.residency(stored[OLD])[0] == 0
+        assert client.residency(stored[NEW])[0] == 3 and client.residency(stored[OTHER])[0] == 3
+        assert purge("--model", "mistral").returncode == 1  # nothing announced by that name
+        assert purge("--namespace", "beef").returncode == 2  # not a digest
+        by_digest = purge("--namespace", OTHER.digest().hex(), "--json")
+        assert json.loads(by_digest.stdout)["removed"] == 3
+    finally:
+        client.close()
+        stop_service(config)
+    book = NamespaceBook(raw["service"]["socket"] + ".namespaces")  # kept across a restart
+    assert {entry["namespace"] for entry in book.entries()} == {ns.digest().hex() for ns in (OLD, NEW, OTHER)}
+
+
+def test_a_described_namespace_shows_no_salt():
+    salted = KVNamespace("llama", "float16", "cpu", 16, salt="sql@xxh3:00|tenant-42")
+    description = salted.description()
+    assert "tenant-42" not in json.dumps(description) and len(str(description["salt"])) == 16
+    assert KVNamespace("llama", "float16", "cpu", 16).description()["salt"] == ""
+
+
+@given(st.one_of(st.binary(max_size=20), st.none()),
+       st.one_of(st.dictionaries(st.text(max_size=40), st.one_of(st.text(max_size=600), st.integers(),
+                                                                  st.booleans(), st.none(), st.floats()),
+                                 max_size=20),
+                 st.integers(), st.text()))
+def test_an_announcement_is_kept_whole_or_refused(digest, description):
+    book = NamespaceBook(None)
+    try:
+        book.announce(1000, [(digest, description)])  # type: ignore[list-item]
+    except KVStoreError:
+        assert book.entries() == []
+        return
+    (entry,) = book.entries()
+    assert entry["description"] == description and entry["uid"] == 1000
+
+
+def test_a_digest_keeps_its_first_description(tmp_path):
+    book = NamespaceBook(str(tmp_path / "book"))
+    book.announce(0, [(OLD.digest(), OLD.description())])
+    book.announce(1000, [(OLD.digest(), OTHER.description())])  # relabelling: ignored
+    (entry,) = book.entries()
+    assert entry["description"] == OLD.description() and entry["uid"] == 0
+    book.close()
+    assert os.stat(tmp_path / "book").st_mode & 0o777 == 0o600
+    assert NamespaceBook(str(tmp_path / "book")).entries()[0]["description"] == OLD.description()
+
+
+@pytest.mark.parametrize("garbage", [b"", b"{", b"[{\"namespace\": 1}]", b"\xff\xfe"])
+def test_a_damaged_book_is_an_empty_one(tmp_path, garbage):
+    (tmp_path / "book").write_bytes(garbage)
+    assert NamespaceBook(str(tmp_path / "book")).entries() == []

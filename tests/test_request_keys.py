@@ -1,0 +1,157 @@
+"""A vLLM request's chunk keys cover what vLLM's own block hashes cover: its images (by
+identifier and offset) and prompt embeddings; one the keys cannot name is not cached.
+
+The requests are vLLM's own `Request` objects, and the multimodal extra keys are checked
+against vLLM's `_gen_mm_extra_hash_keys`, chunk by chunk, so a change in how vLLM keys
+images shows up here."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys
+from vllm.v1.request import Request
+
+from connectors.weights import FileDigests, fingerprint
+from engine_plugin.namespaces import EngineNamespaces
+from engine_plugin.request_keys import Unnamed, lora_identity, model_weights, request_extras
+from kvstore.format.errors import ConfigError
+from kvstore.format.keys import KVNamespace, Weights, chunk_keys
+
+CHUNK = 16
+NS = KVNamespace("m", "float16", "cpu", CHUNK)
+
+
+def request(tokens: list[int] | None, images: list[tuple[str | None, int, int]] = (),  # type: ignore[assignment]
+            embeds: torch.Tensor | None = None) -> Request:
+    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,  # type: ignore[arg-type]
+                                      mm_position=PlaceholderRange(offset, length))
+                for ident, offset, length in images]
+    return Request("r", tokens, SamplingParams(max_tokens=1), None, prompt_embeds=embeds,
+                   mm_features=features)
+
+
+def parse(extra: bytes) -> list[tuple[bytes, bytes]]:
+    """A chunk's extra bytes as (tag, body) fields (the encoding of KeyExtras.chunk)."""
+    fields, at = [], 0
+    while at < len(extra):
+        size = int.from_bytes(extra[at + 1 : at + 5], "little")
+        fields.append((extra[at : at + 1], extra[at + 5 : at + 5 + size]))
+        at += 5 + size
+    return fields
+
+
+images_st = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 40)),
+                     max_size=3).map(lambda items: _laid_out(items))
+
+
+def _laid_out(items: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """Images one after another with a gap of text between (vLLM's features are ordered)."""
+    laid, at = [], 3
+    for ident, length in items:
+        laid.append((ident, at, length))
+        at += length + 5
+    return laid
+
+
+@settings(max_examples=60, deadline=None)
+@given(images_st)
+def test_each_chunk_names_the_images_vllm_names_for_that_span(images):
+    tokens = [7] * 128
+    req = request(tokens, images)
+    extras = request_extras(req, CHUNK)
+    for index in range(len(tokens) // CHUNK):
+        start = index * CHUNK
+        theirs, _ = _gen_mm_extra_hash_keys(req, start, start + CHUNK, 0)
+        ours = [(body[:-8].decode(), int.from_bytes(body[-8:], "little", signed=True))
+                for tag, body in parse(extras.chunk(index, CHUNK)) if tag == b"M"]
+        assert ours == [(ident, offset) for _, ident, offset in theirs]
+
+
+def test_a_text_request_keeps_its_text_keys():
+    tokens = list(range(64))
+    assert not request_extras(request(tokens), CHUNK)
+    assert chunk_keys(tokens, NS, extras=request_extras(request(tokens), CHUNK)) == chunk_keys(tokens, NS)
+
+
+def test_two_images_with_the_same_text_and_the_same_image_elsewhere_have_other_keys():
+    tokens = [5] * 96  # the image's placeholder tokens are all alike
+    keys = {name: chunk_keys(tokens, NS, extras=request_extras(request(tokens, [(ident, offset, 20)]), CHUNK))
+            for name, ident, offset in (("a@40", "a", 40), ("b@40", "b", 40), ("a@44", "a", 44))}
+    assert keys["a@40"][:2] == keys["b@40"][:2] == keys["a@44"][:2] == chunk_keys(tokens, NS)[:2]
+    for one, other in (("a@40", "b@40"), ("a@40", "a@44"), ("b@40", "a@44")):
+        assert not set(keys[one][2:]) & set(keys[other][2:])
+
+
+def test_prompt_embeddings_are_keyed_by_their_values():
+    torch.manual_seed(0)
+    embeds = torch.randn(40, 8, dtype=torch.bfloat16)
+    other = embeds.clone()
+    other[35, 0] += 1  # the last, partial chunk differs
+    zeros = [0] * 40  # vLLM's stand-in token ids for an embeddings prompt
+    same = request(None, embeds=embeds.clone())
+    a, b = request_extras(request(None, embeds=embeds), CHUNK), request_extras(same, CHUNK)
+    assert a == b and len(a.embeds) == 3
+    assert request_extras(same, CHUNK).embeds is b.embeds  # asked again: the digests come from its cache
+    changed = request_extras(request(None, embeds=other), CHUNK)
+    assert changed.embeds[:2] == a.embeds[:2] and changed.embeds[2] != a.embeds[2]
+    keys = chunk_keys(zeros + [9] * 8, NS, extras=a)
+    assert keys != chunk_keys(zeros + [9] * 8, NS)
+    assert keys[:2] == chunk_keys(zeros + [9] * 8, NS, extras=changed)[:2]
+    assert keys[2] != chunk_keys(zeros + [9] * 8, NS, extras=changed)[2]
+
+
+def test_an_image_without_an_identifier_is_not_cached():
+    with pytest.raises(Unnamed) as caught:
+        request_extras(request([1] * 32, [(None, 4, 8)]), CHUNK)
+    assert caught.value.reason == "mm_input"
+
+
+# -- which weights computed the KV -------------------------------------------------------
+
+def _vllm_config(model: str) -> SimpleNamespace:
+    return SimpleNamespace(model_config=SimpleNamespace(model=model, model_weights="", revision=None))
+
+
+def test_the_weights_are_named_by_revision_or_by_their_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    assert model_weights(_vllm_config(str(tmp_path)), "v7") == "rev:v7"  # type: ignore[arg-type]
+    found = model_weights(_vllm_config(str(tmp_path)), None)  # type: ignore[arg-type]
+    assert found == fingerprint(str(tmp_path), FileDigests(None))
+    with pytest.raises(ConfigError, match="model_revision"):
+        model_weights(_vllm_config(str(tmp_path / "nowhere")), None)  # type: ignore[arg-type]
+
+
+def test_a_lora_adapter_is_named_by_its_files(tmp_path):
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"a")
+    (tmp_path / "adapter_config.json").write_text("{}")
+    lora = LoRARequest("sql", 1, str(tmp_path))
+    named = lora_identity(lora)
+    assert named == f"sql@{fingerprint(str(tmp_path), FileDigests(None))}"
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"b")  # rewritten in place, same name
+    assert lora_identity(lora) != named
+    assert lora_identity(LoRARequest("sql", 1, "/no/such/adapter")) == "sql@/no/such/adapter"
+
+
+def test_a_new_generation_moves_every_namespace_and_no_two_engines_share_one():
+    base = KVNamespace("m", "float16", "cpu", CHUNK, weights=Weights("xxh3:ab"))
+    one, other = EngineNamespaces(base, [""], 2), EngineNamespaces(base, [""], 2)
+    before = {ns.digest() for ns in one("") + one("salt")}
+    assert {ns.digest() for ns in other("")} <= before  # same weights, same generation: shared
+    one.new_generation()
+    other.new_generation()
+    after = {ns.digest() for ns in one("") + one("salt")}
+    assert not before & after and len(after) == 4
+    assert one.weights.fingerprint == "xxh3:ab" and one.weights.generation != other.weights.generation
+    assert not after & {ns.digest() for ns in other("") + other("salt")}
