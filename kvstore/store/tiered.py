@@ -33,6 +33,7 @@ from kvstore.store.edge import check_keys, chunk_views
 from kvstore.store.parts import StoreParts
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
+from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,12 @@ class TieredStore:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
         Returns the records removed."""
         return self._writes.delete(check_keys(keys))
+
+    def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd) -> None:
+        """A request that stored or read these chunks (one chain per tensor-parallel rank)
+        ended so: what `learned` disk admission learns from (tiers/return_rates.py)."""
+        for keys in ranks:
+            self.parts.policy.finished(check_keys(keys), end)
 
     # -- housekeeping ----------------------------------------------------------------
 
