@@ -374,7 +374,7 @@ class StoreConfig(Schema):
 
 # What a SIGHUP reload applies to a running service (kvstore/service/server.py); engines
 # started before it keep the config they started with, so a hello does not compare these.
-LIVE_KEYS = ("disk_admission", "disk_min_seen", "eviction")
+LIVE_KEYS = ("disk_admission", "disk_min_seen", "disk_admission_threshold", "disk_write_budget", "eviction")
 
 
 def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:
