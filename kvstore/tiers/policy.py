@@ -56,7 +56,9 @@ EVICTIONS = ("lru", "cost")
 DEFAULT_ADMISSION = "all"
 CROSSOVER_TOKENS = 32768
 _DEPTHS = 4 * TRACKED_KEYS  # chunks whose depth and family are remembered
-_MOST_TRACKED = 1 << 22  # keys (or sketch counters a row) any admission remembers, however large the tiers
+# however large the tiers: the most keys `learned` remembers a kind of (about 560 bytes for each
+# of its labels, departures, returns and queue entry: 280 MiB), and tinylfu's counters a row (16 MiB)
+_MOST_LEARNED, _MOST_COUNTERS = 1 << 19, 1 << 22
 _BRANCHED = b""  # a chunk seen with two different children
 
 
@@ -142,10 +144,11 @@ class TierPolicy:
 
     def set_capacity(self, dram_chunks: int, stored_chunks: int) -> None:
         """Size what admission remembers from the tiers (before any traffic: the policy is
-        made anew): `learned` a label for twice the chunks DRAM holds, `tinylfu` a counter
-        a row for every chunk the tiers hold; at least TRACKED_KEYS, at most _MOST_TRACKED."""
-        self._capacity = (min(_MOST_TRACKED, max(TRACKED_KEYS, 2 * dram_chunks)),
-                          min(_MOST_TRACKED, max(TRACKED_KEYS, stored_chunks)))
+        made anew): `learned` a label for every chunk DRAM holds (and as many departures),
+        `tinylfu` a counter a row for every chunk the tiers hold; at least TRACKED_KEYS, at
+        most _MOST_LEARNED and _MOST_COUNTERS."""
+        self._capacity = (min(_MOST_LEARNED, max(TRACKED_KEYS, dram_chunks)),
+                          min(_MOST_COUNTERS, max(TRACKED_KEYS, stored_chunks)))
         admission = self._make(self.admission, self.disk_min_seen, self.admission_threshold)
         with self._lock:
             self._admission = admission
