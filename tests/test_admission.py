@@ -207,7 +207,7 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         learning = {"disk_admission": "learned", "disk_admission_threshold": 0.5, "disk_write_budget": "1GiB"}
         _write_config(path, disk_dir, eviction="cost", **learning)
         service.send_signal(signal.SIGHUP)
-        _wait_for(log, "reload: disk_admission learned, disk_admission_threshold 0.5, disk_write_budget "
+        wait_for_log(log, "reload: disk_admission learned, disk_admission_threshold 0.5, disk_write_budget "
                        f"{1 << 30}", seen)
         client.close()
         client = StoreClient(load_config(str(path)), CHUNK_BYTES)

@@ -10,6 +10,7 @@ part once, whatever was built.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config.store import StoreConfig
@@ -170,6 +171,14 @@ class StoreParts:
             for tier in (self.dram, self.disk):
                 if tier is not None:
                     tier.table.set_eviction(self.policy.make_eviction())
+
+    def reload_policy(self, live: Mapping[str, Any]) -> None:
+        """Apply the live keys a config reload changed (config.store.LIVE_KEYS, the service's
+        SIGHUP), keeping every chunk a tier holds."""
+        self.switch_policy(admission=live.get("disk_admission"), eviction=live.get("eviction"),
+                           min_seen=live.get("disk_min_seen"), threshold=live.get("disk_admission_threshold"))
+        if "disk_write_budget" in live:
+            self.set_write_budget(live["disk_write_budget"])
 
     def info(self) -> dict[str, Any]:
         tiers = []
