@@ -17,8 +17,10 @@ config's `disk_admission`):
                 (everyone's rate, halved as it grows so recent families weigh most, stands
                 for a family with few chunks)
   learned       a chunk whose bucket (return_rates.py: the answer length, turn and idle
-                time of the request that last named it) has come back after leaving DRAM
-                at least `threshold` of the time
+                time of the request that last named it, its chain's length, whether an
+                earlier request named the chunk and whether it came back before) has come
+                back after leaving DRAM at least `threshold` of the time
+Each is made from (min_seen, capacity, threshold) and takes what it needs (make_admission).
 Invariants: every policy's memory is bounded (`capacity` keys or sketch counters)
 however many distinct chunks pass; `admit` and `rate_of` never change state. Not
 thread-safe: TierPolicy (policy.py) calls them under its lock.
