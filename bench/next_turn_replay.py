@@ -103,6 +103,11 @@ class NextTurnReplayer(Replayer):
         self.read_ahead_bytes += len(moved) * self.chunk_bytes
         self.tiers[0].table.touch_chain(keys)
 
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.found_chunks = self.resident_chunks = self.read_ahead_bytes = self.wasted_bytes = 0
+        self._ahead.clear()
+
     def _left_dram(self, published: bool, entry: Entry) -> None:
         if not published and entry.key in self._ahead:
             self._ahead.discard(entry.key)

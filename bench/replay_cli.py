@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.replay import Replayer, parse_tier
-from bench.trace import MOONCAKE_BLOCK_TOKENS, read_trace
+from bench.replay import Clairvoyant, Replayer, parse_tier
+from bench.trace import MOONCAKE_BLOCK_TOKENS, read_passes, read_trace
 from kvstore.format.errors import ConfigError
-from kvstore.format.units import format_size
-from kvstore.tiers.admission import ADMISSIONS
+from kvstore.format.units import format_size, parse_write_budget
+from kvstore.tiers.admission import ADMISSIONS, THRESHOLD
 from kvstore.tiers.policy import DEFAULT_ADMISSION, EVICTIONS, TierPolicy
 
 SWEEP_FACTORS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
@@ -35,8 +35,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS)
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-promote", action="store_true", help="lower-tier hits stay put")
-    parser.add_argument("--admission", choices=tuple(ADMISSIONS), default=DEFAULT_ADMISSION,
-                        help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`)")
+    parser.add_argument("--admission", choices=(*ADMISSIONS, "oracle"),
+                        help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`; "
+                             f"{DEFAULT_ADMISSION}, or learned with --write-budget), or `oracle`: only "
+                             "chunks a later request will read (the bound)")
+    parser.add_argument("--admission-threshold", type=float, default=THRESHOLD,
+                        help="with --admission learned: the return rate a chunk's bucket needs "
+                             "(config `disk_admission_threshold`)")
+    parser.add_argument("--write-budget", metavar="SIZE|N dwpd",
+                        help="the most bytes written to the disk tiers in any 24 hours of the trace: a "
+                             "size, or drive writes per day of their capacity (config `disk_write_budget`)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="replay the trace this many times back to back and report the last: the "
+                             "earlier passes (other traffic of the same kind: the requests again with their "
+                             "blocks renamed, or a synthetic shape's next seeds) fill the tiers and teach "
+                             "`learned` admission, as a service that ran before")
+    parser.add_argument("--no-bound", action="store_true",
+                        help="with a disk tier and an admission other than all or oracle, do not also "
+                             "replay `all` and `oracle` to report this one against them")
     parser.add_argument("--eviction", choices=EVICTIONS, default="lru",
                         help="eviction of every tier: lru, or cost (recompute cost on a recency clock); "
                              "config `eviction`")
@@ -62,12 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and report dram_resident_at_arrival and prefetch_wasted_bytes; `oracle` "
                              "knows when each chunk arrives next (the bound for `predict`)")
     parser.add_argument("--tpot-ms", type=float, default=20.0,
-                        help="with --next-turn: a request ends output tokens x this after it arrives")
+                        help="a request ends output tokens x this after it arrives (when --next-turn acts "
+                             "and `learned` admission hears how it ended)")
     parser.add_argument("--json", help="write the results here (a PNG plot goes next to it)")
 
 
 def run(args: argparse.Namespace) -> int:
     tiers = [parse_tier(t) for t in args.tier]
+    args.admission = args.admission or ("learned" if args.write_budget else DEFAULT_ADMISSION)
+    if args.admission == "oracle" and (args.ttft or args.hosts is not None):
+        raise ConfigError("--admission", "oracle", "the bound is replayed alone: not with --ttft or --hosts")
+    if args.passes != 1 and (args.ttft or args.hosts is not None):
+        raise ConfigError("--passes", args.passes, "passes are replayed alone: not with --ttft or --hosts")
     if args.hosts is not None:
         from bench.cluster_replay import run as run_cluster
 
@@ -79,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = _replay(args, tiers)
     result["seconds"] = time.perf_counter() - started
+    if not args.no_bound and args.admission not in ("all", "oracle") and result["disk_bytes_written"] + \
+            result["admission_refused"]:
+        result["bound"] = _bound(args, tiers, result)
     _print(result)
     if args.sweep:
         result["sweep"] = [{"factor": f, **_replay(args, [(n, int(c * f)) for n, c in tiers])}
@@ -99,23 +124,61 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> dict[str, Any]:
+def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: str | None = None,
+            budget: bool = True) -> dict[str, Any]:
+    """One replay; `admission` in place of --admission, and without the budget if not `budget`."""
+    admission = admission or args.admission
     replayer: Replayer
+    policy = _policy(args, admission)
+    runs = read_passes(args.trace, args.block_tokens, args.limit, getattr(args, "passes", 1))
+    requests = [request for run in runs for request in run]
     if getattr(args, "next_turn", None):
         from bench.next_turn_replay import NextTurnReplayer
 
         replayer = NextTurnReplayer(tiers, args.kv_bytes_per_token, args.block_tokens, args.next_turn,
-                                    tpot_s=args.tpot_ms / 1000, policy=_policy(args))
+                                    tpot_s=args.tpot_ms / 1000, policy=policy)
         if args.next_turn == "oracle":
-            replayer.foresee(read_trace(args.trace, args.block_tokens, args.limit))
+            replayer.foresee(requests)
     else:
-        replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens, policy=_policy(args))
-    return replayer.run(read_trace(args.trace, args.block_tokens, args.limit))
+        replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens, policy=policy,
+                            tpot_s=args.tpot_ms / 1000)
+    if args.write_budget and budget:
+        disks = sum(t.stats.capacity_bytes for i, t in enumerate(replayer.tiers) if i in replayer.disks)
+        try:
+            per_day = parse_write_budget(args.write_budget, disks)
+        except ValueError as exc:
+            raise ConfigError("--write-budget", args.write_budget, str(exc)) from None
+        policy.set_budget(per_day, replayer.chunk_bytes)
+    if admission == "oracle":
+        policy.use_admission(Clairvoyant(requests, args.block_tokens, lambda: replayer.requests - 1))
+    for run in runs[:-1]:
+        replayer.run(run)
+    if len(runs) > 1:
+        replayer.reset_stats()
+    return replayer.run(runs[-1])
 
 
-def _policy(args: argparse.Namespace) -> TierPolicy:
-    return TierPolicy(promote_on_hit=not args.no_promote, admission=args.admission,
-                      eviction=args.eviction, chunk_tokens=args.block_tokens)
+def _policy(args: argparse.Namespace, admission: str) -> TierPolicy:
+    return TierPolicy(promote_on_hit=not args.no_promote,
+                      admission="all" if admission == "oracle" else admission,
+                      admission_threshold=args.admission_threshold, eviction=args.eviction,
+                      chunk_tokens=args.block_tokens)
+
+
+def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[str, Any]) -> dict[str, Any]:
+    """This replay against `all` (what loses nothing) and `oracle` (what writes only what will
+    be read) on the same tiers: the share of the oracle's saving of disk writes it gets, and
+    the hit ratio it loses."""
+    everything = _replay(args, tiers, "all", budget=False)
+    oracle = _replay(args, tiers, "oracle", budget=False)
+    written = everything["disk_bytes_written"]
+    saving = 1 - result["disk_bytes_written"] / written if written else 0.0
+    oracle_saving = 1 - oracle["disk_bytes_written"] / written if written else 0.0
+    return {"all_disk_bytes_written": written, "oracle_disk_bytes_written": oracle["disk_bytes_written"],
+            "of_all_written": 1 - saving, "oracle_of_all_written": 1 - oracle_saving,
+            "of_oracle_saving": saving / oracle_saving if oracle_saving else None,
+            "hit_ratio_lost": everything["hit_ratio"] - result["hit_ratio"],
+            "oracle_hit_ratio_lost": everything["hit_ratio"] - oracle["hit_ratio"]}
 
 
 TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk": "disk",
@@ -137,7 +200,7 @@ def _ttft_rows(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> list[d
     for count in range(len(tiers) + 1):
         config = tiers[:count]
         replayer = Replayer(config, args.kv_bytes_per_token, args.block_tokens,
-                            policy=_policy(args)) if config else None
+                            policy=_policy(args, args.admission)) if config else None
         requests = []
         for request in read_trace(args.trace, args.block_tokens, args.limit):
             hits: dict[str, int] = {}
@@ -174,6 +237,20 @@ def _print(result: dict[str, Any]) -> None:
           f"written per byte read), "
           f"{result['admission_refused']} chunks refused; recompute cost "
           f"{result['recompute_cost'] / max(1e-9, result['recompute_cost_no_cache']):.3f} of no cache")
+    budget = result["admission_info"].get("budget_bytes_per_day")
+    if budget is not None:
+        print(f"write budget {format_size(budget)} a day: at most "
+              f"{format_size(result['disk_bytes_written_max_day'])} written in any 24 h of the trace's "
+              f"{result['trace_seconds'] / 3600:.2f} h; "
+              f"{result['budget_refused']} chunks refused for it")
+    bound = result.get("bound")
+    if bound is not None:
+        share = bound["of_oracle_saving"]
+        print(f"against the bound: disk writes {bound['of_all_written']:.3f} of all's "
+              f"({format_size(bound['all_disk_bytes_written'])}), the oracle's "
+              f"{bound['oracle_of_all_written']:.3f}: "
+              f"{'-' if share is None else f'{share:.2f}'} of the oracle's saving, hit ratio lost "
+              f"{bound['hit_ratio_lost']:.4f} (oracle {bound['oracle_hit_ratio_lost']:.4f})")
     if "next_turn" in result:
         print(f"next turn {result['next_turn']}: {result['dram_resident_at_arrival']:.3f} of found chunks in "
               f"DRAM at arrival; read ahead {format_size(result['prefetch_read_bytes'])}, wasted "

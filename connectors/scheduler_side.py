@@ -26,6 +26,8 @@ Invariants (each holds per request):
 - A request abandoned after a fault (`abandon`) is forgotten and never half-loaded: a
   load planned for it and not yet shipped is given up whole (every block reported
   failed, so the engine recomputes it rather than read blocks never filled).
+- A request that ends tells the service how (connectors/chain_reports.py), for its
+  next-turn prediction and disk admission.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from connectors.chain_reports import ChainReports, Notify
 from connectors.groups import GroupRules, KVGroup, load_run, per_group, save_runs
 from connectors.handoff import Handoff, HandoffWaits
 from connectors.plan import Stage, StepPlan, Transfer
@@ -45,9 +48,6 @@ from connectors.save_tracker import SaveTracker
 from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
 
 Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
-# Tell the service about a chain: ("finished", keys per rank, 0) when a request ends (its
-# next turn is expected), ("expect", keys per rank, in_s) for a hint.
-Notify = Callable[[str, list[list[bytes]], float], None]
 
 
 Saves = Literal["answers", "prompts", "none"]
@@ -88,6 +88,7 @@ class _Request:
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
     block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
     saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
+    turn_idle: tuple[int, float | None] = field(default=(0, None), init=False)  # ChainReports.planned
 
     def __post_init__(self) -> None:
         self.saved_chunks = self.found.stored
@@ -110,6 +111,12 @@ class _Request:
         if len(ids) != per_chunk:
             raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, expected {per_chunk}")
         return tuple(ids)
+
+    def ending(self) -> tuple[list[list[bytes]], int, int, tuple[int, float | None]]:
+        """What ChainReports.ended asks: each rank's keys of the chunks stored or queued for
+        saving, the tokens known (prompt and answer), the prompt's, its turn and idle time."""
+        stored = [rank_keys[: self.saved_chunks] for rank_keys in self.keys]
+        return stored, len(self.tokens), self.prompt_tokens, self.turn_idle
 
     def sources(self, num_external: int, chunk_tokens: int) -> dict[str, int]:
         """The last `num_external` tokens of the hit by the tier that held them at the lookup:
@@ -154,7 +161,7 @@ class SchedulerCore:
         self.settings = settings
         self._namespaces = namespaces
         self._lookup = lookup
-        self._notify = notify
+        self.reports = ChainReports(notify, chunk_tokens, clock)
         self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
                          else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
@@ -201,8 +208,7 @@ class SchedulerCore:
 
     def expect(self, prompt: Sequence[int], in_s: float, salt: str = "") -> None:
         """Tokens a request will start with in `in_s` seconds: promoted just before."""
-        if self._notify is not None:
-            self._notify("expect", self._keys(prompt, Keying(salt)), in_s)
+        self.reports.expect(self._keys(prompt, Keying(salt)), in_s)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
                                keying: Keying = Keying()) -> int | None:
@@ -225,8 +231,9 @@ class SchedulerCore:
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        self._requests[req_id] = _Request(keys, prompt, self._namespaces(keying.salt), keying.extras,
-                                          load_end, residency, prompt_tokens=len(prompt))
+        request = self._requests[req_id] = _Request(
+            keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
+        request.turn_idle = self.reports.planned(keys[0])
         return max(0, load_end - num_computed)
 
     def expect_handoff(self, req_id: str, handoff: Handoff) -> None:
@@ -318,8 +325,8 @@ class SchedulerCore:
         """Forget the request; tell the service it ended with these chunks (prompt and answer), which
         it brings into DRAM before the next turn is expected (kvstore/service/next_turns.py)."""
         request = self._forget(req_id)
-        if request is not None and request.saved_chunks and self._notify is not None:
-            self._notify("finished", [k[: request.saved_chunks] for k in request.keys], 0.0)
+        if request is not None:
+            self.reports.ended(*request.ending())
 
     def abandon(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
         """A fault while serving `req_id`: its load in this step's plan is given up whole, or

@@ -20,6 +20,7 @@ from engine_plugin.namespaces import EngineNamespaces
 from engine_plugin.request_keys import Unnamed, lora_identity, request_extras
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
+from kvstore.tiers.return_rates import RequestEnd
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -124,15 +125,16 @@ class SchedulerRole:
             self.link.fail()
             return Residency(0, 0)
 
-    def _notify(self, kind: str, keys: list[list[bytes]], in_s: float) -> None:
-        """A request ended (`finished`) or a hint expects chunks later (`expect`): told to
-        the service's next-turn prediction; never fatal."""
+    def _notify(self, kind: str, keys: list[list[bytes]], in_s: float,
+                end: RequestEnd | None = None) -> None:
+        """A request ended (`finished`, and how) or a hint expects chunks later (`expect`):
+        told to the service's next-turn prediction and disk admission; never fatal."""
         client = self.link.get()
         if client is None:
             return
         try:
             if kind == "finished":
-                client.finished(keys)
+                client.finished(keys, end)
             else:
                 client.expect(keys, in_s)
         except Exception as exc:

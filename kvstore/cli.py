@@ -67,12 +67,27 @@ def _info(args: argparse.Namespace) -> int:
         for device in cluster["peer_devices"]:
             why = f" ({device['reason']})" if device["reason"] else ""
             print(f"        peer {device['label']}: {device['state']}{why}")
+    _print_admission(info.get("admission", {}), info["counters"])
     recovery = info["recovery"]
     print(f"  recovered {recovery['records']} records ({recovery['torn']} torn) in "
           f"{recovery['seconds'] * 1000:.1f} ms")
     for name, value in sorted(info["counters"].items()):
         print(f"  {name} = {value}")
     return 0
+
+
+def _print_admission(admission: dict, counters: dict) -> None:
+    """Disk admission: its policy, what it admitted and refused, and what is left of its budget."""
+    if not admission:
+        return
+    threshold = f" (return rate at least {admission['threshold']:g})" if "threshold" in admission else ""
+    print(f"  disk admission {admission['policy']}{threshold}: {counters.get('disk.admitted', 0):.0f} "
+          f"chunks written, {counters.get('disk.admission_refused', 0):.0f} refused")
+    if "budget_bytes_per_day" in admission:
+        print(f"  write budget {format_size(admission['budget_bytes_per_day'])} a day: "
+              f"{format_size(admission['budget_left_bytes'])} left now, return rate at least "
+              f"{admission['budget_threshold']:g} admitted, {counters.get('disk.budget_refused', 0):.0f} "
+              "refused for it")
 
 
 def _service_config(args: argparse.Namespace):  # -> StoreConfig

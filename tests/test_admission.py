@@ -21,6 +21,7 @@ from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient
 from kvstore.tiers.admission import Predicted, SecondTouch, TinyLFU, make_admission
 from kvstore.tiers.policy import TierPolicy
+from kvstore.tiers.return_rates import RequestEnd
 
 BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
 
@@ -169,7 +170,9 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
     """A real `kvstore serve`: 6 chunks under `all` + LRU (4 go to disk), then the config file
     says second-touch + cost (and a restart-only key) and the service gets SIGHUP: the policy
     changes at once (new one-off chunks are refused: a counter), every chunk that was on disk
-    reads back verified, and a file the running service could not take changes nothing."""
+    reads back verified; then learned admission, its threshold and a write budget take effect
+    the same way (shown by `info`), and a file the running service could not take changes
+    nothing."""
     path = tmp_path / "kv.yaml"
     raw = _write_config(path, disk_dir)
     config = load_config(str(path))
@@ -201,11 +204,24 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         _put_one_at_a_time(client, keys[6:], payloads[6:])
         assert client.info()["counters"]["disk.admission_refused"] >= before + 2  # seen once: refused
         seen = len(log.read_text())
+        learning = {"disk_admission": "learned", "disk_admission_threshold": 0.5, "disk_write_budget": "1GiB"}
+        _write_config(path, disk_dir, eviction="cost", **learning)
+        service.send_signal(signal.SIGHUP)
+        wait_for_log(log, "reload: disk_admission learned, disk_admission_threshold 0.5, disk_write_budget "
+                       f"{1 << 30}", seen)
+        client.close()
+        client = StoreClient(load_config(str(path)), CHUNK_BYTES)
+        client.finished([keys[:2]], RequestEnd(answer_tokens=12, turn=1, idle_s=30.0))  # how it ended
+        admission = client.info()["admission"]
+        assert admission["policy"] == "learned" and admission["threshold"] == 0.5
+        assert admission["budget_bytes_per_day"] == 1 << 30
+        assert 0 < admission["budget_left_bytes"] <= (1 << 30) / 24  # at most an hour's worth held
+        seen = len(log.read_text())
         _write_config(path, disk_dir, disk_admission="tinylfu", write_policy="write_through")
         service.send_signal(signal.SIGHUP)
         assert "disk_admission" in wait_for_log(log, "reload: the config is unchanged", seen)
         client.close()
-        running = {**raw, "disk_admission": "second-touch", "eviction": "cost"}
+        running = {**raw, "eviction": "cost", **learning}
         client = StoreClient(load_config(running), CHUNK_BYTES)  # the bad file was not taken
         client.shutdown(timeout_s=60)
         assert service.wait(timeout=30) == 0

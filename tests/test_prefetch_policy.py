@@ -12,6 +12,7 @@ from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.tiers.return_rates import RequestEnd
 
 CHUNK, BLOCK = 256, 128
 NAMESPACE = KVNamespace("m", "float16", "cpu", CHUNK)
@@ -25,9 +26,11 @@ class FakeStore:
         self.pending: set[tuple[bytes, ...]] = set()
         self.prefetches: list[int] = []
         self.told: list[tuple[str, int]] = []
+        self.ends: list[RequestEnd | None] = []
 
-    def notify(self, kind: str, ranks: list[list[bytes]], in_s: float) -> None:
+    def notify(self, kind: str, ranks: list[list[bytes]], in_s: float, end: RequestEnd | None = None) -> None:
         self.told.append((kind, len(ranks[0])))
+        self.ends.append(end)
 
     def lookup(self, ranks: list[list[bytes]], prefetch: bool) -> Residency:
         (keys,) = ranks  # one tensor-parallel rank
@@ -159,6 +162,30 @@ def test_hints_and_finished_requests_keep_chunks_warm():
     core.on_finished("r")
     assert store.prefetches == [4, 8]  # a finish is not a lookup: the service is told instead
     assert store.told == [("finished", 8)]  # its chunks, for the next-turn prediction
+
+
+def test_a_finished_request_says_how_it_ended_and_its_next_turn_continues_it():
+    """The first request ends with a 100-token answer: turn 0, a new chain. Its next turn (its
+    prompt, the answer, a new message) arrives 42 s after it ended: turn 1, idle 42 s. An
+    unrelated prompt is a new chain again."""
+    store, clock = FakeStore(on_disk=8, in_dram=8), Clock()
+    core = scheduler(store, "best_effort", clock)
+    tokens = list(PROMPT)
+    assert core.num_new_matched_tokens("a", tokens, 0) == 8 * CHUNK
+    tokens += range(100)  # the engine's token list grows with the answer
+    clock.now += 3
+    core.on_finished("a")
+    assert store.ends == [RequestEnd(answer_tokens=100, turn=0, idle_s=None)]
+    clock.now += 42
+    follow_up = [*tokens, *range(500, 600)]
+    assert core.num_new_matched_tokens("b", follow_up, 0) == 8 * CHUNK
+    core.on_finished("b")
+    assert store.ends[-1] == RequestEnd(answer_tokens=0, turn=1, idle_s=42.0)
+    other = [9, *PROMPT[1:]]
+    store.tier.update(dict.fromkeys(chunk_keys(other, NAMESPACE), "host"))
+    assert core.num_new_matched_tokens("c", other, 0) == 8 * CHUNK
+    core.on_finished("c")
+    assert store.ends[-1] == RequestEnd(answer_tokens=0, turn=0, idle_s=None)
 
 def test_options_parse_and_reject_bad_policies():
     options = parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}},

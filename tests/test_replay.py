@@ -15,6 +15,7 @@ from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.record import record_bytes
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.policy import TierPolicy
+from kvstore.tiers.return_rates import RequestEnd
 
 BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
 
@@ -136,8 +137,9 @@ def test_ttft_compares_each_added_tier(tmp_path):
     TierPolicy(chunk_tokens=BLOCK), TierPolicy(admission="second-touch", chunk_tokens=BLOCK),
     TierPolicy(admission="tinylfu", chunk_tokens=BLOCK),
     TierPolicy(admission="predicted", chunk_tokens=BLOCK), TierPolicy(eviction="cost", chunk_tokens=BLOCK),
-    TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK)],
-    ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote"])
+    TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK),
+    TierPolicy(admission="learned", admission_threshold=0.5, chunk_tokens=BLOCK)],
+    ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote", "learned"])
 def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
     """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,
     disk 10, no background threads; each request: lookup, prefetch, get, put): every
@@ -156,6 +158,7 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
     config = {"tiers": {"host": {"capacity": 4 * slot},
                         "disk": [{"path": disk_dir, "capacity": 3 * 4096 + 10 * slot}]},
               "promote_on_hit": policy.promote_on_hit, "disk_admission": policy.admission,
+              "disk_admission_threshold": policy.admission_threshold,
               "eviction": policy.eviction, "chunk_tokens": BLOCK,
               "io": {"engine": "threads", "queue_depth": 16}}  # a batch holds a request
     replayer = Replayer([("host", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,
@@ -163,7 +166,16 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
     payload = np.zeros(chunk, np.uint8)
     with TieredStore(config, chunk, background=False) as store:
         assert store.parts.disk.table.capacity == 10
+        store.parts.policy.clock = replayer.policy.clock  # the trace's time, for `learned` too
+        tell = replayer.policy.finished  # requests that end tell the store what they tell the replay
+
+        def finished(keys: list[bytes], end: RequestEnd) -> None:
+            tell(keys, end)
+            store.finished([keys], end)
+
+        replayer.policy.finished = finished  # type: ignore[method-assign]
         for request in requests:
+            replayed = replayer.serve(request)  # first: it hears of the requests that ended before
             keys = list(request.keys)
             usable = min(len(keys), (request.input_tokens - 1) // BLOCK)
             found = store.lookup(keys[:usable])
@@ -172,7 +184,6 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
             assert store.get_many(keys[: found.count], [np.empty(chunk, np.uint8)] * found.count) == \
                 [True] * found.count
             store.put_many(keys, [payload] * len(keys))
-            replayed = replayer.serve(request)
             assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
         assert set(store.parts.dram.table.index) == set(replayer.tiers[0].table.index)
         assert set(store.parts.disk.table.index) == set(replayer.tiers[1].table.index)

@@ -91,6 +91,7 @@ def test_metrics_are_scraped_from_the_store(config):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     config["service"]["metrics_port"] = port
+    config.update(disk_admission="learned", disk_write_budget="1TiB")
     client = StoreClient(load_config(config), CHUNK)
     keys = [bytes([i + 1]) * 16 for i in range(3)]
     assert client.put(keys, [0, 1, 2]) == [True] * 3
@@ -103,6 +104,9 @@ def test_metrics_are_scraped_from_the_store(config):
     assert "kvstore_host_hits_total 3.0" in text
     assert "kvstore_disk_bytes_written_total 0.0" in text  # all three still in DRAM: no SSD write
     assert "kvstore_disk_admission_refused_total 0.0" in text
+    assert 'kvstore_disk_admission_threshold{policy="learned"} 0.25' in text
+    assert "kvstore_disk_write_budget_bytes_per_day 1.099511627776e+12" in text
+    assert "kvstore_disk_write_budget_left_bytes" in text and "kvstore_disk_budget_refused_total 0.0" in text
     assert 'kvstore_tier_chunks{tier="host"} 3.0' in text
     assert 'kvstore_read_latency_seconds{quantile="0.5",tier="host"}' in text
     assert 'kvstore_read_seconds_bucket{le="+Inf",tier="host"} 3.0' in text

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import core_schema
 
 from kvstore.format.errors import ConfigError
-from kvstore.format.units import format_size, parse_size
+from kvstore.format.units import drive_writes, format_size, parse_size
 
 _NO_VALUE = object()
 
@@ -78,6 +78,34 @@ def seconds(*, zero: bool = False) -> Kind:
         return float(value)
 
     return Kind("seconds, " + ("at least 0" if zero else "above 0"), check, lambda value: f"{value:g}")
+
+
+def fraction() -> Kind:
+    """A number from 0 to 1 (a rate, a share)."""
+
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise ValueError("must be a number from 0 to 1")
+        return float(value)
+
+    return Kind("number, 0 to 1", check, lambda value: f"{value:g}")
+
+
+def write_rate() -> Kind:
+    """Bytes a day: a size, or drive writes per day (`0.5 dwpd`) of a tier's capacity."""
+
+    def check(value: Any) -> int | str:
+        per_drive = drive_writes(value)
+        if per_drive is not None:
+            return f"{per_drive:g} dwpd"
+        try:
+            return parse_size(value)
+        except ValueError:
+            raise ValueError(f"not a size a day or drive writes per day: {value!r} (e.g. 2TiB, "
+                             "0.5 dwpd)") from None
+
+    return Kind("size a day, or `N dwpd`", check,
+                lambda value: format_size(value) if isinstance(value, int) else f"`{value}`")
 
 
 def choice(*allowed: str) -> Kind:

@@ -19,7 +19,20 @@ from pydantic import Field, field_validator, model_validator
 
 from kvstore.config.nvmeof import NvmeofConfig
 from kvstore.config.runtime import default_socket
-from kvstore.config.schema import Bool, Kind, Refused, Schema, Text, choice, integer, seconds, size, validate
+from kvstore.config.schema import (
+    Bool,
+    Kind,
+    Refused,
+    Schema,
+    Text,
+    choice,
+    fraction,
+    integer,
+    seconds,
+    size,
+    validate,
+    write_rate,
+)
 from kvstore.format.errors import ConfigError
 
 
@@ -271,14 +284,30 @@ class StoreConfig(Schema):
         "write_back", description="`write_back`: DRAM's chunks reach disk when evicted (and at a clean "
                                   "shutdown); `write_through`: also as soon as they are stored, so a "
                                   "killed service loses nothing")
-    disk_admission: Annotated[str, choice("all", "second-touch", "tinylfu", "predicted")] = Field(
-        "all", description="which chunks leaving DRAM are written to disk (kvstore/tiers/admission.py): "
-                           "`all`; `second-touch`: one seen (stored or read) `disk_min_seen` times while "
-                           "a bounded ghost list remembers it; `tinylfu`: one a decaying frequency "
-                           "sketch counts `disk_min_seen` times; `predicted`: as second-touch, or one "
-                           "whose prefix family's chunks mostly come back. A refused chunk is dropped "
-                           "from DRAM (`disk.admission_refused`). Only `all` goes with "
-                           "`write_policy: write_through`, which writes every chunk")
+    disk_admission: Annotated[str, choice("all", "second-touch", "tinylfu", "predicted", "learned")] = Field(
+        "all", description="which chunks leaving DRAM are written to disk (kvstore/tiers/admission.py; "
+                           "measured in [replay.md](replay.md)): `all` (loses no hit); `second-touch`: one"
+                           " seen (stored or read) `disk_min_seen` times while a bounded ghost list "
+                           "remembers it; `tinylfu`: one a decaying frequency sketch counts "
+                           "`disk_min_seen` times; `predicted`: as second-touch, or one whose prefix "
+                           "family's chunks mostly come back; `learned`: one whose bucket (the answer "
+                           "length, turn and idle time of the request that last named it, as the vLLM "
+                           "connector reports them) came back after leaving DRAM at least "
+                           "`disk_admission_threshold` of the time. A refused chunk is dropped from DRAM "
+                           "(`disk.admission_refused`). Default `all`, or `learned` when a "
+                           "`disk_write_budget` is set. Only `all` goes with `write_policy: "
+                           "write_through`, which writes every chunk",
+        json_schema_extra={"doc_default": "`all` (`learned` with a `disk_write_budget`)"})
+    disk_admission_threshold: Annotated[float, fraction()] = Field(
+        0.25, description="`learned`: the return rate a chunk's bucket needs for the chunk to be written "
+                         "to disk (the share of its chunks that were stored or read again after leaving "
+                         "DRAM); a `disk_write_budget` raises it further while writes would go over")
+    disk_write_budget: Annotated[int | str, write_rate()] | None = Field(
+        None, description="the most bytes written to the disk tier in any 24 hours: a size (e.g. `2TiB`) "
+                          "or drive writes per day of the disk tier's capacity (e.g. `0.5 dwpd`); never "
+                          "exceeded (at most an hour's worth is held for bursts). Admission's threshold "
+                          "rises so that the chunks most likely to come back are the ones written; a "
+                          "write it has no allowance for is not made (`disk.budget_refused`). none: no cap")
     disk_min_seen: Annotated[int, integer(1, 1 << 20)] = Field(
         2, description="the sightings (stores or reads) `second-touch`, `tinylfu` and `predicted` "
                        "ask of a chunk before writing it to disk; given above 1 without "
@@ -302,11 +331,16 @@ class StoreConfig(Schema):
 
     @model_validator(mode="before")
     @classmethod
-    def _min_seen_alone_means_second_touch(cls, data: Any) -> Any:
-        """Before `disk_admission` existed, `disk_min_seen` above 1 alone turned admission on:
-        such a config keeps that meaning instead of silently writing everything."""
-        if (isinstance(data, dict) and "disk_admission" not in data
-                and isinstance(data.get("disk_min_seen"), int) and data["disk_min_seen"] > 1):
+    def _default_admission(cls, data: Any) -> Any:
+        """Without `disk_admission`: `learned` under a write budget (so the budget writes the
+        chunks most likely to come back, not the first to leave DRAM); `second-touch` for
+        `disk_min_seen` above 1 alone (before `disk_admission` existed, that turned admission
+        on: such a config keeps that meaning instead of silently writing everything)."""
+        if not isinstance(data, dict) or "disk_admission" in data:
+            return data
+        if data.get("disk_write_budget") is not None:
+            return {**data, "disk_admission": "learned"}
+        if isinstance(data.get("disk_min_seen"), int) and data["disk_min_seen"] > 1:
             return {**data, "disk_admission": "second-touch"}
         return data
 
@@ -314,6 +348,10 @@ class StoreConfig(Schema):
     def _write_through_admits_all(self) -> StoreConfig:
         """write_through writes every chunk down as it is stored and never refuses one (a
         PD producer relies on it), so an admission policy there would silently do nothing."""
+        if self.write_policy == "write_through" and self.disk_write_budget is not None:
+            raise Refused("write_policy write_through writes every chunk to disk as it is stored, so a "
+                          "disk_write_budget could not be kept: leave it out or set write_policy to "
+                          "`write_back`", "disk_write_budget", value=self.disk_write_budget)
         if self.write_policy == "write_through" and self.disk_admission != "all":
             raise Refused(f"write_policy write_through writes every chunk to disk, so disk_admission "
                           f"{self.disk_admission!r} would refuse none: set disk_admission to `all` "
@@ -336,7 +374,7 @@ class StoreConfig(Schema):
 
 # What a SIGHUP reload applies to a running service (kvstore/service/server.py); engines
 # started before it keep the config they started with, so a hello does not compare these.
-LIVE_KEYS = ("disk_admission", "disk_min_seen", "eviction")
+LIVE_KEYS = ("disk_admission", "disk_min_seen", "disk_admission_threshold", "disk_write_budget", "eviction")
 
 
 def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:

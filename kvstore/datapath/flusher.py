@@ -10,9 +10,10 @@ for that: it only takes slots whose chunk is already on disk (`clean_fate`).
 
 Write-through copies go through a bounded queue served by one thread
 (tiers/write_through.py); with the queue full the copy is skipped (counted) and the chunk is
-written when it is evicted instead. Each disk write reserves a disk slot (striped
-over the devices in service), writes in the crash-safe order (disk_tier.py) and
-publishes only if the slot's device stayed in service.
+written when it is evicted instead. Each disk write is claimed from the write budget first
+(a write the budget has no allowance for is not made: `disk.budget_refused`), reserves a
+disk slot (striped over the devices in service), writes in the crash-safe order
+(disk_tier.py) and publishes only if the slot's device stayed in service.
 """
 
 from __future__ import annotations
@@ -62,11 +63,15 @@ class Flusher:
 
     def put_fate(self, key: bytes) -> Fate:
         """A victim for a new chunk: dropped if on disk (or not admitted), else written down first."""
-        on_disk = self._on_disk(key)
-        fate = self.policy.victim_fate(key, on_disk, promotion=False)
-        if fate is Fate.EVICT and not on_disk:
-            self.stats.add("disk.admission_refused")
-        return fate
+        return self.policy.victim_fate(key, self._on_disk(key), promotion=False)
+
+    def count_refused(self, keys: Sequence[bytes]) -> None:
+        """These chunks (with no DRAM slot) were refused the disk: counted, and those the budget
+        refused apart. A DRAM victim's refusal is counted when it leaves DRAM (StoreParts)."""
+        self.stats.add("disk.admission_refused", len(keys))
+        over = sum(self.policy.refusal(key) == "budget" for key in keys)
+        if over:
+            self.stats.add("disk.budget_refused", over)
 
     def clean_fate(self, key: bytes) -> Fate:
         """A victim for a promotion: only a chunk already on disk (or not admitted) goes."""
@@ -163,13 +168,16 @@ class Flusher:
         """Reserve disk slots (striped), write in crash-safe order, publish what landed;
         True per record now on disk (or already there)."""
         table = self.disk.table
-        done = [False] * len(records)
+        done = [record.key in table for record in records]
+        fresh = [j for j, there in enumerate(done) if not there]
+        claimed = self.policy.claim_writes(len(fresh))
+        if claimed < len(fresh):
+            self.stats.add("disk.budget_refused", len(fresh) - claimed)
         pending: list[tuple[int, Reservation, int]] = []
+        landed_keys: list[bytes] = []
         with ExitStack() as stack:
-            for j, record in enumerate(records):
-                if record.key in table:
-                    done[j] = True
-                    continue
+            stack.callback(lambda: self.policy.settle_writes(claimed, landed_keys))  # runs last
+            for j in fresh[:claimed]:
                 reservation = table.reserve(table.next_group())
                 if reservation is None:
                     self.stats.add("disk.write_dropped")
@@ -190,7 +198,9 @@ class Flusher:
                     else:
                         reservation.publish(records[j].key, records[j].parent, records[j].seq)
                         done[j] = True
+                        landed_keys.append(records[j].key)
         self.stats.add("disk.bytes_written", self.disk.slot_bytes * sum(results))
+        self.stats.add("disk.admitted", len(landed_keys))
         return done
 
     def flush(self, timeout_s: float) -> bool:

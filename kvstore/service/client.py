@@ -30,6 +30,7 @@ from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.io.memfd import SharedMemory
 from kvstore.service import protocol as P
 from kvstore.service.window import Window
+from kvstore.tiers.return_rates import RequestEnd
 
 SPAWN_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 5.0
@@ -223,12 +224,17 @@ class StoreClient:
                 break
         return stored, resident, pending
 
-    def finished(self, ranks: Sequence[Sequence[bytes]]) -> None:
+    def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd | None = None) -> None:
         """A request's stored chunks (prompt and answer, per rank) ended: the service expects
-        the conversation back and brings them into DRAM before (config `next_turn`). A chain
-        longer than one frame carries is told by its leading part."""
+        the conversation back and brings them into DRAM before (config `next_turn`); `end`,
+        how it ended, is what `learned` disk admission learns from. A chain longer than one
+        frame carries is told by its leading part."""
         lists = [list(k) for k in ranks]
-        self._request(P.Finished([k[: _per_rank(lists)] for k in lists]))
+        leading = [k[: _per_rank(lists)] for k in lists]
+        if end is None:
+            self._request(P.Finished(leading))
+        else:
+            self._request(P.Finished(leading, end.answer_tokens, end.turn, end.idle_s))
 
     def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float) -> None:
         """A hint: these chunks (their leading part, as `finished`) are wanted in `in_s`

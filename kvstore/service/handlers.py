@@ -38,6 +38,7 @@ from kvstore.service.next_turns import NextTurns
 from kvstore.service.window import Window
 from kvstore.store import leases
 from kvstore.store.tiered import TieredStore
+from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
 # The counters a client may add to (the scheduler's and the workers'): a bounded set of
@@ -108,6 +109,8 @@ class Requests:
             return self._residency(store, request), ()
         if isinstance(request, P.Finished):
             self.next_turns.finished(request.ranks)
+            if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
+                store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
             return None, ()
         if isinstance(request, P.Expect):
             self.next_turns.expect(request.ranks, request.in_s)

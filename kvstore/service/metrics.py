@@ -10,6 +10,9 @@ the hot path pays nothing extra.
   kvstore_tier_capacity_bytes{tier}
   kvstore_read_latency_seconds{tier,quantile}  per-chunk read latency, recent samples
   kvstore_read_seconds{tier}        histogram of per-chunk read latency since start
+  kvstore_disk_admission_threshold{policy}  the return rate `learned` admission asks (and the
+                                    write budget's, if higher: kvstore_disk_write_budget_threshold)
+  kvstore_disk_write_budget_bytes_per_day, kvstore_disk_write_budget_left_bytes  with a budget
   kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
   kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
 The service's own counters (`malformed.*`: input it refused) are added to the store's,
@@ -79,7 +82,27 @@ class StoreCollector(Collector):
             buckets, seconds = store.stats.histogram(f"{tier['name']}.read")
             histogram.add_metric([tier["name"]], buckets, seconds)
         yield histogram
+        yield from _admission_families(info.get("admission", {}))
         yield from _device_families(info)
+
+
+def _admission_families(admission: dict) -> Iterator[GaugeMetricFamily]:
+    """Disk admission's threshold and write budget (its counters are Stats counters:
+    kvstore_disk_admitted_total, kvstore_disk_admission_refused_total, kvstore_disk_budget_refused_total)."""
+    if "threshold" in admission:
+        threshold = GaugeMetricFamily("kvstore_disk_admission_threshold",
+                                      "the return rate learned disk admission asks of a chunk's bucket",
+                                      labels=["policy"])
+        threshold.add_metric([admission["policy"]], admission["threshold"])
+        yield threshold
+    for field, name, text in (
+            ("budget_bytes_per_day", "kvstore_disk_write_budget_bytes_per_day", "the disk write budget"),
+            ("budget_left_bytes", "kvstore_disk_write_budget_left_bytes",
+             "bytes the budget lets be written now"),
+            ("budget_threshold", "kvstore_disk_write_budget_threshold",
+             "the return rate the write budget asks now")):
+        if field in admission:
+            yield GaugeMetricFamily(name, text, value=admission[field])
 
 
 def _device_families(info: dict) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

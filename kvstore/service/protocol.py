@@ -13,7 +13,10 @@ Requests (a tagged union) and what a Reply's value holds:
                               or None; where the client may map the DRAM tier, also
                               "tier_bytes", "tier_pages" (+ the tier's fd, sealed read-only)
   Residency(ranks, prefetch)-> [leading chunks every rank has, of those in DRAM, promotion pending]
-  Finished(ranks)          -> None; a request's chunks (per rank) ended: its next turn is expected
+  Finished(ranks, answer_tokens, turn, idle_s)
+                           -> None; a request's chunks (per rank) ended: its next turn is expected;
+                              how it ended (answer length, turn, idle time before it; none of it
+                              from an older client) feeds `learned` disk admission
   Expect(ranks, in_s)      -> None; a hint: these chunks are wanted in `in_s` seconds
   Count(counters)          -> None; adds to the service's counters
   Get(keys, slots)         -> [bool]: window slot slots[i] now holds chunk keys[i]
@@ -54,8 +57,9 @@ from typing import Annotated, Any
 import msgspec
 
 from kvstore.format.errors import KVStoreError
+from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how it ended
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
@@ -73,6 +77,8 @@ Ranks = Annotated[list[Keys], msgspec.Meta(max_length=MAX_RANKS)]
 Whole = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Amount = Annotated[float, msgspec.Meta(ge=0, le=1e15)]  # NaN and inf fail both bounds
 Name = Annotated[str, msgspec.Meta(max_length=64)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]  # an answer's tokens, a chain's turns
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_IDLE_S)]  # NaN and inf fail both bounds
 
 
 class ProtocolError(KVStoreError):
@@ -95,6 +101,9 @@ class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
 
 class Finished(msgspec.Struct, tag="finished", forbid_unknown_fields=True):
     ranks: Ranks  # a finished request's stored chunks (prompt and answer), per rank
+    answer_tokens: Tokens | None = None  # None: how it ended is not told
+    turn: Tokens = 0  # times the chain it extends had been extended (connectors' ChainHistory)
+    idle_s: Seconds | None = None  # how long that chain was idle before it; None: a new chain
 
 
 class Expect(msgspec.Struct, tag="expect", forbid_unknown_fields=True):

@@ -10,6 +10,7 @@ part once, whatever was built.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config.store import StoreConfig
@@ -21,6 +22,7 @@ from kvstore.datapath.reader import DiskReader
 from kvstore.devices.device import DevicePlan
 from kvstore.devices.nvmeof.plans import namespace_plans
 from kvstore.format.record import HEADER_BLOCK, record_bytes
+from kvstore.format.units import parse_write_budget
 from kvstore.io import IoEngine, make_engine
 from kvstore.io.memfd import SharedMemory
 from kvstore.io.regions import DirectRegions
@@ -30,6 +32,7 @@ from kvstore.tiers.dram import DramTier
 from kvstore.tiers.health_monitor import HealthMonitor
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.recover import RecoveryReport, checkpoint, recover
+from kvstore.tiers.slots import Entry
 from kvstore.tiers.stats import Stats
 
 if TYPE_CHECKING:
@@ -53,6 +56,7 @@ class StoreParts:
         self.policy = TierPolicy(promote_on_hit=config.promote_on_hit,
                                  write_through=config.write_policy == "write_through",
                                  admission=config.disk_admission, disk_min_seen=config.disk_min_seen,
+                                 admission_threshold=config.disk_admission_threshold,
                                  eviction=config.eviction, chunk_tokens=config.chunk_tokens)
         self.regions = DirectRegions()
         self.ledger = PrefetchLedger(self.stats, chunk_bytes)
@@ -89,11 +93,17 @@ class StoreParts:
                                  timeout_s=io.timeout_s, breaker_threshold=io.breaker_threshold)
             self.recovery = recover(self.disk)
             self.disk.table.set_eviction(self.policy.make_eviction())
-            for counter in ("disk.bytes_written", "disk.admission_refused"):  # scraped from the start
+            for counter in ("disk.bytes_written", "disk.admitted", "disk.admission_refused",
+                            "disk.budget_refused"):  # scraped from the start
                 self.stats.add(counter, 0)
             self.flusher = Flusher(self.disk, self.dram, self.policy, self.staging,
                                    queue_chunks=config.write_behind_chunks, background=background,
                                    held_elsewhere=self.peer_copies.__contains__)
+        dram_chunks = self.dram.table.capacity if self.dram is not None else 0
+        self.policy.set_capacity(dram_chunks, dram_chunks + (self.disk.table.capacity if self.disk else 0))
+        self.set_write_budget(config.disk_write_budget)
+        if self.dram is not None and self.disk is not None:
+            self.dram.table.listeners.append(self._left_dram)
         if self.dram is not None:
             self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
@@ -115,6 +125,26 @@ class StoreParts:
             self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
                                        peer_copies=self.peer_copies, background=background)
 
+    def _left_dram(self, published: bool, entry: Entry) -> None:
+        """The DRAM table's event (under its lock): a chunk that leaves DRAM is told to the
+        policy, with whether its disk copy (or a peer's) is there; one the disk refused is
+        counted here, once, however many times a victim scan asked about it."""
+        if not published:
+            key = entry.key
+            on_disk = (self.disk is not None and key in self.disk.table) or key in self.peer_copies
+            reason = self.policy.left_dram(key, on_disk)
+            if reason is not None:
+                self.stats.add("disk.admission_refused")
+                if reason == "budget":
+                    self.stats.add("disk.budget_refused")
+
+    def set_write_budget(self, budget: int | str | None) -> None:
+        """Cap the disk tier's writes (config `disk_write_budget`: bytes a day, or drive writes
+        per day of its capacity); None lifts the cap. Without a disk tier there is nothing to cap."""
+        per_day = None if budget is None or self.disk is None else parse_write_budget(
+            budget, self.disk.capacity_bytes())
+        self.policy.set_budget(per_day, self.slot_bytes)
+
     def touch(self, keys: list[bytes]) -> None:
         """Mark `keys` (one chain, head first) recently used in every local tier."""
         for tier in (self.dram, self.disk):
@@ -130,16 +160,25 @@ class StoreParts:
         return None
 
     def switch_policy(self, admission: str | None = None, eviction: str | None = None,
-                      min_seen: int | None = None) -> None:
-        """Change disk admission (and `disk_min_seen`) and eviction while serving (the service's
-        SIGHUP reload): no chunk a tier holds is dropped or rewritten; only later decisions change."""
-        if admission is not None or min_seen is not None:
-            self.policy.set_admission(admission or self.policy.admission, min_seen)
+                      min_seen: int | None = None, threshold: float | None = None) -> None:
+        """Change disk admission (with `disk_min_seen`, `disk_admission_threshold`) and eviction
+        while serving (the service's SIGHUP reload): no chunk a tier holds is dropped or
+        rewritten; only later decisions change."""
+        if admission is not None or min_seen is not None or threshold is not None:
+            self.policy.set_admission(admission or self.policy.admission, min_seen, threshold)
         if eviction is not None:
             self.policy.set_eviction(eviction)
             for tier in (self.dram, self.disk):
                 if tier is not None:
                     tier.table.set_eviction(self.policy.make_eviction())
+
+    def reload_policy(self, live: Mapping[str, Any]) -> None:
+        """Apply the live keys a config reload changed (config.store.LIVE_KEYS, the service's
+        SIGHUP), keeping every chunk a tier holds."""
+        self.switch_policy(admission=live.get("disk_admission"), eviction=live.get("eviction"),
+                           min_seen=live.get("disk_min_seen"), threshold=live.get("disk_admission_threshold"))
+        if "disk_write_budget" in live:
+            self.set_write_budget(live["disk_write_budget"])
 
     def info(self) -> dict[str, Any]:
         tiers = []
@@ -157,7 +196,7 @@ class StoreParts:
                                       zip(self.disk.devices.devices, health, strict=True)]})
         info = {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes,
                 "io_engine": self.engine.name, "tiers": tiers, "counters": self.stats.snapshot(),
-                "recovery": self.recovery.as_dict()}
+                "recovery": self.recovery.as_dict(), "admission": self.policy.describe()}
         if self.cluster is not None:
             info["cluster"] = self.cluster.info()
         return info

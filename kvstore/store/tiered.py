@@ -34,6 +34,7 @@ from kvstore.store.parts import StoreParts
 from kvstore.store.purge import purge
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
+from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,12 @@ class TieredStore:
         """Remove every record whose header names one of `namespaces` from every tier of
         this host (store/purge.py); a dry run only counts them."""
         return purge(self, set(check_keys(list(namespaces))), dry_run)
+
+    def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd) -> None:
+        """A request that stored or read these chunks (one chain per tensor-parallel rank)
+        ended so: what `learned` disk admission learns from (tiers/return_rates.py)."""
+        for keys in ranks:
+            self.parts.policy.finished(check_keys(keys), end)
 
     # -- housekeeping ----------------------------------------------------------------
 

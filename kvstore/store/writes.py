@@ -50,7 +50,8 @@ class Writes:
                 parts.stats.add("host.bytes_written", len(to_dram) * parts.chunk_bytes)
         if to_disk and parts.flusher is not None:
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
-            parts.stats.add("disk.admission_refused", len(to_disk) - len(admitted))
+            refused = set(to_disk) - set(admitted)
+            parts.flusher.count_refused([keys[i] for i in to_disk if i in refused])
             headers = [self.encoder.header(keys[i], parents[i], seq, views[i], namespace) for i in admitted]
             done = parts.flusher.put_direct(headers, [views[i] for i in admitted])
             for i, landed in zip(admitted, done, strict=True):

@@ -3,25 +3,32 @@
 Most chunks of real traffic are computed once and never asked for again; writing them
 spends the SSD's endurance and write bandwidth and pushes a useful chunk off the disk.
 A policy sees every chain a request stores or reads (`see`) and says whether a chunk
-may be written to disk now (`admit`). Policies (ADMISSIONS, named in the config's
-`disk_admission`):
+may be written to disk now (`admit`); the `learned` one also hears how requests ended
+(`finished`) and which chunks left DRAM (`left`). Policies (ADMISSIONS, named in the
+config's `disk_admission`):
   all           every chunk (the store's behaviour before admission existed)
   second-touch  a chunk seen `min_seen` (2) times while still remembered in a bounded
                 ghost list (least recently seen forgotten first)
   tinylfu       a chunk whose estimated frequency, in a count-min sketch whose counters
                 are halved every `10 x width` sightings (aging), reaches `min_seen`
-  predicted     a chunk seen twice, or one whose prefix family (chains sharing a first
-                chunk: a system prompt, an agent's instructions) has had at least
-                RETURN_RATE of its chunks come back: its new chunks will likely too
+  predicted     a chunk seen twice, or one whose prefix family (chains since the last
+                chunk where chains sharing their prefix diverged: policy.py) has had at
+                least RETURN_RATE of its chunks come back: its new chunks will likely too
                 (everyone's rate, halved as it grows so recent families weigh most, stands
                 for a family with few chunks)
+  learned       a chunk whose bucket (return_rates.py: the answer length, turn and idle
+                time of the request that last named it, its chain's length, whether an
+                earlier request named the chunk and whether it came back before) has come
+                back after leaving DRAM at least `threshold` of the time
+Each is made from (min_seen, capacity, threshold) and takes what it needs (make_admission).
 Invariants: every policy's memory is bounded (`capacity` keys or sketch counters)
-however many distinct chunks pass; `admit` never changes state. Not thread-safe:
-TierPolicy (policy.py) calls them under its lock.
+however many distinct chunks pass; `admit` and `rate_of` never change state. Not
+thread-safe: TierPolicy (policy.py) calls them under its lock.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -29,10 +36,12 @@ from typing import Protocol
 import xxhash
 
 from kvstore.tiers.next_turn import return_rate
+from kvstore.tiers.return_rates import RequestEnd, ReturnRates
 
 TRACKED_KEYS = 1 << 16
 RETURN_RATE = 0.5  # `predicted`: a family whose chunks came back at least this often
 _FAMILY_MIN = 8  # `predicted`: a family's own rate counts once it has this many chunks
+THRESHOLD = 0.25  # `learned`: the return rate a chunk's bucket needs
 _HALVE = bytes(i >> 1 for i in range(256))  # counter aging, one table lookup per byte
 
 
@@ -40,16 +49,38 @@ class Admission(Protocol):
     name: str
 
     def see(self, keys: Sequence[bytes], family: bytes) -> None:
-        """A request stored or read these chunks of one chain whose first chunk is `family`."""
+        """A request stored or read these chunks of one chain of prefix family `family`."""
 
     def admit(self, key: bytes) -> bool:
         """Whether the disk takes this chunk now."""
 
+    def finished(self, keys: Sequence[bytes], end: RequestEnd) -> None:
+        """A request that named these chunks ended so."""
 
-class AdmitAll:
+    def left(self, key: bytes) -> None:
+        """The chunk left DRAM."""
+
+    def rate_of(self, key: bytes) -> float:
+        """How likely the chunk is to come back once out of DRAM (1: as far as it knows, sure)."""
+
+
+class Unlearned:
+    """What the policies that learn nothing from ends and departures answer about them."""
+
+    def finished(self, keys: Sequence[bytes], end: RequestEnd) -> None:
+        pass
+
+    def left(self, key: bytes) -> None:
+        pass
+
+    def rate_of(self, key: bytes) -> float:
+        return 1.0
+
+
+class AdmitAll(Unlearned):
     name = "all"
 
-    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS, threshold: float = THRESHOLD) -> None:
         """Takes what every policy takes (make_admission), and needs none of it."""
 
     def see(self, keys: Sequence[bytes], family: bytes) -> None:
@@ -59,12 +90,12 @@ class AdmitAll:
         return True
 
 
-class SecondTouch:
+class SecondTouch(Unlearned):
     """Admit on the `min_seen`-th sighting; the ghost list remembers `capacity` keys."""
 
     name = "second-touch"
 
-    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS, threshold: float = THRESHOLD) -> None:
         self.min_seen = min_seen
         self.capacity = capacity
         self._seen: OrderedDict[bytes, int] = OrderedDict()
@@ -82,14 +113,15 @@ class SecondTouch:
         return self.min_seen <= 1 or self.count(key) >= self.min_seen
 
 
-class TinyLFU:
-    """A count-min sketch (4 rows of 8-bit saturating counters) with periodic halving,
-    so a chunk popular long ago does not stay admitted forever."""
+class TinyLFU(Unlearned):
+    """A count-min sketch (4 rows of 8-bit saturating counters, each row at least as wide as
+    `capacity`, the chunks the tiers hold) with periodic halving, so a chunk popular long
+    ago does not stay admitted forever."""
 
     name = "tinylfu"
     ROWS = 4
 
-    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS, threshold: float = THRESHOLD) -> None:
         self.min_seen = min_seen
         self.width = 1 << max(4, (capacity - 1).bit_length())
         self._rows = [bytearray(self.width) for _ in range(self.ROWS)]
@@ -119,12 +151,12 @@ class TinyLFU:
         return self.min_seen <= 1 or self.estimate(key) >= self.min_seen
 
 
-class Predicted:
+class Predicted(Unlearned):
     """Second touch, plus first-touch admission for families whose chunks come back."""
 
     name = "predicted"
 
-    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS) -> None:
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS, threshold: float = THRESHOLD) -> None:
         self.ghost = SecondTouch(min_seen, capacity)
         self.capacity = capacity
         self._family: OrderedDict[bytes, bytes] = OrderedDict()  # chunk -> its family
@@ -164,12 +196,42 @@ class Predicted:
         return family is not None and self.return_rate(family) >= RETURN_RATE
 
 
-ADMISSIONS: dict[str, Callable[[int], Admission]] = {
-    policy.name: policy for policy in (AdmitAll, SecondTouch, TinyLFU, Predicted)}
+class Learned:
+    """Admit a chunk whose bucket's return rate (ReturnRates) is at least `threshold`."""
+
+    name = "learned"
+
+    def __init__(self, min_seen: int = 2, capacity: int = TRACKED_KEYS, threshold: float = THRESHOLD) -> None:
+        """Takes what every policy takes (make_admission); `min_seen` it does not need. Its
+        `clock` (TierPolicy's: the trace's in a replay) times departures and returns."""
+        self.threshold = threshold
+        self.rates = ReturnRates(capacity)
+        self.clock: Callable[[], float] = time.monotonic
+
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        self.rates.named(keys, self.clock())
+
+    def finished(self, keys: Sequence[bytes], end: RequestEnd) -> None:
+        self.rates.finished(keys, end)
+
+    def left(self, key: bytes) -> None:
+        self.rates.left(key, self.clock())
+
+    def rate_of(self, key: bytes) -> float:
+        return self.rates.rate_of(key, self.clock())
+
+    def admit(self, key: bytes) -> bool:
+        return self.rate_of(key) >= self.threshold
 
 
-def make_admission(name: str, min_seen: int = 2) -> Admission:
-    """The named policy (ADMISSIONS); a bad name is a ValueError naming the known ones."""
+ADMISSIONS: dict[str, Callable[[int, int, float], Admission]] = {
+    policy.name: policy for policy in (AdmitAll, SecondTouch, TinyLFU, Predicted, Learned)}
+
+
+def make_admission(name: str, min_seen: int = 2, capacity: int = TRACKED_KEYS,
+                   threshold: float = THRESHOLD) -> Admission:
+    """The named policy (ADMISSIONS) remembering `capacity` keys; a bad name is a ValueError
+    naming the known ones."""
     if name not in ADMISSIONS:
         raise ValueError(f"disk admission {name!r}: one of {', '.join(ADMISSIONS)}")
-    return ADMISSIONS[name](min_seen)
+    return ADMISSIONS[name](min_seen, capacity, threshold)

@@ -6,9 +6,14 @@ ask this object the same questions, so a replay's hit ratios are the store's:
 - a victim of the top tier is demoted to the tier below unless that tier holds it
   already or does not admit it (then it is simply evicted: `admission_refused`);
 - the disk admits a chunk as the `admission` policy says (admission.py: `all`,
-  `second-touch`, `tinylfu`, `predicted`), from the chains requests stored or read
-  (`seen`); with write_through every chunk goes down as soon as it is stored and is
+  `second-touch`, `tinylfu`, `predicted`, `learned`), from the chains requests stored or
+  read (`seen`), how requests ended (`finished`) and what left DRAM (`left_dram`, told by
+  the DRAM table's events); `admits` only asks, so a victim scan may ask it of many
+  chunks; with write_through every chunk goes down as soon as it is stored and is
   never refused (a PD producer in a cluster relies on it: connectors/handoff.py);
+- with a write budget (write_budget.py) the disk also refuses chunks whose return rate is
+  under the budget's threshold, and every disk write is claimed from its allowance first
+  (`claim_writes`, `settle_writes`): the budget is never exceeded;
 - each tier evicts by `eviction` (eviction.py): `lru`, or `cost`, whose value of a
   chunk is `chunk_cost` (below) on top of a clock that makes recency its chance of reuse;
 - a lower-tier hit is promoted to the top (promote_on_hit).
@@ -22,8 +27,11 @@ where `crossover_tokens` is the context length at which a token's attention FLOP
 its linear FLOPs (Llama 3.1 8B: 2 x 8.0e9 / (4 x 32 x 4096) = about 30,500; 32,768 here).
 A chunk's depth (and its family, for `predicted`) is learned from the chains seen, in a
 bounded memory kept only while `cost` or `predicted` asks for it; an unknown depth is 0.
+A family is a chain from the last chunk where chains sharing their prefix diverged: every
+request may start with one system prompt, and each conversation is still a family of its
+own (a chunk with two different children seen is a branch; the child starts a family).
 
-Switching a policy at runtime (`set_admission`, `set_eviction` with SlotTable.set_eviction:
+Switching a policy at runtime (`set_admission`, `set_budget`, `set_eviction` with SlotTable.set_eviction:
 StoreParts.switch_policy (store.parts.switch_policy), which `kvstore serve` calls on SIGHUP) keeps every
 chunk a tier holds: admission only decides future writes, and the new eviction order is
 built from the chunks already published.
@@ -32,17 +40,77 @@ built from the chunks already published.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvstore.tiers.admission import TRACKED_KEYS, Admission, make_admission
+from kvstore.tiers.admission import THRESHOLD, TRACKED_KEYS, Admission, Learned, make_admission
 from kvstore.tiers.eviction import CostAware, Eviction, PrefixLRU
+from kvstore.tiers.return_rates import RequestEnd
 from kvstore.tiers.slots import Fate
+from kvstore.tiers.write_budget import WriteBudget
 
 EVICTIONS = ("lru", "cost")
 DEFAULT_ADMISSION = "all"
 CROSSOVER_TOKENS = 32768
 _DEPTHS = 4 * TRACKED_KEYS  # chunks whose depth and family are remembered
+# however large the tiers: the most keys `learned` remembers a kind of (about 560 bytes for each
+# of its labels, departures, returns and queue entry: 280 MiB), and tinylfu's counters a row (16 MiB)
+_MOST_LEARNED, _MOST_COUNTERS = 1 << 19, 1 << 22
+_BRANCHED = b""  # a chunk seen with two different children
+
+
+class ChainMemory:
+    """Each chunk's depth in its chain and its prefix family, from the chains seen (at most
+    `capacity` chunks, the least recently seen forgotten first). A chunk seen with two
+    different children is a branch; a family starts at the child of the last branch above
+    it, or at the chain's first chunk. Not thread-safe: TierPolicy calls it under its lock."""
+
+    def __init__(self, capacity: int = _DEPTHS) -> None:
+        self.capacity = capacity
+        self._chains: OrderedDict[bytes, list[Any]] = OrderedDict()  # key -> [family, depth, child]
+
+    def record(self, keys: list[bytes], parent: bytes | None) -> bytes:
+        """These chunks of one chain, `parent` before the first, were seen: their family."""
+        above = None if parent is None else self._chains.get(parent)
+        first = self._chains.get(keys[0])  # a read of a chain's later part: known already
+        if above is not None:
+            family, depth = above[0], above[1]
+        elif first is not None:
+            family, depth = first[0], first[1] - 1
+        else:
+            family, depth = keys[0], -1
+        for before, key in zip([parent, *keys[:-1]], keys, strict=True):
+            depth += 1
+            if self._branches(before, key):
+                family = key
+            known = self._chains.get(key)
+            self._chains[key] = [family, depth, None if known is None else known[2]]
+            self._chains.move_to_end(key)
+        while len(self._chains) > self.capacity:
+            self._chains.popitem(last=False)
+        return family
+
+    def _branches(self, parent: bytes | None, key: bytes) -> bool:
+        """Whether `parent` now has another child than `key` too."""
+        known = None if parent is None else self._chains.get(parent)
+        if known is None:
+            return False
+        if known[2] is None:
+            known[2] = key
+        elif known[2] != key:
+            known[2] = _BRANCHED
+        return known[2] == _BRANCHED
+
+    def depth(self, key: bytes, parent: bytes | None) -> int:
+        """The chunk's position in its chain (0: the first), as far as it is remembered."""
+        known = self._chains.get(key)
+        if known is None and parent is not None:
+            above = self._chains.get(parent)
+            return 0 if above is None else above[1] + 1
+        return 0 if known is None else known[1]
 
 
 @dataclass
@@ -51,24 +119,67 @@ class TierPolicy:
     write_through: bool = False
     admission: str = DEFAULT_ADMISSION
     disk_min_seen: int = 2  # sightings `second-touch`, `tinylfu` and `predicted` ask for
+    admission_threshold: float = THRESHOLD  # the return rate `learned` asks of a chunk's bucket
     eviction: str = "lru"
     chunk_tokens: int = 256
-    crossover_tokens: int = CROSSOVER_TOKENS
+    crossover_tokens: int = field(default=CROSSOVER_TOKENS, init=False)
+    clock: Callable[[], float] = field(default=time.monotonic, init=False, repr=False, compare=False)
 
     # guards the admission state and the chains; not a setting, so not a constructor parameter
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.set_eviction(self.eviction)
-        self._admission: Admission = make_admission(self.admission, self.disk_min_seen)
-        self._chains: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()  # key -> (family, depth)
+        self._capacity = (TRACKED_KEYS, TRACKED_KEYS)  # (learned's keys, tinylfu's counters a row)
+        self._budget: WriteBudget | None = None
+        self._admission: Admission = self._make(self.admission, self.disk_min_seen, self.admission_threshold)
+        self._chains = ChainMemory()
 
-    def set_admission(self, name: str, min_seen: int | None = None) -> None:
-        """Switch the disk admission policy (and its sightings) now; what the disk holds stays."""
-        admission = make_admission(name, self.disk_min_seen if min_seen is None else min_seen)
+    def _make(self, name: str, min_seen: int, threshold: float) -> Admission:
+        capacity = {"learned": self._capacity[0], "tinylfu": self._capacity[1]}.get(name, TRACKED_KEYS)
+        admission = make_admission(name, min_seen, capacity, threshold)
+        if isinstance(admission, Learned):
+            admission.clock = lambda: self.clock()  # the clock a replay sets later, too
+        return admission
+
+    def set_capacity(self, dram_chunks: int, stored_chunks: int) -> None:
+        """Size what admission remembers from the tiers (before any traffic: the policy is
+        made anew): `learned` a label for every chunk DRAM holds (and as many departures),
+        `tinylfu` a counter a row for every chunk the tiers hold; at least TRACKED_KEYS, at
+        most _MOST_LEARNED and _MOST_COUNTERS."""
+        self._capacity = (min(_MOST_LEARNED, max(TRACKED_KEYS, dram_chunks)),
+                          min(_MOST_COUNTERS, max(TRACKED_KEYS, stored_chunks)))
+        admission = self._make(self.admission, self.disk_min_seen, self.admission_threshold)
+        with self._lock:
+            self._admission = admission
+
+    def set_admission(self, name: str, min_seen: int | None = None, threshold: float | None = None) -> None:
+        """Switch the disk admission policy (its sightings, its threshold) now; what the disk
+        holds stays, and so does what `learned` has learned when only its threshold changes."""
+        min_seen = self.disk_min_seen if min_seen is None else min_seen
+        threshold = self.admission_threshold if threshold is None else threshold
+        with self._lock:
+            if isinstance(self._admission, Learned) and name == self.admission:
+                self._admission.threshold = self.admission_threshold = threshold
+                return
+        admission = self._make(name, min_seen, threshold)
         with self._lock:
             self.admission, self._admission = name, admission
-            self.disk_min_seen = self.disk_min_seen if min_seen is None else min_seen
+            self.disk_min_seen, self.admission_threshold = min_seen, threshold
+
+    def use_admission(self, admission: Admission) -> None:
+        """Admit by a policy made elsewhere (the replay's clairvoyant bound, bench/replay.py)."""
+        with self._lock:
+            self.admission, self._admission = admission.name, admission
+
+    def set_budget(self, bytes_per_day: int | None, write_bytes: int = 1) -> None:
+        """Cap the disk's writes at `bytes_per_day` (None: no cap), each write costing
+        `write_bytes`. A new budget starts with the old one's allowance left, if smaller."""
+        with self._lock:
+            old, now = self._budget, self.clock()
+            self._budget = None if bytes_per_day is None else WriteBudget(bytes_per_day, write_bytes, now)
+            if old is not None and self._budget is not None:
+                self._budget.carry(old.left(now), now)
 
     def set_eviction(self, name: str) -> None:
         """Name the eviction order make_eviction builds (the tables switch with
@@ -89,38 +200,83 @@ class TierPolicy:
             if self.eviction != "cost" and self.admission != "predicted":  # no depth or family asked
                 self._admission.see(keys, keys[0])
                 return
-            above = None if parent is None else self._chains.get(parent)
-            first = self._chains.get(keys[0])  # a read of a chain's later part: known already
-            if above is not None:
-                family, depth = above
-            elif first is not None:
-                family, depth = first[0], first[1] - 1
-            else:
-                family, depth = keys[0], -1
-            for key in keys:
-                depth += 1
-                self._chains[key] = (family, depth)
-                self._chains.move_to_end(key)
-            while len(self._chains) > _DEPTHS:
-                self._chains.popitem(last=False)
-            self._admission.see(keys, family)
+            self._admission.see(keys, self._chains.record(keys, parent))
+
+    def finished(self, keys: Sequence[bytes], end: RequestEnd) -> None:
+        """A request that named these chunks ended so (what `learned` learns from)."""
+        if keys and self.admission == "learned":
+            with self._lock:
+                self._admission.finished(keys, end)
+
+    def left_dram(self, key: bytes, on_disk: bool) -> str | None:
+        """The DRAM table's event: this chunk left DRAM (`on_disk`: its disk copy is there,
+        written now or before). Without one it was refused: why (`refusal`) is returned, and it
+        counts among the chunks the budget's threshold weighs. None: not refused."""
+        if self.admission == "all" and self._budget is None:
+            return None  # nothing refused, nothing learned: no lock on every eviction
+        reason = None if on_disk or self.write_through else self.refusal(key)
+        with self._lock:
+            if self._budget is not None and not on_disk:
+                self._budget.offered(self._admission.rate_of(key), self.clock())
+            self._admission.left(key)
+        return reason
 
     def admits(self, key: bytes) -> bool:
-        """Whether the disk takes this chunk now (always, writing through or under `all`:
-        without the lock, as a victim's fate is asked under the DRAM table's)."""
-        if self.write_through or self.admission == "all":
+        """Whether the disk takes this chunk now (always, writing through or under `all`
+        without a budget: without the lock, as a victim's fate is asked under the DRAM
+        table's). Changes nothing, however often asked."""
+        if self.write_through or (self.admission == "all" and self._budget is None):
             return True
+        return self.refusal(key) is None
+
+    def refusal(self, key: bytes) -> str | None:
+        """Why the disk refuses this chunk now: `policy` (its admission), `budget` (the write
+        budget's threshold, or no allowance left), or None: it admits it."""
         with self._lock:
-            return self._admission.admit(key)
+            if not self._admission.admit(key):
+                return "policy"
+            budget = self._budget
+            if budget is None:
+                return None
+            now = self.clock()
+            if not budget.room(now) or self._admission.rate_of(key) < budget.threshold(now):
+                return "budget"
+            return None
+
+    def claim_writes(self, chunks: int) -> int:
+        """How many of `chunks` disk writes the budget lets the caller issue now (charged at
+        once; settle_writes gives back what did not land)."""
+        if self._budget is None:
+            return chunks
+        with self._lock:
+            return self._budget.claim(chunks, self.clock()) if self._budget is not None else chunks
+
+    def settle_writes(self, claimed: int, landed: Sequence[bytes]) -> None:
+        """Of `claimed` disk writes, these chunks landed: the rest is given back to the budget,
+        and what was written counts among the chunks its threshold weighs."""
+        if self._budget is None:
+            return
+        with self._lock:
+            budget, now = self._budget, self.clock()
+            if budget is not None:
+                budget.refund(claimed - len(landed), now)
+                for key in landed:
+                    budget.offered(self._admission.rate_of(key), now)
+
+    def describe(self) -> dict[str, Any]:
+        """The admission policy and its budget as `kvstore info` shows them."""
+        with self._lock:
+            info: dict[str, Any] = {"policy": self.admission}
+            if self.admission == "learned":
+                info["threshold"] = self.admission_threshold
+            if self._budget is not None:
+                info.update(self._budget.describe(self.clock()))
+            return info
 
     def depth(self, key: bytes, parent: bytes | None = None) -> int:
         """The chunk's position in its chain (0: the first), as far as it is remembered."""
         with self._lock:
-            known = self._chains.get(key)
-            if known is None and parent is not None:
-                above = self._chains.get(parent)
-                return 0 if above is None else above[1] + 1
-            return 0 if known is None else known[1]
+            return self._chains.depth(key, parent)
 
     def chunk_cost(self, key: bytes, parent: bytes | None = None) -> float:
         """What recomputing this chunk costs, in units of one chunk's linear work."""

@@ -1,0 +1,196 @@
+"""Which chunks come back after they leave DRAM, learned per bucket of the request that
+last named them (the `learned` disk admission, admission.py).
+
+A request that ends is described by what the connector knows of it (`RequestEnd`: its
+answer's length, how many times the chain it extends had been extended before, the
+conversation's turn, and how long that chain had been idle) and by its length in chunks.
+Its chunks are labelled with that bucket, split again by whether an earlier request had
+named the chunk too (a shared prefix, or a document asked about again) and whether the
+chunk has come back before. When a chunk leaves DRAM it is a departure of its bucket, and
+when a later request names it again (stores or reads it) while it is remembered, a return.
+
+A bucket's return rate is its returns over its departures' exposure. A departure that has
+not come back yet may still: counting it in full at once would take every bucket for one
+that never returns until its returns arrive (minutes, when people come back to a
+conversation). So a departure counts in proportion to the time it has been out, up to
+`ramp_s` (twice the mean delay of the returns seen, at least RAMP_S[0]), and in full after
+or once it has come back. The rate is drawn toward everyone's while a bucket has little
+exposure (`PRIOR_WEIGHT`), and everyone's toward 1: before anything is learned nothing is
+refused. A chunk with no label (its request never said how it ended) is in bucket 0 (of
+its split), which learns like any other.
+
+Invariants: memory is bounded whatever passes: at most `capacity` labels, `capacity`
+departed chunks, `capacity` chunks seen back and `capacity` queued departures (the least
+recent forgotten first, a forgotten departure counted in full), and a few numbers per
+bucket (BUCKETS of them); the counts are halved once `capacity` departures have been
+counted since the last halving, so a change of traffic is followed. Only `finished`,
+`left` and `named` change state; `rate` and `rate_of` never do. Not thread-safe
+(TierPolicy calls it under its lock).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+ANSWER_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024)  # answer tokens: 9 bins
+TURN_EDGES = (1, 2, 3, 6)  # times the chain had been extended: 0, 1, 2, 3-5, 6+
+IDLE_EDGES = (10.0, 60.0, 300.0, 1800.0)  # seconds idle before the request: 5 bins, and "new"
+LENGTH_EDGES = (4, 16, 64)  # chunks in the chain: 4 bins
+UNKNOWN = 0  # the bucket of a chunk whose request did not say how it ended
+ENDS = 1 + (len(ANSWER_EDGES) + 1) * (len(TURN_EDGES) + 1) * (len(IDLE_EDGES) + 2) * (len(LENGTH_EDGES) + 1)
+BUCKETS = 4 * ENDS  # and each again for chunks named before, and for chunks that have come back before
+PRIOR_WEIGHT = 4.0  # departures' worth of everyone's rate in a bucket's own
+RAMP_S = (300.0, 300.0, 3600.0)  # a departure's exposure ramp: least, before any return, most
+MAX_TOKENS = 1 << 31  # an answer's tokens, and a chain's turns, as the protocol bounds them
+MAX_IDLE_S = 1e9  # seconds: about 32 years
+
+
+@dataclass(frozen=True)
+class RequestEnd:
+    """What is known of a request when it ends: its answer's tokens, how many times the
+    chain it extends had been extended (0: a new chain), and how long that chain had been
+    idle before it arrived (None: a new chain)."""
+
+    answer_tokens: int
+    turn: int = 0
+    idle_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.answer_tokens <= MAX_TOKENS or not 0 <= self.turn <= MAX_TOKENS:
+            raise ValueError(f"answer_tokens {self.answer_tokens} and turn {self.turn}: 0 to {MAX_TOKENS}")
+        if self.idle_s is not None and not (math.isfinite(self.idle_s) and 0 <= self.idle_s <= MAX_IDLE_S):
+            raise ValueError(f"idle_s {self.idle_s}: a number of seconds from 0 to {MAX_IDLE_S:g}")
+
+    def bucket(self, chunks: int = 1) -> int:
+        """1 .. ENDS - 1: the answer's, the turn's, the idle time's and the chain length's bins together."""
+        answer = bisect.bisect_right(ANSWER_EDGES, self.answer_tokens)
+        turn = bisect.bisect_right(TURN_EDGES, self.turn)
+        idle = 0 if self.idle_s is None else 1 + bisect.bisect_right(IDLE_EDGES, self.idle_s)
+        length = bisect.bisect_right(LENGTH_EDGES, chunks)
+        request = (answer * (len(TURN_EDGES) + 1) + turn) * (len(IDLE_EDGES) + 2) + idle
+        return 1 + request * (len(LENGTH_EDGES) + 1) + length
+
+
+class ReturnRates:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._label: OrderedDict[bytes, int] = OrderedDict()  # chunk -> its last request's bucket
+        self._came_back: OrderedDict[bytes, None] = OrderedDict()  # chunks seen back at least once
+        # chunks out of DRAM and not back: [bucket, when it left, still within its ramp]
+        self._departed: OrderedDict[bytes, list[Any]] = OrderedDict()
+        self._young: deque[tuple[float, bytes]] = deque()  # departures as they left, oldest first
+        self.returns = [0.0] * BUCKETS
+        self.settled = [0.0] * BUCKETS  # departures counted in full
+        self._ramping = [[0, 0.0] for _ in range(BUCKETS + 1)]  # within the ramp: count, sum of times
+        self._totals = [0.0, 0.0]  # every bucket's returns and settled departures
+        self._delay = [0.0, 0.0]  # returns seen and their delays' sum (halved with the counts)
+        self._since_halving = 0
+        self._now = 0.0
+
+    @property
+    def ramp_s(self) -> float:
+        """How long a departure takes to count in full: twice the mean delay of returns seen."""
+        least, unknown, most = RAMP_S
+        mean = self._delay[1] / self._delay[0] if self._delay[0] else unknown / 2
+        return min(most, max(least, 2 * mean))
+
+    def finished(self, keys: Iterable[bytes], end: RequestEnd) -> None:
+        """A request that named these chunks ended so: they are its bucket's now."""
+        keys = list(keys)
+        bucket = end.bucket(len(keys))
+        for key in keys:
+            self._label[key] = bucket + (ENDS if key in self._label else 0)  # named before: shared
+            self._label.move_to_end(key)
+        while len(self._label) > self.capacity:
+            self._label.popitem(last=False)
+
+    def left(self, key: bytes, now: float) -> None:
+        """The chunk left DRAM: a departure of its bucket, remembered until it returns."""
+        self._advance(now)
+        if key in self._departed:  # out again without having been seen back
+            self._settle(key)
+        bucket = self.bucket_of(key)
+        self._departed[key] = [bucket, self._now, True]
+        self._young.append((self._now, key))
+        for ramping in (self._ramping[bucket], self._ramping[BUCKETS]):
+            ramping[0] += 1
+            ramping[1] += self._now
+        while len(self._departed) > self.capacity:  # forgotten: it can no longer be seen back
+            self._settle(next(iter(self._departed)))
+        self._since_halving += 1
+        if self._since_halving >= self.capacity:
+            for counts in (self.returns, self.settled, self._totals, self._delay):
+                counts[:] = [n / 2 for n in counts]
+            self._since_halving = 0
+
+    def named(self, keys: Iterable[bytes], now: float) -> None:
+        """A request stored or read these chunks: those that had left DRAM came back."""
+        self._advance(now)
+        for key in keys:
+            departed = self._departed.get(key)
+            if departed is None:
+                continue
+            self._settle(key)
+            self.returns[departed[0]] += 1
+            self._totals[0] += 1
+            self._delay[0] += 1
+            self._delay[1] += self._now - departed[1]
+            self._came_back[key] = None
+            self._came_back.move_to_end(key)
+            if len(self._came_back) > self.capacity:
+                self._came_back.popitem(last=False)
+
+    def _settle(self, key: bytes) -> None:
+        """The departure is no longer watched for a return: counted in full if it was not yet."""
+        departed = self._departed.pop(key)
+        if departed[2]:
+            self._full(departed)
+
+    def _full(self, departed: list[Any]) -> None:
+        bucket, when, _ = departed
+        departed[2] = False
+        for ramping in (self._ramping[bucket], self._ramping[BUCKETS]):
+            ramping[0] -= 1
+            ramping[1] -= when
+        self.settled[bucket] += 1
+        self._totals[1] += 1
+
+    def _advance(self, now: float) -> None:
+        """Departures out for a whole ramp count in full from now on."""
+        self._now = max(self._now, now)
+        cutoff = self._now - self.ramp_s
+        while self._young and (self._young[0][0] <= cutoff or len(self._young) > self.capacity):
+            when, key = self._young.popleft()
+            departed = self._departed.get(key)
+            if departed is not None and departed[1] == when and departed[2]:
+                self._full(departed)
+
+    def _exposure(self, bucket: int, now: float) -> float:
+        """Departures counted in full, and those within the ramp in proportion to their time
+        out by `now` (at most in full, though not yet moved out of the ramp)."""
+        count, times = self._ramping[bucket]
+        young = min(float(count), max(0.0, (count * max(now, self._now) - times) / self.ramp_s))
+        return (self.settled[bucket] if bucket < BUCKETS else self._totals[1]) + young
+
+    def overall(self, now: float = 0.0) -> float:
+        """Everyone's return rate at `now`, drawn toward 1 while few chunks have left DRAM."""
+        return (self._totals[0] + PRIOR_WEIGHT) / (self._exposure(BUCKETS, now) + PRIOR_WEIGHT)
+
+    def rate(self, bucket: int, now: float = 0.0) -> float:
+        """The bucket's return rate at `now` (the last event's time if later), drawn toward
+        everyone's while it has little exposure."""
+        prior = PRIOR_WEIGHT * self.overall(now)
+        return (self.returns[bucket] + prior) / (self._exposure(bucket, now) + PRIOR_WEIGHT)
+
+    def bucket_of(self, key: bytes) -> int:
+        """The bucket of the request that last named this chunk, and whether it came back before."""
+        return self._label.get(key, UNKNOWN) + (2 * ENDS if key in self._came_back else 0)
+
+    def rate_of(self, key: bytes, now: float = 0.0) -> float:
+        """The return rate of the chunk's bucket (bucket_of) at `now`."""
+        return self.rate(self.bucket_of(key), now)
