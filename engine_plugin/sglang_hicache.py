@@ -64,6 +64,19 @@ from kvstore.format.keys import Weights
 log = logging.getLogger("kvstore.sglang")
 
 
+def model_path(storage_config: HiCacheStorageConfig) -> str:
+    """Where the served weights are: SGLang hands the backend its served model name
+    (`--served-model-name`, often not a path), so the server's own `model_path` is read
+    where this process has one (a server's scheduler), else the name is taken as the path."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        path = getattr(get_server_args(), "model_path", None)
+    except Exception:  # no server in this process (a test, a tool): the name it was given
+        path = None
+    return str(path or storage_config.model_name or "")
+
+
 def store_config(extra: dict[str, Any] | None) -> StoreConfig:
     """The kvstore config named by `config` in SGLang's extra config (a file or a mapping)."""
     source = (extra or {}).get("config")
@@ -84,8 +97,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.model = str(extra.get("model_id") or storage_config.model_name or "")
         self.suffix = shard_suffix(storage_config, storage_config.is_mla_model)
         self.writer = storage_config.is_storage_writer
-        model_path = str(storage_config.model_name or "")
-        self.weights = Weights(weights_identity(model_path, extra.get("model_revision")))
+        self.weights = Weights(weights_identity(model_path(storage_config), extra.get("model_revision")))
         self.pools = HybridPools(storage_config, self._pools_prefix())
         self.reads: PageIO | None = None
         self.writes: PageIO | None = None
