@@ -96,7 +96,7 @@ def failures_per_request(options: ConnectorOptions,
     back to requests (a RuntimeError that ends the engine) and takes failed requests
     instead, whose KV it recomputes whole, but only for async loads: so loads are async."""
     groups = len(kv_cache_config.kv_cache_groups)
-    if groups == 1:
+    if groups <= 1:
         return options, False
     if not options.load_async:
         log.warning("kvstore: load_async forced on: this engine has %d KV cache groups, whose failed "
