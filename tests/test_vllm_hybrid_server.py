@@ -67,6 +67,7 @@ def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, d
     assert loaded.cached_tokens >= 0.9 * len(PROMPT), loaded
     assert loaded.token_ids == expected["prompt"]
     assert recomputed.token_ids == expected["damaged"], recomputed
+    # Looked up again after the failure: the flipped record is gone, the 7 chunks before it load.
+    assert recomputed.cached_tokens == 7 * CHUNK, recomputed
     assert found.get("disk.miss.bad_checksum") == 1 and found.get("load.failed_requests") == 1, found
     assert "load.failed_blocks" not in found
-    print("damaged prompt: cached tokens after the failed load", recomputed.cached_tokens)
