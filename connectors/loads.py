@@ -11,7 +11,9 @@ each verified chunk into its blocks. Both run in waves of half the window: a fet
 thread has the service pin or fill one half while the other is scattered, so the
 service's disk reads and the scatter overlap.
 A chunk that did not verify, went missing or timed out is reported by its block ids,
-and the engine recomputes those tokens.
+and the engine recomputes those tokens; with `fail_requests` (a model with several KV
+cache groups, whose block ids are unique only within a group), an async load's request
+is reported failed instead, with its finish, and the engine recomputes it whole.
 With `load_async`, loads run on a thread while the request waits outside the batch;
 otherwise before the forward pass. Chunks already staged on the device (stages.py)
 are copied from the pool instead of asked for.
@@ -55,23 +57,28 @@ class _Fetched:
 
 class LoadHandler:
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient], stats: Stats,
-                 load_async: bool, staging: DeviceStagingPool | None) -> None:
+                 load_async: bool, staging: DeviceStagingPool | None, fail_requests: bool = False) -> None:
         self.layout = layout
         self.rank = rank
         self.stats = stats
         self.staging = staging
+        self.fail_requests = fail_requests
         self.link = ServiceLink(make_client)
         self.link.start()
         self._lock = threading.Lock()
-        self._finished_loads: set[str] = set()
+        self._finished_loads: set[str] = set()  # async loads done, not yet taken
+        self._failed_loads: set[str] = set()  # of those, the ones of which a transfer failed
         self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
+        self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
         self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
         self._fetcher = ThreadPoolExecutor(1, "kvstore-fetch")  # the next wave's get
 
     def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
-        """A request is reported finished once, after its last load (a hybrid model's
-        groups load in transfers of their own)."""
+        """An async load's request is reported finished once, after its last transfer (a
+        hybrid model's groups load in transfers of their own), and with `fail_requests`
+        failed in that same take if one of them failed (take_finished_loads); every other
+        failure is reported by its blocks (a sync load's request is never reported)."""
         with self._lock:
             self._loads_left.update(t.req_id for t in loads)
         for transfer in loads:
@@ -89,15 +96,22 @@ class LoadHandler:
             log.exception("kvstore load for %s failed; its tokens will be recomputed",
                           transfer.req_id)
             failed = every
+        req_id, per_request = transfer.req_id, self.fail_requests and report_finished
         with self._lock:
             if failed:
                 self.stats.add("load.failed_blocks", len(failed))
-                self._failed_blocks.update(failed)
-            self._loads_left[transfer.req_id] -= 1
-            if self._loads_left[transfer.req_id] <= 0:
-                del self._loads_left[transfer.req_id]
+                if not per_request:
+                    self._failed_blocks.update(failed)
+            if per_request and (failed or not transfer.keys):  # a given-up load fails, blocks or none
+                self._failing.add(req_id)
+            self._loads_left[req_id] -= 1
+            if self._loads_left[req_id] <= 0:
+                del self._loads_left[req_id]
                 if report_finished:
-                    self._finished_loads.add(transfer.req_id)
+                    self._finished_loads.add(req_id)
+                    if req_id in self._failing:
+                        self._failed_loads.add(req_id)
+                self._failing.discard(req_id)
 
     def _load_chunks(self, transfer: Transfer) -> list[int]:
         """Load one transfer (from the device pool where staged, else through the service);
@@ -206,10 +220,14 @@ class LoadHandler:
         self.stats.add("staging.hits")
         return True
 
-    def take_finished_loads(self) -> set[str]:
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose async loads are all done, those of them of which a load failed:
+        with `fail_requests` only) since the last take, taken together: a failure is never
+        reported after its finish."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
-        return done
+            failed, self._failed_loads = self._failed_loads, set()
+        return done, failed
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:

@@ -29,7 +29,8 @@ class ConnectorOptions(Schema):
     load_async: Bool = Field(
         True, description="read chunks while the request waits outside the batch (vLLM's "
                           "`WAITING_FOR_REMOTE_KVS`); false: read them just before the forward pass "
-                          "that needs them")
+                          "that needs them (not on a model with more than one KV cache group, whose "
+                          "loads are always async: see \"What happens on failure\")")
     model_id: Text | None = Field(
         None, description="the model identity in chunk keys (none: the engine's model path); set it "
                           "when one model is served from different paths, so they share chunks",

@@ -28,16 +28,17 @@ log = logging.getLogger("vllm.kvstore.worker")
 
 class WorkerCore:
     """Loads, saves and stages of one worker, each over a client of its own from
-    `make_client(map_tier=...)`: only the loading client maps the service's DRAM tier."""
+    `make_client(map_tier=...)`: only the loading client maps the service's DRAM tier.
+    `fail_requests`: a failed load is reported by its request, not its blocks (LoadHandler)."""
 
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[..., StoreClient],
                  load_async: bool, staging: DeviceStagingPool | None = None,
-                 save_window_wait_s: float = 2.0) -> None:
+                 save_window_wait_s: float = 2.0, fail_requests: bool = False) -> None:
         self.rank = rank
         self.stats = Stats()
         self.staging = staging
         self.loads = LoadHandler(layout, rank, partial(make_client, map_tier=True), self.stats, load_async,
-                                 staging)
+                                 staging, fail_requests)
         self.saves = SaveHandler(layout, rank, partial(make_client, map_tier=False), self.stats,
                                  save_window_wait_s)
         self.stages = (StageHandler(rank, partial(make_client, map_tier=False), self.stats, staging)
@@ -55,7 +56,8 @@ class WorkerCore:
     def save(self, saves: Sequence[Transfer]) -> None:
         self.saves.save(saves)
 
-    def take_finished_loads(self) -> set[str]:
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose async loads are done, those of them that failed: `fail_requests`)."""
         return self.loads.take_finished_loads()
 
     def take_failed_blocks(self) -> set[int]:

@@ -7,7 +7,9 @@ the scheduler for lookups, the workers for loads and saves. vLLM carries this
 step's plan (connectors.plan.StepPlan) from one to the others.
 
 Workers report each save done through vLLM's worker metadata; the scheduler holds a
-request whose prefix is still being saved (connectors/scheduler_side.py).
+request whose prefix is still being saved (connectors/scheduler_side.py). A load that
+fails is recomputed: its blocks are reported, or with several KV cache groups (block ids
+unique only within a group) its request, loaded async (kv_groups.failures_per_request).
 
 vLLM calls the scheduler hooks on its scheduler thread, where an exception ends the
 engine. So each is guarded (SchedulerRole.guard): a fault in kvstore is counted
@@ -37,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -50,7 +53,7 @@ from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
 from engine_plugin.cuda_host import register_for_dma
-from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, group_rules
+from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, failures_per_request, group_rules
 from engine_plugin.namespaces import EngineNamespaces
 from engine_plugin.scheduler_role import SchedulerRole
 from kvstore.service.client import StoreClient
@@ -103,6 +106,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         check_producer_store(self._store_role, store)
         self._rules = group_rules(kv_cache_config, store.chunk_tokens, self.block_size,
                                   self.options.sliding_window_interval)
+        self.options, self._fail_requests = failures_per_request(self.options, kv_cache_config)
         scheduler = role == KVConnectorRole.SCHEDULER
         self._namespaces = EngineNamespaces.of_engine(vllm_config, kv_cache_config, self.options, self._rules,
                                                       name_weights=scheduler)
@@ -153,11 +157,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                           request, num_computed_tokens, fallback=_MISS)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Saves the workers finished leave the scheduler's in-flight set."""
+        """What the workers report: saves done, failed loads (SchedulerRole.workers_reported)."""
         meta = connector_output.kv_connector_worker_meta
-        if self._scheduler is not None and isinstance(meta, TieredWorkerMetadata):
-            self._side().guard("update_connector_output", None, self._scheduler.saves_done,
-                               meta.done_saves, fallback=None)
+        saves = meta.done_saves if isinstance(meta, TieredWorkerMetadata) else []
+        self._side().guard("update_connector_output", None, self._side().workers_reported, saves,
+                           connector_output.failed_recving, connector_output.invalid_block_ids, fallback=None)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -239,7 +243,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.options.device_staging:
             staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device)
         self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging,
-                                  save_window_wait_s=self.options.save_window_wait_s)
+                                  self.options.save_window_wait_s, self._fail_requests)
         log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
                  layout.chunk_bytes)
 
@@ -262,10 +266,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and plan.saves:
             self._worker.save(plan.saves)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
-        return None, self._worker.take_finished_loads() or None
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.take_finished_loads() if self._worker is not None else (set(), set())
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         done = self._worker.take_done_saves() if self._worker is not None else []

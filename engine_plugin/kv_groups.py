@@ -12,12 +12,14 @@ attention, cross attention) are refused at start-up, by name, rather than half-s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from connectors.groups import GroupRules, KVGroup
+from connectors.options import ConnectorOptions
 from engine_plugin.kv_spec import UnsupportedKVCache
 from engine_plugin.layout import PagedKVLayout
 from kvstore.format.errors import ConfigError, ShapeError
@@ -25,6 +27,7 @@ from kvstore.format.errors import ConfigError, ShapeError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
+log = logging.getLogger("vllm.kvstore")
 FULL_KINDS = ("full_attention", "mla_attention")
 WINDOW_KINDS = ("sliding_window", "sliding_window_mla")
 
@@ -84,6 +87,22 @@ def group_rules(kv_cache_config: KVCacheConfig, chunk_tokens: int, block_size: i
         raise UnsupportedKVCache(f"TieredKVConnector needs one block size for every KV cache group; "
                                  f"this engine's are {sorted(sizes)} ({describe_groups(kv_cache_config)})")
     return GroupRules(groups, chunk_tokens, block_size, interval)
+
+
+def failures_per_request(options: ConnectorOptions,
+                         kv_cache_config: KVCacheConfig) -> tuple[ConnectorOptions, bool]:
+    """(the options to run with, whether failed loads are reported per request). With more
+    than one group, block ids are unique only within a group: vLLM cannot map failed ones
+    back to requests (a RuntimeError that ends the engine) and takes failed requests
+    instead, whose KV it recomputes whole, but only for async loads: so loads are async."""
+    groups = len(kv_cache_config.kv_cache_groups)
+    if groups <= 1:
+        return options, False
+    if not options.load_async:
+        log.warning("kvstore: load_async forced on: this engine has %d KV cache groups, whose failed "
+                    "loads vLLM recomputes only per request and only for async loads", groups)
+        options = options.model_copy(update={"load_async": True})
+    return options, True
 
 
 class GroupedKVLayout:

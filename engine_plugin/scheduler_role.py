@@ -5,7 +5,8 @@ hints, a prefill instance's hand-off, KV events for routers)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from connectors.groups import GroupRules
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvstore")
 MAX_ACTIONS = 8 * MAX_HINTS  # KV hint actions read per request (others' included)
+# Loads a request may try: the engine recomputes a failed one and looks the request up again
+# (what did not verify is gone from the store, so the rest of the prefix loads); after this
+# many it is a miss, so a failure that recurs on every load cannot loop it.
+LOAD_TRIES = 2
 T = TypeVar("T")
 
 
@@ -45,7 +50,8 @@ class SchedulerRole:
         self.limits = limits
         self.load_async = options.load_async
         self._faults_logged: set[str] = set()
-        self._abandoned: set[str] = set()  # faulted: misses until they finish
+        self._abandoned: set[str] = set()  # faulted, or out of load tries: misses until they finish
+        self._load_failures: Counter[str] = Counter()  # failed loads per request, until it finishes
         # A lookup blocks the scheduler: its deadline is short, not the I/O deadline.
         self.link = ServiceLink(lambda: StoreClient(store, timeout_s=options.lookup_timeout_s))
         self.link.start()  # starts the service if needed: config errors surface now
@@ -108,11 +114,27 @@ class SchedulerRole:
         """request_finished: forget it; a producer's reply names the prompt chunks it stored
         (saves may still be on their way: the consumer waits for them, connectors/handoff.py)."""
         self._abandoned.discard(request.request_id)
+        self._load_failures.pop(request.request_id, None)
         handoff = None
         if role.hands_off(request.kv_transfer_params):
             handoff = self.core.handoff(request.request_id, request.num_prompt_tokens, host)
         self.core.on_finished(request.request_id)
         return handoff.params() if handoff is not None else None
+
+    def workers_reported(self, done_saves: list[int], failed_requests: Collection[str],
+                         failed_blocks: Collection[int]) -> None:
+        """update_connector_output: saves done leave the in-flight set; failed loads, as vLLM
+        aggregated them over the workers, are counted: by request with several KV cache
+        groups (`load.failed_requests`; one out of LOAD_TRIES is a miss until it finishes),
+        else by block (`load.failed_blocks`, vLLM keeps the prefix before the first)."""
+        self.core.saves_done(done_saves)
+        if not (failed_requests or failed_blocks):
+            return
+        self._load_failures.update(failed_requests)
+        self._abandoned.update(r for r in failed_requests if self._load_failures[r] >= LOAD_TRIES)
+        counts = {"load.failed_requests": len(failed_requests), "load.failed_blocks": len(failed_blocks)}
+        self.core.counters.update({name: count for name, count in counts.items() if count})
+        self.report_counters()
 
     def _lookup(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
         client = self.link.get()

@@ -146,6 +146,14 @@ def disk_records(directory: str) -> list[RecordHeader]:
         return [header for _, header in _valid_records(f)]
 
 
+def newest_chain_end(directory: str) -> bytes:
+    """The key of the newest record (highest sequence number) that no record names as its
+    parent, in a disk tier's data file: a last chunk of the prompt stored last."""
+    headers = disk_records(directory)
+    parents = {header.parent for header in headers}
+    return max((h for h in headers if h.key not in parents), key=lambda h: h.seq).key
+
+
 def corrupt_record(directory: str, payload_byte: int | None = None, key: bytes | None = None) -> None:
     """Flip one payload byte of the first valid record in a disk tier's data file (with
     `payload_byte`: of the first whose payload holds that byte where the flip goes; with

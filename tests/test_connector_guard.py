@@ -21,8 +21,9 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -55,20 +56,33 @@ def data(store_config) -> Iterator[StoreClient]:
 
 
 @pytest.fixture(scope="module")
-def scheduler(tmp_path_factory, store_config, data) -> Scheduler:
-    model = build_tiny_llama(tmp_path_factory.mktemp("model"))
-    args = EngineArgs(model=str(model), enforce_eager=True, max_model_len=1024, block_size=BLOCK,
+def model(tmp_path_factory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model")))
+
+
+def make_scheduler(model: str, store_config: dict, window: int | None = None, **options: object) -> Scheduler:
+    """vLLM's scheduler over the model's two layers as one full-attention KV cache group, or,
+    with a `window`, as a sliding-window group and a full-attention one (a hybrid model);
+    `options`: the connector's."""
+    args = EngineArgs(model=model, enforce_eager=True, max_model_len=1024, block_size=BLOCK,
                       dtype="float16", enable_prefix_caching=False,
                       kv_transfer_config={"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-                                          "kv_connector_extra_config": {"config": store_config}})
+                                          "kv_connector_extra_config": {"config": store_config, **options}})
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = BLOCKS
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
-                             dtype=vllm_config.model_config.dtype)
-    kv_cache = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
-                             kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    shape = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": vllm_config.model_config.dtype}
+    groups = [KVCacheGroupSpec(layers, FullAttentionSpec(**shape))]
+    if window is not None:
+        groups = [KVCacheGroupSpec(layers[:1], SlidingWindowSpec(**shape, sliding_window=window)),
+                  KVCacheGroupSpec(layers[1:], FullAttentionSpec(**shape))]
+    kv_cache = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
     return Scheduler(vllm_config, kv_cache, StructuredOutputManager(vllm_config), block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def scheduler(model, store_config, data) -> Scheduler:
+    return make_scheduler(model, store_config)
 
 
 def _request(req_id: str, prompt: list[int], params: object = None,
@@ -164,6 +178,56 @@ def test_a_fault_in_one_requests_bookkeeping_leaves_the_others_plan(scheduler, m
     _finish(scheduler, "broken", "fine")  # request_finished faults: the blocks are still freed
     monkeypatch.undo()
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_a_hybrid_models_failed_load_is_recomputed_retried_once_then_a_miss(model, store_config, data,
+                                                                            caplog):
+    """With several KV cache groups the workers report a failed load per request
+    (failed_recving; vLLM ends the engine on block ids there), which vLLM recomputes only
+    for async loads: loads are async whatever `load_async` says. vLLM recomputes the request
+    and looks it up again, so the connector plans its load once more (what did not verify
+    is gone from the store); after a second failure the request is a miss and computes."""
+    scheduler = make_scheduler(model, store_config, window=32, load_async=False)
+    assert "load_async forced on: this engine has 2 KV cache groups" in caplog.text
+    prompt = prompt_token_ids(100, seed=13)  # 6 full chunks
+    scheduler.add_request(_request("first", prompt))
+    _, plan = _step(scheduler)
+    assert {save.group for save in plan.saves} == {0, 1}  # both groups' chunks stored
+    _store(data, plan, "first")
+    _finish(scheduler, "first")
+    scheduler.add_request(_request("failing", prompt))
+    for attempt in range(2):
+        output, plan = _step(scheduler)
+        assert {load.group for load in plan.loads if load.req_id == "failing"} == {0, 1}, attempt
+        assert "failing" not in output.num_scheduled_tokens  # loading, outside the batch
+        failed = KVConnectorOutput(finished_recving={"failing"}, failed_recving={"failing"})
+        scheduler.update_from_output(output, ModelRunnerOutput([], {}, kv_connector_output=failed))
+    output, plan = _step(scheduler)
+    assert not [load for load in plan.loads if load.req_id == "failing"]
+    assert output.num_scheduled_tokens["failing"] == len(prompt)  # computed whole
+    _finish(scheduler, "failing")
+    assert counters(store_config)["load.failed_requests"] == 2
+
+
+def test_a_one_group_models_failed_blocks_are_counted(scheduler, store_config, data):
+    """One KV cache group: failures stay block ids (vLLM keeps the prefix before the first),
+    counted as `load.failed_blocks`."""
+    before = counters(store_config).get("load.failed_requests", 0)
+    prompt = prompt_token_ids(100, seed=17)
+    scheduler.add_request(_request("stored", prompt))
+    _, plan = _step(scheduler)
+    _store(data, plan, "stored")
+    _finish(scheduler, "stored")
+    scheduler.add_request(_request("partly", prompt))
+    output, plan = _step(scheduler)
+    (load,) = [load for load in plan.loads if load.req_id == "partly"]
+    failed = KVConnectorOutput(finished_recving={"partly"}, invalid_block_ids=set(load.blocks[3]))
+    scheduler.update_from_output(output, ModelRunnerOutput([], {}, kv_connector_output=failed))
+    output, _ = _step(scheduler)
+    assert output.num_scheduled_tokens["partly"] == len(prompt) - 3 * CHUNK  # chunks 0-2 kept
+    _finish(scheduler, "partly")
+    found = counters(store_config)
+    assert found["load.failed_blocks"] == 1 and found.get("load.failed_requests", 0) == before
 
 
 def _image_request(req_id: str, prompt: list[int], identifier: str | None, offset: int) -> Request:

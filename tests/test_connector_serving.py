@@ -220,22 +220,62 @@ def test_a_save_never_connects_on_the_engine_thread(service):
     assert worker.stats.snapshot()["save.dropped"] == 2
 
 
-def test_a_load_given_up_by_the_scheduler_fails_every_block_and_finishes(service):
+@pytest.mark.parametrize("fail_requests", [False, True], ids=["by-block", "by-request"])
+def test_a_load_given_up_by_the_scheduler_fails_every_block_and_finishes(service, fail_requests):
     """After a fault the scheduler gives a planned load up (StepPlan.give_up): the workers
-    report every one of its blocks failed (the engine recomputes them, never reads them
-    unfilled) and, for an async load, the request finished, so it never waits for ever."""
+    report every one of its blocks failed, or with `fail_requests` (several KV cache groups)
+    its request, in the take that says it finished (the engine recomputes them, never reads
+    them unfilled), and, for an async load, the request finished, so it never waits for ever."""
     target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     loader = WorkerCore(target, 0, partial(StoreClient, load_config(service), target.chunk_bytes),
-                        load_async=True)
+                        load_async=True, fail_requests=fail_requests)
     plan = StepPlan(loads=[save_transfer(0, 3, save_id=0)])
     plan.give_up("r")
     try:
         loader.start_loads(plan.loads, load_async=True)
         deadline = time.monotonic() + 30
-        while "r" not in loader.take_finished_loads():
+        while not (taken := loader.take_finished_loads())[0]:
             assert time.monotonic() < deadline, "a given-up load never finished"
             time.sleep(0.01)
-        assert loader.take_failed_blocks() == set(range(6))
+        assert taken == ({"r"}, {"r"} if fail_requests else set())
+        assert loader.take_failed_blocks() == (set() if fail_requests else set(range(6)))
+    finally:
+        loader.close()
+
+
+def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
+    """A hybrid model's request loads in one transfer per KV cache group: it is reported
+    finished once, after its last, and (`fail_requests`) failed in that same take if one of
+    them missed, never by block id (vLLM then recomputes it whole); a request whose loads
+    all verify is not failed. A sync load cannot be reported by request (vLLM would take its
+    blocks as loaded): its failed blocks are reported."""
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    saver = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    try:
+        saver.save([save_transfer(0, 2, save_id=1)])
+        wait_done(saver, {1})
+    finally:
+        saver.close()
+    stored = save_transfer(0, 2, save_id=0)  # blocks 0-3
+    missing = Transfer("r", ((bytes(15) + b"x",),), (None,), ((4, 5),), group=1)  # another group's: a miss
+    target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=True,
+                        fail_requests=True)
+    try:
+        loader.start_loads([missing, stored, Transfer("ok", stored.keys, stored.parents, ((6, 7), (8, 9)))],
+                           load_async=True)
+        takes: list[tuple[set[str], set[str]]] = []
+        deadline = time.monotonic() + 30
+        while sum(len(done) for done, _ in takes) < 2:
+            assert time.monotonic() < deadline, f"loads never finished: {takes}"
+            takes += [taken for taken in [loader.take_finished_loads()] if taken[0]]
+            time.sleep(0.01)
+        assert ({"r"}, {"r"}) in takes or ({"r", "ok"}, {"r"}) in takes, takes
+        assert loader.take_failed_blocks() == set()
+        loader.start_loads([Transfer("s", missing.keys, missing.parents, missing.blocks)], load_async=False)
+        assert loader.take_finished_loads() == (set(), set())
+        assert loader.take_failed_blocks() == {4, 5}
     finally:
         loader.close()
 

@@ -1,5 +1,7 @@
 """A hybrid-attention model (sliding window + full attention, Gemma-3 style) behind vLLM's
-OpenAI server with kvstore: a prompt stored by one server is loaded by a fresh one.
+OpenAI server with kvstore: a prompt stored by one server is loaded by a fresh one, and a
+second prompt, one of whose records is corrupted on disk, is recomputed by that server,
+which stays up.
 
 vLLM's hybrid KV cache manager stays on (kvstore implements SupportsHMA), the requests
 are /v1/completions with token ids, vLLM's own prefix cache is off, and the tokens must
@@ -9,10 +11,12 @@ bfloat16 KV, and float16 is not offered for this model.
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import pytest
-from engine_harness import stop_service
+from conftest import corrupt_record, newest_chain_end
+from engine_harness import counters, stop_service
 
 from bench.openai_server import OpenAIServer
 from bench.tiny_model import build_tiny_gemma3, prompt_token_ids
@@ -24,26 +28,46 @@ CHUNK = 256
 ARGS = ["--dtype", "float32", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
         "--max-model-len", "4096", "--enforce-eager"]
 PROMPT = prompt_token_ids(8 * CHUNK + 1, seed=21)
+DAMAGED = prompt_token_ids(8 * CHUNK + 1, seed=22)  # stored after PROMPT, then a record of it flipped
 
 
 def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, disk_dir):
+    """A model with several KV cache groups gets a failed load per request (vLLM ends the
+    engine on failed block ids there): DAMAGED's load fails on the flipped record, the engine
+    recomputes it and answers it as a server without kvstore does, and the next request loads.
+    The lookup's prefetch is off in the loading server so that the load itself reads the
+    record (a prefetch would drop it first, and nothing would fail)."""
     model: Path = build_tiny_gemma3(tmp_path / "gemma")
+    disk = f"{disk_dir}/disk"
     config = {"chunk_tokens": CHUNK,
-              "tiers": {"host": {"capacity": "256MiB"},
-                        "disk": [{"path": f"{disk_dir}/disk", "capacity": "256MiB"}]},
+              "tiers": {"host": {"capacity": "256MiB"}, "disk": [{"path": disk, "capacity": "256MiB"}]},
               "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "16MiB"}}
     with OpenAIServer(model, ARGS, tmp_path / "reference.log", kv_cache_gib=1) as reference:
-        expected = reference.complete(PROMPT, max_tokens=8)
+        expected = {name: reference.complete(prompt, max_tokens=8).token_ids
+                    for name, prompt in (("prompt", PROMPT), ("damaged", DAMAGED))}
     connector = {"config": config, "sliding_window_interval": CHUNK}  # every chunk kept
     try:
         with OpenAIServer(model, ARGS, tmp_path / "store.log", connector=connector, kv_cache_gib=1) as server:
             stored = server.complete(PROMPT, max_tokens=8)
-        with OpenAIServer(model, ARGS, tmp_path / "load.log", connector=connector, kv_cache_gib=1) as server:
+            server.complete(DAMAGED, max_tokens=8)
+        stop_service(config)  # every record on disk; the next service recovers them
+        corrupt_record(disk, key=newest_chain_end(disk))  # one of DAMAGED's last chunks
+        with OpenAIServer(model, ARGS, tmp_path / "load.log", connector={**connector, "prefetch": False},
+                          kv_cache_gib=1) as server:
+            recomputed = server.complete(DAMAGED, max_tokens=8)
             loaded = server.complete(PROMPT, max_tokens=8)
+            with urllib.request.urlopen(server.url + "/health", timeout=10) as health:
+                assert health.status == 200
+        found = counters(config)
     finally:
         stop_service(config)
     log = (tmp_path / "load.log").read_text()
     assert "Turning off hybrid kv cache manager" not in log
-    assert stored.cached_tokens == 0 and stored.token_ids == expected.token_ids
+    assert stored.cached_tokens == 0 and stored.token_ids == expected["prompt"]
     assert loaded.cached_tokens >= 0.9 * len(PROMPT), loaded
-    assert loaded.token_ids == expected.token_ids
+    assert loaded.token_ids == expected["prompt"]
+    assert recomputed.token_ids == expected["damaged"], recomputed
+    # Looked up again after the failure: the flipped record is gone, the 7 chunks before it load.
+    assert recomputed.cached_tokens == 7 * CHUNK, recomputed
+    assert found.get("disk.miss.bad_checksum") == 1 and found.get("load.failed_requests") == 1, found
+    assert "load.failed_blocks" not in found
