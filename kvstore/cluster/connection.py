@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -38,15 +38,6 @@ from kvstore.config.store import CLUSTER_SCHEMES, cluster_nodes
 FAILURES = (redis.RedisError, RedisClusterException, OSError)  # what a dead or slow index raises
 NODE_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)  # a shard's node, not a command, failed
 Command = tuple[str, tuple[Any, ...]]  # a pipeline method's name and its arguments; args[0] names the key(s)
-
-
-def shown(url: str) -> str:
-    """The index URL with its password hidden, for logs and `kvstore info`."""
-    parts = urlsplit(url)
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}"))
 
 
 def _credentials(url: str) -> dict[str, Any]:

@@ -36,8 +36,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.cluster.connection import FAILURES, Command, IndexConnection, shown
+from kvstore.cluster.connection import FAILURES, Command, IndexConnection
 from kvstore.config.store import ClusterConfig
+from kvstore.format.secrets import masked_url
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class IndexReader:
         if failed:
             self.stats.add("peer.index_shard_errors")
         elif self.last_error and not late:
-            log.warning("cluster index %s answers again", shown(self.config.index_url))
+            log.warning("cluster index %s answers again", masked_url(self.config.index_url))
             self.last_error = ""
         live = self._live(started, answers[0])
         found: dict[bytes, list[PeerHit]] = {}
@@ -182,7 +183,7 @@ class IndexReader:
             self._skip_until = time.monotonic() + self.config.index_backoff_s
         self.stats.add("peer.index_errors")
         (log.warning if first else log.debug)(
-            "cluster index %s: %s; lookups are local only for %.1f s", shown(self.config.index_url), why,
+            "cluster index %s: %s; lookups are local only for %.1f s", masked_url(self.config.index_url), why,
             self.config.index_backoff_s)
 
     def close(self) -> None:

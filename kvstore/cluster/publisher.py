@@ -28,9 +28,10 @@ import threading
 import time
 from collections import deque
 
-from kvstore.cluster.connection import FAILURES, Command, IndexConnection, shown
+from kvstore.cluster.connection import FAILURES, Command, IndexConnection
 from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location
 from kvstore.config.store import ClusterConfig
+from kvstore.format.secrets import masked_url
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
 from kvstore.tiers.stats import Stats
@@ -108,12 +109,12 @@ class IndexPublisher:
                 self.stats.add("peer.publish_errors")
                 if not self._failing:
                     log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
-                                shown(self.config.index_url), self._error, self.config.index_backoff_s)
+                                masked_url(self.config.index_url), self._error, self.config.index_backoff_s)
                 self._failing = True
                 self._stop.wait(self.config.index_backoff_s)
                 return False
             if self._failing:
-                log.warning("cluster index %s: publishing again", shown(self.config.index_url))
+                log.warning("cluster index %s: publishing again", masked_url(self.config.index_url))
                 self._failing = False
             return True
 

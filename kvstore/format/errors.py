@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from kvstore.format.secrets import masked
+
 
 class KVStoreError(Exception):
     """Base class for every error kvstore raises on purpose."""
 
 
 class ConfigError(KVStoreError, ValueError):
-    """A configuration value is invalid; `field` is its dotted path, `value` what was given."""
+    """A configuration value is invalid; `field` is its dotted path, `value` what was given
+    (the message masks any password in it: a config error is printed and logged)."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"config field '{field}' = {value!r}: {reason}")
+        super().__init__(masked(f"config field '{field}' = {value!r}: {reason}"))
 
 
 class DeviceError(KVStoreError, OSError):
