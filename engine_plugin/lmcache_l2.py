@@ -49,7 +49,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from connectors.page_io import Segments, service_pages
-from engine_plugin.lmcache_storage import HEADER, chunk_header, read_header
+from engine_plugin.lmcache_storage import HEADER, BadHeader, chunk_header, read_header
 from kvstore.format.errors import ConfigError
 
 log = logging.getLogger("kvstore.lmcache")
@@ -205,20 +205,28 @@ class KVStoreL2Adapter(L2AdapterInterface):
                  for i in wanted]
         loaded = self.reads.load([object_key(keys[i]) for i in wanted], pages)
         for i, ok in zip(wanted, loaded, strict=True):
-            if ok and self._fits(read_header(rows[i]), objects[i]):
+            if ok and self._fits(rows[i], objects[i]):
                 bitmap.set(i)
         found = [keys[i] for i in range(len(keys)) if bitmap.test(i)]
         if found:
             self._notify_keys_accessed(found)
         return bitmap
 
-    @staticmethod
-    def _fits(header: dict[str, Any], obj: MemoryObj) -> bool:
+    def _fits(self, row: np.ndarray, obj: MemoryObj) -> bool:
+        """The stored header names LMCache's buffer's size and dtype; else the chunk is a
+        counted miss (`load.bad_header`). The payload is in the buffer already: a load
+        writes no more than the buffer's size, whatever the header says."""
         dtype = str(obj.get_dtype()).removeprefix("torch.")
-        if header.get("size") == obj.get_size() and header.get("dtype") == dtype:
-            return True
-        log.warning("kvstore: a stored L2 chunk (%s) does not fit LMCache's buffer (%d bytes, %s); "
-                    "counted as a miss", header, obj.get_size(), dtype)
+        try:
+            header: Any = read_header(row)
+        except BadHeader as exc:
+            header = exc
+        else:
+            size = header["size"]
+            if type(size) is int and size == obj.get_size() and header["dtype"] == dtype:
+                return True
+        self.reads.count_misses("bad_header", 1, "a stored L2 chunk (%.200s) does not fit LMCache's "
+                                "buffer (%d bytes, %s): a miss", header, obj.get_size(), dtype)
         return False
 
     def _page(self, header: int, payload: int, size: int, padding: np.ndarray) -> Segments:
