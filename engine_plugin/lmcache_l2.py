@@ -32,6 +32,7 @@ kvstore/ or connectors/ imports it.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from connectors.page_io import Segments, service_pages
-from engine_plugin.lmcache_storage import HEADER, BadHeader, chunk_header, read_header
+from engine_plugin.lmcache_storage import HEADER, BadHeader, chunk_header, described, read_header
 from kvstore.format.errors import ConfigError
 
 log = logging.getLogger("kvstore.lmcache")
@@ -197,7 +198,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Each chunk straight into LMCache's buffer, its header into a scratch row; a
-        chunk whose header names another size or dtype is a miss."""
+        chunk whose header does not describe the buffer is a miss."""
         bitmap = Bitmap(len(keys))
         rows = np.empty((len(keys), HEADER), np.uint8)
         wanted = [i for i, obj in enumerate(objects) if obj.get_size() <= self.payload_bytes]
@@ -213,20 +214,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return bitmap
 
     def _fits(self, row: np.ndarray, obj: MemoryObj) -> bool:
-        """The stored header names LMCache's buffer's size and dtype; else the chunk is a
-        counted miss (`load.bad_header`). The payload is in the buffer already: a load
-        writes no more than the buffer's size, whatever the header says."""
-        dtype = str(obj.get_dtype()).removeprefix("torch.")
+        """The stored header describes LMCache's buffer exactly (shape, dtype, format,
+        size); else the chunk is a counted miss (`load.bad_header`). The payload is in the
+        buffer already: a load writes no more than the buffer's size, whatever the header."""
+        wanted = described(obj)
         try:
             header: Any = read_header(row)
         except BadHeader as exc:
             header = exc
-        else:
-            size = header["size"]
-            if type(size) is int and size == obj.get_size() and header["dtype"] == dtype:
+        else:  # compared as JSON: 16384.0 or true is not the int the buffer has
+            if json.dumps(header, sort_keys=True) == json.dumps(wanted, sort_keys=True):
                 return True
         self.reads.count_misses("bad_header", 1, "a stored L2 chunk (%.200s) does not fit LMCache's "
-                                "buffer (%d bytes, %s): a miss", header, obj.get_size(), dtype)
+                                "buffer (%s): a miss", header, wanted)
         return False
 
     def _page(self, header: int, payload: int, size: int, padding: np.ndarray) -> Segments:

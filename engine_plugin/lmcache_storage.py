@@ -66,11 +66,16 @@ MAX_DIMS = 8
 MAX_DIM = 1 << 31
 
 
+def described(obj: MemoryObj) -> dict[str, Any]:
+    """What a chunk's header says of it: shape, dtype, format and payload size."""
+    return {"shape": list(obj.get_shape()), "dtype": str(obj.get_dtype()).removeprefix("torch."),
+            "fmt": obj.get_memory_format().name, "size": obj.get_size()}
+
+
 def chunk_header(obj: MemoryObj) -> np.ndarray:
     """The 4 KiB header stored before a chunk's payload (this plugin's and the MP server's
     L2 adapter's, engine_plugin/lmcache_l2.py): what a load needs to know the chunk by."""
-    text = json.dumps({"shape": list(obj.get_shape()), "dtype": str(obj.get_dtype()).removeprefix("torch."),
-                       "fmt": obj.get_memory_format().name, "size": obj.get_size()}).encode()
+    text = json.dumps(described(obj)).encode()
     header = np.zeros(HEADER, np.uint8)
     header[: len(text)] = np.frombuffer(text, np.uint8)
     return header

@@ -172,10 +172,17 @@ class KVStoreHiCache(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def _tensor_io(self, keys: list[str], tensors: list[torch.Tensor], load: bool) -> list[bool]:
-        """The older calls: whole flat pages as contiguous tensors."""
+    def _tensor_io(self, keys: list[str], tensors: list[Any], load: bool) -> list[bool]:
+        """The older calls: whole flat pages as host tensors (a page that is not a CPU
+        tensor of the chunk's size is a miss; a non-contiguous one is filled through a
+        contiguous copy)."""
         if not keys:
             return []
+        if len(tensors) != len(keys) or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                                for t in tensors):
+            log.warning("kvstore: %d pages given for %d keys, not all CPU tensors; counted as misses",
+                        len(tensors), len(keys))
+            return [False] * len(keys)
         flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         pages: list[Segments] = [[(t.data_ptr(), t.numel() * t.element_size())] for t in flat]
         if self.reads is None:  # no host pool registered: the first page's size is the chunk's
@@ -186,10 +193,14 @@ class KVStoreHiCache(HiCacheStorage):
         if not load and not self.writer:
             return [True] * len(keys)
         try:
-            return (io.load if load else io.save)([self.key(k) for k in keys], pages)
+            done = (io.load if load else io.save)([self.key(k) for k in keys], pages)
         except Exception:
             log.exception("kvstore page transfer failed; counted as misses")
             return [False] * len(keys)
+        for target, page, ok in zip(tensors, flat, done, strict=True):
+            if load and ok and page is not target:
+                target.copy_(page)
+        return done
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         found = self.batch_get([key], [target_location])
