@@ -56,8 +56,12 @@ class ClusterNode:
                                    start=background)
         try:
             self.index = IndexReader(self.config, self.stats)
-            self.publisher = (IndexPublisher(self.config, disk, self.stats, start=background)
-                              if disk else None)
+            try:  # the publisher claims this host_id's lease: another live host with it refuses the start
+                self.publisher = (IndexPublisher(self.config, disk, self.stats, start=background)
+                                  if disk else None)
+            except BaseException:
+                self.index.close()
+                raise
         except BaseException:
             self.devices.close()
             raise
@@ -144,6 +148,7 @@ class ClusterNode:
     def info(self) -> dict[str, Any]:
         return {"host_id": self.config.host_id, "index_url": masked_url(self.config.index_url),
                 "index_error": self.index.last_error,
+                "host_id_conflict": self.publisher.lease.refused if self.publisher else "",
                 "generation": self.publisher.generation if self.publisher else None,
                 "peer_devices": self.devices.describe()}
 

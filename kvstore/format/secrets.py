@@ -20,19 +20,18 @@ _SECRET_ARGUMENT = re.compile(r"(?i)((?:^|&)[^&=]*(?:password|passwd|secret|toke
 def masked_url(url: str) -> str:
     """`url` with its password (userinfo after the first `:`, and any query argument whose
     name says password, secret or token) replaced by ***; a URL without one unchanged.
-    Userinfo ends at the last `@` before any `?` or `#`, so a raw `@` or `/` in a password
-    is hidden too (at worst more than the password is)."""
+    Userinfo ends at the URL's last `@`, so a raw `@`, `/`, `?` or `#` in a password is
+    hidden too (at worst more than the password is)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    limit = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-    at = rest.rfind("@", 0, limit)
+    at = rest.rfind("@")
     if at >= 0 and ":" in rest[:at]:
         rest = f"{rest[:at].partition(':')[0]}:{MASK}{rest[at:]}"
-    if "?" in rest:
-        head, _, query = rest.partition("?")
-        query, hash_, fragment = query.partition("#")
-        rest = f"{head}?{_SECRET_ARGUMENT.sub(_hide_value, query)}{hash_}{fragment}"
+    question = rest.find("?", rest.rfind("@") + 1)
+    if question >= 0:
+        query, hash_, fragment = rest[question + 1 :].partition("#")
+        rest = f"{rest[:question]}?{_SECRET_ARGUMENT.sub(_hide_value, query)}{hash_}{fragment}"
     return f"{scheme}://{rest}"
 
 
@@ -42,5 +41,6 @@ def _hide_value(argument: re.Match[str]) -> str:
 
 def masked(text: str) -> str:
     """`text` with every URL in it masked (masked_url): for messages that may quote a
-    config value or a whole config."""
+    config value or a whole config. A URL there ends at white space or a quote, so a
+    password holding one is masked only up to it (URL-encode such passwords)."""
     return _URL.sub(lambda match: masked_url(match.group(0)), text)
