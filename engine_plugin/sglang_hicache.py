@@ -208,10 +208,11 @@ class KVStoreHiCache(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        if target_locations is None or any(t is None for t in target_locations):
+        targets = list(target_locations or [])
+        if len(targets) != len(keys) or any(t is None for t in targets):
             return [None] * len(keys)  # kvstore fills the caller's memory; it allocates none
-        done = self._tensor_io(keys, list(target_locations), load=True)
-        return [t if ok else None for t, ok in zip(target_locations, done, strict=True)]
+        done = self._tensor_io(keys, targets, load=True)
+        return [t if ok else None for t, ok in zip(targets, done, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

@@ -207,6 +207,27 @@ class TestContract(Contract):
     driver = "sglang_hicache_cases:HiCacheDriver"
 
 
+def test_the_older_calls_fill_the_pages_they_are_given_or_miss(store):
+    """A non-contiguous page is filled (through its contiguous copy, copied back); a page
+    that is not host memory (here a meta tensor: no memory at all) is a miss, never a copy."""
+    pool = pool_of("page_first")
+    fill(pool, 4)
+    hicache = backend(store, pool)
+    try:
+        written = pool.alloc(2 * PAGE_SIZE)
+        assert hicache.batch_set_v1(KEYS[:2], written) == [True, True]
+        flat = pool.get_dummy_flat_data_page()
+        strided = [torch.zeros(2 * flat.numel(), dtype=flat.dtype)[::2] for _ in range(2)]
+        assert not strided[0].is_contiguous()
+        got = hicache.batch_get(KEYS[:2], strided)
+        assert [t.contiguous().view(torch.uint8).numpy().tobytes() for t in got] == pages_of(pool, written, 2)
+        nowhere = torch.empty(flat.shape, dtype=flat.dtype, device="meta")
+        assert hicache.batch_get(KEYS[:1], [nowhere]) == [None]
+        assert hicache.batch_get(KEYS[:2], [flat]) == [None, None]  # fewer pages than keys
+    finally:
+        hicache.close()
+
+
 def test_tensor_parallel_ranks_are_keyed_apart(store):
     pool = pool_of("page_first")
     rank0 = backend(store, pool, tp_rank=0, tp_size=2)
