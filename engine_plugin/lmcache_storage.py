@@ -49,7 +49,7 @@ import xxhash
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from connectors.page_io import Segments, service_pages
+from connectors.page_io import PageIO, Segments, service_pages
 from kvstore.format.errors import ConfigError
 from kvstore.io.aligned import AlignedBuffer
 
@@ -141,6 +141,155 @@ def parse_header(row: np.ndarray, payload_bytes: int) -> StoredChunk:
     return StoredChunk(torch.Size(shape), dtype, fmt, size)
 
 
+def expected_full(config: Any, metadata: Any, payload_bytes: int) -> StoredChunk | None:
+    """The full chunk LMCache's engine allocates (its cache engine's shapes and format for
+    a chunk of `chunk_size` tokens), where its metadata says it: one KV group, not
+    layerwise, and exactly `payload_bytes`. None: learnt from the first put."""
+    try:
+        if metadata is None or config is None or config.use_layerwise:
+            return None
+        shapes, dtypes = metadata.get_shapes(config.chunk_size), metadata.get_dtypes()
+        fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+        if len(shapes) != 1 or len(dtypes) != 1:
+            return None
+        shape, dtype = torch.Size(shapes[0]), dtypes[0]
+        chunk = StoredChunk(shape, dtype, fmt, math.prod(shape) * dtype.itemsize)
+    except Exception:
+        log.exception("kvstore: LMCache's metadata gives no chunk shape; learnt from the first put")
+        return None
+    return chunk if chunk.size == payload_bytes else None
+
+
+class PoolLoads:
+    """Chunks loaded from the service into objects of LMCache's CPU backend, every stored
+    header checked first (module docstring); callable from several threads (one load at
+    a time uses the scratch rows)."""
+
+    def __init__(self, reads: PageIO, pool: Any, chunk_bytes: int, full: StoredChunk | None) -> None:
+        """`pool`: LMCache's CPU backend; `full`: its full chunk, where known already."""
+        self.reads = reads
+        self.pool = pool
+        self.chunk_bytes = chunk_bytes
+        self._full = full
+        self._scratch_memory: AlignedBuffer | None = None
+        self._scratch = np.empty((0, 0), np.uint8)
+        self._scratch_lock = threading.Lock()
+
+    def load(self, keys: list[bytes]) -> list[MemoryObj | None]:
+        """The chunks of `keys` (kvstore keys), each an object of LMCache's CPU backend,
+        None where it missed (module docstring: what makes a stored chunk a miss); in waves
+        of at most WAVE_BYTES of scratch. Once an allocation finds the pool full, the rest
+        miss."""
+        found: list[MemoryObj | None] = []
+        wave = max(1, WAVE_BYTES // self.chunk_bytes)
+        refused = 0  # chunks not loaded for want of memory
+        for start in range(0, len(keys), wave):
+            part = keys[start : start + wave]
+            if refused:
+                found += [None] * len(part)
+                refused += len(part)
+                continue
+            loaded, short = self._get_wave(part)
+            found += loaded
+            refused += short
+        if refused:
+            self.reads.count_misses("no_memory", refused, "LMCache's CPU pool is full (nothing it can "
+                                    "evict): %d stored chunks count as misses", refused)
+        return found
+
+    def _get_wave(self, keys: list[bytes]) -> tuple[list[MemoryObj | None], int]:
+        """Each chunk is loaded straight into an object of the full chunk's shape (known
+        from LMCache's metadata or its first full chunk put: one copy), its header into a
+        scratch row; a shorter chunk (a prompt's last) is then copied into an object of its
+        own. Before any full shape is known, whole chunks land in scratch. Returns the
+        objects and how many chunks found no memory; every object not returned is released."""
+        full = self._full
+        landed: list[MemoryObj | None] = [None] * len(keys)
+        found: list[MemoryObj | None] = [None] * len(keys)
+        refused = 0
+        with self._scratch_lock:
+            scratch = self._scratch_rows(len(keys), HEADER if full else self.chunk_bytes)
+            try:
+                wanted = list(range(len(keys)))
+                if full is not None:
+                    for i in wanted:
+                        landed[i] = self._allocate(full)
+                        if landed[i] is None:
+                            refused, wanted = len(keys) - i, wanted[:i]
+                            break
+                pages: list[Segments] = [
+                    [(scratch[i].ctypes.data, HEADER), (obj.data_ptr, self.chunk_bytes - HEADER)]
+                    if (obj := landed[i]) is not None else [(scratch[i].ctypes.data, self.chunk_bytes)]
+                    for i in wanted]
+                try:
+                    loaded = self.reads.load([keys[i] for i in wanted], pages)
+                except Exception:
+                    log.exception("kvstore load failed; counted as misses")
+                    loaded = [False] * len(wanted)
+                for i, ok in zip(wanted, loaded, strict=True):
+                    if ok:
+                        found[i], no_memory = self._object(scratch[i], landed[i], may_allocate=not refused)
+                        refused += no_memory
+            finally:  # whatever happened, no object but those returned stays allocated
+                kept = {id(obj) for obj in found if obj is not None}
+                for obj in landed:
+                    if obj is not None and id(obj) not in kept:
+                        obj.ref_count_down()
+        return found, refused
+
+    def _allocate(self, chunk: StoredChunk) -> MemoryObj | None:
+        """An object of LMCache's CPU backend for `chunk`, evicting what LMCache may, never
+        waiting for memory (LMCache's default retries for ever); None: the pool is full."""
+        try:
+            obj = self.pool.allocate(chunk.shape, chunk.dtype, chunk.fmt, busy_loop=False)
+        except Exception:  # LMCache refused the request: as full, for this load
+            log.exception("LMCache's CPU backend refused to allocate %s", chunk)
+            return None
+        if obj is not None and (obj.get_size() < chunk.size or obj.get_shape() != chunk.shape):
+            obj.ref_count_down()  # not what was asked for: never copy into it
+            return None
+        return obj
+
+    def _scratch_rows(self, rows: int, width: int) -> np.ndarray:
+        """Reusable scratch rows, in huge pages where the kernel gives them: fresh memory
+        costs a page fault per 4 KiB page on first touch."""
+        if self._scratch.shape[0] < rows or self._scratch.shape[1] < width:
+            self._scratch_memory = AlignedBuffer(rows * width)
+            self._scratch = np.frombuffer(self._scratch_memory.view, np.uint8).reshape(rows, width)
+            self._scratch.fill(0)  # the faults now, not in the middle of a load
+        return self._scratch
+
+    def learn(self, obj: MemoryObj) -> None:
+        """A full chunk LMCache put (its own object, so trusted) fixes the full chunk's
+        shape, dtype and format; a stored header never does."""
+        if obj.get_size() == self.chunk_bytes - HEADER and len(obj.get_shapes()) == 1:
+            self._full = StoredChunk.of(obj)
+
+    def _object(self, chunk: np.ndarray, landed: MemoryObj | None,
+                may_allocate: bool) -> tuple[MemoryObj | None, bool]:
+        """The loaded chunk as an object of its stored shape, checked (parse_header, and a
+        shape of the full chunk's kind): `landed` where it is that object, else a new one
+        (if `may_allocate`) the payload is copied into; None for a chunk that does not fit.
+        Never raises; the second value: it found no memory."""
+        try:
+            stored = parse_header(chunk, self.chunk_bytes - HEADER)
+            if landed is not None and stored == StoredChunk.of(landed):
+                return landed, False
+            full = self._full
+            if full is not None and not stored.within(full):
+                raise BadHeader(f"{stored} is not a chunk of this engine's kind ({full})")
+        except BadHeader as exc:
+            self.reads.count_misses("bad_header", 1, "a stored LMCache chunk's header does not fit "
+                                    "this engine (%s): a miss", exc)
+            return None, False
+        obj = self._allocate(stored) if may_allocate else None
+        if obj is None:
+            return None, True
+        source = landed.data_ptr if landed is not None else chunk.ctypes.data + HEADER
+        ctypes.memmove(obj.data_ptr, source, stored.size)  # stored.size <= both objects' and the payload's
+        return obj, False
+
+
 class KVStoreBackend(StoragePluginInterface):
     """StoragePluginInterface over the kvstore service (loads and saves through
     connectors/page_io.py; puts are done when `batched_submit_put_task` returns)."""
@@ -159,10 +308,8 @@ class KVStoreBackend(StoragePluginInterface):
                                                 xxhash.xxh3_128_digest(f"lmcache|{self.chunk_bytes}".encode()))
         self._pinned: set[bytes] = set()
         self._getter = ThreadPoolExecutor(1, "kvstore-lmcache-get")
-        self._scratch_memory: AlignedBuffer | None = None
-        self._scratch = np.empty((0, 0), np.uint8)
-        self._scratch_lock = threading.Lock()
-        self._full = self._expected_full()
+        self.loads = PoolLoads(self.reads, local_cpu_backend, self.chunk_bytes,
+                               expected_full(config, metadata, self.chunk_bytes - HEADER))
 
     @staticmethod
     def key(key: Any) -> bytes:
@@ -201,7 +348,7 @@ class KVStoreBackend(StoragePluginInterface):
                             "of at most %d bytes fits", key, size, len(obj.get_shapes()), obj.get_dtype(),
                             obj.get_memory_format().name, self.chunk_bytes - HEADER)
                 continue
-            self._learn(obj)
+            self.loads.learn(obj)
             headers.append(chunk_header(obj))
             pad = self.chunk_bytes - HEADER - size
             page: Segments = [(headers[-1].ctypes.data, HEADER), (obj.data_ptr, size)]
@@ -221,135 +368,8 @@ class KVStoreBackend(StoragePluginInterface):
         return None
 
     def batched_get_blocking(self, keys: list[Any]) -> list[MemoryObj | None]:
-        """The chunks of `keys`, each an object of LMCache's CPU backend, None where it
-        missed (module docstring: what makes a stored chunk a miss); in waves of at most
-        WAVE_BYTES of scratch. Once an allocation finds the pool full, the rest miss."""
-        found: list[MemoryObj | None] = []
-        wave = max(1, WAVE_BYTES // self.chunk_bytes)
-        refused = 0  # chunks not loaded for want of memory
-        for start in range(0, len(keys), wave):
-            part = keys[start : start + wave]
-            if refused:
-                found += [None] * len(part)
-                refused += len(part)
-                continue
-            loaded, short = self._get_wave(part)
-            found += loaded
-            refused += short
-        if refused:
-            self.reads.count_misses("no_memory", refused, "LMCache's CPU pool is full (nothing it can "
-                                    "evict): %d stored chunks count as misses", refused)
-        return found
-
-    def _get_wave(self, keys: list[Any]) -> tuple[list[MemoryObj | None], int]:
-        """Each chunk is loaded straight into an object of the full chunk's shape (known
-        from LMCache's metadata or its first full chunk put: one copy), its header into a
-        scratch row; a shorter chunk (a prompt's last) is then copied into an object of its
-        own. Before any full shape is known, whole chunks land in scratch. Returns the
-        objects and how many chunks found no memory; every object not returned is released."""
-        full = self._full
-        landed: list[MemoryObj | None] = [None] * len(keys)
-        found: list[MemoryObj | None] = [None] * len(keys)
-        refused = 0
-        with self._scratch_lock:
-            scratch = self._scratch_rows(len(keys), HEADER if full else self.chunk_bytes)
-            try:
-                wanted = list(range(len(keys)))
-                if full is not None:
-                    for i in wanted:
-                        landed[i] = self._allocate(full)
-                        if landed[i] is None:
-                            refused, wanted = len(keys) - i, wanted[:i]
-                            break
-                pages: list[Segments] = [
-                    [(scratch[i].ctypes.data, HEADER), (obj.data_ptr, self.chunk_bytes - HEADER)]
-                    if (obj := landed[i]) is not None else [(scratch[i].ctypes.data, self.chunk_bytes)]
-                    for i in wanted]
-                try:
-                    loaded = self.reads.load([self.key(keys[i]) for i in wanted], pages)
-                except Exception:
-                    log.exception("kvstore load failed; counted as misses")
-                    loaded = [False] * len(wanted)
-                for i, ok in zip(wanted, loaded, strict=True):
-                    if ok:
-                        found[i], no_memory = self._object(scratch[i], landed[i], may_allocate=not refused)
-                        refused += no_memory
-            finally:  # whatever happened, no object but those returned stays allocated
-                kept = {id(obj) for obj in found if obj is not None}
-                for obj in landed:
-                    if obj is not None and id(obj) not in kept:
-                        obj.ref_count_down()
-        return found, refused
-
-    def _allocate(self, chunk: StoredChunk) -> MemoryObj | None:
-        """An object of LMCache's CPU backend for `chunk`, evicting what LMCache may, never
-        waiting for memory (LMCache's default retries for ever); None: the pool is full."""
-        try:
-            obj = self.local_cpu_backend.allocate(chunk.shape, chunk.dtype, chunk.fmt, busy_loop=False)
-        except Exception:  # LMCache refused the request: as full, for this load
-            log.exception("LMCache's CPU backend refused to allocate %s", chunk)
-            return None
-        if obj is not None and (obj.get_size() < chunk.size or obj.get_shape() != chunk.shape):
-            obj.ref_count_down()  # not what was asked for: never copy into it
-            return None
-        return obj
-
-    def _scratch_rows(self, rows: int, width: int) -> np.ndarray:
-        """Reusable scratch rows, in huge pages where the kernel gives them: fresh memory
-        costs a page fault per 4 KiB page on first touch."""
-        if self._scratch.shape[0] < rows or self._scratch.shape[1] < width:
-            self._scratch_memory = AlignedBuffer(rows * width)
-            self._scratch = np.frombuffer(self._scratch_memory.view, np.uint8).reshape(rows, width)
-            self._scratch.fill(0)  # the faults now, not in the middle of a load
-        return self._scratch
-
-    def _learn(self, obj: MemoryObj) -> None:
-        """A full chunk LMCache put (its own object, so trusted) fixes the full chunk's
-        shape, dtype and format; a stored header never does."""
-        if obj.get_size() == self.chunk_bytes - HEADER and len(obj.get_shapes()) == 1:
-            self._full = StoredChunk.of(obj)
-
-    def _expected_full(self) -> StoredChunk | None:
-        """The full chunk LMCache's engine allocates (its cache engine's shapes and format
-        for a chunk of `chunk_size` tokens), where its metadata says it: one KV group, not
-        layerwise, and exactly the payload's bytes. None: learnt from the first put."""
-        try:
-            if self.metadata is None or self.config is None or self.config.use_layerwise:
-                return None
-            shapes, dtypes = self.metadata.get_shapes(self.config.chunk_size), self.metadata.get_dtypes()
-            fmt = MemoryFormat.KV_MLA_FMT if self.metadata.use_mla else MemoryFormat.KV_2LTD
-            if len(shapes) != 1 or len(dtypes) != 1:
-                return None
-            shape, dtype = torch.Size(shapes[0]), dtypes[0]
-            chunk = StoredChunk(shape, dtype, fmt, math.prod(shape) * dtype.itemsize)
-        except Exception:
-            log.exception("kvstore: LMCache's metadata gives no chunk shape; learnt from the first put")
-            return None
-        return chunk if chunk.size == self.chunk_bytes - HEADER else None
-
-    def _object(self, chunk: np.ndarray, landed: MemoryObj | None,
-                may_allocate: bool) -> tuple[MemoryObj | None, bool]:
-        """The loaded chunk as an object of its stored shape, checked (parse_header, and a
-        shape of the full chunk's kind): `landed` where it is that object, else a new one
-        (if `may_allocate`) the payload is copied into; None for a chunk that does not fit.
-        Never raises; the second value: it found no memory."""
-        try:
-            stored = parse_header(chunk, self.chunk_bytes - HEADER)
-            if landed is not None and stored == StoredChunk.of(landed):
-                return landed, False
-            full = self._full
-            if full is not None and not stored.within(full):
-                raise BadHeader(f"{stored} is not a chunk of this engine's kind ({full})")
-        except BadHeader as exc:
-            self.reads.count_misses("bad_header", 1, "a stored LMCache chunk's header does not fit "
-                                    "this engine (%s): a miss", exc)
-            return None, False
-        obj = self._allocate(stored) if may_allocate else None
-        if obj is None:
-            return None, True
-        source = landed.data_ptr if landed is not None else chunk.ctypes.data + HEADER
-        ctypes.memmove(obj.data_ptr, source, stored.size)  # stored.size <= both objects' and the payload's
-        return obj, False
+        """Each chunk an object of LMCache's CPU backend, None where it missed (PoolLoads)."""
+        return self.loads.load([self.key(k) for k in keys])
 
     def get_blocking(self, key: Any) -> MemoryObj | None:
         return self.batched_get_blocking([key])[0]
