@@ -232,6 +232,15 @@ def test_this_machines_ended_service_leaves_a_lease_that_a_restart_takes_over(st
         store.close()
 
 
+def test_a_store_reopened_after_a_crash_in_the_same_process_takes_its_lease_back(started, disk_dir):
+    server = started(users(ACL, ADMIN))
+    config = host_config("a", ["b"], disk_dir, with_user(server.url, "kvstore", PASSWORD))
+    TieredStore(config, CHUNK, background=False).simulate_crash()  # its lease lives on
+    with admin(server) as r:
+        assert r.get(IndexKeys("kvstore:", cluster=False).lease("a")) is not None
+    TieredStore(config, CHUNK, background=False).close()
+
+
 def test_a_host_whose_id_another_host_took_while_it_was_away_stops_publishing(started, disk_dir, caplog):
     server = started(users(ACL, ADMIN))
     store = TieredStore(host_config("a", ["b"], disk_dir, with_user(server.url, "kvstore", PASSWORD)), CHUNK,

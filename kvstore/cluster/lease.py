@@ -10,7 +10,7 @@ index.LeaseHolder), and it is claimed, never blindly overwritten:
 - At start, `claim` sets it only where none lives (SET NX). One held by another live
   host refuses the start (HostIdInUse, naming that host); one held by an ended service
   of this same machine (same host name and boot id, its pid gone: a restart within
-  `lease_s`) is taken over.
+  `lease_s`), or by a closed store of this very process, is taken over.
 - A renewal sets it only while it exists (SET XX GET). Gone (Redis restarted or was
   flushed): claimed again, and the publisher republishes. Holding another generation
   (a host with this id claimed it while this one could not renew): that host's value is
@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 
 from kvstore.cluster.connection import FAILURES, IndexConnection
 from kvstore.cluster.index import IndexKeys, LeaseHolder
@@ -44,10 +45,18 @@ def _boot_id() -> str:
     return ""
 
 
-def _ended_here(holder: LeaseHolder) -> bool:
-    """`holder` is a service of this machine (this boot) whose process is gone."""
+_held: set[tuple[str, bytes]] = set()  # (index URL, lease key) a live HostLease of this process holds
+_held_lock = threading.Lock()
+
+
+def _ended_here(holder: LeaseHolder, where: tuple[str, bytes]) -> bool:
+    """`holder` is a service of this machine (this boot) whose process is gone, or an
+    earlier store of this very process that is closed (a crash, in a test, then a restart)."""
     if holder.host != socket.gethostname() or holder.boot != _boot_id() or holder.pid <= 0:
         return False
+    if holder.pid == os.getpid():
+        with _held_lock:
+            return where not in _held
     try:
         os.kill(holder.pid, 0)
     except ProcessLookupError:
@@ -66,6 +75,7 @@ class HostLease:
         self.stats = stats
         self._index = index
         self._key = keys.lease(config.host_id)
+        self._where = (config.index_url, self._key)
         self.mine = LeaseHolder(generation, socket.gethostname(), _boot_id(), os.getpid())
         self.claimed = False
         self.refused = ""  # why this host stopped publishing: another host holds its id
@@ -86,7 +96,7 @@ class HostLease:
         answer = self._set(self.mine.pack(), nx=True, get=True)
         holder = LeaseHolder.unpack(answer) if answer is not None else None
         if answer is not None and holder != self.mine:
-            if holder is None or not _ended_here(holder):
+            if holder is None or not _ended_here(holder, self._where):
                 raise HostIdInUse("cluster.host_id", self.config.host_id,
                                   f"in use by {holder or 'a lease of another format'}, whose lease lives: "
                                   f"give each host its own host_id (if that host was this one before a "
@@ -95,6 +105,8 @@ class HostLease:
                      "taken over", self.config.host_id, holder)
             self._set(self.mine.pack())
         self.claimed = True
+        with _held_lock:
+            _held.add(self._where)
 
     def renew(self) -> bool | None:
         """Renew the lease (claim it first if not held yet): True; False where the index
@@ -135,9 +147,16 @@ class HostLease:
         log.error("cluster index: %s; this host stops publishing (its lookups go on)", why)
         return False
 
-    def withdraw(self) -> None:
-        """End the lease now, where this host holds it (a clean stop: peers stop reading
-        this host's devices now rather than when it would have run out)."""
+    def close(self, withdraw: bool) -> None:
+        """This store no longer holds the lease; `withdraw` (a clean stop) also ends it now
+        where this host holds it, so peers stop reading this host's devices now rather than
+        when it would have run out."""
+        if withdraw:
+            self._withdraw()
+        with _held_lock:
+            _held.discard(self._where)
+
+    def _withdraw(self) -> None:
         if not self.claimed:
             return
         answer: object = None

@@ -235,6 +235,5 @@ class IndexPublisher:
             self._thread.join(self.config.lease_s)
         with self.disk.table.lock:
             self.disk.table.listeners.remove(self._changed)
-        if withdraw:
-            self.lease.withdraw()
+        self.lease.close(withdraw)
         self._index.close()
