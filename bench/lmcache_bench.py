@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[Round]:
             cpu, disk, plugin = backends["LocalCPUBackend"], backends["LocalDiskBackend"], backends["kvstore"]
             keys = [CacheEngineKey("bench/model", 1, 0, i, torch.float16) for i in range(count)]
             absent = [CacheEngineKey("bench/model", 1, 0, count + i, torch.float16) for i in range(BATCH)]
-            shape = torch.Size([LAYERS, 2, CHUNK_TOKENS, HEADS * HEAD_DIM])
+            shape = plugin.metadata.get_shapes(CHUNK_TOKENS)[0]  # as LMCache's cache engine allocates
             digests = []
             for start in range(0, count, BATCH):
                 objs = [cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD) for _ in range(BATCH)]

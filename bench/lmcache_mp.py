@@ -117,17 +117,21 @@ def l2_adapter(config_path: Path, size: int) -> str:
 
 def mp_server_command(port: int, adapter: str, shm_name: str, l1_gib: int = 1) -> list[str]:
     """LMCache's MP server: engine-driven transfers through a shared-memory pool (what
-    `auto` picks on a CPU), kvstore as its one L2 adapter."""
-    return [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",
+    `auto` picks on a CPU), kvstore as its one L2 adapter, its doors as closed as LMCache
+    0.5.6 allows (docs/lmcache.md): requests on loopback only (its server binds
+    tcp://HOST:PORT whatever the client takes; no ipc://) and no metrics listener (its
+    Prometheus endpoint binds every interface, 9090 by default); this entry point starts
+    no HTTP admin API."""
+    return [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
             "--port", str(port), "--chunk-size", str(CHUNK_TOKENS), "--l1-size-gb", str(l1_gib),
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--shm-name", shm_name,
-            "--l2-adapter", adapter]
+            "--disable-metrics", "--l2-adapter", adapter]
 
 
 def connector_config(port: int) -> dict[str, Any]:
     """vLLM's --kv-transfer-config for LMCache's MP connector."""
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
 
 
 def wait_for(ready: Any, process: subprocess.Popen[bytes], what: str, log: Path,
@@ -144,6 +148,37 @@ def wait_for(ready: Any, process: subprocess.Popen[bytes], what: str, log: Path,
         time.sleep(0.3)
 
 
+def tcp_listeners(group: int) -> set[tuple[str, int]]:
+    """The TCP addresses (IP, port) the processes of process group `group` listen on, read
+    from /proc (the sockets each holds, matched with the kernel's TCP tables)."""
+    inodes = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text() if proc.name.isdigit() else ""
+            if not stat or int(stat.rpartition(")")[2].split()[2]) != group:  # its process group
+                continue
+            fds = list((proc / "fd").iterdir())
+        except OSError:  # gone, or not ours
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # the kernel's words, each in host (little-endian) order
+                ip = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, ip), int(port, 16)))
+    return found
+
+
 def port_open(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
@@ -151,10 +186,11 @@ def port_open(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def lmcache_stack(model: Path, workdir: Path, server_args: list[str], kv_cache_gib: int,
-                  env: dict[str, str]) -> Iterator[tuple[OpenAIServer, dict[str, Any]]]:
-    """kvstore service, LMCache MP server, vLLM with the MP connector, started in that order
-    and stopped in the reverse one (each group killed, whatever happened)."""
+def mp_server(workdir: Path, size: int, env: dict[str, str]) -> Iterator[tuple[int, dict[str, Any],
+                                                                               subprocess.Popen[bytes]]]:
+    """kvstore's service and LMCache's MP server with kvstore's adapter for chunk objects of
+    `size` bytes, started in that order and stopped in the reverse one (each group killed,
+    whatever happened): (the MP server's port, kvstore's config, the MP server's process)."""
     raw = store_config(workdir)
     config_path = workdir / "kvstore.yaml"
     config_path.write_text(yaml.safe_dump(raw))
@@ -168,16 +204,28 @@ def lmcache_stack(model: Path, workdir: Path, server_args: list[str], kv_cache_g
         stack.callback(stop_group, service)
         wait_for(lambda: service_info(store) is not None, service, "kvstore service", log)
         log = workdir / "lmcache_mp.log"
-        mp = start_group(mp_server_command(port, l2_adapter(config_path, chunk_bytes(model)), shm_name),
-                         log, env)
+        mp = start_group(mp_server_command(port, l2_adapter(config_path, size), shm_name), log, env)
         stack.callback(_remove_shm, shm_name)
         stack.callback(stop_group, mp)
         wait_for(lambda: port_open(port), mp, "LMCache MP server", log)
+        opened = tcp_listeners(mp.pid)
+        if opened != {("127.0.0.1", port)}:
+            raise RuntimeError(f"LMCache's MP server listens on {sorted(opened)}, not on 127.0.0.1:{port} "
+                               "alone: its doors are not closed (docs/lmcache.md)")
+        yield port, raw, mp
+
+
+@contextlib.contextmanager
+def lmcache_stack(model: Path, workdir: Path, server_args: list[str], kv_cache_gib: int,
+                  env: dict[str, str]) -> Iterator[tuple[OpenAIServer, dict[str, Any]]]:
+    """kvstore service, LMCache MP server, vLLM with the MP connector, started in that order
+    and stopped in the reverse one."""
+    with mp_server(workdir, chunk_bytes(model), env) as (port, raw, _):
         vllm = OpenAIServer(model, server_args, workdir / "vllm.log", kv_cache_gib=kv_cache_gib,
                             env={**env, **QUIET})
         vllm.command += ["--kv-transfer-config", json.dumps(connector_config(port))]
-        stack.enter_context(vllm)
-        yield vllm, raw
+        with vllm:
+            yield vllm, raw
 
 
 def _remove_shm(name: str) -> None:

@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +33,19 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    """One redis-server on loopback. `args`: more of its options (a password, ACL users);
+    `tls`: its port speaks TLS only (give the `--tls-*` files in `args`)."""
+
+    def __init__(self, workdir: Path, args: Sequence[str] = (), tls: bool = False) -> None:
         self.workdir = workdir
+        self.args = list(args)
+        self.tls = tls
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         """Start on a free port (a new one each time: another test may take the old one)."""
@@ -57,25 +62,29 @@ class RedisServer:
 
     def _launch(self, port: int) -> bool:
         self.port = port
+        ports = ["--port", "0", "--tls-port", str(port)] if self.tls else ["--port", str(port)]
         self.process = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+            ["redis-server", "--bind", "127.0.0.1", *ports, "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir),
-             "--logfile", str(self.workdir / f"redis-{port}.log")],
+             "--logfile", str(self.workdir / f"redis-{port}.log"), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self.process.poll() is None:
-            if self.answers(self.port):
+            if self.answers(self.port, self.tls):
                 return True
             time.sleep(0.02)
         self.stop()
         return False
 
     @staticmethod
-    def answers(port: int) -> bool:
+    def answers(port: int, tls: bool = False) -> bool:
+        """It listens (TLS) or answers a PING (one that asks for a password first counts)."""
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                if tls:
+                    return True
                 conn.sendall(b"PING\r\n")
-                return conn.recv(16).startswith(b"+PONG")
+                return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

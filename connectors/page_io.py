@@ -59,6 +59,7 @@ class PageIO:
         self.link = ServiceLink(make_client)
         self.link.start()
         self._lock = threading.Lock()
+        self._warned: set[str] = set()
 
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the store holds (0 while the service does not answer)."""
@@ -134,6 +135,23 @@ class PageIO:
             if lease is not None:
                 client.unpin([lease])
         return done
+
+    def count_misses(self, kind: str, chunks: int, why: str, *args: Any) -> None:
+        """`chunks` loaded chunks the engine's backend refused after they verified (`kind`:
+        e.g. `bad_header`, a stored header that does not fit the engine's memory): counted
+        in the service as `load.<kind>` (`kvstore info`, Prometheus) and logged once per
+        kind. Best effort: it never connects, and a failure only logs."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("kvstore: " + why + " (counted as load.%s; logged once)", *args, kind)
+        with self._lock:
+            client = self.link.peek()
+            if client is None:
+                return
+            try:
+                client.count({f"load.{kind}": chunks})
+            except KVStoreError as exc:
+                self._failed("count", exc)
 
     def _check(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> None:
         if len(keys) != len(pages):

@@ -36,6 +36,7 @@ kvstore/ or connectors/ imports it.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from lmcache.v1.platform import create_event_notifier
 from connectors.key_scope import KeyScope
 from connectors.page_io import Segments, service_pages
 from connectors.weights import weights_identity
-from engine_plugin.lmcache_storage import HEADER, chunk_header, read_header
+from engine_plugin.lmcache_storage import HEADER, BadHeader, chunk_header, described, read_header
 from kvstore.format.errors import ConfigError
 
 log = logging.getLogger("kvstore.lmcache")
@@ -256,7 +257,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Each chunk straight into LMCache's buffer, its header into a scratch row; a
-        chunk whose header names another size or dtype is a miss."""
+        chunk whose header does not describe the buffer is a miss."""
         bitmap = Bitmap(len(keys))
         rows = np.empty((len(keys), HEADER), np.uint8)
         ours = self._visible(keys)
@@ -265,20 +266,27 @@ class KVStoreL2Adapter(L2AdapterInterface):
                  for i in wanted]
         loaded = self.reads.load([key for i in wanted if (key := ours[i]) is not None], pages)
         for i, ok in zip(wanted, loaded, strict=True):
-            if ok and self._fits(read_header(rows[i]), objects[i]):
+            if ok and self._fits(rows[i], objects[i]):
                 bitmap.set(i)
         found = [keys[i] for i in range(len(keys)) if bitmap.test(i)]
         if found:
             self._notify_keys_accessed(found)
         return bitmap
 
-    @staticmethod
-    def _fits(header: dict[str, Any], obj: MemoryObj) -> bool:
-        dtype = str(obj.get_dtype()).removeprefix("torch.")
-        if header.get("size") == obj.get_size() and header.get("dtype") == dtype:
-            return True
-        log.warning("kvstore: a stored L2 chunk (%s) does not fit LMCache's buffer (%d bytes, %s); "
-                    "counted as a miss", header, obj.get_size(), dtype)
+    def _fits(self, row: np.ndarray, obj: MemoryObj) -> bool:
+        """The stored header describes LMCache's buffer exactly (shape, dtype, format,
+        size); else the chunk is a counted miss (`load.bad_header`). The payload is in the
+        buffer already: a load writes no more than the buffer's size, whatever the header."""
+        wanted = described(obj)
+        try:
+            header: Any = read_header(row)
+        except BadHeader as exc:
+            header = exc
+        else:  # compared as JSON: 16384.0 or true is not the int the buffer has
+            if json.dumps(header, sort_keys=True) == json.dumps(wanted, sort_keys=True):
+                return True
+        self.reads.count_misses("bad_header", 1, "a stored L2 chunk (%.200s) does not fit LMCache's "
+                                "buffer (%s): a miss", header, wanted)
         return False
 
     def _page(self, header: int, payload: int, size: int, padding: np.ndarray) -> Segments:

@@ -212,10 +212,17 @@ class KVStoreHiCache(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def _tensor_io(self, keys: list[str], tensors: list[torch.Tensor], load: bool) -> list[bool]:
-        """The older calls: whole flat pages as contiguous tensors."""
+    def _tensor_io(self, keys: list[str], tensors: list[Any], load: bool) -> list[bool]:
+        """The older calls: whole flat pages as host tensors (a page that is not a CPU
+        tensor of the chunk's size is a miss; a non-contiguous one is filled through a
+        contiguous copy)."""
         if not keys:
             return []
+        if len(tensors) != len(keys) or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                                for t in tensors):
+            log.warning("kvstore: %d pages given for %d keys, not all CPU tensors; counted as misses",
+                        len(tensors), len(keys))
+            return [False] * len(keys)
         flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         pages: list[Segments] = [[(t.data_ptr(), t.numel() * t.element_size())] for t in flat]
         if self.reads is None:  # no host pool registered: the first page's size is the chunk's
@@ -226,10 +233,14 @@ class KVStoreHiCache(HiCacheStorage):
         if not load and not self.writer:
             return [True] * len(keys)
         try:
-            return (io.load if load else io.save)([self.key(k) for k in keys], pages)
+            done = (io.load if load else io.save)([self.key(k) for k in keys], pages)
         except Exception:
             log.exception("kvstore page transfer failed; counted as misses")
             return [False] * len(keys)
+        for target, page, ok in zip(tensors, flat, done, strict=True):
+            if load and ok and page is not target:
+                target.copy_(page)
+        return done
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         found = self.batch_get([key], [target_location])
@@ -237,10 +248,11 @@ class KVStoreHiCache(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        if target_locations is None or any(t is None for t in target_locations):
+        targets = list(target_locations or [])
+        if len(targets) != len(keys) or any(t is None for t in targets):
             return [None] * len(keys)  # kvstore fills the caller's memory; it allocates none
-        done = self._tensor_io(keys, list(target_locations), load=True)
-        return [t if ok else None for t, ok in zip(target_locations, done, strict=True)]
+        done = self._tensor_io(keys, targets, load=True)
+        return [t if ok else None for t, ok in zip(targets, done, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

@@ -63,6 +63,8 @@ def _info(args: argparse.Namespace) -> int:
     cluster = info.get("cluster")
     if cluster:
         error = f", index error: {cluster['index_error']}" if cluster["index_error"] else ""
+        if cluster.get("host_id_conflict"):
+            error += f", not publishing: {cluster['host_id_conflict']}"
         print(f"  cluster: host {cluster['host_id']}, index {cluster['index_url']}{error}")
         for device in cluster["peer_devices"]:
             why = f" ({device['reason']})" if device["reason"] else ""

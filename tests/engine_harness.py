@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,19 +19,6 @@ def run_engine(model: str | Path, prompts_file: str | Path, connector: dict[str,
     return run_fresh(model, prompts_file, connector, single_process=single_process,
                      max_num_batched_tokens=max_num_batched_tokens, module_path=module_path,
                      timeout_s=300, check=expect_ok, kv_events=kv_events)
-
-
-def fresh_python(script: str, store_config: dict[str, Any], tmp_path: Path) -> Any:
-    """Run `script` in a fresh Python (this one), with the checkout and tests/ on its path,
-    given the store config as JSON and a file to write its answer to (argv[1], argv[2]):
-    the answer, read back as JSON."""
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "fresh.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", script, json.dumps(store_config), str(out)], cwd=root, env=env,
-                   check=True, timeout=240)
-    return json.loads(out.read_text())
 
 
 def service_client(store_config: dict[str, Any]) -> StoreClient:

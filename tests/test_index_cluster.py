@@ -20,10 +20,11 @@ from test_cluster import CHUNK, capacity_for, client, counters, found, get, host
 
 import kvstore.cluster.node
 from bench.loopdev import LoopDevices
-from kvstore.cluster.connection import IndexConnection, shown
+from kvstore.cluster.connection import IndexConnection
 from kvstore.cluster.index import IndexKeys
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
+from kvstore.format.secrets import masked_url
 from kvstore.service.client import StoreClient
 from kvstore.store.tiered import TieredStore
 
@@ -53,7 +54,7 @@ def test_a_bad_cluster_url_is_refused_naming_the_problem(url, error):
     ("redis://:p@ss@10.0.0.9:6379/0", "redis://:***@10.0.0.9:6379/0"),  # a raw @ in the password
 ])
 def test_logs_and_info_hide_the_password(url, seen):
-    assert shown(url) == seen
+    assert masked_url(url) == seen
 
 
 def test_a_prefix_with_a_hash_tag_is_refused_for_a_cluster_only():

@@ -4,6 +4,9 @@
 `redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]` (`rediss+cluster://`: TLS)
 names a Redis Cluster (redis-py's cluster client): the nodes listed are where it first
 reads the slot map; it follows MOVED and ASK and reads the map again after a node fails.
+A URL's user and password authenticate every connection (Redis's AUTH, an ACL user or
+`requirepass`); a `rediss` URL's connections are TLS, checked against `cluster.index_tls`'s
+CA (else the system's), with its client certificate where the index asks for one.
 Neither client retries (redis-py's would, which multiplies a deadline): a failure is the
 caller's to count.
 
@@ -25,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -33,20 +36,12 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from kvstore.config.store import CLUSTER_SCHEMES, cluster_nodes
+from kvstore.config.store import CLUSTER_SCHEMES, IndexTlsConfig, cluster_nodes
 
 FAILURES = (redis.RedisError, RedisClusterException, OSError)  # what a dead or slow index raises
 NODE_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)  # a shard's node, not a command, failed
+MALFORMED = redis.ResponseError  # a command refused (a key of the wrong type): that entry, not the index
 Command = tuple[str, tuple[Any, ...]]  # a pipeline method's name and its arguments; args[0] names the key(s)
-
-
-def shown(url: str) -> str:
-    """The index URL with its password hidden, for logs and `kvstore info`."""
-    parts = urlsplit(url)
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}"))
 
 
 def _credentials(url: str) -> dict[str, Any]:
@@ -111,15 +106,16 @@ class IndexConnection:
     """A client for `url` whose every batch answers within its deadline or fails: on a
     cluster, shard by shard."""
 
-    def __init__(self, url: str, timeout_s: float, backoff_s: float = 0.0) -> None:
+    def __init__(self, url: str, timeout_s: float, backoff_s: float = 0.0,
+                 tls: IndexTlsConfig | None = None) -> None:
         """`timeout_s`: each socket operation's, and a batch's deadline; `backoff_s`: how
-        long a cluster shard that failed is not asked again."""
+        long a cluster shard that failed is not asked again; `tls`: a rediss URL's files."""
         self.url = url
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self._options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                                         "retry": Retry(NoBackoff(), 0)}
+                                         "retry": Retry(NoBackoff(), 0), **(tls.options() if tls else {})}
         self._client: Any = None if self.cluster else redis.Redis.from_url(
             url, health_check_interval=0, **self._options)
         self._lock = threading.Lock()
@@ -174,14 +170,15 @@ class IndexConnection:
             self._built.set()
 
     def run(self, commands: Sequence[Command]) -> list[Any]:
-        """The commands' results. One instance: one pipeline; a failure raises. A cluster:
-        one pipeline per shard, all within `timeout_s`; a shard that fails, is late or is
-        backing off gives its commands' exceptions as their results."""
+        """The commands' results; a command Redis refused (MALFORMED) gives its exception as
+        its result. One instance: one pipeline; a failure of the connection raises. A
+        cluster: one pipeline per shard, all within `timeout_s`; a shard that fails, is late
+        or is backing off gives its commands' exceptions as their results."""
         if not self.cluster:
             pipe = self.client.pipeline(transaction=False)
             for name, args in commands:
                 _queue(pipe, name, args)
-            return list(pipe.execute())
+            return list(pipe.execute(raise_on_error=False))  # a refused command: its own result
         client = self.client
         started = time.monotonic()
         results: list[Any] = [None] * len(commands)

@@ -3,7 +3,8 @@
 Keys, all under `cluster.key_prefix` (P):
   P c:<chunk key>  a hash: one field per host holding the chunk, host id -> Location
   P h:<host id>    a set: the chunk keys that host has published (its own clean-up)
-  P l:<host id>    that host's lease: its generation (random per start), expiring
+  P l:<host id>    that host's lease, expiring: its generation (8 bytes, random per start),
+                   then who holds it (host name, boot id, pid: lease.py)
 
 On a Redis Cluster the chunk keys are `P c:{}<chunk key>` and spread over the shards by
 the hash of the whole key (the empty tag `{}` comes first, so a `{...}` inside a raw
@@ -36,8 +37,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.cluster.connection import FAILURES, Command, IndexConnection, shown
+from kvstore.cluster.connection import FAILURES, MALFORMED, Command, IndexConnection
 from kvstore.config.store import ClusterConfig
+from kvstore.format.secrets import masked_url
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,33 @@ class Location:
         if len(raw) != _LOCATION.size:
             return None
         return Location(*_LOCATION.unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHolder:
+    """Who holds a host id's lease: the generation its entries carry, and the host name,
+    boot id and pid of the service that claimed it (so a second host with the same id
+    can be named, and a service's own ended predecessor on this machine recognised)."""
+
+    generation: int
+    host: str
+    boot: str
+    pid: int
+
+    def pack(self) -> bytes:
+        return self.generation.to_bytes(8, "little") + f"{self.host}\n{self.boot}\n{self.pid}".encode()
+
+    @staticmethod
+    def unpack(raw: object) -> LeaseHolder | None:
+        """None where `raw` is not a lease (counted by the reader as malformed)."""
+        if not isinstance(raw, bytes) or len(raw) < 8:
+            return None
+        host, boot, pid = [*raw[8:].decode(errors="replace").split("\n"), "", "", ""][:3]
+        return LeaseHolder(int.from_bytes(raw[:8], "little"), host[:200], boot[:64],
+                           int(pid) if pid.isascii() and pid.isdigit() and len(pid) < 10 else 0)
+
+    def __str__(self) -> str:
+        return f"{self.host or 'an unnamed host'} (pid {self.pid})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +133,8 @@ class IndexReader:
     def __init__(self, config: ClusterConfig, stats: Stats) -> None:
         self.config = config
         self.stats = stats
-        self._index = IndexConnection(config.index_url, config.index_deadline_s, config.index_backoff_s)
+        self._index = IndexConnection(config.index_url, config.index_deadline_s, config.index_backoff_s,
+                                      config.index_tls)
         self.keys = IndexKeys(config.key_prefix, self._index.cluster)
         self.peers = [peer.host_id for peer in config.peers]
         self._lock = threading.Lock()
@@ -131,7 +161,7 @@ class IndexReader:
             self._fail(str(exc) or type(exc).__name__)
             return None
         elapsed = time.monotonic() - started
-        failed = [a for a in answers if isinstance(a, BaseException)]
+        failed = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, MALFORMED)]
         if len(failed) == len(answers):
             self._fail(str(failed[0]) or type(failed[0]).__name__)
             return None
@@ -144,21 +174,26 @@ class IndexReader:
         if failed:
             self.stats.add("peer.index_shard_errors")
         elif self.last_error and not late:
-            log.warning("cluster index %s answers again", shown(self.config.index_url))
+            log.warning("cluster index %s answers again", masked_url(self.config.index_url))
             self.last_error = ""
         live = self._live(started, answers[0])
         found: dict[bytes, list[PeerHit]] = {}
         for key, row in zip(keys, answers[1:], strict=True):
-            if isinstance(row, BaseException):
+            if isinstance(row, BaseException) and not isinstance(row, MALFORMED):
                 self.stats.add("peer.index_shard_misses")  # its shard is down: a miss
+                continue
+            if isinstance(row, MALFORMED) or not isinstance(row, list) or len(row) != len(self.peers):
+                self.stats.add("peer.index_malformed")  # not a hash of hosts' entries: a miss
                 continue
             hits = []
             for host, raw in zip(self.peers, row, strict=True):
-                location = Location.unpack(raw) if raw is not None else None
+                location = Location.unpack(raw) if isinstance(raw, bytes) else None
                 if location is not None and live.get(host) == location.generation:
                     hits.append(PeerHit(host, location))
-                elif raw is not None:
+                elif location is not None:
                     self.stats.add("peer.index_expired")  # no lease, or an older generation
+                elif raw is not None:
+                    self.stats.add("peer.index_malformed")
             if hits:
                 found[key] = hits
         return found
@@ -169,9 +204,12 @@ class IndexReader:
         `lease_s` after they were read (no lease outlives that without a renewal)."""
         with self._lock:
             if isinstance(leases, list):  # else the exception of a shard that did not answer
-                self._leases = {host: (int.from_bytes(lease, "little"), asked + self.config.lease_s)
-                                for host, lease in zip(self.peers, leases, strict=True)
-                                if isinstance(lease, bytes) and len(lease) == 8}
+                holders = [(host, LeaseHolder.unpack(lease))
+                           for host, lease in zip(self.peers, leases, strict=True) if lease is not None]
+                self._leases = {host: (holder.generation, asked + self.config.lease_s)
+                                for host, holder in holders if holder is not None}
+                if len(self._leases) < len(holders):
+                    self.stats.add("peer.index_malformed", len(holders) - len(self._leases))
             now = time.monotonic()
             return {host: generation for host, (generation, until) in self._leases.items() if until > now}
 
@@ -182,7 +220,7 @@ class IndexReader:
             self._skip_until = time.monotonic() + self.config.index_backoff_s
         self.stats.add("peer.index_errors")
         (log.warning if first else log.debug)(
-            "cluster index %s: %s; lookups are local only for %.1f s", shown(self.config.index_url), why,
+            "cluster index %s: %s; lookups are local only for %.1f s", masked_url(self.config.index_url), why,
             self.config.index_backoff_s)
 
     def close(self) -> None:

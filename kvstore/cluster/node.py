@@ -24,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.cluster.connection import shown
 from kvstore.cluster.index import IndexReader, PeerHit
 from kvstore.cluster.peer_devices import PeerDevices
 from kvstore.cluster.peer_reader import PeerReader
@@ -32,6 +31,7 @@ from kvstore.cluster.publisher import IndexPublisher
 from kvstore.config.store import StoreConfig
 from kvstore.datapath.landing import Landings
 from kvstore.format.record import record_bytes
+from kvstore.format.secrets import masked_url
 from kvstore.io.base import IoEngine
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
@@ -56,8 +56,12 @@ class ClusterNode:
                                    start=background)
         try:
             self.index = IndexReader(self.config, self.stats)
-            self.publisher = (IndexPublisher(self.config, disk, self.stats, start=background)
-                              if disk else None)
+            try:  # the publisher claims this host_id's lease: another live host with it refuses the start
+                self.publisher = (IndexPublisher(self.config, disk, self.stats, start=background)
+                                  if disk else None)
+            except BaseException:
+                self.index.close()
+                raise
         except BaseException:
             self.devices.close()
             raise
@@ -142,8 +146,9 @@ class ClusterNode:
     # -- housekeeping ----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        return {"host_id": self.config.host_id, "index_url": shown(self.config.index_url),
+        return {"host_id": self.config.host_id, "index_url": masked_url(self.config.index_url),
                 "index_error": self.index.last_error,
+                "host_id_conflict": self.publisher.lease.refused if self.publisher else "",
                 "generation": self.publisher.generation if self.publisher else None,
                 "peer_devices": self.devices.describe()}
 

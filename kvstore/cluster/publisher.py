@@ -28,9 +28,11 @@ import threading
 import time
 from collections import deque
 
-from kvstore.cluster.connection import FAILURES, Command, IndexConnection, shown
+from kvstore.cluster.connection import FAILURES, Command, IndexConnection
 from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location
+from kvstore.cluster.lease import HostIdInUse, HostLease
 from kvstore.config.store import ClusterConfig
+from kvstore.format.secrets import masked_url
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
 from kvstore.tiers.stats import Stats
@@ -47,8 +49,10 @@ class IndexPublisher:
         self.stats = stats
         self.host_id = config.host_id
         self.generation = int.from_bytes(os.urandom(8), "little")
-        self._index = IndexConnection(config.index_url, config.lease_s / 3)
+        self._index = IndexConnection(config.index_url, config.lease_s / 3, tls=config.index_tls)
         self.keys = IndexKeys(config.key_prefix, self._index.cluster)
+        self.lease = HostLease(config, self._index, self.keys, self.generation, stats)
+        self._claim_at_start()
         self._queue: deque[tuple[bool, bytes, int, int]] = deque()
         self._dirty = True  # the recovered index has not been sent yet
         self._wake = threading.Event()
@@ -66,6 +70,18 @@ class IndexPublisher:
         if start:
             self._thread.start()
 
+    def _claim_at_start(self) -> None:
+        """Another live host with this host_id refuses the start (HostIdInUse); an index
+        that does not answer only defers the claim to the thread's first step."""
+        try:
+            self.lease.claim()
+        except HostIdInUse:
+            self._index.close()
+            raise
+        except FAILURES as exc:
+            log.warning("cluster index %s: host_id %s's lease not claimed at start (%s); claimed when "
+                        "the index answers", masked_url(self.config.index_url), self.host_id, exc)
+
     def _changed(self, published: bool, entry: Entry) -> None:
         """Slot-table listener (its lock held): queue the change, never wait."""
         if len(self._queue) >= QUEUE_LIMIT:
@@ -76,7 +92,7 @@ class IndexPublisher:
         self._wake.set()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.lease.refused:
             self._wake.wait(self.config.lease_s / 3)
             self._wake.clear()
             if self._stop.is_set():
@@ -108,12 +124,12 @@ class IndexPublisher:
                 self.stats.add("peer.publish_errors")
                 if not self._failing:
                     log.warning("cluster index %s: cannot publish (%s); retrying every %.1f s",
-                                shown(self.config.index_url), self._error, self.config.index_backoff_s)
+                                masked_url(self.config.index_url), self._error, self.config.index_backoff_s)
                 self._failing = True
                 self._stop.wait(self.config.index_backoff_s)
                 return False
             if self._failing:
-                log.warning("cluster index %s: publishing again", shown(self.config.index_url))
+                log.warning("cluster index %s: publishing again", masked_url(self.config.index_url))
                 self._failing = False
             return True
 
@@ -199,20 +215,14 @@ class IndexPublisher:
         return self._send(commands)
 
     def _renew(self) -> bool:
-        """Renew the lease, alone (its shard answers whichever others do not). Unless a
-        reconcile follows anyway, only if it is still there: when it was gone the index
-        lost this host's state, and everything is published again."""
-        existing = not self._dirty
-        lease = (self.keys.lease(self.host_id), self.generation.to_bytes(8, "little"), None,
-                 int(self.config.lease_s * 1000), False, existing)  # SET key value PX ms [XX]
-        answer = self._index.run([("set", lease)])[0]
-        if isinstance(answer, BaseException):
-            self._error = answer
-            return False
-        if existing and not answer:
-            log.warning("cluster index: this host's lease was gone; publishing everything again")
+        """Renew the lease, alone (its shard answers whichever others do not; lease.py).
+        When it was gone the index lost this host's state: everything is published again."""
+        renewed = self.lease.renew()
+        if renewed is None:
             self._dirty, self._reconcile_after = True, 0.0
-            return self._renew()  # made again, without XX now
+        elif not renewed:
+            self._error = self.lease.error
+            return False
         self._renewed = time.monotonic()
         return True
 
@@ -225,15 +235,5 @@ class IndexPublisher:
             self._thread.join(self.config.lease_s)
         with self.disk.table.lock:
             self.disk.table.listeners.remove(self._changed)
-        for _ in range(2 if withdraw else 0):  # after a failover the first try may meet the dead
-            try:  # master (a stale slot map, which that failure makes the client read again)
-                answer = self._index.run([("delete", (self.keys.lease(self.host_id),))])[0]
-            except FAILURES as exc:
-                answer = exc
-            if not isinstance(answer, BaseException):
-                break
-        else:
-            if withdraw:
-                log.warning("cluster index: lease not withdrawn (%s); it expires in %.0f s", answer,
-                            self.config.lease_s)
+        self.lease.close(withdraw)
         self._index.close()

@@ -136,6 +136,35 @@ def _index_url(value: Any) -> str:
     return value
 
 
+TLS_SCHEMES = ("rediss://", "rediss+cluster://")
+
+
+class IndexTlsConfig(Schema):
+    """TLS to the index (a `rediss://` or `rediss+cluster://` URL): the CA that signs the
+    index's certificate and, where Redis asks clients for one (`tls-auth-clients`), this
+    host's certificate and key."""
+
+    ca_file: Text | None = Field(
+        None, description="CA certificates (PEM) the index's server certificate must chain to; "
+                          "none: the system's; the certificate must also name the host in the URL")
+    cert_file: Text | None = Field(
+        None, description="this host's client certificate (PEM), for an index that requires one")
+    key_file: Text | None = Field(
+        None, description="the private key (PEM) of `cert_file`; keep it readable by this user only")
+
+    @model_validator(mode="after")
+    def _pair(self) -> IndexTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise Refused("give cert_file and key_file together (a client certificate and its key)",
+                          "key_file" if self.key_file is None else "cert_file", value=None)
+        return self
+
+    def options(self) -> dict[str, str]:
+        """redis-py's keyword arguments for these files."""
+        given = {"ssl_ca_certs": self.ca_file, "ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
+        return {name: path for name, path in given.items() if path is not None}
+
+
 class PeerConfig(Schema):
     """Another host of the cluster whose block-tier devices this host may read."""
 
@@ -166,9 +195,14 @@ class ClusterConfig(Schema):
 
     host_id: Text = Field(description="this host's id in the index; unique in the cluster")
     index_url: Annotated[str, Kind("Redis URL", _index_url, lambda value: f"`{value}`")] = Field(
-        description="the index (Redis or Valkey): `redis://HOST:PORT/DB`, `rediss://` or `unix://`; a "
-                    "Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT...]` (`rediss+cluster://`: "
-                    "TLS), some of its nodes, from which the client learns the rest")
+        description="the index (Redis or Valkey): `redis://HOST:PORT/DB`, `rediss://` (TLS) or "
+                    "`unix://`; a Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT...]` "
+                    "(`rediss+cluster://`: TLS), some of its nodes, from which the client learns the "
+                    "rest. A password or an ACL user goes in it: `redis://USER:PASSWORD@HOST:PORT/DB` "
+                    "(printed and logged as `USER:***`; keep the config file private)")
+    index_tls: IndexTlsConfig | None = Field(
+        None, description="TLS files for a `rediss://` index; none: the system's CAs, no client "
+                          "certificate")
     index_deadline_s: Annotated[float, seconds()] = Field(
         0.2, description="a lookup's index read must answer within this; past it (or with the index "
                          "down) the lookup is local only")
@@ -194,6 +228,13 @@ class ClusterConfig(Schema):
         if self.index_url.startswith(CLUSTER_SCHEMES) and ("{" in self.key_prefix or "}" in self.key_prefix):
             raise Refused("must not contain { or } with a Redis Cluster index: they would put every key "
                           "in one hash slot", "key_prefix", value=self.key_prefix)
+        return self
+
+    @model_validator(mode="after")
+    def _tls_with_rediss(self) -> ClusterConfig:
+        if self.index_tls is not None and not self.index_url.startswith(TLS_SCHEMES):
+            raise Refused("TLS files are for a rediss:// or rediss+cluster:// index_url", "index_tls",
+                          value=None)
         return self
 
     @model_validator(mode="after")

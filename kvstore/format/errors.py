@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
-# scheme://user:PASSWORD@host: the password (no / or @ in it: a URL quotes those)
-_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:)[^\s/@'\"]*@")
-
-
-def masked(text: str) -> str:
-    """`text` with the password of every URL in it hidden (`redis://user:***@host`), for any
-    message that may quote a config (an index URL's password) and reach a log or a client."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
+from kvstore.format.secrets import masked
 
 
 class KVStoreError(Exception):
@@ -19,7 +10,8 @@ class KVStoreError(Exception):
 
 
 class ConfigError(KVStoreError, ValueError):
-    """A configuration value is invalid; `field` is its dotted path, `value` what was given."""
+    """A configuration value is invalid; `field` is its dotted path, `value` what was given
+    (the message masks any password in it: a config error is printed and logged)."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:
         self.field = field

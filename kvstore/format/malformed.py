@@ -6,7 +6,7 @@ kind of input and what is wrong with it; the code that called them counts it as
 `malformed.KIND` (shown by `kvstore info` and Prometheus) and goes on without it. The
 first of each kind is logged as a warning, later ones at debug level, so a peer that
 sends nothing but garbage cannot flood the log. A detail names the field and the
-problem; where it quotes a config value, a URL's password in it is masked (errors.masked).
+problem; where it quotes a config value, a URL's password in it is masked (secrets.masked).
 """
 
 from __future__ import annotations

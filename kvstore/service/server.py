@@ -40,8 +40,9 @@ from kvstore.config.runtime import ensure_private_directory, open_private
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config, load_config
 from kvstore.devices.device import path_problem
 from kvstore.devices.nvmeof.plans import namespace_plans
-from kvstore.format.errors import ConfigError, DeviceError, KVStoreError, masked
+from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
 from kvstore.format.malformed import Malformed, MalformedCounts
+from kvstore.format.secrets import masked
 from kvstore.service import protocol as P
 from kvstore.service.handlers import Client, Requests
 
