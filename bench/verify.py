@@ -61,7 +61,7 @@ MAX_TOKENS = 8
 LORA = "tiny-lora"
 SERVER_ARGS = ["--dtype", "float16", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
                "--enforce-eager", "--served-model-name", "vlm", "--chat-template-content-format", "openai",
-               "--limit-mm-per-prompt", '{"image": 2}', "--enable-lora", "--max-lora-rank", "8"]
+               "--limit-mm-per-prompt", '{"image": 2}']
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Target:
     store: StoreConfig | None  # the kvstore server's config (None: not given)
     chunk_tokens: int
     long_chunks: int
+    lora_problem: str | None = None  # why the servers serve no LoRA adapter, where known
 
 
 def check(second: ChatReply | Completion, expected: Answer, shareable: int,
@@ -168,8 +169,8 @@ def case_image_offsets(target: Target) -> str:
 def case_lora(target: Target) -> str:
     loras = _loras(target.url) & _loras(target.reference_url)
     if not loras:
-        raise NotAvailable("the servers serve no common LoRA adapter (start both with --enable-lora "
-                           "--lora-modules NAME=PATH)")
+        raise NotAvailable(target.lora_problem or "the servers serve no common LoRA adapter (start both "
+                           "with --enable-lora --lora-modules NAME=PATH)")
     lora = sorted(loras)[0]
     prompt = prompt_token_ids(4 * target.chunk_tokens + 1, seed=51, vocab=VOCAB)
     expected = _complete(target.reference_url, lora, prompt)
@@ -296,22 +297,34 @@ def run_cases(target: Target, names: list[str]) -> list[Result]:
 
 @contextlib.contextmanager
 def own_servers(workdir: Path, long_chunks: int) -> Iterator[Target]:
-    """A reference and a kvstore server on the tiny LLaVA with a LoRA adapter."""
+    """A reference and a kvstore server on the tiny LLaVA with a LoRA adapter (without it,
+    and the reason, where vLLM will not serve one)."""
     model = build_tiny_llava(workdir / "llava")
     lora = build_tiny_lora(workdir / "lora", model)
-    args = [*SERVER_ARGS, "--lora-modules", f"{LORA}={lora}",
-            "--max-model-len", str((long_chunks + 8) * CHUNK)]
+    args = [*SERVER_ARGS, "--max-model-len", str((long_chunks + 8) * CHUNK)]
+    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={lora}"]
     config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "1GiB"},
                                                "disk": [{"path": str(workdir / "disk"), "capacity": "1GiB"}]},
               "service": {"socket": str(workdir / "kvstore.sock"), "staging": "32MiB"}}
     store = load_config(config)
     stop_service(store)
     env = server_env(model)
+    problem = None
     try:
-        with OpenAIServer(model, args, workdir / "reference.log", kv_cache_gib=1, env=env) as reference, \
-                OpenAIServer(model, args, workdir / "kvstore.log", connector={"config": config},
-                             kv_cache_gib=1, env=env) as server:
-            yield Target(server.url, reference.url, "vlm", store, CHUNK, long_chunks)
+        with contextlib.ExitStack() as servers:
+            try:
+                reference = servers.enter_context(OpenAIServer(
+                    model, [*args, *lora_args], workdir / "reference.log", kv_cache_gib=1, env=env))
+            except RuntimeError as exc:
+                problem = f"vLLM would not serve the LoRA adapter: {str(exc)[-300:]}"
+                print(problem, flush=True)
+                lora_args = []
+                reference = servers.enter_context(OpenAIServer(model, args, workdir / "reference.log",
+                                                               kv_cache_gib=1, env=env))
+            server = servers.enter_context(OpenAIServer(
+                model, [*args, *lora_args], workdir / "kvstore.log", connector={"config": config},
+                kv_cache_gib=1, env=env))
+            yield Target(server.url, reference.url, "vlm", store, CHUNK, long_chunks, problem)
     finally:
         stop_service(store)
 
