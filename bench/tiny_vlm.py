@@ -183,8 +183,9 @@ def image_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def image_message(before: str, image: str, after: str) -> list[dict[str, Any]]:
-    """One user message: text, an image (a URL, e.g. image_url()), text."""
-    return [{"role": "user", "content": [{"type": "text", "text": before},
-                                         {"type": "image_url", "image_url": {"url": image}},
-                                         {"type": "text", "text": after}]}]
+def image_message(*parts: str) -> list[dict[str, Any]]:
+    """One user message of text and images taking turns: text, an image (a URL, e.g.
+    image_url()), text, another image, ... (empty texts are left out)."""
+    content = [{"type": "image_url", "image_url": {"url": part}} if i % 2 else {"type": "text", "text": part}
+               for i, part in enumerate(parts) if i % 2 or part]
+    return [{"role": "user", "content": content}]

@@ -118,15 +118,15 @@ def _floor(tokens: int, chunk: int) -> int:
     return tokens // chunk * chunk
 
 
-def _image_case(target: Target, orders: list[list[int]]) -> str:
-    """Two prompts with the same text and the images of `orders[0]`, then `orders[1]`."""
-    before, middle, after = prompt_words(230, seed=41), prompt_words(60, seed=42), prompt_words(300, seed=43)
+def _image_case(target: Target, texts: list[str], orders: list[list[int]]) -> str:
+    """Two prompts of the same `texts` with images between them: those of `orders[0]`
+    (image seeds), then those of `orders[1]`."""
 
     def messages(seeds: list[int]) -> list[dict[str, Any]]:
-        message = image_message(before, image_url(seeds[0]), middle)
-        if len(seeds) > 1:
-            message[0]["content"] += image_message("", image_url(seeds[1]), after)[0]["content"][1:]
-        return message
+        parts = [texts[0]]
+        for seed, text in zip(seeds, texts[1:], strict=True):
+            parts += [image_url(seed), text]
+        return image_message(*parts)
 
     try:
         references = [_ask(target.reference_url, target.model, messages(o)) for o in orders]
@@ -159,11 +159,17 @@ def _first_image(references: list[ChatReply]) -> int:
 
 
 def case_images(target: Target) -> str:
-    return _image_case(target, [[1], [2]])
+    """The image in the second of three full chunks (with the tiny LLaVA)."""
+    return _image_case(target, [prompt_words(230, seed=41), prompt_words(420, seed=43)], [[1], [2]])
 
 
 def case_image_offsets(target: Target) -> str:
-    return _image_case(target, [[1, 2], [2, 1]])
+    """The first image in the first chunk, the second in the third, the prompt ending on
+    it (a random model's answer follows its last input, so the two orders answer
+    differently): a key of the images in a prompt without their places would load two
+    chunks of the other order's KV."""
+    texts = [prompt_words(150, seed=44), prompt_words(250, seed=45), ""]
+    return _image_case(target, texts, [[1, 2], [2, 1]])
 
 
 def case_lora(target: Target) -> str:
@@ -213,52 +219,44 @@ def case_long_prompt(target: Target) -> str:
 
 
 def case_killed_write(target: Target) -> str:
+    """A 96-chunk prompt is stored a step at a time; the service is killed (SIGKILL) as
+    soon as its disk writes begin (`write_policy: write_through` writes each chunk as it is
+    stored; with `write_back` chunks reach disk at eviction or shutdown, so the kill comes
+    when the request ends). The engine starts a new service, which recovers the disk tier;
+    the prompt again may load only whole records, and must answer as the reference."""
     store = target.store
     if store is None:
         raise NotAvailable("needs --config (the kvstore server's config: its service is killed)")
     if not store.tiers.disk:
         raise NotAvailable("the kvstore server's config has no disk tier")
     chunk = target.chunk_tokens
-    prompt = prompt_token_ids(32 * chunk + 1, seed=81, vocab=VOCAB)
+    prompt = prompt_token_ids(96 * chunk + 1, seed=81, vocab=VOCAB)
     expected = _complete(target.reference_url, target.model, prompt)
-    before = _counter(store, "disk.bytes_written")
+    info = service_info(store)
+    if info is None:
+        raise AssertionError("no kvstore service answers at the config's socket")
+    before = int(info.get("counters", {}).get("disk.bytes_written", 0))
     done: list[Completion] = []
     sender = threading.Thread(target=lambda: done.append(_complete(target.url, target.model, prompt)))
     sender.start()
-    killed_at = _kill_when(store, lambda c: c.get("disk.bytes_written", 0) > before)
+    writing = False
+    while sender.is_alive() and not writing:
+        now = service_info(store) or {}
+        writing = int(now.get("counters", {}).get("disk.bytes_written", 0)) > before
+        time.sleep(0.01)
+    os.kill(int(info["service_pid"]), signal.SIGKILL)
+    when = "while it wrote the prompt to disk" if writing else "after the request, nothing on its way to disk"
     sender.join()
+    assert done, "the request that was storing when the service died failed"
     # The engine's links reconnect (and start a new service) at most every 5 s.
     deadline = time.monotonic() + 60
     while service_info(store) is None and time.monotonic() < deadline:
         time.sleep(6)
         _complete(target.url, target.model, prompt_token_ids(chunk + 1, seed=82, vocab=VOCAB))
-    info = service_info(store) or {}
-    recovered = sum(t["chunks"] for t in info.get("tiers", []) if t.get("name") != "host")
-    assert done, "the request that was storing when the service died failed"
+    restarted = service_info(store) or {}
+    on_disk = sum(t["chunks"] for t in restarted.get("tiers", []) if t.get("name") != "host")
     seen = check(_complete(target.url, target.model, prompt), expected, _floor(len(prompt) - 1, chunk))
-    return (f"service killed {killed_at} after writing began; {recovered} chunks on disk after the restart; "
-            f"{seen}")
-
-
-def _counter(store: StoreConfig, name: str) -> int:
-    info = service_info(store) or {}
-    return int(info.get("counters", {}).get(name, 0))
-
-
-def _kill_when(store: StoreConfig, ready: Callable[[dict[str, int]], bool], timeout_s: float = 600) -> str:
-    """SIGKILL the service once its counters satisfy `ready` (or at the deadline)."""
-    info = service_info(store)
-    if info is None:
-        raise AssertionError("no kvstore service answers at the config's socket")
-    pid, started = int(info["service_pid"]), time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        now = service_info(store)
-        if now is None or ready(now.get("counters", {})):
-            break
-        time.sleep(0.02)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return f"{time.monotonic() - started:.1f} s"
+    return f"service killed {when}; {on_disk} whole chunks on disk after its restart; again: {seen}"
 
 
 def case_disk_full(target: Target) -> str:
@@ -305,7 +303,8 @@ def own_servers(workdir: Path, long_chunks: int) -> Iterator[Target]:
     lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={lora}"]
     config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "1GiB"},
                                                "disk": [{"path": str(workdir / "disk"), "capacity": "1GiB"}]},
-              "service": {"socket": str(workdir / "kvstore.sock"), "staging": "32MiB"}}
+              "service": {"socket": str(workdir / "kvstore.sock"), "staging": "32MiB"},
+              "write_policy": "write_through"}  # chunks reach disk as they are stored (killed write)
     store = load_config(config)
     stop_service(store)
     env = server_env(model)

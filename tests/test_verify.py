@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.openai_server import ChatReply, Completion
+from bench.tiny_vlm import image_message
 from bench.verify import CASES, _first_image, check
 
 
@@ -36,3 +37,10 @@ def test_a_reply_passes_only_if_close_and_within_what_it_may_share():
 def test_every_case_the_issue_names_is_there():
     assert [name for name, _ in CASES] == ["images", "image offsets", "lora", "cache salt", "long prompt",
                                            "killed write", "disk full", "weights"]
+
+
+def test_a_message_takes_text_and_images_in_turns():
+    message = image_message("before", "data:image/png;base64,AA", "middle", "data:image/png;base64,BB", "")
+    content = message[0]["content"]
+    assert [part["type"] for part in content] == ["text", "image_url", "text", "image_url"]
+    assert content[3]["image_url"]["url"].endswith("BB")
