@@ -25,8 +25,9 @@ may share with the first:
                   serves of that prompt is whole (never a torn record)
   disk full       a write that fails is never a hit (reported `not available`: a live
                   server's disk tier cannot fill mid-write; see the case)
-  weights         the same path with other weights: nothing (needs weight fingerprints in
-                  the namespace: reported `not available` until they are)
+  weights         the same path with other weights (its own servers only: the model is
+                  rewritten and both restarted): nothing (needs weight fingerprints in the
+                  namespace: `not available` in a build without them)
 
 A case is `pass`, `FAIL` (the exit status is 1), or `not available` with the reason (the
 model takes no images, the server serves no LoRA, no --config, ...).
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -86,6 +88,7 @@ class Target:
     chunk_tokens: int
     long_chunks: int
     lora_problem: str | None = None  # why the servers serve no LoRA adapter, where known
+    swap_weights: Callable[[], None] | None = None  # own servers: other weights at the same path, restarted
 
 
 def check(second: ChatReply | Completion, expected: Answer, shareable: int,
@@ -267,8 +270,22 @@ def case_disk_full(target: Target) -> str:
 
 
 def case_weights(target: Target) -> str:
-    raise NotAvailable("weight fingerprints are not in the namespace yet: a checkpoint rewritten at the "
-                       "same path would be served the old weights' KV")
+    """A prompt stored (and hit once), then the model's weights rewritten in place and both
+    servers restarted (the kvstore service, with the old weights' chunks in DRAM, stays):
+    the new engine must load none of them."""
+    if importlib.util.find_spec("connectors.weights") is None:
+        raise NotAvailable("weight fingerprints are not in the namespace in this build: a checkpoint "
+                           "rewritten at the same path would be served the old weights' KV")
+    if target.swap_weights is None:
+        raise NotAvailable("needs the servers kvstore verify starts (it rewrites their model in place)")
+    prompt = prompt_token_ids(4 * target.chunk_tokens + 1, seed=91, vocab=VOCAB)
+    _complete(target.url, target.model, prompt)  # stored
+    full = _floor(len(prompt) - 1, target.chunk_tokens)
+    if _complete(target.url, target.model, prompt).cached_tokens != full:
+        raise AssertionError("the prompt was not stored under the old weights")
+    target.swap_weights()
+    expected = _complete(target.reference_url, target.model, prompt)
+    return "other weights, same path: " + check(_complete(target.url, target.model, prompt), expected, 0)
 
 
 CASES: tuple[tuple[str, Callable[[Target], str]], ...] = (
@@ -323,7 +340,15 @@ def own_servers(workdir: Path, long_chunks: int) -> Iterator[Target]:
             server = servers.enter_context(OpenAIServer(
                 model, [*args, *lora_args], workdir / "kvstore.log", connector={"config": config},
                 kv_cache_gib=1, env=env))
-            yield Target(server.url, reference.url, "vlm", store, CHUNK, long_chunks, problem)
+
+            def swap_weights() -> None:
+                server.stop()
+                reference.stop()
+                build_tiny_llava(workdir / "llava", seed=1)  # the same path, other weights
+                reference.start()
+                server.start()
+
+            yield Target(server.url, reference.url, "vlm", store, CHUNK, long_chunks, problem, swap_weights)
     finally:
         stop_service(store)
 
