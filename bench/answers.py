@@ -18,7 +18,7 @@ the same tokens and the same logprobs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,22 +26,23 @@ TOP_LOGPROBS = 5  # how many logprobs per generated token every run asks for
 
 
 class Answer(Protocol):
-    """A run's greedy answer: its tokens, and for each the engine's top logprobs (token
-    id -> logprob; the chosen token among them)."""
+    """A run's greedy answer: its tokens, and for each the engine's top logprobs (token ->
+    logprob; the chosen token among them). Tokens are ids, or whatever an engine names
+    them by (SGLang's chat logprobs: text), the same on both sides of a comparison."""
 
     @property
-    def token_ids(self) -> Sequence[int]: ...
+    def token_ids(self) -> Sequence[Hashable]: ...
 
     @property
-    def top_logprobs(self) -> Sequence[Mapping[int, float]]: ...
+    def top_logprobs(self) -> Sequence[Mapping[Any, float]]: ...
 
 
 @dataclass(frozen=True)
 class Tokens:
     """An Answer built from plain lists (an engine run's JSON result)."""
 
-    token_ids: Sequence[int]
-    top_logprobs: Sequence[Mapping[int, float]]
+    token_ids: Sequence[Hashable]
+    top_logprobs: Sequence[Mapping[Any, float]]
 
     @classmethod
     def of(cls, result: Mapping[str, Any]) -> Tokens:
@@ -56,13 +57,16 @@ class Comparison:
     """How two answers compare. `position`: the first token where they differ (None: no
     token differs over the shorter length). `close`: vLLM's bar. `margins`: at
     `position`, how far ahead of the other side's token each side's own choice was in
-    its own logprobs (None where the other's token was not in its top logprobs)."""
+    its own logprobs (None where the other's token was not in its top logprobs). Two
+    answers of which one ends where the other goes on, equal as far as both go, are not
+    close: the one that ended chose its end (a stop token an engine leaves out of the
+    tokens) over the other's token, and nothing says by how much."""
 
     names: tuple[str, str]
     position: int | None
     close: bool
     margins: tuple[float | None, float | None] = (None, None)
-    tokens: tuple[int, int] | None = None
+    tokens: tuple[Hashable, Hashable] | None = None
     lengths: tuple[int, int] = (0, 0)
 
     @property
@@ -73,7 +77,7 @@ class Comparison:
     def verdict(self) -> str:
         """A few words: equal, a near-tie or a divergence and where."""
         if self.position is None:
-            return "equal" if self.equal else "equal until one ends"
+            return "equal" if self.equal else "DIVERGED: one ends where the other goes on"
         return f"{'near-tie' if self.close else 'DIVERGED'} at token {self.position}"
 
     def describe(self) -> str:
@@ -82,7 +86,7 @@ class Comparison:
         if self.position is None:
             if self.equal:
                 return f"{a} and {b}: the same {self.lengths[0]} tokens"
-            return (f"{a} and {b}: the same tokens over {min(self.lengths)}, then one ends "
+            return (f"{a} and {b}: DIVERGED: the same tokens over {min(self.lengths)}, then one ends "
                     f"({self.lengths[0]} and {self.lengths[1]} tokens)")
         assert self.tokens is not None
         ta, tb = self.tokens
@@ -105,7 +109,7 @@ def compare(a: Answer, b: Answer, names: tuple[str, str] = ("a", "b")) -> Compar
         top_a, top_b = _top(a, i), _top(b, i)
         margins = (_margin(top_a, ta, tb), _margin(top_b, tb, ta))
         return Comparison(names, i, ta in top_b and tb in top_a, margins, (ta, tb), lengths)
-    return Comparison(names, None, True, lengths=lengths)
+    return Comparison(names, None, lengths[0] == lengths[1], lengths=lengths)
 
 
 def worst(comparisons: Iterable[Comparison]) -> Comparison:
@@ -121,11 +125,11 @@ def identical(a: Answer, b: Answer) -> bool:
             and [dict(t) for t in a.top_logprobs] == [dict(t) for t in b.top_logprobs])
 
 
-def _top(answer: Answer, index: int) -> Mapping[int, float]:
+def _top(answer: Answer, index: int) -> Mapping[Any, float]:
     return answer.top_logprobs[index] if index < len(answer.top_logprobs) else {}
 
 
-def _margin(top: Mapping[int, float], own: int, other: int) -> float | None:
+def _margin(top: Mapping[Any, float], own: Hashable, other: Hashable) -> float | None:
     if own not in top or other not in top:
         return None
     return top[own] - top[other]

@@ -47,7 +47,10 @@ def test_one_answer_ending_first_at_a_near_tie_is_close():
     a = answer([5, 2], [{5: -0.1}, {2: -0.70, 198: -0.72}])
     b = answer([5, 198, 44], [{5: -0.1}, {198: -0.69, 2: -0.71}, {44: -0.1}])
     assert compare(a, b).close and compare(a, b).position == 1
-    assert compare(answer([5]), answer([5, 6])).verdict == "equal until one ends"
+    # Equal as far as both go, then one ends (its stop token not among the tokens): no
+    # logprobs say how close that was, so it is not close.
+    ended = compare(answer([5]), answer([5, 6]))
+    assert not ended.close and ended.verdict == "DIVERGED: one ends where the other goes on"
 
 
 def test_worst_and_engine_results():
@@ -70,6 +73,5 @@ def test_the_comparison_stops_at_the_first_difference(a_ids, b_ids):
     assert found.position == back.position == first
     assert found.close == back.close  # symmetric
     assert found.equal == (a_ids == b_ids)
+    assert found.close == back.close == (first is None and len(a_ids) == len(b_ids))
     assert compare(a, a).equal and identical(a, a)
-    # Each side's top logprobs hold only its own token here: a difference is never a near-tie.
-    assert found.close == (first is None)
