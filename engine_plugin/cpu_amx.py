@@ -20,6 +20,7 @@ nothing changes.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import sys
@@ -29,6 +30,13 @@ ARCH_GET_XCOMP_SUPP = 0x1021
 ARCH_GET_XCOMP_PERM = 0x1022
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
+log = logging.getLogger("vllm.kvstore")
+
+
+def ready_cpu_worker(device_type: str, rank: int) -> None:
+    """The connector's worker on a CPU device asks for AMX tile state and logs the answer."""
+    if device_type == "cpu":
+        log.info("kvstore worker rank %d: AMX tile state %s", rank, request_amx_tile_state())
 
 
 def request_amx_tile_state() -> str:
