@@ -11,6 +11,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench", "bench.storage", "storage benchmark with fio/copy/serial baselines"),
     ("ttft", "bench.ttft", "recompute vs offload TTFT, measured or estimated"),
     ("replay", "bench.replay_cli", "hit ratios (and modelled TTFT) of a request trace for given tiers"),
+    ("verify", "bench.verify", "the cases where KV stores served wrong KV, against vLLM's OpenAI server "
+     "with kvstore, judged as vLLM's tests judge answers"),
     ("lmcache-mp", "bench.lmcache_mp",
      "LMCache's MP server with kvstore on vLLM: store, restart, load; TTFT vs vLLM alone (.venv-lmcache)"),
 )

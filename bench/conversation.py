@@ -12,7 +12,7 @@ shorter prefix: `common` shows it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.openai_server import ChatReply, chat
 
@@ -35,6 +35,8 @@ class Turn:
     bound: int  # the most a cache of whole chunks could serve (see the module docstring)
     ttft_s: float
     seconds: float
+    token_ids: list[int] = field(default_factory=list)  # the answer's, as generated
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per answer token (bench/answers.py)
 
 
 def reuse_bound(previous: ChatReply | None, reply: ChatReply, chunk_tokens: int) -> tuple[int, int]:
@@ -65,7 +67,8 @@ def converse(url: str, model: str, questions: tuple[str, ...] = QUESTIONS, *, ma
         reply = chat(url, model, messages, max_tokens)
         common, bound = reuse_bound(previous, reply, chunk_tokens)
         turns.append(Turn(question, reply.text, len(reply.prompt_token_ids), len(reply.token_ids),
-                          reply.cached_tokens, common, bound, reply.ttft_s, reply.seconds))
+                          reply.cached_tokens, common, bound, reply.ttft_s, reply.seconds,
+                          reply.token_ids, reply.top_logprobs))
         messages.append({"role": "assistant", "content": answers[i] if answers else reply.text})
         previous = reply
     return turns

@@ -12,6 +12,8 @@ kills the whole group, engine core and workers included: nothing it starts outli
 Requests are plain HTTP (urllib); /v1/completions takes token-id prompts,
 /v1/chat/completions messages (streamed, so the first token's time is seen); with
 `--enable-prompt-tokens-details` their usage says how many prompt tokens were cached.
+Every request asks for each generated token's top logprobs by token id, so answers are
+judged as vLLM's tests judge them (bench/answers.py).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.answers import TOP_LOGPROBS
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +74,7 @@ class Completion:
     prompt_tokens: int
     seconds: float  # wall time of the request, as its client saw it
     kv_transfer_params: dict[str, Any] | None = None  # what the engine's connector returned
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token (bench/answers.py)
 
 
 @dataclass
@@ -80,6 +85,7 @@ class ChatReply:
     cached_tokens: int
     ttft_s: float  # request sent -> first answer token received
     seconds: float  # request sent -> last byte received
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per answer token
 
 
 class OpenAIServer:
@@ -149,9 +155,11 @@ class OpenAIServer:
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """A greedy /v1/completions body for a token-id prompt (ignore_eos: exactly max_tokens)."""
+    """A greedy /v1/completions body for a token-id prompt (ignore_eos: exactly max_tokens),
+    with each token's top logprobs keyed by token id (bench/answers.py judges by them)."""
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
+            "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS,
+            "return_tokens_as_token_ids": True}
 
 
 def complete(url: str, body: dict[str, Any], timeout_s: float = 300,
@@ -168,23 +176,47 @@ def complete(url: str, body: dict[str, Any], timeout_s: float = 300,
     seconds = time.perf_counter() - started
     usage = answer["usage"]
     details = usage.get("prompt_tokens_details") or {}
-    return Completion(token_ids=list(answer["choices"][0]["token_ids"]),
+    choice = answer["choices"][0]
+    return Completion(token_ids=list(choice["token_ids"]),
                       cached_tokens=int(details.get("cached_tokens") or 0),
                       prompt_tokens=int(usage["prompt_tokens"]), seconds=seconds,
-                      kv_transfer_params=answer.get("kv_transfer_params"))
+                      kv_transfer_params=answer.get("kv_transfer_params"),
+                      top_logprobs=completion_logprobs(choice))
 
 
-def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
-         timeout_s: float = 600) -> ChatReply:
-    """One greedy chat turn, streamed: the answer, the tokens on both sides and the time
-    to the first token. (A function of the URL, so any OpenAI-compatible server, a
+def completion_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
+    """A /v1/completions choice's top logprobs per token, keyed by token id (the request
+    asked for `return_tokens_as_token_ids`: keys are "token_id:N")."""
+    steps = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    return [{_token_id(token): float(value) for token, value in (step or {}).items()} for step in steps]
+
+
+def chat_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
+    """A chat choice's (or streamed delta's) top logprobs per token, keyed by token id."""
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [{_token_id(top["token"]): float(top["logprob"]) for top in entry.get("top_logprobs") or ()}
+            for entry in content]
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
+
+
+def chat(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
+         timeout_s: float = 600, extra: dict[str, Any] | None = None) -> ChatReply:
+    """One greedy chat turn, streamed: the answer, the tokens on both sides, each answer
+    token's top logprobs and the time to the first token. `extra`: more request fields
+    (e.g. `cache_salt`). (A function of the URL, so any OpenAI-compatible server, a
     router's too, is spoken to the same way.)"""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+            "logprobs": True, "top_logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True,
+            **(extra or {})}
     started = time.perf_counter()
     text: list[str] = []
     prompt_ids: list[int] = []
     token_ids: list[int] = []
+    top: list[dict[int, float]] = []
     cached, first = 0, None
     for at, event in stream_events(url + "/v1/chat/completions", body, timeout_s):
         prompt_ids = event.get("prompt_token_ids") or prompt_ids
@@ -194,11 +226,12 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
                 first = at
             text.append(delta.get("content") or "")
             token_ids += choice.get("token_ids") or []
+            top += chat_logprobs(choice)
         usage = event.get("usage") or {}
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
     seconds = time.perf_counter() - started
     return ChatReply("".join(text), list(prompt_ids), token_ids, cached,
-                     first if first is not None else seconds, seconds)
+                     first if first is not None else seconds, seconds, top)
 
 
 def stream_complete(url: str, body: dict[str, Any], timeout_s: float = 600) -> tuple[Completion, float]:
@@ -206,6 +239,7 @@ def stream_complete(url: str, body: dict[str, Any], timeout_s: float = 600) -> t
     to the first token (request sent -> first token received)."""
     started = time.perf_counter()
     token_ids: list[int] = []
+    top: list[dict[int, float]] = []
     cached = prompt_tokens = 0
     first: float | None = None
     for at, event in stream_events(url + "/v1/completions", {**body, "stream": True,
@@ -214,11 +248,13 @@ def stream_complete(url: str, body: dict[str, Any], timeout_s: float = 600) -> t
             if choice.get("token_ids") and first is None:
                 first = at
             token_ids += choice.get("token_ids") or []
+            top += completion_logprobs(choice)
         usage = event.get("usage") or {}
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
         prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
     seconds = time.perf_counter() - started
-    done = Completion(token_ids=token_ids, cached_tokens=cached, prompt_tokens=prompt_tokens, seconds=seconds)
+    done = Completion(token_ids=token_ids, cached_tokens=cached, prompt_tokens=prompt_tokens, seconds=seconds,
+                      top_logprobs=top)
     return done, first if first is not None else seconds
 
 

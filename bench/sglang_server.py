@@ -12,7 +12,8 @@ and top-5 logprobs out, streamed for the time to the first token) and /v1/chat/c
 (SGLang's `sglext` carries the prompt's and the answer's token ids and where the cached
 prompt tokens came from: `device`, `host`, `storage`).
 
-`answers_close` compares two greedy answers as vLLM's tests do (check_logprobs_close).
+Answers are compared as vLLM's tests compare them (bench/answers.py): a Generation is an
+Answer of its output ids, a ChatTurn of its tokens as text.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,15 +115,23 @@ class Generation:
         """Prompt tokens the storage backend served."""
         return int(self.details.get("storage") or 0)
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output_ids
+
+    @property
+    def top_logprobs(self) -> list[dict[Hashable, float]]:
+        return self.top
+
 
 @dataclass
 class ChatTurn(ChatReply):
     """A chat turn (its `cached_tokens`: device + host + storage) with where the cached
     prompt tokens came from, and the answer's tokens as text with each one's top-5."""
 
-    details: dict[str, Any]
-    tokens: list[str]
-    top: list[dict[Hashable, float]]
+    details: dict[str, Any] = field(default_factory=dict)
+    tokens: list[str] = field(default_factory=list)
+    top: list[dict[Hashable, float]] = field(default_factory=list)
 
     @property
     def storage(self) -> int:
@@ -204,9 +213,9 @@ class SGLangServer:
         return ChatTurn(choice["message"]["content"] or "", list(sglext.get("input_ids") or ()),
                         list((sglext.get("output_ids") or [[]])[0]),  # one list per choice
                         sum(int(details.get(source) or 0) for source in ("device", "host", "storage")),
-                        seconds, seconds, details, [entry["token"] for entry in content],
-                        [{top["token"]: float(top["logprob"]) for top in entry.get("top_logprobs") or ()}
-                         for entry in content])
+                        seconds, seconds, details=details, tokens=[entry["token"] for entry in content],
+                        top=[{top["token"]: float(top["logprob"]) for top in entry.get("top_logprobs") or ()}
+                             for entry in content])
 
 
 def post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
@@ -217,22 +226,6 @@ def post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
             return json.load(reply)
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from None
-
-
-def answers_close(a: Sequence[Hashable], top_a: Sequence[dict[Hashable, float]],
-                  b: Sequence[Hashable], top_b: Sequence[dict[Hashable, float]]) -> str | None:
-    """None where two greedy answers agree as vLLM's check_logprobs_close has them agree:
-    the same tokens, or, at the first position where they differ, each side's token is
-    among the other's top logprobs (a near-tie that float rounding may tip either way;
-    nothing after it is compared). Otherwise what differs."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x == y:
-            continue
-        if i < len(top_a) and i < len(top_b) and y in top_a[i] and x in top_b[i]:
-            return None
-        return (f"token {i}: {x!r} (top {top_a[i] if i < len(top_a) else {}}) against {y!r} "
-                f"(top {top_b[i] if i < len(top_b) else {}})")
-    return None if len(a) == len(b) else f"{len(a)} tokens against {len(b)}, equal as far as both go"
 
 
 def reconnect(*servers: SGLangServer) -> None:

@@ -17,7 +17,7 @@ storage backend, a fresh store and two servers in turn:
 Every server first answers a prompt shorter than a page (nothing of it is stored), so no
 measured request pays a warm-up. TTFT is measured on /generate, streamed, from sending
 the request to the first token. Every B answer must report its full pages loaded from
-storage and agree with A's (answers_close); the run fails otherwise. Printed: each
+storage and agree with A's (bench/answers.py); the run fails otherwise. Printed: each
 request's TTFT, and per round each load's TTFT over the recompute TTFT of the same
 backend's A (ratios, not times: the machine is shared); the medians over the rounds.
 """
@@ -35,13 +35,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.answers import compare
 from bench.chat_model import build_chat_model, default_chat_model_dir
 from bench.sglang_server import (
     PAGE_TOKENS,
     VOCAB,
     Generation,
     SGLangServer,
-    answers_close,
     file_backend,
     kvstore_backend,
     kvstore_store,
@@ -147,7 +147,7 @@ def recomputed(number: int, server: str, answers: list[Generation]) -> list[Requ
 
 
 def loaded(number: int, what: str, reference: Generation, answer: Generation) -> Request:
-    agrees = answers_close(reference.output_ids, reference.top, answer.output_ids, answer.top) is None
+    agrees = compare(reference, answer).close
     return Request(number, what, answer.ttft_s, answer.storage, agrees, reference.ttft_s)
 
 

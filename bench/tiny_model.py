@@ -49,6 +49,15 @@ def prompt_token_ids(count: int, seed: int = 1, vocab: int = 512) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(count)]
 
 
+def prompt_words(count: int, seed: int = 1) -> str:
+    """A deterministic text of `count` words the tiny tokenizer was trained on."""
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_SYLLABLES) + rng.choice(_SYLLABLES) + rng.choice(_SYLLABLES[:4])
+                    for _ in range(count))
+
+
 def _build(directory: str | Path, kind: str, spec: dict[str, Any]) -> Path:
     import torch
 
@@ -57,7 +66,7 @@ def _build(directory: str | Path, kind: str, spec: dict[str, Any]) -> Path:
     if marker.exists() and json.loads(marker.read_text()) == {**spec, **_kind(kind)}:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(path, spec["vocab"])
+    save_tokenizer(path, spec["vocab"])
     torch.manual_seed(spec["seed"])
     model = _model(kind, spec).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -88,7 +97,9 @@ def _model(kind: str, spec: dict[str, Any]) -> Any:
                                               layer_types=layer_types, **common))
 
 
-def _save_tokenizer(path: Path, vocab: int) -> None:
+def save_tokenizer(path: Path, vocab: int, extra_tokens: tuple[str, ...] = ()) -> Any:
+    """The tiny BPE tokenizer (ids 0-2: unk, bos, eos), `extra_tokens` as special tokens
+    after its `vocab` ids; written to `path`, and returned."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,5 +109,9 @@ def _save_tokenizer(path: Path, vocab: int) -> None:
     words = [a + b + c for a in _SYLLABLES for b in _SYLLABLES for c in _SYLLABLES[:4]]
     corpus = [" ".join(words[(i * 7 + j * 13) % len(words)] for j in range(32)) for i in range(200)]
     tokenizer.train_from_iterator(corpus, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    if extra_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(extra_tokens)})
+    fast.save_pretrained(path)
+    return fast

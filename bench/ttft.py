@@ -7,8 +7,12 @@ own prefix cache dies with it, so only kvstore can supply the KV):
   dram        a fresh engine; chunks come from the service's DRAM tier
   disk        the service restarted (DRAM gone); chunks come from disk with O_DIRECT
               reads, so the page cache is out of the way
-`save` runs whenever dram or disk is asked for (it fills the store). The estimate
-mode (--estimate) applies bench/ttft_model.py to a model and a hardware profile.
+`save` runs whenever dram or disk is asked for (it fills the store). Each mode's greedy
+tokens are judged against recompute's as vLLM's tests judge them (bench/answers.py: equal,
+or a near-tie at the first difference), and the disk run, which loads the chunks the dram
+run loaded, must give the dram run's tokens and logprobs to the bit. Every context runs in
+float16, and in bfloat16 too on a CPU with AMX (bench/cpu_dtypes.py; `--dtypes`). The
+estimate mode (--estimate) applies bench/ttft_model.py to a model and a hardware profile.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.answers import Tokens, identical, judge_results
+from bench.cpu_dtypes import checked_dtypes
 from bench.queued import measure_queued
 from bench.summary import p50_p90
 from bench.tiny_model import build_tiny_llama, prompt_token_ids
@@ -63,8 +69,10 @@ def demo_model(workdir: Path) -> Path:
 
 def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], prompts: int,
             config: dict[str, Any], single_process: bool = False,
-            progress: Callable[[str], None] = print, device_staging: int = 0) -> list[dict[str, Any]]:
-    """Rows {mode, context_tokens, ttft_p50_s, ttft_p90_s, speedup, loaded_tokens, outputs_match}."""
+            progress: Callable[[str], None] = print, device_staging: int = 0,
+            dtype: str = "float16") -> list[dict[str, Any]]:
+    """Rows {mode, dtype, context_tokens, ttft_p50_s, ttft_p90_s, speedup, loaded_tokens,
+    answers, answers_close}."""
     unknown = set(modes) - set(MEASURED_MODES)
     if unknown:
         raise ConfigError("--modes", ",".join(sorted(unknown)),
@@ -78,9 +86,9 @@ def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], p
 
         def engine(mode: str, connector: bool, context: int = context,
                    prompts_file: Path = prompts_file) -> tuple[str, list[dict[str, Any]]]:
-            progress(f"  {context} tokens, {mode}: a fresh vLLM engine ...")
+            progress(f"  {context} tokens, {dtype}, {mode}: a fresh vLLM engine ...")
             run = run_fresh(model, prompts_file, {"config": dump_config(store)} if connector else None,
-                            single_process=single_process, max_model_len=context + 64)
+                            single_process=single_process, max_model_len=context + 64, dtype=dtype)
             return mode, run.results
 
         stop_service(store)  # start from an empty DRAM tier and a known disk state
@@ -92,30 +100,37 @@ def measure(model: Path, workdir: Path, contexts: list[int], modes: list[str], p
         if "disk" in modes:
             stop_service(store)  # writes DRAM down, checkpoints; the next run starts a new one
             runs.append(engine("disk", True))
-        rows.extend(_rows(context, runs))
+        rows.extend(_rows(context, runs, dtype))
         if "disk+prefetch" in modes:
             rows.extend(measure_queued(model, workdir, context, prompts_file, store, single_process,
-                                       progress, device_staging))
+                                       progress, device_staging, dtype))
         stop_service(store)
     return rows
 
 
-def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
-    reference = [r["token_ids"] for r in runs[0][1]]
+def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]]]], dtype: str) -> list[dict[str, Any]]:
     base, _ = p50_p90(r["ttft_s"] for r in runs[0][1])
+    loaded = dict(runs)
     rows = []
     for mode, results in runs:
         p50, p90 = p50_p90(r["ttft_s"] for r in results)
-        rows.append({"mode": mode, "context_tokens": context, "ttft_p50_s": p50, "ttft_p90_s": p90,
-                     "speedup": base / p50,
-                     "loaded_tokens": min(r["num_cached_tokens"] for r in results),
-                     "outputs_match": [r["token_ids"] for r in results] == reference})
+        row = {"mode": mode, "dtype": dtype, "context_tokens": context, "ttft_p50_s": p50, "ttft_p90_s": p90,
+               "speedup": base / p50, "loaded_tokens": min(r["num_cached_tokens"] for r in results),
+               **judge_results(runs[0][1], results, mode)}
+        if mode == "disk" and "dram" in loaded:  # the same chunks as the dram run: the same bits
+            same = [identical(Tokens.of(a), Tokens.of(b))
+                    for a, b in zip(loaded["dram"], results, strict=True)
+                    if a["num_cached_tokens"] == b["num_cached_tokens"]]
+            row["identical_to_dram"] = all(same)
+            row["answers_close"] = row["answers_close"] and all(same)
+        rows.append(row)
     return rows
 
 
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'context':>8} {'mode':<22} {'TTFT p50':>10} {'TTFT p90':>10} {'ratio':>15} "
-          f"{'from kvstore':>12} {'from DRAM':>9} {'on device':>9}  outputs match")
+    print(f"\n{'context':>8} {'dtype':>8} {'mode':<22} {'TTFT p50':>10} {'TTFT p90':>10} {'ratio':>15} "
+          f"{'from kvstore':>12} {'from DRAM':>9} {'on device':>9}  answers")
 
     def percent(value: float | None) -> str:
         return "" if value is None else f"{value:.0%}"
@@ -123,10 +138,13 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         ratio = (f"{row['speedup']:.2f}x faster" if "speedup" in row
                  else f"{row['vs_dram']:.2f}x of dram")
-        print(f"{row['context_tokens']:>8} {row['mode']:<22} {row['ttft_p50_s'] * 1000:>8.1f}ms "
-              f"{row['ttft_p90_s'] * 1000:>8.1f}ms {ratio:>15} {row['loaded_tokens']:>12} "
+        same = {True: ", bit-identical to dram", False: ", NOT identical to dram", None: ""}[
+            row.get("identical_to_dram")]
+        print(f"{row['context_tokens']:>8} {row['dtype']:>8} {row['mode']:<22} "
+              f"{row['ttft_p50_s'] * 1000:>8.1f}ms {row['ttft_p90_s'] * 1000:>8.1f}ms {ratio:>15} "
+              f"{row['loaded_tokens']:>12} "
               f"{percent(row.get('resident_fraction')):>9} {percent(row.get('device_resident_fraction')):>9}"
-              f"  {row['outputs_match']}")
+              f"  {row['answers']}{same}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-capacity", default="4GiB",
                         help="disk tier size without --config (reserved on disk for the run)")
     parser.add_argument("--single-process", action="store_true")
+    parser.add_argument("--dtypes", help="measure in these dtypes, e.g. float16,bfloat16 (default: "
+                        "float16, and bfloat16 too on a CPU with AMX)")
     parser.add_argument("--device-staging", default="0",
                         help="disk+prefetch: also stage chunks into a device pool of this size")
     parser.add_argument("--estimate", action="store_true",
@@ -158,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
     with run_workdir(args.workdir, "kvstore-ttft-") as workdir:
         model = Path(args.model) if args.model else demo_model(workdir)
         config = load_config(args.config or default_config(workdir, args.disk_capacity))
-        rows = measure(model, workdir, contexts, modes, args.prompts, dump_config(config),
-                       args.single_process, device_staging=parse_size(args.device_staging))
+        dtypes = args.dtypes.split(",") if args.dtypes else checked_dtypes()
+        rows = [row for dtype in dtypes
+                for row in measure(model, workdir, contexts, modes, args.prompts, dump_config(config),
+                                   args.single_process, device_staging=parse_size(args.device_staging),
+                                   dtype=dtype)]
     print_rows(rows)
     _write(args.json, {"model": str(model), "results": rows}, rows, "ttft_p50_s")
-    return 0 if all(row["outputs_match"] for row in rows) else 1
+    return 0 if all(row["answers_close"] for row in rows) else 1
 
 
 def _run_estimate(args: argparse.Namespace, contexts: list[int], modes: list[str]) -> int:

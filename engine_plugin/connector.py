@@ -52,6 +52,7 @@ from connectors.options import check_chunk_size, parse_options
 from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
 from connectors.worker_side import WorkerCore
+from engine_plugin.cpu_amx import ready_cpu_worker
 from engine_plugin.cuda_host import register_for_dma
 from engine_plugin.kv_groups import GroupedKVLayout, describe_groups, failures_per_request, group_rules
 from engine_plugin.namespaces import EngineNamespaces
@@ -230,6 +231,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             layout = GroupedKVLayout(kv_caches, self._kv_cache_config, self.blocks_per_chunk)
         rank = get_tensor_model_parallel_rank()
+        ready_cpu_worker(layout.device.type, rank)  # before any forward pass reads loaded KV
         namespace = self._namespaces("")[rank].digest()
 
         def make_client(map_tier: bool) -> StoreClient:

@@ -14,8 +14,11 @@ measured ones queue behind a busy engine (results are for the measured ones only
 --reset-before resets vLLM's prefix cache with the connector's before those prompts (as
 vLLM's weight-update flow does: `reset_prefix_cache(reset_connector=True)`).
 
-prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "logprobs": [...], "ttft_s": t}, ...]}
-(logprobs: of each generated token, for comparisons finer than the tokens)
+prints {"results": [{"token_ids": [...], "num_cached_tokens": n, "logprobs": [...],
+"top_logprobs": [[[id, logprob], ...], ...], "ttft_s": t}, ...]}
+(logprobs: of each generated token; top_logprobs: per generated token, the engine's top 5
+and the chosen one, as vLLM's own tests compare two runs; run_fresh returns them as
+{token id: logprob} per token)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "KVSTORE_RESULT "
+TOP_LOGPROBS = 5
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,7 +75,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.prompts) as f:
         prompts = json.load(f)
     llm = LLM(**_engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP_LOGPROBS)
     if args.busy:
         with open(args.busy) as f:
             busy = json.load(f)
@@ -102,10 +107,11 @@ def _result(output: Any, wall: float) -> dict[str, Any]:
     """TTFT from the request's arrival (vLLM's own metric), which includes queueing."""
     ttft = getattr(output.metrics, "first_token_latency", 0.0) or wall
     completion = output.outputs[0]
-    logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids,
-                                                           strict=False)]
+    steps = completion.logprobs or []
+    logprobs = [step[token].logprob for step, token in zip(steps, completion.token_ids, strict=False)]
+    top = [[[token, entry.logprob] for token, entry in step.items()] for step in steps]
     return {"token_ids": list(completion.token_ids), "num_cached_tokens": output.num_cached_tokens,
-            "logprobs": logprobs, "ttft_s": ttft, "wall_s": wall}
+            "logprobs": logprobs, "top_logprobs": top, "ttft_s": ttft, "wall_s": wall}
 
 
 @dataclass
@@ -160,6 +166,9 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             results = json.loads(line[len(RESULT_PREFIX):])["results"]
+    for result in results:
+        result["top_logprobs"] = [{int(token): value for token, value in step}
+                                  for step in result.get("top_logprobs", ())]
     output = done.stdout + done.stderr
     if check and (done.returncode != 0 or not results):
         raise RuntimeError(f"engine run failed (rc={done.returncode}):\n{output[-4000:]}")
@@ -179,9 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    # float16, not bfloat16: vLLM 0.32's CPU attention crashes (SIGILL on an AMX tile
-    # instruction) on AMX machines when a fresh engine's first attention reads loaded KV.
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--dtype", default="float16", help="float16 or bfloat16 (bench/cpu_dtypes.py)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, ...)")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.answers import Answer, Tokens, compare
 from engine_plugin.engine_run import EngineRun, run_fresh
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient, attach
@@ -14,11 +15,24 @@ from kvstore.service.client import stop_service as _stop
 
 def run_engine(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
                *, single_process: bool = True, max_num_batched_tokens: int | None = None,
-               module_path: bool = False, expect_ok: bool = True, kv_events: str | None = None) -> EngineRun:
+               module_path: bool = False, expect_ok: bool = True, kv_events: str | None = None,
+               dtype: str = "float16") -> EngineRun:
     """A fresh engine process; single-process by default because it starts fastest."""
     return run_fresh(model, prompts_file, connector, single_process=single_process,
                      max_num_batched_tokens=max_num_batched_tokens, module_path=module_path,
-                     timeout_s=300, check=expect_ok, kv_events=kv_events)
+                     timeout_s=300, check=expect_ok, kv_events=kv_events, dtype=dtype)
+
+
+def assert_close(expected: Answer | dict[str, Any], got: Answer | dict[str, Any],
+                 what: str = "kvstore") -> None:
+    """`got` answers as `expected` by vLLM's bar (bench/answers.py): the same greedy tokens, or
+    a near-tie at the first difference. Engine-run results (dicts) or replies."""
+    found = compare(_answer(expected), _answer(got), ("reference", what))
+    assert found.close, found.describe()
+
+
+def _answer(answer: Answer | dict[str, Any]) -> Answer:
+    return Tokens.of(answer) if isinstance(answer, dict) else answer
 
 
 def service_client(store_config: dict[str, Any]) -> StoreClient:

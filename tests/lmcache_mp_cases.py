@@ -25,6 +25,7 @@ from backend_contract import COUNT, Contract
 from lmcache.v1.check import check_mode_test_l2_adapter as lmcache_check
 from lmcache_plugin_cases import bad_headers, fuzzed_headers, header_of, header_record
 
+from bench.answers import Tokens, compare
 from connectors.key_scope import KeyScope
 from connectors.weights import weights_identity
 from engine_plugin.lmcache_l2 import KVStoreL2Adapter, KVStoreL2AdapterConfig, object_key
@@ -192,5 +193,7 @@ def test_vllm_through_lmcaches_mp_server_loads_a_stored_prompt_after_a_restart(t
     assert storing["cached_tokens"] == 0
     assert restarted["cached_tokens"] == 512  # both whole 256-token chunks
     assert restarted["kvstore"]["disk.hits"] == 2 and restarted["kvstore"].get("host.hits", 0) == 0
-    assert alone["token_ids"] == storing["token_ids"] == restarted["token_ids"]
+    for run in (storing, restarted):  # as vLLM's tests judge answers (bench/answers.py)
+        found = compare(Tokens.of(alone), Tokens.of(run))
+        assert found.close, found.describe()
     assert len(alone["token_ids"]) == 8

