@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,16 @@ def small_service_config(tmp_path: Path, disk_dir: str) -> dict[str, Any]:
                       "disk": [{"path": str(Path(disk_dir) / "disk"), "capacity": "32MiB"}]},
             "io": {"timeout_s": 0.5},
             "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "2MiB"}}
+
+
+@contextmanager
+def small_service(tmp_path: Path, disk_dir: str) -> Iterator[dict[str, Any]]:
+    """small_service_config's config, its service (spawned by the first engine) stopped after."""
+    config = small_service_config(tmp_path, disk_dir)
+    try:
+        yield config
+    finally:
+        stop_service(config)
 
 
 def wait_for_log(path: Path, text: str, after: int = 0, timeout_s: float = 30) -> str:

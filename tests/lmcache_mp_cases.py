@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from backend_contract import COUNT, Contract
+from engine_harness import small_service
 from lmcache.v1.check import check_mode_test_l2_adapter as lmcache_check
 from lmcache_plugin_cases import bad_headers, fuzzed_headers, header_of, header_record
 
@@ -147,6 +148,12 @@ class L2Driver:
 
 class TestContract(Contract):
     driver = "lmcache_mp_cases:L2Driver"
+
+
+@pytest.fixture
+def store(tmp_path, disk_dir):
+    with small_service(tmp_path, disk_dir) as config:
+        yield config
 
 
 def test_unnamed_weights_are_neither_stored_nor_loaded_and_a_delete_hides_chunks(store):

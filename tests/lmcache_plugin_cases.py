@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from backend_contract import COUNT, Contract
-from engine_harness import service_client
+from engine_harness import service_client, small_service
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -275,6 +275,12 @@ def test_a_stored_header_is_checked_or_refused_never_raised_past(header):
     assert isinstance(chunk, StoredChunk)
     assert chunk.dtype in DTYPES.values() and chunk.fmt in KV_FORMATS.values()
     assert 0 < chunk.size == math.prod(chunk.shape) * chunk.dtype.itemsize <= 16384
+
+
+@pytest.fixture
+def store(tmp_path, disk_dir):
+    with small_service(tmp_path, disk_dir) as config:
+        yield config
 
 
 def test_remove_hides_a_chunk_and_clear_starts_a_generation_that_finds_nothing_before(store):
