@@ -330,10 +330,13 @@ def test_any_index_entry_or_lease_is_a_counted_miss_never_an_exception(redis_ser
         reader.close()
     assert found is not None  # the index answered: one bad entry never fails the lookup
     counters = stats.snapshot()
-    live = lease is not None and (holder := LeaseHolder.unpack(lease)) is not None and holder.generation == 5
-    assert (good in found) == live
-    valid = not wrong_type and Location.unpack(entry) is not None
-    assert (key in found) == (valid and live and entry == ENTRY)
+    holder = None if lease is None else LeaseHolder.unpack(lease)
+    assert (good in found) == (holder is not None and holder.generation == 5)
+    location = None if wrong_type else Location.unpack(entry)
+    valid = location is not None
+    # An entry counts while its host's lease lives and names the entry's generation.
+    assert (key in found) == (location is not None and holder is not None
+                              and location.generation == holder.generation)
     if wrong_type or not valid:
         assert counters["peer.index_malformed"] >= 1
     assert counters.get("peer.index_errors", 0) == 0
