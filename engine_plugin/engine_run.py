@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--dtype", default="float16", help="float16 or bfloat16 (bench/cpu_dtypes.py)")
+    parser.add_argument("--dtype", default="float16", help="float16 or bfloat16 "
+                        "(bench/support/cpu_dtypes.py)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, ...)")
     parser.add_argument("--busy", help="JSON token-id lists submitted ahead of the prompts, all at once")

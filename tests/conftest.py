@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.loopdev import LoopDevices, loop_devices_unavailable
+from bench.support.loopdev import LoopDevices, loop_devices_unavailable
 from kvstore.devices.device import DATA_FILE
 from kvstore.devices.layout import parse_superblock
 from kvstore.format.keys import KVNamespace, chunk_keys

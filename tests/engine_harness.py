@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.answers import Answer, Tokens, compare
+from bench.support.answers import Answer, Tokens, compare
 from engine_plugin.engine_run import EngineRun, run_fresh
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient, attach
@@ -27,7 +27,7 @@ def run_engine(model: str | Path, prompts_file: str | Path, connector: dict[str,
 
 def assert_close(expected: Answer | dict[str, Any], got: Answer | dict[str, Any],
                  what: str = "kvstore") -> None:
-    """`got` answers as `expected` by vLLM's bar (bench/answers.py): the same greedy tokens, or
+    """`got` answers as `expected` by vLLM's bar (bench/support/answers.py): the same greedy tokens, or
     a near-tie at the first difference. Engine-run results (dicts) or replies."""
     found = compare(_answer(expected), _answer(got), ("reference", what))
     assert found.close, found.describe()

@@ -7,9 +7,19 @@ repository, and on small bad trees to show each rule can fail.
   and so do TYPE_CHECKING imports. A folder the diagram does not place is an error.
 - Packages: kvstore < connectors < engine_plugin < bench, each importing only those
   before it; vLLM only in engine_plugin and bench.
+- Bench floors: bench/ holds three folders and no module of its own: support/ (the
+  harness, shared with the tests), commands/ (the `kvstore` subcommands) and lab/ (the
+  experiments, `python -m bench.lab NAME`). support imports neither of the others, and
+  commands and lab import each other in no direction: what both need is support's.
+- Tests reach bench through its harness: a test module imports bench.support freely and
+  at most one module of bench.commands or bench.lab, the command or experiment it checks
+  (through its entry point, or its parts one by one); so nothing two tests share, and
+  nothing a test only borrows, lives outside support. A test may also run a command or
+  an experiment in a subprocess (`kvstore NAME`, `python -m bench.lab NAME`).
 - Sizes: a class with the in-project classes it derives from is at most 200 lines; a
   constructor (its `__init__`, or a dataclass's init fields with those it inherits)
-  takes at most 7 parameters; kvstore/ keeps at most a dozen top modules.
+  takes at most 7 parameters; kvstore/ keeps at most a dozen top modules. They hold in
+  kvstore, connectors and engine_plugin.
 
 `check()` also says how much it looked at, so a run that scanned nothing cannot pass.
 """
@@ -23,7 +33,9 @@ from pathlib import Path
 
 PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench")  # each may import only those before it
 VLLM_PACKAGES = ("engine_plugin", "bench")
-SIZED_PACKAGES = ("kvstore", "connectors", "engine_plugin")  # bench's runners are scripts, not parts
+SIZED_PACKAGES = ("kvstore", "connectors", "engine_plugin")
+BENCH_FLOORS = ("support", "commands", "lab")  # support below the other two, side by side
+TESTS = "tests"
 MAX_CLASS_LINES = 200
 MAX_PARAMETERS = 7
 MAX_TOP_MODULES = 12
@@ -36,6 +48,7 @@ class Report:
     modules: dict[str, int] = field(default_factory=dict)  # package -> modules parsed
     imports: dict[str, int] = field(default_factory=dict)  # package -> imports resolved and checked
     classes: int = 0  # classes measured
+    tests: int = 0  # test modules whose bench imports were checked
     problems: dict[str, list[str]] = field(default_factory=dict)  # rule -> findings
 
     def add(self, rule: str, finding: str) -> None:
@@ -242,7 +255,7 @@ def _check_classes(root: Path, modules: list[_Module], names: _Names, report: Re
         return order
 
     for name, (module, node) in classes.items():
-        if module.name.split(".")[0] not in SIZED_PACKAGES:
+        if not any(module.name == p or module.name.startswith(p + ".") for p in SIZED_PACKAGES):
             continue
         report.classes += 1
         where = f"{module.path.relative_to(root)}:{node.name}"
@@ -256,6 +269,49 @@ def _check_classes(root: Path, modules: list[_Module], names: _Names, report: Re
             count = sum(len(_init_fields(classes[c][1])) for c in family if _is_dataclass(classes[c][1]))
         if count is not None and count > MAX_PARAMETERS:
             report.add("constructor", f"{where}.__init__: {count} parameters")
+
+
+def _bench_floor(module: str) -> str | None:
+    """support, commands or lab for a module of bench/ (the folder it lies in); "" for a
+    module of bench/'s own top (bench itself included); None outside bench."""
+    parts = module.split(".")
+    if parts[0] != "bench":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in BENCH_FLOORS else ""
+
+
+def _check_bench(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
+    for module in modules:
+        own = _bench_floor(module.name)
+        where = module.path.relative_to(root)
+        if own == "" and module.name != "bench":
+            report.add("bench floors", f"{where}: a module of bench/'s own; it goes in one of "
+                                       f"{'/, '.join(BENCH_FLOORS)}/")
+            continue
+        for target in names.imported(module):
+            floor = _bench_floor(target)
+            if floor and own and floor != own and (own == "support" or floor != "support"):
+                report.add("bench floors", f"{where} ({own}) imports {target} ({floor})")
+
+
+def _check_tests(root: Path, names: _Names, report: Report) -> None:
+    """Each test module's bench imports: bench.support, and one command or experiment."""
+    for module in _load(root, TESTS):
+        report.tests += 1
+        borrowed = set()
+        for target in names.imported(module):
+            floor = _bench_floor(target)
+            if floor is None or floor == "support":
+                continue
+            if floor not in ("commands", "lab") or target.count(".") < 2:
+                report.add("tests", f"{module.path.relative_to(root)} imports {target}: "
+                                    f"tests import bench through bench.support")
+                continue
+            borrowed.add(".".join(target.split(".")[:3]))
+        if len(borrowed) > 1:
+            report.add("tests", f"{module.path.relative_to(root)} imports {', '.join(sorted(borrowed))}: "
+                                "at most one command or experiment a test; what they share goes to "
+                                "bench.support")
 
 
 def check(root: Path) -> Report:
@@ -278,6 +334,8 @@ def check(root: Path) -> Report:
                     report.add("packages", f"{module.path.relative_to(root)} imports {target}")
         report.imports[package] = checked
     _check_floors(root, modules["kvstore"], names, report)
+    _check_bench(root, modules["bench"], names, report)
+    _check_tests(root, names, report)
     _check_classes(root, every, names, report)
     top = sorted(p.name for p in (root / "kvstore").glob("*.py"))
     if len(top) > MAX_TOP_MODULES:

@@ -5,7 +5,7 @@ docs/lmcache.md). The adapter is made the way the MP server makes it, from the
 own L2 check helpers (lmcache.v1.check.check_mode_test_l2_adapter): store, lookup and load
 tasks, each waited for on its event fd, through a real kvstore service with a disk tier:
 the backend contract (tests/backend_contract.py) runs on it through `L2Driver`. The last
-case runs the whole thing through vLLM's OpenAI server (bench/lmcache_mp.py).
+case runs the whole thing through vLLM's OpenAI server (bench/commands/lmcache_mp.py).
 Not collected by the main run: tests/test_own_process.py runs this file under
 .venv-lmcache's Python; under another Python without lmcache it skips."""
 
@@ -26,7 +26,7 @@ from engine_harness import small_service
 from lmcache.v1.check import check_mode_test_l2_adapter as lmcache_check
 from lmcache_plugin_cases import bad_headers, fuzzed_headers, header_of, header_record
 
-from bench.answers import Tokens, compare
+from bench.support.answers import Tokens, compare
 from connectors.key_scope import KeyScope
 from connectors.weights import weights_identity
 from engine_plugin.lmcache_l2 import KVStoreL2Adapter, KVStoreL2AdapterConfig, object_key
@@ -189,9 +189,9 @@ def test_the_adapter_params_are_checked():
 @pytest.mark.vllm
 @pytest.mark.timeout(540)
 def test_vllm_through_lmcaches_mp_server_loads_a_stored_prompt_after_a_restart(tmp_path, capsys):
-    """bench/lmcache_mp.py on the 2-layer random Llama: vLLM alone, then vLLM, LMCache's MP
+    """bench/commands/lmcache_mp.py on the 2-layer random Llama: vLLM alone, then vLLM, LMCache's MP
     server and kvstore store a 600-token prompt, all three restart, and the prompt again."""
-    from bench.lmcache_mp import main
+    from bench.commands.lmcache_mp import main
 
     out = tmp_path / "requests.json"
     assert main(["--model", "tiny", "--prompt-tokens", "600", "--max-tokens", "8", "--kv-cache-gib", "1",
@@ -200,7 +200,7 @@ def test_vllm_through_lmcaches_mp_server_loads_a_stored_prompt_after_a_restart(t
     assert storing["cached_tokens"] == 0
     assert restarted["cached_tokens"] == 512  # both whole 256-token chunks
     assert restarted["kvstore"]["disk.hits"] == 2 and restarted["kvstore"].get("host.hits", 0) == 0
-    for run in (storing, restarted):  # as vLLM's tests judge answers (bench/answers.py)
+    for run in (storing, restarted):  # as vLLM's tests judge answers (bench/support/answers.py)
         found = compare(Tokens.of(alone), Tokens.of(run))
         assert found.close, found.describe()
     assert len(alone["token_ids"]) == 8

@@ -325,7 +325,7 @@ def test_a_missing_kvstore_config_is_a_clear_error():
 
 
 def test_the_benchmark_measures_the_plugin_against_lmcaches_disk_backend(disk_dir, capsys):
-    from bench.lmcache_bench import main
+    from bench.lab.lmcache_bench import main
 
     rounds = main(["--total", "32MiB", "--dir", disk_dir, "--fio-seconds", "1"])
     assert [(r.backend, r.hits) for r in rounds] == [("LMCache LocalDiskBackend", "disk"),

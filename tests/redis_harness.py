@@ -1,5 +1,5 @@
 """The redis-server fixtures of the cluster tests: one instance, or a Redis Cluster of
-three masters with a replica each (bench/redis_server.py starts them).
+three masters with a replica each (bench/support/redis_server.py starts them).
 
 scripts/setup.sh installs Debian's redis-server with apt where it is missing; where it
 is not installed the tests that need it skip, saying so.
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench.redis_server import RedisClusterServers, RedisServer, redis_server_unavailable
+from bench.support.redis_server import RedisClusterServers, RedisServer, redis_server_unavailable
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """kvstore as SGLang's HiCache storage backend, against the installed SGLang (the `sglang`
 extra): created by SGLang's own StorageBackendFactory from its `dynamic` extra config,
 moving pages in and out of SGLang's own host KV pools (built on the CPU,
-bench/sglang_pools.py), through a real kvstore service with a disk tier; the backend
+bench/support/sglang_host_pools.py), through a real kvstore service with a disk tier; the backend
 contract (tests/backend_contract.py) runs on it through `HiCacheDriver`.
 
 Not collected by the main run: tests/test_own_process.py runs this file in a pytest
@@ -26,7 +26,7 @@ from conftest import corrupt_record
 from engine_harness import service_client, small_service_config, stop_service
 from hypothesis import strategies as st
 
-from bench.sglang_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
+from bench.support.sglang_host_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
 from kvstore.format.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra")
@@ -263,7 +263,7 @@ def test_a_missing_kvstore_config_is_a_clear_error(store):
 
 
 def test_the_benchmark_measures_kvstore_against_sglangs_file_backend(disk_dir, capsys):
-    from bench.sglang_bench import main
+    from bench.lab.sglang_bench import main
 
     rounds = main(["--total", "16MiB", "--dir", disk_dir, "--fio-seconds", "1"])
     assert {(r.backend, r.hits) for r in rounds} == {(b, h) for b in ("HiCacheFile", "kvstore")
@@ -284,7 +284,7 @@ SWA_AT = (0, 1, 2, 4, 5)  # pages whose sliding-window KV is stored
 
 
 def hybrid_pools(side_state: int = 0, kv: str = "page_first") -> dict:
-    from bench.sglang_pools import mamba_host_pool
+    from bench.support.sglang_host_pools import mamba_host_pool
 
     pools = {"kv": pool_of(kv), "mamba": mamba_host_pool(3 * PAGES, side_state=side_state),
              "swa": mha_host_pool("page_first", 3 * PAGES, layers=2)}

@@ -14,8 +14,8 @@ import yaml
 from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
 from engine_harness import wait_for_log
 
-from bench.replay import Replayer
-from bench.trace import block_keys, read_trace
+from bench.support.replay import Replayer
+from bench.support.trace import block_keys, read_trace
 from kvstore.config.store import load_config
 from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient

@@ -1,4 +1,4 @@
-"""bench/answers.py: vLLM's check_logprobs_close convention and bit equality, on made-up
+"""bench/support/answers.py: vLLM's check_logprobs_close convention and bit equality, on made-up
 answers (the engine runs that use them are the vllm-marked tests)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.answers import Tokens, compare, identical, judge_results, worst
+from bench.support.answers import Tokens, compare, identical, judge_results, worst
 
 
 def answer(tokens: list[int], tops: list[dict[int, float]] | None = None) -> Tokens:

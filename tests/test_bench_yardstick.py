@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from bench import vm
-from bench.fio import HUGE, MALLOC, FioRun, Yardstick
-from bench.peer_lmcache import peer_case
+from bench.commands.peer_lmcache import peer_case
+from bench.support import vm
+from bench.support.fio import HUGE, MALLOC, FioRun, Yardstick
 
 
 def test_huge_pages_are_given_back_when_the_body_fails():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back
 
-from bench.loopdev import LoopDevices
+from bench.support.loopdev import LoopDevices
 from kvstore.format.errors import DeviceError
 from kvstore.format.record import record_bytes
 

@@ -1,4 +1,4 @@
-"""The real chat model (bench/chat_model.py): what the built directory holds, and that
+"""The real chat model (bench/support/chat_model.py): what the built directory holds, and that
 vLLM answers sensibly from it. Builds once into the model cache ($KVSTORE_MODEL_CACHE,
 else ~/.cache/kvstore/models) and reuses it; skips where the source wheel cannot be
 downloaded or the GGUF converters are not installed."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chat_model import (
+from bench.support.chat_model import (
     CHAT_MODEL_KV,
     MARKER,
     SOURCE_WHEEL,
@@ -90,7 +90,7 @@ def test_vllm_answers_the_capital_of_france(chat_model):
     """Greedy, through the chat template, in a fresh process (as the other engine tests)."""
     pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "bench.chat_model", str(chat_model),
+    done = subprocess.run([sys.executable, "-m", "bench.support.chat_model", str(chat_model),
                            "--ask", "What is the capital of France?"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

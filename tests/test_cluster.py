@@ -15,7 +15,7 @@ from conftest import attached, make_keys, make_payloads, read_back
 from engine_harness import service_client, stop_service
 from redis_harness import redis_server  # noqa: F401 - a fixture
 
-from bench.loopdev import LoopDevices
+from bench.support.loopdev import LoopDevices
 from kvstore.config.store import load_config
 from kvstore.devices.layout import geometry
 from kvstore.format.errors import ConfigError

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from redis_harness import redis_server  # noqa: F401 - a fixture
 from test_cluster import CHUNK, host_config
 
-from bench.redis_server import RedisServer, redis_server_unavailable
+from bench.support.redis_server import RedisServer, redis_server_unavailable
 from kvstore.cluster.index import IndexKeys, IndexReader, LeaseHolder, Location
 from kvstore.cluster.lease import HostIdInUse
 from kvstore.config.store import load_config

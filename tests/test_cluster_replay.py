@@ -13,10 +13,10 @@ from redis_harness import redis_server  # noqa: F401 - a fixture
 from test_replay import BLOCK, write_trace
 
 import kvstore.cluster.node
-from bench.cluster_replay import Cluster, replay_cluster, route
-from bench.trace import read_trace
-from bench.trace_tile import main as trace_tile
-from bench.trace_tile import tile
+from bench.support.cluster_replay import Cluster, replay_cluster, route
+from bench.support.trace import read_trace
+from bench.support.trace_tile import main as trace_tile
+from bench.support.trace_tile import tile
 from kvstore.cli import main as cli_main
 from kvstore.format.errors import ConfigError
 from kvstore.format.record import record_bytes

@@ -27,7 +27,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from connectors.plan import StepPlan
 from connectors.scheduler_side import SchedulerCore
 from kvstore.config.store import load_config

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.cpu_dtypes import has_amx_tile
+from bench.support.cpu_dtypes import has_amx_tile
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = """

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from bench.replay import Replayer
-from bench.trace import block_keys, read_trace
+from bench.support.replay import Replayer
+from bench.support.trace import block_keys, read_trace
 from kvstore.tiers.eviction import CostAware, Eviction, PrefixLRU
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.slots import SlotTable

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from bench.lab import gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
 

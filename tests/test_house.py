@@ -21,6 +21,7 @@ def report() -> Report:
 
 
 def test_the_rules_read_the_whole_tree(report):
+    assert report.tests == len(list((ROOT / "tests").rglob("*.py"))) > 50
     for package in PACKAGES:
         assert report.modules[package] == len(list((ROOT / package).rglob("*.py"))) > 0, package
         assert report.imports[package] >= 2 * report.modules[package], (package, report.imports)
@@ -75,9 +76,10 @@ def _tree(root: Path, floors: tuple[str, ...] = ("format", "tiers", "store")) ->
     _write(root, "kvstore/cli.py", f"from kvstore.{floors[-1]}.base import {floors[-1].title()}Part\n")
     for package, imports in (("connectors", "import kvstore.cli\n"),
                              ("engine_plugin", "import connectors.core\n"),
-                             ("bench", "import vllm\nimport engine_plugin.core\n")):
-        _write(root, f"{package}/__init__.py", "")
+                             ("bench/support", "import vllm\nimport engine_plugin.core\n")):
+        _write(root, f"{package.split('/')[0]}/__init__.py", "")
         _write(root, f"{package}/core.py", f"import os\n{imports}")
+    _write(root, "tests/test_core.py", "from bench.support import core\nimport kvstore\n")
     return root
 
 
@@ -97,6 +99,7 @@ def test_a_tree_that_keeps_the_rules_passes(tmp_path):
     assert report.floors == ("format", "tiers", "store")
     assert report.modules == {"kvstore": 8, "connectors": 2, "engine_plugin": 2, "bench": 2}
     assert report.imports["kvstore"] == 5
+    assert report.tests == 1
 
 
 def test_a_tree_with_nothing_to_scan_fails(tmp_path):
@@ -192,3 +195,52 @@ class Plain:
 """)
     assert _findings(tmp_path) == ["constructor: kvstore/format/records.py:Wide.__init__: 8 parameters",
                                    "constructor: kvstore/format/records.py:Plain.__init__: 8 parameters"]
+
+
+# -- bench in floors, and how tests reach it ----------------------------------------------
+
+def _bench(root: Path) -> Path:
+    """The tree with a command and an experiment over the harness, each importing support."""
+    _tree(root)
+    for floor in ("commands", "lab"):
+        _write(root, f"bench/{floor}/__init__.py", "")
+        _write(root, f"bench/{floor}/one.py", "from bench.support.core import os\n")
+        _write(root, f"bench/{floor}/two.py", "from bench.support import core\n")
+    return root
+
+
+def test_bench_floors_that_keep_the_rules_pass(tmp_path):
+    _write(_bench(tmp_path), "tests/test_one.py", "from bench.lab.one import os\nfrom bench.lab import one\n"
+           "from bench.support.core import os as same\n")
+    _write(tmp_path, "tests/test_two.py", "from bench.commands.two import core\n")
+    assert _findings(tmp_path) == []
+
+
+def test_a_module_of_bench_s_own_fails(tmp_path):
+    _write(_bench(tmp_path), "bench/drawer.py", "import os\n")
+    assert _findings(tmp_path) == [
+        "bench floors: bench/drawer.py: a module of bench/'s own; it goes in one of support/, commands/, "
+        "lab/"]
+
+
+@pytest.mark.parametrize(("where", "line", "imported"), [
+    ("support/core.py", "from bench.commands import one", "bench.commands.one (commands)"),
+    ("support/extra.py", "from ..lab.two import core", "bench.lab.two (lab)"),
+    ("commands/one.py", "import bench.lab.two", "bench.lab.two (lab)"),
+    ("lab/two.py", "from bench.commands import one", "bench.commands.one (commands)")])
+def test_support_importing_a_floor_above_or_commands_and_lab_each_other_fail(tmp_path, where, line, imported):
+    _write(_bench(tmp_path), f"bench/{where}", line + "\n")
+    floor = where.split("/")[0]
+    assert _findings(tmp_path) == [f"bench floors: bench/{where} ({floor}) imports {imported}"]
+
+
+@pytest.mark.parametrize(("line", "finding"), [
+    ("from bench import fio", "imports bench: tests import bench through bench.support"),
+    ("import bench.lab", "imports bench.lab: tests import bench through bench.support"),
+    ("from bench.lab import EXPERIMENTS", "imports bench.lab: tests import bench through bench.support"),
+    ("from bench.lab.one import os\nfrom bench.commands import two",
+     "imports bench.commands.two, bench.lab.one: at most one command or experiment a test; what they share "
+     "goes to bench.support")])
+def test_a_test_reaching_past_the_harness_fails(tmp_path, line, finding):
+    _write(_bench(tmp_path), "tests/test_reach.py", line + "\n")
+    assert _findings(tmp_path) == [f"tests: tests/test_reach.py {finding}"]

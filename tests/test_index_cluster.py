@@ -19,7 +19,7 @@ from redis_harness import redis_cluster  # noqa: F401 - a fixture
 from test_cluster import CHUNK, capacity_for, client, counters, found, get, host_config, put, wait_for
 
 import kvstore.cluster.node
-from bench.loopdev import LoopDevices
+from bench.support.loopdev import LoopDevices
 from kvstore.cluster.connection import IndexConnection
 from kvstore.cluster.index import IndexKeys
 from kvstore.config.store import load_config

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.replay import Replayer
-from bench.trace import read_passes
+from bench.support.replay import Replayer
+from bench.support.trace import read_passes
 from kvstore.cli import main as cli_main
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError, KVStoreError

@@ -287,7 +287,7 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
 
 
 def test_the_load_path_benchmark_measures_every_path_it_reports(disk_dir):
-    from bench import load_path
+    from bench.lab import load_path
 
     result = load_path.run(chunks=2, layers=2, kv_heads=2, head_dim=64, chunk_tokens=256,
                            block_size=128, repeats=1, blocks="descending", workdir=disk_dir,

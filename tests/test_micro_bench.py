@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from bench.storage_cases import host_store
+from bench.commands.storage_cases import host_store
 from kvstore.format.record import (
     HEADER_BLOCK,
     HeaderState,

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bench.loopdev import SUBNQN, FakeNamespace, set_controller_state, write_sysfs
+from bench.support.loopdev import SUBNQN, FakeNamespace, set_controller_state, write_sysfs
 from kvstore.cli import main
 from kvstore.config.nvmeof import dump_nvmeof, parse_nvmeof
 from kvstore.config.store import dump_config, load_config

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
 
-from bench.loopdev import FakeNamespace, LoopDevices, LoopNamespaces, write_sysfs
+from bench.support.loopdev import FakeNamespace, LoopDevices, LoopNamespaces, write_sysfs
 from kvstore.devices.health import IN_SERVICE, OFFLINE
 from kvstore.format.record import record_bytes
 

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from bench.replay import Replayer, parse_tier
-from bench.trace import block_keys, read_trace
+from bench.support.replay import Replayer, parse_tier
+from bench.support.trace import block_keys, read_trace
 from kvstore.cli import main as cli_main
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.record import record_bytes

@@ -1,9 +1,9 @@
 """SGLang's own HTTP server, end to end, with kvstore as HiCache's storage backend.
 
 SGLang 0.5.23's server (.venv-sglang: scripts/setup_sglang.sh) serves the real chat model
-(SmolLM2-135M-Instruct, bench/chat_model.py) on the CPU through bench/sglang_cpu.py's
+(SmolLM2-135M-Instruct, bench/support/chat_model.py) on the CPU through bench/support/sglang_cpu.py's
 stand-ins, and loads kvstore's backend with its `dynamic` factory, unchanged
-(bench/sglang_server.py starts it). For each host-pool layout, `layer_first` and
+(bench/support/sglang_server.py starts it). For each host-pool layout, `layer_first` and
 `page_first` (which SGLang's `direct` io backend keeps as `page_first_direct`), one
 kvstore service and two servers, A and B, both kept up for the module:
 
@@ -12,7 +12,7 @@ kvstore service and two servers, A and B, both kept up for the module:
 - B, a new process started beside A, answers P1: SGLang reports the 352 tokens of the
   full pages as loaded from `storage` (meta_info.cached_tokens_details), kvstore counts
   22 DRAM hits, and the tokens agree with A's (vLLM's check_logprobs_close convention:
-  bench/answers.py);
+  bench/support/answers.py);
 - `kvstore stop`, and one payload byte of P3's first page flipped on disk; B answers P2:
   the service respawns, recovers its records and serves all 22 pages from disk; then P3:
   that page fails its checksum, a counted miss, and B recomputes the prompt (the pages
@@ -40,10 +40,11 @@ import pytest
 from conftest import corrupt_record, direct_io_dir, disk_records
 from engine_harness import stop_service
 
-from bench.answers import compare
-from bench.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
-from bench.conversation import QUESTIONS, reuse_bound
-from bench.sglang_server import (
+from bench.support.answers import compare
+from bench.support.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
+from bench.support.conversation import QUESTIONS, reuse_bound
+from bench.support.runs import wait_held
+from bench.support.sglang_server import (
     PAGE_TOKENS,
     VOCAB,
     Generation,
@@ -52,9 +53,8 @@ from bench.sglang_server import (
     kvstore_store,
     reconnect,
     sglang_python,
-    wait_held,
 )
-from bench.tiny_model import prompt_token_ids
+from bench.support.tiny_model import prompt_token_ids
 from kvstore.config.store import load_config
 from kvstore.service.client import service_info
 

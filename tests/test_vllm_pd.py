@@ -3,7 +3,7 @@
 A prefill server (`kv_producer`, host id `prefill`) and a decode server (`kv_consumer`,
 host id `decode`), each with its own kvstore service and device in one shared "array"
 directory, one real redis-server as the cluster index, and `vllm-router
---vllm-pd-disaggregation` in front (bench/pd.py). The model is a 4-layer random Llama with
+--vllm-pd-disaggregation` in front (bench/support/pd_cluster.py). The model is a 4-layer random Llama with
 8 KV heads of 128 (4 MiB per 256-token chunk; the 8B geometry's 32 layers take too long
 to compute three times over on a shared 2-core machine); vLLM's prefix cache is off, so
 every cached token is kvstore's. Through the router the decode's cached tokens are its
@@ -11,7 +11,7 @@ engine's own count (vLLM's metrics): the router empties usage.prompt_tokens_deta
 
 The reference answers are the decode server's own, computed cold before any handoff
 (same process, same start-up: the CPU engine's thread count changes greedy near-ties);
-a decode that loaded answers as vLLM's tests require (bench/answers.py), one that
+a decode that loaded answers as vLLM's tests require (bench/support/answers.py), one that
 recomputed gives the same tokens and logprobs.
 """
 
@@ -22,11 +22,11 @@ from collections.abc import Iterator
 import pytest
 from engine_harness import assert_close
 
-from bench.answers import identical
-from bench.openai_server import Completion, complete, completion_body
-from bench.pd import PDCluster, prefill_body, replay, router_unavailable
-from bench.redis_server import redis_server_unavailable
-from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from bench.support.answers import identical
+from bench.support.openai_server import Completion, complete, completion_body
+from bench.support.pd_cluster import PDCluster, prefill_body, replay, router_unavailable
+from bench.support.redis_server import redis_server_unavailable
+from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from connectors.handoff import PARAMS_KEY
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")

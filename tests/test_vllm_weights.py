@@ -15,7 +15,7 @@ import shutil
 import pytest
 from engine_harness import counters, service_client, stop_service
 
-from bench.tiny_model import build_tiny_llama, prompt_token_ids
+from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from connectors.weights import FileDigests, fingerprint
 from engine_plugin.engine_run import run_fresh
 

@@ -107,8 +107,8 @@ def test_links_to_weight_files_are_read_like_a_hub_snapshot(tmp_path):
 
 
 def test_the_cost_measurement_runs_and_a_restart_reads_nothing(tmp_path):
-    """bench/weights_cost.py (the figures in docs/vllm.md), on a few MiB."""
-    from bench.weights_cost import measure
+    """bench/lab/weights_cost.py (the figures in docs/vllm.md), on a few MiB."""
+    from bench.lab.weights_cost import measure
 
     result = measure(str(tmp_path / "ckpt"), shards=2, gib=1 / 256)
     assert result["bytes"] >= 2 * (4 << 20)

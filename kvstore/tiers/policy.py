@@ -1,6 +1,6 @@
 """Where chunks go and when they move between tiers: the store's policy, in one place.
 
-The store (store/tiered.py) moves bytes; the trace replay (bench/replay.py) moves none; both
+The store (store/tiered.py) moves bytes; the trace replay (bench/support/replay.py) moves none; both
 ask this object the same questions, so a replay's hit ratios are the store's:
 - a new chunk goes to the top tier (DRAM) if it has a slot, else straight down;
 - a victim of the top tier is demoted to the tier below unless that tier holds it
@@ -168,7 +168,7 @@ class TierPolicy:
             self.disk_min_seen, self.admission_threshold = min_seen, threshold
 
     def use_admission(self, admission: Admission) -> None:
-        """Admit by a policy made elsewhere (the replay's clairvoyant bound, bench/replay.py)."""
+        """Admit by a policy made elsewhere (the replay's clairvoyant bound, bench/support/replay.py)."""
         with self._lock:
             self.admission, self._admission = admission.name, admission
 

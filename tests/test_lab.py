@@ -1,0 +1,57 @@
+"""The experiments' runner, `python -m bench.lab`, run as a user runs it: its --help lists
+every experiment of bench/lab/ (one line each), an experiment gets the common flags
+(--workdir kept, --json written, the table printed), and one this machine cannot run
+exits 2 saying why."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lab(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, "-m", "bench.lab", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=120)
+
+
+def _experiments() -> set[str]:
+    """The modules of bench/lab/ that define experiment(args, workdir)."""
+    found = set()
+    for path in (ROOT / "bench" / "lab").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "experiment" for n in tree.body):
+            found.add(path.stem)
+    return found
+
+
+def test_help_lists_every_experiment_with_one_line():
+    done = _lab("--help")
+    assert done.returncode == 0, done.stderr
+    listed = re.findall(r"^    (\w+)", done.stdout, re.M)
+    assert sorted(listed) == sorted(_experiments()) and len(listed) >= 12, done.stdout
+    unknown = _lab("nothing-such")
+    assert unknown.returncode == 2 and "invalid choice: 'nothing-such'" in unknown.stderr
+
+
+def test_an_experiment_takes_the_common_flags(tmp_path):
+    out, kept = tmp_path / "result.json", tmp_path / "kept"
+    done = _lab("weights_cost", str(tmp_path / "ckpt"), "--shards", "1", "--gib", str(1 / 256),
+                "--workdir", str(kept), "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "first hash" in done.stdout and json.loads(out.read_text())["cached_files_read"] == 0
+    assert kept.is_dir() and not (tmp_path / "ckpt").exists()
+
+
+def test_an_experiment_this_machine_cannot_run_exits_2_saying_why():
+    done = _lab("index_load", "--chunks", "10", "--lookup-keys", "60")
+    assert done.returncode == 2
+    assert done.stderr.startswith("python -m bench.lab index_load: "), done.stderr
