@@ -182,8 +182,7 @@ class Requests:
         client.window, client.slots = window, slots
         client.region = store.regions.add(window.address, window.nbytes, window)
         reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
-        dram = store.parts.dram
-        shared = dram.share() if dram is not None and self._may_map_dram(client) else None
+        shared = store.share_dram() if self._may_map_dram(client) else None
         if shared is None:
             return reply, (fd,)
         tier_fd, tier_bytes, tier_pages = shared
