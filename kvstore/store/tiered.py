@@ -29,7 +29,9 @@ from kvstore.format.errors import ShapeError
 from kvstore.format.record import RecordEncoder
 from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
+from kvstore.store import leases
 from kvstore.store.edge import check_keys, chunk_views
+from kvstore.store.leases import Lease
 from kvstore.store.parts import StoreParts
 from kvstore.store.probe import StoreProbe
 from kvstore.store.purge import purge
@@ -139,6 +141,16 @@ class TieredStore:
         keys = check_keys(keys)
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
+
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        """Pin the chunks of `keys` a get would serve from DRAM (disk hits promoted first,
+        with promote_on_hit) for a reader that maps the DRAM tier and copies them out
+        itself: they stay pinned until `release` (store/leases.py)."""
+        return leases.pin(self.parts, self._reads, check_keys(keys))
+
+    def release(self, lease: Lease) -> None:
+        """Unpin a lease's slots (once: a second release does nothing)."""
+        leases.release(self.parts, lease)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
