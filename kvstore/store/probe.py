@@ -31,11 +31,13 @@ class Place:
 @dataclass(frozen=True)
 class DeviceState:
     """One device of the disk tier: its path, where its first slot starts (None: not open,
-    absent at start), and its health state (devices/health.py: in service, tripped...)."""
+    absent at start), its health state (devices/health.py: in service, tripped...) and
+    why it is out of service ("" when in)."""
 
     path: str
     data_offset: int | None
     state: str
+    reason: str = ""
 
 
 class StoreProbe:
@@ -74,7 +76,8 @@ class StoreProbe:
         disk = self._parts.disk
         if disk is None:
             return []
-        return [DeviceState(device.path, layout.sb.data_offset if layout is not None else None, health.state)
+        return [DeviceState(device.path, layout.sb.data_offset if layout is not None else None,
+                            health.state, health.reason)
                 for device, layout, health in zip(disk.devices, disk.devices.layouts,
                                                   disk.availability.health, strict=True)]
 
