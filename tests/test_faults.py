@@ -1,13 +1,15 @@
 """Every failure the hardware can produce is a counted miss: never wrong data, never a hang."""
 
 import errno
+import os
 import time
 
 import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
-from kvstore.format.errors import ShapeError
+from kvstore.devices import layout
+from kvstore.format.errors import DeviceError, ShapeError
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 
@@ -126,3 +128,23 @@ def test_a_miss_names_the_device_the_chunk_was_on(tmp_path, engine, store_factor
     with caplog.at_level("WARNING"):
         assert read_back(store, keys)[0] == [True, False]
     assert second.device in caplog.text
+
+
+def test_a_superblock_read_past_its_deadline_keeps_its_buffer(disk_dir, faulty, store_factory):
+    """The one superblock reader (own devices, revalidation, peers' devices): a read that
+    missed its deadline is an error naming it, and its buffer is never freed, since the
+    device may still write into it."""
+    store = store_factory(disk_config(disk_dir, 16 * SLOT))
+    path = store.probe.devices()[0].path
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        faulty.add(Fault("hang", remaining=1))
+        before = len(layout.abandoned)
+        with pytest.raises(DeviceError, match="superblock read did not finish within its deadline"):
+            layout.read_superblocks(faulty, fd, path, 0.2)
+        assert len(layout.abandoned) == before + 1
+        copies = layout.read_superblocks(faulty, fd, path, 5.0)  # the device answers again
+        assert all(sb is not None for _, sb in copies)
+        assert len(layout.abandoned) == before + 1
+    finally:
+        os.close(fd)
