@@ -123,7 +123,7 @@ def store_factory() -> Iterator:
 
     yield open_store
     for store in opened:
-        if store.parts.dram is not None or store.parts.disk is not None:
+        if store.probe.capacity("host") or store.probe.capacity("disk"):  # not closed yet
             store.close()
 
 

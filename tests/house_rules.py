@@ -20,6 +20,10 @@ repository, and on small bad trees to show each rule can fail.
   constructor (its `__init__`, or a dataclass's init fields with those it inherits)
   takes at most 7 parameters; kvstore/ keeps at most a dozen top modules. They hold in
   kvstore, connectors and engine_plugin.
+- Reach: outside kvstore/store/ no module reads a store's `parts` (`x.parts` or
+  `getattr(x, "parts")`; calling a method named `parts`, `x.parts(...)`, is another
+  thing): the store's front (TieredStore, its `probe`) says what they need. tests/ is
+  not yet held to it: `reaches(root, "tests")` counts what is left there.
 
 `check()` also says how much it looked at, so a run that scanned nothing cannot pass.
 """
@@ -88,7 +92,7 @@ class _Module:
 def _load(root: Path, package: str) -> list[_Module]:
     modules = []
     for path in sorted((root / package).rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
+        parts = path.relative_to(root).with_suffix("").as_posix().split("/")
         is_package = parts[-1] == "__init__"
         if is_package:
             parts.pop()
@@ -314,6 +318,33 @@ def _check_tests(root: Path, names: _Names, report: Report) -> None:
                                 "bench.support")
 
 
+REACH_HOME = "kvstore/store/"  # the one place a store's parts are read
+
+
+def _reaches(tree: ast.Module) -> list[int]:
+    """Lines that read an attribute `parts` (not as a method call's target)."""
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    lines = []
+    for node in ast.walk(tree):
+        read = isinstance(node, ast.Attribute) and node.attr == "parts" and id(node) not in called
+        got = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+               and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+               and node.args[1].value == "parts")
+        if read or got:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def reaches(root: Path, package: str) -> list[str]:
+    """`path:line` of each read of a store's `parts` under `package` outside kvstore/store/."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        if not name.startswith(REACH_HOME):
+            found += [f"{name}:{line}" for line in _reaches(ast.parse(path.read_text(), name))]
+    return found
+
+
 def check(root: Path) -> Report:
     """Every rule over the tree at `root`; what it found is in `problems`, and what it
     looked at in `modules`, `imports` and `classes`."""
@@ -337,6 +368,10 @@ def check(root: Path) -> Report:
     _check_bench(root, modules["bench"], names, report)
     _check_tests(root, names, report)
     _check_classes(root, every, names, report)
+    for package in PACKAGES:
+        for where in reaches(root, package):
+            report.add("reach", f"{where} reads a store's parts: ask the store's front (TieredStore, "
+                                "TieredStore.probe)")
     top = sorted(p.name for p in (root / "kvstore").glob("*.py"))
     if len(top) > MAX_TOP_MODULES:
         report.add("top modules", f"kvstore/ has {len(top)} top modules: {top}")

@@ -135,18 +135,18 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
     keys, payloads = make_keys(6, seed=1), make_payloads(6, seed=1)
     for key, payload in zip(keys, payloads, strict=True):
         store.put_many([key], [payload])  # one at a time: each pushes the last out of DRAM
-    on_disk = set(store.parts.disk.table.index)
+    on_disk = store.probe.keys("disk")
     assert len(on_disk) >= 4
-    store.parts.switch_policy(admission="second-touch", eviction="cost")
-    assert set(store.parts.disk.table.index) == on_disk and set(store.parts.disk.table.eviction) == on_disk
+    store.reload_policy({"disk_admission": "second-touch", "eviction": "cost"})
+    assert store.probe.keys("disk") == on_disk and set(store.parts.disk.table.eviction) == on_disk
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
     fresh, fresh_payloads = make_keys(4, seed=2), make_payloads(4, seed=2)
     for key, payload in zip(fresh, fresh_payloads, strict=True):
         store.put_many([key], [payload])
-    assert not any(key in store.parts.disk.table for key in fresh)
+    assert not any(key in store.probe.keys("disk") for key in fresh)
     assert store.stats.snapshot()["disk.admission_refused"] >= 2
-    assert on_disk <= set(store.parts.disk.table.index)
+    assert on_disk <= store.probe.keys("disk")
 
 
 def _write_config(path, disk_dir, **changes) -> dict:

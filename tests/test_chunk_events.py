@@ -48,7 +48,7 @@ def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_
 
 def test_a_reader_that_falls_behind_is_told_how_much_it_lost():
     events, table = ChunkEvents(capacity=2), SlotTable([8])
-    events._watch(table, lambda slot: "kvstore-dram")
+    table.subscribe(lambda stored, entry: events.record(stored, entry.key, "host"))
     for i in range(5):
         with table.reserve() as reservation:
             reservation.publish(bytes([i]) * 16, None, i)

@@ -89,10 +89,10 @@ def share(root: Path, url: str, **cluster) -> tuple[list[bool], list[str]]:
     try:
         b = TieredStore(configs[1], CHUNK, background=False)
         try:
-            b.parts.cluster.devices.check_once()
+            b.step()  # a's device found
             keys, payloads = make_keys(2, seed=51), make_payloads(2, seed=51, chunk_bytes=CHUNK)
             assert a.put_many(keys, payloads) == [True, True]
-            a.parts.cluster.publisher.step()
+            a.step()
             tiers = list(b.lookup(keys).tiers)
             ok, outs = read_back(b, keys)
             return [o and bool((out == p).all()) for o, out, p in zip(ok, outs, payloads, strict=True)], tiers
@@ -192,7 +192,7 @@ def test_a_second_host_with_one_host_id_is_refused_at_start_naming_the_first(sta
         with pytest.raises(HostIdInUse, match=rf"cluster\.host_id.*in use by {socket.gethostname()} "
                                                rf"\(pid {os.getpid()}\)"):
             TieredStore(twin, CHUNK, background=False)
-        assert first.parts.cluster.publisher.step()  # the first goes on, its lease its own
+        assert first.step()  # the first goes on, its lease its own
     finally:
         first.close()
     with admin(server) as r:  # a clean stop withdrew the lease
@@ -250,11 +250,10 @@ def test_a_host_whose_id_another_host_took_while_it_was_away_stops_publishing(st
     try:
         with admin(server) as r:
             r.set(lease, other, px=60000)
-        publisher = store.parts.cluster.publisher
-        assert not publisher.step()
+        assert not store.step()
         assert "in use by gpu-host-3 (pid 77)" in caplog.text
         assert store.stats.snapshot()["peer.host_id_conflicts"] == 1
-        assert "gpu-host-3" in store.parts.cluster.info()["host_id_conflict"]
+        assert "gpu-host-3" in store.info()["cluster"]["host_id_conflict"]
         with admin(server) as r:
             assert r.get(lease) == other  # its lease back, this host's gone
     finally:
@@ -274,8 +273,8 @@ def test_passwords_are_masked_in_errors_logs_and_info(redis_server, disk_dir, ca
     store = TieredStore(host_config("a", ["b"], disk_dir, url), CHUNK, background=False)
     try:
         store.lookup(make_keys(1, seed=3))
-        store.parts.cluster.publisher.step()
-        info = store.parts.cluster.info()
+        store.step()
+        info = store.info()["cluster"]
     finally:
         store.close()
     assert info["index_url"] == f"redis://kvstore:***@127.0.0.1:{redis_server.port}/0"

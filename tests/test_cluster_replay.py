@@ -99,7 +99,7 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
     cluster = Cluster([("host", 4 * BLOCK), ("disk", 20 * BLOCK)], 2, True, 1, BLOCK, True)
     stores = [TieredStore(config(0), chunk, background=False)]
     stores.append(TieredStore(config(1), chunk, background=False))
-    stores[0].parts.cluster.devices.check_once()  # host 1's device exists now: host 0 opens it
+    stores[0].step()  # host 1's device exists now: host 0 opens it
     payload = np.zeros(chunk, np.uint8)
     try:
         peer_hits = 0
@@ -116,13 +116,13 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
                 store.put_many(keys[stored:], [payload] * (len(keys) - stored),
                                parent=keys[stored - 1] if stored else None)
             for each in stores:
-                each.parts.cluster.publisher.step()  # the index thread's work, now
+                each.step()  # the index thread's work, now
             replayed = cluster.hosts[host].serve(request)
             assert [("host", "disk", "peer")[t] for t in replayed] == list(found.tiers)
             peer_hits += found.tiers.count("peer")
         for store, replayer in zip(stores, cluster.hosts, strict=True):
-            assert set(store.parts.dram.table.index) == set(replayer.tiers[0].table.index)
-            assert set(store.parts.disk.table.index) == set(replayer.tiers[1].table.index)
+            assert store.probe.keys("host") == set(replayer.tiers[0].table.index)
+            assert store.probe.keys("disk") == set(replayer.tiers[1].table.index)
         assert peer_hits > 20 and stores[0].stats.snapshot()["peer.hits"] > 0
     finally:
         for store in stores:

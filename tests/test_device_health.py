@@ -25,7 +25,7 @@ def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldo
     config = {"tiers": {"disk": [{"path": p, "capacity": 32 * SLOT} for p in paths]},
               "io": {"queue_depth": 8, "timeout_s": timeout_s, "breaker_threshold": 2,
                      "breaker_cooldown_s": 30}}
-    # The test drives the monitor's check_once itself, deterministically, on a clock
+    # The test drives the monitor's check itself (TieredStore.step), deterministically, on a clock
     # that is already past every cooldown unless the test is about the cooldown.
     store = store_factory(config, engine=faulty, background=False)
     if cooldown_passed:
@@ -36,7 +36,7 @@ def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldo
 
 
 def _device_of(store, key) -> int:
-    return store.parts.disk.table.groups.of(store.parts.disk.table.find(key))[0]
+    return [device.path for device in store.probe.devices()].index(store.probe.where(key).device)
 
 
 def _served_match(ok, outs, payloads):
@@ -57,7 +57,7 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     assert _served_match(ok, outs, payloads)
     health = store.parts.disk.availability.health[0]
     assert health.state == TRIPPED and health.trips == 1
-    assert store.parts.disk.availability.health[1].state == IN_SERVICE
+    assert store.probe.devices()[1].state == IN_SERVICE
     counters = store.stats.snapshot()
     assert counters["disk.trips"] == 1
     # Device b's chunks are still served; device a's are misses without any I/O.
@@ -67,11 +67,11 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     assert store.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
     assert all(_device_of(store, k) == 1 for k in make_keys(2, seed=9))  # nothing placed on a
 
-    store.parts.monitor.check_once()  # still failing: the superblock read fails, a stays out
+    store.step()  # still failing: the superblock read fails, a stays out
     assert health.state == TRIPPED and "revalidation failed" in health.reason
 
     faulty.clear()
-    store.parts.monitor.check_once()
+    store.step()
     assert health.state == IN_SERVICE
     ok, outs = read_back(store, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
@@ -87,7 +87,7 @@ def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, fault
     first = time.monotonic() - started
     assert sum(ok) == 4 and _served_match(ok, outs, payloads)
     assert first < 5, f"a get took {first:.1f} s past a 0.5 s deadline"
-    assert store.parts.disk.availability.health[0].state == TRIPPED
+    assert store.probe.devices()[0].state == TRIPPED
     started = time.monotonic()
     ok, _ = read_back(store, keys)
     assert sum(ok) == 4 and time.monotonic() - started < first  # no second deadline
@@ -122,7 +122,7 @@ def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir,
     store.parts.disk.availability.take_out(0, OFFLINE, "test")
     store.close()
     reopened = store_factory(config, engine=faulty)
-    assert reopened.parts.recovery.from_checkpoint == 1 and reopened.parts.recovery.scanned == 1
+    assert reopened.probe.recovery()["from_checkpoint"] == 1 and reopened.probe.recovery()["scanned"] == 1
     ok, outs = read_back(reopened, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
 
@@ -142,7 +142,7 @@ def test_a_timed_out_promotion_never_reuses_its_dram_slot(disk_dir, faulty, stor
     # The two DRAM slots the reads were aimed at stay pinned: no new record can land there
     # while the kernel might still write into them.
     assert store.parts.dram.table.retired == 2
-    assert sum(info.pins > 0 for info in store.parts.dram.table.slots) == 2
+    assert store.probe.pinned() == 2
 
 
 def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, faulty, store_factory):
@@ -152,9 +152,9 @@ def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, f
     read_back(store, keys)
     health = store.parts.disk.availability.health[0]
     assert health.state == TRIPPED
-    store.parts.monitor.check_once()  # healthy again, but within the cooldown: stays out
+    store.step()  # healthy again, but within the cooldown: stays out
     assert health.state == TRIPPED and health.reason.startswith("2 faults in a row")
     later = time.monotonic() + 31
     store.parts.monitor.clock = lambda: later
-    store.parts.monitor.check_once()
+    store.step()
     assert health.state == IN_SERVICE

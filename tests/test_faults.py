@@ -1,13 +1,15 @@
 """Every failure the hardware can produce is a counted miss: never wrong data, never a hang."""
 
 import errno
+import os
 import time
 
 import numpy as np
 import pytest
 from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
-from kvstore.format.errors import ShapeError
+from kvstore.devices import layout
+from kvstore.format.errors import DeviceError, ShapeError
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 
@@ -102,9 +104,10 @@ def test_bit_rot_on_disk_is_a_counted_miss(disk_dir, engine, store_factory):
     store = store_factory(disk_config(disk_dir, 16 * SLOT, engine))
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
-    _fd, offset = store.parts.disk.locate(store.parts.disk.table.find(keys[1]))
-    with open(store.parts.disk.devices[0].path, "r+b") as raw:
-        raw.seek(offset + 4096 + 12345)
+    place = store.probe.where(keys[1])
+    assert place.device is not None and place.offset is not None
+    with open(place.device, "r+b") as raw:
+        raw.seek(place.offset + 4096 + 12345)
         raw.write(b"\x00\xff\x00")
     ok, _outs = read_back(store, keys)
     assert ok == [True, False]
@@ -117,11 +120,31 @@ def test_a_miss_names_the_device_the_chunk_was_on(tmp_path, engine, store_factor
                            "io": {"engine": engine, "queue_depth": 4}})
     keys = make_keys(2)
     store.put_many(keys, make_payloads(2))
-    second = store.parts.disk.table.find(keys[1])  # striped: chunk 1 is on the second path
-    _, offset = store.parts.disk.locate(second)
-    with open(store.parts.disk.devices[1].path, "r+b") as raw:
-        raw.seek(offset + 4096 + 7)
+    second = store.probe.where(keys[1])  # striped: chunk 1 is on the second path
+    assert second.device == store.probe.devices()[1].path and second.offset is not None
+    with open(second.device, "r+b") as raw:
+        raw.seek(second.offset + 4096 + 7)
         raw.write(b"\xaa")
     with caplog.at_level("WARNING"):
         assert read_back(store, keys)[0] == [True, False]
-    assert store.parts.disk.devices[1].path in caplog.text
+    assert second.device in caplog.text
+
+
+def test_a_superblock_read_past_its_deadline_keeps_its_buffer(disk_dir, faulty, store_factory):
+    """The one superblock reader (own devices, revalidation, peers' devices): a read that
+    missed its deadline is an error naming it, and its buffer is never freed, since the
+    device may still write into it."""
+    store = store_factory(disk_config(disk_dir, 16 * SLOT))
+    path = store.probe.devices()[0].path
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        faulty.add(Fault("hang", remaining=1))
+        before = len(layout.abandoned)
+        with pytest.raises(DeviceError, match="superblock read did not finish within its deadline"):
+            layout.read_superblocks(faulty, fd, path, 0.2)
+        assert len(layout.abandoned) == before + 1
+        copies = layout.read_superblocks(faulty, fd, path, 5.0)  # the device answers again
+        assert all(sb is not None for _, sb in copies)
+        assert len(layout.abandoned) == before + 1
+    finally:
+        os.close(fd)

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from house_rules import PACKAGES, Report, check, documented_floors
+from house_rules import PACKAGES, Report, check, documented_floors, reaches
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +38,15 @@ def test_the_house_holds(report):
 
 def test_the_top_of_the_storage_package_keeps_at_most_a_dozen_modules(report):
     assert "top modules" not in report.problems
+
+
+# Reads of a store's `parts` tests/ still makes: lower it as tests move to the store's
+# probe (TieredStore.probe), never raise it.
+TEST_REACHES_LEFT = 30
+
+
+def test_tests_reach_into_a_stores_parts_no_more_than_they_did():
+    assert len(reaches(ROOT, "tests")) <= TEST_REACHES_LEFT
 
 
 def test_fsck_help_imports_neither_bench_nor_torch():
@@ -244,3 +253,22 @@ def test_support_importing_a_floor_above_or_commands_and_lab_each_other_fail(tmp
 def test_a_test_reaching_past_the_harness_fails(tmp_path, line, finding):
     _write(_bench(tmp_path), "tests/test_reach.py", line + "\n")
     assert _findings(tmp_path) == [f"tests: tests/test_reach.py {finding}"]
+
+
+def test_reading_a_stores_parts_outside_the_store_fails(tmp_path):
+    _tree(tmp_path)
+    _write(tmp_path, "connectors/extra.py", """\
+def share(store):
+    return store.parts.dram.share()
+
+def engine(store):
+    return getattr(store, "parts").engine
+
+def pages(pool):
+    return pool.parts(4096)  # a method of that name is not a store's parts
+""")
+    _write(tmp_path, "kvstore/store/extra.py", "def dram(store):\n    return store.parts.dram\n")
+    assert [f.split(" reads")[0] for f in _findings(tmp_path)] == ["reach: connectors/extra.py:2",
+                                                                   "reach: connectors/extra.py:5"]
+    assert reaches(tmp_path, "kvstore") == [] and reaches(tmp_path, "connectors") == [
+        "connectors/extra.py:2", "connectors/extra.py:5"]

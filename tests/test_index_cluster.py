@@ -110,7 +110,7 @@ def test_a_host_starts_with_the_cluster_unreachable_and_looks_up_locally_in_time
     try:
         keys, payloads = make_keys(2, seed=23), make_payloads(2, seed=23, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True, True]
-        assert not a.parts.cluster.publisher.step()  # it cannot publish, and says so
+        assert not a.step()  # it cannot publish, and says so
         started = time.monotonic()
         assert a.lookup(keys + make_keys(2, seed=24)).count == 2
         assert time.monotonic() - started < DEADLINE_S + 0.3
@@ -144,7 +144,7 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
     try:
         keys, payloads = make_keys(CHUNKS, seed=20), make_payloads(CHUNKS, seed=20, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
-        assert a.parts.cluster.publisher.step()
+        assert a.step()
         assert b.lookup(keys).tiers == ("peer",) * CHUNKS
         ok, outs = read_back(b, keys)
         assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
@@ -161,23 +161,23 @@ def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_di
     try:
         keys, payloads = make_keys(CHUNKS, seed=21), make_payloads(CHUNKS, seed=21, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
-        assert a.parts.cluster.publisher.step()
-        assert b.parts.cluster.index.locate(keys).keys() == set(keys)
+        assert a.step()
+        assert b.probe.at_peers(keys) == set(keys)
         moved = IndexKeys("kvstore:", cluster=True).chunk(keys[0])
         source = redis_cluster.primary_of(moved)
         target = next(port for port in redis_cluster.primaries(source) if port != source)
 
         def midway() -> None:  # the key is on the target, the slot still the source's: ASK
-            assert b.parts.cluster.index.locate(keys).keys() == set(keys)
+            assert b.probe.at_peers(keys) == set(keys)
 
         redis_cluster.move_slot(moved, target, midway)
         assert redis_cluster.primary_of(moved) == target
-        assert b.parts.cluster.index.locate(keys).keys() == set(keys)  # MOVED, then the new map
+        assert b.probe.at_peers(keys) == set(keys)  # MOVED, then the new map
         ok, outs = read_back(b, keys)
         assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
         more, more_payloads = make_keys(4, seed=22), make_payloads(4, seed=22, chunk_bytes=CHUNK)
         assert a.put_many(more, more_payloads) == [True] * 4  # evicting 4 of the first
-        assert a.parts.cluster.publisher.step()  # writes follow the new map too
+        assert a.step()  # writes follow the new map too
         ok, outs = read_back(b, more)
         assert ok == [True] * 4 and all((o == p).all() for o, p in zip(outs, more_payloads, strict=True))
         assert "peer.index_errors" not in b.stats.snapshot()
@@ -258,7 +258,7 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
         stop_thread(publisher)
         with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.live()) as r:
             assert [r.hdel(index.chunk(key), "a") for key in keys[0][:4]] == [1] * 4
-        assert set(stores[1].parts.cluster.index.locate(keys[0])) == set(keys[0][4:])
+        assert stores[1].probe.at_peers(keys[0]) == set(keys[0][4:])
         wait_for(lambda: publisher.step() and trace.round([1], [0]) == (CHUNKS, 0), timeout_s=5,
                  what="the lost entries back")
         assert stores[0].stats.snapshot()["peer.republished"] > 0
@@ -299,14 +299,14 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
     try:
         keys, payloads = make_keys(CHUNKS, seed=26), make_payloads(CHUNKS, seed=26, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
-        assert a.parts.cluster.publisher.step()
+        assert a.step()
         index = IndexKeys("kvstore:", cluster=True)
         leases = redis_cluster.primary_of(index.lease("a"))
         hung = next(port for port in redis_cluster.primaries(leases) if port != leases)
         alive = {k for k in keys if redis_cluster.primary_of(index.chunk(k)) != hung}
         assert 0 < len(alive) < CHUNKS
         asked = keys + make_keys(60 - CHUNKS, seed=27)  # 60 keys, as a long prompt's lookup
-        assert b.parts.cluster.index.locate(asked).keys() == set(keys)
+        assert b.probe.at_peers(asked) == set(keys)
         redis_cluster.pause(hung)
         try:
             took = []
@@ -346,7 +346,7 @@ def test_a_shard_down_for_good_costs_no_host_its_lease(disk_dir, redis_cluster):
         for port in [dead, *redis_cluster.replicas(dead)]:
             redis_cluster.kill(port)
         time.sleep(2 * lease_s)  # every lease read before the kill has run out by now
-        assert b.parts.cluster.index.locate(keys).keys() == set(alive)
+        assert b.probe.at_peers(keys) == set(alive)
         ok, outs = read_back(b, alive)
         expected = [payloads[keys.index(k)] for k in alive]
         assert ok == [True] * len(alive) and all((o == p).all() for o, p in zip(outs, expected, strict=True))

@@ -323,7 +323,7 @@ def test_the_replay_counts_refusals_once_per_chunk_that_leaves(tmp_path):
     policy = TierPolicy(admission="second-touch", chunk_tokens=BLOCK)
     replayer = Replayer([("host", 20 * BLOCK), ("disk", 1 << 20)], 1, BLOCK, policy=policy)
     dropped = []
-    replayer.tiers[0].table.listeners.append(
+    replayer.tiers[0].table.subscribe(
         lambda published, entry: dropped.append(entry.key) if not published and entry.key not in
         replayer.tiers[1] else None)
     (requests,) = read_passes(trace, BLOCK)

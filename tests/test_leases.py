@@ -3,6 +3,7 @@ DRAM slots first), and their release on every path."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
@@ -26,7 +28,6 @@ from kvstore.format.errors import KVStoreError
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 from kvstore.service.client import StoreClient
-from kvstore.store import leases
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramTier
 
@@ -44,6 +45,19 @@ def config(tmp_path):
            "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
     yield raw
     stop_service(raw)
+
+
+@contextlib.contextmanager
+def _mapped(store: TieredStore) -> Iterator[mmap.mmap]:
+    """The DRAM tier as an engine maps it (TieredStore.share_dram): read-only."""
+    shared = store.share_dram()
+    assert shared is not None
+    fd, nbytes, _pages = shared
+    try:
+        with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as tier:
+            yield tier
+    finally:
+        os.close(fd)
 
 
 def _put(client: StoreClient, keys: list[bytes]) -> list[bool]:
@@ -90,15 +104,14 @@ def test_a_pinned_slot_is_never_evicted_or_reused_until_released():
     with TieredStore({"tiers": {"host": {"capacity": 4 * record_bytes(CHUNK)}}}, CHUNK) as store:
         first = _keys(1, 4)
         assert store.put_many(first, [k[:1] * CHUNK for k in first]) == [True] * 4
-        lease = leases.pin(store, first[:2])
-        assert store.parts.dram is not None
-        pinned = [store.parts.dram.slab.view[o : o + CHUNK] for o in lease.offsets]
+        lease = store.lease(first[:2])
         for wave in (_keys(10, 4), _keys(20, 4)):  # every unpinned slot is taken, twice over
             store.put_many(wave, [k[:1] * CHUNK for k in wave])
         assert store.lookup(first[:2]).tiers == ("host", "host")
-        assert [bytes(view) for view in pinned] == [k[:1] * CHUNK for k in first[:2]]
-        leases.release(store, lease)
-        leases.release(store, lease)  # a second release does nothing
+        with _mapped(store) as tier:
+            assert [tier[o : o + CHUNK] for o in lease.offsets] == [k[:1] * CHUNK for k in first[:2]]
+        store.release(lease)
+        store.release(lease)  # a second release does nothing
         wave = _keys(30, 4)
         assert store.put_many(wave, [k[:1] * CHUNK for k in wave]) == [True] * 4
         assert store.lookup(first[:1]).count == 0
@@ -184,22 +197,22 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
     corrupt_record(disk_dir, keys[1][0])
     store = store_factory(_disk_config(disk_dir))
     assert store.lookup(keys).tiers == ("disk",) * 4
-    lease = leases.pin(store, [*keys[:3], b"\xee" * 16])
-    assert store.parts.dram is not None
+    lease = store.lease([*keys[:3], b"\xee" * 16])
     assert lease.offsets[1] == lease.offsets[3] == -1  # did not verify; absent
-    slab = store.parts.dram.slab
-    assert [bytes(slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
-        keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
+    with _mapped(store) as tier:
+        assert [tier[o : o + CHUNK] for o in (lease.offsets[0], lease.offsets[2])] == [
+            keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
     counters = store.stats.snapshot()
     assert counters["disk.hits"] == counters["host.leased"] == 2
     assert counters["disk.miss.bad_checksum"] == 1
     assert store.lookup(keys[:1]).tiers == ("host",)
     others = _keys(10, 8)  # DRAM turns over twice; the leased slots stay
     store.put_many(others, [k[:1] * CHUNK for k in others])
-    assert [bytes(slab.view[o : o + CHUNK]) for o in (lease.offsets[0], lease.offsets[2])] == [
-        keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
+    with _mapped(store) as tier:
+        assert [tier[o : o + CHUNK] for o in (lease.offsets[0], lease.offsets[2])] == [
+            keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
     assert store.lookup([keys[0]]).tiers == ("host",)
-    leases.release(store, lease)
+    store.release(lease)
     assert store.lookup([keys[1]]).count == 0  # the record that did not verify left the index
 
 
@@ -299,8 +312,10 @@ def test_the_load_path_benchmark_measures_every_path_it_reports(disk_dir):
 
 def test_a_shared_dram_tier_in_small_pages_over_a_disk_tier_is_reported(disk_dir, store_factory, caplog):
     store = store_factory(_disk_config(disk_dir))
-    assert store.parts.dram is not None
-    small_pages = getattr(store.parts.dram.slab, "pages", None) == "4k"  # the host decides: both are checked
+    shared = store.share_dram()
+    assert shared is not None
+    os.close(shared[0])
+    small_pages = shared[2] == "4k"  # the host decides: both are checked
     assert ("split at each device's segment limit" in caplog.text) == small_pages
 
 
@@ -314,17 +329,17 @@ def test_a_hung_disk_read_under_a_pin_is_a_miss_within_the_deadline(disk_dir, fa
     store = store_factory(config, engine=faulty)
     faulty.add(Fault("hang", remaining=1, match=lambda request: request.nbytes > 4096))
     started = time.monotonic()
-    lease = leases.pin(store, keys)
+    lease = store.lease(keys)
     assert time.monotonic() - started < 5
     assert sorted(offset >= 0 for offset in lease.offsets) == [False, True]
     counters = store.stats.snapshot()
     assert counters["disk.miss.timeout"] == 1 and counters["host.slots_retired"] == 1
-    leases.release(store, lease)
-    again = leases.pin(store, keys)  # the record stays on disk; the device answers now
-    assert store.parts.dram is not None and all(offset >= 0 for offset in again.offsets)
-    loaded = [bytes(store.parts.dram.slab.view[o : o + CHUNK]) for o in again.offsets]
-    assert loaded == [k[:1] * CHUNK for k in keys]
-    leases.release(store, again)
+    store.release(lease)
+    again = store.lease(keys)  # the record stays on disk; the device answers now
+    assert all(offset >= 0 for offset in again.offsets)
+    with _mapped(store) as tier:
+        assert [tier[o : o + CHUNK] for o in again.offsets] == [k[:1] * CHUNK for k in keys]
+    store.release(again)
 
 
 def test_a_client_not_given_the_tier_cannot_pin(config):

@@ -32,33 +32,32 @@ def _config(fake, engine):
 
 
 def test_striped_namespaces_lose_and_regain_one_path(namespaces, engine, store_factory):
-    store = store_factory(_config(namespaces, engine))
-    store.parts.monitor.close()  # driven by check_once below
-    assert [d.path for d in store.parts.disk.devices] == namespaces.devices
+    store = store_factory(_config(namespaces, engine), background=False)  # the monitor: step() below
+    assert [d.path for d in store.probe.devices()] == namespaces.devices
     assert all(d.is_block and d.logical_block == 4096 for d in store.parts.disk.devices)
     keys, payloads = make_keys(40), make_payloads(40)
     assert all(store.put_many(keys, payloads))
-    groups = [store.parts.disk.table.groups.of(store.parts.disk.table.find(k))[0] for k in keys]
+    groups = [namespaces.devices.index(store.probe.where(k).device) for k in keys]
     assert groups.count(0) == groups.count(1) == 20  # one prompt's chunks use both namespaces
     assert store.lookup(keys).tiers == ("nvmeof",) * 40
 
     namespaces.set_state(0, "connecting")
-    store.parts.monitor.check_once()
-    health = store.parts.disk.availability.health[0]
+    store.step()
+    health = store.probe.devices()[0]
     assert health.state == OFFLINE and health.reason == "controller state connecting"
     ok, outs = read_back(store, keys)
     assert ok == [g == 1 for g in groups]  # only namespace 0's chunks are lost
     assert all(np.array_equal(o, p) for served, o, p in zip(ok, outs, payloads, strict=True) if served)
 
     namespaces.set_state(0, "live")
-    store.parts.monitor.check_once()
-    assert health.state == IN_SERVICE
+    store.step()
+    assert store.probe.devices()[0].state == IN_SERVICE
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
     store.close()
 
     reopened = store_factory(_config(namespaces, engine))
-    assert reopened.parts.recovery.records == 40 and reopened.parts.recovery.from_checkpoint == 2
+    assert reopened.probe.recovery()["records"] == 40 and reopened.probe.recovery()["from_checkpoint"] == 2
     ok, outs = read_back(reopened, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 
@@ -69,12 +68,12 @@ def test_the_monitor_thread_acts_on_its_own(namespaces, store_factory):
     assert all(store.put_many(keys, payloads))
     namespaces.set_state(1, "resetting")
     deadline = time.monotonic() + 10
-    while store.parts.disk.availability.health[1].in_service and time.monotonic() < deadline:
+    while store.probe.devices()[1].state == IN_SERVICE and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert store.parts.disk.availability.health[1].state == OFFLINE
+    assert store.probe.devices()[1].state == OFFLINE
     assert store.lookup(keys).count == 1  # chunk 1 sat on namespace 1: the run stops there
     namespaces.set_state(1, "live")
-    while not store.parts.disk.availability.health[1].in_service and time.monotonic() < deadline:
+    while store.probe.devices()[1].state != IN_SERVICE and time.monotonic() < deadline:
         time.sleep(0.05)
     assert store.lookup(keys).count == 4
 
@@ -123,9 +122,8 @@ def test_a_namespace_absent_at_start_up_is_added_when_it_appears(namespaces, dis
     config = _config(namespaces, "auto")
     config["tiers"]["nvmeof"]["namespaces"].append(
         {"subnqn": LoopNamespaces.subnqn(2), "nsid": 1, "capacity": "12MiB"})
-    store = store_factory(config)  # starts without the third namespace
-    store.parts.monitor.close()
-    assert store.parts.disk.availability.health[2].state == OFFLINE
+    store = store_factory(config, background=False)  # starts without the third namespace
+    assert store.probe.devices()[2].state == OFFLINE
     keys, payloads = make_keys(6), make_payloads(6)
     assert all(store.put_many(keys, payloads))  # striped over the two present ones
     later = os.path.join(disk_dir, "later")
@@ -133,13 +131,12 @@ def test_a_namespace_absent_at_start_up_is_added_when_it_appears(namespaces, dis
     with LoopDevices(later, count=1, size=16 << 20) as third:
         write_sysfs(namespaces.sysfs_root, [FakeNamespace(os.path.basename(third.devices[0]), 1, "nvme2")],
                     LoopNamespaces.subnqn(2), subsystem_index=2)
-        store.parts.monitor.check_once()
-        assert store.parts.disk.availability.health[2].state == IN_SERVICE
-        assert store.parts.disk.devices[2].path == third.devices[0]
+        store.step()
+        devices = store.probe.devices()
+        assert devices[2].state == IN_SERVICE and devices[2].path == third.devices[0]
         more, more_payloads = make_keys(6, seed=4), make_payloads(6, seed=4)
         assert all(store.put_many(more, more_payloads))
-        table = store.parts.disk.table
-        assert {table.groups.of(table.find(k))[0] for k in more} == {0, 1, 2}
+        assert {store.probe.where(k).device for k in more} == {d.path for d in devices}
         ok, outs = read_back(store, keys + more)
         assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads + more_payloads,
                                                                    strict=True))
@@ -155,19 +152,18 @@ def test_a_namespace_back_under_another_name_is_reopened(namespaces, tmp_path, s
         os.symlink(device, dev_root / os.path.basename(device))
     config = _config(namespaces, "auto")
     config["tiers"]["nvmeof"]["dev_root"] = str(dev_root)
-    store = store_factory(config)
-    store.parts.monitor.close()
+    store = store_factory(config, background=False)
     keys, payloads = make_keys(8), make_payloads(8)
     assert all(store.put_many(keys, payloads))
     old_name = os.path.basename(namespaces.devices[0])
     subsystem = os.path.join(namespaces.sysfs_root, "class", "nvme-subsystem", "nvme-subsys0")
     os.rename(os.path.join(subsystem, old_name), os.path.join(subsystem, "nvme7n1"))
     os.symlink(namespaces.devices[0], dev_root / "nvme7n1")
-    store.parts.monitor.check_once()  # still live, but elsewhere: out
-    health = store.parts.disk.availability.health[0]
+    store.step()  # still live, but elsewhere: out
+    health = store.probe.devices()[0]
     assert health.state == OFFLINE and "moved to" in health.reason
-    store.parts.monitor.check_once()  # reopened at the new name, revalidated
-    assert store.parts.disk.availability.health[0].state == IN_SERVICE
-    assert store.parts.disk.devices[0].path == str(dev_root / "nvme7n1")
+    store.step()  # reopened at the new name, revalidated
+    health = store.probe.devices()[0]
+    assert health.state == IN_SERVICE and health.path == str(dev_root / "nvme7n1")
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))

@@ -28,7 +28,7 @@ def test_clean_restart_uses_the_checkpoint(disk_dir, engine, store_factory):
     store.put_many(keys, payloads)
     store.close()
     reopened = store_factory(config)
-    assert reopened.parts.recovery.from_checkpoint == 1 and reopened.parts.recovery.records == 10
+    assert reopened.probe.recovery()["from_checkpoint"] == 1 and reopened.probe.recovery()["records"] == 10
     ok, outs = read_back(reopened, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 
@@ -40,7 +40,7 @@ def test_unclean_restart_scans_and_new_writes_win(disk_dir, store_factory):
     store.put_many(keys, payloads)
     store.simulate_crash()
     reopened = store_factory(config)
-    assert reopened.parts.recovery.scanned == 1 and reopened.parts.recovery.records == 6
+    assert reopened.probe.recovery()["scanned"] == 1 and reopened.probe.recovery()["records"] == 6
     assert all(read_back(reopened, keys)[0])
     assert reopened.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
 
@@ -75,7 +75,7 @@ def test_kill_9_during_writes_then_recovery(disk_dir, engine, store_factory):
     child.wait(10)
     assert written >= 600, "the child never got going"
     store = store_factory(disk_config(disk_dir, capacity, engine))
-    assert store.parts.recovery.scanned == 1
+    assert store.probe.recovery()["scanned"] == 1
     keys = make_keys(4000)
     present = [i for i, k in enumerate(keys) if store.contains(k)]
     assert len(present) > 100
@@ -91,16 +91,16 @@ def test_kill_9_during_writes_then_recovery(disk_dir, engine, store_factory):
 def test_torn_header_is_detected_and_its_slot_reused(disk_dir, store_factory):
     config = disk_config(disk_dir, 8 * SLOT)
     store = store_factory(config)
-    slots = store.parts.disk.table.capacity
+    slots = store.probe.capacity("disk")
     keys = make_keys(slots)
     store.put_many(keys, make_payloads(slots))
-    data_offset, path = store.parts.disk.devices.layouts[0].sb.data_offset, store.parts.disk.devices[0].path
+    data_offset, path = store.probe.devices()[0].data_offset, store.probe.devices()[0].path
     store.simulate_crash()
     with open(path, "r+b") as raw:  # a header write cut short: magic, then garbage
         raw.seek(data_offset + 2 * SLOT)
         raw.write(MAGIC + b"\x01" * 60)
     reopened = store_factory(config)
-    assert (reopened.parts.recovery.records, reopened.parts.recovery.torn) == (slots - 1, 1)
+    assert (reopened.probe.recovery()["records"], reopened.probe.recovery()["torn"]) == (slots - 1, 1)
     assert not reopened.contains(keys[2])
     new_key, new_payload = make_keys(1, seed=5), make_payloads(1, seed=5)
     assert reopened.put_many(new_key, new_payload) == [True]
@@ -110,7 +110,7 @@ def test_torn_header_is_detected_and_its_slot_reused(disk_dir, store_factory):
 def test_fsck_reports_valid_corrupt_torn(disk_dir, store_factory, capsys):
     store = store_factory(disk_config(disk_dir, 8 * SLOT))
     store.put_many(make_keys(3), make_payloads(3))
-    data_offset, path = store.parts.disk.devices.layouts[0].sb.data_offset, store.parts.disk.devices[0].path
+    data_offset, path = store.probe.devices()[0].data_offset, store.probe.devices()[0].path
     store.close()
     assert cli_main(["fsck", disk_dir, "--json"]) == 0
     assert '"valid": 3, "corrupt": 0' in capsys.readouterr().out
@@ -137,12 +137,13 @@ def test_recovery_of_100k_records(disk_dir, store_factory):
         store.put_many(keys[start:start + 1000], payload)
     store.close()
     by_checkpoint = store_factory(config, chunk_bytes=chunk)
-    assert by_checkpoint.parts.recovery.records == count and by_checkpoint.parts.recovery.from_checkpoint
+    recovered = by_checkpoint.probe.recovery()
+    assert recovered["records"] == count and recovered["from_checkpoint"]
     by_checkpoint.simulate_crash()  # leave it dirty: the next open must scan
     by_scan = store_factory(config, chunk_bytes=chunk)
-    assert by_scan.parts.recovery.records == count and by_scan.parts.recovery.scanned == 1
-    print(f"\nrecovery of {count} records: checkpoint {by_checkpoint.parts.recovery.seconds:.3f} s, "
-          f"header scan {by_scan.parts.recovery.seconds:.3f} s")
+    assert by_scan.probe.recovery()["records"] == count and by_scan.probe.recovery()["scanned"] == 1
+    print(f"\nrecovery of {count} records: checkpoint {by_checkpoint.probe.recovery()['seconds']:.3f} s, "
+          f"header scan {by_scan.probe.recovery()['seconds']:.3f} s")
 
 
 def test_clean_close_writes_dram_chunks_down(disk_dir):
@@ -170,7 +171,7 @@ def test_a_corrupted_checkpoint_falls_back_to_a_scan(disk_dir, store_factory):
         raw.seek(SB_COPIES * BLOCK + 20)  # inside the first checkpoint entry
         raw.write(b"\xee\xee")
     reopened = store_factory(config)
-    assert (reopened.parts.recovery.from_checkpoint, reopened.parts.recovery.scanned) == (0, 1)
+    assert (reopened.probe.recovery()["from_checkpoint"], reopened.probe.recovery()["scanned"]) == (0, 1)
     ok, outs = read_back(reopened, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 
@@ -184,9 +185,9 @@ def test_the_newest_copy_of_a_key_wins_and_the_older_is_zeroed(disk_dir, store_f
     keys, payloads = make_keys(2), make_payloads(2)
     store = store_factory(config)
     store.put_many(keys, payloads)
-    old_slot = store.parts.disk.table.find(keys[0])
-    _, old_offset = store.parts.disk.locate(old_slot)
-    _, new_offset = store.parts.disk.locate(store.parts.disk.table.capacity - 1)  # a free slot
+    old_offset, (device,) = store.probe.where(keys[0]).offset, store.probe.devices()
+    assert old_offset is not None and device.data_offset is not None
+    new_offset = device.data_offset + (store.probe.capacity("disk") - 1) * SLOT  # a free slot
     store.simulate_crash()
     with open(os.path.join(disk_dir, "kvstore.data"), "r+b") as raw:
         raw.seek(old_offset)
@@ -196,8 +197,8 @@ def test_the_newest_copy_of_a_key_wins_and_the_older_is_zeroed(disk_dir, store_f
         raw.seek(new_offset)
         raw.write(image)
     reopened = store_factory(config)
-    assert (reopened.parts.recovery.records, reopened.parts.recovery.stale) == (2, 1)
-    assert reopened.parts.disk.table.find(keys[0]) == reopened.parts.disk.table.capacity - 1
+    assert (reopened.probe.recovery()["records"], reopened.probe.recovery()["stale"]) == (2, 1)
+    assert reopened.probe.where(keys[0]).offset == new_offset
     assert all(read_back(reopened, keys)[0])
     reopened.close()
     assert fsck(disk_dir)["valid"] == 2  # the older copy's header is gone

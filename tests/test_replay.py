@@ -165,7 +165,7 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
                         block_tokens=BLOCK, policy=policy)
     payload = np.zeros(chunk, np.uint8)
     with TieredStore(config, chunk, background=False) as store:
-        assert store.parts.disk.table.capacity == 10
+        assert store.probe.capacity("disk") == 10
         store.parts.policy.clock = replayer.policy.clock  # the trace's time, for `learned` too
         tell = replayer.policy.finished  # requests that end tell the store what they tell the replay
 
@@ -185,8 +185,8 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
                 [True] * found.count
             store.put_many(keys, [payload] * len(keys))
             assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
-        assert set(store.parts.dram.table.index) == set(replayer.tiers[0].table.index)
-        assert set(store.parts.disk.table.index) == set(replayer.tiers[1].table.index)
+        assert store.probe.keys("host") == set(replayer.tiers[0].table.index)
+        assert store.probe.keys("disk") == set(replayer.tiers[1].table.index)
         counters = store.stats.snapshot()
         assert counters.get("host.evictions", 0) > 10  # the tiers were full
         result = replayer.result()

@@ -623,7 +623,7 @@ def test_9_a_bad_superblock_bit_keeps_the_tier_and_its_records(disk_dir, store_f
     outs = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
     assert reopened.get_many(keys, outs) == [True] * 3
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
-    assert reopened.parts.recovery.scanned == (1 if len(damaged) == SB_COPIES else 0)
+    assert reopened.probe.recovery()["scanned"] == (1 if len(damaged) == SB_COPIES else 0)
 
 
 def test_9_a_dram_tier_too_large_names_the_field():
@@ -655,8 +655,8 @@ def test_9_a_crash_mid_write_after_a_clean_restart_leaves_no_valid_header_over_o
     keys, payloads = make_keys(4), make_payloads(4)
     store = store_factory(config)
     assert all(store.put_many(keys[:3], payloads[:3]))
-    slot = store.parts.disk.table.find(keys[0])
-    _, offset = store.parts.disk.locate(slot)
+    offset = store.probe.where(keys[0]).offset
+    assert offset is not None and offset == store.probe.devices()[0].data_offset  # its device's slot 0
     with open(os.path.join(disk_dir, "kvstore.data"), "r+b") as raw:
         raw.seek(offset + BLOCK + 10)  # a payload byte: bit rot
         raw.write(b"\xff\x00\xff")
@@ -664,11 +664,10 @@ def test_9_a_crash_mid_write_after_a_clean_restart_leaves_no_valid_header_over_o
     store.close()  # the checkpoint lists two records; slot 0 is free, its header valid
     faulty = FaultyEngine(ThreadsEngine(4))
     reopened = store_factory(config, engine=faulty)
-    assert reopened.parts.recovery.from_checkpoint == 1 and reopened.parts.recovery.records == 2
+    assert reopened.probe.recovery()["from_checkpoint"] == 1 and reopened.probe.recovery()["records"] == 2
     faulty.add(Fault("error", reads=False, writes=True,  # the new header never lands: the crash
                      match=lambda r: r.nbytes == BLOCK and any(r.buffers[0][:4])))
     assert reopened.put_many(keys[3:], payloads[3:]) == [False]
-    assert reopened.parts.disk.table.groups.of(slot)[1] == 0
     reopened.simulate_crash()
     faulty.close()
     assert fsck(disk_dir) == {"valid": 2, "corrupt": 0, "torn": 0, "empty": 13}  # of 15 slots

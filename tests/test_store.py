@@ -29,7 +29,7 @@ def test_disk_only_round_trip_both_engines(disk_dir, engine, store_factory):
     ok, outs = read_back(store, keys)
     assert all(ok)
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
-    assert store.parts.engine.name == engine
+    assert store.info()["io_engine"] == engine
 
 
 def test_dram_victims_go_down_to_disk_and_come_back_up(disk_dir, engine, store_factory):
@@ -89,10 +89,10 @@ def test_capacity_is_never_exceeded_under_concurrent_writers(disk_dir, engine, s
     info = store.info()["tiers"][0]
     assert info["used_bytes"] <= info["capacity_bytes"] <= capacity
     import os
-    assert os.path.getsize(store.parts.disk.devices[0].path) <= capacity
+    assert os.path.getsize(store.probe.devices()[0].path) <= capacity
     keys = [k for seed in range(4) for k in make_keys(30, seed)]
     present = [k for k in keys if store.contains(k)]
-    assert len(present) == store.parts.disk.table.capacity
+    assert len(present) == store.probe.capacity("disk")
     ok, _ = read_back(store, present)
     assert all(ok)
 

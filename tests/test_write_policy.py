@@ -23,7 +23,7 @@ def test_write_back_reaches_disk_only_on_eviction(disk_dir, store_factory):
     keys, payloads = make_keys(4), make_payloads(4)
     assert all(store.put_many(keys, payloads))
     store.flush()
-    assert len(store.parts.disk.table) == 0 and store.lookup(keys).tiers == ("host",) * 4
+    assert not store.probe.keys("disk") and store.lookup(keys).tiers == ("host",) * 4
 
 
 def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, store_factory):
@@ -31,7 +31,7 @@ def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, s
     keys, payloads = make_keys(4), make_payloads(4)
     assert all(store.put_many(keys, payloads))
     assert store.flush()
-    assert all(k in store.parts.disk.table for k in keys)
+    assert all(k in store.probe.keys("disk") for k in keys)
     assert store.lookup(keys).tiers == ("host",) * 4  # still served from DRAM
     # A service killed now loses nothing: the disk alone serves every chunk.
     for key in keys:
@@ -48,8 +48,8 @@ def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
     one_off, one_off_payloads = make_keys(8, seed=2), make_payloads(8, seed=2)
     store.put_many(one_off, one_off_payloads)  # pushes everything out of the 4 DRAM slots
     store.flush()
-    assert all(k in store.parts.disk.table for k in popular)
-    assert not any(k in store.parts.disk.table for k in one_off[:4])  # evicted, never written
+    assert all(k in store.probe.keys("disk") for k in popular)
+    assert not any(k in store.probe.keys("disk") for k in one_off[:4])  # evicted, never written
     assert store.stats.snapshot()["disk.admission_refused"] >= 4
 
 

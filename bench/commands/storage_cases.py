@@ -122,13 +122,12 @@ def write_set(tiers: dict[str, Any], tier_name: str, label: str, engine: str, ch
                 stored = store.put_many(keys[start : start + batch], payloads[start : start + batch])
                 if not all(stored):
                     raise RuntimeError(f"bench: {stored.count(False)} chunks were not stored")
-        disk, slot_bytes = store.parts.disk, store.parts.slot_bytes
-        layout = disk.devices.layouts[0] if disk else None
-        if disk is None or layout is None:
+        devices, slot_bytes = store.probe.devices(), record_bytes(chunk_bytes)
+        if not devices or devices[0].data_offset is None:
             raise RuntimeError(f"bench: the {tier_name} tier opened no device")
         # The first device's slots are reserved in order: its written ones come first.
-        written = -(-count // len(disk.devices))
-        geometry = Geometry(label, layout.device.path, layout.sb.data_offset,
+        written = -(-count // len(devices))
+        geometry = Geometry(label, devices[0].path, devices[0].data_offset,
                             written * slot_bytes, slot_bytes)
     return DiskSet(tiers, tier_name, label, chunk_bytes, keys, geometry,
                    count * chunk_bytes / 2**30 / wrote["wall"], engine)

@@ -48,7 +48,7 @@ class NextTurnReplayer(Replayer):
         self._ahead: set[bytes] = set()  # read ahead into DRAM, not read since
         self._next_use: list[list[float | None]] = []  # oracle: per request, per key
         self._served = 0
-        self.tiers[0].table.listeners.append(self._left_dram)
+        self.tiers[0].table.subscribe(self._left_dram)
 
     def serve(self, request: TraceRequest) -> list[int]:
         now = request.arrival_s

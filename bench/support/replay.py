@@ -133,15 +133,15 @@ class Replayer:
         self.peers = peers
         self.peer_stats = TierStats("peer", sum(p.stats.capacity_bytes for p in peers or ()))
         self._from_peers: set[bytes] = set()  # DRAM copies of chunks read from a peer
-        self.tiers[0].table.listeners.append(self._left_top)
+        self.tiers[0].table.subscribe(self._left_top)
         self.disks = {i for i, t in enumerate(self.tiers) if i and t.stats.name not in MEMORY_TIERS}
         self._unread: set[bytes] = set()  # on a disk tier, not read since written there
         self.disk_writes_read = 0  # disk writes read at least once before leaving the disk
         self.budget_refused = 0  # chunks refused or not written for the write budget
         self._written_at: list[float] = []  # when each disk write was made
         for level in self.disks:
-            self.tiers[level].table.listeners.append(self._disk_changed)
-            self.tiers[level - 1].table.listeners.insert(0, self._leaving(level))  # before _left_top
+            self.tiers[level].table.subscribe(self._disk_changed)
+            self.tiers[level - 1].table.subscribe(self._leaving(level), first=True)  # before _left_top
         above = min(self.disks, default=len(self.tiers)) - 1  # the tier admission is asked below
         self.policy.set_capacity(self.tiers[max(0, above)].table.capacity,
                                  sum(t.table.capacity for t in self.tiers))

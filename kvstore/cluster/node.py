@@ -71,7 +71,7 @@ class ClusterNode:
         self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
         self._from_peers = peer_copies
         if self.dram is not None:
-            self.dram.table.listeners.append(self._left_dram)
+            self.dram.table.subscribe(self._left_dram)
 
     # -- queries -------------------------------------------------------------------
 
@@ -139,8 +139,9 @@ class ClusterNode:
                     self._recent.pop(keys[i], None)  # ask the index again next time
 
     def _left_dram(self, published: bool, entry: Entry) -> None:
-        """DRAM table listener (its lock held)."""
-        if not published:
+        """DRAM table listener, after the fact: a chunk read from a peer again since it
+        left DRAM is in the table once more and keeps its mark."""
+        if not published and self.dram is not None and entry.key not in self.dram.table:
             self._from_peers.discard(entry.key)
 
     # -- housekeeping ----------------------------------------------------------------
@@ -155,8 +156,7 @@ class ClusterNode:
     def close(self, withdraw: bool = True) -> None:
         """Stop publishing (`withdraw`: end the lease now, a clean stop) and reading."""
         if self.dram is not None:
-            with self.dram.table.lock:
-                self.dram.table.listeners.remove(self._left_dram)
+            self.dram.table.unsubscribe(self._left_dram)
         if self.publisher is not None:
             self.publisher.close(withdraw)
         self.devices.close()

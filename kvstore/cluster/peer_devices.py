@@ -30,13 +30,11 @@ from kvstore.cluster.index import DEVICE_ID_BYTES, Location
 from kvstore.config.store import ClusterConfig, IoConfig
 from kvstore.devices.device import DATA_FILE, DevicePlan
 from kvstore.devices.health import OFFLINE, TRIPPED, DeviceHealth, fault_reason, is_fault, probe
-from kvstore.devices.layout import SB_COPIES, Superblock, parse_superblock
+from kvstore.devices.layout import Superblock, read_superblocks
 from kvstore.devices.nvmeof.plans import namespace_plans
 from kvstore.format.errors import ConfigError, DeviceError
-from kvstore.format.record import BLOCK
 from kvstore.format.units import format_size
-from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
+from kvstore.io.base import TIMED_OUT, IoEngine
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +64,6 @@ class PeerDevices:
         self.breaker_threshold = io.breaker_threshold
         self.cooldown_s = io.breaker_cooldown_s
         self._lock = threading.Lock()
-        self._abandoned: list[AlignedBuffer] = []  # superblock reads that missed their deadline
         self.devices: dict[tuple[str, int], PeerDevice] = {}
         own = {os.path.realpath(path) for path in own_paths}
         try:
@@ -147,7 +144,7 @@ class PeerDevices:
         if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
             os.close(fd)
             return f"{path} is not a regular file or a block device"
-        sb, problem = self._superblock(fd)
+        sb, problem = self._superblock(fd, path)
         if problem is not None:
             os.close(fd)
             return f"{path}: {problem}"
@@ -155,21 +152,14 @@ class PeerDevices:
         device.path, device.fd, device.sb = path, fd, sb
         return None
 
-    def _superblock(self, fd: int) -> tuple[Superblock | None, str | None]:
-        buffer = AlignedBuffer(SB_COPIES * BLOCK)
-        result = self.engine.run([IoRequest(fd, 0, [buffer.view[: SB_COPIES * BLOCK]])], self.timeout_s)[0]
-        if result == TIMED_OUT:
-            self._abandoned.append(buffer)  # the read may still land in it
-            return None, "superblock read missed its deadline"
+    def _superblock(self, fd: int, path: str) -> tuple[Superblock | None, str | None]:
+        """The device's superblock (devices/layout.py `read_superblocks`, as this host reads
+        its own), or why there is none usable."""
         try:
-            if result != SB_COPIES * BLOCK:
-                return None, f"superblock read failed ({os.strerror(-result) if result < 0 else result})"
-            copies = [parse_superblock(bytes(buffer.view[i * BLOCK : (i + 1) * BLOCK]))[1]
-                      for i in range(SB_COPIES)]
-        finally:
-            if result != TIMED_OUT:
-                buffer.close()
-        sb = next((c for c in copies if c is not None), None)
+            copies = read_superblocks(self.engine, fd, path, self.timeout_s)
+        except DeviceError as exc:
+            return None, str(exc).removeprefix(f"{path}: ")
+        sb = next((c for _, c in copies if c is not None), None)
         if sb is None:
             return None, "no kvstore superblock (not formatted yet, or damaged)"
         if sb.slot_bytes != self.slot_bytes:
@@ -193,7 +183,7 @@ class PeerDevices:
                 if problem is None and found.path not in (None, device.plan.path, device.path):
                     problem = f"moved to {found.path}"
                 if problem is None:
-                    sb, problem = self._superblock(device.fd)
+                    sb, problem = self._superblock(device.fd, device.path or "")
                     if sb is not None:
                         device.sb = sb
                 if problem is not None:

@@ -1,6 +1,6 @@
 """This host's disk-tier chunks into the cluster index, from one background thread.
 
-The slot table tells a listener of every publish and unpublish (under its lock); the
+The slot table tells a listener of every publish and unpublish (in its order); the
 listener only appends to a bounded queue, so the data path never waits on Redis. The
 thread sends the queue in pipelines (HSET/SADD, HDEL/SREM) and renews the lease, in a
 command of its own, at least every `lease_s`/3. On a Redis Cluster each shard's part
@@ -65,7 +65,7 @@ class IndexPublisher:
         self._reconcile_after = 0.0  # a reconcile that could not read this host's set waits
         self._round: list[bytes] = []  # this republish round's keys not yet sent again
         self.sent = 0  # updates (and reconciles) that reached the index: tests wait on it
-        disk.table.listeners.append(self._changed)
+        disk.table.subscribe(self._changed)
         self._thread = threading.Thread(target=self._loop, name="kvstore-index", daemon=True)
         if start:
             self._thread.start()
@@ -83,7 +83,7 @@ class IndexPublisher:
                         "the index answers", masked_url(self.config.index_url), self.host_id, exc)
 
     def _changed(self, published: bool, entry: Entry) -> None:
-        """Slot-table listener (its lock held): queue the change, never wait."""
+        """Slot-table listener (in the table's order): queue the change, never wait."""
         if len(self._queue) >= QUEUE_LIMIT:
             self._dirty = True
             self._queue.clear()
@@ -233,7 +233,6 @@ class IndexPublisher:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(self.config.lease_s)
-        with self.disk.table.lock:
-            self.disk.table.listeners.remove(self._changed)
+        self.disk.table.unsubscribe(self._changed)
         self.lease.close(withdraw)
         self._index.close()

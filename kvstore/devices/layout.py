@@ -143,8 +143,7 @@ class DeviceLayout:
                                            f"{format_size(slot_bytes)} record slot")
         wanted = Superblock(slot_bytes, num_slots, data_offset, chunk_bytes,
                             device_id=uuid.uuid4().bytes)
-        raw = _read(engine, device, 0, SB_COPIES * BLOCK, timeout_s, "superblock read")
-        copies = [parse_superblock(raw[i * BLOCK : (i + 1) * BLOCK]) for i in range(SB_COPIES)]
+        copies = read_superblocks(engine, device.fd, device.path, timeout_s)
         states = [state for state, _ in copies]
         found = next((sb for state, sb in copies if state == _Copy.VALID), None)
         where = "its first 8 KiB" if device.is_block else "the file"
@@ -180,12 +179,10 @@ class DeviceLayout:
         """None when the device still holds this layout's superblock; else what is wrong.
         A namespace that comes back must be the same one, not a reformatted or swapped one."""
         try:
-            raw = _read(self.engine, self.device, 0, SB_COPIES * BLOCK, self.timeout_s,
-                        "superblock read")
+            copies = read_superblocks(self.engine, self.device.fd, self.device.path, self.timeout_s)
         except DeviceError as exc:
             return str(exc)
-        ids = {sb.device_id for state, sb in (parse_superblock(raw[i * BLOCK : (i + 1) * BLOCK])
-                                              for i in range(SB_COPIES)) if sb is not None}
+        ids = {sb.device_id for _, sb in copies if sb is not None}
         if self.sb.device_id not in ids:
             return "superblock changed (another device, or reformatted)"
         return None
@@ -206,8 +203,8 @@ class DeviceLayout:
         if mark.clean and not self.rebuilt:
             size = mark.entries * CHECKPOINT_DTYPE.itemsize
             try:
-                raw = _read(self.engine, self.device, SB_COPIES * BLOCK, round_up(max(size, 1)),
-                            self.timeout_s, "checkpoint read")[:size]
+                raw = _read(self.engine, self.device.fd, self.device.path, SB_COPIES * BLOCK,
+                            round_up(max(size, 1)), self.timeout_s, "checkpoint read")[:size]
             except DeviceError as exc:
                 log.warning("%s; scanning the slots instead", exc)
             else:
@@ -233,27 +230,50 @@ class DeviceLayout:
         self.write_superblock()
 
 
-def _read(engine: IoEngine, device: Device, offset: int, nbytes: int, timeout_s: float | None,
+def read_superblocks(engine: IoEngine, fd: int, path: str,
+                     timeout_s: float | None) -> list[tuple[int, Superblock | None]]:
+    """Both copies of a device's superblock, parsed (`parse_superblock`), in one read within
+    `timeout_s`; DeviceError if it fails or misses the deadline. The one online reader of
+    superblocks: a device this host opens, revalidates, or reads as a peer's."""
+    raw = _read(engine, fd, path, 0, SB_COPIES * BLOCK, timeout_s, "superblock read")
+    return [parse_superblock(raw[i * BLOCK : (i + 1) * BLOCK]) for i in range(SB_COPIES)]
+
+
+# Buffers of metadata I/O that missed its deadline: the device may still move data into or
+# out of them, so they are kept, never freed or reused (a few KiB per missed deadline).
+abandoned: list[AlignedBuffer] = []
+
+
+def _release(buffer: AlignedBuffer, late: bool) -> None:
+    if late:
+        abandoned.append(buffer)
+    else:
+        buffer.close()
+
+
+def _read(engine: IoEngine, fd: int, path: str, offset: int, nbytes: int, timeout_s: float | None,
           what: str) -> bytes:
-    buffer = AlignedBuffer(nbytes)
+    buffer, late = AlignedBuffer(nbytes), False
     try:
-        _check(engine.run([IoRequest(device.fd, offset, [buffer.view[:nbytes]])], timeout_s)[0],
-               nbytes, device.path, what)
+        result = engine.run([IoRequest(fd, offset, [buffer.view[:nbytes]])], timeout_s)[0]
+        late = result == TIMED_OUT
+        _check(result, nbytes, path, what)
         return bytes(buffer.view[:nbytes])
     finally:
-        buffer.close()
+        _release(buffer, late)
 
 
 def _write(engine: IoEngine, device: Device, offset: int, data: bytes, timeout_s: float | None,
            what: str) -> None:
     nbytes = round_up(max(len(data), 1))
-    buffer = AlignedBuffer(nbytes)
+    buffer, late = AlignedBuffer(nbytes), False
     try:
         buffer.view[: len(data)] = data
-        _check(engine.run([IoRequest(device.fd, offset, [buffer.view[:nbytes]], write=True)],
-                          timeout_s)[0], nbytes, device.path, what)
+        result = engine.run([IoRequest(device.fd, offset, [buffer.view[:nbytes]], write=True)], timeout_s)[0]
+        late = result == TIMED_OUT
+        _check(result, nbytes, device.path, what)
     finally:
-        buffer.close()
+        _release(buffer, late)
 
 
 def _check(result: int, expected: int, path: str, what: str) -> None:

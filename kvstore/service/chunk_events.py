@@ -2,7 +2,7 @@
 
 A KV-aware router (llm-d, Dynamo) sends a request to the engine that holds its prefix,
 from the KV events engines publish, each naming a medium. The service records every
-publish and unpublish of its DRAM and disk tiers here (slots.py's listeners): medium
+publish and unpublish of its DRAM and disk tiers here (`TieredStore.watch`): medium
 `kvstore-dram`, `kvstore-disk` or `kvstore-nvmeof` (the shared array, which every host
 of a cluster reads). An engine's connector asks for what is new since its cursor
 (protocol `Events`) and turns the chunks of its own requests into the engine's events.
@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING
-
-from kvstore.tiers.slots import Entry, SlotTable
 
 if TYPE_CHECKING:
     from kvstore.store.tiered import TieredStore
@@ -34,20 +31,14 @@ class ChunkEvents:
 
     def watch(self, store: TieredStore) -> None:
         """Record the store's DRAM and disk tiers from now on."""
-        dram, disk = store.parts.dram, store.parts.disk
-        if dram is not None:
-            self._watch(dram.table, lambda _slot: "kvstore-dram")
-        if disk is not None:
-            self._watch(disk.table, lambda slot: f"kvstore-{disk.kind_of(slot)}")
+        store.watch(self.record)
 
-    def _watch(self, table: SlotTable, medium: Callable[[int], str]) -> None:
-        def record(published: bool, entry: Entry) -> None:  # the table's lock is held
-            with self._lock:
-                self._log.append((published, entry.key, medium(entry.slot)))
-                self._next += 1
-
-        with table.lock:
-            table.listeners.append(record)
+    def record(self, published: bool, key: bytes, tier: str) -> None:
+        """One chunk stored in (or removed from) a tier named as `TieredStore.lookup` names it."""
+        medium = "kvstore-dram" if tier == "host" else f"kvstore-{tier}"
+        with self._lock:
+            self._log.append((published, key, medium))
+            self._next += 1
 
     def since(self, cursor: int, limit: int = 4096) -> tuple[int, int, list[Event]]:
         """(the cursor to ask with next, events lost since `cursor`, up to `limit` events

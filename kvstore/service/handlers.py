@@ -36,7 +36,7 @@ from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.window import Window
-from kvstore.store import leases
+from kvstore.store.leases import Lease
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.return_rates import RequestEnd
 
@@ -76,7 +76,7 @@ class Client:
         self.slots = 0
         self.maps_tier = False  # given the DRAM tier to map: only then may it pin
         self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
-        self.leases: dict[int, leases.Lease] = {}  # DRAM pins it holds, by lease number
+        self.leases: dict[int, Lease] = {}  # DRAM pins it holds, by lease number
         self.lease_ids = itertools.count(1)
 
 
@@ -182,8 +182,7 @@ class Requests:
         client.window, client.slots = window, slots
         client.region = store.regions.add(window.address, window.nbytes, window)
         reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
-        dram = store.parts.dram
-        shared = dram.share() if dram is not None and self._may_map_dram(client) else None
+        shared = store.share_dram() if self._may_map_dram(client) else None
         if shared is None:
             return reply, (fd,)
         tier_fd, tier_bytes, tier_pages = shared
@@ -206,7 +205,7 @@ class Requests:
         if held + len(keys) > client.slots:
             raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
                                f"is more than its window's {client.slots}: unpin first")
-        lease = leases.pin(store, keys)
+        lease = store.lease(keys)
         number = next(client.lease_ids)
         client.leases[number] = lease
         return [number, lease.offsets]
@@ -214,7 +213,7 @@ class Requests:
     def _release(self, client: Client, number: int) -> None:
         lease = client.leases.pop(number, None)
         if lease is not None and self.store is not None:
-            leases.release(self.store, lease)
+            self.store.release(lease)
 
     def _residency(self, store: TieredStore | None, request: P.Residency) -> list[Any]:
         """[leading chunks every rank has, of those in DRAM on every rank, a promotion of

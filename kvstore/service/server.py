@@ -239,7 +239,7 @@ class StoreService:
             os.write(self._wake_write, b"x")
 
     def _reload(self, reload: Callable[[], StoreConfig]) -> None:
-        """Apply the config file as it is now: LIVE_KEYS at once (StoreParts.switch_policy
+        """Apply the config file as it is now: LIVE_KEYS at once (TieredStore.reload_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
         restart. A file that cannot be read changes nothing (`reread`). Engines connected
         before keep connecting with the config they started with (the hello leaves
@@ -252,7 +252,7 @@ class StoreService:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
         with self.requests.lock:  # no store made meanwhile from the config being replaced
             if live and self.requests.store is not None:
-                self.requests.store.parts.reload_policy(live)
+                self.requests.store.reload_policy(live)
             self.config = self.requests.config = merged
         log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 

@@ -103,7 +103,7 @@ class StoreParts:
         self.policy.set_capacity(dram_chunks, dram_chunks + (self.disk.table.capacity if self.disk else 0))
         self.set_write_budget(config.disk_write_budget)
         if self.dram is not None and self.disk is not None:
-            self.dram.table.listeners.append(self._left_dram)
+            self.dram.table.subscribe(self._left_dram)
         if self.dram is not None:
             self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
@@ -126,7 +126,7 @@ class StoreParts:
                                        peer_copies=self.peer_copies, background=background)
 
     def _left_dram(self, published: bool, entry: Entry) -> None:
-        """The DRAM table's event (under its lock): a chunk that leaves DRAM is told to the
+        """The DRAM table's event (after the fact): a chunk that leaves DRAM is told to the
         policy, with whether its disk copy (or a peer's) is there; one the disk refused is
         counted here, once, however many times a victim scan asked about it."""
         if not published:

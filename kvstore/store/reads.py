@@ -1,5 +1,6 @@
 """Reads out of the store: DRAM hits copied out under their pins, the rest read from
-disk (promoted into DRAM as the policy says) or from peers; prefetches ahead of a get.
+disk (promoted into DRAM as the policy says) or from peers; the same read leaving the
+chunks pinned in DRAM for a lease (store/leases.py); prefetches ahead of a get.
 
 Invariants: a chunk is served only if its record verifies (DRAM: key and length under
 the pin, its checksums verified when it entered; disk and peers: header, key and payload
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from kvstore.format.record import MissReason
 from kvstore.io.copier import copy_many
 from kvstore.store.parts import StoreParts
+from kvstore.tiers.slots import Pins
 
 
 class Reads:
@@ -25,46 +27,68 @@ class Reads:
 
     def get(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """Checked keys into checked buffers; True per chunk served."""
+        ok = self._read(keys, views, None)
+        self.parts.stats.add("get.chunks", len(keys))
+        self.parts.stats.add("get.hits", sum(ok))
+        return ok
+
+    def pin(self, keys: list[bytes]) -> dict[int, int]:
+        """The same read for a reader that copies out of the DRAM tier itself: each of
+        checked `keys` served is left pinned in its DRAM slot, {index: slot}. With
+        promote_on_hit the disk hits are read into DRAM first; peers are not asked (the
+        caller gets the rest through `get`, which counts them: here only what is served)."""
+        held: dict[int, int] = {}
+        if self.parts.dram is None:
+            return held
+        self._read(keys, None, held)
+        for name in ("get.chunks", "get.hits", "host.leased"):
+            self.parts.stats.add(name, len(held))
+        return held
+
+    def _read(self, keys: list[bytes], views: list[memoryview] | None,
+              held: dict[int, int] | None) -> list[bool]:
+        """DRAM, then disk, then peers (only a get: `views`); with `held` (a pin) the
+        served chunks stay pinned in DRAM slots, recorded there, instead of copied out."""
         parts, promote = self.parts, self.parts.policy.promote_on_hit
         ok = [False] * len(keys)
         parts.touch(keys)  # first: promoting this prompt's chunks never evicts its own
         if parts.dram is not None:
             with parts.dram.table.pinned(keys) as pins:
-                self._from_dram(keys, views, pins.hits, ok)
-                for i, slot in pins.hits:
-                    if not ok[i]:
-                        pins.drop(keys[i], slot)
-        if parts.reader is not None:
+                self._from_dram(keys, views, pins, ok, held)
+        if parts.reader is not None and (views is not None or promote):
             assert parts.disk is not None
             missing = [i for i, served in enumerate(ok) if not served]
             with parts.disk.table.pinned(keys, missing) as pins:
-                parts.reader.read(keys, pins, views, promote, ok)
-        if parts.cluster is not None:
+                parts.reader.read(keys, pins, views, promote, ok, held=held)
+        if parts.cluster is not None and views is not None:
             parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
         parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
         parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
-        parts.stats.add("get.chunks", len(keys))
-        parts.stats.add("get.hits", sum(ok))
         return ok
 
-    def _from_dram(self, keys: Sequence[bytes], views: list[memoryview],
-                   hits: list[tuple[int, int]], ok: list[bool]) -> None:
+    def _from_dram(self, keys: Sequence[bytes], views: list[memoryview] | None, pins: Pins,
+                   ok: list[bool], held: dict[int, int] | None) -> None:
         parts, dram = self.parts, self.parts.dram
         assert dram is not None
         copies = []
-        for i, slot in hits:
-            payload = dram.payload(slot, keys[i], len(views[i]))
+        for i, slot in pins.hits:
+            payload = dram.payload(slot, keys[i], parts.chunk_bytes)
             if payload is None:
                 parts.stats.miss("host", MissReason.WRONG_KEY, f"slot {slot}")
+                pins.drop(keys[i], slot)
                 continue
-            copies.append((views[i], payload))
             ok[i] = True
+            if views is not None:
+                copies.append((views[i], payload))
+            elif held is not None:
+                pins.keep(slot)  # the pin passes to the caller
+                held[i] = slot
         if copies:
             started = time.perf_counter()
             copy_many(copies)  # the slots stay pinned until it returns
             # per chunk, as for disk reads: its time from the start of its batch
             parts.stats.observe("host.read", time.perf_counter() - started, len(copies))
-        served = [keys[i] for i, _ in hits if ok[i]]
+        served = [keys[i] for i, _ in pins.hits if ok[i]]
         parts.ledger.read(served)
         parts.stats.add("host.hits", len(served))
         parts.stats.add("host.bytes_read", len(served) * parts.chunk_bytes)

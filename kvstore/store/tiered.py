@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +29,11 @@ from kvstore.format.errors import ShapeError
 from kvstore.format.record import RecordEncoder
 from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
+from kvstore.store import leases
 from kvstore.store.edge import check_keys, chunk_views
+from kvstore.store.leases import Lease
 from kvstore.store.parts import StoreParts
+from kvstore.store.probe import StoreProbe
 from kvstore.store.purge import purge
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
@@ -55,8 +58,9 @@ class Lookup:
 
 class TieredStore:
     """The store's API over its parts (`parts`: tiers, reader, flusher, placement,
-    cluster node...), which it holds rather than is. `stats` and `regions` are the
-    parts' counters and the memory reads may land in, for the service.
+    cluster node...), which it holds rather than is: only kvstore/store/ reads `parts`.
+    `stats` and `regions` are the parts' counters and the memory reads may land in, for
+    the service; `probe` says where chunks are without moving them (store/probe.py).
     Invariants: input is checked before anything is reserved; every get and put touches
     its chain before and after, so a request never evicts its own prefix."""
 
@@ -71,8 +75,8 @@ class TieredStore:
         engine: IoEngine | None = None,
         background: bool = True,
     ) -> None:
-        """`background` False starts no threads (tests): demotions are written by
-        `flush()` and devices are checked by `parts.monitor.check_once()`."""
+        """`background` False starts no threads (tests, benches): demotions are written
+        by `flush()`, and devices checked and the cluster index sent by `step()`."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ShapeError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         self.encoder = RecordEncoder(namespace, dtype, shape)
@@ -80,6 +84,7 @@ class TieredStore:
         self._read_buffers: list[AlignedBuffer] = []
         self.parts = StoreParts(load_config(config), chunk_bytes, engine, background)
         self.stats, self.regions = self.parts.stats, self.parts.regions
+        self.probe = StoreProbe(self.parts)
         self._seq = itertools.count(self.parts.recovery.max_seq + 1)
         self._reads = Reads(self.parts)
         self._writes = Writes(self.parts, self.encoder)
@@ -106,6 +111,16 @@ class TieredStore:
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]).count == 1
 
+    def watch(self, listener: Callable[[bool, bytes, str], None]) -> None:
+        """Tell `listener(stored?, key, tier)` of every chunk published in or removed from a
+        local tier from now on, `tier` named as `lookup` names it ('host', 'disk', 'nvmeof').
+        It runs outside the tiers' locks, in each tier's order (tiers/slots.py `subscribe`)."""
+        dram, disk = self.parts.dram, self.parts.disk
+        if dram is not None:
+            dram.table.subscribe(lambda stored, entry: listener(stored, entry.key, "host"))
+        if disk is not None:
+            disk.table.subscribe(lambda stored, entry: listener(stored, entry.key, disk.kind_of(entry.slot)))
+
     # -- reads ---------------------------------------------------------------------
 
     def buffers(self, count: int) -> list[memoryview]:
@@ -126,6 +141,16 @@ class TieredStore:
         keys = check_keys(keys)
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
+
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        """Pin the chunks of `keys` a get would serve from DRAM (disk hits promoted first,
+        with promote_on_hit) for a reader that maps the DRAM tier and copies them out
+        itself: they stay pinned until `release` (store/leases.py)."""
+        return leases.pin(self.parts, self._reads, check_keys(keys))
+
+    def release(self, lease: Lease) -> None:
+        """Unpin a lease's slots (once: a second release does nothing)."""
+        leases.release(self.parts, lease)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
@@ -164,6 +189,17 @@ class TieredStore:
         this host (store/purge.py); a dry run only counts them."""
         return purge(self, set(check_keys(list(namespaces))), dry_run)
 
+    def share_dram(self) -> tuple[int, int, str] | None:
+        """(a new read-only descriptor of the DRAM tier for a client to map: the caller
+        closes it; its bytes; its page kind), or None when the tier is not shared."""
+        dram = self.parts.dram
+        return dram.share() if dram is not None else None
+
+    def reload_policy(self, live: Mapping[str, Any]) -> None:
+        """Apply the live keys a config reload changed (config.store.LIVE_KEYS): admission,
+        eviction and the write budget change; every chunk a tier holds stays."""
+        self.parts.reload_policy(live)
+
     def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd) -> None:
         """A request that stored or read these chunks (one chain per tensor-parallel rank)
         ended so: what `learned` disk admission learns from (tiers/return_rates.py)."""
@@ -175,6 +211,18 @@ class TieredStore:
     def info(self) -> dict[str, Any]:
         """Tiers, capacities, counters and what recovery found, as `kvstore info` prints."""
         return self.parts.info()
+
+    def step(self) -> bool:
+        """One round of the background threads' work, for a store made with `background`
+        False: this host's devices checked (out of and back into service), peers' devices
+        looked for, what changed sent to the cluster index. False if the index failed."""
+        parts = self.parts
+        if parts.monitor is not None:
+            parts.monitor.check_once()
+        if parts.cluster is None:
+            return True
+        parts.cluster.devices.check_once()
+        return parts.cluster.publisher.step() if parts.cluster.publisher is not None else True
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait for queued write-through copies to reach disk."""

@@ -13,12 +13,15 @@ takes it, so callers never touch the state directly. Invariants:
 - A retired slot (a read into it may still land) keeps its pin forever: never reused.
 - Pins and reservations are context managers: an exception between taking and
   giving back costs nothing (the slot is unpinned or freed on the way out).
+- Listeners (`subscribe`) are told of each publish and unpublish after the fact, outside
+  the lock, in the table's order (TableLock).
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,18 +194,83 @@ class SlotGroups:
         return None
 
 
+Listener = Callable[[bool, Entry], None]
+
+
+class TableLock:
+    """A slot table's re-entrant lock, and its listeners: the events a holder makes are
+    queued under the lock and delivered when the outermost hold is let go, outside it.
+
+    Invariants: each listener is told every event once, in the order the table made them
+    (one queue, drained under one delivery lock); a table call that made events returns
+    only once they are delivered (by its own thread, or by one already delivering, which
+    it waits for); no listener runs under the table's lock, so one may call the table
+    again (its events follow, in order). What a listener sees of the table may be newer
+    than its event: a listener that mirrors state checks the table before acting. A
+    listener must not raise, nor wait on a lock whose holder may be inside this table.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0  # holds by the owning thread
+        self._made = False  # this outermost hold queued events
+        self._listeners: tuple[Listener, ...] = ()
+        self._events: deque[tuple[bool, Entry]] = deque()
+        self._delivery = threading.Lock()
+        self._delivering: int | None = None  # the thread delivering now
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        made = self._depth == 0 and self._made
+        if made:
+            self._made = False
+        self._lock.release()
+        if made and self._delivering != threading.get_ident():  # else: that loop delivers it
+            self._deliver()
+
+    def tell(self, published: bool, key: bytes, slot: int, info: SlotInfo) -> None:
+        """Queue an event (the lock held); delivered as the outermost hold ends."""
+        if self._listeners:
+            self._events.append((published, Entry(key, slot, info.parent, info.seq)))
+            self._made = True
+
+    def subscribe(self, listener: Listener, first: bool = False) -> None:
+        """Tell `listener` of every event from now on; `first`: before those subscribed already."""
+        with self:
+            self._listeners = (listener, *self._listeners) if first else (*self._listeners, listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop telling `listener`; once this returns it is not called again."""
+        with self:
+            self._listeners = tuple(known for known in self._listeners if known != listener)
+        if self._delivering != threading.get_ident():
+            with self._delivery:  # a delivery under way ends first
+                pass
+
+    def _deliver(self) -> None:
+        with self._delivery:
+            self._delivering = threading.get_ident()
+            try:
+                while self._events:
+                    published, entry = self._events.popleft()
+                    for listener in self._listeners:
+                        listener(published, entry)
+            finally:
+                self._delivering = None
+
+
 class SlotTable:
     def __init__(self, group_sizes: Sequence[int]) -> None:
-        self.lock = threading.RLock()
+        self.lock = TableLock()
         self.groups = SlotGroups(group_sizes)
         self.slots = [SlotInfo() for _ in range(sum(group_sizes))]
         self.index: dict[bytes, int] = {}
         self.eviction: Eviction = PrefixLRU()
         self.retired = 0  # slots kept pinned forever after an abandoned read
-        # Told (published?, the record) whenever a key is published or unpublished, under
-        # the lock (the cluster index, chunk events): each must be quick and take no lock
-        # that waits on this one.
-        self.listeners: list[Callable[[bool, Entry], None]] = []
 
     # -- queries ---------------------------------------------------------------------
 
@@ -231,6 +299,14 @@ class SlotTable:
         with self.lock:
             return [Entry(key, slot, self.slots[slot].parent, self.slots[slot].seq)
                     for key, slot in self.index.items()]
+
+    def subscribe(self, listener: Listener, first: bool = False) -> None:
+        """Tell `listener(published?, record)` of each publish and unpublish from now on,
+        outside the lock, in the table's order (TableLock)."""
+        self.lock.subscribe(listener, first)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        self.lock.unsubscribe(listener)
 
     def touch_chain(self, keys: Iterable[bytes]) -> None:
         with self.lock:
@@ -324,8 +400,7 @@ class SlotTable:
         info.published = info.ever_written = True
         self.index[key] = slot
         self.eviction.add(key, parent)
-        if self.listeners:
-            self._tell(True, Entry(key, slot, parent, seq))
+        self.lock.tell(True, key, slot, info)
 
     def _unpublish(self, key: bytes) -> int | None:
         slot = self.index.pop(key, None)
@@ -334,15 +409,10 @@ class SlotTable:
         self.eviction.remove(key)
         info = self.slots[slot]
         info.published = False
-        if self.listeners:
-            self._tell(False, Entry(key, slot, info.parent, info.seq))
+        self.lock.tell(False, key, slot, info)
         if info.pins == 0:
             self._free(slot)
         return slot
-
-    def _tell(self, published: bool, entry: Entry) -> None:
-        for listener in self.listeners:
-            listener(published, entry)
 
     def _unpin(self, slot: int) -> None:
         info = self.slots[slot]
