@@ -1,15 +1,11 @@
 """Worker loads: chunks from the service's DRAM tier or window scattered into KV blocks.
 
-Where the service shares its DRAM tier (this worker maps it read-only), a hit is one
-copy: the service pins the chunk's DRAM slot (a lease; a disk hit is read into a DRAM
-slot and verified there first, the promotion a get makes anyway), the layout copies it
-straight from the slot into the blocks, and the lease is released after the copy (or,
-if this worker dies or its connection drops, by the service). What DRAM cannot hold,
-and every chunk where the tier is not shared, goes through the window: the service
-fills window slots (DRAM copy or O_DIRECT read, checksummed), then the layout scatters
-each verified chunk into its blocks. Both run in waves of half the window: a fetch
-thread has the service pin or fill one half while the other is scattered, so the
-service's disk reads and the scatter overlap.
+The chunks come through transfer.py: where this worker maps the service's DRAM tier
+(read-only), a hit is one copy, straight from its pinned slot into the blocks (a disk
+hit is read into a DRAM slot and verified there first); what DRAM cannot hold, and
+every chunk where the tier is not shared, is scattered from the window slot the service
+filled. They run in waves of half the window, the next wave's fetch overlapping this
+wave's scatter, so the service's disk reads and the scatter overlap.
 A chunk that did not verify, went missing or timed out is reported by its block ids,
 and the engine recomputes those tokens; with `fail_requests` (a model with several KV
 cache groups, whose block ids are unique only within a group), an async load's request
@@ -25,34 +21,18 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.kv_layout import KVLayout
 from connectors.link import ServiceLink
 from connectors.plan import SKIP, Transfer
+from connectors.transfer import Fetched, Transfers
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
-
-
-@dataclass
-class _Fetched:
-    """One wave's chunks: j is pinned in the mapped tier at offsets[j] (>= 0), or in window
-    slot first_slot + j where in_window[j]; neither is a miss."""
-
-    first_slot: int
-    offsets: list[int]
-    in_window: list[bool]
-    lease: int | None = None
-
-    def source(self, client: StoreClient, j: int) -> memoryview | None:
-        if self.offsets[j] >= 0:
-            return client.tier_payload(self.offsets[j])
-        return client.slot(self.first_slot + j) if self.in_window[j] else None
 
 
 class LoadHandler:
@@ -65,6 +45,7 @@ class LoadHandler:
         self.fail_requests = fail_requests
         self.link = ServiceLink(make_client)
         self.link.start()
+        self.transfers = Transfers(self.link, "load")
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()  # async loads done, not yet taken
         self._failed_loads: set[str] = set()  # of those, the ones of which a transfer failed
@@ -72,7 +53,6 @@ class LoadHandler:
         self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
         self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
-        self._fetcher = ThreadPoolExecutor(1, "kvstore-fetch")  # the next wave's get
 
     def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
         """An async load's request is reported finished once, after its last transfer (a
@@ -131,70 +111,17 @@ class LoadHandler:
 
     def _load_waves(self, client: StoreClient, keys: list[bytes],
                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
-        """Fetch and scatter `keys` in waves of half the window, the next wave's fetch
-        running while this one is scattered (and the last wave's lease released after
-        it, on the same thread: one request at a time on the connection). Returns the
-        block ids that did not load."""
-        half = max(1, client.slots // 2)
-        ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
-        waves = [range(start, min(start + half, len(keys))) for start in range(0, len(keys), half)]
-
-        def fetch(k: int) -> _Fetched:
-            return self._fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0)
-
+        """Fetch and scatter `keys` in waves (transfer.py: the next wave's fetch runs while
+        this one is scattered). Returns the block ids that did not load."""
         failed: list[int] = []
-        unpins: list[Future[None]] = []
-        next_fetch = self._fetcher.submit(fetch, 0)
-        taken: Future[_Fetched] | None = None  # the last fetch whose lease the loop releases
-        try:
-            for k, wave in enumerate(waves):
-                fetched, taken = next_fetch.result(), next_fetch
-                if ahead and k + 1 < len(waves):
-                    next_fetch = self._fetcher.submit(fetch, k + 1)
-                try:
-                    found = [(fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
-                    self.layout.scatter([(source, ids) for source, ids in found if source is not None], group)
-                    failed.extend(b for source, ids in found if source is None for b in ids if b != SKIP)
-                finally:
-                    if fetched.lease is not None:
-                        unpins.append(self._fetcher.submit(self._unpin, client, fetched.lease))
-                if not ahead and k + 1 < len(waves):
-                    next_fetch = self._fetcher.submit(fetch, k + 1)
-        finally:
-            # Never leave a fetch writing the window (bounded by its deadline) nor a pin held.
-            last = next_fetch.result()
-            if next_fetch is not taken and last.lease is not None:
-                unpins.append(self._fetcher.submit(self._unpin, client, last.lease))
-            for unpin in unpins:
-                unpin.result()
+
+        def scatter(wave: range, fetched: Fetched) -> None:
+            found = [(fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
+            self.layout.scatter([(source, ids) for source, ids in found if source is not None], group)
+            failed.extend(b for source, ids in found if source is None for b in ids if b != SKIP)
+
+        self.transfers.fetch_waves(client, keys, scatter)
         return failed
-
-    def _fetch(self, client: StoreClient, keys: list[bytes], first_slot: int) -> _Fetched:
-        """One wave: where the tier is mapped, pin what the service can hold in DRAM (its
-        disk hits promoted there first); the rest into window slots from `first_slot`."""
-        fetched = _Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
-        try:
-            if client.tier is not None:
-                fetched.lease, fetched.offsets = client.pin(keys)
-            rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
-            if rest:
-                found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
-                for j, ok in zip(rest, found, strict=True):
-                    fetched.in_window[j] = ok
-        except KVStoreError as exc:
-            log.warning("kvstore load request failed (%s); recomputing", exc)
-            self.link.fail()  # dropping the connection releases every pin it holds
-            fetched.offsets = [-1] * len(keys)
-            fetched.in_window = [False] * len(keys)
-            fetched.lease = None
-        return fetched
-
-    def _unpin(self, client: StoreClient, lease: int) -> None:
-        try:
-            client.unpin([lease])
-        except KVStoreError as exc:  # dropping the connection releases every pin it holds
-            log.warning("kvstore unpin failed (%s); reconnecting", exc)
-            self.link.fail()
 
     def _report_staging(self, staged: int, loaded: int) -> None:
         """Tell the service how much of this load the device pool served (its counters
@@ -235,7 +162,6 @@ class LoadHandler:
         return failed
 
     def close(self) -> None:
-        for pool in (self._load_pool, self._fetcher):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self.link.close()
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=True)
+        self.transfers.close()

@@ -2,11 +2,14 @@
 
 Engines with a host KV pool of their own (SGLang's HiCache, LMCache's CPU tier) name a
 page by its memory: one or more (address, bytes) segments, in order, that together make
-one chunk. A load copies each chunk once, straight into those segments: from the
-service's DRAM tier where this process maps it (the service pins the chunk's slot; a
-disk hit is read into DRAM and verified there first), otherwise from the window slot
-the service filled (DRAM copy or O_DIRECT read, checksummed). A save gathers the
-segments into window slots and hands them to the service. A wave's copies go to
+one chunk. Chunks move through transfer.py, as the vLLM worker's do. A load copies each
+chunk once, straight into those segments: from the service's DRAM tier where this
+process maps it (the service pins the chunk's slot; a disk hit is read into DRAM and
+verified there first), otherwise from the window slot the service filled (DRAM copy or
+O_DIRECT read, checksummed), in waves of half the window, the next wave's fetch running
+while this one is copied. A save gathers the segments into window slots and stores
+them as one chain (each page's parent the page before it, across waves; the caller
+names the first one's). A wave's copies go to
 kvstore's copier in one call: shared out across threads that release the GIL, as the
 vLLM client's loads are (engine_plugin/layout.py). Whatever did not verify, went
 missing, or ran past the service deadline is a miss (False), never an exception: the
@@ -22,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from connectors.link import ServiceLink
+from connectors.transfer import Fetched, Transfers
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.io.copier import copy_many
@@ -58,6 +62,7 @@ class PageIO:
         self.chunk_bytes = chunk_bytes
         self.link = ServiceLink(make_client)
         self.link.start()
+        self.transfers = Transfers(self.link, "pages")
         self._lock = threading.Lock()
         self._warned: set[str] = set()
 
@@ -72,68 +77,50 @@ class PageIO:
             try:
                 return client.residency(keys)[0]
             except KVStoreError as exc:
-                self._failed("lookup", exc)
+                self.transfers.failed("lookup", exc)
                 return 0
 
     def load(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> list[bool]:
         """Fill pages[i] with chunk keys[i]; False where it missed (nothing trustworthy was
-        written there: a chunk is copied in only after it verified)."""
+        written there: a chunk is copied in only after it verified). The next wave's
+        fetch runs while this wave is copied."""
         self._check(keys, pages)
         done = [False] * len(keys)
         with self._lock:
             client = self.link.get()
             if client is None:
                 return done
-            try:
-                for start in range(0, len(keys), client.slots):
-                    stop = min(start + client.slots, len(keys))
-                    done[start:stop] = self._load_wave(client, keys[start:stop], pages[start:stop])
-            except KVStoreError as exc:
-                self._failed("load", exc)
+
+            def copy(wave: range, fetched: Fetched) -> None:
+                found = [(i, source) for j, i in enumerate(wave)
+                         if (source := fetched.source(client, j)) is not None]
+                copy_many([pair for i, source in found for pair in _pieces(pages[i], source)])
+                for i, _ in found:
+                    done[i] = True
+
+            self.transfers.fetch_waves(client, keys, copy)
         return done
 
-    def save(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> list[bool]:
-        """Store pages[i] as chunk keys[i]; False where it was not stored."""
+    def save(self, keys: Sequence[bytes], pages: Sequence[Segments],
+             parent: bytes | None = None) -> list[bool]:
+        """Store pages[i] as chunk keys[i], one chain: keys[0]'s parent is `parent` (the
+        chunk before them in the engine's sequence; None: they start it), each next
+        page's the one before it, across window waves. False where it was not stored."""
         self._check(keys, pages)
         done = [False] * len(keys)
         with self._lock:
             client = self.link.get()
             if client is None or client.window is None:
                 return done
-            try:
-                for start in range(0, len(keys), client.slots):
-                    wave = range(start, min(start + client.slots, len(keys)))
-                    copy_many([(slot_bytes, segment) for slot, i in enumerate(wave)
-                               for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
-                    stored = client.put([keys[i] for i in wave], list(range(len(wave))))
-                    done[wave.start:wave.stop] = stored
-            except KVStoreError as exc:
-                self._failed("save", exc)
-        return done
-
-    def _load_wave(self, client: StoreClient, keys: Sequence[bytes], pages: Sequence[Segments]) -> list[bool]:
-        """At most a window of chunks: pin what DRAM holds and copy it from the tier, the
-        rest through window slots; the pin is released before returning."""
-        done = [False] * len(keys)
-        offsets = [-1] * len(keys)
-        lease = None
-        if client.tier is not None:
-            lease, offsets = client.pin(keys)
-        try:
-            pinned = [i for i, offset in enumerate(offsets) if offset >= 0]
-            copy_many([pair for i in pinned for pair in _pieces(pages[i], client.tier_payload(offsets[i]))])
-            for i in pinned:
-                done[i] = True
-            rest = [i for i, offset in enumerate(offsets) if offset < 0]
-            if rest and client.window is not None:
-                found = client.get([keys[i] for i in rest], list(range(len(rest))))
-                served = [(slot, i) for slot, (i, ok) in enumerate(zip(rest, found, strict=True)) if ok]
-                copy_many([pair for slot, i in served for pair in _pieces(pages[i], client.slot(slot))])
-                for _, i in served:
-                    done[i] = True
-        finally:
-            if lease is not None:
-                client.unpin([lease])
+            for start in range(0, len(keys), client.slots):
+                if self.link.peek() is not client:
+                    break  # a wave's store failed: the rest would miss too
+                wave = range(start, min(start + client.slots, len(keys)))
+                copy_many([(slot_bytes, segment) for slot, i in enumerate(wave)
+                           for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
+                chained = keys[start - 1] if start else parent
+                done[wave.start:wave.stop] = self.transfers.store(
+                    client, [keys[i] for i in wave], list(range(len(wave))), chained)
         return done
 
     def count_misses(self, kind: str, chunks: int, why: str, *args: Any) -> None:
@@ -151,7 +138,7 @@ class PageIO:
             try:
                 client.count({f"load.{kind}": chunks})
             except KVStoreError as exc:
-                self._failed("count", exc)
+                self.transfers.failed("count", exc)
 
     def _check(self, keys: Sequence[bytes], pages: Sequence[Segments]) -> None:
         if len(keys) != len(pages):
@@ -161,13 +148,9 @@ class PageIO:
                 raise ValueError(f"a page of {segments_bytes(page)} bytes; this store's chunks "
                                  f"are {self.chunk_bytes}")
 
-    def _failed(self, what: str, exc: KVStoreError) -> None:
-        log.warning("kvstore %s failed (%s); counted as misses", what, exc)
-        self.link.fail()  # dropping the connection releases every pin it holds
-
     def close(self) -> None:
         with self._lock:
-            self.link.close()
+            self.transfers.close()
 
 
 def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,

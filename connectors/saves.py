@@ -2,7 +2,8 @@
 
 Saves copy out within their step, since a block may be reused once the step ends:
 each chunk's blocks are gathered into a free window slot, and a writer thread hands
-the slots to the service, in waves of at most half the window so the copy-out of one
+the slots to the service (transfer.py: a save's waves are one chain, each wave's parent
+the previous wave's last chunk), in waves of at most half the window so the copy-out of one
 wave overlaps the write of the previous. A step that computed more chunks than the
 window holds waits for slots to come back, at most `save_window_wait_s` per step (and
 not at all while the writer is stuck, i.e. since a wait ran out no slot came back);
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from connectors.kv_layout import KVLayout
 from connectors.link import ServiceLink
 from connectors.plan import Transfer
+from connectors.transfer import Transfers
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
@@ -59,6 +61,7 @@ class SaveHandler:
         self.save_window_wait_s = save_window_wait_s
         self.link = ServiceLink(make_client)
         self.link.start()
+        self.transfers = Transfers(self.link, "save")
         self._lock = threading.Lock()
         # Free slots of one client's window; a new client (after a failure) brings a
         # new window, and slots of the old one are never handed out again.
@@ -128,11 +131,11 @@ class SaveHandler:
 
     def _write(self, write: _Write) -> None:
         try:
-            stored = write.client.put(write.keys, write.slots, write.parent, write.namespace)
+            stored = self.transfers.store(write.client, write.keys, write.slots, write.parent,
+                                          write.namespace)
             self.stats.add("save.chunks", sum(stored))
-        except Exception as exc:  # a failed save is a future miss, never an engine crash
-            log.warning("kvstore put failed (%s); %d chunks not saved", exc, len(write.keys))
-            self.link.fail()
+        except Exception:  # never let a save bug stop the writer: the save is a future miss
+            log.exception("kvstore save of %d chunks failed", len(write.keys))
         with self._slot_freed:
             if self._window_owner is write.client:
                 self._free_slots.extend(write.slots)
@@ -169,5 +172,5 @@ class SaveHandler:
             return False
         self._writes.put(None)
         self._writer.join(timeout=30)
-        self.link.close()
+        self.transfers.close()
         return True

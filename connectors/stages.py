@@ -1,6 +1,7 @@
 """Device staging ahead of loads: chunks a request's arrival asked for, fetched into the
 device pool (connectors/device_staging.py) by a thread of their own, so the load
-copies them device to device instead of asking the service.
+copies them device to device instead of asking the service. The chunks come from the
+service's window (transfer.py), the next wave's fetch overlapping this wave's copy.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.link import ServiceLink
 from connectors.plan import Stage
+from connectors.transfer import Fetched, Transfers
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
 
@@ -24,7 +27,7 @@ class StageHandler:
         self.rank = rank
         self.stats = stats
         self.staging = staging
-        self.link = ServiceLink(make_client)
+        self.transfers = Transfers(ServiceLink(make_client), "stage")
         self._stage_pool = ThreadPoolExecutor(1, "kvstore-stage")
 
     def start_stages(self, stages: Sequence[Stage]) -> Future[None] | None:
@@ -38,22 +41,21 @@ class StageHandler:
     def _stage(self, stage: Stage) -> None:
         """Fetch a request's chunks into the device pool before its load needs them."""
         try:
-            client = self.link.get()
-            keys = [k for k in stage.keys[self.rank] if k not in self.staging]
-            if client is None:
-                return
-            for start in range(0, len(keys), client.slots):
-                wave = keys[start : start + client.slots]
-                found = client.get(wave, range(len(wave)))
-                served = [i for i, ok in enumerate(found) if ok]
-                staged, evicted = self.staging.stage([wave[i] for i in served],
-                                                     [client.slot(i) for i in served])
-                self.stats.add("staging.chunks", staged)
-                self.stats.add("staging.evicted_unused", evicted)
-        except Exception as exc:  # staging is an optimisation: the load falls back to the service
-            log.warning("kvstore staging for %s failed (%s)", stage.req_id, exc)
-            self.link.fail()
+            client = self.transfers.link.get()
+            if client is not None:
+                keys = [k for k in stage.keys[self.rank] if k not in self.staging]
+                self.transfers.fetch_waves(client, keys, partial(self._place, client, keys))
+        except Exception:  # staging is an optimisation: the load falls back to the service
+            log.exception("kvstore staging for %s failed", stage.req_id)
+
+    def _place(self, client: StoreClient, keys: list[bytes], wave: range, fetched: Fetched) -> None:
+        """Copy one fetched wave's chunks into the device pool."""
+        found = [(keys[i], source) for j, i in enumerate(wave)
+                 if (source := fetched.source(client, j)) is not None]
+        staged, evicted = self.staging.stage([key for key, _ in found], [source for _, source in found])
+        self.stats.add("staging.chunks", staged)
+        self.stats.add("staging.evicted_unused", evicted)
 
     def close(self) -> None:
         self._stage_pool.shutdown(wait=True)
-        self.link.close()
+        self.transfers.close()

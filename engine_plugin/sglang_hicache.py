@@ -149,7 +149,9 @@ class KVStoreHiCache(HiCacheStorage):
             return pages
         return [[*page[0::2], *page[1::2]] for page in pages]
 
-    def _v1(self, keys: list[str], host_indices: torch.Tensor, load: bool) -> list[bool]:
+    def _v1(self, keys: list[str], host_indices: torch.Tensor, load: bool,
+            extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Pages by address; a save is one chain under the last of SGLang's `prefix_keys`."""
         io = self.reads if load else self.writes
         if io is None or not keys:
             return [False] * len(keys)
@@ -158,7 +160,8 @@ class KVStoreHiCache(HiCacheStorage):
         started = time.perf_counter()
         try:
             pages = self._pool_pages(host_indices, len(keys))
-            done = (io.load if load else io.save)([self.key(k) for k in keys], pages)
+            ours = [self.key(k) for k in keys]
+            done = io.load(ours, pages) if load else io.save(ours, pages, self._parent(extra_info))
         except Exception:  # a None or an exception would stop SGLang's prefetch/backup thread
             log.exception("kvstore %s of %d pages failed; counted as misses",
                           "load" if load else "save", len(keys))
@@ -166,13 +169,18 @@ class KVStoreHiCache(HiCacheStorage):
         self._measure("prefetch" if load else "backup", sum(done), io.chunk_bytes, started)
         return done
 
+    def _parent(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes | None:
+        """The key of the page before a save's pages (None where SGLang sent none)."""
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        return self.key(prefix[-1]) if prefix else None
+
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._v1(keys, host_indices, load=True)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._v1(keys, host_indices, load=False)
+        return self._v1(keys, host_indices, load=False, extra_info=extra_info)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """The length of the leading run of keys the store holds."""
@@ -202,11 +210,13 @@ class KVStoreHiCache(HiCacheStorage):
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return self._v2(transfers, load=False)
+        return self._v2(transfers, load=False, extra_info=extra_info)
 
-    def _v2(self, transfers: list[PoolTransfer], load: bool) -> dict[str, list[bool]]:
+    def _v2(self, transfers: list[PoolTransfer], load: bool,
+            extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         io = self.reads if load else self.writes
-        return {t.name: self._v1(list(t.keys or []), t.host_indices, load) if str(t.name) == PoolName.KV.value
+        return {t.name: self._v1(list(t.keys or []), t.host_indices, load, extra_info)
+                if str(t.name) == PoolName.KV.value
                 else self.pools.move(io, t, load) for t in transfers}
 
     def exists(self, key: str) -> bool:

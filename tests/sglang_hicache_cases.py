@@ -254,6 +254,49 @@ def test_mla_ranks_share_one_copy_that_only_the_writer_stores(store):
         rank1.close()
 
 
+def test_a_long_save_is_one_chain_whose_tail_cost_eviction_takes_first(store):
+    """128 pages saved as SGLang's controller saves them: two calls of 64 (the second
+    naming the first's pages as its prefix), each two waves of a 32-slot window. The store
+    sees one chain, so under `cost` eviction, once single pages press on a DRAM that
+    holds the chain and two more, the first of the chain's pages to leave DRAM is its
+    last. Were a wave or a call a chain of its own, each would end in a leaf valued at its
+    own shorter depth, and the oldest of them (page 31 or 63) would leave first."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from kvstore.format.record import record_bytes
+
+    pages, half = 128, 64
+    pool = pool_of("page_first", pages + 1)
+    page_bytes = pool.get_data_page(0).numel() * pool.dtype.itemsize
+    store["tiers"]["host"]["capacity"] = (pages + 2) * record_bytes(page_bytes)
+    store["service"]["staging"] = 32 * page_bytes
+    store["eviction"] = "cost"
+    hicache = backend(store, pool)
+    watcher = service_client(store)
+    try:
+        assert hicache.writes is not None and page_bytes == hicache.writes.chunk_bytes
+        keys = [f"long-{i}" for i in range(pages)]
+        written = pool.alloc(pages * PAGE_SIZE)
+        cursor = watcher.events(-1)[0]
+        assert hicache.batch_set_v1(keys[:half], written[: half * PAGE_SIZE]) == [True] * half
+        assert hicache.batch_set_v1(keys[half:], written[half * PAGE_SIZE :],
+                                    HiCacheStorageExtraInfo(prefix_keys=keys[:half])) == [True] * half
+        ours = {hicache.key(k): i for i, k in enumerate(keys)}
+        left: list[int] = []
+        for n in range(pages):  # single pages, each a chain of its own, until one of ours leaves
+            assert hicache.batch_set_v1([f"pressure-{n}"], written[:PAGE_SIZE]) == [True]
+            cursor, lost, events = watcher.events(cursor)
+            assert lost == 0
+            left += [ours[key] for stored, key, medium in events
+                     if not stored and medium == "kvstore-dram" and key in ours]
+            if left:
+                break
+        assert left == [pages - 1], f"first pages of the save to leave DRAM: {left}"
+    finally:
+        watcher.close()
+        hicache.close()
+
+
 def test_a_missing_kvstore_config_is_a_clear_error(store):
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 

@@ -1,0 +1,153 @@
+"""Chunks moved between a client's memory and the service: the one data plane of every engine.
+
+vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by address
+(page_io.py: SGLang's HiCache, LMCache) fetch, release and store through a `Transfers`:
+
+- fetch: where this process maps the service's DRAM tier, the service pins what it holds
+  there (a lease; a disk hit is read into a DRAM slot and verified there first) and the
+  caller copies straight out of the tier; the rest the service fills into window slots
+  (DRAM copy or O_DIRECT read, checksummed). `fetch_waves` runs a list of keys in waves
+  of half the window, the next wave's fetch running on a thread of its own while the
+  caller copies the current one, and releases each wave's lease after its copy.
+- store: window slots handed to the service as one chain, head first: the first chunk's
+  parent is the one given (the chunk before it in the engine's sequence), each next
+  chunk's parent the one before it. A caller that stores a sequence in several waves
+  passes the previous wave's last key, so the sequence stays one chain (the parent links
+  feed leaf-first eviction and the depth and family that `cost` eviction and `predicted`
+  admission use).
+- failure: a `KVStoreError` is logged, the connection dropped (which releases every pin
+  it holds) and the chunks it carried miss; a miss is never an exception to the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from connectors.link import ServiceLink
+from kvstore.format.errors import KVStoreError
+from kvstore.service.client import StoreClient
+
+log = logging.getLogger("kvstore.transfer")
+
+
+@dataclass
+class Fetched:
+    """One wave's chunks: j is pinned in the mapped tier at offsets[j] (>= 0), or in window
+    slot first_slot + j where in_window[j]; neither is a miss. `lease` holds the pins
+    until `Transfers.release`."""
+
+    first_slot: int
+    offsets: list[int]
+    in_window: list[bool]
+    lease: int | None = None
+
+    def source(self, client: StoreClient, j: int) -> memoryview | None:
+        """Chunk j's verified bytes (valid until the wave is released), None on a miss."""
+        if self.offsets[j] >= 0:
+            return client.tier_payload(self.offsets[j])
+        return client.slot(self.first_slot + j) if self.in_window[j] else None
+
+
+Copy = Callable[[range, Fetched], None]  # copies one wave (its indices into the keys) out
+
+
+class Transfers:
+    """Fetches and stores over one `ServiceLink`. Invariants: one request at a time on the
+    link's connection (the caller holds it; `fetch_waves` sends its fetches and releases
+    from one thread, in order); every lease a fetch took is released exactly once, or
+    dropped with its connection."""
+
+    def __init__(self, link: ServiceLink, name: str) -> None:
+        self.link = link
+        self._fetcher = ThreadPoolExecutor(1, f"kvstore-{name}-fetch")  # the next wave's fetch
+
+    def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0) -> Fetched:
+        """One wave: pin what the mapped tier can hold (disk hits promoted there first), the
+        rest into window slots from `first_slot`. All misses once the link dropped `client`."""
+        fetched = Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
+        if self.link.peek() is not client:
+            return fetched
+        try:
+            if client.tier is not None:
+                fetched.lease, fetched.offsets = client.pin(keys)
+            rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
+            if rest and client.window is not None:
+                found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
+                for j, ok in zip(rest, found, strict=True):
+                    fetched.in_window[j] = ok
+        except KVStoreError as exc:
+            self.failed("fetch", exc)
+            return Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
+        return fetched
+
+    def release(self, client: StoreClient, fetched: Fetched) -> None:
+        """Unpin the wave's lease, once (its sources are no longer to be read)."""
+        lease, fetched.lease = fetched.lease, None
+        if lease is None or self.link.peek() is not client:
+            return  # no pins, or a dropped connection released them
+        try:
+            client.unpin([lease])
+        except KVStoreError as exc:
+            self.failed("release", exc)
+
+    def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy) -> None:
+        """Fetch `keys` in waves of half the window and `copy` each, the next wave's fetch
+        running while this one is copied (into the other half of the window). Each wave
+        is released after its copy, on the fetch thread; on return no fetch is writing
+        the window and no pin is held, also when `copy` raised."""
+        half = max(1, client.slots // 2)
+        ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
+        waves = [range(start, min(start + half, len(keys))) for start in range(0, len(keys), half)]
+        if not waves:
+            return
+
+        def fetch(k: int) -> Fetched:
+            return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0)
+
+        releases: list[Future[None]] = []
+        next_fetch = self._fetcher.submit(fetch, 0)
+        taken: Future[Fetched] | None = None  # the last fetch whose wave the loop releases
+        try:
+            for k, wave in enumerate(waves):
+                fetched, taken = next_fetch.result(), next_fetch
+                if ahead and k + 1 < len(waves):
+                    next_fetch = self._fetcher.submit(fetch, k + 1)
+                try:
+                    copy(wave, fetched)
+                finally:
+                    releases.append(self._fetcher.submit(self.release, client, fetched))
+                if not ahead and k + 1 < len(waves):
+                    next_fetch = self._fetcher.submit(fetch, k + 1)
+        finally:
+            last = next_fetch.result()  # bounded by the service deadline
+            if next_fetch is not taken:
+                releases.append(self._fetcher.submit(self.release, client, last))
+            for release in releases:
+                release.result()
+
+    def store(self, client: StoreClient, keys: Sequence[bytes], slots: Sequence[int],
+              parent: bytes | None, namespace: bytes | None = None) -> list[bool]:
+        """Store keys[i] from window slot slots[i] as one chain under `parent` (None: the
+        chain starts here); their headers name `namespace` (None: the client's). False
+        where a chunk was not stored."""
+        if self.link.peek() is not client:
+            return [False] * len(keys)
+        try:
+            return client.put(keys, slots, parent, namespace)
+        except KVStoreError as exc:
+            self.failed("store", exc)
+            return [False] * len(keys)
+
+    def failed(self, what: str, exc: KVStoreError) -> None:
+        """The one failure path: log, and drop the connection (which releases every pin it
+        holds); the link reconnects, rate-limited, on a later `get`."""
+        log.warning("kvstore %s failed (%s); its chunks miss", what, exc)
+        self.link.fail()
+
+    def close(self) -> None:
+        """Stop the fetch thread and close the link's connection."""
+        self._fetcher.shutdown(wait=True)
+        self.link.close()
