@@ -63,6 +63,7 @@ log = logging.getLogger("kvstore.lmcache")
 Result = TypeVar("Result")
 
 
+
 class KVStoreL2AdapterConfig(L2AdapterConfigBase):
     """`adapter_params`: `config` (a kvstore YAML/JSON file or the config as a mapping),
     `chunk_bytes` (the MP server's chunk object size; larger objects are not stored) and
@@ -103,6 +104,51 @@ def object_key(key: ObjectKey, scope: KeyScope) -> bytes:
                      f"{key.chunk_hash.hex()}@{key.cache_salt}")
 
 
+class ModelScopes:
+    """kvstore's key of each LMCache ObjectKey, behind its model's weights (one KeyScope a
+    model name, made on first use; None where its weights cannot be named, whose chunks
+    are neither stored nor loaded), and the keys LMCache deleted, hidden."""
+
+    def __init__(self, revision: str | None) -> None:
+        self._revision = revision
+        self._scopes: dict[str, KeyScope | None] = {}
+        self._lock = threading.Lock()
+
+    def keys(self, keys: list[ObjectKey]) -> list[bytes | None]:
+        """kvstore's key of each (None: its model's weights cannot be named)."""
+        found: list[bytes | None] = []
+        for key in keys:
+            scope = self._scope(key.model_name)
+            found.append(object_key(key, scope) if scope is not None else None)
+        return found
+
+    def visible(self, keys: list[ObjectKey]) -> list[bytes | None]:
+        """`keys`, with the ones deleted as None."""
+        ours = self.keys(keys)
+        for i, (key, mine) in enumerate(zip(keys, ours, strict=True)):
+            scope = self._scope(key.model_name)
+            if mine is not None and scope is not None and not scope.visible([mine])[0]:
+                ours[i] = None
+        return ours
+
+    def hide(self, keys: list[ObjectKey]) -> None:
+        for key, ours in zip(keys, self.keys(keys), strict=True):
+            scope = self._scope(key.model_name)
+            if scope is not None and ours is not None:
+                scope.hide([ours])
+
+    def _scope(self, model: str) -> KeyScope | None:
+        with self._lock:
+            if model in self._scopes:
+                return self._scopes[model]
+        try:
+            scope: KeyScope | None = KeyScope(weights_identity(model, self._revision))
+        except ConfigError as exc:
+            log.error("kvstore: chunks of %s are neither stored nor loaded: %s", model, exc)
+            scope = None
+        with self._lock:
+            return self._scopes.setdefault(model, scope)
+
 class KVStoreL2Adapter(L2AdapterInterface):
     """L2AdapterInterface over the kvstore service: stores on one thread and one service
     connection, lookups and loads on another, so a load never waits behind a store."""
@@ -122,36 +168,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._lock = threading.Lock()
         self._next_id: L2TaskId = 0
         self._done: dict[str, dict[L2TaskId, Any]] = {"store": {}, "lookup": {}, "load": {}}
-        self._revision = config.model_revision
-        self._scopes: dict[str, KeyScope | None] = {}  # by model name; None: its weights are unknown
-
-    def _keys(self, keys: list[ObjectKey]) -> list[bytes | None]:
-        """kvstore's key of each (None: its model's weights cannot be named, or it was deleted)."""
-        found: list[bytes | None] = []
-        for key in keys:
-            scope = self._scope(key.model_name)
-            found.append(object_key(key, scope) if scope is not None else None)
-        return found
-
-    def _scope(self, model: str) -> KeyScope | None:
-        with self._lock:
-            if model in self._scopes:
-                return self._scopes[model]
-        try:
-            scope: KeyScope | None = KeyScope(weights_identity(model, self._revision))
-        except ConfigError as exc:
-            log.error("kvstore: chunks of %s are neither stored nor loaded: %s", model, exc)
-            scope = None
-        with self._lock:
-            return self._scopes.setdefault(model, scope)
+        self.scopes = ModelScopes(config.model_revision)
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """LMCache deletes chunks: this adapter never finds them again (hidden; nothing is
         deleted from the shared store)."""
-        for key, ours in zip(keys, self._keys(keys), strict=True):
-            scope = self._scope(key.model_name)
-            if scope is not None and ours is not None:
-                scope.hide([ours])
+        self.scopes.hide(keys)
 
     # Event fds: one each, as LMCache's controllers require.
 
@@ -230,7 +252,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             pages.append(self._page(headers[-1].ctypes.data, obj.data_ptr, size, self._padding))
             chosen.append(key)
             sizes.append(size)
-        ours = self._keys(chosen)
+        ours = self.scopes.keys(chosen)
         usable = [i for i, key in enumerate(ours) if key is not None]
         saved = self.writes.save([key for key in ours if key is not None], [pages[i] for i in usable])
         stored = [False] * len(chosen)
@@ -242,25 +264,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return L2StoreResult(len(kept) == len(keys), sum(size for _, size in kept))
 
     def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
-        ours = self._visible(keys)
+        ours = self.scopes.visible(keys)
         run = ours.index(None) if None in ours else len(ours)
         return Bitmap(len(keys), self.reads.present([key for key in ours[:run] if key is not None]))
-
-    def _visible(self, keys: list[ObjectKey]) -> list[bytes | None]:
-        """_keys, with the ones this adapter deleted as None."""
-        ours = self._keys(keys)
-        for i, (key, mine) in enumerate(zip(keys, ours, strict=True)):
-            scope = self._scope(key.model_name)
-            if mine is not None and scope is not None and not scope.visible([mine])[0]:
-                ours[i] = None
-        return ours
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Each chunk straight into LMCache's buffer, its header into a scratch row; a
         chunk whose header does not describe the buffer is a miss."""
         bitmap = Bitmap(len(keys))
         rows = np.empty((len(keys), HEADER), np.uint8)
-        ours = self._visible(keys)
+        ours = self.scopes.visible(keys)
         wanted = [i for i, obj in enumerate(objects) if obj.get_size() <= self.payload_bytes and ours[i]]
         pages = [self._page(rows[i].ctypes.data, objects[i].data_ptr, objects[i].get_size(), self._sink)
                  for i in wanted]

@@ -86,6 +86,42 @@ def store_config(extra: dict[str, Any] | None) -> StoreConfig:
     return load_config(source)
 
 
+
+def host_tensors(keys: list[str], tensors: list[Any]) -> list[torch.Tensor] | None:
+    """The older calls' pages, each contiguous (a non-contiguous one as a copy the caller
+    copies back); None, logged, unless there is one CPU tensor per key."""
+    if len(tensors) != len(keys) or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                            for t in tensors):
+        log.warning("kvstore: %d pages given for %d keys, not all CPU tensors; counted as misses",
+                    len(tensors), len(keys))
+        return None
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+
+class TransferMetrics:
+    """SGLang's StorageMetrics (pages per batch, GB/s per batch), kept only where its
+    config enables them, handed over and cleared by `take`."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._values: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
+                                                "prefetch_bandwidth": [], "backup_bandwidth": []}
+
+    def add(self, kind: str, pages: int, chunk_bytes: int, started: float) -> None:
+        """A batch of `kind` (prefetch or backup) that moved `pages` since `started`."""
+        if self.enabled and pages:
+            self._values[f"{kind}_pgs"].append(pages)
+            seconds = max(time.perf_counter() - started, 1e-9)
+            self._values[f"{kind}_bandwidth"].append(pages * chunk_bytes / seconds / 1e9)
+
+    def take(self) -> Any:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics(**{name: list(values) for name, values in self._values.items()})
+        for values in self._values.values():
+            values.clear()
+        return metrics
+
 class KVStoreHiCache(HiCacheStorage):
     """HiCacheStorage over the kvstore service. A miss, a page that failed verification
     and a service past its deadline all answer False / None, never raise."""
@@ -103,8 +139,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.writes: PageIO | None = None
         self._identity = ""
         self._opened: tuple[int, str] | None = None  # the chunk size and layout opened with
-        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
-                                                 "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._metrics = TransferMetrics(bool(storage_config.enable_storage_metrics))
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """The host pool pages move in and out of: its page geometry fixes the chunk size."""
@@ -166,7 +201,7 @@ class KVStoreHiCache(HiCacheStorage):
             log.exception("kvstore %s of %d pages failed; counted as misses",
                           "load" if load else "save", len(keys))
             return [False] * len(keys)
-        self._measure("prefetch" if load else "backup", sum(done), io.chunk_bytes, started)
+        self._metrics.add("prefetch" if load else "backup", sum(done), io.chunk_bytes, started)
         return done
 
     def _parent(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes | None:
@@ -226,14 +261,8 @@ class KVStoreHiCache(HiCacheStorage):
         """The older calls: whole flat pages as host tensors (a page that is not a CPU
         tensor of the chunk's size is a miss; a non-contiguous one is filled through a
         contiguous copy)."""
-        if not keys:
-            return []
-        if len(tensors) != len(keys) or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                                                for t in tensors):
-            log.warning("kvstore: %d pages given for %d keys, not all CPU tensors; counted as misses",
-                        len(tensors), len(keys))
+        if not keys or (flat := host_tensors(keys, tensors)) is None:
             return [False] * len(keys)
-        flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         pages: list[Segments] = [[(t.data_ptr(), t.numel() * t.element_size())] for t in flat]
         if self.reads is None:  # no host pool registered: the first page's size is the chunk's
             self._open(pages[0][0][1], "flat")
@@ -273,20 +302,8 @@ class KVStoreHiCache(HiCacheStorage):
             return False
         return all(self._tensor_io(keys, list(values), load=False))
 
-    def _measure(self, kind: str, pages: int, chunk_bytes: int, started: float) -> None:
-        if self.storage_config.enable_storage_metrics and pages:
-            self._metrics[f"{kind}_pgs"].append(pages)
-            seconds = max(time.perf_counter() - started, 1e-9)
-            self._metrics[f"{kind}_bandwidth"].append(pages * chunk_bytes / seconds / 1e9)
-
     def get_stats(self) -> Any:
-        """SGLang's StorageMetrics since the last call (pages per batch, GB/s per batch)."""
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-
-        metrics = StorageMetrics(**{name: list(values) for name, values in self._metrics.items()})
-        for values in self._metrics.values():
-            values.clear()
-        return metrics
+        return self._metrics.take()
 
     def clear(self) -> None:
         """SGLang clears its storage tier (after a weight update, or asked to): a new
