@@ -141,12 +141,15 @@ def open_store(config: dict) -> int:
     """Start `config`'s service and have it open its store over its disk tier, as an
     engine's first connection would (the records' own chunk size, namespace and tensor
     spec); check that it holds the whole stored prompt. The service's pid."""
-    records = sorted(disk_records(config["tiers"]["disk"][0]["path"]), key=lambda h: h.seq)
-    first = records[0]
+    by_parent = {h.parent: h for h in disk_records(config["tiers"]["disk"][0]["path"])}
+    chain = [by_parent[bytes(16)]]  # the prompt's first chunk has no parent
+    while chain[-1].key in by_parent:
+        chain.append(by_parent[chain[-1].key])
+    first = chain[0]
     client = StoreClient(load_config(config), first.payload_len, namespace=first.namespace,
                          dtype=first.tensor.dtype, shape=first.tensor.shape)
     try:
-        assert client.residency([h.key for h in records]) == (FULL_CHUNKS, 0, False)
+        assert client.residency([h.key for h in chain]) == (FULL_CHUNKS, 0, False)
         return int(client.info()["service_pid"])
     finally:
         client.close()
