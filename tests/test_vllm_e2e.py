@@ -6,6 +6,11 @@ must not change what it did not serve); a load run in a fresh process must take 
 prompt's full chunks from kvstore and answer as the reference does by vLLM's bar
 (bench/support/answers.py: the same greedy tokens, or a near-tie at the first difference); two
 loads of the same chunks (DRAM, then disk) must agree to the bit.
+
+Engine starts are what this file's time is made of, so tests whose subject comes after
+the long prompt is stored (a restart, a corrupt record, a prefetch policy, a hung
+service, a branch) start from a copy of one disk tier that one engine stored it into
+(`stored_long`), as a restarted service would find it; tests about storing store their own.
 """
 
 from __future__ import annotations
@@ -13,16 +18,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
-from conftest import corrupt_record
-from engine_harness import assert_close, counters, run_engine, service_client, stop_service
+from conftest import corrupt_record, direct_io_dir, disk_records
+from engine_harness import assert_close, counters, run_engine, stop_service
 
 from bench.support.answers import Tokens, identical
 from bench.support.cpu_dtypes import BF16_SKIP_REASON, has_amx_tile
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
+from kvstore.config.store import load_config
+from kvstore.service.client import StoreClient
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -54,9 +62,31 @@ def prompts(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts) -> dict[str, dict]:
-    """Greedy answers (tokens and top logprobs) without any connector."""
-    return {name: run_engine(model, path).results[0] for name, path in prompts.items()}
+def reference(model, prompts, tmp_path_factory) -> dict[str, dict]:
+    """Greedy answers (tokens and top logprobs) without any connector: one engine, one
+    prompt at a time, vLLM's prefix cache reset between them, so the branch is computed
+    whole as in an engine of its own."""
+    names = list(prompts)
+    both = tmp_path_factory.mktemp("reference") / "prompts.json"
+    tokens = []
+    for name in names:
+        with open(prompts[name]) as f:
+            tokens += json.load(f)
+    both.write_text(json.dumps(tokens))
+    run = run_fresh(model, both, None, single_process=True, reset_before=range(1, len(names)),
+                    timeout_s=300)
+    return dict(zip(names, run.results, strict=True))
+
+
+def kvstore_config(socket: str, disk_path: str, host: bool = True, disk: bool = True,
+                   **extra) -> dict:
+    """This file's kvstore config: 256 MiB of DRAM over a 512 MiB disk tier at `disk_path`."""
+    tiers: dict = {}
+    if host:
+        tiers["host"] = {"capacity": "256MiB"}
+    if disk:
+        tiers["disk"] = [{"path": disk_path, "capacity": "512MiB"}]
+    return {"chunk_tokens": CHUNK, "tiers": tiers, "service": {"socket": socket}, **extra}
 
 
 @pytest.fixture
@@ -65,13 +95,8 @@ def store_config(tmp_path, disk_dir):
     configs: list[dict] = []
 
     def make(host: bool = True, disk: bool = True, **extra) -> dict:
-        tiers: dict = {}
-        if host:
-            tiers["host"] = {"capacity": "256MiB"}
-        if disk:
-            tiers["disk"] = [{"path": os.path.join(disk_dir, "disk"), "capacity": "512MiB"}]
-        config = {"chunk_tokens": CHUNK, "tiers": tiers,
-                  "service": {"socket": str(tmp_path / f"kvstore{len(configs)}.sock")}, **extra}
+        config = kvstore_config(str(tmp_path / f"kvstore{len(configs)}.sock"),
+                                os.path.join(disk_dir, "disk"), host, disk, **extra)
         configs.append(config)
         return config
 
@@ -80,8 +105,54 @@ def store_config(tmp_path, disk_dir):
         stop_service(config)
 
 
+@pytest.fixture(scope="module")
+def stored_long(model, prompts, tmp_path_factory) -> str:
+    """A disk tier holding the long prompt's full chunks, stored by one engine with the
+    default config, its service stopped (drained to disk, checkpointed): the directory."""
+    folder = tmp_path_factory.mktemp("stored-long")
+    config = kvstore_config(str(folder / "kvstore.sock"), os.path.join(direct_io_dir(folder), "disk"))
+    try:
+        run_engine(model, prompts["long"], connector(config))
+    finally:
+        stop_service(config)
+    path = config["tiers"]["disk"][0]["path"]
+    assert len(disk_records(path)) == FULL_CHUNKS
+    return path
+
+
+@pytest.fixture
+def stored_config(store_config, disk_dir, stored_long):
+    """store_config over a copy of `stored_long`'s disk tier: the long prompt's chunks on
+    disk only, as a restarted service finds them (it recovers them from the copy's
+    checkpoint). Only the copy's data file's written extents take space."""
+    def make(**options) -> dict:
+        subprocess.run(["cp", "-a", "--sparse=always", stored_long, os.path.join(disk_dir, "disk")],
+                       check=True)
+        return store_config(**options)
+
+    return make
+
+
 def connector(config: dict, **options) -> dict:
     return {"config": config, **options}
+
+
+def open_store(config: dict) -> int:
+    """Start `config`'s service and have it open its store over its disk tier, as an
+    engine's first connection would (the records' own chunk size, namespace and tensor
+    spec); check that it holds the whole stored prompt. The service's pid."""
+    by_parent = {h.parent: h for h in disk_records(config["tiers"]["disk"][0]["path"])}
+    chain = [by_parent[bytes(16)]]  # the prompt's first chunk has no parent
+    while chain[-1].key in by_parent:
+        chain.append(by_parent[chain[-1].key])
+    first = chain[0]
+    client = StoreClient(load_config(config), first.payload_len, namespace=first.namespace,
+                         dtype=first.tensor.dtype, shape=first.tensor.shape)
+    try:
+        assert client.residency([h.key for h in chain]) == (FULL_CHUNKS, 0, False)
+        return int(client.info()["service_pid"])
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(("single_process", "dtype"), [
@@ -141,22 +212,19 @@ def test_single_tier(model, prompts, reference, store_config, tier):
     assert counters(config).get(f"{tier}.hits", 0) == FULL_CHUNKS
 
 
-def test_shared_prefix_loads_only_the_shared_chunks(model, prompts, reference, store_config):
-    config = store_config()
-    run_engine(model, prompts["long"], connector(config))
+def test_shared_prefix_loads_only_the_shared_chunks(model, prompts, reference, stored_config):
+    config = stored_config()
     branch = run_engine(model, prompts["branch"], connector(config))
     assert branch.results[0]["num_cached_tokens"] == SHARED_CHUNKS * CHUNK
     assert_close(reference["branch"], branch.results[0])
 
 
-def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store_config):
-    """The service stops answering (SIGSTOP): the engine still starts, serves the prompt
-    by recomputing it, and matches the reference, each request bounded by the deadline."""
-    config = store_config(io={"timeout_s": 0.5})
-    run_engine(model, prompts["long"], connector(config))
-    client = service_client(config)
-    pid = client.info()["service_pid"]
-    client.close()
+def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, stored_config):
+    """A service holding the prompt's chunks stops answering (SIGSTOP): the engine still
+    starts, serves the prompt by recomputing it, and matches the reference, each request
+    bounded by the deadline."""
+    config = stored_config(io={"timeout_s": 0.5})
+    pid = open_store(config)
     os.kill(pid, signal.SIGSTOP)
     try:
         loaded = run_engine(model, prompts["long"], connector(config))
@@ -167,10 +235,8 @@ def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store
     assert "kvstore service unavailable" in loaded.output
 
 
-def test_corrupt_record_is_recomputed_and_counted(model, prompts, reference, store_config):
-    config = store_config(host=False)
-    run_engine(model, prompts["long"], connector(config))
-    stop_service(config)
+def test_corrupt_record_is_recomputed_and_counted(model, prompts, reference, stored_config):
+    config = stored_config(host=False)
     corrupt_record(config["tiers"]["disk"][0]["path"])
     loaded = run_engine(model, prompts["long"], connector(config))
     assert_close(reference["long"], loaded.results[0])
@@ -190,13 +256,11 @@ def test_bad_config_fails_at_start_up_naming_the_field(model, prompts, store_con
 
 
 @pytest.mark.parametrize("policy", ["wait", "timeout", "best_effort"])
-def test_prefetch_policies_load_from_a_restarted_service(model, prompts, reference, store_config, policy):
+def test_prefetch_policies_load_from_a_restarted_service(model, prompts, reference, stored_config, policy):
     """Chunks only on disk: the request's arrival promotes them; `wait` (and `timeout`
     with a generous budget) hold it until they are in DRAM, `best_effort` never waits.
     Every policy gives the reference tokens."""
-    config = store_config()
-    run_engine(model, prompts["long"], connector(config))
-    stop_service(config)
+    config = stored_config()
     loaded = run_engine(model, prompts["long"], connector(config, prefetch_policy=policy,
                                                           prefetch_timeout_s_per_1k_tokens=5.0))
     assert_close(reference["long"], loaded.results[0])
@@ -209,10 +273,8 @@ def test_prefetch_policies_load_from_a_restarted_service(model, prompts, referen
         assert read["host.hits"] == FULL_CHUNKS and "disk.hits" not in read
 
 
-def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, reference, store_config):
-    config = store_config()
-    run_engine(model, prompts["long"], connector(config))
-    stop_service(config)
+def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, reference, stored_config):
+    config = stored_config()
     corrupt_record(config["tiers"]["disk"][0]["path"])
     loaded = run_engine(model, prompts["long"], connector(config, prefetch_policy="wait"))
     assert_close(reference["long"], loaded.results[0])
@@ -221,13 +283,11 @@ def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, ref
     assert loaded.results[0]["num_cached_tokens"] < FULL_CHUNKS * CHUNK
 
 
-def test_device_staging_serves_a_queued_request(model, prompts, reference, store_config, tmp_path):
+def test_device_staging_serves_a_queued_request(model, prompts, stored_config, tmp_path):
     """A stored prompt queued behind a busy prompt: its arrival stages its chunks into
     the worker's device pool (CPU memory here, the same code as HBM), and its load copies
     them from there. Tokens match the same batch run without kvstore."""
-    config = store_config()
-    run_engine(model, prompts["long"], connector(config))
-    stop_service(config)  # chunks on disk only
+    config = stored_config()  # chunks on disk only
     busy = tmp_path / "busy.json"
     busy.write_text(json.dumps([prompt_token_ids(PROMPT_LEN, seed=99)]))
     batched_reference = run_fresh(model, prompts["long"], None, single_process=True, busy_file=busy,
@@ -243,12 +303,10 @@ def test_device_staging_serves_a_queued_request(model, prompts, reference, store
     # tests/test_device_staging.py checks hits exactly.
 
 
-def test_a_hint_promotes_a_later_requests_chunks(model, prompts, reference, store_config, tmp_path):
+def test_a_hint_promotes_a_later_requests_chunks(model, prompts, stored_config, tmp_path):
     """A short request carries kv_transfer_params naming the long prompt's tokens (the
     next turn of a chat): its arrival promotes the long prompt's chunks from disk."""
-    config = store_config()
-    run_engine(model, prompts["long"], connector(config))
-    stop_service(config)  # chunks on disk only
+    config = stored_config()  # chunks on disk only
     short, hints = tmp_path / "short.json", tmp_path / "hints.json"
     short.write_text(json.dumps([prompt_token_ids(40, seed=5)]))
     with open(prompts["long"]) as f:
