@@ -10,6 +10,7 @@ parallel reads, and no backend can run far ahead of a sequential one.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,16 @@ class Round:
     gib_s: float
     cpu_s_per_gib: float
     verified: bool
+
+
+def add_round_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The flags every backend round takes: where its files go, how many bytes of `what`
+    each round loads, and fio's length."""
+    parser.add_argument("--dir", help="a directory on the disk to test (O_DIRECT-capable): the run's files "
+                                      "go in a temporary directory there (default: the work directory)")
+    parser.add_argument("--total", default="512MiB", help=f"bytes of {what} each round loads")
+    parser.add_argument("--fio-seconds", type=float, default=3.0,
+                        help="each fio run's length (0: no fio)")
 
 
 def service_cpu(store: dict[str, Any]) -> float:

@@ -33,7 +33,15 @@ import torch
 import xxhash
 
 from bench.lab import Result
-from bench.lab.backend_rounds import Round, measure_disk, report, result, service_cpu, service_huge_pages
+from bench.lab.backend_rounds import (
+    Round,
+    add_round_arguments,
+    measure_disk,
+    report,
+    result,
+    service_cpu,
+    service_huge_pages,
+)
 from bench.lab.runner import run
 from bench.support.fio import Yardstick
 from kvstore.config.store import load_config
@@ -74,11 +82,7 @@ WORKDIR_PARENT = "."  # the default work directory: here, on a disk that takes O
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", help="a directory on the disk to test (O_DIRECT-capable): the run's files "
-                                      "go in a temporary directory there (default: the work directory)")
-    parser.add_argument("--total", default="512MiB", help="bytes of chunks each round loads")
-    parser.add_argument("--fio-seconds", type=float, default=3.0,
-                        help="each fio run's length (0: no fio)")
+    add_round_arguments(parser, "chunks")
 
 
 def main(argv: list[str] | None = None) -> list[Round]:
