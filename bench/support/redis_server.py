@@ -64,7 +64,7 @@ class RedisServer:
              "--appendonly", "no", "--dir", str(self.workdir),
              "--logfile", str(self.workdir / f"redis-{port}.log"), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a loaded 2-core host starts six nodes slowly
         while time.monotonic() < deadline and self.process.poll() is None:
             if self.answers(self.port, self.tls):
                 return True
@@ -134,7 +134,7 @@ class RedisClusterServers:
                      "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
                      "--logfile", str(self.workdir / f"redis-{port}.log")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30  # a loaded 2-core host starts six nodes slowly
             while not all(RedisServer.answers(port) for port in self.processes):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server nodes did not start (see {self.workdir})")

@@ -1,3 +1,3 @@
 """Devices: opening files and block devices safely, their superblock layout, health states, a
-striped device set, header scans, NVMe-oF namespace discovery.
+striped device set (a peer's too, read-only), header scans, NVMe-oF namespace discovery.
 """

@@ -9,6 +9,10 @@ a record someone else chose. So a tier directory must be ours and writable by no
 one else; the data file is created 0600 without following links (O_EXCL |
 O_NOFOLLOW), and an existing one must be a regular file of ours that no one else
 can read or write. Block devices are opened exclusively (O_EXCL: not if mounted).
+
+Another host's device (a peer's, on the shared array) is opened read-only and never
+locked (`open_read_only`): its owner holds the exclusive flock (and O_EXCL on a block
+device), which a read-only open neither needs nor disturbs.
 """
 
 from __future__ import annotations
@@ -106,6 +110,23 @@ def open_device(path: str, capacity: int) -> Device:
     if problem:
         raise DeviceError(path, problem)
     return _open_file(os.path.join(path, DATA_FILE), capacity)
+
+
+def open_read_only(path: str) -> Device:
+    """Open another host's device (a directory's data file, or a block device) to read its
+    records: O_RDONLY | O_DIRECT, never through a link, never locked, never created."""
+    if os.path.isdir(path):
+        path = os.path.join(path, DATA_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise DeviceError(path, f"cannot open read-only: {exc.strerror}") from exc
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+        os.close(fd)
+        raise DeviceError(path, "is not a regular file or a block device")
+    return Device(path=path, fd=fd, size=os.lseek(fd, 0, os.SEEK_END), is_block=stat.S_ISBLK(mode),
+                  logical_block=4096)
 
 
 def _lock(fd: int, path: str) -> None:

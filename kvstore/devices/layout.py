@@ -175,6 +175,18 @@ class DeviceLayout:
             layout.write_superblock()
         return layout
 
+    @classmethod
+    def view(cls, device: Device, engine: IoEngine, slot_bytes: int,
+             timeout_s: float | None) -> DeviceLayout:
+        """Another host's layout, read and never written: its valid superblock, which must
+        hold slots of `slot_bytes` (DeviceError otherwise)."""
+        return cls(device, engine, _foreign_superblock(engine, device, slot_bytes, timeout_s), timeout_s)
+
+    def reread(self) -> None:
+        """A view's superblock read again (its owner may have reformatted the device:
+        a new device id, so index entries naming the old one no longer match)."""
+        self.sb = _foreign_superblock(self.engine, self.device, self.sb.slot_bytes, self.timeout_s)
+
     def still_ours(self) -> str | None:
         """None when the device still holds this layout's superblock; else what is wrong.
         A namespace that comes back must be the same one, not a reformatted or swapped one."""
@@ -237,6 +249,18 @@ def read_superblocks(engine: IoEngine, fd: int, path: str,
     superblocks: a device this host opens, revalidates, or reads as a peer's."""
     raw = _read(engine, fd, path, 0, SB_COPIES * BLOCK, timeout_s, "superblock read")
     return [parse_superblock(raw[i * BLOCK : (i + 1) * BLOCK]) for i in range(SB_COPIES)]
+
+
+def _foreign_superblock(engine: IoEngine, device: Device, slot_bytes: int,
+                        timeout_s: float | None) -> Superblock:
+    copies = read_superblocks(engine, device.fd, device.path, timeout_s)
+    sb = next((c for _, c in copies if c is not None), None)
+    if sb is None:
+        raise DeviceError(device.path, "no kvstore superblock (not formatted yet, or damaged)")
+    if sb.slot_bytes != slot_bytes:
+        raise DeviceError(device.path, f"formatted for {format_size(sb.chunk_bytes)} chunks; this "
+                                       f"store's slots are {format_size(slot_bytes)}")
+    return sb
 
 
 # Buffers of metadata I/O that missed its deadline: the device may still move data into or
