@@ -35,11 +35,10 @@ class NextTurnReplayer(Replayer):
     def __init__(self, tiers: Sequence[tuple[str, int]], kv_bytes_per_token: int, block_tokens: int,
                  mode: str, *, lead_s: float = 1.0, tpot_s: float = 0.02,
                  policy: TierPolicy | None = None) -> None:
-        super().__init__(tiers, kv_bytes_per_token, block_tokens, policy=policy)
+        super().__init__(tiers, kv_bytes_per_token, block_tokens, policy=policy, tpot_s=tpot_s)
         if mode not in MODES:
             raise ValueError(f"next-turn mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
-        self.tpot_s = tpot_s
         self.predictor = NextTurnPredictor(lead_s=lead_s)
         self.found_chunks = 0
         self.resident_chunks = 0
@@ -63,7 +62,7 @@ class NextTurnReplayer(Replayer):
         if self.mode == "predict":
             self.predictor.arrived(keys, now)
         found = super().serve(request)
-        end = now + request.output_tokens * self.tpot_s
+        end = now + request.output_tokens * self.ends.tpot_s
         if self.mode == "predict":
             self.predictor.finished(keys, end)
         elif self.mode == "oracle":

@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -108,6 +108,72 @@ def _usable(request: TraceRequest, block_tokens: int) -> int:
     return min(len(request.keys), (request.input_tokens - 1) // block_tokens)
 
 
+class DiskWrites:
+    """What the disk tiers were written and read: each write unread until a hit reads it,
+    and when each was made (the most written in any 24 hours, against a write budget).
+    Subscribed to each disk tier's table; `read` is told of every disk hit."""
+
+    def __init__(self) -> None:
+        self.unread: set[bytes] = set()  # on a disk tier, not read since written there
+        self.read_back = 0  # disk writes read at least once before leaving the disk
+        self.times: list[float] = []  # when each disk write was made
+        self.now = 0.0  # the trace's time, kept by the replay
+
+    def changed(self, published: bool, entry: Entry) -> None:
+        """Disk tier listener: a written chunk is unread until a hit reads it."""
+        if published:
+            self.unread.add(entry.key)
+            self.times.append(self.now)
+        else:
+            self.unread.discard(entry.key)
+
+    def read(self, key: bytes) -> None:
+        if key in self.unread:
+            self.unread.discard(key)
+            self.read_back += 1
+
+    def reset(self) -> None:
+        self.unread.clear()
+        self.times.clear()
+        self.read_back = 0
+
+    def most_in_a_day(self) -> int:
+        """The most writes made within any 24 hours (the times are in order)."""
+        most, start = 0, 0
+        for end, at in enumerate(self.times):
+            while at - self.times[start] >= DAY_S:
+                start += 1
+            most = max(most, end - start + 1)
+        return most
+
+
+class RequestEnds:
+    """Requests end `tpot_s` an output token after they arrive and tell the policy how
+    (`learned` admission: the answer's length, and the turn and idle time the chain
+    history works out, as the connector does); delivered in order of their end."""
+
+    def __init__(self, policy: TierPolicy, tpot_s: float) -> None:
+        self.policy = policy
+        self.tpot_s = tpot_s
+        self.chains = ChainHistory()
+        self._ends: list[tuple[float, int, list[bytes], RequestEnd]] = []  # a heap, by end time
+        self._order = itertools.count()
+
+    def arrived(self, request: TraceRequest, keys: list[bytes]) -> None:
+        turn, idle = self.chains.arrived(keys, request.arrival_s)
+        end = RequestEnd(request.output_tokens, turn, idle)
+        heapq.heappush(self._ends, (request.arrival_s + request.output_tokens * self.tpot_s,
+                                    next(self._order), keys, end))
+
+    def until(self, now: float) -> Iterator[float]:
+        """Deliver the ends due by `now`, yielding each one's time before it is delivered."""
+        while self._ends and self._ends[0][0] <= now:
+            at, _, keys, end = heapq.heappop(self._ends)
+            yield at
+            self.chains.ended(keys[-1:], end.turn, at)
+            self.policy.finished(keys, end)
+
+
 class Replayer:
     def __init__(self, tiers: Sequence[tuple[str, int] | SimTier], kv_bytes_per_token: int,
                  block_tokens: int = MOONCAKE_BLOCK_TOKENS, policy: TierPolicy | None = None,
@@ -135,20 +201,15 @@ class Replayer:
         self._from_peers: set[bytes] = set()  # DRAM copies of chunks read from a peer
         self.tiers[0].table.subscribe(self._left_top)
         self.disks = {i for i, t in enumerate(self.tiers) if i and t.stats.name not in MEMORY_TIERS}
-        self._unread: set[bytes] = set()  # on a disk tier, not read since written there
-        self.disk_writes_read = 0  # disk writes read at least once before leaving the disk
+        self.disk_writes = DiskWrites()
         self.budget_refused = 0  # chunks refused or not written for the write budget
-        self._written_at: list[float] = []  # when each disk write was made
         for level in self.disks:
-            self.tiers[level].table.subscribe(self._disk_changed)
+            self.tiers[level].table.subscribe(self.disk_writes.changed)
             self.tiers[level - 1].table.subscribe(self._leaving(level), first=True)  # before _left_top
         above = min(self.disks, default=len(self.tiers)) - 1  # the tier admission is asked below
         self.policy.set_capacity(self.tiers[max(0, above)].table.capacity,
                                  sum(t.table.capacity for t in self.tiers))
-        self.tpot_s = tpot_s
-        self.chains = ChainHistory()
-        self._ends: list[tuple[float, int, list[bytes], RequestEnd]] = []  # by end time
-        self._order = itertools.count()
+        self.ends = RequestEnds(self.policy, tpot_s)
 
     def run(self, requests: Iterable[TraceRequest]) -> dict[str, Any]:
         for request in requests:
@@ -161,24 +222,21 @@ class Replayer:
         for tier in self.tiers:
             tier.stats = TierStats(tier.stats.name, tier.stats.capacity_bytes)
         self.peer_stats = TierStats("peer", self.peer_stats.capacity_bytes)
-        self.total_tokens = self.admission_refused = self.budget_refused = self.disk_writes_read = 0
+        self.total_tokens = self.admission_refused = self.budget_refused = 0
         self.recompute_cost = self.recompute_cost_no_cache = 0.0
-        self._unread.clear()
-        self._written_at.clear()
+        self.disk_writes.reset()
         self._counted = (self.requests, self.now)
 
     def serve(self, request: TraceRequest) -> list[int]:
         """Account one request; returns the tier index of each hit block, in order."""
-        self._end_until(request.arrival_s)
-        self.now = max(self.now, request.arrival_s)
+        for at in self.ends.until(request.arrival_s):
+            self._advance(at)
+        self._advance(request.arrival_s)
         self.requests += 1
         self.total_tokens += request.input_tokens
         keys = list(request.keys)
         if self.policy.admission == "learned" and keys:
-            turn, idle = self.chains.arrived(keys, request.arrival_s)
-            end = RequestEnd(request.output_tokens, turn, idle)
-            heapq.heappush(self._ends, (request.arrival_s + request.output_tokens * self.tpot_s,
-                                        next(self._order), keys, end))
+            self.ends.arrived(request, keys)
         usable = _usable(request, self.block_tokens)
         # A cluster host's connector saves past the run stored anywhere; alone, all is put.
         stored = 0 if self.peers is None else next(
@@ -194,9 +252,8 @@ class Replayer:
             stats = self.tiers[tier].stats if tier < len(self.tiers) else self.peer_stats
             stats.hit_tokens += self.block_tokens
             stats.bytes_read += self.chunk_bytes
-            if tier in self.disks and key in self._unread:
-                self._unread.discard(key)
-                self.disk_writes_read += 1
+            if tier in self.disks:
+                self.disk_writes.read(key)
         self.recompute_cost += sum(map(self.policy.depth_cost, range(len(found), usable)))
         self.recompute_cost_no_cache += sum(map(self.policy.depth_cost, range(usable)))
         parents = [None, *keys[:-1]]
@@ -220,13 +277,9 @@ class Replayer:
         self._touch(put)
         return found
 
-    def _end_until(self, now: float) -> None:
-        """Requests that ended by `now` tell the policy how (and the chain history when)."""
-        while self._ends and self._ends[0][0] <= now:
-            at, _, keys, end = heapq.heappop(self._ends)
-            self.now = max(self.now, at)
-            self.chains.ended(keys[-1:], end.turn, at)
-            self.policy.finished(keys, end)
+    def _advance(self, now: float) -> None:
+        """The trace's time moves on (never back): the policy's clock and the disk writes' read it."""
+        self.now = self.disk_writes.now = max(self.now, now)
 
     def _held(self, key: bytes) -> bool:
         return any(key in tier for tier in self.tiers)
@@ -254,14 +307,6 @@ class Replayer:
     def _promote_from_peers(self, up: list[int], keys: list[bytes], parents: list[bytes | None]) -> None:
         """Chunks read from peers move up as a get promotes them (only into a clean slot)."""
         self._store(0, [keys[i] for i in up], [parents[i] for i in up], "get", from_peer=True)
-
-    def _disk_changed(self, published: bool, entry: Entry) -> None:
-        """Disk tier listener: a written chunk is unread until a hit reads it."""
-        if published:
-            self._unread.add(entry.key)
-            self._written_at.append(self.now)
-        else:
-            self._unread.discard(entry.key)
 
     def _left_top(self, published: bool, entry: Entry) -> None:
         """Top tier listener: a chunk read from a peer leaves DRAM."""
@@ -351,7 +396,7 @@ class Replayer:
         hits = sum(t.hit_tokens for t in stats)
         written = sum(self.tiers[i].stats.bytes_written for i in self.disks)
         read = sum(self.tiers[i].stats.bytes_read for i in self.disks)
-        never_read = written - self.disk_writes_read * self.chunk_bytes
+        never_read = written - self.disk_writes.read_back * self.chunk_bytes
         return {"requests": self.requests - self._counted[0], "prompt_tokens": self.total_tokens,
                 "chunk_bytes": self.chunk_bytes, "hit_ratio": hits / max(1, self.total_tokens),
                 "admission": self.policy.admission, "eviction": self.policy.eviction,
@@ -359,21 +404,11 @@ class Replayer:
                 "disk_bytes_written_per_byte_read": written / read if read else None,
                 "disk_bytes_written_never_read": never_read,
                 "admission_refused": self.admission_refused, "budget_refused": self.budget_refused,
-                "disk_bytes_written_max_day": self.chunk_bytes * _most_in_a_day(self._written_at),
+                "disk_bytes_written_max_day": self.chunk_bytes * self.disk_writes.most_in_a_day(),
                 "trace_seconds": self.now - self._counted[1], "admission_info": self.policy.describe(),
                 "recompute_cost": self.recompute_cost,
                 "recompute_cost_no_cache": self.recompute_cost_no_cache,
                 "tiers": [asdict(t) for t in stats]}
-
-
-def _most_in_a_day(times: list[float]) -> int:
-    """The most of these (sorted) times that fall within any 24 hours."""
-    most, start = 0, 0
-    for end, at in enumerate(times):
-        while at - times[start] >= DAY_S:
-            start += 1
-        most = max(most, end - start + 1)
-    return most
 
 
 def parse_tier(text: str) -> tuple[str, int]:
