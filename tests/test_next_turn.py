@@ -61,14 +61,16 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synt
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
 def test_on_the_trace_reading_ahead_never_costs_a_hit_and_its_waste_is_counted():
-    from bench.support.next_turn_replay import NextTurnReplayer
+    from bench.support.next_turn_replay import NextTurnReads
+    from bench.support.replay import Replayer
     from bench.support.trace import read_trace
 
     results = {}
     for mode in ("off", "warm", "predict", "oracle"):
-        replayer = NextTurnReplayer([("host", 40 << 30), ("disk", 1 << 40)], 131072, 512, mode)
+        replayer = Replayer([("host", 40 << 30), ("disk", 1 << 40)], 131072, 512)
+        reads = NextTurnReads(replayer, mode)
         if mode == "oracle":
-            replayer.foresee(read_trace(TRACE, 512, limit=1500))
+            reads.foresee(read_trace(TRACE, 512, limit=1500))
         results[mode] = replayer.run(read_trace(TRACE, 512, limit=1500))
     # The oracle knows each chunk's next arrival: the bound the predictor is measured against.
     assert results["oracle"]["dram_resident_at_arrival"] > results["predict"]["dram_resident_at_arrival"]

@@ -129,20 +129,17 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
             budget: bool = True) -> dict[str, Any]:
     """One replay; `admission` in place of --admission, and without the budget if not `budget`."""
     admission = admission or args.admission
-    replayer: Replayer
     policy = _policy(args, admission)
     runs = read_passes(args.trace, args.block_tokens, args.limit, getattr(args, "passes", 1))
     requests = [request for run in runs for request in run]
+    replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens, policy=policy,
+                        tpot_s=args.tpot_ms / 1000)
     if getattr(args, "next_turn", None):
-        from bench.support.next_turn_replay import NextTurnReplayer
+        from bench.support.next_turn_replay import NextTurnReads
 
-        replayer = NextTurnReplayer(tiers, args.kv_bytes_per_token, args.block_tokens, args.next_turn,
-                                    tpot_s=args.tpot_ms / 1000, policy=policy)
+        reads = NextTurnReads(replayer, args.next_turn)
         if args.next_turn == "oracle":
-            replayer.foresee(requests)
-    else:
-        replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens, policy=policy,
-                            tpot_s=args.tpot_ms / 1000)
+            reads.foresee(requests)
     if args.write_budget and budget:
         disks = sum(t.stats.capacity_bytes for i, t in enumerate(replayer.tiers) if i in replayer.disks)
         try:

@@ -1,9 +1,9 @@
 """The next-turn policy replayed on a trace: what is in DRAM when a request arrives.
 
-A Replayer (bench/support/replay.py) whose requests also end (arrival + output tokens x
-`tpot_s`) and whose finished chains the service's NextTurnPredictor
-(kvstore/tiers/next_turn.py) brings back into DRAM before their family is predicted to
-return, through the same promotion a prefetch makes. Modes:
+Hooks on a Replayer (bench/support/replay.py): its requests end (arrival + output tokens
+x its `tpot_s`), and the service's NextTurnPredictor (kvstore/tiers/next_turn.py) brings
+finished chains back into DRAM before their family is predicted to return, through the
+same promotion a prefetch makes (`Replayer.read_ahead`). Modes:
   off      nothing happens when a request ends (a cache of prompts, LRU alone)
   warm     a finished request's chunks are promoted at once (what the connector did
            before: keep the last turn warm)
@@ -19,25 +19,23 @@ fraction already in DRAM when it arrives, before its own prefetch moves any) and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from bench.support.replay import Replayer
 from bench.support.trace import TraceRequest
 from kvstore.tiers.next_turn import NextTurnPredictor
-from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.slots import Entry
 
 MODES = ("off", "warm", "predict", "oracle")
 
 
-class NextTurnReplayer(Replayer):
-    def __init__(self, tiers: Sequence[tuple[str, int]], kv_bytes_per_token: int, block_tokens: int,
-                 mode: str, *, lead_s: float = 1.0, tpot_s: float = 0.02,
-                 policy: TierPolicy | None = None) -> None:
-        super().__init__(tiers, kv_bytes_per_token, block_tokens, policy=policy, tpot_s=tpot_s)
+class NextTurnReads:
+    def __init__(self, replayer: Replayer, mode: str, *, lead_s: float = 1.0) -> None:
+        """Read ahead on `replayer`'s tiers in `mode` (one of MODES), from now on."""
         if mode not in MODES:
             raise ValueError(f"next-turn mode {mode!r}: one of {', '.join(MODES)}")
+        self.replayer = replayer
         self.mode = mode
         self.predictor = NextTurnPredictor(lead_s=lead_s)
         self.found_chunks = 0
@@ -47,22 +45,30 @@ class NextTurnReplayer(Replayer):
         self._ahead: set[bytes] = set()  # read ahead into DRAM, not read since
         self._next_use: list[list[float | None]] = []  # oracle: per request, per key
         self._served = 0
-        self.tiers[0].table.subscribe(self._left_dram)
+        self._top = replayer.tiers[0]
+        self._top.table.subscribe(self._left_dram)
+        replayer.hooks.append(self)
 
-    def serve(self, request: TraceRequest) -> list[int]:
-        now = request.arrival_s
+    def before(self, request: TraceRequest) -> None:
+        """Due chains are read ahead; what the request finds is counted as it arrives."""
+        replayer, now = self.replayer, request.arrival_s
         for chain in self.predictor.due(now):
-            self._read_ahead(list(chain))
+            moved = replayer.read_ahead(list(chain))
+            self._ahead.update(moved)
+            self.read_ahead_bytes += len(moved) * replayer.chunk_bytes
         keys = list(request.keys)
-        usable = keys[: min(len(keys), (request.input_tokens - 1) // self.block_tokens)]
-        run = next((i for i, key in enumerate(usable) if not self._held(key)), len(usable))
+        usable = keys[: min(len(keys), (request.input_tokens - 1) // replayer.block_tokens)]
+        run = next((i for i, key in enumerate(usable) if not replayer.held(key)), len(usable))
         self.found_chunks += run
-        self.resident_chunks += sum(key in self.tiers[0] for key in usable[:run])
+        self.resident_chunks += sum(key in self._top for key in usable[:run])
         self._ahead.difference_update(usable[:run])
         if self.mode == "predict":
             self.predictor.arrived(keys, now)
-        found = super().serve(request)
-        end = now + request.output_tokens * self.ends.tpot_s
+
+    def after(self, request: TraceRequest) -> None:
+        """The request's end is when its chain may be wanted back from."""
+        keys = list(request.keys)
+        end = request.arrival_s + request.output_tokens * self.replayer.ends.tpot_s
         if self.mode == "predict":
             self.predictor.finished(keys, end)
         elif self.mode == "oracle":
@@ -70,7 +76,6 @@ class NextTurnReplayer(Replayer):
         elif self.mode == "warm":  # promoted at the finish itself
             self.predictor.expect(keys, end + self.predictor.lead_s)
         self._served += 1
-        return found
 
     def foresee(self, requests: Iterable[TraceRequest]) -> None:
         """Oracle: learn when each request's chunks arrive next (None: never)."""
@@ -91,32 +96,18 @@ class NextTurnReplayer(Replayer):
         for at, end in last.items():
             self.predictor.expect(keys[: end + 1], at)
 
-    def _read_ahead(self, chain: list[bytes]) -> None:
-        run = next((i for i, key in enumerate(chain) if not self._held(key)), len(chain))
-        keys = chain[:run]
-        before = {key for key in keys if key in self.tiers[0]}
-        found = [next(i for i, t in enumerate(self.tiers) if key in t) for key in keys]
-        self._promote(found, keys, [None, *keys[:-1]], "prefetch")
-        moved = [key for key in keys if key not in before and key in self.tiers[0]]
-        self._ahead.update(moved)
-        self.read_ahead_bytes += len(moved) * self.chunk_bytes
-        self.tiers[0].table.touch_chain(keys)
-
-    def reset_stats(self) -> None:
-        super().reset_stats()
+    def reset(self) -> None:
         self.found_chunks = self.resident_chunks = self.read_ahead_bytes = self.wasted_bytes = 0
         self._ahead.clear()
 
     def _left_dram(self, published: bool, entry: Entry) -> None:
         if not published and entry.key in self._ahead:
             self._ahead.discard(entry.key)
-            self.wasted_bytes += self.chunk_bytes
+            self.wasted_bytes += self.replayer.chunk_bytes
 
     def result(self) -> dict[str, Any]:
-        result = super().result()
-        wasted = self.wasted_bytes + len(self._ahead) * self.chunk_bytes
-        result.update(next_turn=self.mode,
-                      dram_resident_at_arrival=self.resident_chunks / max(1, self.found_chunks),
-                      prefetch_read_bytes=self.read_ahead_bytes, prefetch_wasted_bytes=wasted,
-                      prefetch_wasted_fraction=wasted / max(1, self.read_ahead_bytes))
-        return result
+        wasted = self.wasted_bytes + len(self._ahead) * self.replayer.chunk_bytes
+        return {"next_turn": self.mode,
+                "dram_resident_at_arrival": self.resident_chunks / max(1, self.found_chunks),
+                "prefetch_read_bytes": self.read_ahead_bytes, "prefetch_wasted_bytes": wasted,
+                "prefetch_wasted_fraction": wasted / max(1, self.read_ahead_bytes)}

@@ -41,7 +41,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from bench.support.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvstore.format.errors import ConfigError
@@ -174,6 +174,19 @@ class RequestEnds:
             self.policy.finished(keys, end)
 
 
+class ServeHooks(Protocol):
+    """What else happens around each request served (the next-turn read-ahead,
+    bench/support/next_turn_replay.py), with its own counts in the result."""
+
+    def before(self, request: TraceRequest) -> None: ...
+
+    def after(self, request: TraceRequest) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def result(self) -> dict[str, Any]: ...
+
+
 class Replayer:
     def __init__(self, tiers: Sequence[tuple[str, int] | SimTier], kv_bytes_per_token: int,
                  block_tokens: int = MOONCAKE_BLOCK_TOKENS, policy: TierPolicy | None = None,
@@ -210,6 +223,7 @@ class Replayer:
         self.policy.set_capacity(self.tiers[max(0, above)].table.capacity,
                                  sum(t.table.capacity for t in self.tiers))
         self.ends = RequestEnds(self.policy, tpot_s)
+        self.hooks: list[ServeHooks] = []
 
     def run(self, requests: Iterable[TraceRequest]) -> dict[str, Any]:
         for request in requests:
@@ -226,9 +240,19 @@ class Replayer:
         self.recompute_cost = self.recompute_cost_no_cache = 0.0
         self.disk_writes.reset()
         self._counted = (self.requests, self.now)
+        for hook in self.hooks:
+            hook.reset()
 
     def serve(self, request: TraceRequest) -> list[int]:
         """Account one request; returns the tier index of each hit block, in order."""
+        for hook in self.hooks:
+            hook.before(request)
+        found = self._serve(request)
+        for hook in self.hooks:
+            hook.after(request)
+        return found
+
+    def _serve(self, request: TraceRequest) -> list[int]:
         for at in self.ends.until(request.arrival_s):
             self._advance(at)
         self._advance(request.arrival_s)
@@ -240,7 +264,7 @@ class Replayer:
         usable = _usable(request, self.block_tokens)
         # A cluster host's connector saves past the run stored anywhere; alone, all is put.
         stored = 0 if self.peers is None else next(
-            (i for i, key in enumerate(keys) if not self._held(key) and not self._at_peer(key)), len(keys))
+            (i for i, key in enumerate(keys) if not self.held(key) and not self._at_peer(key)), len(keys))
         found: list[int] = []
         for key in keys[:usable]:
             tier = next((i for i, t in enumerate(self.tiers) if key in t), None)
@@ -270,7 +294,7 @@ class Replayer:
         self._touch(hits)
         self.policy.seen(hits)
         put = keys[stored:]  # the put: what no tier holds of it is stored
-        new = [i for i in range(stored, len(keys)) if not self._held(keys[i])]
+        new = [i for i in range(stored, len(keys)) if not self.held(keys[i])]
         self.policy.seen(put, keys[stored - 1] if stored else None)
         self._touch(put)
         self._store(0, [keys[i] for i in new], [parents[i] for i in new])
@@ -281,7 +305,8 @@ class Replayer:
         """The trace's time moves on (never back): the policy's clock and the disk writes' read it."""
         self.now = self.disk_writes.now = max(self.now, now)
 
-    def _held(self, key: bytes) -> bool:
+    def held(self, key: bytes) -> bool:
+        """Whether any of this host's tiers holds the chunk."""
         return any(key in tier for tier in self.tiers)
 
     def _leaving(self, level: int) -> Callable[[bool, Entry], None]:
@@ -295,6 +320,17 @@ class Replayer:
                 self.budget_refused += reason == "budget"
         return left
 
+    def read_ahead(self, chain: list[bytes]) -> list[bytes]:
+        """The leading run of `chain` held anywhere, moved into the top tier as the
+        connector's prefetch moves it; the keys it brought there."""
+        run = next((i for i, key in enumerate(chain) if not self.held(key)), len(chain))
+        keys = chain[:run]
+        before = {key for key in keys if key in self.tiers[0]}
+        found = [next(i for i, t in enumerate(self.tiers) if key in t) for key in keys]
+        self._promote(found, keys, [None, *keys[:-1]], "prefetch")
+        self.tiers[0].table.touch_chain(keys)
+        return [key for key in keys if key not in before and key in self.tiers[0]]
+
     def _at_peer(self, key: bytes) -> bool:
         return any(key in peer for peer in self.peers or ())
 
@@ -302,7 +338,7 @@ class Replayer:
         """The hits no local tier holds now: the store reads those from peers."""
         if not self.peers:
             return []
-        return [i for i, key in enumerate(hits) if not self._held(key) and self._at_peer(key)]
+        return [i for i, key in enumerate(hits) if not self.held(key) and self._at_peer(key)]
 
     def _promote_from_peers(self, up: list[int], keys: list[bytes], parents: list[bytes | None]) -> None:
         """Chunks read from peers move up as a get promotes them (only into a clean slot)."""
@@ -397,7 +433,7 @@ class Replayer:
         written = sum(self.tiers[i].stats.bytes_written for i in self.disks)
         read = sum(self.tiers[i].stats.bytes_read for i in self.disks)
         never_read = written - self.disk_writes.read_back * self.chunk_bytes
-        return {"requests": self.requests - self._counted[0], "prompt_tokens": self.total_tokens,
+        result = {"requests": self.requests - self._counted[0], "prompt_tokens": self.total_tokens,
                 "chunk_bytes": self.chunk_bytes, "hit_ratio": hits / max(1, self.total_tokens),
                 "admission": self.policy.admission, "eviction": self.policy.eviction,
                 "disk_bytes_written": written, "disk_bytes_read": read,
@@ -409,6 +445,9 @@ class Replayer:
                 "recompute_cost": self.recompute_cost,
                 "recompute_cost_no_cache": self.recompute_cost_no_cache,
                 "tiers": [asdict(t) for t in stats]}
+        for hook in self.hooks:
+            result.update(hook.result())
+        return result
 
 
 def parse_tier(text: str) -> tuple[str, int]:
