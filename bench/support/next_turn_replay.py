@@ -3,7 +3,7 @@
 Hooks on a Replayer (bench/support/replay.py): its requests end (arrival + output tokens
 x its `tpot_s`), and the service's NextTurnPredictor (kvstore/tiers/next_turn.py) brings
 finished chains back into DRAM before their family is predicted to return, through the
-same promotion a prefetch makes (`Replayer.read_ahead`). Modes:
+same promotion a prefetch makes (`SimStore.read_ahead`). Modes:
   off      nothing happens when a request ends (a cache of prompts, LRU alone)
   warm     a finished request's chunks are promoted at once (what the connector did
            before: keep the last turn warm)
@@ -53,12 +53,12 @@ class NextTurnReads:
         """Due chains are read ahead; what the request finds is counted as it arrives."""
         replayer, now = self.replayer, request.arrival_s
         for chain in self.predictor.due(now):
-            moved = replayer.read_ahead(list(chain))
+            moved = replayer.store.read_ahead(list(chain))
             self._ahead.update(moved)
             self.read_ahead_bytes += len(moved) * replayer.chunk_bytes
         keys = list(request.keys)
         usable = keys[: min(len(keys), (request.input_tokens - 1) // replayer.block_tokens)]
-        run = next((i for i, key in enumerate(usable) if not replayer.held(key)), len(usable))
+        run = next((i for i, key in enumerate(usable) if not replayer.store.held(key)), len(usable))
         self.found_chunks += run
         self.resident_chunks += sum(key in self._top for key in usable[:run])
         self._ahead.difference_update(usable[:run])

@@ -187,6 +187,139 @@ class ServeHooks(Protocol):
     def result(self) -> dict[str, Any]: ...
 
 
+class SimStore:
+    """The tiers and how chunks move between them, as the store moves them: puts down
+    the tiers with victims written below first, promotions up, disk admission and the
+    write budget asked of the policy, refusals counted as the store's DRAM table counts
+    them. No bytes move: each tier is a SlotTable of whole chunks."""
+
+    def __init__(self, tiers: list[SimTier], policy: TierPolicy, chunk_bytes: int) -> None:
+        self.tiers = tiers
+        self.policy = policy
+        self.chunk_bytes = chunk_bytes
+        self.disks = {i for i, t in enumerate(tiers) if i and t.stats.name not in MEMORY_TIERS}
+        self.admission_refused = 0  # chunks the disk would not take, dropped from DRAM
+        self.budget_refused = 0  # chunks refused or not written for the write budget
+        self.from_peers: set[bytes] = set()  # DRAM copies of chunks read from a peer
+        for tier in tiers:
+            tier.table.set_eviction(policy.make_eviction())
+        tiers[0].table.subscribe(self._left_top)
+        for level in self.disks:
+            tiers[level - 1].table.subscribe(self._leaving(level), first=True)  # before _left_top
+        above = min(self.disks, default=len(tiers)) - 1  # the tier admission is asked below
+        policy.set_capacity(tiers[max(0, above)].table.capacity, sum(t.table.capacity for t in tiers))
+
+    def reset_counts(self) -> None:
+        self.admission_refused = self.budget_refused = 0
+
+    def held(self, key: bytes) -> bool:
+        """Whether any of this host's tiers holds the chunk."""
+        return any(key in tier for tier in self.tiers)
+
+    def _leaving(self, level: int) -> Callable[[bool, Entry], None]:
+        """The listener of the tier above disk tier `level`: what leaves it is told to the
+        policy, and a refusal counted, as the store's DRAM table does (StoreParts)."""
+        def left(published: bool, entry: Entry) -> None:
+            if not published:
+                held = entry.key in self.tiers[level] or entry.key in self.from_peers
+                reason = self.policy.left_dram(entry.key, on_disk=held)
+                self.admission_refused += reason is not None
+                self.budget_refused += reason == "budget"
+        return left
+
+    def read_ahead(self, chain: list[bytes]) -> list[bytes]:
+        """The leading run of `chain` held anywhere, moved into the top tier as the
+        connector's prefetch moves it; the keys it brought there."""
+        run = next((i for i, key in enumerate(chain) if not self.held(key)), len(chain))
+        keys = chain[:run]
+        before = {key for key in keys if key in self.tiers[0]}
+        found = [next(i for i, t in enumerate(self.tiers) if key in t) for key in keys]
+        self.promote(found, keys, [None, *keys[:-1]], "prefetch")
+        self.tiers[0].table.touch_chain(keys)
+        return [key for key in keys if key not in before and key in self.tiers[0]]
+
+    def _left_top(self, published: bool, entry: Entry) -> None:
+        """Top tier listener: a chunk read from a peer leaves DRAM."""
+        if not published:
+            self.from_peers.discard(entry.key)
+
+    def promote(self, found: list[int], keys: list[bytes], parents: list[bytes | None], mode: str) -> None:
+        """Move lower-tier hits up; as in the store, they stay pinned below meanwhile (the
+        victims written down cannot evict them)."""
+        up = [i for i in range(len(found))
+              if keys[i] not in self.tiers[0] and any(keys[i] in tier for tier in self.tiers[1:])]
+        with ExitStack() as stack:
+            for tier in self.tiers[1:]:
+                stack.enter_context(tier.table.pinned(keys, up))
+            self.store(0, [keys[i] for i in up], [parents[i] for i in up], mode)
+
+    def touch(self, keys: list[bytes]) -> None:
+        for tier in self.tiers:
+            tier.table.touch_chain(keys)
+
+    def store(self, level: int, keys: list[bytes], parents: list[bytes | None],
+               mode: str = "put", from_peer: bool = False) -> None:
+        """Put chunks in tier `level` in the store's order: slots reserved first (none
+        tried after one is refused); victims that must go down first are written below
+        (in order), then the chunks are published; a put that found no slot goes one tier
+        down, a promotion ("prefetch" or "get") does not."""
+        tier = self.tiers[level]
+        granted = len(keys)
+        if level in self.disks:  # every disk write is claimed from the budget first, as the flusher does
+            granted = self.policy.claim_writes(len(keys))
+            self.budget_refused += len(keys) - granted
+            keys, parents = keys[:granted], parents[:granted]
+        reserved: list[tuple[bytes, bytes | None, Reservation | None]] = []
+        for key, parent in zip(keys, parents, strict=True):
+            reservation = None
+            if not reserved or reserved[-1][2] is not None:
+                reservation = tier.table.reserve(fate=lambda victim: self._fate(level, victim, mode))
+            reserved.append((key, parent, reservation))
+        demoting = [(j, r, r.victim) for j, (_, _, r) in enumerate(reserved)
+                    if r is not None and r.victim is not None]
+        if demoting:  # the victims go down in one batch, as the store's Flusher.take_over writes them
+            entries = [tier.table.entry(r.slot) for _, r, _ in demoting]
+            self.store(level + 1, [v for _, _, v in demoting], [e.parent if e else None for e in entries])
+            for j, reservation, victim in demoting:
+                key, parent, _ = reserved[j]
+                if victim not in self.tiers[level + 1]:
+                    reservation.release()
+                    reserved[j] = (key, parent, None)
+                elif not reservation.take_over():  # (released by take_over)
+                    reserved[j] = (key, parent, None)
+        down = []
+        for key, parent, reservation in reserved:
+            if reservation is None:
+                down.append((key, parent))
+                continue
+            if reservation.evicted is not None:
+                tier.stats.evictions += 1
+            if from_peer:
+                self.from_peers.add(key)
+            reservation.publish(key, parent, 0)
+            tier.stats.bytes_written += self.chunk_bytes
+        if level in self.disks:
+            self.policy.settle_writes(granted, [key for key, _, r in reserved if r is not None])
+        below = level + 1
+        if mode == "put" and below < len(self.tiers):
+            if below in self.disks:
+                admitted = [(key, parent) for key, parent in down if self.policy.admits(key)]
+                self.admission_refused += len(down) - len(admitted)
+                self.budget_refused += sum(self.policy.refusal(key) == "budget" for key, _ in down)
+                down = admitted
+            self.store(below, [k for k, _ in down], [p for _, p in down])
+
+    def _fate(self, level: int, key: bytes, mode: str) -> Fate:
+        """The store's victim fate (TierPolicy.victim_fate) for tier `level`: a put's and a
+        prefetch's victims go down first, a get's promotion passes them over."""
+        below = level + 1
+        if below >= len(self.tiers):
+            return Fate.EVICT
+        held = key in self.tiers[below] or key in self.from_peers
+        policy = self.policy if below in self.disks else _ADMIT_ALL
+        return policy.victim_fate(key, held, promotion=mode == "get")
+
+
 class Replayer:
     def __init__(self, tiers: Sequence[tuple[str, int] | SimTier], kv_bytes_per_token: int,
                  block_tokens: int = MOONCAKE_BLOCK_TOKENS, policy: TierPolicy | None = None,
@@ -197,31 +330,22 @@ class Replayer:
             raise ConfigError("--tier", None, "give at least one tier, e.g. --tier host=64GiB")
         self.block_tokens = block_tokens
         self.chunk_bytes = kv_bytes_per_token * block_tokens
-        self.tiers = [t if isinstance(t, SimTier) else SimTier(*t, self.chunk_bytes) for t in tiers]
         self.policy = policy or TierPolicy(chunk_tokens=block_tokens)
         self.now = 0.0  # the trace's time: the arrival (or end) being served
         self.policy.clock = lambda: self.now
-        for tier in self.tiers:
-            tier.table.set_eviction(self.policy.make_eviction())
+        self.store = SimStore([t if isinstance(t, SimTier) else SimTier(*t, self.chunk_bytes) for t in tiers],
+                              self.policy, self.chunk_bytes)
+        self.tiers, self.disks = self.store.tiers, self.store.disks
         self.total_tokens = 0
-        self.admission_refused = 0  # chunks the disk would not take, dropped from DRAM
         self.recompute_cost = 0.0  # modelled cost of the usable chunks missed (policy.depth_cost)
         self.recompute_cost_no_cache = 0.0  # ... and of every usable chunk
         self.requests = 0  # served, counted or not (reset_stats)
         self._counted = (0, 0.0)  # requests served and the trace's time when counting began
         self.peers = peers
         self.peer_stats = TierStats("peer", sum(p.stats.capacity_bytes for p in peers or ()))
-        self._from_peers: set[bytes] = set()  # DRAM copies of chunks read from a peer
-        self.tiers[0].table.subscribe(self._left_top)
-        self.disks = {i for i, t in enumerate(self.tiers) if i and t.stats.name not in MEMORY_TIERS}
         self.disk_writes = DiskWrites()
-        self.budget_refused = 0  # chunks refused or not written for the write budget
         for level in self.disks:
             self.tiers[level].table.subscribe(self.disk_writes.changed)
-            self.tiers[level - 1].table.subscribe(self._leaving(level), first=True)  # before _left_top
-        above = min(self.disks, default=len(self.tiers)) - 1  # the tier admission is asked below
-        self.policy.set_capacity(self.tiers[max(0, above)].table.capacity,
-                                 sum(t.table.capacity for t in self.tiers))
         self.ends = RequestEnds(self.policy, tpot_s)
         self.hooks: list[ServeHooks] = []
 
@@ -236,7 +360,8 @@ class Replayer:
         for tier in self.tiers:
             tier.stats = TierStats(tier.stats.name, tier.stats.capacity_bytes)
         self.peer_stats = TierStats("peer", self.peer_stats.capacity_bytes)
-        self.total_tokens = self.admission_refused = self.budget_refused = 0
+        self.total_tokens = 0
+        self.store.reset_counts()
         self.recompute_cost = self.recompute_cost_no_cache = 0.0
         self.disk_writes.reset()
         self._counted = (self.requests, self.now)
@@ -263,8 +388,9 @@ class Replayer:
             self.ends.arrived(request, keys)
         usable = _usable(request, self.block_tokens)
         # A cluster host's connector saves past the run stored anywhere; alone, all is put.
+        held = self.store.held
         stored = 0 if self.peers is None else next(
-            (i for i, key in enumerate(keys) if not self.held(key) and not self._at_peer(key)), len(keys))
+            (i for i, key in enumerate(keys) if not held(key) and not self._at_peer(key)), len(keys))
         found: list[int] = []
         for key in keys[:usable]:
             tier = next((i for i, t in enumerate(self.tiers) if key in t), None)
@@ -284,52 +410,26 @@ class Replayer:
         hits = keys[: len(found)]
         if self.policy.promote_on_hit:  # the connector's prefetch on arrival: hits move up
             self.tiers[0].table.touch_chain(hits)
-            self._promote(found, keys, parents, "prefetch")
+            self.store.promote(found, keys, parents, "prefetch")
             self._promote_from_peers(self._elsewhere(hits), keys, parents)
-        self._touch(hits)  # the get: what the prefetch left below moves up if a slot is clean
+        self.store.touch(hits)  # the get: what the prefetch left below moves up if a slot is clean
         if self.policy.promote_on_hit:
             elsewhere = self._elsewhere(hits)  # what the get will read from peers
-            self._promote(found, keys, parents, "get")
+            self.store.promote(found, keys, parents, "get")
             self._promote_from_peers(elsewhere, keys, parents)
-        self._touch(hits)
+        self.store.touch(hits)
         self.policy.seen(hits)
         put = keys[stored:]  # the put: what no tier holds of it is stored
-        new = [i for i in range(stored, len(keys)) if not self.held(keys[i])]
+        new = [i for i in range(stored, len(keys)) if not self.store.held(keys[i])]
         self.policy.seen(put, keys[stored - 1] if stored else None)
-        self._touch(put)
-        self._store(0, [keys[i] for i in new], [parents[i] for i in new])
-        self._touch(put)
+        self.store.touch(put)
+        self.store.store(0, [keys[i] for i in new], [parents[i] for i in new])
+        self.store.touch(put)
         return found
 
     def _advance(self, now: float) -> None:
         """The trace's time moves on (never back): the policy's clock and the disk writes' read it."""
         self.now = self.disk_writes.now = max(self.now, now)
-
-    def held(self, key: bytes) -> bool:
-        """Whether any of this host's tiers holds the chunk."""
-        return any(key in tier for tier in self.tiers)
-
-    def _leaving(self, level: int) -> Callable[[bool, Entry], None]:
-        """The listener of the tier above disk tier `level`: what leaves it is told to the
-        policy, and a refusal counted, as the store's DRAM table does (StoreParts)."""
-        def left(published: bool, entry: Entry) -> None:
-            if not published:
-                held = entry.key in self.tiers[level] or entry.key in self._from_peers
-                reason = self.policy.left_dram(entry.key, on_disk=held)
-                self.admission_refused += reason is not None
-                self.budget_refused += reason == "budget"
-        return left
-
-    def read_ahead(self, chain: list[bytes]) -> list[bytes]:
-        """The leading run of `chain` held anywhere, moved into the top tier as the
-        connector's prefetch moves it; the keys it brought there."""
-        run = next((i for i, key in enumerate(chain) if not self.held(key)), len(chain))
-        keys = chain[:run]
-        before = {key for key in keys if key in self.tiers[0]}
-        found = [next(i for i, t in enumerate(self.tiers) if key in t) for key in keys]
-        self._promote(found, keys, [None, *keys[:-1]], "prefetch")
-        self.tiers[0].table.touch_chain(keys)
-        return [key for key in keys if key not in before and key in self.tiers[0]]
 
     def _at_peer(self, key: bytes) -> bool:
         return any(key in peer for peer in self.peers or ())
@@ -338,92 +438,11 @@ class Replayer:
         """The hits no local tier holds now: the store reads those from peers."""
         if not self.peers:
             return []
-        return [i for i, key in enumerate(hits) if not self.held(key) and self._at_peer(key)]
+        return [i for i, key in enumerate(hits) if not self.store.held(key) and self._at_peer(key)]
 
     def _promote_from_peers(self, up: list[int], keys: list[bytes], parents: list[bytes | None]) -> None:
         """Chunks read from peers move up as a get promotes them (only into a clean slot)."""
-        self._store(0, [keys[i] for i in up], [parents[i] for i in up], "get", from_peer=True)
-
-    def _left_top(self, published: bool, entry: Entry) -> None:
-        """Top tier listener: a chunk read from a peer leaves DRAM."""
-        if not published:
-            self._from_peers.discard(entry.key)
-
-    def _promote(self, found: list[int], keys: list[bytes], parents: list[bytes | None], mode: str) -> None:
-        """Move lower-tier hits up; as in the store, they stay pinned below meanwhile (the
-        victims written down cannot evict them)."""
-        up = [i for i in range(len(found))
-              if keys[i] not in self.tiers[0] and any(keys[i] in tier for tier in self.tiers[1:])]
-        with ExitStack() as stack:
-            for tier in self.tiers[1:]:
-                stack.enter_context(tier.table.pinned(keys, up))
-            self._store(0, [keys[i] for i in up], [parents[i] for i in up], mode)
-
-    def _touch(self, keys: list[bytes]) -> None:
-        for tier in self.tiers:
-            tier.table.touch_chain(keys)
-
-    def _store(self, level: int, keys: list[bytes], parents: list[bytes | None],
-               mode: str = "put", from_peer: bool = False) -> None:
-        """Put chunks in tier `level` in the store's order: slots reserved first (none
-        tried after one is refused); victims that must go down first are written below
-        (in order), then the chunks are published; a put that found no slot goes one tier
-        down, a promotion ("prefetch" or "get") does not."""
-        tier = self.tiers[level]
-        granted = len(keys)
-        if level in self.disks:  # every disk write is claimed from the budget first, as the flusher does
-            granted = self.policy.claim_writes(len(keys))
-            self.budget_refused += len(keys) - granted
-            keys, parents = keys[:granted], parents[:granted]
-        reserved: list[tuple[bytes, bytes | None, Reservation | None]] = []
-        for key, parent in zip(keys, parents, strict=True):
-            reservation = None
-            if not reserved or reserved[-1][2] is not None:
-                reservation = tier.table.reserve(fate=lambda victim: self._fate(level, victim, mode))
-            reserved.append((key, parent, reservation))
-        demoting = [(j, r, r.victim) for j, (_, _, r) in enumerate(reserved)
-                    if r is not None and r.victim is not None]
-        if demoting:  # the victims go down in one batch, as the store's Flusher.take_over writes them
-            entries = [tier.table.entry(r.slot) for _, r, _ in demoting]
-            self._store(level + 1, [v for _, _, v in demoting], [e.parent if e else None for e in entries])
-            for j, reservation, victim in demoting:
-                key, parent, _ = reserved[j]
-                if victim not in self.tiers[level + 1]:
-                    reservation.release()
-                    reserved[j] = (key, parent, None)
-                elif not reservation.take_over():  # (released by take_over)
-                    reserved[j] = (key, parent, None)
-        down = []
-        for key, parent, reservation in reserved:
-            if reservation is None:
-                down.append((key, parent))
-                continue
-            if reservation.evicted is not None:
-                tier.stats.evictions += 1
-            if from_peer:
-                self._from_peers.add(key)
-            reservation.publish(key, parent, 0)
-            tier.stats.bytes_written += self.chunk_bytes
-        if level in self.disks:
-            self.policy.settle_writes(granted, [key for key, _, r in reserved if r is not None])
-        below = level + 1
-        if mode == "put" and below < len(self.tiers):
-            if below in self.disks:
-                admitted = [(key, parent) for key, parent in down if self.policy.admits(key)]
-                self.admission_refused += len(down) - len(admitted)
-                self.budget_refused += sum(self.policy.refusal(key) == "budget" for key, _ in down)
-                down = admitted
-            self._store(below, [k for k, _ in down], [p for _, p in down])
-
-    def _fate(self, level: int, key: bytes, mode: str) -> Fate:
-        """The store's victim fate (TierPolicy.victim_fate) for tier `level`: a put's and a
-        prefetch's victims go down first, a get's promotion passes them over."""
-        below = level + 1
-        if below >= len(self.tiers):
-            return Fate.EVICT
-        held = key in self.tiers[below] or key in self._from_peers
-        policy = self.policy if below in self.disks else _ADMIT_ALL
-        return policy.victim_fate(key, held, promotion=mode == "get")
+        self.store.store(0, [keys[i] for i in up], [parents[i] for i in up], "get", from_peer=True)
 
     def result(self) -> dict[str, Any]:
         stats = [t.stats for t in self.tiers] + ([self.peer_stats] if self.peers else [])
@@ -439,7 +458,8 @@ class Replayer:
                 "disk_bytes_written": written, "disk_bytes_read": read,
                 "disk_bytes_written_per_byte_read": written / read if read else None,
                 "disk_bytes_written_never_read": never_read,
-                "admission_refused": self.admission_refused, "budget_refused": self.budget_refused,
+                "admission_refused": self.store.admission_refused,
+                "budget_refused": self.store.budget_refused,
                 "disk_bytes_written_max_day": self.chunk_bytes * self.disk_writes.most_in_a_day(),
                 "trace_seconds": self.now - self._counted[1], "admission_info": self.policy.describe(),
                 "recompute_cost": self.recompute_cost,
