@@ -43,12 +43,8 @@ class IoEngine(abc.ABC):
         self.queue_depth = queue_depth
 
     @abc.abstractmethod
-    def run(
-        self,
-        requests: Sequence[IoRequest],
-        timeout_s: float | None = None,
-        on_complete: OnComplete | None = None,
-    ) -> list[int]:
+    def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
+            on_complete: OnComplete | None = None) -> list[int]:
         """Execute every request; result i is bytes moved for request i, or -errno.
 
         `on_complete(i, result)` is not called for requests that time out.

@@ -78,12 +78,8 @@ class FaultyEngine(IoEngine):
                     return fault
         return None
 
-    def run(
-        self,
-        requests: Sequence[IoRequest],
-        timeout_s: float | None = None,
-        on_complete: OnComplete | None = None,
-    ) -> list[int]:
+    def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
+            on_complete: OnComplete | None = None) -> list[int]:
         start = time.monotonic()
         picked = [self._pick(r) for r in requests]
         passthrough = [i for i, f in enumerate(picked) if f is None or f.kind == "latency"]

@@ -81,12 +81,8 @@ class ThreadsEngine(IoEngine):
                 workers = self._workers[fd] = _Workers(fd, self.queue_depth)
             return workers
 
-    def run(
-        self,
-        requests: Sequence[IoRequest],
-        timeout_s: float | None = None,
-        on_complete: OnComplete | None = None,
-    ) -> list[int]:
+    def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
+            on_complete: OnComplete | None = None) -> list[int]:
         results = [TIMED_OUT] * len(requests)
         batch = _Batch()
         for index, request in enumerate(requests):

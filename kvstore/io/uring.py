@@ -82,12 +82,8 @@ class UringEngine(IoEngine):
                 self._rings.add(ring)
         return ring
 
-    def run(
-        self,
-        requests: Sequence[IoRequest],
-        timeout_s: float | None = None,
-        on_complete: OnComplete | None = None,
-    ) -> list[int]:
+    def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
+            on_complete: OnComplete | None = None) -> list[int]:
         ring = self._ring()
         results = [TIMED_OUT] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
