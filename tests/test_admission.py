@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
-from engine_harness import wait_for_log
+from support.services import wait_for_log
+from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from bench.support.replay import Replayer
 from bench.support.trace import block_keys, read_trace

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from conftest import make_keys, make_payloads
-from engine_harness import stop_service
+from support.services import stop_service
+from support.stores import make_keys, make_payloads
 
 from connectors.kv_events import ChunkCatalog
 from kvstore.config.store import load_config

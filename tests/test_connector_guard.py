@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from engine_harness import counters, stop_service
+from support.services import counters, stop_service
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 

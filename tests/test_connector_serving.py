@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 import torch
-from engine_harness import counters, service_client, stop_service
+from support.services import counters, service_client, stop_service
 
 from connectors.plan import StepPlan, Transfer
 from connectors.prefetch import Residency

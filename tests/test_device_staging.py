@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from engine_harness import stop_service
+from support.services import stop_service
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.plan import Stage, Transfer

@@ -17,8 +17,8 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import corrupt_record
-from engine_harness import stop_service
+from support.records import corrupt_record
+from support.services import stop_service
 
 from connectors.plan import Transfer
 from connectors.worker_side import WorkerCore

@@ -22,10 +22,10 @@ from types import SimpleNamespace as NS
 import msgspec
 import pytest
 import yaml
-from conftest import CHUNK_BYTES
-from engine_harness import stop_service
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.services import stop_service
+from support.stores import CHUNK_BYTES
 
 from connectors.handoff import MAX_CHUNKS, PARAMS_KEY, Handoff
 from connectors.hints import (

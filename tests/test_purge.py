@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CHUNK_BYTES, make_payloads
 from hypothesis import given
 from hypothesis import strategies as st
+from support.stores import CHUNK_BYTES, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHUNK_BYTES, make_keys, make_payloads
-from engine_harness import stop_service, wait_for_log
+from support.services import stop_service, wait_for_log
+from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError

@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, make_keys, make_payloads
+from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.devices.layout import SB_COPIES

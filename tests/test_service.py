@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from engine_harness import service_client, stop_service
+from support.services import service_client, stop_service
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError

@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import assert_close, stop_service
+from support.engines import assert_close
+from support.services import stop_service
 
 from bench.support.answers import identical
 from bench.support.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir

@@ -15,8 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import corrupt_record, newest_chain_end
-from engine_harness import assert_close, counters, stop_service
+from support.engines import assert_close
+from support.records import corrupt_record, newest_chain_end
+from support.services import counters, stop_service
 
 from bench.support.answers import identical
 from bench.support.openai_server import OpenAIServer

@@ -8,7 +8,8 @@ import json
 import os
 
 import pytest
-from engine_harness import assert_close, service_client, stop_service
+from support.engines import assert_close
+from support.services import service_client, stop_service
 
 from bench.support.answers import Tokens, identical
 from bench.support.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_harness import assert_close, stop_service
+from support.engines import assert_close
+from support.services import stop_service
 
 from bench.support.answers import compare
 from bench.support.openai_server import ChatReply, OpenAIServer, chat

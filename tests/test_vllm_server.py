@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_harness import assert_close, counters, service_client, stop_service
+from support.engines import assert_close
+from support.services import counters, service_client, stop_service
 
 from bench.support.answers import identical
 from bench.support.openai_server import SERVER_MODULE, Completion, OpenAIServer, completion_body

@@ -13,7 +13,7 @@ import json
 import shutil
 
 import pytest
-from engine_harness import counters, service_client, stop_service
+from support.services import counters, service_client, stop_service
 
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from connectors.weights import FileDigests, fingerprint
