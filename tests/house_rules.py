@@ -314,10 +314,12 @@ def _check_tests(root: Path, names: _Names, report: Report) -> None:
     for module in _load(root, TESTS):
         report.tests += 1
         borrowed = set()
-        for target in names.imported(module):
+        imported = names.imported(module)
+        for target in sorted({t for t in imported if _test_module(t)}):
+            report.add("tests", f"{module.path.relative_to(root)} imports {target}: what tests share "
+                                "lives in tests/support")
+        for target in imported:
             if _test_module(target):
-                report.add("tests", f"{module.path.relative_to(root)} imports {target}: what tests "
-                                    "share lives in tests/support")
                 continue
             floor = _bench_floor(target)
             if floor is None or floor == "support":
