@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 from support.cluster import CHUNK, capacity_for, client, found, get, host_config, put, wait_for
-from support.services import counters, stop_service
+from support.services import counters, service_config, stop_service
 from support.stores import attached, make_keys, make_payloads, read_back
 
 import kvstore.cluster.node
@@ -369,7 +369,7 @@ def test_eight_store_processes_on_one_loop_array_share_through_the_cluster_index
                 return [{"path": loops.devices[i], "capacity": "4MiB"}]
 
             return {"tiers": {"disk": disk(me)}, "io": {"engine": "uring", "timeout_s": 5},
-                    "service": {"socket": str(tmp_path / f"{hosts[me]}.sock"), "staging": "1MiB"},
+                    **service_config(tmp_path, socket=f"{hosts[me]}.sock"),
                     "cluster": {"host_id": hosts[me], "index_url": redis_cluster.url, "lease_s": 3.0,
                                 "index_deadline_s": DEADLINE_S, "index_backoff_s": 0.3,
                                 "peers": [{"host_id": hosts[i], "disk": disk(i)}

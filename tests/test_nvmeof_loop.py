@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from support.services import service_config
 from support.stores import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
 
 from bench.support.loopdev import FakeNamespace, LoopDevices, LoopNamespaces, write_sysfs
@@ -104,7 +105,7 @@ def test_status_shows_the_running_services_view(namespaces, tmp_path, capsys):
     from kvstore.service.client import StoreClient
 
     raw = {"tiers": {"nvmeof": namespaces.tier_config(capacity="12MiB")},
-           "service": {"socket": str(tmp_path / "kv.sock"), "staging": "1MiB"}}
+           **service_config(tmp_path, socket="kv.sock")}
     path = tmp_path / "kv.json"
     path.write_text(json.dumps(raw))
     client = StoreClient(load_config(raw), CHUNK_BYTES)  # starts the service on the namespaces

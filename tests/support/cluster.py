@@ -13,6 +13,7 @@ from kvstore.config.store import load_config
 from kvstore.devices.layout import geometry
 from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient
+from support.services import service_config
 
 CHUNK = 64 * 1024
 LEASE_S = 1.5
@@ -43,7 +44,7 @@ def host_config(name: str, others: list[str], root: str, url: str, *, dram: str 
                                                                  "capacity": capacity_for(SLOTS)}]}
                                     for other in others]}, **extra}
     if sockets:
-        config["service"] = {"socket": os.path.join(sockets, f"{name}.sock"), "staging": "1MiB"}
+        config["service"] = service_config(sockets, socket=f"{name}.sock")["service"]
     return config
 
 
