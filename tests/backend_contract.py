@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import pytest
-from conftest import corrupt_record
-from engine_harness import counters, service_client, small_service_config, stop_service
+from support.records import corrupt_record
+from support.services import counters, service_client, small_service_config, stop_service
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = 5  # chunks stored (a driver may make the last one a prompt's shorter chunk)

@@ -16,6 +16,9 @@ repository, and on small bad trees to show each rule can fail.
   (through its entry point, or its parts one by one); so nothing two tests share, and
   nothing a test only borrows, lives outside support. A test may also run a command or
   an experiment in a subprocess (`kvstore NAME`, `python -m bench.lab NAME`).
+- Tests share through tests/support: no module under tests/ imports a test module
+  (`test_*`) or conftest.py (its fixtures reach tests by name, not by import); what two
+  tests share is a helper of tests/support, or a fixture of conftest.py calling one.
 - Sizes: a class with the in-project classes it derives from is at most 200 lines; a
   constructor (its `__init__`, or a dataclass's init fields with those it inherits)
   takes at most 7 parameters; kvstore/ keeps at most a dozen top modules. They hold in
@@ -298,12 +301,26 @@ def _check_bench(root: Path, modules: list[_Module], names: _Names, report: Repo
                 report.add("bench floors", f"{where} ({own}) imports {target} ({floor})")
 
 
+def _test_module(target: str) -> bool:
+    """Whether an import names a test module or conftest (`test_x`, `tests.test_x.y`)."""
+    parts = target.split(".")
+    name = parts[1] if parts[0] == TESTS and len(parts) > 1 else parts[0]
+    return name.startswith("test_") or name == "conftest"
+
+
 def _check_tests(root: Path, names: _Names, report: Report) -> None:
-    """Each test module's bench imports: bench.support, and one command or experiment."""
+    """Each test module's bench imports: bench.support, and one command or experiment;
+    and no module of tests/ importing a test module or conftest."""
     for module in _load(root, TESTS):
         report.tests += 1
         borrowed = set()
-        for target in names.imported(module):
+        imported = names.imported(module)
+        for target in sorted({t for t in imported if _test_module(t)}):
+            report.add("tests", f"{module.path.relative_to(root)} imports {target}: what tests share "
+                                "lives in tests/support")
+        for target in imported:
+            if _test_module(target):
+                continue
             floor = _bench_floor(target)
             if floor is None or floor == "support":
                 continue

@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from backend_contract import COUNT, Contract
-from engine_harness import small_service
 from lmcache.v1.check import check_mode_test_l2_adapter as lmcache_check
 from lmcache_plugin_cases import bad_headers, fuzzed_headers, header_of, header_record
+from support.services import small_service
 
 from bench.support.answers import Tokens, compare
 from connectors.key_scope import KeyScope

@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
 import torch
 from backend_contract import COUNT, Contract
-from engine_harness import service_client, small_service
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.services import service_client, small_service
 
 from engine_plugin.lmcache_storage import (
     DTYPES,

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 from backend_contract import Contract
-from conftest import corrupt_record
-from engine_harness import service_client, small_service_config, stop_service
 from hypothesis import strategies as st
+from support.records import corrupt_record
+from support.services import service_client, small_service_config, stop_service
 
 from bench.support.sglang_host_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
 from kvstore.format.errors import ConfigError

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import yaml
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
-from engine_harness import wait_for_log
+from support.services import service_config, wait_for_log, write_config
+from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from bench.support.replay import Replayer
 from bench.support.trace import block_keys, read_trace
@@ -151,12 +149,10 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
 
 def _write_config(path, disk_dir, **changes) -> dict:
     slot = record_bytes(CHUNK_BYTES)
-    raw = {"tiers": {"host": {"capacity": 2 * slot},
-                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": 32 * slot}]},
-           "io": {"timeout_s": 5, "queue_depth": 8},
-           "service": {"socket": str(path.parent / "run" / "kv.sock"), "staging": "1MiB", "spawn": False},
+    raw = {**service_config(path.parent, host=2 * slot, disk_dir=disk_dir, disk=32 * slot,
+                            io={"timeout_s": 5, "queue_depth": 8}, socket="run/kv.sock", spawn=False),
            **changes}
-    path.write_text(yaml.safe_dump(raw))
+    write_config(path, raw)
     return raw
 
 

@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, attached, make_keys, make_payloads, read_back
 
 from bench.support.loopdev import LoopDevices
 from kvstore.format.errors import DeviceError

@@ -3,10 +3,8 @@ each tier, read through the protocol, and joined with the engine's block hashes.
 
 from __future__ import annotations
 
-import os
-
-from conftest import make_keys, make_payloads
-from engine_harness import stop_service
+from support.services import service_config, stop_service
+from support.stores import make_keys, make_payloads
 
 from connectors.kv_events import ChunkCatalog
 from kvstore.config.store import load_config
@@ -19,9 +17,8 @@ CHUNK = 64 * 1024
 
 
 def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_dir):
-    config = {"tiers": {"host": {"capacity": 2 * record_bytes(CHUNK)},
-                        "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "4MiB"}]},
-              "service": {"socket": str(tmp_path / "kv.sock"), "staging": "1MiB"}}
+    config = service_config(tmp_path, host=2 * record_bytes(CHUNK), disk_dir=disk_dir, disk="4MiB",
+                            socket="kv.sock")
     try:
         client = StoreClient(load_config(config), CHUNK)
         cursor, lost, events = client.events(-1)

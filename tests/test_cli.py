@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads
+from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads
 
 
 def test_bench_writes_the_documented_json(disk_dir, tmp_path):

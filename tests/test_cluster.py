@@ -9,58 +9,34 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
-from conftest import attached, make_keys, make_payloads, read_back
-from engine_harness import service_client, stop_service
-from redis_harness import redis_server  # noqa: F401 - a fixture
+from support.cluster import (
+    CHUNK,
+    DEADLINE_S,
+    LEASE_S,
+    SLOTS,
+    client,
+    found,
+    get,
+    host_config,
+    put,
+    wait_for,
+)
+from support.services import counters, stop_service
+from support.stores import attached, make_keys, make_payloads, read_back
 
 from bench.support.loopdev import LoopDevices
-from kvstore.config.store import load_config
-from kvstore.devices.layout import geometry
 from kvstore.format.errors import ConfigError
 from kvstore.format.record import record_bytes
 from kvstore.io import make_engine
 from kvstore.io.faulty import Fault, FaultyEngine
-from kvstore.service.client import StoreClient
 from kvstore.store.fsck import fsck
 from kvstore.store.tiered import TieredStore
 
 redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e .)")
 
-CHUNK = 64 * 1024
-LEASE_S = 1.5
-DEADLINE_S = 0.2
-SLOTS = 4
-
-
-def capacity_for(slots: int) -> int:
-    """The smallest disk capacity that holds exactly `slots` records of CHUNK bytes."""
-    capacity = slots * record_bytes(CHUNK)
-    while geometry(capacity, record_bytes(CHUNK))[0] < slots:
-        capacity += 4096
-    return capacity
-
-
-def host_config(name: str, others: list[str], root: str, url: str, *, dram: str | None = None,
-                sockets: str | None = None, **extra) -> dict:
-    tiers: dict = {"disk": [{"path": os.path.join(root, name), "capacity": capacity_for(SLOTS)}]}
-    if dram:
-        tiers["host"] = {"capacity": dram}
-    config = {"tiers": tiers, "io": {"engine": "threads", "queue_depth": 8, "timeout_s": 0.5,
-                                     "breaker_cooldown_s": 0.3},
-              "cluster": {"host_id": name, "index_url": url, "lease_s": LEASE_S,
-                          "index_deadline_s": DEADLINE_S, "index_backoff_s": 0.3,
-                          "peers": [{"host_id": other, "disk": [{"path": os.path.join(root, other),
-                                                                 "capacity": capacity_for(SLOTS)}]}
-                                    for other in others]}, **extra}
-    if sockets:
-        config["service"] = {"socket": os.path.join(sockets, f"{name}.sock"), "staging": "1MiB"}
-    return config
-
-
 @pytest.fixture
-def hosts(tmp_path, disk_dir, redis_server):  # noqa: F811
+def hosts(tmp_path, disk_dir, redis_server):
     """Host A's and host B's configs (each reads the other's device); their services stop
     after the test."""
     configs = {name: host_config(name, [other], disk_dir, redis_server.url, sockets=str(tmp_path))
@@ -68,42 +44,6 @@ def hosts(tmp_path, disk_dir, redis_server):  # noqa: F811
     yield configs
     for config in configs.values():
         stop_service(config)
-
-
-def client(config: dict) -> StoreClient:
-    return StoreClient(load_config(config), CHUNK)
-
-
-def put(store: StoreClient, keys: list[bytes], payloads: list[np.ndarray]) -> list[bool]:
-    for i, payload in enumerate(payloads):
-        store.slot(i)[:] = payload
-    return store.put(keys, list(range(len(keys))))
-
-
-def get(store: StoreClient, keys: list[bytes]) -> tuple[list[bool], list[bytes]]:
-    ok = store.get(keys, list(range(len(keys))))
-    return ok, [bytes(store.slot(i)) for i in range(len(keys))]
-
-
-def counters(config: dict) -> dict[str, int]:
-    info = service_client(config)
-    try:
-        return info.info()["counters"]
-    finally:
-        info.close()
-
-
-def wait_for(condition, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout_s} s")
-        time.sleep(0.1)
-    return value
-
-
-def found(store: StoreClient, keys: list[bytes]) -> int:
-    return store.residency(keys)[0]
 
 
 def index_entry(url: str, key: bytes, host: str) -> bytes | None:
@@ -133,7 +73,7 @@ def test_b_loads_chunks_only_a_wrote(hosts):
     assert "peer.hits" not in counters(hosts["a"])
 
 
-def test_an_overwritten_slot_or_a_stale_entry_is_a_miss_never_wrong_bytes(hosts, redis_server):  # noqa: F811
+def test_an_overwritten_slot_or_a_stale_entry_is_a_miss_never_wrong_bytes(hosts, redis_server):
     a, b = client(hosts["a"]), client(hosts["b"])
     first, second = make_keys(SLOTS, seed=1), make_keys(SLOTS, seed=2)
     payloads = make_payloads(SLOTS, seed=2, chunk_bytes=CHUNK)
@@ -183,7 +123,7 @@ def test_a_stopped_host_is_ignored_once_its_lease_expires(hosts):
     assert ok == [True] * SLOTS and data == [p.tobytes() for p in payloads]
 
 
-def test_with_the_index_paused_or_down_both_serve_their_own_within_the_deadline(hosts, redis_server):  # noqa: F811
+def test_with_the_index_paused_or_down_both_serve_their_own_within_the_deadline(hosts, redis_server):
     a, b = client(hosts["a"]), client(hosts["b"])
     own_a, own_b, unknown = make_keys(2, seed=4), make_keys(2, seed=5), make_keys(2, seed=6)
     assert put(a, own_a, make_payloads(2, seed=4, chunk_bytes=CHUNK)) == [True, True]
@@ -218,7 +158,7 @@ def _store_pair(root: str, url: str, **b_options) -> tuple[TieredStore, TieredSt
     return a, b
 
 
-def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, redis_server):  # noqa: F811
+def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, redis_server):
     a, b = _store_pair(disk_dir, redis_server.url, config={"dram": f"{2 * record_bytes(CHUNK)}"})
     try:
         keys, payloads = make_keys(SLOTS, seed=7), make_payloads(SLOTS, seed=7, chunk_bytes=CHUNK)
@@ -238,7 +178,7 @@ def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, 
     assert fsck(os.path.join(disk_dir, "b"))["valid"] == 2  # B's own two chunks, none of A's
 
 
-def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_server):  # noqa: F811
+def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_server):
     engine = FaultyEngine(make_engine("threads", 8))
     a, b = _store_pair(disk_dir, redis_server.url, engine=engine)
     try:
@@ -268,7 +208,7 @@ def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_serve
 
 
 @pytest.mark.loopdev
-def test_a_peers_raw_block_device_is_read_while_its_owner_holds_it(tmp_path, redis_server):  # noqa: F811
+def test_a_peers_raw_block_device_is_read_while_its_owner_holds_it(tmp_path, redis_server):
     """Raw block devices (loop devices standing in for two NVMe-oF namespaces): the owner
     opens its own O_EXCL with a flock; a peer's read-only open needs neither."""
     with attached(LoopDevices(str(tmp_path), 2, 8 << 20)) as loops:
@@ -300,7 +240,7 @@ def test_a_peer_device_that_is_this_hosts_own_is_refused(disk_dir):
         TieredStore(config, CHUNK, background=False)
 
 
-def test_an_index_that_lost_its_data_is_filled_again_at_the_next_renewal(disk_dir, redis_server):  # noqa: F811
+def test_an_index_that_lost_its_data_is_filled_again_at_the_next_renewal(disk_dir, redis_server):
     a, b = _store_pair(disk_dir, redis_server.url)
     try:
         keys = make_keys(SLOTS, seed=11)

@@ -17,11 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import make_keys, make_payloads, read_back
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from redis_harness import redis_server  # noqa: F401 - a fixture
-from test_cluster import CHUNK, host_config
+from support.cluster import CHUNK, host_config
+from support.stores import make_keys, make_payloads, read_back
 
 from bench.support.redis_server import RedisServer, redis_server_unavailable
 from kvstore.cluster.index import IndexKeys, IndexReader, LeaseHolder, Location
@@ -262,7 +261,7 @@ def test_a_host_whose_id_another_host_took_while_it_was_away_stops_publishing(st
         assert r.get(lease) == other  # not withdrawn: it was never this host's
 
 
-def test_passwords_are_masked_in_errors_logs_and_info(redis_server, disk_dir, caplog):  # noqa: F811
+def test_passwords_are_masked_in_errors_logs_and_info(redis_server, disk_dir, caplog):
     with pytest.raises(ConfigError) as refused:  # a bad URL is quoted in the error
         load_config({"tiers": {"host": {"capacity": "1MiB"}},
                      "cluster": {"host_id": "a", "index_url": f"redis+cluster://u:{PASSWORD}@nohost"}})
@@ -303,7 +302,7 @@ ENTRY = Location(generation=5, device=0, device_id=b"\0" * 8, slot=1, seq=3).pac
 @given(entry=st.one_of(st.binary(max_size=64), st.just(ENTRY)),
        lease=st.one_of(st.none(), st.binary(max_size=40), st.just(LeaseHolder(5, "b", "", 1).pack())),
        wrong_type=st.booleans())
-def test_any_index_entry_or_lease_is_a_counted_miss_never_an_exception(redis_server, entry, lease,  # noqa: F811
+def test_any_index_entry_or_lease_is_a_counted_miss_never_an_exception(redis_server, entry, lease,
                                                                        wrong_type):
     peer = {"host_id": "b", "disk": {"path": "/nowhere", "capacity": "1MiB"}}
     config = load_config({"tiers": {"host": {"capacity": "1MiB"}},

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_harness import redis_server  # noqa: F401 - a fixture
-from test_replay import BLOCK, write_trace
+from support.traces import BLOCK, write_trace
 
 import kvstore.cluster.node
 from bench.support.cluster_replay import Cluster, replay_cluster, route
@@ -73,7 +72,7 @@ def test_bad_cluster_arguments_are_named(tmp_path):
 
 
 def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_path, disk_dir,
-                                                                            redis_server,  # noqa: F811
+                                                                            redis_server,
                                                                             monkeypatch):
     """Two hosts (DRAM 4 chunks, their parts of the array 10 each), requests routed at
     random, through the replay and through two TieredStores sharing a redis-server (each

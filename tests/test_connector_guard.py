@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from engine_harness import counters, stop_service
+from support.services import counters, service_config, stop_service
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 
@@ -41,8 +41,7 @@ BLOCKS = 64
 @pytest.fixture(scope="module")
 def store_config(tmp_path_factory) -> Iterator[dict]:
     folder = tmp_path_factory.mktemp("guard")
-    config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "16MiB"}},
-              "service": {"socket": str(folder / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    config = service_config(folder, chunk_tokens=CHUNK, host="16MiB", socket="run/kvstore.sock")
     yield config
     stop_service(config)
 

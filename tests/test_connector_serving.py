@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 import torch
-from engine_harness import counters, service_client, stop_service
+from support.services import counters, service_client, service_config, stop_service
 
 from connectors.plan import StepPlan, Transfer
 from connectors.prefetch import Residency
@@ -99,8 +99,7 @@ def test_a_hold_ends_at_its_deadline_and_happens_once():
 @pytest.fixture
 def service(tmp_path, disk_dir) -> Iterator[dict]:
     """A service whose staging window holds two chunks of the layout below."""
-    raw = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "16MiB"}},
-           "io": {"timeout_s": 5}, "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, host="16MiB", io={"timeout_s": 5})
     yield raw
     stop_service(raw)
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from kvstore.devices.health import IN_SERVICE, OFFLINE, TRIPPED
 from kvstore.format.record import record_bytes

@@ -5,13 +5,13 @@ pinned-window, side-stream path where a GPU exists."""
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from engine_harness import stop_service
+from support import services
+from support.services import stop_service
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.plan import Stage, Transfer
@@ -60,9 +60,7 @@ def test_a_full_pool_evicts_the_oldest_unused_chunk_but_never_a_taken_one():
 
 @pytest.fixture
 def service_config(tmp_path, disk_dir):
-    raw = {"tiers": {"host": {"capacity": "8MiB"},
-                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "16MiB"}]},
-           "io": {"timeout_s": 5}, "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    raw = services.service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5})
     yield raw
     stop_service(raw)
 

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.devices import layout
 from kvstore.format.errors import DeviceError, ShapeError

@@ -255,6 +255,21 @@ def test_a_test_reaching_past_the_harness_fails(tmp_path, line, finding):
     assert _findings(tmp_path) == [f"tests: tests/test_reach.py {finding}"]
 
 
+def test_tests_sharing_through_tests_support_pass_and_importing_a_test_module_fails(tmp_path):
+    _write(_tree(tmp_path), "tests/support/__init__.py", "")
+    _write(tmp_path, "tests/support/stores.py", "import kvstore\n")
+    _write(tmp_path, "tests/test_one.py", "from support.stores import kvstore\nimport house_rules\n")
+    assert _findings(tmp_path) == []
+
+    _write(tmp_path, "tests/test_two.py", "from test_one import kvstore, os\nimport conftest\n"
+           "from tests.test_core import core\n")
+    _write(tmp_path, "tests/support/stores.py", "from test_core import core\n")
+    assert _findings(tmp_path) == [  # once a module it imports
+        f"tests: tests/{name} imports {target}: what tests share lives in tests/support"
+        for name, target in (("support/stores.py", "test_core"), ("test_two.py", "conftest"),
+                             ("test_two.py", "test_one"), ("test_two.py", "tests.test_core"))]
+
+
 def test_reading_a_stores_parts_outside_the_store_fails(tmp_path):
     _tree(tmp_path)
     _write(tmp_path, "connectors/extra.py", """\

@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import attached, make_keys, make_payloads, read_back
-from engine_harness import stop_service
-from redis_harness import redis_cluster  # noqa: F401 - a fixture
-from test_cluster import CHUNK, capacity_for, client, counters, found, get, host_config, put, wait_for
+from support.cluster import CHUNK, capacity_for, client, found, get, host_config, put, wait_for
+from support.services import counters, service_config, stop_service
+from support.stores import attached, make_keys, make_payloads, read_back
 
 import kvstore.cluster.node
 from bench.support.loopdev import LoopDevices
@@ -139,7 +138,7 @@ def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[Tier
 
 
 def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_shards(
-        disk_dir, redis_cluster):  # noqa: F811
+        disk_dir, redis_cluster):
     a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"])
     try:
         keys, payloads = make_keys(CHUNKS, seed=20), make_payloads(CHUNKS, seed=20, chunk_bytes=CHUNK)
@@ -156,7 +155,7 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
         b.close()
 
 
-def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_dir, redis_cluster):  # noqa: F811
+def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_dir, redis_cluster):
     a, b = cluster_hosts(disk_dir, redis_cluster.url, ["a", "b"])
     try:
         keys, payloads = make_keys(CHUNKS, seed=21), make_payloads(CHUNKS, seed=21, chunk_bytes=CHUNK)
@@ -215,7 +214,7 @@ class Trace:
 
 
 def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
-        disk_dir, redis_cluster, monkeypatch):  # noqa: F811
+        disk_dir, redis_cluster, monkeypatch):
     monkeypatch.setattr(kvstore.cluster.node, "RECENT_S", 0.0)  # every lookup asks the index
     monkeypatch.setattr(kvstore.cluster.node, "RECENT_MISS_S", 0.0)
     names = ["a", "b", "c", "d"]
@@ -290,7 +289,7 @@ def stop_thread(publisher) -> None:
     assert not publisher._thread.is_alive()
 
 
-def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_cluster):  # noqa: F811
+def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_cluster):
     """SIGSTOP: the master accepts and never answers. A 60-key lookup still returns
     within the deadline (redis-py's pipeline then retries the hung shard's commands one
     by one, for seconds, on a thread nobody waits for), the other shards' keys are hits,
@@ -327,7 +326,7 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
         b.close()
 
 
-def test_a_shard_down_for_good_costs_no_host_its_lease(disk_dir, redis_cluster):  # noqa: F811
+def test_a_shard_down_for_good_costs_no_host_its_lease(disk_dir, redis_cluster):
     """A shard other than the leases' loses its master and its replica: no failover. Each
     host still renews its lease (it goes alone, not in a pipeline that spans the dead
     shard) and publishes to the live shards, so past `lease_s` the live shards' chunks
@@ -359,7 +358,7 @@ def test_a_shard_down_for_good_costs_no_host_its_lease(disk_dir, redis_cluster):
 @pytest.mark.slow
 @pytest.mark.loopdev
 def test_eight_store_processes_on_one_loop_array_share_through_the_cluster_index(
-        tmp_path, redis_cluster):  # noqa: F811
+        tmp_path, redis_cluster):
     """Eight `kvstore serve` processes, each writing its own loop device (the array's eight
     namespaces) and reading the other seven's through the Redis Cluster index; then a
     master is killed and every host finds every chunk again, none restarted."""
@@ -370,7 +369,7 @@ def test_eight_store_processes_on_one_loop_array_share_through_the_cluster_index
                 return [{"path": loops.devices[i], "capacity": "4MiB"}]
 
             return {"tiers": {"disk": disk(me)}, "io": {"engine": "uring", "timeout_s": 5},
-                    "service": {"socket": str(tmp_path / f"{hosts[me]}.sock"), "staging": "1MiB"},
+                    **service_config(tmp_path, socket=f"{hosts[me]}.sock"),
                     "cluster": {"host_id": hosts[me], "index_url": redis_cluster.url, "lease_s": 3.0,
                                 "index_deadline_s": DEADLINE_S, "index_backoff_s": 0.3,
                                 "peers": [{"host_id": hosts[i], "disk": disk(i)}

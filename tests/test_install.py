@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.services import service_config, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"  # scripts/setup.sh's CPU wheel: a plain `torch` would pull a CUDA build
@@ -55,8 +56,8 @@ def test_the_package_without_extras_runs_its_commands(tmp_path):
     assert "disk-tier directory" in _run([kvstore, "fsck", "--help"], tmp_path, 120)
     disk = tmp_path / "disk"
     config = tmp_path / "kvstore.yaml"
-    config.write_text(f"tiers:\n  host: {{capacity: 64MiB}}\n  disk: [{{path: {disk}, capacity: 64MiB}}]\n"
-                      f"service: {{socket: {tmp_path / 'run' / 'kv.sock'}}}\n")
+    write_config(config, service_config(tmp_path, host="64MiB", disk_dir=str(tmp_path), disk="64MiB",
+                                        socket="run/kv.sock", staging=None))
     info = _run([kvstore, "info", "--config", str(config), "--chunk-size", "1MiB"], tmp_path, 120)
     assert str(disk) in info, info
     bench = _run([kvstore, "bench", "--total", "64MiB", "--path", str(tmp_path / "bench"), "--no-fio"],

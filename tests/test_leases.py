@@ -17,8 +17,8 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import corrupt_record
-from engine_harness import stop_service
+from support.records import corrupt_record
+from support.services import service_config, stop_service
 
 from connectors.plan import Transfer
 from connectors.worker_side import WorkerCore
@@ -41,8 +41,7 @@ def _keys(first: int, count: int) -> list[bytes]:
 
 @pytest.fixture
 def config(tmp_path):
-    raw = {"tiers": {"host": {"capacity": SLOTS * record_bytes(CHUNK)}},
-           "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK))
     yield raw
     stop_service(raw)
 
@@ -218,8 +217,7 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
 
 @pytest.mark.parametrize("dram", ["free", "all pinned"])
 def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(disk_dir, tmp_path, dram):
-    config = {**_disk_config(disk_dir),
-              "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    config = {**_disk_config(disk_dir), **service_config(tmp_path)}
     caches = {"layer": torch.zeros(32, 2, 16, 64, dtype=torch.float16)}  # 4 KiB per block
     layout = PagedKVLayout(caches, 32, 16)
     payloads = [np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8) for i in range(2)]

@@ -22,10 +22,10 @@ from types import SimpleNamespace as NS
 import msgspec
 import pytest
 import yaml
-from conftest import CHUNK_BYTES
-from engine_harness import stop_service
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.services import service_config, stop_service
+from support.stores import CHUNK_BYTES
 
 from connectors.handoff import MAX_CHUNKS, PARAMS_KEY, Handoff
 from connectors.hints import (
@@ -231,8 +231,7 @@ def _until(condition, timeout_s: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[dict]:
     folder = tmp_path_factory.mktemp("never-down")
-    raw = {"tiers": {"host": {"capacity": "4MiB"}}, "io": {"timeout_s": 5},
-           "service": {"socket": str(folder / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    raw = service_config(folder, host="4MiB", io={"timeout_s": 5}, socket="run/kvstore.sock")
     yield raw
     stop_service(raw)
 

@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
+from support.services import service_config
+from support.stores import CHUNK_BYTES, attached, make_keys, make_payloads, read_back, require_loop_devices
 
 from bench.support.loopdev import FakeNamespace, LoopDevices, LoopNamespaces, write_sysfs
 from kvstore.devices.health import IN_SERVICE, OFFLINE
@@ -97,14 +98,14 @@ def test_bench_reports_one_and_all_namespaces(disk_dir, tmp_path):
 
 
 def test_status_shows_the_running_services_view(namespaces, tmp_path, capsys):
-    from engine_harness import stop_service
+    from support.services import stop_service
 
     from kvstore.cli import main
     from kvstore.config.store import load_config
     from kvstore.service.client import StoreClient
 
     raw = {"tiers": {"nvmeof": namespaces.tier_config(capacity="12MiB")},
-           "service": {"socket": str(tmp_path / "kv.sock"), "staging": "1MiB"}}
+           **service_config(tmp_path, socket="kv.sock")}
     path = tmp_path / "kv.json"
     path.write_text(json.dumps(raw))
     client = StoreClient(load_config(raw), CHUNK_BYTES)  # starts the service on the namespaces

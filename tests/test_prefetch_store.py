@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 
 import numpy as np
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from kvstore.format.record import record_bytes
 from kvstore.io import make_engine

@@ -13,9 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CHUNK_BYTES, make_payloads
 from hypothesis import given
 from hypothesis import strategies as st
+from support.services import service_config
+from support.stores import CHUNK_BYTES, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
@@ -70,8 +71,7 @@ def test_a_purge_removes_one_namespace_from_dram_and_disk_and_nothing_else(disk_
 
 
 def test_the_service_lists_announced_namespaces_and_purges_by_model_and_generation(disk_dir, tmp_path):
-    raw = {**tiers(disk_dir), "io": {"timeout_s": 5},
-           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    raw = {**tiers(disk_dir), **service_config(tmp_path, io={"timeout_s": 5}, socket="run/kvstore.sock")}
     config_file = tmp_path / "kvstore.json"
     config_file.write_text(json.dumps(raw))
     config = load_config(raw)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.cli import main as cli_main
 from kvstore.devices.layout import SB_COPIES
@@ -48,7 +48,7 @@ def test_unclean_restart_scans_and_new_writes_win(disk_dir, store_factory):
 CHILD = textwrap.dedent("""
     import sys, numpy as np
     sys.path.insert(0, {tests!r})
-    from conftest import make_keys, disk_config
+    from support.stores import make_keys, disk_config
     from kvstore.store.tiered import TieredStore
     store = TieredStore(disk_config({path!r}, {capacity}, {engine!r}), {chunk})
     keys = make_keys(4000)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHUNK_BYTES, make_keys, make_payloads
-from engine_harness import stop_service, wait_for_log
+from support.services import service_config, stop_service, wait_for_log
+from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
@@ -31,10 +31,8 @@ from kvstore.service.client import StoreClient
 
 def _raw(tmp_path: Path, disk_dir: str, **changes) -> dict:
     slot = record_bytes(CHUNK_BYTES)
-    return {"tiers": {"host": {"capacity": 4 * slot},
-                      "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": 32 * slot}]},
-            "io": {"timeout_s": 5},
-            "service": {"socket": str(tmp_path / "run" / "kv.sock"), "staging": "1MiB", "spawn": False},
+    return {**service_config(tmp_path, host=4 * slot, disk_dir=disk_dir, disk=32 * slot, io={"timeout_s": 5},
+                             socket="run/kv.sock", spawn=False),
             **changes}
 
 

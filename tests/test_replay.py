@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from support.traces import BLOCK, write_trace
 
 from bench.support.replay import Replayer, parse_tier
 from bench.support.trace import block_keys, read_trace
@@ -16,16 +17,6 @@ from kvstore.format.record import record_bytes
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.return_rates import RequestEnd
-
-BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
-
-
-def write_trace(path, rows) -> str:
-    with open(path, "w") as f:
-        for i, (ids, length) in enumerate(rows):
-            f.write(json.dumps({"timestamp": i * 1000, "input_length": length, "output_length": 1,
-                                "hash_ids": ids}) + "\n")
-    return str(path)
 
 
 def test_two_tier_lru_matches_the_hand_computed_run(tmp_path):

@@ -27,7 +27,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, make_keys, make_payloads
+from support import services
+from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.devices.layout import SB_COPIES
@@ -119,10 +120,8 @@ def shared_tmp():
 @pytest.fixture
 def service_config(tmp_path, disk_dir):
     """A config whose service the test starts; stopped (and its leftovers killed) after."""
-    raw = {"tiers": {"host": {"capacity": 4 * SLOT},
-                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": 64 * SLOT}]},
-           "io": {"timeout_s": 5},
-           "service": {"socket": str(tmp_path / "run" / "kvstore.sock"), "staging": "1MiB"}}
+    raw = services.service_config(tmp_path, host=4 * SLOT, disk_dir=disk_dir, disk=64 * SLOT,
+                                  io={"timeout_s": 5}, socket="run/kvstore.sock")
     yield raw
     stop_service(load_config(raw))
 
@@ -252,9 +251,8 @@ def test_2_another_user_cannot_reach_the_socket_even_under_umask_0(intruder, sha
 def test_2_an_allowed_user_of_another_uid_gets_no_dram_tier_and_cannot_pin(intruder, shared_tmp):
     """Under the default share_dram (own-user) an engine of another allowed user loads
     through its window: it is not handed the DRAM tier, and a Pin from it is refused."""
-    raw = {"tiers": {"host": {"capacity": "4MiB"}},
-           "service": {"socket": str(shared_tmp / "run" / "kvstore.sock"), "staging": "1MiB",
-                       "allowed_uids": [intruder.uid]}}
+    raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+                                  allowed_uids=[intruder.uid])
     # Their engine trusts this user's service (listener and directory) and never spawns one.
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     owner = StoreClient(load_config(raw), CHUNK_BYTES)
@@ -288,9 +286,8 @@ def test_2_an_allowed_user_can_neither_stop_the_service_nor_make_its_store(intru
     """An allowed user may use the service (docs/security.md), not run it: its Shutdown is
     refused, and its engine, first to connect, cannot fix the store's chunk size (nor have a
     fresh tier formatted for it): the store is made by the service's own user's engine."""
-    raw = {"tiers": {"host": {"capacity": "4MiB"}},
-           "service": {"socket": str(shared_tmp / "run" / "kvstore.sock"), "staging": "1MiB",
-                       "allowed_uids": [intruder.uid]}}
+    raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+                                  allowed_uids=[intruder.uid])
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     scheduler = StoreClient(load_config(raw))  # the owner's service, no store yet
     script = ("import json\n"
@@ -336,9 +333,8 @@ def test_2_a_refused_hello_names_the_keys_that_differ_not_the_config(service_con
 
 def test_2_an_allowed_user_may_announce_but_not_list_or_purge(intruder, shared_tmp):
     """`kvstore purge` deletes every user's records of a namespace: the service's owner only."""
-    raw = {"tiers": {"host": {"capacity": "4MiB"}},
-           "service": {"socket": str(shared_tmp / "run" / "kvstore.sock"), "staging": "1MiB",
-                       "allowed_uids": [intruder.uid]}}
+    raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+                                  allowed_uids=[intruder.uid])
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     owner = StoreClient(load_config(raw), CHUNK_BYTES)
     try:
@@ -423,8 +419,7 @@ def test_4_a_socket_in_a_world_writable_directory_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o1777)
-    config = load_config({"tiers": {"host": {"capacity": "4MiB"}},
-                          "service": {"socket": str(shared / "kv.sock")}})
+    config = load_config(services.service_config(shared, host="4MiB", socket="kv.sock", staging=None))
     with pytest.raises(ConfigError, match="others may create files in it"):
         StoreClient(config)
 

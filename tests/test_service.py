@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from engine_harness import service_client, stop_service
+from support.services import service_client, service_config, stop_service
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
@@ -18,10 +18,7 @@ CHUNK = 64 * 1024
 
 @pytest.fixture
 def config(tmp_path, disk_dir):
-    raw = {"tiers": {"host": {"capacity": "4MiB"},
-                     "disk": [{"path": os.path.join(disk_dir, "disk"), "capacity": "16MiB"}]},
-           "io": {"timeout_s": 0.5},
-           "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "1MiB"}}
+    raw = service_config(tmp_path, host="4MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 0.5})
     yield raw
     stop_service(raw)
 

@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import corrupt_record, direct_io_dir, disk_records
-from engine_harness import stop_service
+from support.records import corrupt_record, disk_records
+from support.services import stop_service
+from support.stores import direct_io_dir
 
 from bench.support.answers import compare
 from bench.support.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir

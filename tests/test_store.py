@@ -3,7 +3,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.format.errors import ConfigError, DeviceError, ShapeError
 from kvstore.format.record import record_bytes

@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import assert_close, stop_service
+from support.engines import assert_close
+from support.services import service_config, stop_service
 
 from bench.support.answers import identical
 from bench.support.chat_model import WheelUnavailable, build_chat_model, default_chat_model_dir
@@ -45,10 +46,8 @@ def model() -> Path:
 
 
 def test_every_turn_finds_the_previous_answer_and_answers_stay_those_of_vllm(model, tmp_path, disk_dir):
-    config = {"chunk_tokens": CHUNK,
-              "tiers": {"host": {"capacity": "1GiB"},
-                        "disk": [{"path": f"{disk_dir}/disk", "capacity": "1GiB"}]},
-              "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "64MiB"}}
+    config = service_config(tmp_path, chunk_tokens=CHUNK, host="1GiB", disk_dir=disk_dir, disk="1GiB",
+                            staging="64MiB")
     try:
         with OpenAIServer(model, [*ARGS, "--no-enable-prefix-caching"], tmp_path / "kvstore.log",
                           connector={"config": config}, kv_cache_gib=2) as server:

@@ -11,8 +11,8 @@ import threading
 
 import msgspec
 import pytest
-from engine_harness import assert_close, run_engine, service_client, stop_service
-from redis_harness import redis_server  # noqa: F401 - a fixture
+from support.engines import assert_close, run_engine
+from support.services import service_client, stop_service
 
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 
@@ -55,7 +55,7 @@ def kvstore_events(events: list[dict], kind: str, medium: str) -> list[dict]:
     return [e for e in events if e.get("type") == kind and e.get("medium") == medium]
 
 
-def test_host_b_loads_what_host_a_stored_and_routers_hear_both(tmp_path, disk_dir, redis_server):  # noqa: F811
+def test_host_b_loads_what_host_a_stored_and_routers_hear_both(tmp_path, disk_dir, redis_server):
     model = build_tiny_llama(tmp_path / "model")
     long_prompt = prompt_token_ids(PROMPT_LEN, seed=1)
     prompts = tmp_path / "prompts.json"  # a short second prompt: more steps to publish events in

@@ -22,8 +22,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import corrupt_record, direct_io_dir, disk_records
-from engine_harness import assert_close, counters, run_engine, stop_service
+from support.engines import assert_close, run_engine
+from support.records import corrupt_record, disk_records
+from support.services import counters, stop_service
+from support.stores import direct_io_dir
 
 from bench.support.answers import Tokens, identical
 from bench.support.cpu_dtypes import BF16_SKIP_REASON, has_amx_tile

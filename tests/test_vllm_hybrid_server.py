@@ -15,8 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import corrupt_record, newest_chain_end
-from engine_harness import assert_close, counters, stop_service
+from support.engines import assert_close
+from support.records import corrupt_record, newest_chain_end
+from support.services import counters, service_config, stop_service
 
 from bench.support.answers import identical
 from bench.support.openai_server import OpenAIServer
@@ -40,9 +41,8 @@ def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, d
     record (a prefetch would drop it first, and nothing would fail)."""
     model: Path = build_tiny_gemma3(tmp_path / "gemma")
     disk = f"{disk_dir}/disk"
-    config = {"chunk_tokens": CHUNK,
-              "tiers": {"host": {"capacity": "256MiB"}, "disk": [{"path": disk, "capacity": "256MiB"}]},
-              "service": {"socket": str(tmp_path / "kvstore.sock"), "staging": "16MiB"}}
+    config = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", disk_dir=disk_dir, disk="256MiB",
+                            staging="16MiB")
     with OpenAIServer(model, ARGS, tmp_path / "reference.log", kv_cache_gib=1) as reference:
         expected = {name: reference.complete(prompt, max_tokens=8)
                     for name, prompt in (("prompt", PROMPT), ("damaged", DAMAGED))}

@@ -5,10 +5,10 @@ that mixes sliding-window and full attention (vLLM's hybrid KV cache manager on)
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from engine_harness import assert_close, service_client, stop_service
+from support.engines import assert_close
+from support.services import service_client, service_config, stop_service
 
 from bench.support.answers import Tokens, identical
 from bench.support.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids
@@ -30,10 +30,8 @@ def prompt_file(tmp_path) -> str:
 
 @pytest.fixture
 def connector(tmp_path, disk_dir):
-    raw = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "256MiB"},
-                                            "disk": [{"path": os.path.join(disk_dir, "disk"),
-                                                      "capacity": "256MiB"}]},
-           "service": {"socket": str(tmp_path / "kvstore.sock")}}
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", disk_dir=disk_dir, disk="256MiB",
+                         staging=None)
     yield {"config": raw}
     stop_service(raw)
 

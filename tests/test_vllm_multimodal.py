@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_harness import assert_close, stop_service
+from support.engines import assert_close
+from support.services import service_config, stop_service
 
 from bench.support.answers import compare
 from bench.support.openai_server import ChatReply, OpenAIServer, chat
@@ -60,8 +61,7 @@ def reference(model, tmp_path_factory) -> dict[int, ChatReply]:
 @pytest.fixture(scope="module")
 def kvstore_server(model, tmp_path_factory) -> Iterator[OpenAIServer]:
     folder = tmp_path_factory.mktemp("kvstore")
-    config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "256MiB"}},
-              "service": {"socket": str(folder / "kvstore.sock"), "staging": "16MiB"}}
+    config = service_config(folder, chunk_tokens=CHUNK, host="256MiB", staging="16MiB")
     try:
         with OpenAIServer(model, ARGS, folder / "server.log", connector={"config": config}, kv_cache_gib=1,
                           env=server_env(model)) as server:

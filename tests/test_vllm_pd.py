@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from engine_harness import assert_close
+from support.engines import assert_close
 
 from bench.support.answers import identical
 from bench.support.openai_server import Completion, complete, completion_body

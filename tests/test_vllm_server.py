@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_harness import assert_close, counters, service_client, stop_service
+from support.engines import assert_close
+from support.services import counters, service_client, service_config, stop_service
 
 from bench.support.answers import identical
 from bench.support.openai_server import SERVER_MODULE, Completion, OpenAIServer, completion_body
@@ -77,10 +78,8 @@ def store_config(tmp_path_factory) -> Iterator[dict]:
         os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
     except OSError:
         pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
-    config = {"chunk_tokens": CHUNK,
-              "tiers": {"host": {"capacity": "1GiB"},
-                        "disk": [{"path": str(folder / "disk"), "capacity": "1GiB"}]},
-              "service": {"socket": str(folder / "kvstore.sock"), "staging": "64MiB"}}
+    config = service_config(folder, chunk_tokens=CHUNK, host="1GiB", disk_dir=str(folder), disk="1GiB",
+                            staging="64MiB")
     yield config
     stop_service(config)
 

@@ -13,7 +13,7 @@ import json
 import shutil
 
 import pytest
-from engine_harness import counters, service_client, stop_service
+from support.services import counters, service_client, service_config, stop_service
 
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from connectors.weights import FileDigests, fingerprint
@@ -31,9 +31,8 @@ def setup(tmp_path, disk_dir):
     """A model directory, a prompt file and a kvstore config (its service stopped after)."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([PROMPT]))
-    config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "64MiB"},
-                                               "disk": [{"path": f"{disk_dir}/disk", "capacity": "128MiB"}]},
-              "service": {"socket": str(tmp_path / "run" / "kvstore.sock")}}
+    config = service_config(tmp_path, chunk_tokens=CHUNK, host="64MiB", disk_dir=disk_dir, disk="128MiB",
+                            socket="run/kvstore.sock", staging=None)
     yield build_tiny_llama(tmp_path / "model"), prompts, config
     stop_service(config)
 

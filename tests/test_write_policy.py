@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CHUNK_BYTES, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from kvstore.format.errors import ConfigError
 from kvstore.format.record import record_bytes
