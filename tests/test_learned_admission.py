@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import stat
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.services import service_config, stop_service
 
 from bench.support.replay import Replayer
 from bench.support.trace import read_passes
@@ -19,6 +22,7 @@ from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.units import parse_write_budget
 from kvstore.service import protocol as P
+from kvstore.service.client import StoreClient
 from kvstore.tiers.admission import THRESHOLD, TinyLFU
 from kvstore.tiers.chain_history import ChainHistory
 from kvstore.tiers.policy import ChainMemory, TierPolicy
@@ -55,6 +59,57 @@ def test_a_bucket_whose_chunks_come_back_is_told_from_one_whose_chunks_do_not():
     came_back = keys("b0-", 1)[0]  # a bucket of its own, with nothing yet
     assert rates.rate_of(came_back) == pytest.approx(rates.overall())
     assert rates.rate(rates.bucket_of(b"never seen".ljust(16))) == pytest.approx(rates.overall())
+
+
+def trained(rates: ReturnRates) -> ReturnRates:
+    """Short answers' chunks come back, long answers' do not, each departure out a whole ramp."""
+    for i in range(40):
+        back, gone = keys(f"b{i}-", 2), keys(f"g{i}-", 2)
+        rates.finished(back, SHORT)
+        rates.finished(gone, LONG)
+        for key in back + gone:
+            rates.left(key, now=10.0 * i)
+        rates.named(back, now=10.0 * i + 5)
+    rates.named([], now=400.0 + rates.ramp_s)
+    return rates
+
+
+def test_what_was_learned_is_restored_whole_by_a_later_process():
+    """A restart keeps the per-bucket counts (as JSON, no key in them): the new process
+    tells the buckets apart at once, where one from cold admits everything."""
+    state = json.loads(json.dumps(trained(ReturnRates(1 << 12)).state()))
+    assert not any(isinstance(v, str) for v in state.values())  # counts only, no keys
+    restarted, cold = ReturnRates(1 << 12), ReturnRates(1 << 12)
+    restarted.restore(state)
+    for rates in (restarted, cold):
+        rates.finished(keys("short", 1), SHORT)
+        rates.finished(keys("long", 1), LONG)
+    assert restarted.rate_of(keys("short", 1)[0]) > 0.8 and restarted.rate_of(keys("long", 1)[0]) < 0.1
+    assert cold.rate_of(keys("long", 1)[0]) == 1.0  # before anything is learned nothing is refused
+    assert restarted.state() == state
+
+
+def damaged(state: dict) -> list[object]:
+    """A stored state changed in each way a damaged, foreign or older file could be."""
+    return [None, [], "state", {**state, "version": 0}, {**state, "buckets": state["buckets"] + 1},
+            {**state, "extra": 1}, {k: v for k, v in state.items() if k != "delay"},
+            {**state, "returns": state["returns"][:-1]}, {**state, "settled": [-1.0] * state["buckets"]},
+            {**state, "totals": [math.inf, 0.0]}, {**state, "delay": [True, 1.0]},
+            {**state, "returns": ["1"] * state["buckets"]}, {**state, "totals": [1e300, 0.0]}]
+
+
+@given(st.data())
+def test_a_stored_state_is_taken_whole_or_refused_whole(data):
+    good = trained(ReturnRates(1 << 10)).state()
+    value = data.draw(st.one_of(st.sampled_from(damaged(good)), st.recursive(
+        st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=12)))
+    rates = ReturnRates(64)
+    before = rates.state()
+    with pytest.raises(ValueError):
+        rates.restore(value)
+    assert rates.state() == before
 
 
 def test_a_departure_counts_in_proportion_to_its_time_out():
@@ -329,3 +384,37 @@ def test_the_replay_counts_refusals_once_per_chunk_that_leaves(tmp_path):
     (requests,) = read_passes(trace, BLOCK)
     result = replayer.run(requests)
     assert result["admission_refused"] == len(dropped) > 0
+
+
+# -- the service keeps what was learned across restarts --------------------------------------
+
+
+def test_the_service_keeps_what_was_learned_across_a_restart(tmp_path, disk_dir):
+    """Written 0600 beside the socket when the service stops, handed to the next one's
+    store; a damaged file is counted and the service learns from cold, never fails."""
+    config = {**service_config(tmp_path, host="4MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 0.5}),
+              "disk_admission": "learned"}
+    saved = tmp_path / "kvstore.sock.learned"
+    trained_state = trained(ReturnRates(1 << 12)).state()
+
+    def restart() -> dict[str, int]:
+        """Start the service (its store made by a worker's hello), read its counters, stop it."""
+        worker = StoreClient(load_config(config), 64 * 1024)
+        try:
+            return worker.info()["counters"]
+        finally:
+            worker.close()
+            stop_service(config)
+
+    try:
+        restart()
+        assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+        assert json.loads(saved.read_text())["buckets"] == trained_state["buckets"]
+        saved.write_text(json.dumps(trained_state))
+        assert "admission.learned_refused" not in restart()
+        assert json.loads(saved.read_text()) == trained_state  # restored, then written back unchanged
+        saved.write_text('{"version": 1, "buckets": "many"')
+        assert restart()["admission.learned_refused"] == 1
+        assert json.loads(saved.read_text())["returns"] != trained_state["returns"]  # learning from cold
+    finally:
+        stop_service(config)

@@ -13,9 +13,12 @@ be ours.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import stat
 from collections.abc import Collection
+from typing import Any
 
 from kvstore.format.errors import ConfigError
 
@@ -94,3 +97,24 @@ def open_private(path: str, flags: int) -> int:
         os.close(fd)
         raise ConfigError("service.socket", path, "a runtime file there is not ours or not a regular file")
     return fd
+
+
+def write_private_json(path: str, value: Any) -> None:
+    """`value` as JSON in a 0600 file of a private directory, whole or not at all (a
+    temporary file renamed over the old one); OSError or ConfigError when it cannot be."""
+    temporary = f"{path}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)
+    with os.fdopen(open_private(temporary, os.O_WRONLY | os.O_EXCL), "w") as f:
+        json.dump(value, f)
+    os.replace(temporary, path)
+
+
+def read_private_json(path: str) -> Any:
+    """What `write_private_json` wrote there; None when there is nothing (no file, or an
+    empty one). OSError, ConfigError or ValueError when it cannot be read as JSON."""
+    if not os.path.lexists(path):
+        return None
+    with os.fdopen(open_private(path, os.O_RDONLY)) as f:
+        text = f.read()
+    return json.loads(text) if text else None

@@ -31,6 +31,7 @@ from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.malformed import MalformedCounts
 from kvstore.io.regions import Region
+from kvstore.service import learned_file
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.namespaces import NamespaceBook
@@ -171,6 +172,7 @@ class Requests:
             if self.store is None:
                 self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
                                          dtype=hello.dtype, shape=hello.shape)
+                learned_file.restore(self.store, self.socket_path)
                 self.events.watch(self.store)
             elif self.store.chunk_bytes != hello.chunk_bytes:
                 raise ConfigError("service.socket", self.socket_path,
@@ -276,5 +278,6 @@ class Requests:
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         with self.lock:
             if self.store is not None:
+                learned_file.save(self.store, self.socket_path)
                 self.store.close()
                 self.store = None

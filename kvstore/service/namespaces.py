@@ -19,8 +19,6 @@ refused with an error, and nothing of it is kept.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import re
@@ -30,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstore.config.runtime import open_private
+from kvstore.config.runtime import read_private_json, write_private_json
 from kvstore.format.errors import KVStoreError
 from kvstore.service import protocol as P
 from kvstore.store.tiered import TieredStore
@@ -105,8 +103,7 @@ class NamespaceBook:
         if self.path is None:
             return
         try:
-            with os.fdopen(open_private(self.path, os.O_RDONLY)) as f:
-                stored = json.load(f)
+            stored = read_private_json(self.path) or []
             for row in stored[-MAX_NAMESPACES:]:
                 digest = bytes.fromhex(row["namespace"])
                 self._entries[digest] = {"description": _checked(digest, row["description"]),
@@ -121,14 +118,9 @@ class NamespaceBook:
         self._saved_at, self._dirty = now, False
         if self.path is None:
             return
-        temporary = f"{self.path}.tmp"
         rows = [{"namespace": digest.hex(), **entry} for digest, entry in self._entries.items()]
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
-            with os.fdopen(open_private(temporary, os.O_WRONLY | os.O_EXCL), "w") as f:
-                json.dump(rows, f)
-            os.replace(temporary, self.path)
+            write_private_json(self.path, rows)
         except (OSError, KVStoreError) as exc:
             log.warning("announced namespaces not written to %s (%s)", self.path, exc)
 

@@ -206,6 +206,11 @@ class TieredStore:
         for keys in ranks:
             self.parts.policy.finished(check_keys(keys), end)
 
+    def learned_admission(self, restore: object = None) -> dict[str, Any] | None:
+        """What `learned` disk admission has learned, for a later process (None: another
+        policy); `restore`, an earlier one's, is taken over first (ValueError: it does not check)."""
+        return self.parts.policy.learned_state(restore)
+
     # -- housekeeping ----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:

@@ -208,6 +208,18 @@ class TierPolicy:
             with self._lock:
                 self._admission.finished(keys, end)
 
+    def learned_state(self, restore: object = None) -> dict[str, Any] | None:
+        """What `learned` admission has learned (ReturnRates.state), None under another
+        policy; `restore` (an earlier process's) is taken over first: ValueError if it does
+        not check, or if admission is not `learned`."""
+        with self._lock:
+            admission = self._admission
+            if restore is not None:
+                if not isinstance(admission, Learned):
+                    raise ValueError(f"disk admission is {self.admission}, not learned")
+                admission.rates.restore(restore)
+            return admission.rates.state() if isinstance(admission, Learned) else None
+
     def left_dram(self, key: bytes, on_disk: bool) -> str | None:
         """The DRAM table's event: this chunk left DRAM (`on_disk`: its disk copy is there,
         written now or before). Without one it was refused: why (`refusal`) is returned, and it

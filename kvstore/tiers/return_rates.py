@@ -24,8 +24,13 @@ departed chunks, `capacity` chunks seen back and `capacity` queued departures (t
 recent forgotten first, a forgotten departure counted in full), and a few numbers per
 bucket (BUCKETS of them); the counts are halved once `capacity` departures have been
 counted since the last halving, so a change of traffic is followed. Only `finished`,
-`left` and `named` change state; `rate` and `rate_of` never do. Not thread-safe
-(TierPolicy calls it under its lock).
+`left`, `named` and `restore` change state; `rate`, `rate_of` and `state` never do. Not
+thread-safe (TierPolicy calls it under its lock).
+
+What was learned outlives the process: `state()` is every bucket's counts (not the
+chunks' labels or the departures still out, which name keys), and `restore` takes one
+back, checked field by field, so a restarted service admits as the old one did from its
+first eviction instead of learning again from cold (minutes, when returns take minutes).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ PRIOR_WEIGHT = 4.0  # departures' worth of everyone's rate in a bucket's own
 RAMP_S = (300.0, 300.0, 3600.0)  # a departure's exposure ramp: least, before any return, most
 MAX_TOKENS = 1 << 31  # an answer's tokens, and a chain's turns, as the protocol bounds them
 MAX_IDLE_S = 1e9  # seconds: about 32 years
+STATE_VERSION = 1  # of `state()`: the bucket layout above is part of it
+MAX_COUNT = 1e15  # a stored count past this is not one a process made
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,18 @@ class ReturnRates:
         prior = PRIOR_WEIGHT * self.overall(now)
         return (self.returns[bucket] + prior) / (self._exposure(bucket, now) + PRIOR_WEIGHT)
 
+    def state(self) -> dict[str, Any]:
+        """What was learned, per bucket: enough for `restore` in a later process."""
+        return {"version": STATE_VERSION, "buckets": BUCKETS, "returns": list(self.returns),
+                "settled": list(self.settled), "totals": list(self._totals), "delay": list(self._delay)}
+
+    def restore(self, state: object) -> None:
+        """Take over what a `state()` says was learned; ValueError, and nothing changed, when
+        it is not a state of this version and bucket layout."""
+        counts = _checked_state(state)
+        self.returns, self.settled = counts["returns"], counts["settled"]
+        self._totals, self._delay = counts["totals"], counts["delay"]
+
     def bucket_of(self, key: bytes) -> int:
         """The bucket of the request that last named this chunk, and whether it came back before."""
         return self._label.get(key, UNKNOWN) + (2 * ENDS if key in self._came_back else 0)
@@ -194,3 +213,22 @@ class ReturnRates:
     def rate_of(self, key: bytes, now: float = 0.0) -> float:
         """The return rate of the chunk's bucket (bucket_of) at `now`."""
         return self.rate(self.bucket_of(key), now)
+
+
+def _checked_state(state: object) -> dict[str, list[float]]:
+    """The counts of a `state()`, each list its length and each count a finite number from
+    0 to MAX_COUNT; ValueError saying what is wrong otherwise."""
+    lengths = {"returns": BUCKETS, "settled": BUCKETS, "totals": 2, "delay": 2}
+    if not isinstance(state, dict) or set(state) != {"version", "buckets", *lengths}:
+        raise ValueError(f"learned rates: a mapping of exactly version, buckets, {', '.join(lengths)}")
+    if state["version"] != STATE_VERSION or state["buckets"] != BUCKETS:
+        raise ValueError(f"learned rates of version {state['version']!r} with {state['buckets']!r} buckets; "
+                         f"this kvstore keeps version {STATE_VERSION} with {BUCKETS}")
+    counts: dict[str, list[float]] = {}
+    for name, length in lengths.items():
+        values = state[name]
+        if not isinstance(values, list) or len(values) != length or not all(
+                type(v) in (int, float) and 0 <= v <= MAX_COUNT for v in values):
+            raise ValueError(f"learned rates: {name} must be {length} counts from 0 to {MAX_COUNT:g}")
+        counts[name] = [float(v) for v in values]
+    return counts

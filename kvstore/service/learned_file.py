@@ -1,0 +1,47 @@
+"""What `learned` disk admission learned, kept across the service's restarts.
+
+Learning from cold takes as long as people take to come back to a conversation
+(minutes), and a disk admission that has not learned yet refuses what it should not. So
+the service writes the store's learned return rates (per bucket: no key, no prompt) to
+`SOCKET.learned` (0600 JSON in its private directory) when it closes, and hands them
+back to the store it makes at the next start. What does not check (another version, a
+damaged or foreign file) is set aside with a warning and counted
+(`admission.learned_refused`): the store then learns from cold, it never fails to start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.config.runtime import read_private_json, write_private_json
+from kvstore.format.errors import KVStoreError
+from kvstore.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+SUFFIX = ".learned"  # after the service's socket path
+
+
+def restore(store: TieredStore, socket: str) -> None:
+    """Start the store's `learned` admission from the service's file, if both are there."""
+    path = socket + SUFFIX
+    if store.learned_admission() is None:
+        return  # another admission policy: nothing to start from
+    try:
+        state = read_private_json(path)
+        if state is not None:
+            store.learned_admission(state)
+            log.info("learned disk admission: return rates restored from %s", path)
+    except (OSError, ValueError, KVStoreError) as exc:
+        store.stats.add("admission.learned_refused")
+        log.warning("learned disk admission: %s not used (%s); learning from cold", path, exc)
+
+
+def save(store: TieredStore, socket: str) -> None:
+    """Write what the store's `learned` admission has learned (nothing under another policy)."""
+    state = store.learned_admission()
+    if state is None:
+        return
+    try:
+        write_private_json(socket + SUFFIX, state)
+    except (OSError, KVStoreError) as exc:
+        log.warning("learned disk admission: return rates not written to %s (%s)", socket + SUFFIX, exc)
