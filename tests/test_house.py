@@ -206,6 +206,20 @@ class Plain:
                                    "constructor: kvstore/format/records.py:Plain.__init__: 8 parameters"]
 
 
+def test_the_size_rules_hold_in_benchs_support_and_commands_where_dataclasses_are_rows(tmp_path):
+    _tree(tmp_path)
+    fields = "".join(f"    f{i}: float = 0\n" for i in range(11))
+    row = f"from dataclasses import dataclass\n\n@dataclass\nclass Row:\n{fields}"
+    wide = "class Wide:\n    def __init__(self, a, b, c, d, e, f, g, h): pass\n"
+    for floor in ("support", "commands", "lab"):
+        _write(tmp_path, f"bench/{floor}/__init__.py", "")
+        _write(tmp_path, f"bench/{floor}/big.py", _class("Big", 201) + row + wide)
+    assert sorted(_findings(tmp_path)) == ["class size: bench/commands/big.py:Big: 201 lines",
+                                           "class size: bench/support/big.py:Big: 201 lines",
+                                           "constructor: bench/commands/big.py:Wide.__init__: 8 parameters",
+                                           "constructor: bench/support/big.py:Wide.__init__: 8 parameters"]
+
+
 # -- bench in floors, and how tests reach it ----------------------------------------------
 
 def _bench(root: Path) -> Path:
