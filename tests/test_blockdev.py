@@ -23,7 +23,7 @@ def test_striped_block_devices_round_trip_and_recover(loop_devices, engine, stor
     config = {"tiers": {"disk": [{"path": d, "capacity": "12MiB"} for d in loop_devices]},
               "io": {"engine": engine, "queue_depth": 8}}
     store = store_factory(config)
-    assert all(d.is_block and d.logical_block == 4096 for d in store.parts.disk.devices)
+    assert all(d.block for d in store.probe.devices())
     keys, payloads = make_keys(40), make_payloads(40)
     assert all(store.put_many(keys, payloads))
     devices = [store.probe.where(k).device for k in keys]

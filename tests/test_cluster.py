@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from support import faults
 from support.cluster import (
     CHUNK,
     DEADLINE_S,
@@ -185,7 +186,7 @@ def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_serve
         keys, payloads = make_keys(SLOTS, seed=9), make_payloads(SLOTS, seed=9, chunk_bytes=CHUNK)
         a.put_many(keys, payloads)
         a.step()
-        (device,) = b.parts.cluster.devices
+        (device,) = faults.peer_devices(b)
         engine.add(Fault("hang", match=lambda request: request.fd == device.fd))
         started = time.monotonic()
         assert read_back(b, keys)[0] == [False] * SLOTS
@@ -197,7 +198,7 @@ def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_serve
         assert time.monotonic() - started < 0.1  # no I/O at all
         engine.clear()
         time.sleep(0.35)  # io.breaker_cooldown_s
-        b.parts.cluster.devices.check_once()  # what the monitor thread does
+        faults.look_for_peer_devices(b)  # what the monitor thread does
         assert device.health.state == "in_service"
         ok, outs = read_back(b, keys)
         assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
@@ -250,8 +251,8 @@ def test_an_index_that_lost_its_data_is_filled_again_at_the_next_renewal(disk_di
             r.flushall()  # what a restart without persistence leaves
         time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
         assert b.lookup(keys).count == 0
-        a.parts.cluster.publisher._renewed = 0.0  # the renewal is due (every lease_s / 3)
-        assert a.parts.cluster.publisher.step()  # the lease was gone: everything is published again
+        faults.renewal_due(a)
+        assert faults.publisher(a).step()  # the lease was gone: everything is published again
         time.sleep(1.1)
         assert b.lookup(keys).tiers == ("peer",) * SLOTS
     finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import faults
 from support.cluster import CHUNK, host_config
 from support.stores import make_keys, make_payloads, read_back
 
@@ -226,7 +227,7 @@ def test_this_machines_ended_service_leaves_a_lease_that_a_restart_takes_over(st
                         background=False)
     try:
         with admin(server) as r:
-            assert LeaseHolder.unpack(r.get(lease)) == store.parts.cluster.publisher.lease.mine
+            assert LeaseHolder.unpack(r.get(lease)) == faults.publisher(store).lease.mine
     finally:
         store.close()
 

@@ -11,25 +11,31 @@ import time
 
 import numpy as np
 import pytest
+from support import faults
 from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
-from kvstore.devices.health import IN_SERVICE, OFFLINE, TRIPPED
+from kvstore.devices.health import IN_SERVICE, TRIPPED
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 
 SLOT = record_bytes(CHUNK_BYTES)
 
 
-def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldown_passed=True):
+def _config(disk_dir, timeout_s=5.0) -> dict:
+    """A disk tier striped over two devices, a breaker that trips at 2 faults in a row."""
     paths = [os.path.join(disk_dir, name) for name in ("a", "b")]
-    config = {"tiers": {"disk": [{"path": p, "capacity": 32 * SLOT} for p in paths]},
-              "io": {"queue_depth": 8, "timeout_s": timeout_s, "breaker_threshold": 2,
-                     "breaker_cooldown_s": 30}}
+    return {"tiers": {"disk": [{"path": p, "capacity": 32 * SLOT} for p in paths]},
+            "io": {"queue_depth": 8, "timeout_s": timeout_s, "breaker_threshold": 2,
+                   "breaker_cooldown_s": 30}}
+
+
+def _two_devices(disk_dir, faulty, store_factory, timeout_s=5.0, count=8, cooldown_passed=True):
+    config = _config(disk_dir, timeout_s)
     # The test drives the monitor's check itself (TieredStore.step), deterministically, on a clock
     # that is already past every cooldown unless the test is about the cooldown.
     store = store_factory(config, engine=faulty, background=False)
     if cooldown_passed:
-        store.parts.monitor.clock = lambda: time.monotonic() + 3600
+        faults.monitor_clock(store, lambda: time.monotonic() + 3600)
     keys, payloads = make_keys(count), make_payloads(count)
     assert all(store.put_many(keys, payloads))
     return store, keys, payloads
@@ -49,13 +55,12 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
     on_a = [i for i, k in enumerate(keys) if _device_of(store, k) == 0]
     assert len(on_a) == 4  # striped: half the chunks on each device
-    fd_a = store.parts.disk.devices[0].fd
-    faulty.add(Fault("error", error=error, match=lambda r: r.fd == fd_a))
+    faulty.add(Fault("error", error=error, match=faults.on_device(store, 0)))
 
     ok, outs = read_back(store, keys)
     assert [i for i, served in enumerate(ok) if not served] == on_a
     assert _served_match(ok, outs, payloads)
-    health = store.parts.disk.availability.health[0]
+    health = store.probe.devices()[0]
     assert health.state == TRIPPED and health.trips == 1
     assert store.probe.devices()[1].state == IN_SERVICE
     counters = store.stats.snapshot()
@@ -68,11 +73,12 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     assert all(_device_of(store, k) == 1 for k in make_keys(2, seed=9))  # nothing placed on a
 
     store.step()  # still failing: the superblock read fails, a stays out
+    health = store.probe.devices()[0]
     assert health.state == TRIPPED and "revalidation failed" in health.reason
 
     faulty.clear()
     store.step()
-    assert health.state == IN_SERVICE
+    assert store.probe.devices()[0].state == IN_SERVICE
     ok, outs = read_back(store, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
     assert store.stats.snapshot()["disk.revalidated_chunks"] == 4  # the faults removed 0 of a's
@@ -80,8 +86,7 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
 
 def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory, timeout_s=0.5)
-    fd_a = store.parts.disk.devices[0].fd
-    faulty.add(Fault("hang", match=lambda r: r.fd == fd_a))
+    faulty.add(Fault("hang", match=faults.on_device(store, 0)))
     started = time.monotonic()
     ok, outs = read_back(store, keys)
     first = time.monotonic() - started
@@ -95,21 +100,20 @@ def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, fault
 
 def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, store_factory):
     store, _, _ = _two_devices(disk_dir, faulty, store_factory, count=2)
-    fd_a = store.parts.disk.devices[0].fd
-    faulty.add(Fault("latency", reads=False, writes=True, delay_s=0.5, match=lambda r: r.fd == fd_a))
+    faulty.add(Fault("latency", reads=False, writes=True, delay_s=0.5, match=faults.on_device(store, 0)))
     keys, payloads = make_keys(2, seed=5), make_payloads(2, seed=5)
     result = {}
     writer = threading.Thread(target=lambda: result.update(stored=store.put_many(keys, payloads)))
     writer.start()
     time.sleep(0.2)  # the write to device a is now in flight
-    store.parts.disk.availability.take_out(0, OFFLINE, "test: controller lost")
+    faults.controller_lost(store, 0, "test: controller lost")
     writer.join(timeout=10)
     assert not writer.is_alive()
     faulty.clear()
     lost = [k for k in keys if store.lookup([k]).count == 0]
     assert len(lost) == 1  # the chunk striped onto device a
     assert store.stats.snapshot()["disk.write_dropped_device_lost"] == 1
-    assert store.parts.disk.availability.revalidate(0)
+    assert faults.revalidate(store, 0)
     # Its bytes did land, but its header was zeroed before the device served again.
     assert store.lookup(lost).count == 0
     ok, _ = read_back(store, lost)
@@ -118,10 +122,9 @@ def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, st
 
 def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory)
-    config = store.parts.config
-    store.parts.disk.availability.take_out(0, OFFLINE, "test")
+    faults.controller_lost(store, 0, "test")
     store.close()
-    reopened = store_factory(config, engine=faulty)
+    reopened = store_factory(_config(disk_dir), engine=faulty)
     assert reopened.probe.recovery()["from_checkpoint"] == 1 and reopened.probe.recovery()["scanned"] == 1
     ok, outs = read_back(reopened, keys)
     assert all(ok) and _served_match(ok, outs, payloads)
@@ -141,20 +144,19 @@ def test_a_timed_out_promotion_never_reuses_its_dram_slot(disk_dir, faulty, stor
     assert store.stats.snapshot()["host.slots_retired"] == 2
     # The two DRAM slots the reads were aimed at stay pinned: no new record can land there
     # while the kernel might still write into them.
-    assert store.parts.dram.table.retired == 2
+    assert store.probe.retired() == 2
     assert store.probe.pinned() == 2
 
 
 def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, faulty, store_factory):
     store, keys, _ = _two_devices(disk_dir, faulty, store_factory, cooldown_passed=False)
-    fd_a = store.parts.disk.devices[0].fd
-    faulty.add(Fault("error", match=lambda r: r.fd == fd_a, remaining=2))
+    faulty.add(Fault("error", match=faults.on_device(store, 0), remaining=2))
     read_back(store, keys)
-    health = store.parts.disk.availability.health[0]
-    assert health.state == TRIPPED
+    assert store.probe.devices()[0].state == TRIPPED
     store.step()  # healthy again, but within the cooldown: stays out
+    health = store.probe.devices()[0]
     assert health.state == TRIPPED and health.reason.startswith("2 faults in a row")
     later = time.monotonic() + 31
-    store.parts.monitor.clock = lambda: later
+    faults.monitor_clock(store, lambda: later)
     store.step()
-    assert health.state == IN_SERVICE
+    assert store.probe.devices()[0].state == IN_SERVICE

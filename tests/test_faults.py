@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from support import faults
 from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.devices import layout
@@ -54,7 +55,7 @@ def test_torn_write_is_never_served(disk_dir, faulty, store_factory):
 
 def _payload_offset(store, nth_reserved: int) -> int:
     """Slots are handed out lowest first on a fresh device."""
-    _fd, offset = store.parts.disk.locate(nth_reserved)
+    offset = faults.disk_offset(store, nth_reserved)
     return offset + 4096
 
 

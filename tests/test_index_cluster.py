@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from support import faults
 from support.cluster import CHUNK, capacity_for, client, found, get, host_config, put, wait_for
 from support.services import counters, service_config, stop_service
 from support.stores import attached, make_keys, make_payloads, read_back
@@ -129,7 +130,7 @@ def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[Tier
             config["cluster"].update({"index_deadline_s": DEADLINE_S, **cluster})
             stores.append(TieredStore(config, CHUNK, background=True))
         for store in stores:
-            store.parts.cluster.devices.check_once()  # the later hosts' devices exist now
+            faults.look_for_peer_devices(store)  # the later hosts' devices exist now
     except BaseException:
         for store in stores:
             store.close()
@@ -253,7 +254,7 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
         # not received) are sent again by their host within republish_s. Host a's publishing
         # thread is stopped first (its steps are then taken here), so no republish can
         # restore them before they are seen missing.
-        publisher = stores[0].parts.cluster.publisher
+        publisher = faults.publisher(stores[0])
         stop_thread(publisher)
         with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.live()) as r:
             assert [r.hdel(index.chunk(key), "a") for key in keys[0][:4]] == [1] * 4
@@ -264,7 +265,7 @@ def test_a_killed_master_costs_only_its_keys_until_its_replica_takes_over(
 
         # A host that dies (its publisher stops, its lease is not withdrawn): its entries
         # stop counting once its lease runs out, the others' stay.
-        stop_thread(stores[3].parts.cluster.publisher)
+        stop_thread(faults.publisher(stores[3]))
         died = time.monotonic()
         wait_for(lambda: trace.round([0], [3]) == (0, CHUNKS), timeout_s=6, what="the dead host's expiry")
         assert time.monotonic() - died < 3.0 + 1.5
@@ -311,7 +312,7 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
             took = []
             for _ in range(3):  # the first pays the deadline, the next skip the hung shard at once
                 started = time.monotonic()
-                answer = b.parts.cluster.index.locate(asked)
+                answer = faults.index_locate(b, asked)
                 took.append(time.monotonic() - started)
                 assert took[-1] < 3 * DEADLINE_S, f"a lookup took {took[-1]:.2f} s with a master hung"
                 assert answer is not None and answer.keys() == alive

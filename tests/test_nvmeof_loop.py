@@ -35,7 +35,7 @@ def _config(fake, engine):
 def test_striped_namespaces_lose_and_regain_one_path(namespaces, engine, store_factory):
     store = store_factory(_config(namespaces, engine), background=False)  # the monitor: step() below
     assert [d.path for d in store.probe.devices()] == namespaces.devices
-    assert all(d.is_block and d.logical_block == 4096 for d in store.parts.disk.devices)
+    assert all(d.block for d in store.probe.devices())
     keys, payloads = make_keys(40), make_payloads(40)
     assert all(store.put_many(keys, payloads))
     groups = [namespaces.devices.index(store.probe.where(k).device) for k in keys]

@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from support import faults
 from support.traces import BLOCK, write_trace
 
 from bench.support.replay import Replayer, parse_tier
@@ -157,7 +158,7 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
     payload = np.zeros(chunk, np.uint8)
     with TieredStore(config, chunk, background=False) as store:
         assert store.probe.capacity("disk") == 10
-        store.parts.policy.clock = replayer.policy.clock  # the trace's time, for `learned` too
+        faults.policy_clock(store, replayer.policy.clock)  # the trace's time, for `learned` too
         tell = replayer.policy.finished  # requests that end tell the store what they tell the replay
 
         def finished(keys: list[bytes], end: RequestEnd) -> None:

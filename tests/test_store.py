@@ -3,6 +3,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from support import faults
 from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.format.errors import ConfigError, DeviceError, ShapeError
@@ -131,8 +132,7 @@ def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
     store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
-    slot = store.parts.dram.table.find(keys[1])
-    store.parts.dram.slot_view(slot)[16:32] = bytes(16)  # a stray write into the slab
+    faults.stray_write(store, keys[1], 16, bytes(16))  # a stray write into the slab
     ok, _ = read_back(store, keys)
     assert ok == [True, False]
     assert store.stats.snapshot()["host.miss.wrong_key"] == 1

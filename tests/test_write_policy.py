@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import faults
 from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from kvstore.format.errors import ConfigError
@@ -35,7 +36,7 @@ def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, s
     assert store.lookup(keys).tiers == ("host",) * 4  # still served from DRAM
     # A service killed now loses nothing: the disk alone serves every chunk.
     for key in keys:
-        store.parts.dram.table.unpublish(key)
+        faults.lose_from_dram(store, key)
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 

@@ -31,13 +31,16 @@ class Place:
 @dataclass(frozen=True)
 class DeviceState:
     """One device of the disk tier: its path, where its first slot starts (None: not open,
-    absent at start), its health state (devices/health.py: in service, tripped...) and
-    why it is out of service ("" when in)."""
+    absent at start), its health state (devices/health.py: in service, tripped...), why
+    it is out of service ("" when in), how often its breaker tripped, and whether it is a
+    block device of 4096-byte logical blocks or a file."""
 
     path: str
     data_offset: int | None
     state: str
     reason: str = ""
+    trips: int = 0
+    block: bool = False
 
 
 class StoreProbe:
@@ -58,6 +61,10 @@ class StoreProbe:
         part = self._parts.dram if tier == "host" else self._parts.disk
         return {entry.key for entry in part.table.entries()} if part is not None else set()
 
+    def retired(self) -> int:
+        """DRAM slots kept pinned for good after a read into them was abandoned."""
+        return self._parts.dram.table.retired if self._parts.dram is not None else 0
+
     def pinned(self) -> int:
         """DRAM slots pinned now (reads, leases, reservations, and retired slots)."""
         dram = self._parts.dram
@@ -77,7 +84,8 @@ class StoreProbe:
         if disk is None:
             return []
         return [DeviceState(device.path, layout.sb.data_offset if layout is not None else None,
-                            health.state, health.reason)
+                            health.state, health.reason, health.trips,
+                            device.is_block and device.logical_block == 4096 and device.fd >= 0)
                 for device, layout, health in zip(disk.devices, disk.devices.layouts,
                                                   disk.availability.health, strict=True)]
 
