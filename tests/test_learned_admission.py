@@ -40,29 +40,9 @@ def keys(prefix: str, count: int) -> list[bytes]:
 # -- return rates ------------------------------------------------------------------------
 
 
-def test_a_bucket_whose_chunks_come_back_is_told_from_one_whose_chunks_do_not():
-    """Chunks of short answers leave DRAM and come back; chunks of long answers leave and do
-    not. Once their departures have been out a whole ramp, the rates say so."""
-    rates = ReturnRates(capacity=1 << 12)
-    for i in range(40):
-        back, gone = keys(f"b{i}-", 2), keys(f"g{i}-", 2)
-        rates.finished(back, SHORT)
-        rates.finished(gone, LONG)
-        for key in back + gone:
-            rates.left(key, now=10.0 * i)
-        rates.named(back, now=10.0 * i + 5)
-    rates.named([], now=400.0 + rates.ramp_s)  # every departure now out a whole ramp
-    short, long = keys("new-short", 1), keys("new-long", 1)
-    rates.finished(short, SHORT)
-    rates.finished(long, LONG)
-    assert rates.rate_of(short[0]) > 0.8 and rates.rate_of(long[0]) < 0.1
-    came_back = keys("b0-", 1)[0]  # a bucket of its own, with nothing yet
-    assert rates.rate_of(came_back) == pytest.approx(rates.overall())
-    assert rates.rate(rates.bucket_of(b"never seen".ljust(16))) == pytest.approx(rates.overall())
-
-
 def trained(rates: ReturnRates) -> ReturnRates:
-    """Short answers' chunks come back, long answers' do not, each departure out a whole ramp."""
+    """Chunks of short answers leave DRAM and come back; chunks of long answers leave and do
+    not; then every departure has been out a whole ramp."""
     for i in range(40):
         back, gone = keys(f"b{i}-", 2), keys(f"g{i}-", 2)
         rates.finished(back, SHORT)
@@ -72,6 +52,19 @@ def trained(rates: ReturnRates) -> ReturnRates:
         rates.named(back, now=10.0 * i + 5)
     rates.named([], now=400.0 + rates.ramp_s)
     return rates
+
+
+def test_a_bucket_whose_chunks_come_back_is_told_from_one_whose_chunks_do_not():
+    """Once departures have been out a whole ramp, the rates tell short answers' chunks
+    (they came back) from long answers' (they did not)."""
+    rates = trained(ReturnRates(capacity=1 << 12))
+    short, long = keys("new-short", 1), keys("new-long", 1)
+    rates.finished(short, SHORT)
+    rates.finished(long, LONG)
+    assert rates.rate_of(short[0]) > 0.8 and rates.rate_of(long[0]) < 0.1
+    came_back = keys("b0-", 1)[0]  # a bucket of its own, with nothing yet
+    assert rates.rate_of(came_back) == pytest.approx(rates.overall())
+    assert rates.rate(rates.bucket_of(b"never seen".ljust(16))) == pytest.approx(rates.overall())
 
 
 def test_what_was_learned_is_restored_whole_by_a_later_process():
