@@ -47,6 +47,8 @@ import pytest
 from support.records import corrupt_record
 from support.services import counters, service_client, small_service_config, stop_service
 
+from bench.support.processes import paused
+
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = 5  # chunks stored (a driver may make the last one a prompt's shorter chunk)
 FLIPPED = 1  # the chunk whose record the fresh-process case flips on disk
@@ -180,8 +182,7 @@ def _frozen(driver: Driver, out: Path) -> dict[str, Any]:
     finally:
         client.close()
     out.with_suffix(".pid").write_text(str(pid))
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with paused(pid):
         calls: dict[str, Callable[[], Any]] = {
             "load": lambda: driver.load(range(COUNT))[0], "exists": lambda: driver.exists(range(COUNT)),
             "save": lambda: driver.save(range(100, 100 + COUNT))}
@@ -190,8 +191,6 @@ def _frozen(driver: Driver, out: Path) -> dict[str, Any]:
             started = time.monotonic()
             answer = call()
             seen[name] = {"seconds": time.monotonic() - started, "answer": answer}
-    finally:
-        os.kill(pid, signal.SIGCONT)
     return seen
 
 

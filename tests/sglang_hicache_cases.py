@@ -11,9 +11,7 @@ at its own directory through the environment) for the rest of the process."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from hypothesis import strategies as st
 from support.records import corrupt_record
 from support.services import service_client, small_service_config, stop_service
 
+from bench.support.processes import paused
 from bench.support.sglang_host_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
 from kvstore.format.errors import ConfigError
 
@@ -514,13 +513,10 @@ def test_v2_calls_it_cannot_serve_are_misses_never_exceptions(store, tmp_path):
         assert exists_v2(kvstore, KEYS, [("indexer", 0, "all_pages")]).kv_hit_pages == 0
         # A stopped service: misses within the deadline.
         pid = service_client(store).info()["service_pid"]
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with paused(pid):
             got, _ = load_hybrid(kvstore, pools)
             assert named(got) == {"mamba": [False] * PAGES, "swa": [False] * PAGES}
             assert exists_v2(kvstore, KEYS, QUERIES["mamba"]).kv_hit_pages == 0
-        finally:
-            os.kill(pid, signal.SIGCONT)
     finally:
         kvstore.close()
 

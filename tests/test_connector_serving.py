@@ -6,8 +6,6 @@ connector's own worker code on CPU tensors shaped like vLLM's CPU backend."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ import pytest
 import torch
 from support.services import counters, service_client, service_config, stop_service
 
+from bench.support.processes import paused
 from connectors.plan import StepPlan, Transfer
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
@@ -129,12 +128,8 @@ def wait_done(worker: WorkerCore, save_ids: set[int], timeout_s: float = 30) -> 
 @contextmanager
 def stopped(config: dict) -> Iterator[None]:
     """The service process stopped (SIGSTOP) for the duration: a hung service."""
-    pid = service_pid(config)
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with paused(service_pid(config)):
         yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def service_pid(config: dict) -> int:

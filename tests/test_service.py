@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest
 from support.services import service_client, service_config, stop_service
 
+from bench.support.processes import paused
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import ServiceUnavailable, StoreClient
@@ -69,14 +69,13 @@ def test_an_unusable_disk_path_fails_at_spawn_naming_the_field(config):
 def test_a_hung_service_costs_a_deadline_not_a_hang(config):
     client = StoreClient(load_config(config), CHUNK)
     pid = client.info()["service_pid"]
-    os.kill(pid, signal.SIGSTOP)
     try:
-        with pytest.raises(ServiceUnavailable, match="no answer"):
-            client.get([b"k" * 16], [0])
-        with pytest.raises(ServiceUnavailable):  # the connection is dropped, not reused
-            client.residency([b"k" * 16])
+        with paused(pid):
+            with pytest.raises(ServiceUnavailable, match="no answer"):
+                client.get([b"k" * 16], [0])
+            with pytest.raises(ServiceUnavailable):  # the connection is dropped, not reused
+                client.residency([b"k" * 16])
     finally:
-        os.kill(pid, signal.SIGCONT)
         client.close()
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -29,6 +28,7 @@ from support.stores import direct_io_dir
 
 from bench.support.answers import Tokens, identical
 from bench.support.cpu_dtypes import BF16_SKIP_REASON, has_amx_tile
+from bench.support.processes import paused
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from engine_plugin.engine_run import run_fresh
 from kvstore.config.store import load_config
@@ -227,11 +227,8 @@ def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store
     bounded by the deadline."""
     config = stored_config(io={"timeout_s": 0.5})
     pid = open_store(config)
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with paused(pid):
         loaded = run_engine(model, prompts["long"], connector(config))
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert loaded.results[0]["num_cached_tokens"] == 0
     assert_close(reference["long"], loaded.results[0])
     assert "kvstore service unavailable" in loaded.output

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from support.services import counters, service_client, service_config, stop_serv
 
 from bench.support.answers import identical
 from bench.support.openai_server import SERVER_MODULE, Completion, OpenAIServer, completion_body
+from bench.support.processes import paused
 from bench.support.tiny_model import build_llama3_8b_geometry, prompt_token_ids
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
@@ -195,11 +195,8 @@ def test_a_hung_service_costs_a_request_its_lookup_deadline(restarted, reference
     client = service_client(store_config)
     pid = client.info()["service_pid"]
     client.close()
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with paused(pid):
         hung = complete(restarted, "short")
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert hung.cached_tokens == 0
     assert identical(hung, reference["short"])
     assert hung.seconds < reference["short"].seconds + LOOKUP_TIMEOUT_S + 5, hung.seconds

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.openai_server import Completion, OpenAIServer, complete, completion_body
-from bench.support.processes import free_port, wait_healthy
+from bench.support.processes import free_port, paused, wait_healthy
 from bench.support.redis_server import RedisServer
 from kvstore.config.store import load_config
 from kvstore.service.client import attach, service_info, stop_service
@@ -188,8 +188,5 @@ class PDCluster:
         client = attach(load_config(self.configs["prefill"]))
         pid = int(client.info()["service_pid"])
         client.close()
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with paused(pid):
             yield
-        finally:
-            os.kill(pid, signal.SIGCONT)

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: children start here
@@ -54,6 +54,43 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -
         time.sleep(0.3)
     return f"not up within {timeout_s:.0f} s"
 
+
+
+def pause(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped: kill() returns before a
+    thread running on another CPU has stopped, and a request sent in that window would be
+    answered by a process that is meant to be hung."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_stopped(pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} not stopped {timeout_s:g} s after SIGSTOP")
+        time.sleep(0.01)
+
+
+def resume(pid: int) -> None:
+    """SIGCONT `pid` (gone already: nothing to resume)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process stopped (a hung server: it accepts and answers nothing) for the duration."""
+    try:
+        pause(pid)
+        yield
+    finally:
+        resume(pid)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of `pid` is in a stop (T, or t under a tracer), or has exited."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "TtZX":
+                return False
+    return True
 
 
 def start_group(command: list[str], log_path: str | Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

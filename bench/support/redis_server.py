@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.support.processes import free_port
+from bench.support.processes import free_port, pause, resume
 
 
 def redis_server_unavailable(cluster: bool = False) -> str | None:
@@ -86,11 +86,11 @@ class RedisServer:
 
     def pause(self) -> None:
         assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
+        pause(self.process.pid)
 
     def resume(self) -> None:
         assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
+        resume(self.process.pid)
 
     def stop(self) -> None:
         if self.process is None:
@@ -206,11 +206,10 @@ class RedisClusterServers:
 
     def pause(self, port: int) -> None:
         """SIGSTOP one node: it accepts connections and answers nothing (a hung master)."""
-        os.kill(self.processes[port].pid, signal.SIGSTOP)
+        pause(self.processes[port].pid)
 
     def resume(self, port: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.processes[port].pid, signal.SIGCONT)
+        resume(self.processes[port].pid)
 
     def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
