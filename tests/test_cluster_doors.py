@@ -271,7 +271,7 @@ def test_passwords_are_masked_in_errors_logs_and_info(redis_server, disk_dir, ca
     caplog.set_level(logging.DEBUG)
     url = f"redis://kvstore:{PASSWORD}@127.0.0.1:{redis_server.port}/0"  # no such user: refused
     config = host_config("a", ["b"], disk_dir, url)
-    config["io"]["timeout_s"] = 10.0  # what is logged is tested here, not a deadline: none is met late on a busy host
+    config["io"]["timeout_s"] = 10.0  # logs are tested here, not deadlines: none met late on a busy host
     store = TieredStore(config, CHUNK, background=False)
     try:
         store.lookup(make_keys(1, seed=3))

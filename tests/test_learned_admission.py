@@ -3,11 +3,14 @@ hand-made events, and whole replays of small made-up traces (seconds each)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import random
+import signal
 import stat
+import time
 
 import msgspec
 import pytest
@@ -411,3 +414,43 @@ def test_the_service_keeps_what_was_learned_across_a_restart(tmp_path, disk_dir)
         assert json.loads(saved.read_text())["returns"] != trained_state["returns"]  # learning from cold
     finally:
         stop_service(config)
+
+
+def test_a_killed_service_is_followed_by_one_that_starts_from_what_it_had_learned(tmp_path, disk_dir):
+    """While it runs, the service writes what it learned every `service.learned_save_s`: a
+    successor of one killed outright (SIGKILL: no clean stop, no close) starts from that,
+    where it would otherwise start from cold (no file was ever written by a clean stop)."""
+    config = {**service_config(tmp_path, host="1MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5.0},
+                               learned_save_s=0.2), "disk_admission": "learned"}
+    saved = tmp_path / "kvstore.sock.learned"
+    chunks = keys("chain-", 48)  # DRAM holds 16: each wave of 8 pushes older ones out to disk
+
+    def returns() -> float:
+        """The returns counted in the file (0 before there is one)."""
+        return json.loads(saved.read_text())["totals"][0] if saved.exists() else 0.0
+
+    worker = StoreClient(load_config(config), 64 * 1024)
+    try:
+        pid = worker.info()["service_pid"]
+        for start in range(0, len(chunks), 8):
+            worker.finished([chunks[start:start + 8]], SHORT)
+            assert worker.put(chunks[start:start + 8], list(range(8))) == [True] * 8
+        assert worker.put(chunks[:8], list(range(8)))  # they had left DRAM: they came back
+        deadline = time.monotonic() + 30
+        while returns() < 8:
+            assert time.monotonic() < deadline, f"no file with the returns written: {returns()}"
+            time.sleep(0.1)
+        learned = returns()
+    finally:
+        worker.close()
+    os.kill(pid, signal.SIGKILL)
+    with open(tmp_path / "kvstore.sock.lock") as lock:  # held until its last thread has exited
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    worker = StoreClient(load_config(config), 64 * 1024)  # a new service, its store made
+    try:
+        assert worker.info()["service_pid"] != pid
+        assert "admission.learned_refused" not in worker.info()["counters"]
+    finally:
+        worker.close()
+        stop_service(config)
+    assert returns() >= learned  # restored, then written back at the clean stop

@@ -294,6 +294,10 @@ class ServiceConfig(Schema):
     max_clients: Annotated[int, integer(1, 1 << 16)] = Field(
         256, description="connections served at once (a scheduler and two per worker per engine); "
                          "past it a client is refused and retries later")
+    learned_save_s: Annotated[float, seconds()] = Field(
+        300.0, description="`learned` disk admission: how often what it learned is written to "
+                           "`SOCKET.learned` while the service runs (as well as when it stops), so a "
+                           "service killed outright (SIGKILL, out of memory) loses at most this much of it")
 
 
 class StoreConfig(Schema):

@@ -6,14 +6,13 @@ service's own user (an allowed user's engine cannot fix the store's chunk size n
 fresh tier formatted for it); later hellos must agree on it. A hello's config must agree
 with the service's on what both act on: not `service` (the service's own) nor the keys a
 SIGHUP reload changes while engines run (LIVE_KEYS); a refusal names the keys that
-differ, never their values (they may hold a password). Residency answers are one
-snapshot: the chunks found, the ones in DRAM and whether a prefetch of that run is
-queued are read while no prefetch can finish, and one request covers every
-tensor-parallel rank's keys. Invariants: a client's window is registered as a
+differ, never their values (they may hold a password). A residency request covers
+every tensor-parallel rank's keys and is answered as one snapshot (prefetches.py, which
+runs the promotions it asks for). Invariants: a client's window is registered as a
 direct-read region while it lives; a region a late read may still land in (retired) is
-never unmapped; prefetches run one at a time, a run queued at most once; a client's
-DRAM leases (store/leases.py) are released by its Unpin or, whatever way it leaves, when
-its connection ends, and together pin no more chunks than its window holds.
+never unmapped; a client's DRAM leases (store/leases.py) are released by its Unpin or,
+whatever way it leaves, when its connection ends, and together pin no more chunks than its
+window holds.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import os
 import re
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
@@ -36,6 +34,7 @@ from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
+from kvstore.service.prefetches import Prefetches
 from kvstore.service.window import Window
 from kvstore.store.leases import Lease
 from kvstore.store.tiered import TieredStore
@@ -89,15 +88,12 @@ class Requests:
         self.socket_path = socket_path
         self.store: TieredStore | None = None
         self.lock = threading.Lock()  # guards `store` creation and the clients' regions
-        # One prefetch at a time, in lookup order: its wave bounds the bytes in flight,
-        # and a get for the same chunks never waits on it (it reads them itself).
-        self._prefetcher = ThreadPoolExecutor(1, "kvstore-prefetch")
-        self._prefetch_lock = threading.Lock()  # held across a residency snapshot
-        self._prefetch_queued: set[tuple[bytes, ...]] = set()  # runs waiting for the prefetcher
+        self._prefetches = Prefetches()  # promotions to DRAM, one at a time
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
         self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
+        self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         if isinstance(request, P.Hello):
@@ -107,7 +103,9 @@ class Requests:
             return self.info(), ()
         if isinstance(request, P.Residency):
             self.next_turns.arrived(request.ranks)
-            return self._residency(store, request), ()
+            if store is None or not request.ranks:
+                return [0, 0, False], ()
+            return self._prefetches.residency(store, request.ranks, request.prefetch), ()
         if isinstance(request, P.Finished):
             self.next_turns.finished(request.ranks)
             if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
@@ -172,7 +170,7 @@ class Requests:
             if self.store is None:
                 self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
                                          dtype=hello.dtype, shape=hello.shape)
-                learned_file.restore(self.store, self.socket_path)
+                self._learned.made(self.store)
                 self.events.watch(self.store)
             elif self.store.chunk_bytes != hello.chunk_bytes:
                 raise ConfigError("service.socket", self.socket_path,
@@ -217,48 +215,11 @@ class Requests:
         if lease is not None and self.store is not None:
             self.store.release(lease)
 
-    def _residency(self, store: TieredStore | None, request: P.Residency) -> list[Any]:
-        """[leading chunks every rank has, of those in DRAM on every rank, a promotion of
-        some rank's run queued or running], read as one snapshot: no prefetch finishes
-        between the lookups and the pending check."""
-        if store is None or not request.ranks:
-            return [0, 0, False]
-        with self._prefetch_lock:
-            found = [store.lookup(keys) for keys in request.ranks]
-            runs = [tuple(keys[: f.count]) for keys, f in zip(request.ranks, found, strict=True)]
-            if request.prefetch:
-                for run in runs:
-                    self._queue_prefetch(store, run)
-            pending = any(run in self._prefetch_queued for run in runs)
-        return [min(f.count for f in found), min(f.resident for f in found), pending]
-
     def _promote(self, keys: tuple[bytes, ...]) -> None:
-        """A chain next-turn prediction wants in DRAM now: through the prefetch queue."""
+        """A chain next-turn prediction wants in DRAM now."""
         store = self.store
         if store is not None:
-            with self._prefetch_lock:
-                self._queue_prefetch(store, keys)
-
-    def _queue_prefetch(self, store: TieredStore, run: tuple[bytes, ...]) -> None:
-        """Queue a promotion of `run` to DRAM unless the same run is queued: a request
-        waiting to be scheduled, or a hint, asks for the same chunks again (lock held)."""
-        if not run or run in self._prefetch_queued:
-            return
-        self._prefetch_queued.add(run)
-
-        def promote() -> None:
-            try:
-                store.prefetch(run)
-            except Exception:
-                log.exception("prefetch of %d chunks failed", len(run))
-            finally:
-                with self._prefetch_lock:
-                    self._prefetch_queued.discard(run)
-
-        try:
-            self._prefetcher.submit(promote)
-        except RuntimeError:  # shutting down
-            self._prefetch_queued.discard(run)
+            self._prefetches.promote(store, keys)
 
     def forget(self, client: Client) -> None:
         """A client left (or died): its pins go, and its window, unless a late read may
@@ -275,9 +236,9 @@ class Requests:
         """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""
         self.next_turns.close()
         self.namespaces.close()
-        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self._prefetches.close()
         with self.lock:
+            self._learned.close()
             if self.store is not None:
-                learned_file.save(self.store, self.socket_path)
                 self.store.close()
                 self.store = None

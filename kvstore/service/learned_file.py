@@ -7,11 +7,15 @@ the service writes the store's learned return rates (per bucket: no key, no prom
 back to the store it makes at the next start. What does not check (another version, a
 damaged or foreign file) is set aside with a warning and counted
 (`admission.learned_refused`): the store then learns from cold, it never fails to start.
+`Keeper` also writes the file every `service.learned_save_s` while the service runs: a
+service killed outright (SIGKILL, out of memory) never reaches its close, and its
+successor would otherwise start from the last clean stop's file.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from kvstore.config.runtime import read_private_json, write_private_json
 from kvstore.format.errors import KVStoreError
@@ -34,6 +38,39 @@ def restore(store: TieredStore, socket: str) -> None:
     except (OSError, ValueError, KVStoreError) as exc:
         store.stats.add("admission.learned_refused")
         log.warning("learned disk admission: %s not used (%s); learning from cold", path, exc)
+
+
+class Keeper:
+    """The service's learned rates over its store's life: restored when the store is made,
+    written every `every_s` seconds from a thread of its own (a slow filesystem delays only
+    that thread), and once more at close. Invariants: nothing is written before the
+    restore (a periodic write cannot replace the file it is about to read); after `close`
+    returns nothing is written again, its own write being the last."""
+
+    def __init__(self, socket: str, every_s: float) -> None:
+        self._socket = socket
+        self._every_s = every_s
+        self._store: TieredStore | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvstore-learned")
+
+    def made(self, store: TieredStore) -> None:
+        """The service made its store: start it from the file, then keep the file."""
+        restore(store, self._socket)
+        self._store = store
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._every_s):
+            if self._store is not None:
+                save(self._store, self._socket)
+
+    def close(self) -> None:
+        """Stop the periodic writes, then write once more (before the store closes)."""
+        self._stopping.set()
+        if self._store is not None:
+            self._thread.join()
+            save(self._store, self._socket)
 
 
 def save(store: TieredStore, socket: str) -> None:
