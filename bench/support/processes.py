@@ -86,7 +86,12 @@ def paused(pid: int) -> Iterator[None]:
 
 def _all_stopped(pid: int) -> bool:
     """Every thread of `pid` is in a stop (T, or t under a tracer), or has exited."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        threads = list(tasks.iterdir())
+    except FileNotFoundError:  # the process is gone
+        return True
+    for task in threads:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "TtZX":
                 return False

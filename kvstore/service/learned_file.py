@@ -58,19 +58,26 @@ class Keeper:
         """The service made its store: start it from the file, then keep the file."""
         restore(store, self._socket)
         self._store = store
-        self._thread.start()
+        if self._thread.ident is None and not self._stopping.is_set():
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._stopping.wait(self._every_s):
-            if self._store is not None:
-                save(self._store, self._socket)
+            store = self._store
+            try:
+                if store is not None:
+                    save(store, self._socket)
+            except Exception:  # never the end of the writes: the next one may do
+                log.exception("learned disk admission: return rates not written")
 
     def close(self) -> None:
         """Stop the periodic writes, then write once more (before the store closes)."""
         self._stopping.set()
-        if self._store is not None:
+        if self._thread.ident is not None:
             self._thread.join()
+        if self._store is not None:
             save(self._store, self._socket)
+            self._store = None
 
 
 def save(store: TieredStore, socket: str) -> None:
