@@ -11,6 +11,7 @@ import random
 import signal
 import stat
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -429,6 +430,32 @@ def test_a_killed_service_is_followed_by_one_that_starts_from_what_it_had_learne
         """The returns counted in the file (0 before there is one)."""
         return json.loads(saved.read_text())["totals"][0] if saved.exists() else 0.0
 
+    try:
+        pid, learned = learn(config, chunks, returns)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        with open(tmp_path / "kvstore.sock.lock") as lock:  # held until its last thread has exited
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the killed service's threads did not exit"
+                    time.sleep(0.05)
+        worker = StoreClient(load_config(config), 64 * 1024)  # a new service, its store made
+        try:
+            assert worker.info()["service_pid"] != pid
+            assert "admission.learned_refused" not in worker.info()["counters"]
+        finally:
+            worker.close()
+    finally:
+        stop_service(config)
+    assert returns() >= learned  # restored, then written back at the clean stop
+
+
+def learn(config: dict, chunks: list[bytes], returns: Callable[[], float]) -> tuple[int, float]:
+    """Chunks of short answers pushed out of DRAM and put again, until the service's file
+    counts their returns: the service's pid, and the returns counted."""
     worker = StoreClient(load_config(config), 64 * 1024)
     try:
         pid = worker.info()["service_pid"]
@@ -440,24 +467,6 @@ def test_a_killed_service_is_followed_by_one_that_starts_from_what_it_had_learne
         while returns() < 8:
             assert time.monotonic() < deadline, f"no file with the returns written: {returns()}"
             time.sleep(0.1)
-        learned = returns()
+        return pid, returns()
     finally:
         worker.close()
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    with open(tmp_path / "kvstore.sock.lock") as lock:  # held until its last thread has exited
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                assert time.monotonic() < deadline, "the killed service's threads did not exit"
-                time.sleep(0.05)
-    worker = StoreClient(load_config(config), 64 * 1024)  # a new service, its store made
-    try:
-        assert worker.info()["service_pid"] != pid
-        assert "admission.learned_refused" not in worker.info()["counters"]
-    finally:
-        worker.close()
-        stop_service(config)
-    assert returns() >= learned  # restored, then written back at the clean stop
