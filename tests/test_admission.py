@@ -15,12 +15,13 @@ from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from bench.support.replay import Replayer
 from bench.support.trace import block_keys, read_trace
+from kvstore.config.runtime import write_private_json
 from kvstore.config.store import load_config
 from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient
 from kvstore.tiers.admission import Predicted, SecondTouch, TinyLFU, make_admission
 from kvstore.tiers.policy import TierPolicy
-from kvstore.tiers.return_rates import RequestEnd
+from kvstore.tiers.return_rates import RequestEnd, ReturnRates
 
 BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
 
@@ -202,6 +203,8 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         assert client.info()["counters"]["disk.admission_refused"] >= before + 2  # seen once: refused
         seen = len(log.read_text())
         learning = {"disk_admission": "learned", "disk_admission_threshold": 0.5, "disk_write_budget": "1GiB"}
+        learned = _learned_state()  # what an earlier service under `learned` left: the switch starts from it
+        write_private_json(str(tmp_path / "run" / "kv.sock.learned"), learned)
         _write_config(path, disk_dir, eviction="cost", **learning)
         service.send_signal(signal.SIGHUP)
         wait_for_log(log, "reload: disk_admission learned, disk_admission_threshold 0.5, disk_write_budget "
@@ -227,3 +230,15 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
             service.kill()
             service.wait()
     assert "Traceback" not in log.read_text()
+    assert json.loads((tmp_path / "run" / "kv.sock.learned").read_text()) == learned  # restored, kept
+
+
+def _learned_state() -> dict:
+    """A `learned` state with returns counted: chunks of a short answer left DRAM and came back."""
+    rates = ReturnRates(1 << 12)
+    back = make_keys(2, seed=9)
+    rates.finished(back, RequestEnd(answer_tokens=20))
+    for key in back:
+        rates.left(key, now=0.0)
+    rates.named(back, now=5.0)
+    return rates.state()

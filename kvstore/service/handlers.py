@@ -170,7 +170,7 @@ class Requests:
             if self.store is None:
                 self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
                                          dtype=hello.dtype, shape=hello.shape)
-                self._learned.made(self.store)
+                self._learned.start(self.store)
                 self.events.watch(self.store)
             elif self.store.chunk_bytes != hello.chunk_bytes:
                 raise ConfigError("service.socket", self.socket_path,
@@ -214,6 +214,13 @@ class Requests:
         lease = client.leases.pop(number, None)
         if lease is not None and self.store is not None:
             self.store.release(lease)
+
+    def reload_policy(self, live: dict[str, Any]) -> None:
+        """A reload's policy keys, applied to the store (lock held): a switch to `learned`
+        starts from what the service learned before, as a start does."""
+        store = self.store
+        if store is not None:
+            self._learned.switch(store, lambda: store.reload_policy(live))
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""

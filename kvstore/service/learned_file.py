@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from kvstore.config.runtime import read_private_json, write_private_json
 from kvstore.format.errors import KVStoreError
@@ -41,32 +42,45 @@ def restore(store: TieredStore, socket: str) -> None:
 
 
 class Keeper:
-    """The service's learned rates over its store's life: restored when the store is made,
-    written every `every_s` seconds from a thread of its own (a slow filesystem delays only
-    that thread), and once more at close. Invariants: nothing is written before the
-    restore (a periodic write cannot replace the file it is about to read); after `close`
+    """The service's learned rates over its store's life: restored when the store is made
+    and when a reload switches it to `learned`, written every `every_s` seconds from a
+    thread of its own (a slow filesystem delays only that thread), and once more at close.
+    Invariants: no write comes between a switch to `learned` and its restore (a periodic
+    write cannot replace the file with a cold state just before it is read); after `close`
     returns nothing is written again, its own write being the last."""
 
     def __init__(self, socket: str, every_s: float) -> None:
         self._socket = socket
         self._every_s = every_s
         self._store: TieredStore | None = None
+        self._lock = threading.Lock()  # a write, or a switch and its restore
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvstore-learned")
 
-    def made(self, store: TieredStore) -> None:
+    def start(self, store: TieredStore) -> None:
         """The service made its store: start it from the file, then keep the file."""
-        restore(store, self._socket)
-        self._store = store
+        with self._lock:
+            restore(store, self._socket)
+            self._store = store
         if self._thread.ident is None and not self._stopping.is_set():
             self._thread.start()
+
+    def switch(self, store: TieredStore, apply: Callable[[], None]) -> None:
+        """Change the store's policy (`apply`, a reload's); if that switched `learned` on, it
+        starts from the file, as at a start, not from cold."""
+        with self._lock:
+            learning = store.learned_admission() is not None
+            apply()
+            if not learning:
+                restore(store, self._socket)
 
     def _run(self) -> None:
         while not self._stopping.wait(self._every_s):
             store = self._store
             try:
                 if store is not None:
-                    save(store, self._socket)
+                    with self._lock:
+                        save(store, self._socket)
             except Exception:  # never the end of the writes: the next one may do
                 log.exception("learned disk admission: return rates not written")
 

@@ -252,7 +252,7 @@ class StoreService:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
         with self.requests.lock:  # no store made meanwhile from the config being replaced
             if live and self.requests.store is not None:
-                self.requests.store.reload_policy(live)
+                self.requests.reload_policy(live)
             self.config = self.requests.config = merged
         log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 
