@@ -18,6 +18,16 @@ from kvstore.store.tiered import TieredStore
 MICRO_JSON = Path(".benchmarks") / "micro.json"  # under the root dir; gitignored
 
 
+ENGINE_MARKS = ("slow", "vllm", "sglang")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Engine and other slow tests first, each file's in its order. The CI run spreads
+    whole files over its workers in this order (`-n`, `--dist loadfile`): the long files
+    started first leave the short ones to fill the end, not one long file running alone."""
+    items.sort(key=lambda item: not any(item.get_closest_marker(mark) for mark in ENGINE_MARKS))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When micro-benchmarks are about to run (tests/test_micro_bench.py, in the plain CI
     run too), their figures go to .benchmarks/micro.json unless --benchmark-json says

@@ -17,4 +17,4 @@ def test_ci_runs_the_readmes_command_with_ruff_and_mypy_before_the_tests():
     assert readme is not None and readme.group(1) == command, (readme, command)
     steps = [step.strip() for step in command.split("&&")]
     assert steps == ["bash scripts/setup.sh", ".venv/bin/python -m ruff check .", ".venv/bin/python -m mypy",
-                     ".venv/bin/python -m pytest -q"], steps
+                     ".venv/bin/python -m pytest -q -n 2"], steps
