@@ -18,6 +18,8 @@ import torch
 from support.services import counters, service_client, service_config, stop_service
 
 from bench.support.processes import paused
+from connectors import link as link_module
+from connectors.link import ServiceLink
 from connectors.plan import StepPlan, Transfer
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
@@ -212,6 +214,30 @@ def test_a_save_never_connects_on_the_engine_thread(service):
         worker.close()
     assert elapsed < 0.2, elapsed
     assert worker.stats.snapshot()["save.dropped"] == 2
+
+
+def test_a_reconnect_to_a_hung_service_holds_the_caller_no_longer_than_a_request(service, monkeypatch):
+    """The hello of a reconnect to a hung service waits out its long allowance (10 s, for
+    the store a first hello makes): the caller waits only its request deadline, and the
+    reconnect, once the service answers again, is taken by a later get()."""
+    monkeypatch.setattr(link_module, "RECONNECT_INTERVAL_S", 0.0)  # a reconnect is due at once
+    link = ServiceLink(partial(StoreClient, load_config(service), 512 << 10, timeout_s=0.5))
+    link.start()
+    try:
+        assert link.get() is not None
+        link.fail()  # as after a request that timed out
+        with stopped(service):
+            started = time.monotonic()
+            assert link.get() is None
+            elapsed = time.monotonic() - started
+        deadline = time.monotonic() + 30
+        while (client := link.get()) is None:
+            assert time.monotonic() < deadline, "the reconnect never finished"
+            time.sleep(0.05)
+        assert client.residency([bytes(16)]) == (0, 0, False)
+    finally:
+        link.close()
+    assert 0.5 <= elapsed < 2.0, elapsed
 
 
 @pytest.mark.parametrize("fail_requests", [False, True], ids=["by-block", "by-request"])

@@ -42,8 +42,10 @@ class ServiceUnavailable(KVStoreError):
 
 
 def open_channel(config: StoreConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> P.Channel:
-    """Connect with a deadline (a Unix connect() blocks while the listener's backlog is
-    full, which is what a hung service looks like) and check who listens."""
+    """Connect and check who listens. A service that hangs stops accepting: once its
+    listener's backlog is full, a connect() with a deadline fails at once (EAGAIN) or
+    waits out the deadline; either is a ServiceUnavailable, never an OSError for the
+    engine's thread."""
     path = config.service.socket
     directory = os.path.dirname(os.path.abspath(path))
     problem = directory_problem(directory, config.service.allowed_uids)  # ours or a trusted user's
@@ -54,9 +56,10 @@ def open_channel(config: StoreConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> P
     sock.settimeout(timeout_s)
     try:
         sock.connect(path)
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError):
         sock.close()
-        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection") from None
+        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection (its backlog "
+                                 "is full: it hangs)") from None
     except OSError:
         sock.close()
         raise
