@@ -29,6 +29,8 @@ through all the checks of a layout, so a run starts four servers in all.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -47,13 +49,16 @@ from bench.support.conversation import QUESTIONS, reuse_bound
 from bench.support.runs import wait_held
 from bench.support.sglang_server import (
     PAGE_TOKENS,
+    SHM,
     VOCAB,
     Generation,
     SGLangServer,
     kvstore_backend,
     kvstore_store,
     reconnect,
+    remove_shm_leftovers,
     sglang_python,
+    shm_leftovers,
 )
 from bench.support.tiny_model import prompt_token_ids
 from kvstore.config.store import load_config
@@ -210,3 +215,23 @@ def test_each_chat_turn_finds_the_previous_answer_from_the_other_server(pair):
         assert turn.storage > 0, f"turn {number}: nothing from storage: {turn.details}"
         assert turn.cached_tokens >= bound - PAGE_TOKENS, (
             f"turn {number}: {turn.cached_tokens} cached ({turn.details}) of a {bound}-token bound")
+
+
+def test_the_leftover_sweep_spares_every_live_processs_semaphores():
+    """The sweep after a server stops removes what no live process holds, never a semaphore
+    another program's multiprocessing made meanwhile: that one is mapped under the
+    temporary name it was made with, and removing it fails the program's next spawn (it
+    failed a vLLM engine's start on the other test worker)."""
+    before = shm_leftovers()
+    lock = multiprocessing.get_context("spawn").Lock()  # live: this process maps it
+    orphan = SHM / f"sem.mp-kvstore-test-{os.getpid()}"  # made, and nobody holds it
+    orphan.write_bytes(bytes(32))
+    try:
+        live = shm_leftovers() - before - {orphan.name}
+        assert live, "the lock made no semaphore in /dev/shm"
+        remove_shm_leftovers(before)
+        assert live <= shm_leftovers(), "a live semaphore was removed"
+        assert not orphan.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        del lock

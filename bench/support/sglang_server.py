@@ -241,20 +241,31 @@ def shm_leftovers() -> set[str]:
 def remove_shm_leftovers(before: set[str]) -> None:
     """SGLang's processes are killed, not unlinking what they made in /dev/shm (its own CI
     sweeps it: sglang/srt/utils/stale_shm_cleanup.py). Removes the files of those kinds
-    made since `before` that no live process maps or holds open (another server's stay)."""
-    made = shm_leftovers() - before
+    made since `before` that no live process maps or holds open (another server's stay,
+    and so do other programs' multiprocessing semaphores). In use is judged by inode, not
+    name: a semaphore is mapped under the temporary name it was made with
+    (/dev/shm/sem.XXXXXX, deleted once linked to its sem.mp-* name)."""
+    made: dict[int, str] = {}
+    for name in shm_leftovers() - before:
+        with contextlib.suppress(OSError):
+            made[(SHM / name).stat().st_ino] = name
     if not made:
         return
-    in_use: set[str] = set()
+    in_use: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
-            in_use.update(line.split("/dev/shm/", 1)[1].split(" ")[0]
-                          for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line)
-            in_use.update(os.readlink(fd)[len("/dev/shm/"):] for fd in (proc / "fd").iterdir()
-                          if os.readlink(fd).startswith("/dev/shm/"))
-    for name in made - in_use:
-        with contextlib.suppress(OSError):
-            (SHM / name).unlink()
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset dev inode path
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    in_use.add(int(fields[4]))
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd).startswith("/dev/shm/"):
+                        in_use.add(os.stat(fd).st_ino)
+    for inode, name in made.items():
+        if inode not in in_use:
+            with contextlib.suppress(OSError):
+                (SHM / name).unlink()
 
