@@ -27,8 +27,9 @@ from support.services import counters, stop_service
 from support.stores import attached, make_keys, make_payloads, read_back
 
 from bench.support.loopdev import LoopDevices
+from kvstore.devices.layout import SB_COPIES
 from kvstore.format.errors import ConfigError
-from kvstore.format.record import record_bytes
+from kvstore.format.record import BLOCK, record_bytes
 from kvstore.io import make_engine
 from kvstore.io.faulty import Fault, FaultyEngine
 from kvstore.store.fsck import fsck
@@ -204,6 +205,35 @@ def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_serve
         assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
     finally:
         engine.release()
+        a.close()
+        b.close()
+
+
+def test_a_peer_device_whose_superblock_goes_is_out_until_it_reads_again(disk_dir, redis_server):
+    """The watch re-reads a peer device's superblock (its owner may wipe or reformat it):
+    unreadable, the device is out and its chunks miss without I/O; readable again, it serves."""
+    a, b = _store_pair(disk_dir, redis_server.url)
+    try:
+        keys, payloads = make_keys(SLOTS, seed=10), make_payloads(SLOTS, seed=10, chunk_bytes=CHUNK)
+        a.put_many(keys, payloads)
+        a.step()
+        (device,) = faults.peer_devices(b)
+        path = device.path
+        assert path is not None
+        with open(path, "r+b") as f:
+            superblocks = f.read(SB_COPIES * BLOCK)
+            f.seek(0)
+            f.write(bytes(len(superblocks)))
+        faults.look_for_peer_devices(b)
+        assert device.health.state == "offline" and "superblock" in device.health.reason
+        assert b.lookup(keys).count == 0 and read_back(b, keys)[0] == [False] * SLOTS
+        with open(path, "r+b") as f:
+            f.write(superblocks)
+        faults.look_for_peer_devices(b)
+        assert device.health.state == "in_service"
+        ok, outs = read_back(b, keys)
+        assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+    finally:
         a.close()
         b.close()
 

@@ -11,9 +11,10 @@ records are served once they verify, like this host's own.
 
 Health is the local tier's (devices/health.py): faults count toward the breaker, and a
 missed deadline takes the device out at once, so a dead peer device costs one
-deadline, then misses without I/O. The monitor thread probes NVMe-oF namespaces,
-re-reads the superblocks of devices in service (a peer may reformat one), and reopens
-those out of service once their probe passes and the breaker's cooldown is over.
+deadline, then misses without I/O. The device watch (devices/watch.py, the same thread
+as this host's own disk tier has) probes NVMe-oF namespaces, re-reads the superblocks of
+devices in service (a peer may reformat one), and reopens those out of service once
+their probe passes and the breaker's cooldown is over.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,8 +29,9 @@ from kvstore.cluster.index import DEVICE_ID_BYTES, Location
 from kvstore.config.store import ClusterConfig, IoConfig
 from kvstore.devices.device import DevicePlan
 from kvstore.devices.device_set import DeviceSet
-from kvstore.devices.health import OFFLINE, TRIPPED, DeviceHealth, fault_reason, is_fault, probe
+from kvstore.devices.health import OFFLINE, TRIPPED, DeviceHealth, Probe, fault_reason, is_fault
 from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.devices.watch import DeviceWatch
 from kvstore.format.errors import ConfigError, DeviceError
 from kvstore.io.base import TIMED_OUT, IoEngine
 
@@ -76,10 +77,10 @@ class PeerDevices:
         except BaseException:
             self._close_tiers()
             raise
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvstore-peer-health", daemon=True)
-        if start:
-            self._thread.start()
+        self._listed = list(self.devices.values())  # the watch's numbering
+        interval = min(self.cooldown_s, 1.0)
+        self._watch = DeviceWatch(self, interval, self.cooldown_s, self.timeout_s * 3 + interval,
+                                  name="kvstore-peer-health", start=start)
 
     def _open_all(self, config: ClusterConfig, own: set[str]) -> None:
         for i, peer in enumerate(config.peers):
@@ -136,54 +137,49 @@ class PeerDevices:
                 log.warning("cluster: peer device %s taken out of service (%s); its chunks are "
                             "misses until it revalidates", health.label, why)
 
-    # -- checking -----------------------------------------------------------------------
+    # -- as the device watch sees the peers' devices (devices/watch.py) ---------------
 
-    def _loop(self) -> None:
-        while not self._stop.wait(min(self.cooldown_s, 1.0)):
-            try:
-                self.check_once()
-            except Exception:  # a monitor that dies silently would leave devices out forever
-                log.exception("cluster: peer device check failed; retrying next interval")
+    def watched(self) -> list[tuple[DeviceHealth, Probe | None, str | None]]:
+        return [(d.health, d.plan.probe, d.path) for d in self]
+
+    def recheck(self, i: int) -> str | None:
+        """A peer may reformat a device it owns: its superblock is read again."""
+        device = self._listed[i]
+        layout = device.tier.layouts[device.index]
+        try:
+            if layout is not None:
+                layout.reread()
+        except DeviceError as exc:
+            return str(exc)
+        return None
+
+    def take_out(self, i: int, state: str, reason: str) -> None:
+        health = self._listed[i].health
+        with self._lock:
+            health.take_out(state, reason)
+        log.warning("cluster: peer device %s out of service: %s", health.label, reason)
+
+    def revalidate(self, i: int, path: str | None) -> bool:
+        """Open the device again (where its probe found it) and read its superblock."""
+        device = self._listed[i]
+        problem, _ = device.tier.reopen(device.index, path)
+        with self._lock:
+            if problem is None:
+                device.health.put_back()
+                log.warning("cluster: peer device %s readable", device.health.label)
+            else:
+                device.health.reason = problem
+        return problem is None
 
     def check_once(self) -> None:
-        for device in self:
-            found = probe(device.plan.probe)
-            health = device.health
-            if health.in_service:
-                problem = found.why if not found.usable else None
-                if problem is None and found.path not in (None, device.plan.path, device.path):
-                    problem = f"moved to {found.path}"
-                layout = device.tier.layouts[device.index]
-                if problem is None and layout is not None:
-                    try:
-                        layout.reread()
-                    except DeviceError as exc:
-                        problem = str(exc)
-                if problem is not None:
-                    with self._lock:
-                        health.take_out(OFFLINE, problem)
-                    log.warning("cluster: peer device %s out of service: %s", health.label, problem)
-                continue
-            if not found.usable:
-                health.reason = found.why
-                continue
-            if health.cooling_down(self.cooldown_s, time.monotonic()):
-                continue
-            problem, _ = device.tier.reopen(device.index, found.path)
-            with self._lock:
-                if problem is None:
-                    health.put_back()
-                    log.warning("cluster: peer device %s readable", health.label)
-                else:
-                    health.reason = problem
+        """What the watch thread does once (tests and a store without threads call it)."""
+        self._watch.check_once()
 
     def describe(self) -> list[dict[str, object]]:
         return [{"host": d.host, "device": d.index, "path": d.path, **d.health.describe()} for d in self]
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(self.timeout_s * 2 + 1)
+        self._watch.close()
         self._close_tiers()
 
     def _close_tiers(self) -> None:

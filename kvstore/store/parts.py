@@ -21,6 +21,7 @@ from kvstore.datapath.prefetch_ledger import PrefetchLedger
 from kvstore.datapath.reader import DiskReader
 from kvstore.devices.device import DevicePlan
 from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.devices.watch import DeviceWatch
 from kvstore.format.record import HEADER_BLOCK, record_bytes
 from kvstore.format.units import parse_write_budget
 from kvstore.io import IoEngine, make_engine
@@ -29,7 +30,6 @@ from kvstore.io.regions import DirectRegions
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.health_monitor import HealthMonitor
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.recover import RecoveryReport, checkpoint, recover
 from kvstore.tiers.slots import Entry
@@ -66,7 +66,7 @@ class StoreParts:
         self.disk: DiskTier | None = None
         self.flusher: Flusher | None = None
         self.reader: DiskReader | None = None
-        self.monitor: HealthMonitor | None = None  # moves devices out of and back into service
+        self.monitor: DeviceWatch | None = None  # moves devices out of and back into service
         self.cluster: ClusterNode | None = None
         self.placement: DramPlacement | None = None
         self.peer_copies: set[bytes] = set()  # DRAM chunks whose disk copy is a peer's
@@ -118,7 +118,9 @@ class StoreParts:
                                      staging_wave=max(1, STAGING_BYTES // self.slot_bytes))
             interval = min(io.breaker_cooldown_s, config.nvmeof.health_interval_s
                            if config.nvmeof else 1.0)
-            self.monitor = HealthMonitor(self.disk, interval, io.breaker_cooldown_s, start=background)
+            self.monitor = DeviceWatch(self.disk.availability, interval, io.breaker_cooldown_s,
+                                       self.disk.timeout_s * 3 + interval, name="kvstore-health",
+                                       start=background)
         if config.cluster is not None:
             from kvstore.cluster.node import ClusterNode  # imports redis: only for a cluster
 

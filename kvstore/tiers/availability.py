@@ -5,7 +5,8 @@ fails, is taken out of service: its chunks leave the index at once (misses, not
 deadlines), nothing new is placed there, and writes in flight to it are never
 published. It serves again only after revalidation: the same superblock, the
 headers of those in-flight writes zeroed, and every slot's header re-read.
-State changes happen under the tier's table lock.
+State changes happen under the tier's table lock. The device watch (devices/watch.py)
+drives probes, taking out and revalidation from its thread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.devices.health import TRIPPED, DeviceHealth, fault_reason, is_fault
+from kvstore.devices.health import TRIPPED, DeviceHealth, Probe, fault_reason, is_fault
 from kvstore.tiers.recover import RecoveryReport, newest, scan_group
 
 if TYPE_CHECKING:
@@ -53,6 +54,16 @@ class DeviceAvailability:
                 if health.record(is_fault(result, size), self.breaker_threshold):
                     self.take_out(group, TRIPPED, f"{health.consecutive_faults} faults in a row "
                                                   f"(last: {fault_reason(result)})")
+
+    def watched(self) -> list[tuple[DeviceHealth, Probe | None, str | None]]:
+        """Each device's health, probe and path, for the device watch."""
+        devices = self.disk.devices
+        return [(health, plan.probe, device.path) for health, plan, device
+                in zip(self.health, devices.plans, devices.devices, strict=True)]
+
+    def recheck(self, group: int) -> str | None:
+        """Nothing beyond the probe: this host owns its devices, no one else reformats them."""
+        return None
 
     def take_out(self, group: int, state: str, reason: str) -> None:
         """Stop serving a device: its chunks leave the index now."""

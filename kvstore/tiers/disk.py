@@ -52,7 +52,7 @@ class DiskTier:
         self._zero_header = AlignedBuffer(HEADER_BLOCK)
         invalidate_header(self._zero_header.view)
         for group, layout in enumerate(self.devices.layouts):
-            if layout is None:  # served once it appears (health_monitor.py)
+            if layout is None:  # served once it appears (devices/watch.py)
                 self.availability.take_out(group, OFFLINE, "not present at start-up")
 
     def locate(self, slot: int) -> tuple[int, int]:
