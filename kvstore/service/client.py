@@ -33,7 +33,6 @@ from kvstore.service.window import Window
 from kvstore.tiers.return_rates import RequestEnd
 
 SPAWN_TIMEOUT_S = 60.0
-CONNECT_TIMEOUT_S = 5.0
 HELLO_TIMEOUT_S = 10.0
 
 
@@ -41,11 +40,11 @@ class ServiceUnavailable(KVStoreError):
     """The service did not answer (not running, crashed, or past the deadline)."""
 
 
-def open_channel(config: StoreConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> P.Channel:
+def open_channel(config: StoreConfig) -> P.Channel:
     """Connect and check who listens. A service that hangs stops accepting: once its
-    listener's backlog is full, a connect() with a deadline fails at once (EAGAIN) or
-    waits out the deadline; either is a ServiceUnavailable, never an OSError for the
-    engine's thread."""
+    listener's backlog is full, a blocking connect() would wait for it forever, so the
+    connect does not block: a Unix socket's connects at once or fails at once (EAGAIN),
+    a ServiceUnavailable, never an OSError for the engine's thread."""
     path = config.service.socket
     directory = os.path.dirname(os.path.abspath(path))
     problem = directory_problem(directory, config.service.allowed_uids)  # ours or a trusted user's
@@ -53,10 +52,10 @@ def open_channel(config: StoreConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> P
         raise ConfigError("service.socket", path, f"its directory {directory} {problem}: refusing "
                                                   "to talk to whatever listens there")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
+    sock.setblocking(False)  # the channel sets its own deadlines
     try:
         sock.connect(path)
-    except (TimeoutError, BlockingIOError):
+    except BlockingIOError:
         sock.close()
         raise ServiceUnavailable(f"kvstore service at {path} accepts no connection (its backlog "
                                  "is full: it hangs)") from None
