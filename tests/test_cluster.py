@@ -24,7 +24,7 @@ from support.cluster import (
     wait_for,
 )
 from support.services import counters, stop_service
-from support.stores import attached, make_keys, make_payloads, read_back
+from support.stores import attached, make_keys, make_payloads, read_back, reads_back
 
 from bench.support.loopdev import LoopDevices
 from kvstore.devices.layout import SB_COPIES
@@ -168,8 +168,7 @@ def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, 
         a.step()
         assert b.lookup(keys).tiers == ("peer",) * SLOTS
         for _ in range(2):
-            ok, outs = read_back(b, keys)
-            assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+            assert reads_back(b, keys, payloads)
         assert sorted(b.lookup(keys).tiers) == ["host", "host", "peer", "peer"]  # promoted, DRAM full
         b.put_many(make_keys(2, seed=8), make_payloads(2, seed=8, chunk_bytes=CHUNK))  # evicts them
         assert b.flush() and not b.probe.keys("disk")  # dropped, not written to B's disk
@@ -201,8 +200,7 @@ def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_serve
         time.sleep(0.35)  # io.breaker_cooldown_s
         faults.look_for_peer_devices(b)  # what the monitor thread does
         assert device.health.state == "in_service"
-        ok, outs = read_back(b, keys)
-        assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        assert reads_back(b, keys, payloads)
     finally:
         engine.release()
         a.close()
@@ -231,8 +229,7 @@ def test_a_peer_device_whose_superblock_goes_is_out_until_it_reads_again(disk_di
             f.write(superblocks)
         faults.look_for_peer_devices(b)
         assert device.health.state == "in_service"
-        ok, outs = read_back(b, keys)
-        assert ok == [True] * SLOTS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        assert reads_back(b, keys, payloads)
     finally:
         a.close()
         b.close()
@@ -257,8 +254,7 @@ def test_a_peers_raw_block_device_is_read_while_its_owner_holds_it(tmp_path, red
             keys, payloads = make_keys(8, seed=10), make_payloads(8, seed=10, chunk_bytes=CHUNK)
             assert a.put_many(keys, payloads) == [True] * 8
             a.step()
-            ok, outs = read_back(b, keys)
-            assert ok == [True] * 8 and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+            assert reads_back(b, keys, payloads)
         finally:
             a.close()
             b.close()

@@ -16,7 +16,7 @@ import pytest
 from support import faults
 from support.cluster import CHUNK, capacity_for, client, found, get, host_config, put, wait_for
 from support.services import counters, service_config, stop_service
-from support.stores import attached, make_keys, make_payloads, read_back
+from support.stores import attached, make_keys, make_payloads, read_back, reads_back
 
 import kvstore.cluster.node
 from bench.support.loopdev import LoopDevices
@@ -146,8 +146,7 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
         assert a.put_many(keys, payloads) == [True] * CHUNKS
         assert a.step()
         assert b.lookup(keys).tiers == ("peer",) * CHUNKS
-        ok, outs = read_back(b, keys)
-        assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        assert reads_back(b, keys, payloads)
         names = IndexKeys("kvstore:", cluster=True)
         assert len({redis_cluster.primary_of(names.chunk(key)) for key in keys}) == 3  # spread
         assert len({redis_cluster.primary_of(names.lease(h)) for h in "ab"}) == 1  # the leases: one shard
@@ -173,13 +172,11 @@ def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_di
         redis_cluster.move_slot(moved, target, midway)
         assert redis_cluster.primary_of(moved) == target
         assert b.probe.at_peers(keys) == set(keys)  # MOVED, then the new map
-        ok, outs = read_back(b, keys)
-        assert ok == [True] * CHUNKS and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+        assert reads_back(b, keys, payloads)
         more, more_payloads = make_keys(4, seed=22), make_payloads(4, seed=22, chunk_bytes=CHUNK)
         assert a.put_many(more, more_payloads) == [True] * 4  # evicting 4 of the first
         assert a.step()  # writes follow the new map too
-        ok, outs = read_back(b, more)
-        assert ok == [True] * 4 and all((o == p).all() for o, p in zip(outs, more_payloads, strict=True))
+        assert reads_back(b, more, more_payloads)
         assert "peer.index_errors" not in b.stats.snapshot()
     finally:
         a.close()
@@ -347,9 +344,7 @@ def test_a_shard_down_for_good_costs_no_host_its_lease(disk_dir, redis_cluster):
             redis_cluster.kill(port)
         time.sleep(2 * lease_s)  # every lease read before the kill has run out by now
         assert b.probe.at_peers(keys) == set(alive)
-        ok, outs = read_back(b, alive)
-        expected = [payloads[keys.index(k)] for k in alive]
-        assert ok == [True] * len(alive) and all((o == p).all() for o, p in zip(outs, expected, strict=True))
+        assert reads_back(b, alive, [payloads[keys.index(k)] for k in alive])
         assert a.stats.snapshot()["peer.publish_errors"] > 0  # the dead shard's writes failed
     finally:
         a.close()

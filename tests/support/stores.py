@@ -67,6 +67,12 @@ def read_back(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list[n
     return store.get_many(keys, outs), outs
 
 
+def reads_back(store: TieredStore, keys: list[bytes], payloads: list[np.ndarray]) -> bool:
+    """Whether every chunk is served, each byte for byte its payload."""
+    ok, outs = read_back(store, keys)
+    return all(ok) and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
+
+
 def disk_config(path: str, capacity: int | str, engine: str = "auto", host: int | None = None,
                 **extra) -> dict:
     """A store's config (no service): one disk tier at `path`, a DRAM tier of `host` bytes
