@@ -123,10 +123,6 @@ class GroupedKVLayout:
         self.device = next(iter(self.groups.values())).device
         self.blocks_per_chunk = blocks_per_chunk
 
-    def group_chunk_bytes(self, group: int) -> int:
-        """Bytes of KV one chunk of `group` holds (what a record of it really carries)."""
-        return self.groups[group].chunk_bytes
-
     def describe(self) -> str:
         """Each group's layers and its KV bytes per token (`kvstore replay --kv-bytes-per-token`)."""
         tokens = self.blocks_per_chunk * self.block_size
