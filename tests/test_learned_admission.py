@@ -71,6 +71,47 @@ def test_a_bucket_whose_chunks_come_back_is_told_from_one_whose_chunks_do_not():
     assert rates.rate(rates.bucket_of(b"never seen".ljust(16))) == pytest.approx(rates.overall())
 
 
+def test_a_chains_last_chunk_is_learned_apart_from_the_rest():
+    """A next turn reuses a chain but often not its last chunk: that chunk has a bucket of
+    its own, so the rest of the chain is not refused for it (one bucket for all three
+    would rate each chunk about 2/3)."""
+    rates = ReturnRates(capacity=1 << 12)
+    for i in range(40):
+        chain = keys(f"c{i}-", 3)
+        rates.finished(chain, SHORT)
+        for key in chain:
+            rates.left(key, now=10.0 * i)
+        rates.named(chain[:2], now=10.0 * i + 5)
+    rates.named([], now=400.0 + rates.ramp_s)
+    new = keys("new", 3)
+    rates.finished(new, SHORT)
+    assert rates.rate_of(new[0]) > 0.8 and rates.rate_of(new[1]) > 0.8 and rates.rate_of(new[2]) < 0.1
+
+
+def test_a_shared_chunk_that_leaves_dram_late_is_learned_apart():
+    """A chunk named before that leaves DRAM long after it was last named (its conversation
+    has likely ended) is a departure of a bucket of its own, whatever its request's; the
+    same chunk leaving soon after it was named keeps its request's bucket."""
+    rates = ReturnRates(capacity=1 << 12)
+    for i in range(80):
+        chunk = keys(f"s{i}-", 1)
+        for _ in range(2):  # named by a second request: a shared chunk
+            rates.finished(chunk, SHORT)
+        rates.named(chunk, now=10.0 * i)
+        late = i % 4 == 0
+        rates.left(chunk[0], now=10.0 * i + (200.0 if late else 10.0))
+        if not late:
+            rates.named(chunk, now=10.0 * i + 15)  # back soon; the late ones never
+    rates.named([], now=1000.0 + rates.ramp_s)
+    new = keys("new", 1)
+    for _ in range(2):
+        rates.finished(new, SHORT)
+    now = 2000.0 + rates.ramp_s
+    rates.named(new, now=now)
+    assert rates.bucket_of(new[0], now + 5) != rates.bucket_of(new[0], now + 400)
+    assert rates.rate_of(new[0], now + 5) > 0.8 and rates.rate_of(new[0], now + 400) < THRESHOLD
+
+
 def test_what_was_learned_is_restored_whole_by_a_later_process():
     """A restart keeps the per-bucket counts (as JSON, no key in them): the new process
     tells the buckets apart at once, where one from cold admits everything."""

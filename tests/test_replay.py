@@ -130,7 +130,7 @@ def test_ttft_compares_each_added_tier(tmp_path):
     TierPolicy(admission="tinylfu", chunk_tokens=BLOCK),
     TierPolicy(admission="predicted", chunk_tokens=BLOCK), TierPolicy(eviction="cost", chunk_tokens=BLOCK),
     TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK),
-    TierPolicy(admission="learned", admission_threshold=0.5, chunk_tokens=BLOCK)],
+    TierPolicy(admission="learned", admission_threshold=0.6, chunk_tokens=BLOCK)],
     ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote", "learned"])
 def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
     """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,

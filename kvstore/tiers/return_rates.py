@@ -5,9 +5,14 @@ A request that ends is described by what the connector knows of it (`RequestEnd`
 answer's length, how many times the chain it extends had been extended before, the
 conversation's turn, and how long that chain had been idle) and by its length in chunks.
 Its chunks are labelled with that bucket, split again by whether an earlier request had
-named the chunk too (a shared prefix, or a document asked about again) and whether the
-chunk has come back before. When a chunk leaves DRAM it is a departure of its bucket, and
+named the chunk too (a shared prefix, or a document asked about again), whether the
+chunk has come back before, and whether it is the chain's last chunk (TAIL_CHUNKS: a next
+turn often does not reuse it). When a chunk leaves DRAM it is a departure of its bucket, and
 when a later request names it again (stores or reads it) while it is remembered, a return.
+A chunk named before or come back that leaves DRAM late (more than LATE times the mean time
+chunks stay unnamed before they leave: its conversation has likely ended) is a departure of
+a bucket of its split alone, whatever its request's: how such chunks come back is learned
+apart, and they are few, so a bucket's request features would leave it without exposure.
 
 A bucket's return rate is its returns over its departures' exposure. A departure that has
 not come back yet may still: counting it in full at once would take every bucket for one
@@ -20,7 +25,8 @@ refused. A chunk with no label (its request never said how it ended) is in bucke
 its split), which learns like any other.
 
 Invariants: memory is bounded whatever passes: at most `capacity` labels, `capacity`
-departed chunks, `capacity` chunks seen back and `capacity` queued departures (the least
+times chunks were last named, `capacity` departed chunks, `capacity` chunks seen back and
+`capacity` queued departures (the least
 recent forgotten first, a forgotten departure counted in full), and a few numbers per
 bucket (BUCKETS of them); the counts are halved once `capacity` departures have been
 counted since the last halving, so a change of traffic is followed. Only `finished`,
@@ -45,15 +51,19 @@ from typing import Any
 ANSWER_EDGES = (8, 16, 32, 64, 128, 256, 512, 1024)  # answer tokens: 9 bins
 TURN_EDGES = (1, 2, 3, 6)  # times the chain had been extended: 0, 1, 2, 3-5, 6+
 IDLE_EDGES = (10.0, 60.0, 300.0, 1800.0)  # seconds idle before the request: 5 bins, and "new"
-LENGTH_EDGES = (4, 16, 64)  # chunks in the chain: 4 bins
+LENGTH_EDGES = (4, 16, 24, 32, 48, 64, 96)  # chunks in the chain: 8 bins
 UNKNOWN = 0  # the bucket of a chunk whose request did not say how it ended
 ENDS = 1 + (len(ANSWER_EDGES) + 1) * (len(TURN_EDGES) + 1) * (len(IDLE_EDGES) + 2) * (len(LENGTH_EDGES) + 1)
-BUCKETS = 4 * ENDS  # and each again for chunks named before, and for chunks that have come back before
+TAIL_CHUNKS = 1  # a chain's last chunks: a bucket of their own (they come back less often)
+NAMED, BACK, TAIL = ENDS, 2 * ENDS, 4 * ENDS  # a split's offset: each split has ENDS buckets
+LATE_SPLIT = 8 * ENDS  # then one bucket per split for the chunks that left DRAM late
+LATE = 1.75  # a chunk left DRAM late: unnamed this many times the mean time chunks were before leaving
+BUCKETS = 8 * ENDS + 8  # the 8 splits (named before, come back before, last chunk) and the late ones
 PRIOR_WEIGHT = 4.0  # departures' worth of everyone's rate in a bucket's own
 RAMP_S = (300.0, 300.0, 3600.0)  # a departure's exposure ramp: least, before any return, most
 MAX_TOKENS = 1 << 31  # an answer's tokens, and a chain's turns, as the protocol bounds them
 MAX_IDLE_S = 1e9  # seconds: about 32 years
-STATE_VERSION = 1  # of `state()`: the bucket layout above is part of it
+STATE_VERSION = 2  # of `state()`: the bucket layout above is part of it
 MAX_COUNT = 1e15  # a stored count past this is not one a process made
 
 
@@ -98,6 +108,8 @@ class ReturnRates:
         self._delay = [0.0, 0.0]  # returns seen and their delays' sum (halved with the counts)
         self._since_halving = 0
         self._now = 0.0
+        self._named_at: OrderedDict[bytes, float] = OrderedDict()  # chunk -> when it was last named
+        self._age = [0.0, 0.0]  # departures of named chunks and their times unnamed (halved with the counts)
 
     @property
     def ramp_s(self) -> float:
@@ -110,8 +122,9 @@ class ReturnRates:
         """A request that named these chunks ended so: they are its bucket's now."""
         keys = list(keys)
         bucket = end.bucket(len(keys))
-        for key in keys:
-            self._label[key] = bucket + (ENDS if key in self._label else 0)  # named before: shared
+        tail = len(keys) - TAIL_CHUNKS
+        for index, key in enumerate(keys):  # named before: shared
+            self._label[key] = bucket + (NAMED if key in self._label else 0) + (TAIL if index >= tail else 0)
             self._label.move_to_end(key)
         while len(self._label) > self.capacity:
             self._label.popitem(last=False)
@@ -121,7 +134,11 @@ class ReturnRates:
         self._advance(now)
         if key in self._departed:  # out again without having been seen back
             self._settle(key)
-        bucket = self.bucket_of(key)
+        bucket = self.bucket_of(key, self._now)
+        named_at = self._named_at.get(key)
+        if named_at is not None:
+            self._age[0] += 1
+            self._age[1] += self._now - named_at
         self._departed[key] = [bucket, self._now, True]
         self._young.append((self._now, key))
         for ramping in (self._ramping[bucket], self._ramping[BUCKETS]):
@@ -131,7 +148,7 @@ class ReturnRates:
             self._settle(next(iter(self._departed)))
         self._since_halving += 1
         if self._since_halving >= self.capacity:
-            for counts in (self.returns, self.settled, self._totals, self._delay):
+            for counts in (self.returns, self.settled, self._totals, self._delay, self._age):
                 counts[:] = [n / 2 for n in counts]
             self._since_halving = 0
 
@@ -139,6 +156,10 @@ class ReturnRates:
         """A request stored or read these chunks: those that had left DRAM came back."""
         self._advance(now)
         for key in keys:
+            self._named_at[key] = self._now
+            self._named_at.move_to_end(key)
+            if len(self._named_at) > self.capacity:
+                self._named_at.popitem(last=False)
             departed = self._departed.get(key)
             if departed is None:
                 continue
@@ -197,28 +218,36 @@ class ReturnRates:
     def state(self) -> dict[str, Any]:
         """What was learned, per bucket: enough for `restore` in a later process."""
         return {"version": STATE_VERSION, "buckets": BUCKETS, "returns": list(self.returns),
-                "settled": list(self.settled), "totals": list(self._totals), "delay": list(self._delay)}
+                "settled": list(self.settled), "totals": list(self._totals), "delay": list(self._delay),
+                "age": list(self._age)}
 
     def restore(self, state: object) -> None:
         """Take over what a `state()` says was learned; ValueError, and nothing changed, when
         it is not a state of this version and bucket layout."""
         counts = _checked_state(state)
         self.returns, self.settled = counts["returns"], counts["settled"]
-        self._totals, self._delay = counts["totals"], counts["delay"]
+        self._totals, self._delay, self._age = counts["totals"], counts["delay"], counts["age"]
 
-    def bucket_of(self, key: bytes) -> int:
-        """The bucket of the request that last named this chunk, and whether it came back before."""
-        return self._label.get(key, UNKNOWN) + (2 * ENDS if key in self._came_back else 0)
+    def bucket_of(self, key: bytes, now: float | None = None) -> int:
+        """The bucket of the request that last named this chunk, and whether it came back
+        before; if it was named before or came back and, at `now`, has been unnamed LATE
+        times as long as departing chunks were on average, its split's late bucket."""
+        bucket = self._label.get(key, UNKNOWN) + (BACK if key in self._came_back else 0)
+        named_at = self._named_at.get(key)
+        if (now is None or named_at is None or not self._age[0] or not bucket // ENDS % 4
+                or now - named_at <= LATE * self._age[1] / self._age[0]):
+            return bucket
+        return LATE_SPLIT + bucket // ENDS
 
     def rate_of(self, key: bytes, now: float = 0.0) -> float:
         """The return rate of the chunk's bucket (bucket_of) at `now`."""
-        return self.rate(self.bucket_of(key), now)
+        return self.rate(self.bucket_of(key, max(now, self._now)), now)
 
 
 def _checked_state(state: object) -> dict[str, list[float]]:
     """The counts of a `state()`, each list its length and each count a finite number from
     0 to MAX_COUNT; ValueError saying what is wrong otherwise."""
-    lengths = {"returns": BUCKETS, "settled": BUCKETS, "totals": 2, "delay": 2}
+    lengths = {"returns": BUCKETS, "settled": BUCKETS, "totals": 2, "delay": 2, "age": 2}
     if not isinstance(state, dict) or set(state) != {"version", "buckets", *lengths}:
         raise ValueError(f"learned rates: a mapping of exactly version, buckets, {', '.join(lengths)}")
     if state["version"] != STATE_VERSION or state["buckets"] != BUCKETS:
