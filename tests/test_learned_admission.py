@@ -93,20 +93,20 @@ def test_a_shared_chunk_that_leaves_dram_late_is_learned_apart():
     has likely ended) is a departure of a bucket of its own, whatever its request's; the
     same chunk leaving soon after it was named keeps its request's bucket."""
     rates = ReturnRates(capacity=1 << 12)
-    for i in range(80):
-        chunk = keys(f"s{i}-", 1)
+    for i in range(80):  # one chunk at a time: each named, out of DRAM 10 s or 200 s later
+        chunk, start = keys(f"s{i}-", 1), 1000.0 * i
         for _ in range(2):  # named by a second request: a shared chunk
             rates.finished(chunk, SHORT)
-        rates.named(chunk, now=10.0 * i)
+        rates.named(chunk, now=start)
         late = i % 4 == 0
-        rates.left(chunk[0], now=10.0 * i + (200.0 if late else 10.0))
+        rates.left(chunk[0], now=start + (200.0 if late else 10.0))
         if not late:
-            rates.named(chunk, now=10.0 * i + 15)  # back soon; the late ones never
-    rates.named([], now=1000.0 + rates.ramp_s)
+            rates.named(chunk, now=start + 15)  # back soon; the late ones never
+    rates.named([], now=80_000.0 + rates.ramp_s)
     new = keys("new", 1)
     for _ in range(2):
         rates.finished(new, SHORT)
-    now = 2000.0 + rates.ramp_s
+    now = 90_000.0 + rates.ramp_s
     rates.named(new, now=now)
     assert rates.bucket_of(new[0], now + 5) != rates.bucket_of(new[0], now + 400)
     assert rates.rate_of(new[0], now + 5) > 0.8 and rates.rate_of(new[0], now + 400) < THRESHOLD
@@ -133,7 +133,8 @@ def damaged(state: dict) -> list[object]:
             {**state, "extra": 1}, {k: v for k, v in state.items() if k != "delay"},
             {**state, "returns": state["returns"][:-1]}, {**state, "settled": [-1.0] * state["buckets"]},
             {**state, "totals": [math.inf, 0.0]}, {**state, "delay": [True, 1.0]},
-            {**state, "returns": ["1"] * state["buckets"]}, {**state, "totals": [1e300, 0.0]}]
+            {**state, "returns": ["1"] * state["buckets"]}, {**state, "totals": [1e300, 0.0]},
+            {k: v for k, v in state.items() if k != "age"}, {**state, "age": [math.nan, 1.0]}]
 
 
 @given(st.data())
@@ -176,7 +177,7 @@ def test_what_the_rates_remember_is_bounded():
         if i % 3 == 0:
             rates.named(chunk, now=i + 0.5)
     assert len(rates._label) <= 32 and len(rates._departed) <= 32
-    assert len(rates._came_back) <= 32 and len(rates._young) <= 33
+    assert len(rates._came_back) <= 32 and len(rates._young) <= 33 and len(rates._named_at) <= 32
     assert sum(rates.settled) < 2 * 32 + 2000 / 32  # halved as they grow
 
 

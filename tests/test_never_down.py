@@ -359,3 +359,18 @@ def test_counters_from_a_client_are_bounded(service, good):
     good.count({"malformed.kv_hints": 1, "connector.faults": 1})  # the connector's own names
     counters = good.info()["counters"]
     assert counters["malformed.kv_hints"] >= 1 and counters["connector.faults"] >= 1
+
+
+def test_a_reply_past_its_deadline_is_a_timeout_and_one_already_there_is_read():
+    """A deadline that has passed reads what has arrived and otherwise says the time is up
+    (TimeoutError, which the client reports as no answer, not as a lost connection)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = P.Channel(ours)
+    try:
+        with pytest.raises(TimeoutError):
+            channel.recv(P.REPLY, 0.0)
+        P.Channel(theirs).send(P.Reply(True, 7))
+        assert channel.recv(P.REPLY, 0.0).value == 7
+    finally:
+        channel.close()
+        theirs.close()

@@ -74,13 +74,13 @@ class PeerDevices:
         own = {os.path.realpath(path) for path in own_paths}
         try:
             self._open_all(config, own)
+            self._listed = list(self.devices.values())  # the watch's numbering
+            interval = min(self.cooldown_s, 1.0)
+            self._watch = DeviceWatch(self, interval, self.cooldown_s, self.timeout_s * 3 + interval,
+                                      name="kvstore-peer-health", start=start)
         except BaseException:
             self._close_tiers()
             raise
-        self._listed = list(self.devices.values())  # the watch's numbering
-        interval = min(self.cooldown_s, 1.0)
-        self._watch = DeviceWatch(self, interval, self.cooldown_s, self.timeout_s * 3 + interval,
-                                  name="kvstore-peer-health", start=start)
 
     def _open_all(self, config: ClusterConfig, own: set[str]) -> None:
         for i, peer in enumerate(config.peers):
@@ -140,7 +140,7 @@ class PeerDevices:
     # -- as the device watch sees the peers' devices (devices/watch.py) ---------------
 
     def watched(self) -> list[tuple[DeviceHealth, Probe | None, str | None]]:
-        return [(d.health, d.plan.probe, d.path) for d in self]
+        return [(d.health, d.plan.probe, d.path) for d in self._listed]
 
     def recheck(self, i: int) -> str | None:
         """A peer may reformat a device it owns: its superblock is read again."""

@@ -62,7 +62,7 @@ class DeviceWatch:
             try:
                 self.check_once()
             except Exception:  # a watch that dies silently would leave devices out forever
-                log.exception("device watch: check failed; retrying next interval")
+                log.exception("%s: device check failed; retrying next interval", self._thread.name)
 
     def check_once(self) -> None:
         for i, (health, device_probe, at) in enumerate(self.tier.watched()):

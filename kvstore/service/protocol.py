@@ -229,8 +229,11 @@ class Channel:
         data = bytearray()
         while len(data) < count:
             self.sock.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            chunk, ancillary, _, _ = self.sock.recvmsg(count - len(data),
-                                                       socket.CMSG_SPACE(_MAX_FDS * 4))
+            try:
+                chunk, ancillary, _, _ = self.sock.recvmsg(count - len(data),
+                                                           socket.CMSG_SPACE(_MAX_FDS * 4))
+            except BlockingIOError:  # the deadline had passed: a timeout of 0 reads only what is there
+                raise TimeoutError("deadline passed") from None
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     received = array.array("i")

@@ -56,7 +56,8 @@ UNKNOWN = 0  # the bucket of a chunk whose request did not say how it ended
 ENDS = 1 + (len(ANSWER_EDGES) + 1) * (len(TURN_EDGES) + 1) * (len(IDLE_EDGES) + 2) * (len(LENGTH_EDGES) + 1)
 TAIL_CHUNKS = 1  # a chain's last chunks: a bucket of their own (they come back less often)
 NAMED, BACK, TAIL = ENDS, 2 * ENDS, 4 * ENDS  # a split's offset: each split has ENDS buckets
-LATE_SPLIT = 8 * ENDS  # then one bucket per split for the chunks that left DRAM late
+LATE_SPLIT = 8 * ENDS  # then one bucket per split for the chunks that left DRAM late (used by
+# the splits of chunks named before or come back: 6 of the 8)
 LATE = 1.75  # a chunk left DRAM late: unnamed this many times the mean time chunks were before leaving
 BUCKETS = 8 * ENDS + 8  # the 8 splits (named before, come back before, last chunk) and the late ones
 PRIOR_WEIGHT = 4.0  # departures' worth of everyone's rate in a bucket's own
