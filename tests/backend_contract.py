@@ -55,7 +55,9 @@ FLIPPED = 1  # the chunk whose record the fresh-process case flips on disk
 ROOM = 1  # chunks the full-pool case leaves room for in the engine's pool
 TIMEOUT_S = 2.0  # the service's io.timeout_s; the client's request deadline is twice it
 FULL_POOL_S = TIMEOUT_S + 5.0  # a load into a full pool returns within this
-FROZEN_CALL_S = 2 * TIMEOUT_S + 1.0  # each call on a frozen service returns within this
+# Each call on a frozen service returns within this: one client deadline (4 s) and the 5 s
+# this suite allows a loaded 2-core machine everywhere (a CI run measured 6.1 s here).
+FROZEN_CALL_S = 2 * TIMEOUT_S + 5.0
 FUZZ_EXAMPLES = 40
 FUZZ_FIRST = 1000  # the first chunk index the fuzz case plants at (one per example)
 CHILD_TIMEOUT_S = 300
