@@ -14,7 +14,8 @@ import pytest
 from support import faults
 from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
-from kvstore.devices.health import IN_SERVICE, TRIPPED
+from kvstore.devices.health import IN_SERVICE, TRIPPED, DeviceHealth
+from kvstore.devices.watch import DeviceWatch
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 
@@ -160,3 +161,40 @@ def test_a_tripped_device_waits_out_its_cooldown_before_revalidation(disk_dir, f
     faults.monitor_clock(store, lambda: later)
     store.step()
     assert store.probe.devices()[0].state == IN_SERVICE
+
+
+class _SlowTier:
+    """A tier of six devices, each in service, whose own check takes `step_s` (a slow device)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.checked = 0
+        self.devices = [(DeviceHealth(f"dev{i}", "disk"), None, f"/dev/fake{i}") for i in range(6)]
+
+    def watched(self):
+        return self.devices
+
+    def recheck(self, i: int) -> str | None:
+        self.checked += 1
+        time.sleep(self.step_s)
+        return None
+
+    def take_out(self, i: int, state: str, reason: str) -> None:
+        raise AssertionError("no device here fails")
+
+    def revalidate(self, i: int, path: str | None) -> bool:
+        raise AssertionError("no device here is out")
+
+
+def test_closing_the_watch_stops_it_within_one_devices_step():
+    """A check goes over every device; closing mid-check waits out the device in hand
+    (`join_s`), not the rest: after close() the watch touches the tier no more."""
+    tier = _SlowTier(step_s=0.3)
+    watch = DeviceWatch(tier, interval_s=0.01, cooldown_s=30, join_s=0.5, name="test-watch")
+    deadline = time.monotonic() + 10
+    while tier.checked == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.close()
+    checked = tier.checked
+    time.sleep(0.7)
+    assert tier.checked == checked <= 2, f"{tier.checked} devices checked after close (at most 2 before)"

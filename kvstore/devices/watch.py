@@ -50,7 +50,7 @@ class DeviceWatch:
         self.tier = tier
         self.interval_s = interval_s
         self.cooldown_s = cooldown_s
-        self.join_s = join_s  # the longest a check can take: the tier's deadlines, and an interval
+        self.join_s = join_s  # the longest one device's step can take: the tier's deadlines, and an interval
         self.clock = clock  # a seam: tests move time on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -66,6 +66,8 @@ class DeviceWatch:
 
     def check_once(self) -> None:
         for i, (health, device_probe, at) in enumerate(self.tier.watched()):
+            if self._stop.is_set():  # closing: `join_s` waits out the device in hand, not the rest
+                return
             found = probe(device_probe)
             if health.in_service:
                 problem = (found.why or "not usable" if not found.usable
