@@ -234,11 +234,12 @@ class ReturnRates:
         before; if it was named before or came back and, at `now`, has been unnamed LATE
         times as long as departing chunks were on average, its split's late bucket."""
         bucket = self._label.get(key, UNKNOWN) + (BACK if key in self._came_back else 0)
+        split = bucket // ENDS  # its split, 0-7: the sum of those of NAMED, BACK and TAIL it is in
         named_at = self._named_at.get(key)
-        if (now is None or named_at is None or not self._age[0] or not bucket // ENDS % 4
+        if (now is None or named_at is None or not self._age[0] or not split & (NAMED + BACK) // ENDS
                 or now - named_at <= LATE * self._age[1] / self._age[0]):
             return bucket
-        return LATE_SPLIT + bucket // ENDS
+        return LATE_SPLIT + split
 
     def rate_of(self, key: bytes, now: float = 0.0) -> float:
         """The return rate of the chunk's bucket (bucket_of) at `now`."""
