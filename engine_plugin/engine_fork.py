@@ -7,14 +7,16 @@ prefix cache, connector and exit, as `python -m engine_plugin.engine_run` would 
 the import.
 
 Invariants:
-- The server is single-threaded and has started no engine when it forks; it refuses a run
-  otherwise.
+- The server has one thread (native ones counted) and has started no engine when it
+  forks; it refuses a run otherwise.
 - A run is forked only when its environment is the one the server was started with, up to
-  `PER_RUN` (variables read when a run starts, not at import): what is read at import
-  (HF_HUB_OFFLINE, logging, OMP_*) is fixed in the server. A refused run is started as a
+  `PER_RUN` (variables read when a run starts, not at import) and what importing vLLM set
+  (where the caller imported it too): what is read at import (HF_HUB_OFFLINE, logging,
+  OMP_*) is fixed in the server. A refused run is started as a
   process of its own by `run_fresh`, so a fork never changes what a run does.
-- A child is its own session leader (its process group is its pid, as `run_fresh`'s own
-  processes are), writes to the caller's pipes, and exits as a process does (non-daemon
+- A child leads its own process group (its pid, as `run_fresh`'s own processes do; set
+  before the caller hears the pid, so a kill of the group past a deadline reaches it),
+  writes to the caller's pipes, and exits as a process does (non-daemon
   threads joined, exit handlers run: the connector's queued saves drain).
 
 Started as `python -m engine_plugin.engine_run --fork-server SOCKET`; `run_fresh` forks
@@ -31,7 +33,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,11 +42,15 @@ SOCKET_ENV = "KVSTORE_ENGINE_FORK"
 PER_RUN = frozenset({"PYTEST_CURRENT_TEST", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"})
 MAX_MESSAGE = 1 << 20
 REQUEST_TIMEOUT_S = 5.0  # a caller that connects and says nothing holds the server no longer
+HANDSHAKE_TIMEOUT_S = 10.0  # a caller waits no longer for the server's answer
 
 
-def _differs(born: dict[str, str], env: dict[str, str]) -> list[str]:
-    """Variables, outside PER_RUN, whose value differs between the two environments."""
-    return sorted(k for k in born.keys() | env.keys() if k not in PER_RUN and born.get(k) != env.get(k))
+def _differs(born: dict[str, str], imported: dict[str, str], env: dict[str, str]) -> list[str]:
+    """Variables, outside PER_RUN, in which `env` differs from the server's: from the
+    environment it was started with, unless the caller has what importing vLLM set there
+    (it imported vLLM too)."""
+    return sorted(k for k in born.keys() | env.keys() | imported.keys() if k not in PER_RUN
+                  and env.get(k) != born.get(k) and not (k in imported and env.get(k) == imported[k]))
 
 
 def serve(path: str, prepare: Callable[[], None], main: Callable[[Sequence[str]], int]) -> None:
@@ -70,15 +75,22 @@ def serve(path: str, prepare: Callable[[], None], main: Callable[[Sequence[str]]
                 pid = _start(conn, born, imported, selector, main)
                 if pid is None:
                     conn.close()
-                else:
+                    continue
+                try:
                     selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
+                except OSError:  # no pidfd to spare: wait for this run here
+                    _ended(pid, conn)
             else:
-                pid, conn = key.data
                 selector.unregister(key.fileobj)
                 os.close(key.fd)
-                _, status = os.waitpid(pid, 0)
-                _reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
-                conn.close()
+                _ended(*key.data)
+
+
+def _ended(pid: int, conn: socket.socket) -> None:
+    """Reap the run and tell its caller how it ended."""
+    _, status = os.waitpid(pid, 0)
+    _reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+    conn.close()
 
 
 def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -86,11 +98,9 @@ def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
         conn.send(json.dumps(message).encode())
 
 
-def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
-           selector: selectors.BaseSelector, main: Callable[[Sequence[str]], int]) -> int | None:
-    """Fork the run `conn` asks for; its pid, or None when refused or unreadable. The
-    run's environment is the caller's with what importing vLLM set in it, as a fresh
-    process's would be after the same imports."""
+def _request(conn: socket.socket) -> tuple[list[str], dict[str, str], str, list[int]] | None:
+    """The run a caller of this user asks for (argv, env, cwd, its stdout and stderr), or
+    None: another user, or anything malformed (its fds closed)."""
     fds: list[int] = []
     try:
         conn.settimeout(REQUEST_TIMEOUT_S)
@@ -100,22 +110,42 @@ def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
         data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 2)
         request = json.loads(data)
         argv, env, cwd = request["argv"], request["env"], request["cwd"]
-        if not (isinstance(cwd, str) and isinstance(argv, list) and isinstance(env, dict)
-                and all(isinstance(a, str) for a in [*argv, *env, *env.values()])):
-            raise TypeError("argv, env or cwd is not text")
-    except (OSError, ValueError, KeyError, TypeError):
-        for fd in fds:
-            os.close(fd)
+        if len(fds) == 2 and isinstance(cwd, str) and isinstance(argv, list) and isinstance(env, dict) \
+                and all(isinstance(a, str) for a in [*argv, *env, *env.values()]):
+            return argv, env, cwd, fds
+    except Exception:  # whatever a caller sends: JSON nested past the stack too
+        pass
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _single_threaded() -> bool:
+    """No thread but this one, native ones (a thread pool) included: forkable."""
+    return len(os.listdir("/proc/self/task")) == 1
+
+
+def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
+           selector: selectors.BaseSelector, main: Callable[[Sequence[str]], int]) -> int | None:
+    """Fork the run `conn` asks for; its pid, or None when refused or unreadable. The
+    run's environment is the caller's with what importing vLLM set in it, as a fresh
+    process's would be after the same imports."""
+    request = _request(conn)
+    if request is None:
         return None
-    differs = _differs(born | imported, env | imported)
-    if len(fds) != 2 or differs or threading.active_count() != 1:
-        for fd in fds:
-            os.close(fd)
-        _reply(conn, {"refused": f"environment differs in {differs}" if differs else "not forkable now"})
-        return None
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
+    argv, env, cwd, fds = request
+    differs = _differs(born, imported, env)
+    refused = f"environment differs in {differs}" if differs else None
+    pid = -1
+    if refused is None and not _single_threaded():
+        refused = "the server has threads: not forkable"
+    if refused is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as error:
+            refused = f"fork failed: {error.strerror}"
     if pid == 0:
         for key in list(selector.get_map().values()):  # the listener, other runs' pidfds
             if isinstance(key.fileobj, socket.socket):
@@ -129,6 +159,11 @@ def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
         _run_child(main, argv, env | imported, cwd, fds)
     for fd in fds:
         os.close(fd)
+    if refused is not None:
+        _reply(conn, {"refused": refused})
+        return None
+    with contextlib.suppress(OSError):  # the child has set it itself, or has ended already
+        os.setpgid(pid, pid)  # its own group before the caller hears its pid (and may kill it)
     _reply(conn, {"pid": pid})
     return pid
 
@@ -137,7 +172,8 @@ def _run_child(main: Callable[[Sequence[str]], int], argv: list[str], env: dict[
                fds: list[int]) -> None:
     """Become the run: raises SystemExit with its exit code, so this process ends as an
     interpreter does (the server's loop has nothing to undo on the way out)."""
-    os.setsid()
+    with contextlib.suppress(OSError):  # the server may have set it first
+        os.setpgid(0, 0)
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in fds:
@@ -202,6 +238,7 @@ def fork_run(argv: list[str], env: dict[str, str], cwd: str) -> ForkedRun | None
     if not path:
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(HANDSHAKE_TIMEOUT_S)  # a stopped or busy server: the run starts cold
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:

@@ -26,6 +26,7 @@ and the chosen one, as vLLM's own tests compare two runs; run_fresh returns them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -195,7 +196,8 @@ def run_fresh(model: str | Path, prompts_file: str | Path, connector: dict[str, 
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it ended just now
+            os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         raise RuntimeError(f"engine run passed its {timeout_s:.0f} s deadline:\n{stderr[-4000:]}") from None
     done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
