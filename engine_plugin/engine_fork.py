@@ -7,8 +7,10 @@ prefix cache, connector and exit, as `python -m engine_plugin.engine_run` would 
 the import.
 
 Invariants:
-- The server has one thread (native ones counted) and has started no engine when it
-  forks; it refuses a run otherwise.
+- The server has one Python thread and has started no engine when it forks; it refuses
+  a run otherwise. The native pools its imports start (OpenBLAS's: two idle threads here)
+  have their libraries' own fork handlers; that a forked engine answers as a cold one, to
+  the bit, is tested (tests/test_engine_fork.py).
 - A run is forked only when its environment is the one the server was started with, up to
   `PER_RUN` (variables read when a run starts, not at import) and what importing vLLM set
   (where the caller imported it too): what is read at import (HF_HUB_OFFLINE, logging,
@@ -33,6 +35,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -120,11 +123,6 @@ def _request(conn: socket.socket) -> tuple[list[str], dict[str, str], str, list[
     return None
 
 
-def _single_threaded() -> bool:
-    """No thread but this one, native ones (a thread pool) included: forkable."""
-    return len(os.listdir("/proc/self/task")) == 1
-
-
 def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
            selector: selectors.BaseSelector, main: Callable[[Sequence[str]], int]) -> int | None:
     """Fork the run `conn` asks for; its pid, or None when refused or unreadable. The
@@ -137,7 +135,7 @@ def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
     differs = _differs(born, imported, env)
     refused = f"environment differs in {differs}" if differs else None
     pid = -1
-    if refused is None and not _single_threaded():
+    if refused is None and threading.active_count() != 1:
         refused = "the server has threads: not forkable"
     if refused is None:
         sys.stdout.flush()
@@ -160,6 +158,7 @@ def _start(conn: socket.socket, born: dict[str, str], imported: dict[str, str],
     for fd in fds:
         os.close(fd)
     if refused is not None:
+        print(f"engine fork server: a run refused ({refused}); it starts cold", file=sys.stderr, flush=True)
         _reply(conn, {"refused": refused})
         return None
     with contextlib.suppress(OSError):  # the child has set it itself, or has ended already
