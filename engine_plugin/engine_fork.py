@@ -199,8 +199,7 @@ class ForkedRun:
         self.pid = pid
         self.returncode = -1  # until `communicate` has heard the server's wait for it
         self._conn = conn
-        self._pipes = {stdout: bytearray(), stderr: bytearray()}
-        self._order = (stdout, stderr)
+        self._pipes = {stdout: bytearray(), stderr: bytearray()}  # in that order
         self._selector = selectors.DefaultSelector()
         for fd in self._pipes:
             self._selector.register(fd, selectors.EVENT_READ)
@@ -216,8 +215,9 @@ class ForkedRun:
             for key, _ in self._selector.select(left):
                 if key.fileobj is self._conn:
                     self._selector.unregister(self._conn)
-                    message = self._conn.recv(MAX_MESSAGE)
-                    self.returncode = int(json.loads(message)["returncode"]) if message else -1
+                    with contextlib.suppress(OSError):  # the server gone: the exit code unknown (-1)
+                        message = self._conn.recv(MAX_MESSAGE)
+                        self.returncode = int(json.loads(message)["returncode"]) if message else -1
                     self._conn.close()
                     continue
                 chunk = os.read(key.fd, 1 << 16)
@@ -226,7 +226,8 @@ class ForkedRun:
                 else:
                     self._selector.unregister(key.fd)
                     os.close(key.fd)
-        out, err = (self._pipes[fd].decode(errors="replace") for fd in self._order)
+        self._selector.close()
+        out, err = (output.decode(errors="replace") for output in self._pipes.values())
         return out, err
 
 
