@@ -1,5 +1,6 @@
 """The bench's yardsticks: huge pages for fio are given back on every path, the best
-fio is the fastest run of its own geometry, and a missing peer says why."""
+fio is the fastest run of its own geometry, the CPU's cache size is read from sysfs, and
+a missing peer says why."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 import pytest
 
 from bench.commands.peer_lmcache import peer_case
-from bench.support import vm
+from bench.support import fio, vm
 from bench.support.fio import HUGE, MALLOC, FioRun, Yardstick
 
 
@@ -71,3 +72,13 @@ def test_a_missing_peer_says_why_and_how_to_install_it(tmp_path):
     why = peer_case(str(tmp_path), 4096, 4, 4, 16)
     assert isinstance(why, str) and "scripts/setup_lmcache.sh" in why
     assert os.listdir(tmp_path) == []  # its directory is removed
+
+
+def test_the_cache_size_is_read_from_sysfs(tmp_path, monkeypatch):
+    for index, size in enumerate(("48K", "1024K", "32768K", "bogus")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(fio, "CPU_CACHES", tmp_path)
+    assert fio.last_level_cache_bytes() == 32 << 20
+    monkeypatch.setattr(fio, "CPU_CACHES", tmp_path / "none")
+    assert fio.last_level_cache_bytes() == 0

@@ -5,7 +5,9 @@ and the table both benchmarks print against their baseline.
 The ceiling says what a ratio between two backends can be on this disk: fio reading the
 same block size one request at a time (a backend that reads one file after another) and
 at kvstore's depth. Where the two fio figures are close, the disk does not reward
-parallel reads, and no backend can run far ahead of a sequential one.
+parallel reads, and no backend can run far ahead of a sequential one. A round is held to
+fio's runs whose buffers outgrow the CPU's cache (bench/support/fio.py): its pages land
+in memory of their own, as a load's do.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.lab import Result
-from bench.support.fio import Geometry, Yardstick
+from bench.support.fio import Geometry, Yardstick, cache_cold, last_level_cache_bytes
 from bench.support.processes import process_cpu
 from bench.support.vm import huge_pages
 from kvstore.config.store import load_config
@@ -68,6 +70,16 @@ def service_huge_pages(store: dict[str, Any], clients: int) -> Iterator[None]:
 
 
 DEPTHS = (1, 16, 64)  # one read at a time, and up to kvstore's default queue depth (io.queue_depth)
+MOST_DEPTH = 4096  # io.queue_depth's own bound
+
+
+def disk_depths(block: int, cache_bytes: int) -> tuple[int, ...]:
+    """DEPTHS, and where none of them has cache-cold buffers of `block` (bench/support/fio.py
+    `cache_cold`), the first doubling past them that has (at most MOST_DEPTH)."""
+    depth = DEPTHS[-1]
+    while not any(cache_cold(block, d, cache_bytes) for d in (*DEPTHS, depth)) and depth < MOST_DEPTH:
+        depth *= 2
+    return DEPTHS if depth == DEPTHS[-1] else (*DEPTHS, depth)
 
 
 def measure_disk(yardstick: Yardstick, directory: str, block: int, total: int) -> None:
@@ -75,29 +87,40 @@ def measure_disk(yardstick: Yardstick, directory: str, block: int, total: int) -
     once into malloc'd ones, over a file of `total` bytes that fio lays out beside the
     backends' files; called before and after the rounds, so drift over the sitting shows
     and the best run is the yardstick."""
+    depths = disk_depths(block, last_level_cache_bytes())
     path = os.path.join(directory, "fio-yardstick")
-    geometry = Geometry("disk", path, 0, max(total, block * DEPTHS[-1]), block)
-    for depth in DEPTHS:
+    geometry = Geometry("disk", path, 0, max(total, block * depths[-1]), block)
+    for depth in depths:
         for _ in range(2):  # the yardstick alternates the buffer kind run by run
             yardstick.measure(geometry, depth)
 
 
-def report_ceiling(yardstick: Yardstick, rounds: Sequence[Round], block: int, baseline: str) -> str:
-    """fio's best at each depth, each disk round against fio's best at any of them (the
-    yardstick is the best the disk gave, not one depth's), and the most any backend could
-    run over the baseline's disk round on this disk."""
-    best = {depth: yardstick.best("disk", block, depth) for depth in DEPTHS}
+def report_ceiling(yardstick: Yardstick, rounds: Sequence[Round], block: int, baseline: str,
+                   cache_bytes: int) -> str:
+    """fio's best at each depth, each disk round against fio's best at the depths whose
+    buffers outgrow the CPU's cache (`cache_bytes`; a round's pages land in memory of their
+    own, not in a few buffers the CPU holds), and the most any backend could run over the
+    baseline's disk round on this disk."""
+    found = {depth: yardstick.best("disk", block, depth) for depth in disk_depths(block, cache_bytes)}
     lines = [f"fio: {note}" for note in yardstick.notes]
-    if any(run is None for run in best.values()):
+    best = {depth: run for depth, run in found.items() if run is not None}
+    if len(best) < len(found):
         return "\n".join(lines)
-    figures = ", ".join(f"depth {d} {run.read_gibps:.2f} GiB/s" for d, run in best.items() if run)
+    cold = {d: run for d, run in best.items() if cache_cold(block, d, cache_bytes)}
+    figures = ", ".join(f"depth {d} {run.read_gibps:.2f} GiB/s{'' if d in cold else ' (cache-warm)'}"
+                        for d, run in best.items())
     lines.append(f"fio randread, O_DIRECT, {block >> 10} KiB blocks, best of {len(yardstick.runs)} runs: "
                  f"{figures}")
-    depth, top = max(((d, run) for d, run in best.items() if run), key=lambda pair: pair[1].read_gibps)
+    if len(cold) < len(best):
+        lines.append(f"  (cache-warm: fio's buffers, depth x block, within twice the CPU's "
+                     f"{cache_bytes >> 20} MiB cache: not the yardstick of a load)")
+    narrowed = 0 < len(cold) < len(best)  # some runs left out as cache-warm
+    depth, top = max((cold if narrowed else best).items(), key=lambda pair: pair[1].read_gibps)
     ceiling = top.read_gibps
     for r in rounds:
         if r.hits == "disk":
-            lines.append(f"  {r.backend} disk hits: {r.gib_s / ceiling:.2f} of fio's best (depth {depth})")
+            lines.append(f"  {r.backend} disk hits: {r.gib_s / ceiling:.2f} of fio's best "
+                         f"{'cache-cold ' if narrowed else ''}(depth {depth})")
     base = next((r.gib_s for r in rounds if r.backend == baseline and r.hits == "disk"), None)
     if base:
         lines.append(f"  the disk's ceiling over {baseline}'s disk hits: {ceiling / base:.2f}x")
@@ -119,6 +142,8 @@ def result(rounds: list[Round], yardstick: Yardstick, header: str, table: str, b
            block: int) -> Result:
     """The experiment's Result: `header`, the rounds' `table` and, where fio ran (`baseline`
     named), the disk's ceiling; as JSON the rounds and fio's runs. Its value is the rounds."""
-    lines = [header, table] + ([report_ceiling(yardstick, rounds, block, baseline)] if baseline else [])
+    lines = [header, table]
+    if baseline:
+        lines.append(report_ceiling(yardstick, rounds, block, baseline, last_level_cache_bytes()))
     return Result("\n".join(lines), {"rounds": [asdict(r) for r in rounds], "fio": yardstick.rows()},
                   value=rounds)
