@@ -1,11 +1,12 @@
 """The I/O engine interface: how a batch of positioned reads and writes goes out.
 
 Tiers describe work as IoRequests and hand a whole batch to `run`, which keeps up
-to `queue_depth` of them in flight and returns one result per request: the bytes
-transferred, or -errno. Engines never raise for a failed request, so one bad
-sector costs one chunk, not the batch. A request still running at the deadline
-reports -ETIMEDOUT; its buffers may still be written by the kernel later, so a
-caller must treat them as lost (the disk tier reads into scratch it owns).
+to `queue_depth` of them in flight (a quarter of the batch where that is less:
+`in_flight`) and returns one result per request: the bytes transferred, or -errno.
+Engines never raise for a failed request, so one bad sector costs one chunk, not
+the batch. A request still running at the deadline reports -ETIMEDOUT; its buffers
+may still be written by the kernel later, so a caller must treat them as lost (the
+disk tier reads into scratch it owns).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TIMED_OUT = -errno.ETIMEDOUT
 # Called in the thread that called `run`, once per finished request, as it finishes,
 # so work on a finished buffer (checksum, copy) overlaps the reads still in flight.
 OnComplete = Callable[[int, int], None]
+IN_FLIGHT_FLOOR = 16  # requests a batch keeps in flight at least (up to queue_depth)
 
 
 class IoEngine(abc.ABC):
@@ -41,6 +43,15 @@ class IoEngine(abc.ABC):
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         self.queue_depth = queue_depth
+
+    def in_flight(self, count: int) -> int:
+        """Requests of a batch of `count` to keep in flight: a quarter of the batch (at
+        least IN_FLIGHT_FLOOR), at most `queue_depth`. A device may complete what is in
+        flight all at once (the development machine's virtual disk completes a whole
+        submission together), and a batch sent out whole then has its on_complete work
+        (a record's checksum) run after its last read; held to a quarter, each quarter's
+        checks run while the next quarter is read, and only the last quarter's follow."""
+        return min(self.queue_depth, count, max(IN_FLIGHT_FLOOR, -(-count // 4)))
 
     @abc.abstractmethod
     def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,

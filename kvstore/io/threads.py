@@ -85,7 +85,8 @@ class ThreadsEngine(IoEngine):
             on_complete: OnComplete | None = None) -> list[int]:
         results = [TIMED_OUT] * len(requests)
         batch = _Batch()
-        for index, request in enumerate(requests):
+        queued = self.in_flight(len(requests))
+        for index, request in enumerate(requests[:queued]):
             self._for(request.fd).jobs.put((index, request, batch))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for _ in requests:
@@ -96,6 +97,9 @@ class ThreadsEngine(IoEngine):
                 batch.abandoned = True  # stragglers keep TIMED_OUT
                 break
             results[index] = result
+            if queued < len(requests):  # the next one out before this one's callback
+                self._for(requests[queued].fd).jobs.put((queued, requests[queued], batch))
+                queued += 1
             if on_complete is not None:
                 on_complete(index, result)
         return results

@@ -88,7 +88,8 @@ class UringEngine(IoEngine):
         results = [TIMED_OUT] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         in_flight: dict[int, object] = {}  # user_data -> iovecs kept alive until completion
-        next_index = self._fill(ring, requests, 0, in_flight)
+        depth = self.in_flight(len(requests))
+        next_index = self._fill(ring, requests, 0, in_flight, depth)
         while in_flight:
             completed = ring.ring.reap()
             if not completed:
@@ -106,17 +107,17 @@ class UringEngine(IoEngine):
                 done.append((index, result))
             # Refill the queue before the callbacks: the device reads the next chunks
             # while this thread verifies and copies the finished ones.
-            next_index = self._fill(ring, requests, next_index, in_flight)
+            next_index = self._fill(ring, requests, next_index, in_flight, depth)
             if on_complete is not None:
                 for index, result in done:
                     on_complete(index, result)
         return results
 
     def _fill(self, ring: _Ring, requests: Sequence[IoRequest], next_index: int,
-              in_flight: dict[int, object]) -> int:
-        """Queue requests from `next_index` until `queue_depth` are in flight; submit them."""
+              in_flight: dict[int, object], depth: int) -> int:
+        """Queue requests from `next_index` until `depth` are in flight; submit them."""
         queued = 0
-        while next_index < len(requests) and len(in_flight) < self.queue_depth:
+        while next_index < len(requests) and len(in_flight) < depth:
             request = requests[next_index]
             iovecs = R.iovecs(request.buffers)
             opcode = R.OP_WRITEV if request.write else R.OP_READV
