@@ -6,9 +6,10 @@ vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by
 - fetch: where this process maps the service's DRAM tier, the service pins what it holds
   there (a lease; a disk hit is read into a DRAM slot and verified there first) and the
   caller copies straight out of the tier; the rest the service fills into window slots
-  (DRAM copy or O_DIRECT read, checksummed). `fetch_waves` runs a list of keys in waves
-  of half the window, the next wave's fetch running on a thread of its own while the
-  caller copies the current one, and releases each wave's lease after its copy.
+  (DRAM copy or O_DIRECT read, checksummed). `fetch_waves` runs a list of keys in equal
+  waves of at most half the window (`wave_plan`: the last one's last quarter a wave of
+  its own), the next wave's fetch running on a thread of its own while the caller copies
+  the current one, and releases each wave's lease after its copy.
 - store: window slots handed to the service as one chain, head first: the first chunk's
   parent is the one given (the chunk before it in the engine's sequence), each next
   chunk's parent the one before it. A caller that stores a sequence in several waves
@@ -52,6 +53,25 @@ class Fetched:
 
 
 Copy = Callable[[range, Fetched], None]  # copies one wave (its indices into the keys) out
+TAIL_SPLIT = 8  # a last wave of at least this many chunks leaves its last quarter for a wave of its own
+
+
+def wave_plan(count: int, half: int) -> list[range]:
+    """`count` keys in order, in as few waves as fit in `half`, of equal size, the last
+    wave's last quarter a wave of its own. Each wave's copy runs while the next wave is
+    fetched, so a wave should be no shorter than the one before it is long to copy (a
+    read is several times slower than the copy out): equal waves, not whole ones and a
+    remainder of one or two. Only the last wave's copy runs after every fetch has ended:
+    split off, it is a quarter wave's copy instead of a whole one."""
+    if count == 0:
+        return []
+    size = -(-count // -(-count // half))  # the waves needed, shared out evenly
+    waves = [range(start, min(start + size, count)) for start in range(0, count, size)]
+    if len(waves[-1]) >= TAIL_SPLIT:
+        last = waves.pop()
+        cut = last.stop - len(last) // 4
+        waves += [range(last.start, cut), range(cut, last.stop)]
+    return waves
 
 
 class Transfers:
@@ -94,13 +114,13 @@ class Transfers:
             self.failed("release", exc)
 
     def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy) -> None:
-        """Fetch `keys` in waves of half the window and `copy` each, the next wave's fetch
-        running while this one is copied (into the other half of the window). Each wave
-        is released after its copy, on the fetch thread; on return no fetch is writing
-        the window and no pin is held, also when `copy` raised."""
+        """Fetch `keys` in waves of half the window (`wave_plan`) and `copy` each, the next
+        wave's fetch running while this one is copied (into the other half of the window).
+        Each wave is released after its copy, on the fetch thread; on return no fetch is
+        writing the window and no pin is held, also when `copy` raised."""
         half = max(1, client.slots // 2)
         ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
-        waves = [range(start, min(start + half, len(keys))) for start in range(0, len(keys), half)]
+        waves = wave_plan(len(keys), half)
         if not waves:
             return
 

@@ -1,0 +1,68 @@
+"""The transfer core's waves (connectors/transfer.py): every key once and in order, none
+past half the window, a long load's last quarter a wave of its own; and through a real
+service, loads of more pages than the window fill every byte, from DRAM and from disk."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from support.services import counters, service_config, stop_service
+
+from connectors.page_io import service_pages
+from connectors.transfer import TAIL_SPLIT, wave_plan
+from kvstore.config.store import load_config
+from kvstore.service.client import StoreClient
+
+CHUNK = 64 << 10
+
+
+@given(st.integers(0, 3000), st.integers(1, 600))
+def test_waves_take_every_key_once_in_order(count, half):
+    waves = wave_plan(count, half)
+    assert [i for wave in waves for i in wave] == list(range(count))
+    assert all(0 < len(wave) <= half for wave in waves)
+    if count == 0:
+        return
+    needed = -(-count // half)  # the fewest waves that fit in half the window
+    size = -(-count // needed)  # each as long, shared out evenly (the last may be shorter)
+    last = count - size * (needed - 1)
+    assert [len(wave) for wave in waves[: needed - 1]] == [size] * (needed - 1) and 0 < last <= size
+    assert size - last < needed  # even: no wave of a remainder beside whole ones
+    if last >= TAIL_SPLIT:  # the last one split: its last quarter on its own
+        assert [len(wave) for wave in waves[needed - 1 :]] == [last - last // 4, last // 4]
+    else:
+        assert len(waves) == needed
+
+
+def _pages(memory: np.ndarray) -> list[list[tuple[int, int]]]:
+    """Each chunk as two segments (the second half first in memory), as a pool's pages are
+    pieces in an order of their own."""
+    base, half = memory.ctypes.data, CHUNK // 2
+    return [[(base + i * CHUNK + half, half), (base + i * CHUNK, half)] for i in range(len(memory) // CHUNK)]
+
+
+def test_a_load_longer_than_the_window_fills_every_page_from_dram_and_from_disk(tmp_path, disk_dir):
+    store = service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", staging="2MiB")
+    client = StoreClient(load_config(store), CHUNK)
+    try:
+        half = client.slots // 2
+    finally:
+        client.close()
+    count = 2 * half + max(TAIL_SPLIT, half)  # two whole waves, then one split in two
+    assert len(wave_plan(count, half)) == 4
+    keys = [i.to_bytes(16, "big") for i in range(1, count + 1)]
+    written = np.random.default_rng(3).integers(0, 256, count * CHUNK, dtype=np.uint8)
+    for from_disk in (False, True):
+        reads, writes = service_pages(store, "config", CHUNK, b"t" * 16)
+        try:
+            if not from_disk:
+                assert all(writes.save(keys, _pages(written)))
+            loaded = np.zeros_like(written)
+            assert reads.load(keys, _pages(loaded)) == [True] * count
+            assert np.array_equal(loaded, written)
+            assert counters(store).get("disk.hits", 0) == (count if from_disk else 0)
+        finally:
+            reads.close()
+            writes.close()
+            stop_service(store)  # the next pass starts a new service: its DRAM tier is empty
