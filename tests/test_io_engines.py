@@ -1,4 +1,5 @@
-"""Both I/O engines against a real O_DIRECT file: scatter/gather, queue refills, per-request errors."""
+"""Both I/O engines against a real O_DIRECT file: scatter/gather, queue refills, per-request errors,
+a batch out a quarter at a time."""
 
 from __future__ import annotations
 
