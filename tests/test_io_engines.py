@@ -1,5 +1,5 @@
 """Both I/O engines against a real O_DIRECT file: scatter/gather, queue refills, per-request errors,
-a batch out a quarter at a time."""
+a read batch out a quarter at a time, and a device that never answers holds back only its own."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from kvstore.format.record import BLOCK
 from kvstore.io import IoRequest, make_engine
 from kvstore.io.aligned import AlignedBuffer
+from kvstore.io.base import Gate
 
 PIECES = 3  # buffers per request: one readv/writev fills several places
 REQUESTS = 40  # five times the queue depth, so the ring's head and tail wrap repeatedly
@@ -71,24 +72,49 @@ def _read_bytes() -> int:
 
 
 @pytest.mark.parametrize("engine_name", ["uring", "threads"])
-def test_a_batch_that_fits_the_queue_goes_out_a_quarter_at_a_time(direct_file, engine_name):
+def test_a_read_batch_goes_out_a_quarter_at_a_time(direct_file, engine_name):
     """So the checks on the first reads run while later ones are read: a device may
     complete everything in flight at once (the virtual disk this was measured on does)."""
     count, extent = 64, 16 * BLOCK
-    engine = make_engine(engine_name, count)
-    assert engine.in_flight(count) == count // 4 and engine.in_flight(8) == 8
-    assert make_engine(engine_name, 4).in_flight(count) == 4  # never past queue_depth
+    engine, shallow = make_engine(engine_name, count), make_engine(engine_name, 4)
     buffer = AlignedBuffer(count * extent)
-    buffer.view[:] = os.urandom(len(buffer.view))
-    views = [buffer.view[i * extent:(i + 1) * extent] for i in range(count)]
-    assert engine.run([IoRequest(direct_file, i * extent, [views[i]], write=True) for i in range(count)],
-                      30) == [extent] * count
-    asked: list[int] = []
-    before = _read_bytes()
-    results = engine.run([IoRequest(direct_file, i * extent, [views[i]]) for i in range(count)], 30,
-                         lambda i, r: asked.append(_read_bytes() - before))
-    assert results == [extent] * count
-    if asked[-1] < count * extent:
-        pytest.skip("this filesystem does not count direct reads in /proc/self/io")
-    assert asked[0] <= count // 2 * extent, asked[:4]  # a quarter out, a quarter more refilled at most
-    engine.close()
+    try:
+        checks = lambda i, r: None  # noqa: E731 (completion work: a checksum, in the tiers)
+        assert engine.in_flight(count, checks) == count // 4 and engine.in_flight(8, checks) == 8
+        assert engine.in_flight(count, None) == count  # no completion work: nothing to overlap
+        assert shallow.in_flight(count, checks) == 4  # never past queue_depth
+        buffer.view[:] = os.urandom(len(buffer.view))
+        views = [buffer.view[i * extent:(i + 1) * extent] for i in range(count)]
+        writes = [IoRequest(direct_file, i * extent, [views[i]], write=True) for i in range(count)]
+        assert engine.run(writes, 30) == [extent] * count
+        asked: list[int] = []
+        before = _read_bytes()
+        results = engine.run([IoRequest(direct_file, i * extent, [views[i]]) for i in range(count)], 30,
+                             lambda i, r: asked.append(_read_bytes() - before))
+        assert results == [extent] * count
+        if asked[-1] < count * extent:
+            pytest.skip("this filesystem does not count direct reads in /proc/self/io")
+        assert asked[0] <= count // 2 * extent, asked[:4]  # a quarter out, a quarter more refilled at most
+    finally:
+        engine.close()
+        shallow.close()
+        views = []
+        buffer.close()
+
+
+def test_a_device_that_never_answers_holds_back_only_its_own_requests():
+    """The disk tier stripes a batch across devices: each file has its own bound."""
+    requests = [IoRequest(fd, 0, []) for fd in (3, 4) * 40]  # 40 each, interleaved
+    gate = Gate(requests, lambda count: count // 4)  # 10 each
+    taken = []
+    while (index := gate.take()) is not None:
+        taken.append(index)
+    assert sorted(requests[i].fd for i in taken) == [3] * 10 + [4] * 10
+    for index in [i for i in taken if requests[i].fd == 4]:  # fd 3's never finish
+        gate.finished(index)
+    while (index := gate.take()) is not None:
+        taken.append(index)
+        if requests[index].fd == 4:
+            gate.finished(index)
+    assert sum(requests[i].fd == 4 for i in taken) == 40 and sum(requests[i].fd == 3 for i in taken) == 10
+    assert len(set(taken)) == len(taken)  # each taken once

@@ -70,16 +70,6 @@ def service_huge_pages(store: dict[str, Any], clients: int) -> Iterator[None]:
 
 
 DEPTHS = (1, 16, 64)  # one read at a time, and up to kvstore's default queue depth (io.queue_depth)
-MOST_DEPTH = 4096  # io.queue_depth's own bound
-
-
-def disk_depths(block: int, cache_bytes: int) -> tuple[int, ...]:
-    """DEPTHS, and where none of them has cache-cold buffers of `block` (bench/support/fio.py
-    `cache_cold`), the first doubling past them that has (at most MOST_DEPTH)."""
-    depth = DEPTHS[-1]
-    while not any(cache_cold(block, d, cache_bytes) for d in (*DEPTHS, depth)) and depth < MOST_DEPTH:
-        depth *= 2
-    return DEPTHS if depth == DEPTHS[-1] else (*DEPTHS, depth)
 
 
 def measure_disk(yardstick: Yardstick, directory: str, block: int, total: int) -> None:
@@ -87,10 +77,9 @@ def measure_disk(yardstick: Yardstick, directory: str, block: int, total: int) -
     once into malloc'd ones, over a file of `total` bytes that fio lays out beside the
     backends' files; called before and after the rounds, so drift over the sitting shows
     and the best run is the yardstick."""
-    depths = disk_depths(block, last_level_cache_bytes())
     path = os.path.join(directory, "fio-yardstick")
-    geometry = Geometry("disk", path, 0, max(total, block * depths[-1]), block)
-    for depth in depths:
+    geometry = Geometry("disk", path, 0, max(total, block * DEPTHS[-1]), block)
+    for depth in DEPTHS:
         for _ in range(2):  # the yardstick alternates the buffer kind run by run
             yardstick.measure(geometry, depth)
 
@@ -101,7 +90,7 @@ def report_ceiling(yardstick: Yardstick, rounds: Sequence[Round], block: int, ba
     buffers outgrow the CPU's cache (`cache_bytes`; a round's pages land in memory of their
     own, not in a few buffers the CPU holds), and the most any backend could run over the
     baseline's disk round on this disk."""
-    found = {depth: yardstick.best("disk", block, depth) for depth in disk_depths(block, cache_bytes)}
+    found = {depth: yardstick.best("disk", block, depth) for depth in DEPTHS}
     lines = [f"fio: {note}" for note in yardstick.notes]
     best = {depth: run for depth, run in found.items() if run is not None}
     if len(best) < len(found):
@@ -113,7 +102,8 @@ def report_ceiling(yardstick: Yardstick, rounds: Sequence[Round], block: int, ba
                  f"{figures}")
     if len(cold) < len(best):
         lines.append(f"  (cache-warm: fio's buffers, depth x block, within twice the CPU's "
-                     f"{cache_bytes >> 20} MiB cache: not the yardstick of a load)")
+                     f"{cache_bytes >> 20} MiB cache: " + ("not the yardstick of a load)" if cold else
+                     "no run outgrew it, so the yardstick below reads high for a load)"))
     narrowed = 0 < len(cold) < len(best)  # some runs left out as cache-warm
     depth, top = max((cold if narrowed else best).items(), key=lambda pair: pair[1].read_gibps)
     ceiling = top.read_gibps

@@ -93,8 +93,9 @@ class IoConfig(Schema):
         "auto", description="`uring` (io_uring), `threads` (preadv/pwritev pool), or `auto`: io_uring "
                             "if a ring can be set up, else threads with a logged reason")
     queue_depth: Annotated[int, integer(1, 4096)] = Field(
-        64, description="requests in flight per batch, at most (a batch keeps a quarter of itself "
-                        "in flight where that is fewer, at least 16; and threads in the `threads` pool)")
+        64, description="requests in flight per batch, at most (a read batch keeps a quarter of "
+                        "each device's share in flight where that is fewer, at least 16; and "
+                        "threads per device in the `threads` pool)")
     timeout_s: Annotated[float, seconds()] = Field(
         30.0, description="deadline of every disk batch; a request past it is a counted miss")
     breaker_threshold: Annotated[int, integer(1, 1 << 20)] = Field(

@@ -1,8 +1,9 @@
 """The I/O engine interface: how a batch of positioned reads and writes goes out.
 
 Tiers describe work as IoRequests and hand a whole batch to `run`, which keeps up
-to `queue_depth` of them in flight (a quarter of the batch where that is less:
-`in_flight`) and returns one result per request: the bytes transferred, or -errno.
+to `queue_depth` of them in flight (per file, and for a batch with completion work a
+quarter of the file's share where that is less: `Gate`) and returns one result per
+request: the bytes transferred, or -errno.
 Engines never raise for a failed request, so one bad sector costs one chunk, not
 the batch. A request still running at the deadline reports -ETIMEDOUT; its buffers
 may still be written by the kernel later, so a caller must treat them as lost (the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import errno
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +35,7 @@ TIMED_OUT = -errno.ETIMEDOUT
 # Called in the thread that called `run`, once per finished request, as it finishes,
 # so work on a finished buffer (checksum, copy) overlaps the reads still in flight.
 OnComplete = Callable[[int, int], None]
-IN_FLIGHT_FLOOR = 16  # requests a batch keeps in flight at least (up to queue_depth)
+IN_FLIGHT_FLOOR = 16  # requests a file of a read batch keeps in flight at least (up to queue_depth)
 
 
 class IoEngine(abc.ABC):
@@ -44,13 +46,16 @@ class IoEngine(abc.ABC):
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         self.queue_depth = queue_depth
 
-    def in_flight(self, count: int) -> int:
-        """Requests of a batch of `count` to keep in flight: a quarter of the batch (at
-        least IN_FLIGHT_FLOOR), at most `queue_depth`. A device may complete what is in
-        flight all at once (the development machine's virtual disk completes a whole
-        submission together), and a batch sent out whole then has its on_complete work
-        (a record's checksum) run after its last read; held to a quarter, each quarter's
-        checks run while the next quarter is read, and only the last quarter's follow."""
+    def in_flight(self, count: int, on_complete: OnComplete | None) -> int:
+        """Requests of one file's `count` in a batch to keep in flight: at most
+        `queue_depth`, and where there is completion work, a quarter of them (at least
+        IN_FLIGHT_FLOOR). A device may complete what it holds all at once (this
+        machine's virtual disk returns 64 reads sent at once all together), and a batch
+        sent out whole then has its on_complete work (a record's checksum) run after its
+        last read; held to a quarter, each quarter's checks run while the next quarter
+        is read, and only the last quarter's follow."""
+        if on_complete is None:
+            return min(self.queue_depth, count)
         return min(self.queue_depth, count, max(IN_FLIGHT_FLOOR, -(-count // 4)))
 
     @abc.abstractmethod
@@ -64,3 +69,34 @@ class IoEngine(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release rings or threads; the engine is unusable afterwards."""
+
+
+class Gate:
+    """Which of a batch's requests may go out now: each file descriptor is held to its
+    own bound (`IoEngine.in_flight` of its share), so a device whose requests never
+    return holds back only its own, never another device's in the same batch (the
+    disk tier stripes a batch across devices). Invariant: a file's requests out and not
+    finished never exceed its bound; each request is taken once (or given back)."""
+
+    def __init__(self, requests: Sequence[IoRequest], bound: Callable[[int], int]) -> None:
+        self._fds = [request.fd for request in requests]
+        self._waiting: dict[int, deque[int]] = {}
+        for index, fd in enumerate(self._fds):
+            self._waiting.setdefault(fd, deque()).append(index)
+        self._room = {fd: bound(len(waiting)) for fd, waiting in self._waiting.items()}
+
+    def take(self) -> int | None:
+        """The next request that may go out (counted as out), None while none may."""
+        for fd, waiting in self._waiting.items():
+            if waiting and self._room[fd] > 0:
+                self._room[fd] -= 1
+                return waiting.popleft()
+        return None
+
+    def give_back(self, index: int) -> None:
+        """A request taken that could not go out (a full ring): first in line again."""
+        self._waiting[self._fds[index]].appendleft(index)
+        self._room[self._fds[index]] += 1
+
+    def finished(self, index: int) -> None:
+        self._room[self._fds[index]] += 1

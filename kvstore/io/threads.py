@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest, OnComplete
+from kvstore.io.base import TIMED_OUT, Gate, IoEngine, IoRequest, OnComplete
 
 
 def _execute(request: IoRequest) -> int:
@@ -85,9 +85,13 @@ class ThreadsEngine(IoEngine):
             on_complete: OnComplete | None = None) -> list[int]:
         results = [TIMED_OUT] * len(requests)
         batch = _Batch()
-        queued = self.in_flight(len(requests))
-        for index, request in enumerate(requests[:queued]):
-            self._for(request.fd).jobs.put((index, request, batch))
+        gate = Gate(requests, lambda count: self.in_flight(count, on_complete))
+
+        def send() -> None:
+            while (index := gate.take()) is not None:
+                self._for(requests[index].fd).jobs.put((index, requests[index], batch))
+
+        send()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for _ in requests:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -97,9 +101,8 @@ class ThreadsEngine(IoEngine):
                 batch.abandoned = True  # stragglers keep TIMED_OUT
                 break
             results[index] = result
-            if queued < len(requests):  # the next one out before this one's callback
-                self._for(requests[queued].fd).jobs.put((queued, requests[queued], batch))
-                queued += 1
+            gate.finished(index)
+            send()  # the next ones out before this one's callback
             if on_complete is not None:
                 on_complete(index, result)
         return results

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Sequence
 
 from kvstore.io import ring as R
-from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest, OnComplete
+from kvstore.io.base import TIMED_OUT, Gate, IoEngine, IoRequest, OnComplete
 
 log = logging.getLogger(__name__)
 _CANCEL_GRACE_S = 1.0
@@ -88,8 +88,8 @@ class UringEngine(IoEngine):
         results = [TIMED_OUT] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         in_flight: dict[int, object] = {}  # user_data -> iovecs kept alive until completion
-        depth = self.in_flight(len(requests))
-        next_index = self._fill(ring, requests, 0, in_flight, depth)
+        gate = Gate(requests, lambda count: self.in_flight(count, on_complete))
+        self._fill(ring, requests, gate, in_flight)
         while in_flight:
             completed = ring.ring.reap()
             if not completed:
@@ -103,33 +103,34 @@ class UringEngine(IoEngine):
             for index, result in completed:
                 if in_flight.pop(index, None) is None:
                     continue  # a completion left over from an earlier cancel
+                gate.finished(index)
                 results[index] = result
                 done.append((index, result))
             # Refill the queue before the callbacks: the device reads the next chunks
             # while this thread verifies and copies the finished ones.
-            next_index = self._fill(ring, requests, next_index, in_flight, depth)
+            self._fill(ring, requests, gate, in_flight)
             if on_complete is not None:
                 for index, result in done:
                     on_complete(index, result)
         return results
 
-    def _fill(self, ring: _Ring, requests: Sequence[IoRequest], next_index: int,
-              in_flight: dict[int, object], depth: int) -> int:
-        """Queue requests from `next_index` until `depth` are in flight; submit them."""
+    def _fill(self, ring: _Ring, requests: Sequence[IoRequest], gate: Gate,
+              in_flight: dict[int, object]) -> None:
+        """Queue what the gate lets out, `queue_depth` in flight at most (the ring's size);
+        submit them."""
         queued = 0
-        while next_index < len(requests) and len(in_flight) < depth:
-            request = requests[next_index]
+        while len(in_flight) < self.queue_depth and (index := gate.take()) is not None:
+            request = requests[index]
             iovecs = R.iovecs(request.buffers)
             opcode = R.OP_WRITEV if request.write else R.OP_READV
             if not ring.ring.queue(opcode, request.fd, ctypes.addressof(iovecs), len(iovecs),
-                                   request.offset, next_index):
+                                   request.offset, index):
+                gate.give_back(index)
                 break
-            in_flight[next_index] = iovecs
-            next_index += 1
+            in_flight[index] = iovecs
             queued += 1
         if queued:
             ring.ring.submit()
-        return next_index
 
     def _abandon(self, ring: _Ring, in_flight: dict[int, object]) -> None:
         """Deadline passed: cancel what is in flight; if it will not die, retire the ring.
