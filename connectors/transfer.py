@@ -114,8 +114,8 @@ class Transfers:
             self.failed("release", exc)
 
     def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy) -> None:
-        """Fetch `keys` in waves of half the window (`wave_plan`) and `copy` each, the next
-        wave's fetch running while this one is copied (into the other half of the window).
+        """Fetch `keys` in waves of at most half the window (`wave_plan`) and `copy` each, the
+        next wave's fetch running while this one is copied (into the other half of the window).
         Each wave is released after its copy, on the fetch thread; on return no fetch is
         writing the window and no pin is held, also when `copy` raised."""
         half = max(1, client.slots // 2)
