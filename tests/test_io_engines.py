@@ -118,3 +118,20 @@ def test_a_device_that_never_answers_holds_back_only_its_own_requests():
             gate.finished(index)
     assert sum(requests[i].fd == 4 for i in taken) == 40 and sum(requests[i].fd == 3 for i in taken) == 10
     assert len(set(taken)) == len(taken)  # each taken once
+
+
+@pytest.mark.parametrize("engine_name", ["uring", "threads"])
+def test_files_sharing_one_queue_each_get_an_even_part_of_it(engine_name):
+    """A ring is one queue for every file: a file whose requests never return may hold
+    only its part of it, so the other files' requests still go out (writes: no quarter)."""
+    engine = make_engine(engine_name, 8)
+    try:
+        requests = [IoRequest(fd, 0, [], write=True) for fd in (3, 4) * 40]
+        gate = engine.gate(requests, None)
+        taken = []
+        while (index := gate.take()) is not None:
+            taken.append(index)
+        per_file = 4 if engine.one_queue else 8  # a ring of 8 shared, or a pool of 8 per file
+        assert sorted(requests[i].fd for i in taken) == [3] * per_file + [4] * per_file
+    finally:
+        engine.close()

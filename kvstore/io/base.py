@@ -40,6 +40,7 @@ IN_FLIGHT_FLOOR = 16  # requests a file of a read batch keeps in flight at least
 
 class IoEngine(abc.ABC):
     name: str = "abstract"
+    one_queue: bool = False  # every file shares one queue of queue_depth (a ring), not one each
 
     def __init__(self, queue_depth: int) -> None:
         if queue_depth < 1:
@@ -58,6 +59,12 @@ class IoEngine(abc.ABC):
             return min(self.queue_depth, count)
         return min(self.queue_depth, count, max(IN_FLIGHT_FLOOR, -(-count // 4)))
 
+    def gate(self, requests: Sequence[IoRequest], on_complete: OnComplete | None) -> Gate:
+        """The batch's gate: each file's bound is `in_flight` of its share and, where the
+        files share one queue, no more than an even part of it."""
+        return Gate(requests, lambda count: self.in_flight(count, on_complete),
+                    self.queue_depth if self.one_queue else None)
+
     @abc.abstractmethod
     def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
             on_complete: OnComplete | None = None) -> list[int]:
@@ -73,17 +80,20 @@ class IoEngine(abc.ABC):
 
 class Gate:
     """Which of a batch's requests may go out now: each file descriptor is held to its
-    own bound (`IoEngine.in_flight` of its share), so a device whose requests never
+    own bound (`bound` of its share of the batch; where the files share one queue of
+    `shared` entries, no more than an even part of it), so a device whose requests never
     return holds back only its own, never another device's in the same batch (the
     disk tier stripes a batch across devices). Invariant: a file's requests out and not
     finished never exceed its bound; each request is taken once (or given back)."""
 
-    def __init__(self, requests: Sequence[IoRequest], bound: Callable[[int], int]) -> None:
+    def __init__(self, requests: Sequence[IoRequest], bound: Callable[[int], int],
+                 shared: int | None = None) -> None:
         self._fds = [request.fd for request in requests]
         self._waiting: dict[int, deque[int]] = {}
         for index, fd in enumerate(self._fds):
             self._waiting.setdefault(fd, deque()).append(index)
-        self._room = {fd: bound(len(waiting)) for fd, waiting in self._waiting.items()}
+        part = len(self._fds) if shared is None else max(1, shared // max(1, len(self._waiting)))
+        self._room = {fd: min(bound(len(waiting)), part) for fd, waiting in self._waiting.items()}
 
     def take(self) -> int | None:
         """The next request that may go out (counted as out), None while none may."""

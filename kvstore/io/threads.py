@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvstore.io.base import TIMED_OUT, Gate, IoEngine, IoRequest, OnComplete
+from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest, OnComplete
 
 
 def _execute(request: IoRequest) -> int:
@@ -85,7 +85,7 @@ class ThreadsEngine(IoEngine):
             on_complete: OnComplete | None = None) -> list[int]:
         results = [TIMED_OUT] * len(requests)
         batch = _Batch()
-        gate = Gate(requests, lambda count: self.in_flight(count, on_complete))
+        gate = self.gate(requests, on_complete)
 
         def send() -> None:
             while (index := gate.take()) is not None:

@@ -64,6 +64,7 @@ def _close_ring(ring: R.Ring, eventfd: int) -> None:
 
 class UringEngine(IoEngine):
     name = "uring"
+    one_queue = True  # one ring per thread, for every file
 
     def __init__(self, queue_depth: int) -> None:
         super().__init__(queue_depth)
@@ -88,7 +89,7 @@ class UringEngine(IoEngine):
         results = [TIMED_OUT] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         in_flight: dict[int, object] = {}  # user_data -> iovecs kept alive until completion
-        gate = Gate(requests, lambda count: self.in_flight(count, on_complete))
+        gate = self.gate(requests, on_complete)
         self._fill(ring, requests, gate, in_flight)
         while in_flight:
             completed = ring.ring.reap()
