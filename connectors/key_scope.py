@@ -19,10 +19,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import xxhash
-
 from connectors.page_io import PageIO, service_pages
-from kvstore.format.keys import Weights
+from kvstore.format.keys import Weights, key_digest
 
 MAX_HIDDEN = 1 << 16
 
@@ -36,7 +34,7 @@ class KeyScope:
 
     def key(self, text: str) -> bytes:
         """kvstore's key for the engine's key `text`, in this generation."""
-        return xxhash.xxh3_128_digest(f"{self.weights.fingerprint}#{self.weights.generation}|{text}".encode())
+        return key_digest(f"{self.weights.fingerprint}#{self.weights.generation}|{text}".encode())
 
     def new_generation(self) -> Weights:
         with self._lock:
@@ -69,5 +67,5 @@ class KeyScope:
         identity = f"{engine}|{chunk_bytes}|{model}|{weights.fingerprint}#{weights.generation}"
         description: dict[str, str | int] = {"engine": engine, "model": model, "weights": weights.fingerprint,
                                              "generation": weights.generation, "chunk_bytes": chunk_bytes}
-        namespace = xxhash.xxh3_128_digest(identity.encode())
+        namespace = key_digest(identity.encode())
         return service_pages(source, field, chunk_bytes, namespace, description)

@@ -44,7 +44,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
-import xxhash
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
@@ -58,6 +57,7 @@ from connectors.page_io import Segments, service_pages
 from connectors.weights import weights_identity
 from engine_plugin.lmcache_storage import HEADER, BadHeader, chunk_header, described, read_header
 from kvstore.format.errors import ConfigError
+from kvstore.format.keys import key_digest
 
 log = logging.getLogger("kvstore.lmcache")
 Result = TypeVar("Result")
@@ -161,7 +161,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._sink = np.empty(self.chunk_bytes, np.uint8)  # loads drop a short chunk's padding here
         self.reads, self.writes = service_pages(
             config.config, "adapter_params.config", self.chunk_bytes,
-            xxhash.xxh3_128_digest(f"lmcache-mp|{self.chunk_bytes}".encode()))
+            key_digest(f"lmcache-mp|{self.chunk_bytes}".encode()))
         self._notifiers = {name: create_event_notifier() for name in ("store", "lookup", "load")}
         self._storer = ThreadPoolExecutor(1, "kvstore-l2-store")
         self._reader = ThreadPoolExecutor(1, "kvstore-l2-load")

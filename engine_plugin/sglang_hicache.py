@@ -44,7 +44,6 @@ import time
 from typing import Any
 
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -59,7 +58,7 @@ from connectors.weights import weights_identity
 from engine_plugin.sglang_pools import HybridPools, flat_ints, shard_suffix
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
-from kvstore.format.keys import Weights
+from kvstore.format.keys import Weights, key_digest
 
 log = logging.getLogger("kvstore.sglang")
 
@@ -166,10 +165,10 @@ class KVStoreHiCache(HiCacheStorage):
             "engine": "sglang", "model": self.model, "weights": self.weights.fingerprint,
             "generation": self.weights.generation, "kv_layout": f"{mla}|{layout}", "chunk_bytes": chunk_bytes}
         self.reads, self.writes = service_pages(self.store, "config", chunk_bytes,
-                                                xxhash.xxh3_128_digest(self._identity.encode()), description)
+                                                key_digest(self._identity.encode()), description)
 
     def key(self, key: str) -> bytes:
-        return xxhash.xxh3_128_digest(f"{self._identity}|{self.suffix}|{key}".encode())
+        return key_digest(f"{self._identity}|{self.suffix}|{key}".encode())
 
     def _pool_pages(self, host_indices: torch.Tensor, count: int) -> list[Segments]:
         """Each page's segments in the host pool, in the flat page's order (all K, then all

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     PoolHitPolicy,
@@ -28,6 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from connectors.page_io import PageIO, Segments
+from kvstore.format.keys import key_digest
 
 log = logging.getLogger("kvstore.sglang")
 
@@ -83,7 +83,7 @@ class HostPool:
     def chunk_keys(self, keys: list[str], chunk_bytes: int) -> list[bytes]:
         """Every page's parts' keys, page by page."""
         n = self.parts(chunk_bytes)
-        return [xxhash.xxh3_128_digest(f"{self.identity}|{key}|{i}/{n}@{chunk_bytes}".encode())
+        return [key_digest(f"{self.identity}|{key}|{i}/{n}@{chunk_bytes}".encode())
                 for key in keys for i in range(n)]
 
     def pages(self, host_indices: torch.Tensor, count: int, load: bool) -> tuple[list[Segments], list[Any]]:

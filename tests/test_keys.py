@@ -1,4 +1,6 @@
 import dataclasses
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -75,17 +77,30 @@ def test_numpy_and_list_tokens_agree_and_bad_ids_are_refused():
 
 def test_a_namespace_without_a_group_keeps_the_digest_it_had_before_groups():
     """Chunks stored before hybrid models were supported are found again by one-group models
-    (and so are chunks of a namespace that names no weights)."""
-    assert NS.digest().hex() == "940357a323f94fd80f6995a3a9389979"
+    (and so are chunks of a namespace that names no weights): key format 2's value."""
+    assert NS.digest().hex() == "f2eb391e25cc5cb10371f4631af1ec3d"
+
+
+def test_keys_are_sha256_of_the_documented_bytes():
+    """Key format 2 as docs/architecture.md states it, computed here by hand: SHA-256 cut to
+    16 bytes, of the canonical JSON for a namespace, and of (parent, namespace digest,
+    tokens as <u4) for a chunk. A fast non-cryptographic hash in its place fails here."""
+    text = json.dumps({"model": "m", "kv_dtype": "bfloat16", "kv_layout": "NHD", "chunk_tokens": 4,
+                       "tp_rank": 0, "tp_world_size": 1, "salt": ""}, sort_keys=True, separators=(",", ":"))
+    namespace = hashlib.sha256(text.encode()).digest()[:16]
+    assert NS.digest() == namespace
+    first = hashlib.sha256(bytes(16) + namespace + np.arange(4, dtype="<u4").tobytes()).digest()[:16]
+    second = hashlib.sha256(first + namespace + np.arange(4, 8, dtype="<u4").tobytes()).digest()[:16]
+    assert chunk_keys(range(8), NS) == [first, second]
 
 
 def test_grouped_fields_keep_the_digest_of_the_flat_namespace():
     """tp rank and world size are one field now; the digest is still the flat JSON of before."""
     sharded = KVNamespace("m", "bfloat16", "NHD", 4, Shard(TensorParallel(1, 2)), salt="lora-a")
-    assert sharded.digest().hex() == "d108c1e32436d696b917a2174ae9b6c6"
+    assert sharded.digest().hex() == "8b4bc6225abbc9483145036f4a79cf4b"
     grouped = KVNamespace("m", "bfloat16", "NHD", 4,
                           Shard(TensorParallel(3, 4), "1:sliding_window:w256:L1:b128"))
-    assert grouped.digest().hex() == "0cb0c03a052998e55441ee0ddc719229"
+    assert grouped.digest().hex() == "62ea5876bf09d8c7939aa9a6a85dea72"
 
 
 def test_two_engines_that_updated_their_weights_differently_never_share_a_namespace():
@@ -99,8 +114,8 @@ def test_two_engines_that_updated_their_weights_differently_never_share_a_namesp
 
 # -- what the token ids do not show: images behind placeholders, prompt embeddings --------
 
-TEXT_KEYS = ["4db2cb35d80490b6e53a2e9a767b7015", "705d0019c77f6792a5734efd90dcb3d9",
-             "3fbe8e9b8e8ba63d85ace1e0971c81fa"]  # chunk_keys(range(12), NS) before extras existed
+TEXT_KEYS = ["f34a9180e13f425006a76dd4f40ed7aa", "e6adaf8b626fa13737dc6db20c3b6968",
+             "ee4611d25c9646227f321186edad53f9"]  # chunk_keys(range(12), NS): key format 2
 placeholder_st = st.builds(Placeholder, st.text(min_size=1, max_size=8), st.integers(0, 40),
                            st.integers(0, 12))
 
@@ -177,3 +192,15 @@ def test_continuing_a_chain_with_extras_gives_the_same_keys(tokens, placeholders
 def test_a_bad_placeholder_is_refused(identifier, offset, length):
     with pytest.raises(ValueError, match="placeholder"):
         Placeholder(identifier, offset, length)
+
+
+def test_the_key_cost_benchmark_runs_against_key_format_1():
+    """bench/lab/key_cost.py (the figures in docs/architecture.md): its baseline is the xxh3
+    chain keys were before (the values pinned then), and it measures every figure it prints."""
+    from bench.lab.key_cost import measure, xxh3_chain
+
+    assert [k.hex() for k in xxh3_chain(np.arange(12), NS)] == [
+        "4db2cb35d80490b6e53a2e9a767b7015", "705d0019c77f6792a5734efd90dcb3d9",
+        "3fbe8e9b8e8ba63d85ace1e0971c81fa"]
+    found = measure(16, [0.01])
+    assert all(value > 0 for value in found.values()) and len(found) == 5

@@ -10,11 +10,21 @@ import time
 
 import numpy as np
 import pytest
+from support.records import as_older_format
 from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.cli import main as cli_main
-from kvstore.devices.layout import SB_COPIES
-from kvstore.format.record import BLOCK, MAGIC, pack_header, parse_header, record_bytes
+from kvstore.devices.device import DATA_FILE
+from kvstore.devices.layout import SB_COPIES, parse_superblock
+from kvstore.format.record import (
+    BLOCK,
+    HEADER_BLOCK,
+    MAGIC,
+    HeaderState,
+    pack_header,
+    parse_header,
+    record_bytes,
+)
 from kvstore.io.faulty import Fault
 from kvstore.store.tiered import TieredStore
 
@@ -43,6 +53,31 @@ def test_unclean_restart_scans_and_new_writes_win(disk_dir, store_factory):
     assert reopened.probe.recovery()["scanned"] == 1 and reopened.probe.recovery()["records"] == 6
     assert all(read_back(reopened, keys)[0])
     assert reopened.put_many(make_keys(2, seed=9), make_payloads(2, seed=9)) == [True, True]
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["after a clean stop", "after a crash"])
+def test_a_tier_an_older_kvstore_left_starts_empty_and_its_records_are_never_read(disk_dir, store_factory,
+                                                                                  clean, caplog):
+    """Key format 1 (xxh3) records are of keys this version never computes: the tier they
+    lie in is formatted anew, nothing of it indexed or served, and the store serves; a
+    record of the older format found anyhow (a scan) never parses as a record."""
+    config = disk_config(disk_dir, 32 * SLOT)
+    keys, payloads = make_keys(6), make_payloads(6)
+    store = store_factory(config)
+    store.put_many(keys, payloads)
+    store.close() if clean else store.simulate_crash()
+    assert as_older_format(disk_dir) == 6
+    with open(os.path.join(disk_dir, DATA_FILE), "rb") as f:
+        assert parse_superblock(f.read(BLOCK))[1] is None  # not this version's
+    reopened = store_factory(config)
+    assert reopened.probe.recovery()["records"] == 0 and not any(read_back(reopened, keys)[0])
+    assert "formatted by an older kvstore" in caplog.text
+    with open(os.path.join(disk_dir, DATA_FILE), "rb") as f:
+        superblock = parse_superblock(f.read(BLOCK))[1]
+        assert superblock is not None
+        f.seek(superblock.data_offset)
+        assert parse_header(f.read(HEADER_BLOCK))[0] is HeaderState.TORN  # the old record, unread
+    assert reopened.put_many(keys[:2], payloads[:2]) == [True, True] and all(read_back(reopened, keys[:2])[0])
 
 
 CHILD = textwrap.dedent("""

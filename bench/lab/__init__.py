@@ -28,6 +28,8 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("gpu_check", "everything that needs a GPU in one run of at most 8 minutes (scripts/gpu_check.sh)"),
     ("hybrid_groups", "bytes per token and TTFT of a load for the Gemma-3-style hybrid model"),
     ("index_load", "the cluster index under load: one Redis against a Redis Cluster of 3 shards"),
+    ("key_cost", "what naming KV with SHA-256 costs: chunk keys and an image's content name, against "
+                 "xxh3 and a plain copy"),
     ("lmcache_bench", "loading LMCache chunks: kvstore's plugin against LMCache's LocalDiskBackend "
                       "(.venv-lmcache)"),
     ("load_path", "load-path throughput: the DRAM tier into an engine's paged KV, through the service"),

@@ -5,7 +5,7 @@
     offset 8192           checkpoint area: CHECKPOINT_DTYPE entries, padded to 4096
     offset data_offset    slot 0, slot 1, ... each `slot_bytes` (a record, see record.py)
 
-Superblock fields (little-endian): magic b"KVSB", version u16 (2), pad u16, slot_bytes
+Superblock fields (little-endian): magic b"KVSB", version u16 (3), pad u16, slot_bytes
 u64, num_slots u64, data_offset u64, chunk_bytes u64, clean u8 + 7 pad,
 checkpoint_entries u64, checkpoint_checksum (xxh3-64) u64, device uuid 16 bytes, then
 xxh3-64 of all that.
@@ -16,6 +16,10 @@ can have been written since it was taken; otherwise the slots are scanned. Both
 copies are written in turn, so a torn write damages at most one of them. When both
 are damaged, the geometry follows from the config and the slots are scanned (every
 record verifies itself), so one bad bit never makes a whole tier unusable.
+
+The version names the records' format too, their keys' included (kvstore/format/keys.py:
+KEY_FORMAT; version 3 holds key format 2). A tier an older kvstore formatted is started
+empty: its records are of keys this version never computes, never read as its own.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
 
 log = logging.getLogger(__name__)
 SB_MAGIC = b"KVSB"
-SB_VERSION = 2
+SB_VERSION = 3
 SB_COPIES = 2
 _SB_BODY = struct.Struct("<4sHHQQQQB7xQQ16s")
 _SB_SUM = struct.Struct("<Q")
@@ -148,10 +152,11 @@ class DeviceLayout:
         found = next((sb for state, sb in copies if state == _Copy.VALID), None)
         where = "its first 8 KiB" if device.is_block else "the file"
         if found is None:
-            if _Copy.OLD_FORMAT in states:
-                raise DeviceError(device.path, f"formatted by an older kvstore (on-disk format 1); "
-                                               f"this one writes format {SB_VERSION}: delete {where} "
-                                               "to start empty")
+            if _Copy.OLD_FORMAT in states and _Copy.FOREIGN not in states:
+                log.warning("%s: formatted by an older kvstore, whose records are of another key "
+                            "format; formatting it anew (on-disk format %d): it starts empty",
+                            device.path, SB_VERSION)
+                states = [_Copy.EMPTY] * SB_COPIES
             if states == [_Copy.EMPTY] * SB_COPIES:
                 layout = cls(device, engine, wanted, timeout_s, fresh=True)
                 layout.write_superblock()

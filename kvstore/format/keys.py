@@ -1,11 +1,19 @@
 """Content-addressed chunk keys.
 
-A prompt is cut into chunks of `chunk_tokens` tokens. Chunk i's key is a 128-bit
-xxh3 digest over (key of chunk i-1, namespace digest, chunk i's token ids as
-little-endian uint32). Chaining makes a key stand for the whole prefix up to and
-including its chunk, which is what KV depends on; the namespace digest keeps KV of
-different models, weights, dtypes, layouts or tensor-parallel shards apart. Only
-stable byte encodings go in, so keys agree across processes, hosts and restarts.
+A prompt is cut into chunks of `chunk_tokens` tokens. Chunk i's key is SHA-256 over
+(key of chunk i-1, namespace digest, chunk i's token ids as little-endian uint32),
+cut to KEY_BYTES. Chaining makes a key stand for the whole prefix up to and including
+its chunk, which is what KV depends on; the namespace digest keeps KV of different
+models, weights, dtypes, layouts or tensor-parallel shards apart. Only stable byte
+encodings go in, so keys agree across processes, hosts and restarts.
+
+Keys come from a collision-resistant hash (`key_digest`, as vLLM keys its own prefix
+cache with SHA-256) because a client chooses what is hashed: with a fast
+non-cryptographic hash, two inputs with one key can be built by hand, and the KV stored
+for one is then served for the other. Checksums of stored bytes stay xxh3 (they guard
+against rot, not against a chosen input: kvstore/format/record.py). This is key format
+KEY_FORMAT; the tiers' on-disk formats carry it (a tier written under older keys is
+started empty, never read as this one: kvstore/devices/layout.py).
 
 What the token ids do not show (an image behind its placeholder tokens, prompt
 embeddings) is a chunk's extra bytes (`KeyExtras.chunk`), folded in after its tokens,
@@ -18,14 +26,15 @@ later key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 KEY_BYTES = 16
+KEY_FORMAT = 2  # 1: xxh3-128 keys (never read as these)
 ROOT_KEY = bytes(KEY_BYTES)  # the "previous key" of chunk 0
 _MAX_TOKEN_ID = (1 << 32) - 1
 _EXTRA_TAG = b"KVX1"  # opens a chunk's extra bytes in its hash input
@@ -80,9 +89,9 @@ class KVNamespace:
     weights: Weights = Weights()
 
     def digest(self) -> bytes:
-        """xxh3-128 of a canonical JSON encoding (sorted keys, no whitespace)."""
+        """key_digest of a canonical JSON encoding (sorted keys, no whitespace)."""
         text = json.dumps(self.fields(), sort_keys=True, separators=(",", ":"))
-        return xxhash.xxh3_128_digest(text.encode())
+        return key_digest(text.encode())
 
     def fields(self) -> dict[str, str | int]:
         """The flat JSON object the digest is taken of (optional fields only when set)."""
@@ -99,8 +108,19 @@ class KVNamespace:
         """What the service is told about this namespace (kvstore/service/namespaces.py): its
         fields, the salt (a LoRA adapter and cache salt: it may name a user) as a digest."""
         fields = self.fields()
-        fields["salt"] = xxhash.xxh3_64_hexdigest(self.salt.encode()) if self.salt else ""
+        fields["salt"] = key_digest(self.salt.encode())[:8].hex() if self.salt else ""
         return fields
+
+
+def key_digest(*parts: bytes | memoryview) -> bytes:
+    """SHA-256 of the parts, one after the other, cut to KEY_BYTES: every key and
+    namespace digest kvstore makes from what an engine or a client names. Callers give
+    inputs whose parts cannot be read two ways (fixed lengths, or a separator the parts
+    cannot hold)."""
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(part)
+    return hasher.digest()[:KEY_BYTES]
 
 
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -186,13 +206,8 @@ def chunk_keys(
     keys = []
     previous = parent
     for index, start in enumerate(range(0, len(encoded) - step + 1, step), first):
-        hasher = xxhash.xxh3_128(previous)
-        hasher.update(ns_digest)
-        hasher.update(encoded[start : start + step])
         extra = extras.chunk(index, size) if extras else b""
-        if extra:
-            hasher.update(_EXTRA_TAG + len(extra).to_bytes(8, "little"))
-            hasher.update(extra)
-        previous = hasher.digest()
+        tail = (_EXTRA_TAG + len(extra).to_bytes(8, "little"), extra) if extra else ()
+        previous = key_digest(previous, ns_digest, encoded[start : start + step], *tail)
         keys.append(previous)
     return keys

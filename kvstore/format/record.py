@@ -3,7 +3,7 @@
 Byte layout of the header block (little-endian; offsets in bytes):
 
     0   4  magic  b"KVR1"
-    4   2  format version (1)
+    4   2  format version (2: key format 2, kvstore/format/keys.py)
     6   2  header length in bytes (184)
     8   4  flags (0; reserved)
     12  4  reserved (0)
@@ -38,7 +38,7 @@ from kvstore.format.checksum import xxh3_64, xxh3_64_copy
 from kvstore.format.errors import ShapeError
 
 MAGIC = b"KVR1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: records of xxh3 keys (refused: never read as this format's)
 BLOCK = 4096
 HEADER_BLOCK = BLOCK
 MAX_NDIM = 8

@@ -1,14 +1,20 @@
 """A disk tier's records as they lie in its data file: read their headers, find a
-prompt's last chunk, flip a payload byte (the bytes a reader must then refuse)."""
+prompt's last chunk, flip a payload byte (the bytes a reader must then refuse), turn the
+tier into one an older kvstore left."""
 
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterator
 
+import xxhash
+
 from kvstore.devices.device import DATA_FILE
-from kvstore.devices.layout import parse_superblock
-from kvstore.format.record import HEADER_BLOCK, HeaderState, RecordHeader, parse_header
+from kvstore.devices.layout import SB_COPIES, parse_superblock
+from kvstore.format.record import BLOCK, HEADER_BLOCK, HEADER_LEN, HeaderState, RecordHeader, parse_header
+
+SUPERBLOCK_BODY = 80  # the superblock's checksummed bytes (docs/architecture.md)
 
 
 def _valid_records(f) -> Iterator[tuple[int, RecordHeader]]:
@@ -51,3 +57,25 @@ def corrupt_record(directory: str, payload_byte: int | None = None, key: bytes |
                 f.write(bytes([byte[0] ^ 0xFF]))
                 return
     raise AssertionError("no record found to corrupt")
+
+
+def as_older_format(directory: str, superblock_version: int = 2, record_version: int = 1) -> int:
+    """Rewrite a disk tier's data file as an older kvstore left it: each superblock copy and
+    each valid record header with the older version number and a checksum that verifies
+    (the bytes are otherwise this version's). Returns the records rewritten."""
+    with open(os.path.join(directory, DATA_FILE), "r+b") as f:
+        records = list(_valid_records(f))
+        for offset, _ in records:
+            _set_version(f, offset, HEADER_LEN - 8, record_version)
+        for copy in range(SB_COPIES):
+            _set_version(f, copy * BLOCK, SUPERBLOCK_BODY, superblock_version)
+    return len(records)
+
+
+def _set_version(f, offset: int, body: int, version: int) -> None:
+    """The u16 version at offset 4 of a checksummed block, and the xxh3-64 after its body."""
+    f.seek(offset)
+    block = bytearray(f.read(body))
+    struct.pack_into("<H", block, 4, version)
+    f.seek(offset)
+    f.write(bytes(block) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(block))))
