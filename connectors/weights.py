@@ -2,31 +2,37 @@
 
 Two checkpoints at one path (a model re-deployed in place, one `model_id` given to two
 fine-tunes) compute different KV for the same tokens; the namespace must tell them
-apart. The fingerprint is xxh3-128 over the checkpoint's weight files (`*.safetensors`;
+apart. The fingerprint is SHA-256 over the checkpoint's weight files (`*.safetensors`;
 without any, `*.bin`, `*.pt`, `*.pth`, `*.gguf`) and the config files that shape the KV
 (CONFIG_FILES), each by name and content digest; a path that is a file is hashed alone.
+A collision-resistant hash, as for every other part of a key (kvstore/format/keys.py): a
+LoRA adapter may come from a client.
 
 Hashing reads every byte of the checkpoint (about 16 GB for an 8B model), so each file's
-digest is kept in a cache file keyed by the file's (device, inode, size, mtime): a
+digest is kept in a cache file keyed by the file's (device, inode, size, mtime, ctime): a
 restart re-reads nothing, and a file replaced or rewritten in place is hashed again. The
-cache is `weight-digests.json` in `$XDG_CACHE_HOME/kvstore` (else `~/.cache/kvstore`), a
-directory only this user may write (made 0700), the file 0600 and never followed
-through a link; if the directory is unsafe or unwritable, digests are not cached.
-Weight files themselves may be links (a Hugging Face snapshot's are): they are read,
-never written.
+ctime is what `cp -p` and `rsync -a` cannot carry over (no call sets it but the kernel,
+at any change): new weights of the same size deployed with the old times are hashed
+again. The cache is `weight-digests.json` in `$XDG_CACHE_HOME/kvstore` (else
+`~/.cache/kvstore`), a directory only this user may write (made 0700), the file 0600,
+read up to MAX_CACHE_BYTES and never followed through a link; if the directory is unsafe
+or unwritable, digests are not cached. An entry that is not exactly what this version
+writes counts as absent, and a cache file that cannot be read as a whole counts as empty:
+an engine never fails to start because of the cache. Weight files themselves may be links
+(a Hugging Face snapshot's are): they are read, never written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
-
-import xxhash
 
 from kvstore.config.runtime import directory_problem, open_private
 from kvstore.format.errors import ConfigError
@@ -37,7 +43,8 @@ WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth", "*.gguf"))  # 
 CONFIG_FILES = ("config.json", "params.json", "preprocessor_config.json", "processor_config.json",
                 "quant_config.json", "hf_quant_config.json", "adapter_config.json")
 CACHE_ENTRIES = 4096  # files remembered (oldest dropped)
-_READ = 16 << 20
+MAX_CACHE_BYTES = 4 << 20  # a cache file of CACHE_ENTRIES entries is under 1.5 MiB
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # a SHA-256, as this version writes it
 
 
 class WeightsUnknown(ValueError):
@@ -52,9 +59,9 @@ def cache_directory() -> str:
 
 
 class FileDigests:
-    """xxh3-128 of files, remembered by (device, inode, size, mtime_ns) in `path` (None:
-    in memory only). Thread-safe; a damaged cache file counts as empty. `hashed` counts the
-    files this one read (not found in the cache)."""
+    """SHA-256 of files, remembered by (device, inode, size, mtime_ns, ctime_ns) in `path`
+    (None: in memory only). Thread-safe; a damaged cache file counts as empty, a damaged
+    entry as absent. `hashed` counts the files this one read (not found in the cache)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -64,12 +71,12 @@ class FileDigests:
 
     def digest(self, file: str) -> bytes:
         st = os.stat(file)
-        stamp: list[int | str] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+        stamp: list[int | str] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         name = os.path.realpath(file)
         with self._lock:
             known = self._known.get(name)
-        if known is not None and known[:4] == stamp:
-            return bytes.fromhex(str(known[4]))
+        if known is not None and known[:-1] == stamp:
+            return bytes.fromhex(str(known[-1]))
         digest = _hash_file(file)
         with self._lock:
             self.hashed += 1
@@ -85,15 +92,15 @@ class FileDigests:
             return {}
         try:
             fd = open_private(self.path, os.O_RDONLY)
-            with os.fdopen(fd) as f:
-                loaded = json.load(f)
-        except (OSError, ValueError) as exc:  # ConfigError is a ValueError: not ours, or not a file
-            log.debug("weights digest cache %s not read (%s)", self.path, exc)
+            with os.fdopen(fd, "rb") as f:
+                loaded = json.loads(f.read(MAX_CACHE_BYTES + 1)[:MAX_CACHE_BYTES])
+        except Exception as exc:  # whatever the file holds (nested past the parser's stack too)
+            log.warning("weights digest cache %s not read (%s): %s; files are hashed again", self.path,
+                        type(exc).__name__, str(exc)[:200])
             return {}
         if not isinstance(loaded, dict):
             return {}
-        return {name: entry for name, entry in loaded.items()
-                if isinstance(entry, list) and len(entry) == 5 and isinstance(entry[4], str)}
+        return {name: entry for name, entry in loaded.items() if _entry_ok(entry)}
 
     def _save(self) -> None:
         """Written whole to a temporary file, then renamed over the cache (lock held)."""
@@ -110,14 +117,17 @@ class FileDigests:
                 os.unlink(temporary)
 
 
+def _entry_ok(entry: object) -> bool:
+    """An entry exactly as `digest` writes it: five stamp integers and a SHA-256 in hex
+    (an older version's entries, of other stamps or digests, are not)."""
+    return (isinstance(entry, list) and len(entry) == 6
+            and all(type(value) is int for value in entry[:5])
+            and isinstance(entry[5], str) and _DIGEST.fullmatch(entry[5]) is not None)
+
+
 def _hash_file(file: str) -> bytes:
-    hasher = xxhash.xxh3_128()
-    buffer = bytearray(_READ)
-    view = memoryview(buffer)
-    with open(file, "rb", buffering=0) as f:
-        while count := f.readinto(buffer):
-            hasher.update(view[:count])
-    return hasher.digest()
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
 
 
 def default_digests() -> FileDigests:
@@ -162,16 +172,16 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def fingerprint(path: str, digests: FileDigests | None = None) -> str:
-    """`xxh3:` and 32 hex digits naming the weights at `path` (a checkpoint directory or
+    """`sha256:` and 64 hex digits naming the weights at `path` (a checkpoint directory or
     one file); WeightsUnknown if it holds none, OSError if it cannot be read."""
     digests = digests if digests is not None else shared_digests()
     started = time.monotonic()
     files = checkpoint_files(path)
     base = path if os.path.isdir(path) else os.path.dirname(path)
-    hasher = xxhash.xxh3_128(b"kvstore-weights-v1")
+    hasher = hashlib.sha256(b"kvstore-weights-v2")
     for name in files:
         hasher.update(name.encode() + b"\0" + digests.digest(os.path.join(base, name)))
-    found = "xxh3:" + hasher.hexdigest()
+    found = "sha256:" + hasher.hexdigest()
     log.debug("weights at %s: %s (%d files, %.2f s)", path, found, len(files), time.monotonic() - started)
     return found
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import subprocess
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +27,7 @@ def checkpoint(path, weights: bytes = b"w" * 1000, config: str = '{"layers": 2}'
 def test_the_fingerprint_names_the_weight_and_config_files_by_content(tmp_path):
     digests = FileDigests(None)
     a = fingerprint(checkpoint(tmp_path / "a"), digests)
-    assert a.startswith("xxh3:") and len(a) == 5 + 32
+    assert a.startswith("sha256:") and len(a) == 7 + 64
     assert fingerprint(checkpoint(tmp_path / "copy"), digests) == a  # another path, same weights
     assert fingerprint(checkpoint(tmp_path / "b", weights=b"w" * 999 + b"x"), digests) != a
     assert fingerprint(checkpoint(tmp_path / "c", config='{"layers": 3}'), digests) != a
@@ -53,17 +55,68 @@ def test_a_restart_takes_digests_from_the_cache_and_a_changed_file_is_hashed_aga
     cache = str(tmp_path / "cache.json")
     first = fingerprint(model, FileDigests(cache))
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o600
-    shard = tmp_path / "m" / "model-00001-of-00002.safetensors"
-    before = os.stat(shard)
-    # Other bytes, same size and mtime: only a digest from the cache still gives `first`
-    # (the cache is keyed by device, inode, size and mtime, so this proves nothing re-read it).
-    with open(shard, "r+b") as f:
-        f.write(b"X")
-    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
     restarted = FileDigests(cache)  # a new process: the cache file
     assert fingerprint(model, restarted) == first and restarted.hashed == 0
-    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
-    assert fingerprint(model, FileDigests(cache)) != first  # rewritten in place: hashed again
+    shard = tmp_path / "m" / "model-00001-of-00002.safetensors"
+    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 1))
+    again = FileDigests(cache)
+    assert fingerprint(model, again) == first and again.hashed == 1  # its stamp moved: read again
+
+
+@pytest.mark.skipif(shutil.which("cp") is None, reason="needs cp")
+def test_new_weights_of_the_same_size_copied_over_with_their_times_are_hashed_again(tmp_path):
+    """A release deployed in place with `cp -p` (or `rsync -a --inplace`): the same files,
+    sizes and mtimes, other bytes. Device, inode, size and mtime all match the old weights';
+    only the ctime (which no call but the kernel's sets) tells the cache they changed."""
+    model = checkpoint(tmp_path / "m")
+    cache = str(tmp_path / "cache.json")
+    old = fingerprint(model, FileDigests(cache))
+    release = checkpoint(tmp_path / "release", weights=b"v" * 1000)  # a fine-tune: same sizes
+    shard = "model-00001-of-00002.safetensors"
+    times = os.stat(tmp_path / "m" / shard)
+    os.utime(tmp_path / "release" / shard, ns=(times.st_atime_ns, times.st_mtime_ns))  # normalised times
+    inode = times.st_ino
+    subprocess.run(["cp", "-p", str(tmp_path / "release" / shard), str(tmp_path / "m" / shard)], check=True)
+    now = os.stat(tmp_path / "m" / shard)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (inode, times.st_size, times.st_mtime_ns)
+    deployed = fingerprint(model, FileDigests(cache))  # the next engine start
+    assert deployed != old
+    assert deployed == fingerprint(release, FileDigests(None))
+
+
+ODD_ENTRIES = {
+    "a digest that is not hex": lambda e: [*e[:5], "zz" * 32],
+    "a short digest": lambda e: [*e[:5], "ab"],
+    "an older version's (four stamps, an xxh3)": lambda e: [*e[:4], "ab" * 16],
+    "a stamp that is not an integer": lambda e: [*e[:4], "x", e[5]],
+    "a digest that is not text": lambda e: [*e[:5], 6],
+    "not a list": lambda e: "entry",
+    "null": lambda e: None,
+}
+
+
+@pytest.mark.parametrize("odd", ODD_ENTRIES.values(), ids=ODD_ENTRIES.keys())
+def test_an_odd_cache_entry_counts_as_absent(tmp_path, odd):
+    """An entry of another version or a damaged one is never used, and never fails the
+    fingerprint (the engine's start)."""
+    model = checkpoint(tmp_path / "m")
+    cache = tmp_path / "cache.json"
+    fingerprint(model, FileDigests(str(cache)))
+    known = json.loads(cache.read_text())
+    name = next(iter(known))
+    cache.write_text(json.dumps({**known, name: odd(known[name])}))
+    digests = FileDigests(str(cache))
+    assert fingerprint(model, digests) == fingerprint(model, FileDigests(None))
+    assert digests.hashed == 1
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": "' + "x" * (8 << 20) + '"}'])
+def test_a_nested_or_huge_cache_file_is_an_empty_cache(tmp_path, text):
+    model = checkpoint(tmp_path / "m")
+    cache = tmp_path / "cache.json"
+    cache.write_text(text)
+    digests = FileDigests(str(cache))
+    assert fingerprint(model, digests) == fingerprint(model, FileDigests(None)) and digests.hashed == 3
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -89,7 +142,7 @@ def test_the_cache_lives_in_a_private_directory_or_not_at_all(tmp_path, monkeypa
     os.unlink(tmp_path / "xdg" / "kvstore" / "weight-digests.json")
     os.symlink(link, tmp_path / "xdg" / "kvstore" / "weight-digests.json")
     model = checkpoint(tmp_path / "m")
-    assert fingerprint(model, default_digests()).startswith("xxh3:")  # a link is never followed
+    assert fingerprint(model, default_digests()).startswith("sha256:")  # a link is never followed
     assert link.read_text() == "{}"
 
 
