@@ -295,11 +295,58 @@ class ServiceConfig(Schema):
                                 "`off` (loads go through windows; the tier is private memory)")
     max_clients: Annotated[int, integer(1, 1 << 16)] = Field(
         256, description="connections served at once (a scheduler and two per worker per engine); "
-                         "past it a client is refused and retries later")
+                         "past it a client is refused (`clients.refused_full`) and retries later")
+    max_clients_per_user: Annotated[int, integer(1, 1 << 16)] | None = Field(
+        None, description="connections one user other than the service's own (an `allowed_uids` user, "
+                          "each member of an `allowed_gids` group) may hold at once; past it that "
+                          "user's next is refused (`clients.refused_user_share`). At most `max_clients`",
+        json_schema_extra={"doc_default": "a quarter of `max_clients` (64), at least 1"})
+    owner_reserved_clients: Annotated[int, integer(0, 1 << 16)] | None = Field(
+        None, description="connections kept for the service's own user's engines: other users together "
+                          "hold at most `max_clients` less this (`clients.refused_owner_reserve`), so "
+                          "however many connections they open, the owner's engines connect and "
+                          "reconnect. Less than `max_clients` where other users are allowed",
+        json_schema_extra={"doc_default": "a quarter of `max_clients` (64)"})
+    hello_timeout_s: Annotated[float, seconds()] = Field(
+        10.0, description="a connection that has not said hello (the request every kvstore client "
+                          "sends first, as soon as it connects) this long after it was accepted is "
+                          "closed (`clients.hello_timeout`): a client that stays silent, or sends a "
+                          "byte at a time, holds a connection and its thread no longer than this")
     learned_save_s: Annotated[float, seconds()] = Field(
         300.0, description="`learned` disk admission: how often what it learned is written to "
                            "`SOCKET.learned` while the service runs (as well as when it stops), so a "
                            "service killed outright (SIGKILL, out of memory) loses at most this much of it")
+
+    @property
+    def user_share(self) -> int:
+        """`max_clients_per_user`, or its default."""
+        if self.max_clients_per_user is not None:
+            return self.max_clients_per_user
+        return max(1, self.max_clients // 4)
+
+    @property
+    def owner_reserve(self) -> int:
+        """`owner_reserved_clients`, or its default."""
+        if self.owner_reserved_clients is not None:
+            return self.owner_reserved_clients
+        return self.max_clients // 4
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> ServiceConfig:
+        """A share or a reserve larger than the whole is a mistake, and so is a reserve that
+        leaves nothing for the other users the config allows."""
+        for key, value in (("max_clients_per_user", self.max_clients_per_user),
+                           ("owner_reserved_clients", self.owner_reserved_clients)):
+            if value is not None and value > self.max_clients:
+                raise Refused(f"is more than max_clients ({self.max_clients}), the connections the "
+                              "service serves in all: make it smaller, or max_clients larger", key,
+                              value=value)
+        if self.owner_reserve == self.max_clients and (self.allowed_uids or self.allowed_gids):
+            raise Refused(f"keeps all of max_clients ({self.max_clients}) for the service's own user, "
+                          "so the users allowed_uids / allowed_gids name could never connect: make it "
+                          "smaller, or max_clients larger", "owner_reserved_clients",
+                          value=self.owner_reserve)
+        return self
 
 
 class StoreConfig(Schema):

@@ -7,6 +7,8 @@ kind of input and what is wrong with it; the code that called them counts it as
 first of each kind is logged as a warning, later ones at debug level, so a peer that
 sends nothing but garbage cannot flood the log. A detail names the field and the
 problem; where it quotes a config value, a URL's password in it is masked (secrets.masked).
+The counting and the once-per-kind log are `KindCounts`'s, which the service's refusals of
+clients (`clients.REASON`: kvstore/service/client_slots.py) use too.
 """
 
 from __future__ import annotations
@@ -28,34 +30,49 @@ class Malformed(ValueError):
         self.why = why
 
 
-class MalformedCounts:
-    """Counts Malformed input into `counters` (its own Counter if none is given) as
-    `malformed.KIND`; logs each kind's first as a warning on `log`, later ones at debug.
-    Thread-safe."""
+class KindCounts:
+    """Counts events by kind into `counters` (its own Counter if none is given) as
+    `PREFIX.KIND`, every name in `kinds` shown from the start (as 0); logs each kind's
+    first as a warning on `log`, later ones at debug, so a peer that repeats one thing
+    cannot flood the log. Thread-safe."""
 
-    def __init__(self, log: logging.Logger, counters: MutableMapping[str, Any] | None = None) -> None:
+    def __init__(self, log: logging.Logger, prefix: str, counters: MutableMapping[str, Any] | None = None,
+                 kinds: tuple[str, ...] = ()) -> None:
         self._log = log
+        self._prefix = prefix
         self._counters: MutableMapping[str, Any] = Counter() if counters is None else counters
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        for kind in kinds:
+            self._counters.setdefault(f"{prefix}.{kind}", 0)
 
-    def count(self, error: Malformed, what: str = "ignored", logged: bool = False) -> None:
-        """Count `error`; `what` says what became of the input, for the log line (none if
-        the caller `logged` it already)."""
-        name = f"malformed.{error.kind}"
+    def add(self, kind: str, message: str, what: str, logged: bool = False) -> None:
+        """Count one `kind`; log `message` and `what` became of it, unless the caller
+        `logged` it already."""
+        name = f"{self._prefix}.{kind}"
         with self._lock:
             self._counters[name] = self._counters.get(name, 0) + 1
-            first = error.kind not in self._logged
-            self._logged.add(error.kind)
-        if logged:
-            return
-        (self._log.warning if first else self._log.debug)(
-            "%s (%s; counted as malformed.%s%s)", error, what, error.kind,
-            ", logged once" if first else "")
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if not logged:
+            (self._log.warning if first else self._log.debug)(
+                "%s (%s; counted as %s%s)", message, what, name, ", logged once" if first else "")
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._counters)
+
+
+class MalformedCounts(KindCounts):
+    """Counts Malformed input as `malformed.KIND` (KindCounts)."""
+
+    def __init__(self, log: logging.Logger, counters: MutableMapping[str, Any] | None = None) -> None:
+        super().__init__(log, "malformed", counters)
+
+    def count(self, error: Malformed, what: str = "ignored", logged: bool = False) -> None:
+        """Count `error`; `what` says what became of the input, for the log line (none if
+        the caller `logged` it already)."""
+        self.add(error.kind, str(error), what, logged)
 
 
 def whole(value: Any, kind: str, field: str, low: int, high: int) -> int:

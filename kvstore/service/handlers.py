@@ -27,7 +27,7 @@ from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import MalformedCounts
+from kvstore.format.malformed import KindCounts, MalformedCounts
 from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
@@ -83,7 +83,7 @@ class Client:
 class Requests:
     """Answers clients' requests against the one store (made at the first data hello)."""
 
-    def __init__(self, config: StoreConfig, socket_path: str) -> None:
+    def __init__(self, config: StoreConfig, socket_path: str, counted: tuple[KindCounts, ...] = ()) -> None:
         self.config = config
         self.socket_path = socket_path
         self.store: TieredStore | None = None
@@ -91,6 +91,7 @@ class Requests:
         self._prefetches = Prefetches()  # promotions to DRAM, one at a time
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
+        self._counted = (self.malformed, *counted)  # and the server's (refused clients)
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
         self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
@@ -144,8 +145,16 @@ class Requests:
         """The store's info (none yet: no tiers), with the service's own counters added."""
         info = self.store.info() if self.store else {"tiers": [], "counters": {}}
         counters = Counter(info["counters"])
-        counters.update(self.malformed.snapshot())  # adds, and keeps zeros
+        counters.update(self.own_counters())  # adds, and keeps zeros
         return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
+
+    def own_counters(self) -> dict[str, Any]:
+        """The service's own counters (`malformed.*`, `clients.*`), kept whether or not a store
+        was made."""
+        counters: dict[str, Any] = {}
+        for counts in self._counted:
+            counters.update(counts.snapshot())
+        return counters
 
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
         if hello.version != P.PROTOCOL_VERSION:

@@ -15,8 +15,9 @@ the hot path pays nothing extra.
   kvstore_disk_write_budget_bytes_per_day, kvstore_disk_write_budget_left_bytes  with a budget
   kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
   kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
-The service's own counters (`malformed.*`: input it refused) are added to the store's,
-and are scraped before any engine made the store too.
+The service's own counters (`malformed.*`: input it refused; `clients.*`: connections it
+refused or closed) are added to the store's, and are scraped before any engine made the
+store too.
 """
 
 from __future__ import annotations

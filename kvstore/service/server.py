@@ -15,7 +15,9 @@ A worker's load or save is thus a plain copy between its KV tensors and its wind
 Sharing a host safely: only peers of this user (or uids/gids the config allows)
 are served, and only this user may stop it; frames are size-limited and every field
 bounded (a frame that is not one is counted, `malformed.frame`, and ends that
-connection); clients are bounded in number; a request that fails is an error reply for
+connection); clients are bounded in number, each other user to its share and all of them
+to what the owner's reserve leaves (client_slots.py), and one that says no hello in time
+is closed (`service.hello_timeout_s`); a request that fails is an error reply for
 that client (with any URL's password masked), never the end of the service; SIGTERM
 always ends it cleanly; a SIGHUP reload that cannot be read or applied changes nothing
 (counted, `malformed.config`); and while it runs it holds SOCKET.lock, so a second
@@ -44,6 +46,7 @@ from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.format.secrets import masked
 from kvstore.service import protocol as P
+from kvstore.service.client_slots import ClientSlots
 from kvstore.service.handlers import Client, Requests
 
 log = logging.getLogger(__name__)
@@ -139,17 +142,14 @@ class StoreService:
 
     def _start(self, config: StoreConfig) -> None:
         _unpin_from_parent()
-        self.requests = Requests(config, self.socket_path)
-        self._allowed_uids = {os.geteuid(), *config.service.allowed_uids}
-        self._allowed_gids = set(config.service.allowed_gids)
-        self._clients_lock = threading.Lock()
-        self._clients: set[Client] = set()
+        self._slots = ClientSlots(config.service, os.geteuid(), log)
+        self.requests = Requests(config, self.socket_path, (self._slots.counts,))
         self._stopping = threading.Event()
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)  # a dead service's socket: we hold the lock now
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177 if not config.service.allowed_uids and not self._allowed_gids
+        old_umask = os.umask(0o177 if not config.service.allowed_uids and not config.service.allowed_gids
                              else 0o111)
         try:
             self._listener.bind(self.socket_path)
@@ -160,7 +160,7 @@ class StoreService:
             from kvstore.service.metrics import serve_metrics
 
             serve_metrics(config.service.metrics_host, config.service.metrics_port,
-                          lambda: self.requests.store, self.requests.malformed.snapshot)
+                          lambda: self.requests.store, self.requests.own_counters)
 
     # -- the accept loop ---------------------------------------------------------------
 
@@ -210,25 +210,22 @@ class StoreService:
             self._close()
 
     def _admit(self, conn: socket.socket) -> None:
+        """Serve a new connection on a thread of its own if its user may take a slot
+        (ClientSlots), else refuse it; it must say hello within service.hello_timeout_s."""
         channel = P.Channel(conn)
         _, uid, gid = P.peer_credentials(conn)
-        if uid not in self._allowed_uids and gid not in self._allowed_gids:
-            log.warning("refused a client running as uid %d gid %d", uid, gid)
-            _refuse(channel, f"uid {uid} is not allowed by this service (service.allowed_uids)")
+        refused = self._slots.take(uid, gid)
+        if refused is not None:
+            _refuse(channel, refused)
             return
-        with self._clients_lock:
-            if len(self._clients) >= self.config.service.max_clients:
-                full = True
-            else:
-                full = False
-                client = Client(channel, uid)
-                self._clients.add(client)
-        if full:
-            _refuse(channel, f"the service has {self.config.service.max_clients} clients "
-                                  "already (service.max_clients)")
-            return
-        threading.Thread(target=self._serve_client, args=(client,), daemon=True,
-                         name="kvstore-client").start()
+        client = Client(channel, uid)
+        hello_by = time.monotonic() + self.config.service.hello_timeout_s
+        try:
+            threading.Thread(target=self._serve_client, args=(client, hello_by), daemon=True,
+                             name="kvstore-client").start()
+        except RuntimeError as exc:  # no thread to be had (a ulimit): this client only is refused
+            log.warning("refused a client: %s", exc)
+            self._forget(client)
 
     def stop(self, wake_only: bool = False) -> None:
         """Make serve_forever return, or with `wake_only` look at its flags (safe from a
@@ -268,12 +265,20 @@ class StoreService:
 
     # -- one client ------------------------------------------------------------------
 
-    def _serve_client(self, client: Client) -> None:
+    def _serve_client(self, client: Client, hello_by: float) -> None:
+        """Answer the client's requests until it leaves; until it has said hello, every
+        frame (the first byte included) must have arrived by `hello_by` (time.monotonic)."""
         channel = client.channel
+        said_hello = False
         try:
             while True:
+                wait_s = None if said_hello else max(0.0, hello_by - time.monotonic())
                 try:
-                    request = channel.recv(P.REQUEST, None)
+                    request = channel.recv(P.REQUEST, wait_s)
+                except TimeoutError:  # before its hello: silent, or too slow; after: a frame past its 30 s
+                    if not said_hello:
+                        self._slots.hello_timeout(client.uid)
+                    return
                 except (EOFError, OSError):
                     return
                 except P.ProtocolError as exc:
@@ -290,6 +295,7 @@ class StoreService:
                         return
                     value, fds = self.requests.handle(client, request)
                     reply = P.Reply(True, value)
+                    said_hello = said_hello or isinstance(request, P.Hello)
                 except KVStoreError as exc:
                     reply = P.Reply(False, error=masked(str(exc)))
                 except Exception as exc:  # a bug must not take the whole service down
@@ -309,7 +315,6 @@ class StoreService:
             self._forget(client)
 
     def _forget(self, client: Client) -> None:
-        with self._clients_lock:
-            self._clients.discard(client)
+        self._slots.give_back(client.uid)
         self.requests.forget(client)
         client.channel.close()
