@@ -37,10 +37,17 @@ class ConnectorOptions(Schema):
         json_schema_extra={"doc_default": "the model path"})
     model_revision: Text | None = Field(
         None, description="the weights' identity in chunk keys, instead of a fingerprint of the "
-                          "checkpoint's files (xxh3 over its safetensors and config files, cached by "
+                          "checkpoint's files (SHA-256 over its safetensors and config files, cached by "
                           "file: see [vllm.md](vllm.md#weights-in-the-key)); give a new one whenever "
                           "the weights change",
         json_schema_extra={"doc_default": "a fingerprint of the weight files"})
+    trust_client_mm_uuids: Bool = Field(
+        False, description="key images (and other multimodal inputs) by the identifier vLLM gives them, "
+                           "which a client may choose (a chat request's `uuid`), instead of by a digest "
+                           "of their content: uuids are then shared keys across every engine and "
+                           "restart of this store (a client that reuses another's uuid for another "
+                           "image is served that image's KV); isolate tenants with cache_salt",
+        json_schema_extra={"doc_type": "true/false", "doc_default": "false"})
     prefetch: PrefetchPolicy | None = Field(
         default_factory=PrefetchPolicy,
         description="a request's arrival (vLLM's `on_new_request`) starts promoting its stored chunks "

@@ -91,9 +91,10 @@ class FileDigests:
         if self.path is None:
             return {}
         try:
-            fd = open_private(self.path, os.O_RDONLY)
+            fd = open_private(self.path, os.O_RDONLY)  # made empty where there was none
             with os.fdopen(fd, "rb") as f:
-                loaded = json.loads(f.read(MAX_CACHE_BYTES + 1)[:MAX_CACHE_BYTES])
+                text = f.read(MAX_CACHE_BYTES + 1)
+            loaded = json.loads(text[:MAX_CACHE_BYTES]) if text else {}
         except Exception as exc:  # whatever the file holds (nested past the parser's stack too)
             log.warning("weights digest cache %s not read (%s): %s; files are hashed again", self.path,
                         type(exc).__name__, str(exc)[:200])

@@ -49,6 +49,7 @@ class SchedulerRole:
         self._namespaces, self._rules = namespaces, rules
         self.limits = limits
         self.load_async = options.load_async
+        self._trust_mm_uuids = options.trust_client_mm_uuids
         self._faults_logged: set[str] = set()
         self._abandoned: set[str] = set()  # faulted, or out of load tries: misses until they finish
         self._load_failures: Counter[str] = Counter()  # failed loads per request, until it finishes
@@ -96,7 +97,7 @@ class SchedulerRole:
         if request.request_id in self._abandoned:
             return 0, False
         try:
-            extras = request_extras(request, self.core.chunk_tokens)
+            extras = request_extras(request, self.core.chunk_tokens, self._trust_mm_uuids)
         except Unnamed:  # counted at arrival: neither loaded nor saved
             self.report_counters()
             return 0, False
@@ -169,7 +170,7 @@ class SchedulerRole:
         whose inputs its keys cannot name is counted and left alone (request_keys.py)."""
         salt = request_salt(request)
         try:
-            extras = request_extras(request, self.core.chunk_tokens)
+            extras = request_extras(request, self.core.chunk_tokens, self._trust_mm_uuids)
         except Unnamed as exc:
             self.core.counters[f"keys.uncached_{exc.reason}"] += 1  # reported with the core's
             (log.debug if exc.reason in self._warned else log.warning)(

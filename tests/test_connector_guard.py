@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from support.engines import processed_image
 from support.services import counters, service_config, stop_service
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
@@ -229,11 +230,13 @@ def test_a_one_group_models_failed_blocks_are_counted(scheduler, store_config, d
     assert found["load.failed_blocks"] == 1 and found.get("load.failed_requests", 0) == before
 
 
-def _image_request(req_id: str, prompt: list[int], identifier: str | None, offset: int) -> Request:
-    """A request with one image behind placeholder tokens `prompt[offset : offset + 20]`."""
+def _image_request(req_id: str, prompt: list[int], image: int | None, offset: int) -> Request:
+    """A request with one image (processed from seed `image`; None: its data not held)
+    behind placeholder tokens `prompt[offset : offset + 20]`."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-    feature = MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,  # type: ignore[arg-type]
+    data = processed_image(image) if image is not None else None
+    feature = MultiModalFeatureSpec(data=data, modality="image", identifier="client-uuid",
                                     mm_position=PlaceholderRange(offset, 20))
     return Request(req_id, prompt, SamplingParams(max_tokens=2), None, mm_features=[feature])
 
@@ -241,8 +244,8 @@ def _image_request(req_id: str, prompt: list[int], identifier: str | None, offse
 def test_an_image_request_finds_only_the_text_before_its_image_and_a_reset_finds_nothing(
         scheduler, store_config, data):
     """Keys name images (engine_plugin/request_keys.py): a prompt stored as text is found by
-    a request with an image in it only up to the image's chunk; an image without an
-    identifier is neither looked up nor saved (counted); after vLLM resets the prefix cache
+    a request with an image in it only up to the image's chunk; an image whose content the
+    scheduler cannot name is neither looked up nor saved (counted); after vLLM resets the prefix cache
     with the connector's (a weight update), nothing stored before is found. Last in this
     module: the connector's generation moves."""
     connector = scheduler.connector
@@ -253,15 +256,15 @@ def test_an_image_request_finds_only_the_text_before_its_image_and_a_reset_finds
     assert _store(data, plan, "text") == 6
     _finish(scheduler, "text")
 
-    asked = [_request("text-again", prompt), _image_request("image-at-40", prompt, "img-a", 40),
-             _image_request("image-at-0", prompt, "img-a", 0), _image_request("unnamed", prompt, None, 40)]
+    asked = [_request("text-again", prompt), _image_request("image-at-40", prompt, 1, 40),
+             _image_request("image-at-0", prompt, 1, 0), _image_request("unnamed", prompt, None, 40)]
     found = {}
     for request in asked:
         connector.on_new_request(request)
         found[request.request_id] = connector.get_num_new_matched_tokens(request, 0)[0]
         connector.request_finished(request, [])
     assert found == {"text-again": 96, "image-at-40": 32, "image-at-0": 0, "unnamed": 0}
-    assert counters(store_config)["keys.uncached_mm_input"] == 1
+    assert counters(store_config)["keys.uncached_mm_data"] == 1
 
     assert connector.reset_cache() is True
     after = _request("after-reset", prompt)

@@ -1,15 +1,19 @@
 """A vLLM request's chunk keys cover what vLLM's own block hashes cover: its images (by
-identifier and offset) and prompt embeddings; one the keys cannot name is not cached.
+content and offset, or by vLLM's identifier where the operator trusts client uuids) and
+prompt embeddings; one the keys cannot name is not cached.
 
-The requests are vLLM's own `Request` objects, and the multimodal extra keys are checked
-against vLLM's `_gen_mm_extra_hash_keys`, chunk by chunk, so a change in how vLLM keys
-images shows up here."""
+The requests are vLLM's own `Request` objects carrying vLLM's own processed multimodal
+items, and the placeholders' spans are checked against vLLM's `_gen_mm_extra_hash_keys`,
+chunk by chunk, so a change in how vLLM keys images shows up here."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import xxhash
+from support.collisions import xxh3_twins
+from support.engines import processed_image
 
 pytest.importorskip("vllm")
 
@@ -17,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.lora.request import LoRARequest
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys
 from vllm.v1.request import Request
@@ -33,10 +37,14 @@ NS = KVNamespace("m", "float16", "cpu", CHUNK)
 
 
 def request(tokens: list[int] | None, images: list[tuple[str | None, int, int]] = (),  # type: ignore[assignment]
-            embeds: torch.Tensor | None = None) -> Request:
-    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,  # type: ignore[arg-type]
+            embeds: torch.Tensor | None = None,
+            data: list[MultiModalKwargsItem | None] | None = None) -> Request:
+    """A vLLM request; image i's data is `data[i]` (default: an image seeded by its identifier)."""
+    seeds = [sum(map(ord, ident or "")) for ident, _, _ in images]
+    items = data if data is not None else [processed_image(seed) for seed in seeds]
+    features = [MultiModalFeatureSpec(data=item, modality="image", identifier=ident,  # type: ignore[arg-type]
                                       mm_position=PlaceholderRange(offset, length))
-                for ident, offset, length in images]
+                for (ident, offset, length), item in zip(images, items, strict=True)]
     return Request("r", tokens, SamplingParams(max_tokens=1), None, prompt_embeds=embeds,
                    mm_features=features)
 
@@ -65,17 +73,51 @@ def _laid_out(items: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(images_st)
-def test_each_chunk_names_the_images_vllm_names_for_that_span(images):
+@given(images_st, st.booleans())
+def test_each_chunk_names_the_images_vllm_names_for_that_span(images, trust):
+    """Each chunk names the images vLLM names for its span, at the same offsets: by vLLM's
+    identifier where the operator trusts uuids, else by their content."""
     tokens = [7] * 128
     req = request(tokens, images)
-    extras = request_extras(req, CHUNK)
+    extras = request_extras(req, CHUNK, trust)
+    by_content = {ident: request_extras(request([7] * 64, [(ident, 1, 2)]), CHUNK).placeholders[0].identifier
+                  for ident, _, _ in images}
     for index in range(len(tokens) // CHUNK):
         start = index * CHUNK
         theirs, _ = _gen_mm_extra_hash_keys(req, start, start + CHUNK, 0)
         ours = [(body[:-8].decode(), int.from_bytes(body[-8:], "little", signed=True))
                 for tag, body in parse(extras.chunk(index, CHUNK)) if tag == b"M"]
-        assert ours == [(ident, offset) for _, ident, offset in theirs]
+        named = {ident: f"uuid:{ident}" if trust else by_content[ident] for ident in by_content}
+        assert ours == [(named[ident], offset) for _, ident, offset in theirs]
+
+
+def test_an_image_is_named_by_its_content_not_by_the_uuid_a_client_gave_it():
+    """The attack: a client sends its own image under the uuid another tenant's image uses
+    (vLLM then takes the uuid as the image's identifier). By default the two requests share
+    no key past the text before the image; only an operator's `trust_client_mm_uuids` makes
+    the uuid the key, and then they do share them (what the setting's docs warn of)."""
+    tokens = [5] * 96
+    mine, theirs = request(tokens, [("tenant-uuid", 40, 20)], data=[processed_image(1)]), \
+        request(tokens, [("tenant-uuid", 40, 20)], data=[processed_image(2)])
+    keys = {name: [chunk_keys(tokens, NS, extras=request_extras(req, CHUNK, trust))
+                   for req in (mine, theirs)] for name, trust in (("content", False), ("trusted", True))}
+    assert keys["content"][0][:2] == keys["content"][1][:2] == chunk_keys(tokens, NS)[:2]
+    assert not set(keys["content"][0][2:]) & set(keys["content"][1][2:])
+    assert keys["trusted"][0] == keys["trusted"][1]
+    same_image = request(tokens, [("another-uuid", 40, 20)], data=[processed_image(1)])
+    assert chunk_keys(tokens, NS, extras=request_extras(same_image, CHUNK)) == keys["content"][0]
+
+
+def test_a_request_keeps_its_keys_when_the_engine_lets_go_of_an_images_data():
+    tokens = [5] * 96
+    req = request(tokens, [("a", 40, 20)])
+    first = request_extras(req, CHUNK)
+    assert req.mm_features is not None
+    req.mm_features[0].data = None
+    assert request_extras(req, CHUNK) == first
+    with pytest.raises(Unnamed) as caught:  # a request whose data never reached the scheduler
+        request_extras(request(tokens, [("a", 40, 20)], data=[None]), CHUNK)
+    assert caught.value.reason == "mm_data"
 
 
 def test_a_text_request_keeps_its_text_keys():
@@ -111,10 +153,26 @@ def test_prompt_embeddings_are_keyed_by_their_values():
     assert keys[2] != chunk_keys(zeros + [9] * 8, NS, extras=changed)[2]
 
 
-def test_an_image_without_an_identifier_is_not_cached():
+def test_prompt_embeddings_built_to_collide_under_xxh3_get_keys_of_their_own():
+    """The review's attack, rebuilt (support/collisions.py): two prompt-embedding tensors a
+    few values apart that xxh3-128, kvstore's old key hash over what a chunk digest hashes
+    (dtype, shape, values), gives one digest. Their chunk keys must differ."""
+    rows = torch.zeros(CHUNK, 64, dtype=torch.float32)
+    kind = f"{rows.dtype}|{tuple(rows.shape[1:])}|".encode()  # what the chunk digest hashes first
+    one, other = xxh3_twins(kind, rows.numpy().tobytes())
+    assert xxhash.xxh3_128_digest(kind + one) == xxhash.xxh3_128_digest(kind + other) and one != other
+    tensors = [torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(CHUNK, 64)
+               for raw in (one, other)]
+    extras = [request_extras(request(None, embeds=t), CHUNK) for t in tensors]
+    zeros = [0] * CHUNK
+    assert chunk_keys(zeros, NS, extras=extras[0]) != chunk_keys(zeros, NS, extras=extras[1])
+
+
+def test_an_image_without_an_identifier_is_not_cached_where_uuids_are_trusted():
     with pytest.raises(Unnamed) as caught:
-        request_extras(request([1] * 32, [(None, 4, 8)]), CHUNK)
+        request_extras(request([1] * 32, [(None, 4, 8)]), CHUNK, trust_mm_uuids=True)
     assert caught.value.reason == "mm_input"
+    assert request_extras(request([1] * 32, [(None, 4, 8)]), CHUNK).placeholders  # named by content
 
 
 # -- which weights computed the KV -------------------------------------------------------

@@ -8,6 +8,11 @@ the keys the second request loads only the chunks before the image and answers a
 server without kvstore answers for its own image; the first image again finds all its
 chunks. Answers are judged as vLLM's tests judge them (bench/support/answers.py), and the model
 must tell the two images apart by that same bar, or the test could not catch anything.
+
+A client may name its image (a chat request's `uuid`), and vLLM then takes that name as the
+image's identifier. A tenant who sends its own image under the uuid another tenant uses
+must not have its KV served for the other's image, after a restart least of all (vLLM trusts
+a uuid for one engine's lifetime; keys outlive it): images are keyed by content.
 """
 
 from __future__ import annotations
@@ -47,8 +52,12 @@ def model(tmp_path_factory) -> Path:
     return build_tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
-def ask(server: OpenAIServer, image_seed: int) -> ChatReply:
-    return chat(server.url, "vlm", image_message(BEFORE, image_url(image_seed), AFTER), MAX_TOKENS)
+def ask(server: OpenAIServer, image_seed: int, uuid: str | None = None) -> ChatReply:
+    """The prompt with image `image_seed`, named `uuid` by the client where given."""
+    message = image_message(BEFORE, image_url(image_seed), AFTER)
+    if uuid is not None:
+        message[0]["content"][1]["uuid"] = uuid
+    return chat(server.url, "vlm", message, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +94,22 @@ def test_the_same_text_with_another_image_loads_only_the_chunks_before_it(model,
     assert_close(reference[2], second, "kvstore, image 2 after image 1")
     assert again.cached_tokens == (len(prompt) - 1) // CHUNK * CHUNK
     assert_close(reference[1], again, "kvstore, image 1 again")
+
+
+def test_an_image_sent_under_another_tenants_uuid_is_not_served_for_it_after_a_restart(
+        model, reference, tmp_path):
+    """The attacker's image 1 under the uuid the victim's image 2 uses, through vLLM's
+    OpenAI server; the server restarts (the store keeps the chunks); the victim's request
+    loads only the chunks before its image and answers as a server without kvstore does."""
+    config = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", staging="16MiB")
+    prompt = reference[1].prompt_token_ids
+    before_image = prompt.index(image_token_id(model)) // CHUNK * CHUNK
+    try:
+        for turn, (seed, expected) in enumerate([(1, 0), (2, before_image)]):
+            with OpenAIServer(model, ARGS, tmp_path / f"server-{turn}.log", connector={"config": config},
+                              kv_cache_gib=1, env=server_env(model)) as server:
+                reply = ask(server, seed, uuid="tenant-photo")
+            assert reply.cached_tokens == expected, (seed, reply.cached_tokens)
+            assert_close(reference[seed], reply, f"kvstore, image {seed} named tenant-photo")
+    finally:
+        stop_service(config)

@@ -18,7 +18,9 @@ judged as vLLM's tests judge them (bench/support/answers.py).
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
+import io
 import json
 import os
 import re
@@ -149,6 +151,19 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS,
             "return_tokens_as_token_ids": True}
+
+
+def embeds_body(model: str, embeds: Any, max_tokens: int) -> dict[str, Any]:
+    """completion_body for a prompt of embeddings (a (tokens, hidden) torch tensor), sent as
+    vLLM's API takes them: `prompt_embeds`, the tensor torch.save'd and base64-encoded
+    (the server needs `--enable-prompt-embeds`)."""
+    import torch
+
+    saved = io.BytesIO()
+    torch.save(embeds, saved)
+    body = completion_body(model, [], max_tokens)
+    del body["prompt"]
+    return {**body, "prompt_embeds": base64.b64encode(saved.getvalue()).decode()}
 
 
 def complete(url: str, body: dict[str, Any], timeout_s: float = 300,

@@ -1,5 +1,6 @@
-"""Tests that drive a real vLLM engine: a fresh engine run, and vLLM's bar for "the same
-answer" (the service those engines use: support/services.py)."""
+"""Tests that drive a real vLLM engine: a fresh engine run, vLLM's bar for "the same
+answer" (the service those engines use: support/services.py), and an image as vLLM's
+processor hands it to the engine core."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def assert_close(expected: Answer | dict[str, Any], got: Answer | dict[str, Any]
 
 def _answer(answer: Answer | dict[str, Any]) -> Answer:
     return Tokens.of(answer) if isinstance(answer, dict) else answer
+
+
+def processed_image(seed: int) -> Any:
+    """A processed image as vLLM's processor hands it on (a `MultiModalKwargsItem` holding
+    its `pixel_values`), its values drawn from `seed`."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
+
+    values = torch.Generator().manual_seed(seed)
+    return MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(
+        data=torch.rand(3, 8, 8, generator=values), field=MultiModalBatchedField())})
