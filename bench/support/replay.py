@@ -418,7 +418,7 @@ class Replayer:
             self.store.promote(found, keys, parents, "get")
             self._promote_from_peers(elsewhere, keys, parents)
         self.store.touch(hits)
-        self.policy.seen(hits)
+        self.policy.seen(hits, read=True)
         put = keys[stored:]  # the put: what no tier holds of it is stored
         new = [i for i in range(stored, len(keys)) if not self.store.held(keys[i])]
         self.policy.seen(put, keys[stored - 1] if stored else None)
