@@ -388,6 +388,20 @@ def test_learned_admission_writes_what_comes_back_against_the_bound(tmp_path, ca
     assert info["policy"] == "learned" and info["loss_budget"] == 0.01 and info["threshold"] > 0
     everything = replay(capsys, trace, "--passes", "2")
     assert everything["hit_ratio"] - result["hit_ratio"] == pytest.approx(bound["hit_ratio_lost"])
+    assert bound["all_disk_hit_ratio"] == pytest.approx(everything["tiers"][1]["hit_ratio"])
+    assert bound["all_disk_hit_ratio"] > 0
+
+
+def test_without_reported_ends_learned_admission_knows_less_and_loses_no_more(tmp_path, capsys):
+    """On this trace only how a request ended (its answer's length) says whether it comes
+    back. With no end reported (`--request-ends inferred`, as from SGLang's and LMCache's
+    backends) the service's inferred ends know turns and idle times, not answers: it writes
+    most of what `all` writes, and still loses nothing."""
+    trace = returning_trace(tmp_path / "t.jsonl")
+    told = replay(capsys, trace, "--admission", "learned", "--passes", "2")["bound"]
+    inferred = replay(capsys, trace, "--admission", "learned", "--passes", "2", "--request-ends", "inferred")
+    assert told["of_all_written"] < 0.5 < inferred["bound"]["of_all_written"]
+    assert inferred["bound"]["hit_ratio_lost"] <= 0.01
 
 
 def test_a_write_budget_is_never_exceeded_in_a_simulated_day(tmp_path, capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.admission_path import ThresholdPath
-from bench.support.replay import Clairvoyant, Replayer, parse_tier
+from bench.support.replay import MEMORY_TIERS, Clairvoyant, Replayer, parse_tier
 from bench.support.trace import MOONCAKE_BLOCK_TOKENS, read_passes, read_trace
 from kvstore.format.errors import ConfigError
 from kvstore.format.units import format_size, parse_write_budget
@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission-threshold", type=float, default=THRESHOLD,
                         help="with --admission learned: the least return rate a chunk's bucket needs, "
                              "whatever the loss budget allows (config `disk_admission_threshold`)")
+    parser.add_argument("--request-ends", choices=("reported", "inferred"), default="reported",
+                        help="with --admission learned: how requests end is `reported` (output tokens, "
+                             "turn, idle time, as the vLLM connector reports them) or `inferred` (none "
+                             "reported, as from SGLang's and LMCache's backends: the service works turn and "
+                             "idle time out of the puts)")
     parser.add_argument("--write-budget", metavar="SIZE|N dwpd",
                         help="the most bytes written to the disk tiers in any 24 hours of the trace: a "
                              "size, or drive writes per day of their capacity (config `disk_write_budget`)")
@@ -153,6 +158,7 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
                         tpot_s=args.tpot_ms / 1000)
     if path and admission == "learned":
         ThresholdPath(replayer)
+    replayer.ends.reported = args.request_ends == "reported"
     if getattr(args, "next_turn", None):
         from bench.support.next_turn_replay import NextTurnReads
 
@@ -184,8 +190,9 @@ def _policy(args: argparse.Namespace, admission: str) -> TierPolicy:
 
 def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[str, Any]) -> dict[str, Any]:
     """This replay against `all` (what loses nothing) and `oracle` (what writes only what will
-    be read) on the same tiers: the share of the oracle's saving of disk writes it gets, and
-    the hit ratio it loses."""
+    be read) on the same tiers: the share of the oracle's saving of disk writes it gets, the
+    hit ratio it loses, and what the disk tiers gain under `all` (their hit ratio: what any
+    admission could lose at most, give or take DRAM's share)."""
     everything = _replay(args, tiers, "all", budget=False)
     oracle = _replay(args, tiers, "oracle", budget=False)
     written = everything["disk_bytes_written"]
@@ -195,7 +202,9 @@ def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[
             "of_all_written": 1 - saving, "oracle_of_all_written": 1 - oracle_saving,
             "of_oracle_saving": saving / oracle_saving if oracle_saving else None,
             "hit_ratio_lost": everything["hit_ratio"] - result["hit_ratio"],
-            "oracle_hit_ratio_lost": everything["hit_ratio"] - oracle["hit_ratio"]}
+            "oracle_hit_ratio_lost": everything["hit_ratio"] - oracle["hit_ratio"],
+            "all_disk_hit_ratio": sum(t["hit_ratio"] for i, t in enumerate(everything["tiers"])
+                                      if i and t["name"] not in MEMORY_TIERS)}
 
 
 TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk": "disk",
@@ -267,7 +276,8 @@ def _print(result: dict[str, Any]) -> None:
               f"({format_size(bound['all_disk_bytes_written'])}), the oracle's "
               f"{bound['oracle_of_all_written']:.3f}: "
               f"{'-' if share is None else f'{share:.2f}'} of the oracle's saving, hit ratio lost "
-              f"{bound['hit_ratio_lost']:.4f} (oracle {bound['oracle_hit_ratio_lost']:.4f})")
+              f"{bound['hit_ratio_lost']:.4f} (oracle {bound['oracle_hit_ratio_lost']:.4f}; all's disk "
+              f"hits {bound['all_disk_hit_ratio']:.3f})")
     if "next_turn" in result:
         print(f"next turn {result['next_turn']}: {result['dram_resident_at_arrival']:.3f} of found chunks in "
               f"DRAM at arrival; read ahead {format_size(result['prefetch_read_bytes'])}, wasted "
