@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support.services import service_config, stop_service
@@ -14,6 +15,7 @@ from support.services import service_config, stop_service
 from bench.support.admission_path import ThresholdPath
 from bench.support.replay import Replayer
 from bench.support.trace import read_trace
+from kvstore.cli import main as cli_main
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient
 from kvstore.tiers.admission import Learned, Tuning
@@ -195,3 +197,13 @@ def test_the_service_labels_puts_it_has_no_request_end_for(tmp_path, disk_dir):
                       for split in range(8) for turn in range(TURNS)]
     assert sum(returns[group] for group in unknown_answer) >= 4
     assert sum(returns[GROUP0 + split * GROUP_ENDS] for split in range(8)) == 0  # no label
+
+
+def test_a_budget_or_floor_out_of_range_is_refused_naming_it(tmp_path, capsys):
+    for threshold, loss in ((0.0, -0.1), (1.5, 0.01), (0.0, float("nan"))):
+        with pytest.raises(ValueError, match="loss budget"):
+            Tuning(threshold, loss)
+    trace = phased_trace(tmp_path / "t.jsonl", quiet=5)
+    assert cli_main(["replay", trace, "--tier", "host=80", "--tier", "disk=1MiB", "--kv-bytes-per-token", "1",
+                     "--block-tokens", str(BLOCK), "--admission", "learned", "--admission-loss", "2"]) == 2
+    assert "--admission-loss" in capsys.readouterr().err

@@ -182,10 +182,13 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
 
 
 def _policy(args: argparse.Namespace, admission: str) -> TierPolicy:
+    try:
+        tuning = Tuning(args.admission_threshold, args.admission_loss)
+    except ValueError as exc:
+        raise ConfigError("--admission-loss", args.admission_loss, str(exc)) from None
     return TierPolicy(promote_on_hit=not args.no_promote,
                       admission="all" if admission == "oracle" else admission,
-                      tuning=Tuning(args.admission_threshold, args.admission_loss), eviction=args.eviction,
-                      chunk_tokens=args.block_tokens)
+                      tuning=tuning, eviction=args.eviction, chunk_tokens=args.block_tokens)
 
 
 def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[str, Any]) -> dict[str, Any]:

@@ -211,6 +211,10 @@ class Tuning:
     threshold: float = THRESHOLD
     loss: float = LOSS
 
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.threshold <= 1.0 and 0.0 <= self.loss <= 1.0):  # NaN too
+            raise ValueError(f"a threshold of {self.threshold} and a loss budget of {self.loss}: each 0 to 1")
+
 
 class Learned:
     """Admit a chunk whose bucket's return rate (ReturnRates) is at least the threshold: the
@@ -224,7 +228,7 @@ class Learned:
         self.floor = THRESHOLD
         self.rates = ReturnRates(capacity)
         self.budget = LossBudget()
-        self.ends = InferredEnds(capacity)
+        self.ends = InferredEnds()
         self.clock: Callable[[], float] = time.monotonic
 
     def tune(self, tuning: Tuning) -> None:
