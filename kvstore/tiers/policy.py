@@ -57,9 +57,9 @@ EVICTIONS = ("lru", "cost")
 DEFAULT_ADMISSION = "all"
 CROSSOVER_TOKENS = 32768
 _DEPTHS = 4 * TRACKED_KEYS  # chunks whose depth and family are remembered
-# however large the tiers: the most keys `learned` remembers a kind of (about 680 bytes for each of
-# its labels, last-named times, departures, returns and queue entry: 340 MiB), and tinylfu's
-# counters a row (16 MiB)
+# however large the tiers: the most keys `learned` remembers a kind of (about 1,250 bytes for each
+# of its labels, reported and inferred, last-named times, departures, returns and queue entry:
+# 624 MiB, tracemalloc), and tinylfu's counters a row (16 MiB)
 _MOST_LEARNED, _MOST_COUNTERS = 1 << 19, 1 << 22
 _BRANCHED = b""  # a chunk seen with two different children
 
