@@ -101,6 +101,26 @@ def _refuse(channel: P.Channel, why: str) -> None:
     channel.close()
 
 
+def _send_reply(channel: P.Channel, reply: P.Reply, fds: tuple[int, ...], request: str,
+                malformed: MalformedCounts) -> bool:
+    """Send a request's reply; False if the client has gone. One that cannot go out (over
+    the frame limit, not encodable: nothing of it was sent) is an error reply saying why,
+    counted (`malformed.reply`): never the end of the client's thread."""
+    try:
+        channel.send(reply, fds)
+    except OSError:
+        log.warning("a client left before its reply (past its deadline?)")
+        return False
+    except Exception as exc:
+        why = masked(f"the reply to {request} was not sent: {exc}")[:1000]
+        malformed.count(Malformed("reply", why), "an error reply sent instead")
+        try:
+            channel.send(P.Reply(False, error=why))
+        except OSError:
+            return False
+    return True
+
+
 def _unpin_from_parent() -> None:
     """Run on every CPU the host allows.
 
@@ -296,10 +316,8 @@ class StoreService:
                     log.exception("request %s failed", type(request).__name__)
                     reply = P.Reply(False, error=masked(f"{type(exc).__name__}: {exc}"[:2000]))
                 try:
-                    channel.send(reply, fds)
-                except OSError:
-                    log.warning("a client left before its reply (past its deadline?)")
-                    return
+                    if not _send_reply(channel, reply, fds, type(request).__name__, self.requests.malformed):
+                        return
                 finally:
                     for fd in fds:
                         os.close(fd)
