@@ -27,7 +27,8 @@ from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import MalformedCounts
+from kvstore.format.malformed import Malformed, MalformedCounts
+from kvstore.format.secrets import masked
 from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
@@ -92,7 +93,7 @@ class Requests:
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed)  # what clients announced
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
@@ -215,12 +216,21 @@ class Requests:
         if lease is not None and self.store is not None:
             self.store.release(lease)
 
-    def reload_policy(self, live: dict[str, Any]) -> None:
+    def reload_policy(self, live: dict[str, Any]) -> bool:
         """A reload's policy keys, applied to the store (lock held): a switch to `learned`
-        starts from what the service learned before, as a start does."""
+        starts from what the service learned before, as a start does. False if the switch
+        raised: logged and counted as a config that cannot be applied (`malformed.config`),
+        the service serving on."""
         store = self.store
-        if store is not None:
-            self._learned.switch(store, lambda: store.reload_policy(live))
+        try:
+            if store is not None:
+                self._learned.switch(store, lambda: store.reload_policy(live))
+        except Exception as exc:  # whatever the switch met: never the end of the service
+            why = masked(f"{type(exc).__name__}: {exc}")[:2000]
+            log.warning("reload: the policy was not applied: %s", why)
+            self.malformed.count(Malformed("config", why), logged=True)
+            return False
+        return True
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""

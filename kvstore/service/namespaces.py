@@ -6,8 +6,10 @@ its fields (model, weights fingerprint, generation, KV dtype and layout, chunk s
 rank, KV cache group) and a digest of its salt, never the salt itself (a cache salt may
 name a user). The service keeps them by digest, with the uid that announced each and
 when, in memory and in `SOCKET.namespaces` (0600 JSON in the service's private
-directory, written at most every SAVE_EVERY_S and at close, read at start), at most
-MAX_NAMESPACES (the least recently announced go first).
+directory, written at most every SAVE_EVERY_S and at close, read at start: a file that
+cannot be read, whatever it holds, is moved aside to `.namespaces.bad`, logged and counted
+as `malformed.state_file`, and the service starts without it), at most MAX_NAMESPACES (the
+least recently announced go first).
 
 Invariants: a digest keeps its first description (a later client cannot relabel it); a
 description is a label, not a proof (the salt is hashed, so the digest cannot be checked
@@ -28,8 +30,11 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstore.config.runtime import read_private_json, write_private_json
+import msgspec
+
+from kvstore.config.runtime import read_private_json, set_aside, write_private_json
 from kvstore.format.errors import KVStoreError
+from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service import protocol as P
 from kvstore.store.tiered import TieredStore
 
@@ -37,20 +42,31 @@ log = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1 << 16
 SAVE_EVERY_S = 5.0
+MAX_FILE_BYTES = 48 << 20  # MAX_NAMESPACES rows of 700 bytes or so
 _FIELD = re.compile(r"[a-z_]{1,32}")
+
+
+class _Row(msgspec.Struct):
+    """One namespace as the file keeps it (its shape bounds the file's nesting)."""
+
+    namespace: str
+    description: dict[str, str | int]
+    uid: int
+    first: float
+    last: float
 
 
 class NamespaceBook:
     """Announced namespaces by digest: `announce`, `entries`, `close` (writes them), and
     `handle`, which answers the protocol's requests about them."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, malformed: MalformedCounts | None = None) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, dict[str, Any]] = OrderedDict()
         self._saved_at = 0.0
         self._dirty = False
-        self._load()
+        self._load(malformed or MalformedCounts(log))
 
     def handle(self, uid: int, store: TieredStore | None,
                request: P.Announce | P.Namespaces | P.Purge) -> Any:
@@ -99,19 +115,19 @@ class NamespaceBook:
             if self._dirty:
                 self._save(time.time())
 
-    def _load(self) -> None:
+    def _load(self, malformed: MalformedCounts) -> None:
         if self.path is None:
             return
         try:
-            stored = read_private_json(self.path) or []
+            stored = read_private_json(self.path, list[_Row], MAX_FILE_BYTES) or []
             for row in stored[-MAX_NAMESPACES:]:
-                digest = bytes.fromhex(row["namespace"])
-                self._entries[digest] = {"description": _checked(digest, row["description"]),
-                                         "uid": int(row["uid"]), "first": float(row["first"]),
-                                         "last": float(row["last"])}
-        except (OSError, ValueError, KeyError, TypeError, KVStoreError) as exc:
-            if os.path.exists(self.path) and os.path.getsize(self.path):
-                log.warning("announced namespaces in %s not read (%s): starting without them", self.path, exc)
+                digest = bytes.fromhex(row.namespace)
+                self._entries[digest] = {"description": _checked(digest, row.description),
+                                         "uid": row.uid, "first": row.first, "last": row.last}
+        except Exception as exc:  # whatever the file holds: the service starts without it
+            self._entries.clear()
+            why = f"{self.path}: {type(exc).__name__}: {str(exc)[:300]}; {set_aside(self.path)}"
+            malformed.count(Malformed("state_file", why), "starting without the namespaces it held")
 
     def _save(self, now: float) -> None:
         """Written whole to a temporary file, renamed over the old one (lock held)."""

@@ -261,9 +261,10 @@ class StoreService:
     def _reload(self, reload: Callable[[], StoreConfig]) -> None:
         """Apply the config file as it is now: LIVE_KEYS at once (TieredStore.reload_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
-        restart. A file that cannot be read changes nothing (`reread`). Engines connected
-        before keep connecting with the config they started with (the hello leaves
-        LIVE_KEYS out)."""
+        restart. A file that cannot be read changes nothing (`reread`); a policy switch that
+        fails is logged and counted, and leaves the running config (Requests.reload_policy).
+        Engines connected before keep connecting with the config they started with (the
+        hello leaves LIVE_KEYS out)."""
         fresh = reread(reload, self.config, self.requests.malformed)
         if fresh is None:
             return
@@ -271,8 +272,8 @@ class StoreService:
         if restart:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
         with self.requests.lock:  # no store made meanwhile from the config being replaced
-            if live and self.requests.store is not None:
-                self.requests.reload_policy(live)
+            if live and self.requests.store is not None and not self.requests.reload_policy(live):
+                return  # the switch failed (logged, counted): the service goes on as it was
             self.config = self.requests.config = merged
         log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 
