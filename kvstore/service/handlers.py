@@ -93,7 +93,8 @@ class Requests:
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed)  # what clients announced
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
+        self.namespaces.start()
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
@@ -139,13 +140,16 @@ class Requests:
         views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
         if isinstance(request, P.Get):
             return store.get_many(request.keys, views), ()
-        return store.put_many(request.keys, views, request.parent, request.namespace or client.namespace), ()
+        namespace = request.namespace or client.namespace
+        with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
+            return store.put_many(request.keys, views, request.parent, namespace), ()
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
         info = self.store.info() if self.store else {"tiers": [], "counters": {}}
         counters = Counter(info["counters"])
         counters.update(self.malformed.snapshot())  # adds, and keeps zeros
+        counters.update(self.namespaces.counters())
         return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
 
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
@@ -231,6 +235,11 @@ class Requests:
             self.malformed.count(Malformed("config", why), logged=True)
             return False
         return True
+
+    def _held(self) -> set[bytes] | None:
+        """The namespaces the store's records name (none before there is a store)."""
+        store = self.store
+        return store.probe.namespaces() if store is not None else set()
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""
