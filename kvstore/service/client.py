@@ -264,9 +264,10 @@ class StoreClient:
         digest, and KVNamespace.description()), so its owner can purge them by name."""
         self._request(P.Announce([(digest, dict(description)) for digest, description in namespaces]))
 
-    def namespaces(self) -> list[dict[str, Any]]:
-        """The namespaces clients announced (the service's owner only)."""
-        return list(self._request(P.Namespaces()))
+    def namespaces(self, after: bytes | None = None, limit: int = P.MAX_PAGE) -> list[dict[str, Any]]:
+        """One page of the namespaces clients announced, in digest order after `after`
+        (None: from the first); empty after the last. The service's owner only."""
+        return list(self._request(P.Namespaces(after, limit)))
 
     def purge(self, namespaces: Sequence[bytes], dry_run: bool = True) -> dict[str, int]:
         """Remove (or, with `dry_run`, count) the records of these namespace digests from

@@ -27,7 +27,8 @@ from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import KindCounts, MalformedCounts
+from kvstore.format.malformed import KindCounts, Malformed, MalformedCounts
+from kvstore.format.secrets import masked
 from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
@@ -93,7 +94,8 @@ class Requests:
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self._counted = (self.malformed, *counted)  # and the server's (refused clients)
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
+        self.namespaces.start()
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
@@ -139,7 +141,9 @@ class Requests:
         views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
         if isinstance(request, P.Get):
             return store.get_many(request.keys, views), ()
-        return store.put_many(request.keys, views, request.parent, request.namespace or client.namespace), ()
+        namespace = request.namespace or client.namespace
+        with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
+            return store.put_many(request.keys, views, request.parent, namespace), ()
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
@@ -149,9 +153,9 @@ class Requests:
         return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
 
     def own_counters(self) -> dict[str, Any]:
-        """The service's own counters (`malformed.*`, `clients.*`), kept whether or not a store
-        was made."""
-        counters: dict[str, Any] = {}
+        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`), kept whether
+        or not a store was made."""
+        counters: dict[str, Any] = dict(self.namespaces.counters())
         for counts in self._counted:
             counters.update(counts.snapshot())
         return counters
@@ -224,12 +228,26 @@ class Requests:
         if lease is not None and self.store is not None:
             self.store.release(lease)
 
-    def reload_policy(self, live: dict[str, Any]) -> None:
+    def reload_policy(self, live: dict[str, Any]) -> bool:
         """A reload's policy keys, applied to the store (lock held): a switch to `learned`
-        starts from what the service learned before, as a start does."""
+        starts from what the service learned before, as a start does. False if the switch
+        raised: logged and counted as a config that cannot be applied (`malformed.config`),
+        the service serving on."""
         store = self.store
-        if store is not None:
-            self._learned.switch(store, lambda: store.reload_policy(live))
+        try:
+            if store is not None:
+                self._learned.switch(store, lambda: store.reload_policy(live))
+        except Exception as exc:  # whatever the switch met: never the end of the service
+            why = masked(f"{type(exc).__name__}: {exc}")[:2000]
+            log.warning("reload: the policy was not applied: %s", why)
+            self.malformed.count(Malformed("config", why), logged=True)
+            return False
+        return True
+
+    def _held(self) -> set[bytes] | None:
+        """The namespaces the store's records name (none before there is a store)."""
+        store = self.store
+        return store.probe.namespaces() if store is not None else set()
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""
