@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import tracemalloc
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.services import service_config, stop_service, write_config
@@ -26,13 +27,15 @@ from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
 from engine_plugin.namespaces import MAX_SALTS, EngineNamespaces
 from kvstore.config.store import load_config
-from kvstore.format.errors import KVStoreError
 from kvstore.format.keys import KVNamespace, Weights
+from kvstore.format.malformed import MalformedCounts
 from kvstore.format.record import record_bytes
 from kvstore.service import namespaces as N
 from kvstore.service import protocol as P
 from kvstore.service.client import StoreClient
+from kvstore.service.handlers import ClientCounters
 from kvstore.service.namespaces import NamespaceBook
+from kvstore.service.server import send_reply
 
 MODEL = KVNamespace("meta-llama/Llama-3.1-8B-Instruct", "bfloat16",
                     "cpu/kv:auto/FullAttentionSpec:L32:b16:h8:d128", 16,
@@ -234,27 +237,42 @@ def test_an_engine_keeps_the_namespaces_of_recent_salts_only():
 # -- a reply too large to send -------------------------------------------------------------
 
 
-def test_a_reply_over_the_frame_limit_is_an_error_and_the_connection_serves_on(tmp_path):
-    """Info's counters grown past the frame limit (a client may add counters of any name
-    its pattern allows): the reply is refused with an error, counted, and the same
-    connection serves a round trip after it."""
+def test_new_client_counters_past_the_bound_are_dropped_and_info_stays_small(tmp_path):
+    """A client adding counters of every name its pattern allows (110,000 of them made Info's
+    reply pass the frame limit): past ClientCounters.MAX_NAMES names the new ones are
+    dropped and counted, the known ones still add up, and Info answers."""
     raw = service_config(tmp_path, host=4 * record_bytes(CHUNK_BYTES), socket="run/kvstore.sock")
     client = StoreClient(load_config(raw), CHUNK_BYTES)
     try:
         for first in range(0, 110_000, 256):
             client.count({f"prefetch.{_letters(n)}": 1.0 for n in range(first, first + 256)})
-        with pytest.raises(KVStoreError, match=r"the reply to Info was not sent: .*over the"):
-            client.info()
-        keys, payloads = make_keys(2, seed=3), make_payloads(2, seed=3)
-        for i, payload in enumerate(payloads):
-            client.slot(i)[:] = payload.tobytes()
-        assert client.put(keys, [0, 1]) == [True, True]
-        assert client.get(keys, [1, 0]) == [True, True] and bytes(client.slot(0)) == payloads[1].tobytes()
+        client.count({f"prefetch.{_letters(0)}": 1.0})
+        counters = client.info()["counters"]
+        added = {name for name in counters if name.startswith("prefetch.") and len(name) == 41}
+        assert len(added) == ClientCounters.MAX_NAMES and counters[f"prefetch.{_letters(0)}"] == 2.0
+        assert counters["malformed.counter"] > 0
     finally:
         client.close()
         stop_service(raw)
-    log = (tmp_path / "run" / "kvstore.sock.log").read_text()
-    assert "counted as malformed.reply" in log and "Traceback" not in log
+
+
+def test_a_reply_over_the_frame_limit_is_an_error_and_the_connection_serves_on():
+    """No request's reply can pass the frame limit any more (pages, bounded counters); should
+    one, the client hears an error saying why on the same connection, counted, and the
+    service's thread goes on: the next reply on it arrives."""
+    ours, theirs = socket.socketpair()
+    malformed = MalformedCounts(logging.getLogger("test"))
+    server, client = P.Channel(ours), P.Channel(theirs)
+    try:
+        assert send_reply(server, P.Reply(True, b"x" * (P.MAX_FRAME + 1)), (), "Info", malformed)
+        refused = client.recv(P.REPLY, 5)
+        assert not refused.ok and "the reply to Info was not sent" in refused.error
+        assert malformed.snapshot()["malformed.reply"] == 1
+        assert send_reply(server, P.Reply(True, [1, 2]), (), "Residency", malformed)
+        assert client.recv(P.REPLY, 5).value == [1, 2]
+    finally:
+        server.close()
+        client.close()
 
 
 def _letters(n: int) -> str:

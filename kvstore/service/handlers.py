@@ -55,15 +55,35 @@ def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
                   if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
 
 
-def add_counters(store: TieredStore | None, counters: dict[str, float]) -> None:
-    """Add a client's counters to the store's: only CLIENT_COUNTER names, or none at all."""
-    for name in counters:
-        if not CLIENT_COUNTER.fullmatch(name):
-            raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
-                               f"{CLIENT_COUNTER.pattern} counters")
-    if store is not None:
-        for name, amount in counters.items():
-            store.stats.add(name, amount)
+class ClientCounters:
+    """The counters clients add to (the scheduler's and the workers'): CLIENT_COUNTER names
+    only, and at most MAX_NAMES distinct ones, so no client can grow the service's counters
+    (Info, /metrics) without end; a new name past that is dropped and counted
+    (`malformed.counter`), the rest of its request added."""
+
+    MAX_NAMES = 1024
+
+    def __init__(self, malformed: MalformedCounts) -> None:
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+        self._malformed = malformed
+
+    def add(self, store: TieredStore | None, counters: dict[str, float]) -> None:
+        for name in counters:
+            if not CLIENT_COUNTER.fullmatch(name):
+                raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
+                                   f"{CLIENT_COUNTER.pattern} counters")
+        with self._lock:
+            new = [name for name in counters if name not in self._names]
+            room = max(0, self.MAX_NAMES - len(self._names))
+            self._names.update(new[:room])
+            kept = {name: amount for name, amount in counters.items() if name in self._names}
+        if len(kept) < len(counters):
+            self._malformed.count(Malformed("counter", f"{len(counters) - len(kept)} new counter names past "
+                                                       f"the {self.MAX_NAMES} clients may add"), "dropped")
+        if store is not None:
+            for name, amount in kept.items():
+                store.stats.add(name, amount)
 
 
 class Client:
@@ -93,6 +113,7 @@ class Requests:
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self._counted = (self.malformed, *counted)  # and the server's (refused clients)
+        self.client_counters = ClientCounters(self.malformed)
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
         self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
         self.namespaces.start()
@@ -120,7 +141,7 @@ class Requests:
         if isinstance(request, P.Events):
             return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
-            add_counters(store, request.counters)
+            self.client_counters.add(store, request.counters)
             return None, ()
         if isinstance(request, P.Unpin):
             for lease in request.leases:

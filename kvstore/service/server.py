@@ -104,7 +104,7 @@ def _refuse(channel: P.Channel, why: str) -> None:
     channel.close()
 
 
-def _send_reply(channel: P.Channel, reply: P.Reply, fds: tuple[int, ...], request: str,
+def send_reply(channel: P.Channel, reply: P.Reply, fds: tuple[int, ...], request: str,
                 malformed: MalformedCounts) -> bool:
     """Send a request's reply; False if the client has gone. One that cannot go out (over
     the frame limit, not encodable: nothing of it was sent) is an error reply saying why,
@@ -323,7 +323,7 @@ class StoreService:
                     log.exception("request %s failed", type(request).__name__)
                     reply = P.Reply(False, error=masked(f"{type(exc).__name__}: {exc}"[:2000]))
                 try:
-                    if not _send_reply(channel, reply, fds, type(request).__name__, self.requests.malformed):
+                    if not send_reply(channel, reply, fds, type(request).__name__, self.requests.malformed):
                         return
                 finally:
                     for fd in fds:
