@@ -14,6 +14,14 @@ step and its load follows its lookup, and neither needs another index round trip
 miss is kept only RECENT_MISS_S: a consumer waiting for chunks a producer is publishing
 right now (prefill/decode handoff, docs/pd.md) sees them within that, not a second
 later. A chunk that fails verification is forgotten at once.
+
+`await_chunks` (a lookup's `await_s`): a consumer holds a request until chunks a
+producer named are readable (the handoff). While lookups skip the index (its backoff: a
+read failed or came late, as it does on a starved CPU), their answers would not change
+until the hold ran out; so a thread of its own looks for awaited chunks every
+RECENT_MISS_S, past the backoff, until found or their time is up, and what it finds is
+remembered like a lookup's answer: the held request's next lookup finds it. It never
+runs on a lookup's path.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from kvstore.tiers.slots import Entry
 RECENT_S = 1.0  # how long an index answer is reused
 RECENT_MISS_S = 0.02  # how long an answer that a key is nowhere is reused
 RECENT_LIMIT = 1 << 16  # answers kept
+AWAITED_LIMIT = 1 << 16  # chunks awaited at once; past it an await is cut short (peer.await_dropped)
 
 
 class ClusterNode:
@@ -69,6 +78,10 @@ class ClusterNode:
                                  promoted=peer_copies.add)
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
+        self._awaited: dict[bytes, float] = {}  # chunk key -> until when (monotonic)
+        self._await_wake = threading.Event()
+        self._closed = threading.Event()
+        self._awaiter = threading.Thread(target=self._look_for_awaited, name="kvstore-awaited", daemon=True)
         self._from_peers = peer_copies
         if self.dram is not None:
             self.dram.table.subscribe(self._left_dram)
@@ -111,9 +124,11 @@ class ClusterNode:
                 found[key] = hit
         return found
 
-    def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None],
+               await_s: float = 0.0) -> list[str]:
         """The tiers of the leading run of `keys` (the part of a prompt the local tiers
-        did not hold): local where they hold a chunk, else 'peer'."""
+        did not hold): local where they hold a chunk, else 'peer'. With `await_s`, the
+        rest is awaited that long (`await_chunks`)."""
         located = self.readable(keys)
         tiers = []
         for key in keys:
@@ -121,7 +136,54 @@ class ClusterNode:
             if tier is None:
                 break
             tiers.append(tier)
+        if await_s > 0 and len(tiers) < len(keys):
+            self.await_chunks(keys[len(tiers) :], await_s)
         return tiers
+
+    def await_chunks(self, keys: Sequence[bytes], within_s: float) -> None:
+        """A request is held until `keys` are readable here, for at most `within_s`: look
+        for them off the lookups' path meanwhile (the module's docstring)."""
+        until, dropped = time.monotonic() + within_s, 0
+        with self._lock:
+            if self._closed.is_set():
+                return
+            for key in keys:
+                if key in self._awaited or len(self._awaited) < AWAITED_LIMIT:
+                    self._awaited[key] = max(self._awaited.get(key, until), until)
+                else:
+                    dropped += 1
+            if not self._awaiter.is_alive():
+                self._awaiter.start()
+        if dropped:
+            self.stats.add("peer.await_dropped", dropped)
+        self._await_wake.set()
+
+    def _look_for_awaited(self) -> None:
+        """The awaiting thread: one index read of the awaited chunks every RECENT_MISS_S
+        while any are awaited; each found is remembered and no longer awaited."""
+        while not self._closed.is_set():
+            now = time.monotonic()
+            with self._lock:
+                for key, until in list(self._awaited.items()):
+                    recent = self._recent.get(key)
+                    if until <= now or (recent is not None and recent[1] and now - recent[0] <= RECENT_S):
+                        del self._awaited[key]
+                wanted = list(self._awaited)
+                if not wanted:
+                    self._await_wake.clear()
+            if not wanted:
+                self._await_wake.wait()
+                continue
+            answer = self.index.locate(wanted, backoff=False)
+            if answer:
+                with self._lock:
+                    for key, hits in answer.items():
+                        self._recent[key] = (now, hits)
+                        self._recent.move_to_end(key)
+                        self._awaited.pop(key, None)
+                    while len(self._recent) > RECENT_LIMIT:
+                        self._recent.popitem(last=False)
+            self._closed.wait(RECENT_MISS_S)
 
     # -- reads -----------------------------------------------------------------------
 
@@ -157,6 +219,11 @@ class ClusterNode:
         """Stop publishing (`withdraw`: end the lease now, a clean stop) and reading."""
         if self.dram is not None:
             self.dram.table.unsubscribe(self._left_dram)
+        with self._lock:
+            self._closed.set()
+        self._await_wake.set()
+        if self._awaiter.is_alive():
+            self._awaiter.join(timeout=5)
         if self.publisher is not None:
             self.publisher.close(withdraw)
         self.devices.close()
