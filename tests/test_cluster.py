@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -185,6 +186,24 @@ def _store_pair(root: str, url: str, **b_options) -> tuple[TieredStore, TieredSt
     b = TieredStore(host_config("b", ["a"], root, url, **b_options.pop("config", {})), CHUNK,
                     background=False, **b_options)
     return a, b
+
+
+def test_a_failing_round_of_awaiting_ends_neither_the_awaiting_nor_a_lookup(disk_dir, redis_server):
+    a, b = _store_pair(disk_dir, redis_server.url)
+    try:
+        keys, payloads = make_keys(SLOTS, seed=9), make_payloads(SLOTS, seed=9, chunk_bytes=CHUNK)
+        faults.awaiting_fails(b, RuntimeError("an answer of a kind never seen"))
+        assert b.lookup(keys, await_s=10.0).count == 0  # answered; the awaiting rounds fail
+        time.sleep(0.2)  # several rounds
+        faults.awaiting_fails(b, None)
+        assert [t.name for t in threading.enumerate()].count("kvstore-awaited") >= 1
+        a.put_many(keys, payloads)
+        a.step()
+        wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=5, what="B finding A's chunks")
+        assert reads_back(b, keys, payloads)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, redis_server):

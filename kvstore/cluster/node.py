@@ -26,6 +26,7 @@ runs on a lookup's path.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +45,7 @@ from kvstore.io.base import IoEngine
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
 
+log = logging.getLogger(__name__)
 RECENT_S = 1.0  # how long an index answer is reused
 RECENT_MISS_S = 0.02  # how long an answer that a key is nowhere is reused
 RECENT_LIMIT = 1 << 16  # answers kept
@@ -152,7 +154,7 @@ class ClusterNode:
                     self._awaited[key] = max(self._awaited.get(key, until), until)
                 else:
                     dropped += 1
-            if not self._awaiter.is_alive():
+            if self._awaiter.ident is None:  # started at the first await, once
                 self._awaiter.start()
         if dropped:
             self.stats.add("peer.await_dropped", dropped)
@@ -160,30 +162,40 @@ class ClusterNode:
 
     def _look_for_awaited(self) -> None:
         """The awaiting thread: one index read of the awaited chunks every RECENT_MISS_S
-        while any are awaited; each found is remembered and no longer awaited."""
+        while any are awaited; a failing round is logged and the loop goes on."""
         while not self._closed.is_set():
-            now = time.monotonic()
             with self._lock:
-                for key, until in list(self._awaited.items()):
-                    recent = self._recent.get(key)
-                    if until <= now or (recent is not None and recent[1] and now - recent[0] <= RECENT_S):
-                        del self._awaited[key]
-                wanted = list(self._awaited)
+                wanted = self._still_awaited(time.monotonic())
                 if not wanted:
                     self._await_wake.clear()
             if not wanted:
                 self._await_wake.wait()
                 continue
-            answer = self.index.locate(wanted, backoff=False)
-            if answer:
-                with self._lock:
-                    for key, hits in answer.items():
-                        self._recent[key] = (now, hits)
-                        self._recent.move_to_end(key)
-                        self._awaited.pop(key, None)
-                    while len(self._recent) > RECENT_LIMIT:
-                        self._recent.popitem(last=False)
+            try:
+                self._look_for(wanted)
+            except Exception:  # awaiting is a hint: lookups go on without it
+                log.exception("looking for awaited chunks failed; going on")
             self._closed.wait(RECENT_MISS_S)
+
+    def _still_awaited(self, now: float) -> list[bytes]:
+        """Awaited chunks neither found (a recent hit) nor past their time (lock held)."""
+        for key, until in list(self._awaited.items()):
+            recent = self._recent.get(key)
+            if until <= now or (recent is not None and recent[1] and now - recent[0] <= RECENT_S):
+                del self._awaited[key]
+        return list(self._awaited)
+
+    def _look_for(self, wanted: list[bytes]) -> None:
+        """One index read of `wanted` past the backoff; what is found is remembered."""
+        now = time.monotonic()
+        answer = self.index.locate(wanted, backoff=False)
+        with self._lock:
+            for key, hits in (answer or {}).items():
+                self._recent[key] = (now, hits)
+                self._recent.move_to_end(key)
+                self._awaited.pop(key, None)
+            while len(self._recent) > RECENT_LIMIT:
+                self._recent.popitem(last=False)
 
     # -- reads -----------------------------------------------------------------------
 
