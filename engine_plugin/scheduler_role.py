@@ -151,14 +151,17 @@ class SchedulerRole:
 
     def _notify(self, kind: str, keys: list[list[bytes]], in_s: float,
                 end: RequestEnd | None = None) -> None:
-        """A request ended (`finished`, and how) or a hint expects chunks later (`expect`):
-        told to the service's next-turn prediction and disk admission; never fatal."""
+        """A request ended (`finished`, and how), a hint expects chunks later (`expect`), or
+        a held request awaits a producer's chunks (`await`): told to the service (next-turn
+        prediction, disk admission, the cluster index watch); never fatal."""
         client = self.link.get()
         if client is None:
             return
         try:
             if kind == "finished":
                 client.finished(keys, end)
+            elif kind == "await":  # a lookup that has the service await what it does not find
+                client.residency_ranks(keys, await_s=in_s)
             else:
                 client.expect(keys, in_s)
         except Exception as exc:

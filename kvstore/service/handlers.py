@@ -129,7 +129,7 @@ class Requests:
             self.next_turns.arrived(request.ranks)
             if store is None or not request.ranks:
                 return [0, 0, False], ()
-            return self._prefetches.residency(store, request.ranks, request.prefetch), ()
+            return self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s), ()
         if isinstance(request, P.Finished):
             self.next_turns.finished(request.ranks)
             if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
