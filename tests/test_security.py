@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shlex
 import shutil
 import signal
@@ -19,8 +18,6 @@ import socket
 import struct
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +28,7 @@ import numpy as np
 import pytest
 from support import services
 from support.stores import CHUNK_BYTES, make_keys, make_payloads
+from support.users import User, cannot_make_users, readable_packages, shared_directory
 
 from kvstore.config.store import load_config
 from kvstore.devices.layout import SB_COPIES
@@ -42,119 +40,29 @@ from kvstore.service import protocol as P
 from kvstore.service.client import StoreClient, stop_service
 from kvstore.store.tiered import TieredStore
 
-REPO = Path(__file__).resolve().parents[1]
 SLOT = record_bytes(CHUNK_BYTES)
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
-                                reason="needs root and useradd to create a throwaway user")
+needs_root = pytest.mark.skipif(cannot_make_users() is not None, reason=str(cannot_make_users()))
 
 
-def _python_for_others() -> list[str] | None:
-    """An interpreter another user may run, with this project's packages importable: this
-    one if every directory up to it is searchable, else the system's of the same version."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        path = Path(os.path.realpath(candidate))
-        if not path.exists():
-            continue
-        if all(os.stat(p).st_mode & 0o001 for p in path.parents) and os.stat(path).st_mode & 0o001:
-            version = subprocess.run([str(path), "-c", "import sys; print(sys.version_info[:2])"],
-                                     capture_output=True, text=True).stdout.strip()
-            if version == str(sys.version_info[:2]):
-                return [str(path)]
-    return None
-
-
-SITE = sysconfig.get_paths()["purelib"]
-# What the other user's code imports beside the standard library; the snapshot below holds
+# What the other user's code imports beside the standard library: the snapshot below holds
 # the packages these load.
 OTHERS_IMPORT = ("kvstore.config.store", "kvstore.format.errors", "kvstore.service.client")
-# Run by the other user's interpreter: the files of every module it loaded, and of the
-# shared libraries the packages brought in beside them (numpy's numpy.libs).
-_LOADED = """\
-import importlib, json, os, sys
-for name in sys.argv[1:]:
-    importlib.import_module(name)
-files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
-with open("/proc/self/maps") as maps:
-    mapped = (line.rstrip("\\n").split(maxsplit=5) for line in maps)
-    files |= {fields[5] for fields in mapped if len(fields) == 6}
-print(json.dumps(sorted(os.path.realpath(name) for name in files if name and os.path.isabs(name))))
-"""
-
-
-class User:
-    """A throwaway unprivileged user: runs Python code as itself, removed in teardown.
-    `pythonpath`: where its interpreter finds kvstore and what kvstore imports."""
-
-    def __init__(self, pythonpath: str) -> None:
-        self.name = f"kvs{uuid.uuid4().hex[:8]}"
-        self.pythonpath = pythonpath
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", self.name],
-                       check=True, capture_output=True)
-        entry = pwd.getpwnam(self.name)
-        self.uid, self.gid = entry.pw_uid, entry.pw_gid
-
-    def run(self, code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-        uid, gid = self.uid, self.gid
-
-        def drop() -> None:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-
-        environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": self.pythonpath, "HOME": "/tmp", **env}
-        return subprocess.run([*PYTHON_FOR_OTHERS, "-c", code], preexec_fn=drop, cwd="/",
-                              env=environment, capture_output=True, text=True, timeout=timeout)
-
-    def remove(self) -> None:
-        subprocess.run(["pkill", "-KILL", "-u", self.name], capture_output=True)
-        subprocess.run(["userdel", "--force", self.name], capture_output=True)
-
-
-PYTHON_FOR_OTHERS = _python_for_others() or []
 
 
 @pytest.fixture(scope="session")
 def others_pythonpath() -> Iterator[str]:
-    """A snapshot of the packages the other user's code imports (OTHERS_IMPORT's), copied
-    into a fresh 0755 directory in /tmp, removed after: the checkout and its virtualenv
-    may sit where another user cannot enter (root's home is 0700), and a link into them
-    would not help. Found as that user's interpreter loads them, run here as root: every
-    package of the checkout or the virtualenv one of its loaded files lies in. The user
-    gets no privilege for it; the checkout's own modes stay as they are."""
-    if not PYTHON_FOR_OTHERS:
-        pytest.skip(f"no Python {sys.version_info[:2]} that another user may run (this one is "
-                    f"{sys.executable}, behind a private directory)")
-    roots = [Path(os.path.realpath(path)) for path in (REPO, SITE)]  # the other user's order
-    loaded = subprocess.run([*PYTHON_FOR_OTHERS, "-c", _LOADED, *OTHERS_IMPORT], cwd="/",
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(map(str, roots))},
-                            capture_output=True, text=True, timeout=120)
-    assert loaded.returncode == 0, loaded.stderr
-    tops: dict[str, Path] = {}  # name in the snapshot -> what is copied there
-    for name in map(Path, json.loads(loaded.stdout)):
-        root = next((root for root in roots if name.is_relative_to(root)), None)
-        if root is not None:
-            top = os.path.relpath(name, root).split(os.sep, 1)[0]
-            tops.setdefault(top, root / top)
-    snapshot = Path(tempfile.mkdtemp(prefix="kvstore-sec-python-", dir="/tmp"))
-    try:
-        for name, source in tops.items():
-            if source.is_dir():
-                shutil.copytree(source, snapshot / name, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(source, snapshot / name)
-        for path in (snapshot, *snapshot.rglob("*")):  # readable by all whatever the checkout's umask
-            path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
-        yield str(snapshot)
-    finally:
-        shutil.rmtree(snapshot, ignore_errors=True)
+    """Where the other user's interpreter finds kvstore and what it imports (a readable copy)."""
+    why = cannot_make_users()
+    if why is not None:
+        pytest.skip(why)
+    with readable_packages(OTHERS_IMPORT) as path:
+        yield path
 
 
 @pytest.fixture
 def intruder(others_pythonpath):
     """Another local user, unprivileged (in some tests the victim instead: see there)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to create a throwaway user")
     user = User(others_pythonpath)
     yield user
     user.remove()
@@ -163,10 +71,8 @@ def intruder(others_pythonpath):
 @pytest.fixture
 def shared_tmp():
     """A directory other users can reach (pytest's own are private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="kvstore-sec-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_directory() as path:
+        yield path
 
 
 @pytest.fixture
