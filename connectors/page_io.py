@@ -102,10 +102,11 @@ class PageIO:
         return done
 
     def save(self, keys: Sequence[bytes], pages: Sequence[Segments],
-             parent: bytes | None = None) -> list[bool]:
+             parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
         """Store pages[i] as chunk keys[i], one chain: keys[0]'s parent is `parent` (the
         chunk before them in the engine's sequence; None: they start it), each next
-        page's the one before it, across window waves. False where it was not stored."""
+        page's the one before it, across window waves. Their records' headers name
+        `namespace` (None: the connection's). False where it was not stored."""
         self._check(keys, pages)
         done = [False] * len(keys)
         with self._lock:
@@ -120,7 +121,7 @@ class PageIO:
                            for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
                 chained = keys[start - 1] if start else parent
                 done[wave.start:wave.stop] = self.transfers.store(
-                    client, [keys[i] for i in wave], list(range(len(wave))), chained)
+                    client, [keys[i] for i in wave], list(range(len(wave))), chained, namespace)
         return done
 
     def count_misses(self, kind: str, chunks: int, why: str, *args: Any) -> None:
@@ -154,21 +155,24 @@ class PageIO:
 
 
 def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
-                  description: Mapping[str, str | int] | None = None) -> tuple[PageIO, PageIO]:
+                  description: Mapping[str, str | int] | None = None, *,
+                  more: Sequence[tuple[bytes, Mapping[str, str | int]]] = ()) -> tuple[PageIO, PageIO]:
     """(reads, writes): two connections to the service that `source` configures (a
     kvstore YAML/JSON file or the config as a mapping; `field` names where it came
     from, for the error when it is missing), so a save never waits behind a load. Their
     records' headers name `namespace`, announced with `description` at each connect
-    (what `kvstore purge --list` shows)."""
+    (what `kvstore purge --list` shows), together with `more` (digest, description):
+    further namespaces a save names (`PageIO.save`'s `namespace`)."""
     if not source:
         raise ConfigError(field, None, "required: a kvstore YAML/JSON file or the config as a mapping")
     store = load_config(source)
 
     def make_client() -> StoreClient:
         client = StoreClient(store, chunk_bytes, namespace=namespace)
-        if description is not None:
+        announced = [(namespace, description)] if description is not None else []
+        if announced or more:
             try:
-                client.announce([(namespace, description)])
+                client.announce([*announced, *more])
             except BaseException:
                 client.close()
                 raise
