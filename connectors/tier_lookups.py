@@ -185,6 +185,8 @@ class TierLookups:
         self.later(lambda client: client.residency(keys, prefetch)).add_done_callback(answered)
 
     def close(self) -> None:
-        """Stop the lookup thread (a call under way ends within its deadline) and the link."""
-        self._thread.shutdown(wait=True, cancel_futures=True)
+        """Stop the lookup thread once what was asked of it is done (counters and request
+        ends reach the service; each call ends within its deadline, and after a failure the
+        rest find the service unavailable at once), then the link."""
+        self._thread.shutdown(wait=True)
         self.link.close()
