@@ -249,3 +249,17 @@ def test_hostile_keys_never_raise_and_never_load_what_they_do_not_name(store, ri
     rig.step()  # the counters go to the service with a step's end
     rig.settle()
     assert counters(store)["malformed.offload_key"] > 0
+
+
+def test_the_benchmark_sets_the_tier_beside_vllms_fs_tier_on_the_same_disk(disk_dir, capsys):
+    from bench.lab.vllm_tier import main
+
+    rounds = main(["--total", "16MiB", "--dir", disk_dir, "--fio-seconds", "0", "--full-disk", "64MiB"])
+    assert {(r.backend, r.hits) for r in rounds} == {("kvstore", "warm"), ("kvstore", "disk"),
+                                                     ("vLLM fs", "disk")}
+    assert all(r.verified and r.gib_s > 0 and r.cpu_s_per_gib > 0 for r in rounds), rounds
+    printed = capsys.readouterr().out
+    assert "kvstore: equal miss miss" in printed and "vLLM fs: equal WRONG" in printed, printed
+    if "not run" not in printed:  # a loop-mounted filesystem (root): kvstore keeps the newest
+        assert "kvstore: first request 0/8, last 8/8" in printed, printed
+        assert "vLLM fs: first request 8/8, last 0/8" in printed, printed

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 TOKENS_PER_BLOCK = 16
+T = TypeVar("T")
 STEP_S = 0.002  # between scheduler steps while a rig waits for a tier
 
 
@@ -130,40 +131,59 @@ class OffloadRig:
 
     def lookup(self, keys: Sequence[OffloadKey], context: ReqContext) -> list[LookupResult]:
         """Each chunk's lookup as the scheduler scans a prompt (past a MISS, not asked), asked
-        again each step while any is RETRY."""
+        again each step while any is RETRY or HIT_PENDING."""
+        return self.promote([keys], [context])[0]
+
+    def promote(self, requests: Sequence[Sequence[OffloadKey]],
+                contexts: Sequence[ReqContext]) -> list[list[LookupResult]]:
+        """Requests arriving together, looked up in each step as the scheduler does (their
+        promotions go out as one job per request at the step's end) until every chunk is
+        settled: HIT in the CPU tier or MISS (at most the rig's timeout)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            results: list[LookupResult] = []
-            for key in keys:
-                results.append(self.manager.lookup(key, context))
-                if results[-1] is LookupResult.MISS:
-                    break
-            if LookupResult.RETRY not in results and LookupResult.HIT_PENDING not in results:
-                return results
-            if time.monotonic() > deadline:
-                return results
+            found = [self._scan(keys, context) for keys, context in zip(requests, contexts, strict=True)]
+            unsettled = any(r in (LookupResult.RETRY, LookupResult.HIT_PENDING) for rs in found for r in rs)
+            if not unsettled or time.monotonic() > deadline:
+                return found
             self.step()
             time.sleep(STEP_S)
 
+    def _scan(self, keys: Sequence[OffloadKey], context: ReqContext) -> list[LookupResult]:
+        results: list[LookupResult] = []
+        for key in keys:
+            results.append(self.manager.lookup(key, context))
+            if results[-1] is LookupResult.MISS:
+                break
+        return results
+
+    def read(self, keys: Sequence[OffloadKey], found: Sequence[LookupResult], context: ReqContext,
+             copy: Callable[[np.ndarray], T]) -> list[T | None]:
+        """`copy` of each chunk's CPU-tier row where its lookup was a HIT (None elsewhere: vLLM
+        recomputes it), the rows pinned meanwhile as for the swap worker's copy to the GPU."""
+        hits = [key for key, result in zip(keys, found, strict=False) if result is LookupResult.HIT]
+        loaded: list[T | None] = [None] * len(keys)
+        if hits:
+            spec = self.manager.prepare_load(hits, context)
+            assert isinstance(spec, CPULoadStoreSpec)
+            where = {key: i for i, key in enumerate(keys)}
+            for key, row in zip(hits, spec.chunk_ids, strict=True):
+                loaded[where[key]] = copy(self.rows[int(row)])
+            self.manager.complete_load(hits, context)
+        return loaded
+
+    def finish(self, contexts: Sequence[ReqContext]) -> None:
+        for context in contexts:
+            self.manager.on_request_finished(context)
+        self.settle()
+
     def load(self, keys: Sequence[OffloadKey], req_id: str = "load") -> list[bytes | None]:
         """A request of these chunks arrives: each chunk's bytes as the CPU tier then holds
-        them (None: not there, vLLM recomputes it), read as the swap worker would."""
+        them (None: not there, vLLM recomputes it)."""
         context = self.context(req_id, keys)
         try:
-            found = self.lookup(keys, context)
-            hits = [key for key, result in zip(keys, found, strict=False) if result is LookupResult.HIT]
-            loaded: list[bytes | None] = [None] * len(keys)
-            if hits:
-                spec = self.manager.prepare_load(hits, context)
-                assert isinstance(spec, CPULoadStoreSpec)
-                where = {key: i for i, key in enumerate(keys)}
-                for key, row in zip(hits, spec.chunk_ids, strict=True):
-                    loaded[where[key]] = self.rows[int(row)].tobytes()
-                self.manager.complete_load(hits, context)
-            return loaded
+            return self.read(keys, self.lookup(keys, context), context, lambda row: row.tobytes())
         finally:
-            self.manager.on_request_finished(context)
-            self.settle()
+            self.finish([context])
 
     def reset(self) -> None:
         """vLLM's reset_cache (a sleep, a weight update): the CPU tier empties, secondary
