@@ -60,11 +60,17 @@ class PageIO:
 
     def __init__(self, make_client: Callable[[], StoreClient], chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
+        self.make_client = make_client
         self.link = ServiceLink(make_client)
         self.link.start()
         self.transfers = Transfers(self.link, "pages")
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+
+    def another(self) -> PageIO:
+        """A connection of its own to the same service, for the same pages: loads on two
+        PageIOs run side by side (one's service reads while the other copies)."""
+        return PageIO(self.make_client, self.chunk_bytes)
 
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the store holds (0 while the service does not answer)."""

@@ -3,9 +3,11 @@ service, run as jobs off the engine's thread, and collected by it when they end.
 
 An engine's tiering layer (vLLM's, engine_plugin/vllm_tier.py) hands a secondary tier a
 job (an id, chunk keys, where in host memory each chunk is) and must not wait for it:
-the job runs on a thread of its own, loads on one and stores on another so a load never
-waits behind a store, each over its own service connection (connectors/page_io.py: the
-one data plane SGLang's and LMCache's backends use). A store is one or more chains, each
+the job runs on a thread of its own, loads on their threads and stores on another so a
+load never waits behind a store, each thread over its own service connection
+(connectors/page_io.py: the one data plane SGLang's and LMCache's backends use). Loads
+run on as many threads as they are given connections: while the service reads one job's
+chunks, another job's are copied. A store is one or more chains, each
 stored under the parent it names. Every job ends in `finished` exactly once, with each
 chunk's fate: a chunk that missed, did not verify or ran past the service's deadline is
 False there, never an exception. `drain` waits until no job touches host memory.
@@ -45,9 +47,12 @@ class JobDone:
 
 
 class TierJobs:
-    def __init__(self, reads: PageIO, writes: PageIO) -> None:
-        self.reads, self.writes = reads, writes
-        self._loads = ThreadPoolExecutor(1, "kvstore-tier-load")
+    def __init__(self, reads: Sequence[PageIO], writes: PageIO) -> None:
+        self.reads, self.writes = list(reads), writes
+        self._idle: queue.SimpleQueue[PageIO] = queue.SimpleQueue()  # a load takes one, gives it back
+        for io in self.reads:
+            self._idle.put(io)
+        self._loads = ThreadPoolExecutor(len(self.reads), "kvstore-tier-load")
         self._stores = ThreadPoolExecutor(1, "kvstore-tier-store")
         self._finished: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         self._running: dict[int, Future[None]] = {}
@@ -55,7 +60,15 @@ class TierJobs:
 
     def load(self, job_id: int, keys: Sequence[bytes], pages: Sequence[Segments]) -> None:
         """Fill pages[i] with chunk keys[i]."""
-        self._submit(self._loads, job_id, len(keys), lambda: self.reads.load(keys, pages))
+
+        def run() -> list[bool]:
+            io = self._idle.get()  # one is free: there are as many threads as connections
+            try:
+                return io.load(keys, pages)
+            finally:
+                self._idle.put(io)
+
+        self._submit(self._loads, job_id, len(keys), run)
 
     def store(self, job_id: int, chains: Sequence[Chain]) -> None:
         """Store each chain (the job's chunks are the chains' in order)."""
@@ -106,8 +119,8 @@ class TierJobs:
         wait(running)
 
     def close(self) -> None:
-        """Let running jobs end, then close both connections."""
+        """Let running jobs end, then close the connections."""
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
-        self.reads.close()
-        self.writes.close()
+        for io in [*self.reads, self.writes]:
+            io.close()

@@ -78,6 +78,7 @@ KEY_TAG = b"vllm-offload-key"  # opens a tier key's hash input
 # The connector's keys that mean the same here; the rest are the connector's own.
 TIER_KEYS = {"config", "model_id", "model_revision", "lookup_timeout_s", "prefetch", "prefetch_policy",
              "prefetch_max_wait_s", "prefetch_timeout_s_per_1k_tokens"}
+LOADERS = 2  # load jobs side by side, each on a connection of its own (one's reads, the other's copy)
 ASK_DEADLINES = 3  # a lookup unanswered for this many lookup deadlines is a miss
 EVENTS_KEPT = 1 << 14  # chunks whose vLLM keys the tier remembers for its events
 MEDIA = {"kvstore-dram": (Medium.CPU, Locality.LOCAL), "kvstore-disk": (Medium.STORAGE, Locality.LOCAL),
@@ -278,7 +279,7 @@ class KVStoreTier(SecondaryTierManager):
         described = [(ns.digest(), ns.description()) for ns in self.keys.namespaces.values()]
         reads, writes = service_pages(parsed.store, "config", self.rows.row_bytes, *described[0],
                                       more=described[1:])
-        self.jobs = TierJobs(reads, writes)
+        self.jobs = TierJobs([reads, *(reads.another() for _ in range(LOADERS - 1))], writes)
         link = ServiceLink(lambda: StoreClient(parsed.store, timeout_s=parsed.lookup_timeout_s))
         link.start()
         self.lookups = TierLookups(link, parsed.prefetch, ASK_DEADLINES * parsed.lookup_timeout_s)

@@ -22,12 +22,14 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key
 
 from bench.support.processes import paused
 from bench.support.vllm_offload import OffloadRig, kvstore_tier, offload_key, offloading_spec, payload
+from connectors.chain_reports import ChainReports
 from connectors.link import ServiceLink
 from connectors.tier_lookups import TierLookups, Verdict
-from engine_plugin.vllm_tier import ASK_DEADLINES, KVStoreTier
+from engine_plugin.vllm_tier import ASK_DEADLINES, KVStoreTier, RequestChains
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
 from kvstore.service.client import StoreClient
+from kvstore.tiers.return_rates import RequestEnd
 
 ROW = 64 << 10  # one CPU-tier row: one kvstore chunk
 ROWS = 48
@@ -189,6 +191,31 @@ def test_a_lookup_the_service_has_not_answered_misses_at_its_deadline(store):
         lookups.close()
 
 
+def test_a_request_end_tells_the_service_its_stored_chain_and_turn():
+    """What vLLM's interface gives a tier of a request's end (the chunks it saw, where they
+    end) feeds disk admission: its stored chain, its turn (a later request that holds its
+    last chunk continues it) and how long that chain sat idle. A request that stored
+    nothing tells nothing."""
+    told: list[tuple] = []
+    chains = RequestChains(ChainReports(lambda kind, ranks, in_s, end=None: told.append((kind, ranks, end)),
+                                        chunk_tokens=16))
+    first, more = [bytes([i]) * 16 for i in range(3)], bytes([9]) * 16
+    for i, key in enumerate(first):
+        chains.saw("a", 0, (i + 1) * 16, key)
+    chains.stored("a", first)
+    chains.ended("a")
+    assert told == [("finished", [first], RequestEnd(0, 0, None))]
+    for i, key in enumerate([*first, more]):
+        chains.saw("b", 0, (i + 1) * 16, key)
+    assert chains.parent("b", 0, 64) == first[-1]  # a store of the new chunk chains under it
+    chains.stored("b", [more])
+    chains.saw("c", 0, 16, first[0])
+    chains.ended("c")
+    chains.ended("b")
+    _, ranks, end = told[-1]
+    assert len(told) == 2 and ranks == [[more]] and end.turn == 1 and end.idle_s is not None
+
+
 def test_the_tier_takes_only_the_options_that_apply_to_it(store):
     with pytest.raises(ConfigError, match="save_answers"):
         rig_of(store, save_answers=False)
@@ -254,12 +281,13 @@ def test_hostile_keys_never_raise_and_never_load_what_they_do_not_name(store, ri
 def test_the_benchmark_sets_the_tier_beside_vllms_fs_tier_on_the_same_disk(disk_dir, capsys):
     from bench.lab.vllm_tier import main
 
-    rounds = main(["--total", "16MiB", "--dir", disk_dir, "--fio-seconds", "0", "--full-disk", "64MiB"])
+    rounds = main(["--total", "16MiB", "--dir", disk_dir, "--fio-seconds", "0", "--full-disk", "64MiB",
+                   "--chunks-per-request", "8", "--requests-at-once", "2"])
     assert {(r.backend, r.hits) for r in rounds} == {("kvstore", "warm"), ("kvstore", "disk"),
                                                      ("vLLM fs", "disk")}
     assert all(r.verified and r.gib_s > 0 and r.cpu_s_per_gib > 0 for r in rounds), rounds
     printed = capsys.readouterr().out
-    assert "kvstore: equal miss miss" in printed and "vLLM fs: equal WRONG" in printed, printed
+    assert "kvstore: equal 1, miss 7" in printed and "vLLM fs: equal 1, WRONG 1, equal 6" in printed, printed
     if "not run" not in printed:  # a loop-mounted filesystem (root): kvstore keeps the newest
         assert "kvstore: first request 0/8, last 8/8" in printed, printed
         assert "vLLM fs: first request 8/8, last 0/8" in printed, printed

@@ -1,17 +1,18 @@
 """vLLM's own tiered offloading with kvstore as its secondary tier, side by side with vLLM's
 own `fs` tier, on the same requests and the same disk.
 
-    python -m bench.lab vllm_tier [--dir DIR] [--total 512MiB] [--row 2MiB] [--chunks-per-request 8]
-                                  [--requests-at-once 8] [--full-disk 192MiB] [--fio-seconds 3]
+    python -m bench.lab vllm_tier [--dir DIR] [--total 512MiB] [--row 2MiB] [--chunks-per-request 32]
+                                  [--requests-at-once 4] [--full-disk 192MiB] [--fio-seconds 3]
 
 Both tiers run under vLLM's real TieringOffloadingManager (bench/support/vllm_offload.py):
 one CPU tier of rows of `--row` bytes (a row is one chunk; 2 MiB is a block of 16 tokens
-of a Llama-3-8B-like model in fp16), the tier below it made by vLLM's own factory, and
-the same requests: `--total` bytes of chunks stored as requests of `--chunks-per-request`,
-then, with the CPU tier emptied, looked up again, `--requests-at-once` arriving in each
-step, as vLLM's scheduler does: lookups until every chunk is a HIT in the CPU tier or a
-MISS, each request's promotions one job. A promotion is one chunk moved from the
-secondary tier into the CPU tier; each loaded row is checked against what was stored.
+of a Llama-3-8B-like model in fp16, so a request of 32 is a 512-token prompt), the tier
+below it made by vLLM's own factory, and the same requests: `--total` bytes of chunks
+stored as requests of `--chunks-per-request`, then, with the CPU tier emptied, looked up
+again, `--requests-at-once` arriving in each step, as vLLM's scheduler does: lookups
+until every chunk is a HIT in the CPU tier or a MISS, each request's promotions one job.
+A promotion is one chunk moved from the secondary tier into the CPU tier; each loaded
+row is checked against what was stored.
 
 - kvstore warm: from the service's DRAM tier (the requests' chunks were just stored).
 - kvstore disk: after the service restarted (its DRAM tier empty: every chunk read from
@@ -72,6 +73,17 @@ WORKDIR_PARENT = "."  # the default work directory: here, on a disk that takes O
 
 def _digest(row: np.ndarray) -> bytes:
     return xxhash.xxh3_64_digest(row.data)
+
+
+def runs(verdicts: Sequence[str]) -> str:
+    """Verdicts in order, each run of one counted: "equal 1, miss 7"."""
+    parts: list[list[Any]] = []
+    for verdict in verdicts:
+        if parts and parts[-1][0] == verdict:
+            parts[-1][1] += 1
+        else:
+            parts.append([verdict, 1])
+    return ", ".join(f"{verdict} {count}" for verdict, count in parts)
 
 
 class Bench:
@@ -165,7 +177,7 @@ def kvstore_rounds(bench: Bench) -> tuple[list[Round], str]:
         finally:
             rig.close()
             stop_service(load_config(store))
-    return rounds, " ".join(after)
+    return rounds, runs(after)
 
 
 def fs_rounds(bench: Bench) -> tuple[list[Round], str]:
@@ -188,7 +200,7 @@ def fs_rounds(bench: Bench) -> tuple[list[Round], str]:
         after = bench.verdicts(rig, names)
     finally:
         rig.close()
-    return rounds, " ".join(after)
+    return rounds, runs(after)
 
 
 def full_disk(bench: Bench, size: int, kvstore: bool) -> str:
@@ -227,8 +239,8 @@ def table(rounds: Sequence[Round], row: int) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_round_arguments(parser, "chunks")
     parser.add_argument("--row", default="2MiB", help="bytes of one CPU-tier row: one chunk")
-    parser.add_argument("--chunks-per-request", type=int, default=8, help="chunks in each request")
-    parser.add_argument("--requests-at-once", type=int, default=8, help="requests arriving in one step")
+    parser.add_argument("--chunks-per-request", type=int, default=32, help="chunks in each request")
+    parser.add_argument("--requests-at-once", type=int, default=4, help="requests arriving in one step")
     parser.add_argument("--full-disk", default="192MiB",
                         help="the small filesystem each tier fills (as root; 0: not run)")
 
