@@ -12,6 +12,7 @@ answers), the promotion jobs, `get_finished_jobs`, each step's `on_schedule_end`
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -36,9 +37,20 @@ STEP_S = 0.002  # between scheduler steps while a rig waits for a tier
 
 
 def kvstore_tier(store: dict[str, Any] | str, **options: Any) -> dict[str, Any]:
-    """The `secondary_tiers` entry of kvstore's tier over the service `store` configures."""
-    return {"type": "KVStoreTier", "module_path": "engine_plugin.vllm_tier", "config": store,
-            "model_revision": "bench", **options}
+    """The `secondary_tiers` entry of kvstore's tier over the service `store` configures
+    (its weights named "bench" unless `model_revision` says otherwise; None: fingerprinted)."""
+    entry = {"type": "KVStoreTier", "module_path": "engine_plugin.vllm_tier", "config": store,
+             "model_revision": "bench", **options}
+    return {key: value for key, value in entry.items() if value is not None}
+
+
+def native_offloading(store: str, cpu_bytes: int) -> str:
+    """`--kv-transfer-config` of vLLM's own OffloadingConnector: a CPU tier of `cpu_bytes`
+    over kvstore's tier, whose kvstore config is the file `store` (docs/vllm.md)."""
+    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes,
+             "secondary_tiers": [kvstore_tier(store, model_revision=None)]}
+    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": extra})
 
 
 def fs_tier(root: str, threads: int = 16) -> dict[str, Any]:
