@@ -57,7 +57,7 @@ class _Run:
     tokens: int = 0  # the furthest token position its chunks end at (the policy's prompt length)
     asked_at: float | None = None
     answer: Future[Residency] | None = None
-    seen: Residency | None = None  # the answer decided on
+    decided: Future[Residency] | None = None  # the answer the policy last saw
     loadable: int | None = None  # leading chunks that HIT, once decided
 
 
@@ -112,14 +112,15 @@ class TierLookups:
             if self._clock() - run.asked_at > self.deadline_s:
                 run.loadable = 0
             return run.loadable
-        seen = run.answer.result()
-        if seen is not run.seen:
-            run.seen = seen
-            if self.prefetch:
-                run.loadable = self.tracker.decide(run.name, seen, run.tokens)
-            else:
-                run.loadable = seen.stored
+        if run.answer is not run.decided:
+            run.decided, seen = run.answer, run.answer.result()
+            run.loadable = self.tracker.decide(run.name, seen, run.tokens) if self.prefetch else seen.stored
         return run.loadable
+
+    @staticmethod
+    def _held(run: _Run) -> bool:
+        """The policy holds the run while the service promotes it: asked again each step."""
+        return run.loadable is None and run.answer is not None and run.answer is run.decided
 
     def flush(self) -> None:
         """The step ended: this step's runs are asked, and runs still held by their
@@ -128,7 +129,7 @@ class TierLookups:
             for run in request.runs:
                 if run is request.open:
                     self._ask(run, self.prefetch)
-                elif run.loadable is None and run.answer is not None and run.answer.done():
+                elif self._held(run):
                     self._ask(run, False)
             request.open = None
 
@@ -144,8 +145,8 @@ class TierLookups:
             self.tracker.forget(run.name)
 
     def pending(self) -> bool:
-        """Whether an answer is still awaited."""
-        return any(run.loadable is None and run.answer is not None
+        """Whether an answer is on its way, or a run is held by its promotion."""
+        return any(run.answer is not None and (not run.answer.done() or self._held(run))
                    for request in self._requests.values() for run in request.runs)
 
     def later(self, call: Callable[[StoreClient], T]) -> Future[T | None]:

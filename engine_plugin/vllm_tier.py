@@ -223,6 +223,7 @@ class TierEvents:
         self.cursor = -1  # the first answer says where the log is: what came before is not news
         self._asked: Future[tuple[int, int, list[tuple[bool, bytes, str]]] | None] | None = None
         self._ready: list[OffloadingEvent] = []
+        self._translate(lookups.later(lambda client: client.events(-1)).result())  # at start-up, once
 
     def ask(self) -> None:
         """Take the last answer if it is in, and ask for what came since."""

@@ -105,8 +105,9 @@ def test_a_restart_finds_what_was_written_and_a_flipped_byte_is_a_miss(store, pr
         fresh.close()
     seen = counters(store)
     assert seen["disk.miss.bad_checksum"] == 1, seen
-    if prefetch:  # disk hits: the wait policy held the request while the service promoted them
+    if prefetch:  # disk hits: the wait policy held the request (RETRY) while the service promoted them
         assert seen["prefetch.requests"] >= 1 and seen["prefetch.disk_chunks"] >= COUNT, seen
+        assert seen["prefetch.late_requests"] >= 1, seen  # held: its first answer had them on disk
     else:
         assert seen["load.failed_chunks"] == 1, seen
 
@@ -227,7 +228,6 @@ def test_the_tier_takes_only_the_options_that_apply_to_it(store):
 def test_chunk_events_name_vllms_keys_owned_by_the_tier(store):
     rig = OffloadRig(offloading_spec([kvstore_tier(store, enable_kv_events=True)], ROW, ROWS, events=True))
     try:
-        rig.step()  # the first answer places the cursor
         stored(rig, range(3))
         events = []
         for _ in range(200):
