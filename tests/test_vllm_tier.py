@@ -170,6 +170,30 @@ def test_a_stopped_service_costs_misses_within_the_deadline(store):
         rig.close()
 
 
+def test_touched_chunks_are_brought_into_dram(store):
+    """vLLM's manager touches chunks in every tier: kvstore promotes a touched run's disk
+    part into its DRAM tier."""
+    first = rig_of(store)
+    try:
+        stored(first, range(COUNT))
+        ours = [first.tier.keys.of(key) for key in keys_of(range(COUNT))]
+    finally:
+        first.close()
+    stop_service(store)  # on disk only
+    fresh = rig_of(store)
+    client = service_client(store)
+    try:
+        assert client.residency(ours)[:2] == (COUNT, 0)
+        fresh.manager.touch(keys_of(range(COUNT)), fresh.context("touch", keys_of(range(COUNT))))
+        given_up = time.monotonic() + 30
+        while client.residency(ours)[1] < COUNT and time.monotonic() < given_up:
+            time.sleep(0.05)
+        assert client.residency(ours)[:2] == (COUNT, COUNT)
+    finally:
+        client.close()
+        fresh.close()
+
+
 def test_a_lookup_the_service_has_not_answered_misses_at_its_deadline(store):
     """The scheduler's side bounds every lookup, whatever holds the lookup thread (here a
     request to a stopped service with a 30 s deadline)."""
@@ -254,23 +278,35 @@ def _mutations(key: bytes) -> st.SearchStrategy[bytes]:
 
 
 def test_hostile_keys_never_raise_and_never_load_what_they_do_not_name(store, rig):
+    """Made-up offload keys (any bytes, and near misses of stored ones): a lookup is a HIT
+    only for a key stored, never an exception; one stored is stored under its own key, if
+    it is a SHA-256 block hash of the group offloaded, and loads its own bytes."""
     names = list(range(COUNT))
     stored(rig, names)
     rig.reset()
-    real = set(keys_of(names))
+    named = set(keys_of(names))
     seen = {"examples": 0}
 
     @settings(max_examples=60, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(st.one_of(st.binary(max_size=64), st.sampled_from(sorted(real)).flatmap(_mutations)))
+    @given(st.one_of(st.binary(max_size=64), st.sampled_from(sorted(named)).flatmap(_mutations)))
     def one(key: bytes) -> None:
         seen["examples"] += 1
-        context = rig.context(f"hostile-{seen['examples']}", [key])
+        n = seen["examples"]
+        context = rig.context(f"hostile-{n}", [key])
         try:
             (result,) = rig.lookup([key], context)
         finally:
             rig.manager.on_request_finished(context)
-        assert result is (LookupResult.HIT if key in real else LookupResult.MISS), key.hex()
+        assert result is (LookupResult.HIT if key in named else LookupResult.MISS), key.hex()
+        if key in named:
+            return
+        assert rig.store([key], [payload(key.hex(), ROW)], f"hostile-store-{n}") == 1
+        rig.reset()
+        well_formed = len(key) == 36 and key[-4:] == bytes(4)  # group 0, the one offloaded
+        assert rig.load([key], f"hostile-load-{n}") == [payload(key.hex(), ROW) if well_formed else None]
+        if well_formed:
+            named.add(key)
 
     one()
     rig.step()  # the counters go to the service with a step's end
