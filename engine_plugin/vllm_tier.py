@@ -32,7 +32,6 @@ and a stopped or hung service costs misses within the lookup and I/O deadlines.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Mapping
@@ -120,8 +119,7 @@ def group_namespaces(config: OffloadingConfig, options: ConnectorOptions,
     if len(config.groups) == 1:
         return {config.groups[0].group_id: base}
     return {group.group_id: dataclasses.replace(base, shard=Shard(group=(
-        f"{group.group_id}:{group.tokens_per_block}:"
-        f"{hashlib.sha256(chr(0).join(group.layer_names).encode()).hexdigest()[:16]}")))
+        f"{group.group_id}:{group.tokens_per_block}:{key_digest(chr(0).join(group.layer_names).encode()).hex()}")))
         for group in config.groups}
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm]
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.records import corrupt_record
+from support.records import corrupt_record, disk_records
 from support.services import counters, service_client, service_config, stop_service
 from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key
 
@@ -145,6 +145,30 @@ def test_two_engines_share_one_store_and_other_weights_share_nothing(store, rig)
     finally:
         second.close()
         other_weights.close()
+
+
+def test_each_kv_cache_group_is_keyed_and_stored_in_a_namespace_of_its_own(store):
+    """A hybrid model's groups: each chunk under its group's namespace (its records' headers
+    name it), each namespace announced; a group not offloaded here is no key."""
+    rig = OffloadRig(offloading_spec([kvstore_tier(store)], ROW, ROWS, groups=2))
+    try:
+        keys = [offload_key(n, group) for group in (0, 1) for n in range(3)]
+        assert rig.store(keys, [payload(key.hex(), ROW) for key in keys]) == len(keys)
+        namespaces = {group: ns.digest() for group, ns in rig.tier.keys.namespaces.items()}
+        assert len(set(namespaces.values())) == 2 and rig.tier.keys.of(offload_key(0, 2)) is None
+        rig.reset()
+        assert rig.load(keys) == [payload(key.hex(), ROW) for key in keys]
+    finally:
+        rig.close()
+    client = service_client(store)
+    try:
+        announced = {bytes.fromhex(ns["namespace"]) for ns in client.namespaces()}
+    finally:
+        client.close()
+    assert set(namespaces.values()) <= announced, announced
+    stop_service(store)
+    assert {header.namespace for header in disk_records(store["tiers"]["disk"][0]["path"])} == set(
+        namespaces.values())
 
 
 def test_a_stopped_service_costs_misses_within_the_deadline(store):

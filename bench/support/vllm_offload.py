@@ -59,11 +59,13 @@ def fs_tier(root: str, threads: int = 16) -> dict[str, Any]:
 
 
 def offloading_spec(tiers: Sequence[dict[str, Any]], row_bytes: int, rows: int, *,
-                    model: str = "kvstore-bench", events: bool = False) -> TieringOffloadingSpec:
-    """vLLM's spec for one engine of one KV cache group: a CPU tier of `rows` rows of
-    `row_bytes` (a multiple of the page size) over the given secondary tiers."""
+                    model: str = "kvstore-bench", events: bool = False,
+                    groups: int = 1) -> TieringOffloadingSpec:
+    """vLLM's spec for one engine of `groups` KV cache groups (a layer each): a CPU tier of
+    `rows` rows of `row_bytes` (a multiple of the page size) over the given secondary tiers."""
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(TOKENS_PER_BLOCK, ("model.layers.0.self_attn",), 0),),
+        groups=tuple(OffloadingGroupConfig(TOKENS_PER_BLOCK, (f"model.layers.{g}.self_attn",), g)
+                     for g in range(groups)),
         worker_kv_bytes_per_block=row_bytes, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": rows * row_bytes, "secondary_tiers": [dict(t) for t in tiers]},
         engine_id=f"kvstore-{uuid.uuid4().hex[:12]}", model=OffloadingModelConfig(model, "float16"),
@@ -104,11 +106,15 @@ class OffloadRig:
         self.tier = manager.secondary_tiers[0]
 
     def context(self, req_id: str, keys: Sequence[OffloadKey]) -> ReqContext:
-        """A request of these chunks, in order (vLLM's scheduler records where each ends)."""
+        """A request of these chunks, in order within each KV cache group (vLLM's scheduler
+        records where each ends)."""
         context = ReqContext(req_id)
         self.manager.on_new_request(context)
-        for i, key in enumerate(keys):
-            context.set_offload_key_position(key, (i + 1) * TOKENS_PER_BLOCK)
+        seen: dict[bytes, int] = {}
+        for key in keys:
+            group = key[-4:]
+            seen[group] = seen.get(group, 0) + 1
+            context.set_offload_key_position(key, seen[group] * TOKENS_PER_BLOCK)
         return context
 
     def step(self) -> None:
