@@ -21,13 +21,13 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.kv_layout import KVLayout
 from connectors.link import ServiceLink
 from connectors.plan import SKIP, Transfer
 from connectors.transfer import Fetched, Transfers
+from connectors.worker_threads import pool
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
@@ -52,7 +52,7 @@ class LoadHandler:
         self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
         self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
-        self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
+        self._load_pool = pool("kvstore-load") if load_async else None
 
     def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
         """An async load's request is reported finished once, after its last transfer (a

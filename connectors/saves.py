@@ -27,6 +27,7 @@ from connectors.kv_layout import KVLayout
 from connectors.link import ServiceLink
 from connectors.plan import Transfer
 from connectors.transfer import Transfers
+from connectors.worker_threads import unbind
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
@@ -123,6 +124,7 @@ class SaveHandler:
         return done
 
     def _write_loop(self) -> None:
+        unbind()  # off the engine's compute core (worker_threads.py)
         while (item := self._writes.get()) is not None:
             if isinstance(item, _SaveDone):
                 self._finish_save(item)

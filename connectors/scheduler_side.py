@@ -172,7 +172,7 @@ class SchedulerCore:
         self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
         self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
-        self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock)
+        self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
 
     def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
@@ -220,7 +220,7 @@ class SchedulerCore:
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
                                     cap=(len(prompt) - 1) // self.chunk_tokens)
         if (self.saves.held(req_id, keys[0], residency.stored)
-                or self.handoffs.held(req_id, keys[0], residency.stored, len(prompt), self.chunk_tokens)):
+                or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
             return None
         usable = residency.stored

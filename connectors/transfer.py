@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from connectors.link import ServiceLink
+from connectors.worker_threads import pool
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 
@@ -82,7 +83,7 @@ class Transfers:
 
     def __init__(self, link: ServiceLink, name: str) -> None:
         self.link = link
-        self._fetcher = ThreadPoolExecutor(1, f"kvstore-{name}-fetch")  # the next wave's fetch
+        self._fetcher = pool(f"kvstore-{name}-fetch")  # the next wave's fetch
 
     def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0) -> Fetched:
         """One wave: pin what the mapped tier can hold (disk hits promoted there first), the

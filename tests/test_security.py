@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import sysconfig
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -63,13 +65,30 @@ def _python_for_others() -> list[str] | None:
 
 
 SITE = sysconfig.get_paths()["purelib"]
+# What the other user's code imports beside the standard library; the snapshot below holds
+# the packages these load.
+OTHERS_IMPORT = ("kvstore.config.store", "kvstore.format.errors", "kvstore.service.client")
+# Run by the other user's interpreter: the files of every module it loaded, and of the
+# shared libraries the packages brought in beside them (numpy's numpy.libs).
+_LOADED = """\
+import importlib, json, os, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+with open("/proc/self/maps") as maps:
+    mapped = (line.rstrip("\\n").split(maxsplit=5) for line in maps)
+    files |= {fields[5] for fields in mapped if len(fields) == 6}
+print(json.dumps(sorted(os.path.realpath(name) for name in files if name and os.path.isabs(name))))
+"""
 
 
 class User:
-    """A throwaway unprivileged user: runs Python code as itself, removed in teardown."""
+    """A throwaway unprivileged user: runs Python code as itself, removed in teardown.
+    `pythonpath`: where its interpreter finds kvstore and what kvstore imports."""
 
-    def __init__(self) -> None:
+    def __init__(self, pythonpath: str) -> None:
         self.name = f"kvs{uuid.uuid4().hex[:8]}"
+        self.pythonpath = pythonpath
         subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", self.name],
                        check=True, capture_output=True)
         entry = pwd.getpwnam(self.name)
@@ -83,7 +102,7 @@ class User:
             os.setgid(gid)
             os.setuid(uid)
 
-        environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{SITE}", "HOME": "/tmp", **env}
+        environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": self.pythonpath, "HOME": "/tmp", **env}
         return subprocess.run([*PYTHON_FOR_OTHERS, "-c", code], preexec_fn=drop, cwd="/",
                               env=environment, capture_output=True, text=True, timeout=timeout)
 
@@ -95,15 +114,48 @@ class User:
 PYTHON_FOR_OTHERS = _python_for_others() or []
 
 
-@pytest.fixture
-def intruder():
-    """Another local user, unprivileged (in some tests the victim instead: see there)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to create a throwaway user")
+@pytest.fixture(scope="session")
+def others_pythonpath() -> Iterator[str]:
+    """A snapshot of the packages the other user's code imports (OTHERS_IMPORT's), copied
+    into a fresh 0755 directory in /tmp, removed after: the checkout and its virtualenv
+    may sit where another user cannot enter (root's home is 0700), and a link into them
+    would not help. Found as that user's interpreter loads them, run here as root: every
+    package of the checkout or the virtualenv one of its loaded files lies in. The user
+    gets no privilege for it; the checkout's own modes stay as they are."""
     if not PYTHON_FOR_OTHERS:
         pytest.skip(f"no Python {sys.version_info[:2]} that another user may run (this one is "
                     f"{sys.executable}, behind a private directory)")
-    user = User()
+    roots = [Path(os.path.realpath(path)) for path in (REPO, SITE)]  # the other user's order
+    loaded = subprocess.run([*PYTHON_FOR_OTHERS, "-c", _LOADED, *OTHERS_IMPORT], cwd="/",
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(map(str, roots))},
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    tops: dict[str, Path] = {}  # name in the snapshot -> what is copied there
+    for name in map(Path, json.loads(loaded.stdout)):
+        root = next((root for root in roots if name.is_relative_to(root)), None)
+        if root is not None:
+            top = os.path.relpath(name, root).split(os.sep, 1)[0]
+            tops.setdefault(top, root / top)
+    snapshot = Path(tempfile.mkdtemp(prefix="kvstore-sec-python-", dir="/tmp"))
+    try:
+        for name, source in tops.items():
+            if source.is_dir():
+                shutil.copytree(source, snapshot / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(source, snapshot / name)
+        for path in (snapshot, *snapshot.rglob("*")):  # readable by all whatever the checkout's umask
+            path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
+        yield str(snapshot)
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
+
+
+@pytest.fixture
+def intruder(others_pythonpath):
+    """Another local user, unprivileged (in some tests the victim instead: see there)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to create a throwaway user")
+    user = User(others_pythonpath)
     yield user
     user.remove()
 
@@ -150,10 +202,10 @@ def _hello(config: dict, chunk: int | None = CHUNK_BYTES) -> P.Hello:
 # -- 1. socket squatting ------------------------------------------------------------------
 
 @needs_root
-def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp):
+def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp, others_pythonpath):
     """Another user pre-creates the victim's default runtime directory in /tmp and
     listens there: the victim's client refuses the directory instead of connecting."""
-    victim = User()
+    victim = User(others_pythonpath)
     try:
         squat = f"/tmp/kvstore-{victim.uid}"
         made = intruder.run(f"import os; os.mkdir({squat!r}, 0o777); os.chmod({squat!r}, 0o777)")
@@ -217,7 +269,7 @@ def test_2_a_pickle_sent_to_the_service_runs_nothing(service_config, tmp_path):
 
     class Exploit:
         def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
+            return (os.system, (f"touch {shlex.quote(str(marker))}",))
 
     conn = Client(service_config["service"]["socket"], family="AF_UNIX")
     conn.send(("hello", Exploit()))

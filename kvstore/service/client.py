@@ -205,19 +205,21 @@ class StoreClient:
         part read, the rest touched): the hint API, for keys a request will want."""
         return self.residency_ranks([keys], prefetch)
 
-    def residency_ranks(self, ranks: Sequence[Sequence[bytes]],
-                        prefetch: bool = False) -> tuple[int, int, bool]:
+    def residency_ranks(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False,
+                        await_s: float = 0.0) -> tuple[int, int, bool]:
         """`residency` of one prompt whose keys differ per tensor-parallel rank: a chunk
         counts only where every rank's copy is there; one request, one snapshot. A prompt
         with more keys than one frame carries (protocol.MAX_KEYS, every rank's together)
-        is asked about a piece of chunks at a time, the next only while all of one is stored."""
+        is asked about a piece of chunks at a time, the next only while all of one is stored.
+        `await_s`: a request is held that long (at most protocol.MAX_AWAIT_S) for what is
+        not found; the service watches the cluster index for it meanwhile."""
         lists = [list(k) for k in ranks]
         step = _per_rank(lists)
         stored = resident = 0
         pending = False
         for start in range(0, max(1, max((len(k) for k in lists), default=0)), step):
             piece = [k[start : start + step] for k in lists]
-            found, in_dram, queued = self._request(P.Residency(piece, prefetch))
+            found, in_dram, queued = self._request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S)))
             if resident == stored:  # a leading run: DRAM's continues only where all before was there
                 resident += int(in_dram)
             stored += int(found)
@@ -264,9 +266,10 @@ class StoreClient:
         digest, and KVNamespace.description()), so its owner can purge them by name."""
         self._request(P.Announce([(digest, dict(description)) for digest, description in namespaces]))
 
-    def namespaces(self) -> list[dict[str, Any]]:
-        """The namespaces clients announced (the service's owner only)."""
-        return list(self._request(P.Namespaces()))
+    def namespaces(self, after: bytes | None = None, limit: int = P.MAX_PAGE) -> list[dict[str, Any]]:
+        """One page of the namespaces clients announced, in digest order after `after`
+        (None: from the first); empty after the last. The service's owner only."""
+        return list(self._request(P.Namespaces(after, limit)))
 
     def purge(self, namespaces: Sequence[bytes], dry_run: bool = True) -> dict[str, int]:
         """Remove (or, with `dry_run`, count) the records of these namespace digests from

@@ -27,7 +27,8 @@ from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import KindCounts, MalformedCounts
+from kvstore.format.malformed import KindCounts, Malformed, MalformedCounts
+from kvstore.format.secrets import masked
 from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
@@ -54,15 +55,35 @@ def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
                   if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
 
 
-def add_counters(store: TieredStore | None, counters: dict[str, float]) -> None:
-    """Add a client's counters to the store's: only CLIENT_COUNTER names, or none at all."""
-    for name in counters:
-        if not CLIENT_COUNTER.fullmatch(name):
-            raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
-                               f"{CLIENT_COUNTER.pattern} counters")
-    if store is not None:
-        for name, amount in counters.items():
-            store.stats.add(name, amount)
+class ClientCounters:
+    """The counters clients add to (the scheduler's and the workers'): CLIENT_COUNTER names
+    only, and at most MAX_NAMES distinct ones, so no client can grow the service's counters
+    (Info, /metrics) without end; a new name past that is dropped and counted
+    (`malformed.counter`), the rest of its request added."""
+
+    MAX_NAMES = 1024
+
+    def __init__(self, malformed: MalformedCounts) -> None:
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+        self._malformed = malformed
+
+    def add(self, store: TieredStore | None, counters: dict[str, float]) -> None:
+        for name in counters:
+            if not CLIENT_COUNTER.fullmatch(name):
+                raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
+                                   f"{CLIENT_COUNTER.pattern} counters")
+        with self._lock:
+            new = [name for name in counters if name not in self._names]
+            room = max(0, self.MAX_NAMES - len(self._names))
+            self._names.update(new[:room])
+            kept = {name: amount for name, amount in counters.items() if name in self._names}
+        if len(kept) < len(counters):
+            self._malformed.count(Malformed("counter", f"{len(counters) - len(kept)} new counter names past "
+                                                       f"the {self.MAX_NAMES} clients may add"), "dropped")
+        if store is not None:
+            for name, amount in kept.items():
+                store.stats.add(name, amount)
 
 
 class Client:
@@ -92,8 +113,10 @@ class Requests:
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self._counted = (self.malformed, *counted)  # and the server's (refused clients)
+        self.client_counters = ClientCounters(self.malformed)
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
+        self.namespaces.start()
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
@@ -106,7 +129,7 @@ class Requests:
             self.next_turns.arrived(request.ranks)
             if store is None or not request.ranks:
                 return [0, 0, False], ()
-            return self._prefetches.residency(store, request.ranks, request.prefetch), ()
+            return self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s), ()
         if isinstance(request, P.Finished):
             self.next_turns.finished(request.ranks)
             if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
@@ -118,7 +141,7 @@ class Requests:
         if isinstance(request, P.Events):
             return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
-            add_counters(store, request.counters)
+            self.client_counters.add(store, request.counters)
             return None, ()
         if isinstance(request, P.Unpin):
             for lease in request.leases:
@@ -139,7 +162,9 @@ class Requests:
         views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
         if isinstance(request, P.Get):
             return store.get_many(request.keys, views), ()
-        return store.put_many(request.keys, views, request.parent, request.namespace or client.namespace), ()
+        namespace = request.namespace or client.namespace
+        with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
+            return store.put_many(request.keys, views, request.parent, namespace), ()
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
@@ -149,9 +174,9 @@ class Requests:
         return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
 
     def own_counters(self) -> dict[str, Any]:
-        """The service's own counters (`malformed.*`, `clients.*`), kept whether or not a store
-        was made."""
-        counters: dict[str, Any] = {}
+        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`), kept whether
+        or not a store was made."""
+        counters: dict[str, Any] = dict(self.namespaces.counters())
         for counts in self._counted:
             counters.update(counts.snapshot())
         return counters
@@ -224,12 +249,26 @@ class Requests:
         if lease is not None and self.store is not None:
             self.store.release(lease)
 
-    def reload_policy(self, live: dict[str, Any]) -> None:
+    def reload_policy(self, live: dict[str, Any]) -> bool:
         """A reload's policy keys, applied to the store (lock held): a switch to `learned`
-        starts from what the service learned before, as a start does."""
+        starts from what the service learned before, as a start does. False if the switch
+        raised: logged and counted as a config that cannot be applied (`malformed.config`),
+        the service serving on."""
         store = self.store
-        if store is not None:
-            self._learned.switch(store, lambda: store.reload_policy(live))
+        try:
+            if store is not None:
+                self._learned.switch(store, lambda: store.reload_policy(live))
+        except Exception as exc:  # whatever the switch met: never the end of the service
+            why = masked(f"{type(exc).__name__}: {exc}")[:2000]
+            log.warning("reload: the policy was not applied: %s", why)
+            self.malformed.count(Malformed("config", why), logged=True)
+            return False
+        return True
+
+    def _held(self) -> set[bytes] | None:
+        """The namespaces the store's records name (none before there is a store)."""
+        store = self.store
+        return store.probe.namespaces() if store is not None else set()
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""

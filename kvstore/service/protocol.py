@@ -12,7 +12,10 @@ Requests (a tagged union) and what a Reply's value holds:
                            -> {"slots": n, "window_bytes": n, "pages": kind} (+ the window's fd)
                               or None; where the client may map the DRAM tier, also
                               "tier_bytes", "tier_pages" (+ the tier's fd, sealed read-only)
-  Residency(ranks, prefetch)-> [leading chunks every rank has, of those in DRAM, promotion pending]
+  Residency(ranks, prefetch, await_s)
+                           -> [leading chunks every rank has, of those in DRAM, promotion pending];
+                              with await_s, a request is held up to that long for the rest: the
+                              cluster index is watched for them (kvstore/cluster/node.py)
   Finished(ranks, answer_tokens, turn, idle_s)
                            -> None; a request's chunks (per rank) ended: its next turn is expected;
                               how it ended (answer length, turn, idle time before it; none of it
@@ -32,7 +35,10 @@ Requests (a tagged union) and what a Reply's value holds:
                               (chunk_events.py; since < 0: the current cursor only)
   Announce(namespaces)     -> None; [digest, description] of namespaces the client stores
                               under (kvstore/service/namespaces.py)
-  Namespaces()             -> the announced namespaces (the service's owner only)
+  Namespaces(after, limit) -> one page of the announced namespaces, in digest order after
+                              `after` (None: from the first), at most `limit` and about
+                              PAGE_BYTES of descriptions; empty after the last (the service's
+                              owner only)
   Purge(namespaces, dry_run)-> what was (or would be) removed of the records of these
                               namespace digests (the service's owner only)
   Shutdown()               -> None; the service drains, checkpoints and exits (its own
@@ -59,14 +65,18 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 7  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how it ended
+PROTOCOL_VERSION = 9  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+# it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
 MAX_EXPECT_S = 86400.0  # how far ahead a hint may say its chunks are wanted
+MAX_AWAIT_S = 3600.0  # the longest a Residency has the chunks it did not find awaited
 MAX_ANNOUNCED = 1024  # namespaces in one announcement
 MAX_FIELDS = 16  # fields of one namespace's description
 MAX_TEXT = 512  # characters of one description field
+MAX_PAGE = 1024  # namespaces in one page of a Namespaces reply
+PAGE_BYTES = 1 << 20  # about as many bytes of descriptions as a page holds (one more at most)
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
 _MAX_FDS = 4
@@ -97,6 +107,7 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
 class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
     ranks: Ranks  # one prompt's keys per tensor-parallel rank
     prefetch: bool = False
+    await_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_AWAIT_S)] = 0.0
 
 
 class Finished(msgspec.Struct, tag="finished", forbid_unknown_fields=True):
@@ -137,7 +148,8 @@ class Announce(msgspec.Struct, tag="announce", forbid_unknown_fields=True):
 
 
 class Namespaces(msgspec.Struct, tag="namespaces", forbid_unknown_fields=True):
-    pass
+    after: Key | None = None  # the page starts after this digest (None: at the first)
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE)] = MAX_PAGE
 
 
 class Purge(msgspec.Struct, tag="purge", forbid_unknown_fields=True):
