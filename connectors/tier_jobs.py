@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from connectors.page_io import PageIO, Segments
+from connectors.worker_threads import pool, unbind
 
 log = logging.getLogger("kvstore.tier")
 
@@ -52,8 +53,8 @@ class TierJobs:
         self._idle: queue.SimpleQueue[PageIO] = queue.SimpleQueue()  # a load takes one, gives it back
         for io in self.reads:
             self._idle.put(io)
-        self._loads = ThreadPoolExecutor(len(self.reads), "kvstore-tier-load")
-        self._stores = ThreadPoolExecutor(1, "kvstore-tier-store")
+        self._loads = ThreadPoolExecutor(len(self.reads), "kvstore-tier-load", initializer=unbind)
+        self._stores = pool("kvstore-tier-store")
         self._finished: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         self._running: dict[int, Future[None]] = {}
         self._lock = threading.Lock()

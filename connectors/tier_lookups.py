@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
 
 from connectors.link import ServiceLink
 from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
+from connectors.worker_threads import pool
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 
@@ -77,7 +78,7 @@ class TierLookups:
         self.tracker = PrefetchTracker(policy or PrefetchPolicy(), clock)
         self.deadline_s = deadline_s
         self._clock = clock
-        self._thread = ThreadPoolExecutor(1, "kvstore-tier-lookup")
+        self._thread = pool("kvstore-tier-lookup")
         self._requests: dict[str, _Request] = {}
 
     def verdict(self, req_id: str, key: bytes, tokens: int) -> Verdict:
