@@ -236,12 +236,16 @@ class TierEvents:
         if answer is None:
             return
         self.cursor, _, events = answer
-        grouped: dict[tuple[bool, str], list[OffloadKey]] = {}
+        runs: list[tuple[bool, str, list[OffloadKey]]] = []  # in the log's order, alike ones together
         for stored, ours, medium in events:
             key = self.keys.vllm_key(ours)
-            if key is not None and medium in MEDIA:
-                grouped.setdefault((stored, medium), []).append(key)
-        for (stored, medium), keys in grouped.items():
+            if key is None or medium not in MEDIA:
+                continue
+            if runs and runs[-1][:2] == (stored, medium):
+                runs[-1][2].append(key)
+            else:
+                runs.append((stored, medium, [key]))
+        for stored, medium, keys in runs:
             where, locality = MEDIA[medium]
             self._ready.append(OffloadingEvent(keys, where, removed=not stored, locality=locality,
                                                ownership=self.ownership))
