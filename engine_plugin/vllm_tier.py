@@ -32,6 +32,7 @@ and a stopped or hung service costs misses within the lookup and I/O deadlines.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Mapping
@@ -307,10 +308,14 @@ class KVStoreTier(SecondaryTierManager):
                 Verdict.WAIT: LookupResult.RETRY}[verdict]
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Recently used: the service touches them (and promotes their disk part to DRAM)."""
-        ours = [k for k in map(self._ours, keys) if k is not None]
-        if ours:
-            self.lookups.later(lambda client: client.residency(ours, True))
+        """Recently used: the service touches each group's run of them (and promotes its disk
+        part to DRAM)."""
+        runs: dict[int, list[bytes]] = {}
+        for key in keys:
+            if (ours := self._ours(key)) is not None:
+                runs.setdefault(get_offload_group_idx(key), []).append(ours)
+        for run in runs.values():
+            self.lookups.later(functools.partial(StoreClient.residency, keys=run, prefetch=True))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
