@@ -3,8 +3,9 @@ the service gives on a thread of this module's own.
 
 An engine that runs its own tiers (vLLM's tiering layer, engine_plugin/vllm_tier.py) asks
 a secondary tier about one chunk at a time, on its scheduler thread, and takes "ask again
-later" (WAIT) for an answer. So a lookup never waits for the service: the chunks a
-request asks about in one step are one run, in the order asked, and when the step ends
+later" (WAIT) for an answer. So a lookup never waits for the service: the chunks of one
+chain (vLLM: a KV cache group) a request asks about in one step are one run, in the order
+asked, and when the step ends
 (`flush`) each run is one `residency` request on the lookup thread, with `prefetch` when
 the policy has one (the service starts promoting the run's disk part to DRAM). Until its
 answer is in, its chunks WAIT. The answer is a snapshot: the leading part of the run the
@@ -66,7 +67,7 @@ class _Run:
 class _Request:
     runs: list[_Run] = field(default_factory=list)
     where: dict[bytes, tuple[_Run, int]] = field(default_factory=dict)
-    open: _Run | None = None  # this step's, not yet asked
+    open: dict[int, _Run] = field(default_factory=dict)  # this step's, by chain, not yet asked
     missed: set[bytes] = field(default_factory=set)
 
 
@@ -81,16 +82,17 @@ class TierLookups:
         self._thread = pool("kvstore-tier-lookup")
         self._requests: dict[str, _Request] = {}
 
-    def verdict(self, req_id: str, key: bytes, tokens: int) -> Verdict:
-        """Whether chunk `key` (ending at token `tokens` of the request) loads now."""
+    def verdict(self, req_id: str, key: bytes, tokens: int, chain: int = 0) -> Verdict:
+        """Whether chunk `key` (ending at token `tokens` of the request, in its `chain`)
+        loads now."""
         request = self._requests.setdefault(req_id, _Request())
         if key in request.missed:
             return Verdict.MISS
         known = request.where.get(key)
         if known is None:
-            run = request.open
+            run = request.open.get(chain)
             if run is None:
-                run = request.open = _Run(f"{req_id}#{len(request.runs)}")
+                run = request.open[chain] = _Run(f"{req_id}#{len(request.runs)}")
                 request.runs.append(run)
             request.where[key] = (run, len(run.keys))
             run.keys.append(key)
@@ -127,12 +129,13 @@ class TierLookups:
         """The step ended: this step's runs are asked, and runs still held by their
         promotion are asked again."""
         for request in self._requests.values():
+            opened = set(map(id, request.open.values()))
             for run in request.runs:
-                if run is request.open:
+                if id(run) in opened:
                     self._ask(run, self.prefetch)
                 elif self._held(run):
                     self._ask(run, False)
-            request.open = None
+            request.open.clear()
 
     def missed(self, req_id: str, keys: Iterable[bytes]) -> None:
         """These chunks failed to load: they miss for this request from now on."""

@@ -301,9 +301,9 @@ class KVStoreTier(SecondaryTierManager):
         ours = self._ours(key)
         if ours is None:
             return LookupResult.MISS
-        tokens = req_context.get_offload_key_position(key)
-        self.chains.saw(req_context.req_id, get_offload_group_idx(key), tokens, ours)
-        verdict = self.lookups.verdict(req_context.req_id, ours, tokens or 0)
+        tokens, group = req_context.get_offload_key_position(key), get_offload_group_idx(key)
+        self.chains.saw(req_context.req_id, group, tokens, ours)
+        verdict = self.lookups.verdict(req_context.req_id, ours, tokens or 0, group)
         return {Verdict.HIT: LookupResult.HIT, Verdict.MISS: LookupResult.MISS,
                 Verdict.WAIT: LookupResult.RETRY}[verdict]
 

@@ -171,6 +171,31 @@ def test_each_kv_cache_group_is_keyed_and_stored_in_a_namespace_of_its_own(store
         namespaces.values())
 
 
+def test_a_groups_lookups_are_a_run_of_their_own(store):
+    """vLLM scans each KV cache group's chunks apart, in one step: a chunk missing in one
+    group ends that group's run only."""
+    rig = OffloadRig(offloading_spec([kvstore_tier(store)], ROW, ROWS, groups=2))
+    try:
+        first, second = [offload_key(n, 0) for n in range(3)], [offload_key(n, 1) for n in range(3)]
+        kept = [first[0], first[2], *second]  # group 0's chunk 1 never stored
+        assert rig.store(kept, [payload(key.hex(), ROW) for key in kept]) == len(kept)
+        rig.reset()
+        context = rig.context("two-groups", first + second)
+        found = [rig.manager.lookup(key, context) for key in first + second]
+        given_up = time.monotonic() + 30
+        while LookupResult.RETRY in found and time.monotonic() < given_up:
+            rig.step()
+            time.sleep(0.01)
+            found = [rig.manager.lookup(key, context) for key in first + second]
+        loaded = {LookupResult.HIT, LookupResult.HIT_PENDING}
+        assert found[0] in loaded and found[1] is LookupResult.MISS, found
+        assert all(result in loaded for result in found[3:]), found
+        rig.manager.on_request_finished(context)
+        rig.settle()
+    finally:
+        rig.close()
+
+
 def test_a_stopped_service_costs_misses_within_the_deadline(store):
     store["io"]["timeout_s"] = 1.0  # each request to the service: 2 s at most
     rig = rig_of(store)
