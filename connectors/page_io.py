@@ -60,11 +60,17 @@ class PageIO:
 
     def __init__(self, make_client: Callable[[], StoreClient], chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
+        self.make_client = make_client
         self.link = ServiceLink(make_client)
         self.link.start()
         self.transfers = Transfers(self.link, "pages")
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+
+    def another(self) -> PageIO:
+        """A connection of its own to the same service, for the same pages: loads on two
+        PageIOs run side by side (one's service reads while the other copies)."""
+        return PageIO(self.make_client, self.chunk_bytes)
 
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the store holds (0 while the service does not answer)."""
@@ -102,10 +108,11 @@ class PageIO:
         return done
 
     def save(self, keys: Sequence[bytes], pages: Sequence[Segments],
-             parent: bytes | None = None) -> list[bool]:
+             parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
         """Store pages[i] as chunk keys[i], one chain: keys[0]'s parent is `parent` (the
         chunk before them in the engine's sequence; None: they start it), each next
-        page's the one before it, across window waves. False where it was not stored."""
+        page's the one before it, across window waves. Their records' headers name
+        `namespace` (None: the connection's). False where it was not stored."""
         self._check(keys, pages)
         done = [False] * len(keys)
         with self._lock:
@@ -120,7 +127,7 @@ class PageIO:
                            for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
                 chained = keys[start - 1] if start else parent
                 done[wave.start:wave.stop] = self.transfers.store(
-                    client, [keys[i] for i in wave], list(range(len(wave))), chained)
+                    client, [keys[i] for i in wave], list(range(len(wave))), chained, namespace)
         return done
 
     def count_misses(self, kind: str, chunks: int, why: str, *args: Any) -> None:
@@ -154,21 +161,24 @@ class PageIO:
 
 
 def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
-                  description: Mapping[str, str | int] | None = None) -> tuple[PageIO, PageIO]:
+                  description: Mapping[str, str | int] | None = None, *,
+                  more: Sequence[tuple[bytes, Mapping[str, str | int]]] = ()) -> tuple[PageIO, PageIO]:
     """(reads, writes): two connections to the service that `source` configures (a
     kvstore YAML/JSON file or the config as a mapping; `field` names where it came
     from, for the error when it is missing), so a save never waits behind a load. Their
     records' headers name `namespace`, announced with `description` at each connect
-    (what `kvstore purge --list` shows)."""
+    (what `kvstore purge --list` shows), together with `more` (digest, description):
+    further namespaces a save names (`PageIO.save`'s `namespace`)."""
     if not source:
         raise ConfigError(field, None, "required: a kvstore YAML/JSON file or the config as a mapping")
     store = load_config(source)
 
     def make_client() -> StoreClient:
         client = StoreClient(store, chunk_bytes, namespace=namespace)
-        if description is not None:
+        announced = [(namespace, description)] if description is not None else []
+        if announced or more:
             try:
-                client.announce([(namespace, description)])
+                client.announce([*announced, *more])
             except BaseException:
                 client.close()
                 raise

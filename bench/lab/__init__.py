@@ -39,6 +39,7 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("serving", "vLLM's own serving benchmark without and with kvstore, or one long prompt"),
     ("sglang_bench", "loading SGLang HiCache pages: kvstore's backend against SGLang's `file` backend"),
     ("sglang_ttft", "TTFT on SGLang's own server: kvstore against SGLang's `file` backend (.venv-sglang)"),
+    ("vllm_tier", "vLLM's own tiered offloading: kvstore as its secondary tier against vLLM's `fs` tier"),
     ("weights_cost", "what the weights fingerprint costs: cold, again, and through its digest cache"),
 )
 
