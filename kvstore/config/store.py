@@ -364,6 +364,10 @@ class StoreConfig(Schema):
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit (and an "
                           "engine that maps the DRAM tier loads it from that slot: one copy)")
+    put_inflight: Annotated[int, size()] = Field(
+        1 << 30, description="the bytes of puts (engines' saves) the store writes at once, all clients "
+                             "together; the chunks of a put past it are refused at once (`put.rejected`: a "
+                             "save is best effort) instead of waiting behind the others")
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
                              "below `io.queue_depth` chunks it keeps the device's queue short")
