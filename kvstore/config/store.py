@@ -312,6 +312,12 @@ class ServiceConfig(Schema):
                           "sends first, as soon as it connects) this long after it was accepted is "
                           "closed (`clients.hello_timeout`): a client that stays silent, or sends a "
                           "byte at a time, holds a connection and its thread no longer than this")
+    scheduler_leases: Annotated[int, size()] = Field(
+        2 << 30, description="DRAM chunks (in bytes, every rank's together) one connection may hold "
+                             "pinned for loads its lookups decided (an engine's scheduler: from its "
+                             "lookup until the load ends); its workers copy them out of the shared tier "
+                             "with no request of their own. Past it a load fetches as without a lease "
+                             "(`lease.over_budget`)")
     learned_save_s: Annotated[float, seconds()] = Field(
         300.0, description="`learned` disk admission: how often what it learned is written to "
                            "`SOCKET.learned` while the service runs (as well as when it stops), so a "

@@ -145,11 +145,12 @@ class TieredStore:
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
 
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        """Pin the chunks of `keys` a get would serve from DRAM (disk hits promoted first,
-        with promote_on_hit) for a reader that maps the DRAM tier and copies them out
-        itself: they stay pinned until `release` (store/leases.py)."""
-        return leases.pin(self.parts, self._reads, check_keys(keys))
+    def lease(self, keys: Sequence[bytes], from_disk: bool = True) -> Lease:
+        """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
+        promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
+        for a reader that maps the DRAM tier and copies them out itself: they stay pinned
+        until `release` (store/leases.py)."""
+        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk)
 
     def release(self, lease: Lease) -> None:
         """Unpin a lease's slots (once: a second release does nothing)."""
