@@ -385,7 +385,7 @@ def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_wit
         worker.close()
 
 
-def test_a_lookups_leases_are_bounded_counted_and_go_with_its_connection(tmp_path):
+def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(tmp_path):
     raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
     worker = StoreClient(load_config(raw), CHUNK)
     try:
@@ -396,6 +396,9 @@ def test_a_lookups_leases_are_bounded_counted_and_go_with_its_connection(tmp_pat
         assert [len(o) for o in first.offsets] == [3] and second.lease == 0
         counters = worker.info()["counters"]
         assert counters["lease.over_budget"] == 1 and counters["load.chunks"] == 2  # counters rode along
+        another = StoreClient(load_config(raw))  # the same user's: the same budget, not a new one
+        assert [len(o) for o in another.lookup([_keys(4, 3)], lease=True).offsets] == [1]
+        another.close()
         scheduler.close()  # its pins go with it (once the service sees the connection end)
         deadline = time.monotonic() + 10
         while sum(_put(worker, _keys(40, SLOTS))) < SLOTS and time.monotonic() < deadline:

@@ -313,10 +313,10 @@ class ServiceConfig(Schema):
                           "closed (`clients.hello_timeout`): a client that stays silent, or sends a "
                           "byte at a time, holds a connection and its thread no longer than this")
     scheduler_leases: Annotated[int, size()] = Field(
-        2 << 30, description="DRAM chunks (in bytes, every rank's together) one connection may hold "
-                             "pinned for loads its lookups decided (an engine's scheduler: from its "
-                             "lookup until the load ends); its workers copy them out of the shared tier "
-                             "with no request of their own. Past it a load fetches as without a lease "
+        2 << 30, description="DRAM chunks (in bytes, every rank's together) one user's engines may hold "
+                             "pinned for loads their lookups decided (a scheduler's, from its lookup "
+                             "until the load ends); their workers copy them out of the shared tier with "
+                             "no request of their own. Past it a load fetches as without a lease "
                              "(`lease.over_budget`)")
     learned_save_s: Annotated[float, seconds()] = Field(
         300.0, description="`learned` disk admission: how often what it learned is written to "

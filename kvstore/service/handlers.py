@@ -98,6 +98,7 @@ class Client:
         self.maps_tier = False  # given the DRAM tier to map: only then may it pin
         self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
         self.leases: dict[int, Lease] = {}  # DRAM pins it holds, by lease number
+        self.lookup_leases: set[int] = set()  # of those, the ones its lookups took
         self.lease_ids = itertools.count(1)
 
 
@@ -116,6 +117,8 @@ class Requests:
         self.client_counters = ClientCounters(self.malformed)
         self._seen: Counter[str] = Counter()
         self._seen_lock = threading.Lock()
+        self._leased: Counter[int] = Counter()  # chunks each uid's lookups hold leased
+        self._leased_lock = threading.Lock()
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
         self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
         self.namespaces.start()
@@ -250,19 +253,23 @@ class Requests:
     def _lease_resident(self, store: TieredStore | None, client: Client, ranks: list[list[bytes]],
                         resident: int) -> list[Any]:
         """[lease, offsets per rank] of the leading `resident` chunks of every rank (as many
-        as the connection's budget, service.scheduler_leases, has room for; DRAM only: no disk
-        read on a lookup), or [0, []] where none is pinned or the client may not map the tier."""
+        as the user's budget, service.scheduler_leases for all its connections together, has
+        room for: no user pins more of DRAM than that, however many connections it opens;
+        DRAM only: no disk read on a lookup), or [0, []] where none is pinned or the client
+        may not map the tier."""
         if store is None or not resident or not self._may_map_dram(client):
             return [0, []]
-        held = sum(len(lease.slots) for lease in client.leases.values())
-        room = max(0, self.config.service.scheduler_leases // store.chunk_bytes - held)
-        count = min(resident, room // len(ranks))
+        budget = self.config.service.scheduler_leases // store.chunk_bytes
+        with self._leased_lock:
+            count = min(resident, max(0, budget - self._leased[client.uid]) // len(ranks))
+            self._leased[client.uid] += count * len(ranks)  # taken before the pin: no two overrun it
         if not count:
             store.stats.add("lease.over_budget")
             return [0, []]
         lease = store.lease([key for keys in ranks for key in keys[:count]], from_disk=False)
         number = next(client.lease_ids)
         client.leases[number] = lease
+        client.lookup_leases.add(number)
         return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
 
     @staticmethod
@@ -283,7 +290,13 @@ class Requests:
 
     def _release(self, client: Client, number: int) -> None:
         lease = client.leases.pop(number, None)
-        if lease is not None and self.store is not None:
+        if lease is None:
+            return
+        if number in client.lookup_leases:
+            client.lookup_leases.discard(number)
+            with self._leased_lock:
+                self._leased[client.uid] -= len(lease.offsets)
+        if self.store is not None:
             self.store.release(lease)
 
     def reload_policy(self, live: dict[str, Any]) -> bool:
