@@ -1,11 +1,15 @@
 """Worker loads: chunks from the service's DRAM tier or window scattered into KV blocks.
 
-The chunks come through transfer.py: where this worker maps the service's DRAM tier
-(read-only), a hit is one copy, straight from its pinned slot into the blocks (a disk
-hit is read into a DRAM slot and verified there first); what DRAM cannot hold, and
-every chunk where the tier is not shared, is scattered from the window slot the service
-filled. They run in waves of half the window, the next wave's fetch overlapping this
-wave's scatter, so the service's disk reads and the scatter overlap.
+Where this worker maps the service's DRAM tier (read-only), the chunks the scheduler's
+lookup leased for this load (Transfer.leased) are copied straight from their pinned slots
+into the blocks, with no request to the service: the record's key is checked at its
+offset before and after the copy (the pin is the scheduler connection's, and goes with
+it), and one that changed is a failed chunk, recomputed. The rest come through
+transfer.py: a DRAM hit is one copy out of its pinned slot (a disk hit is read into a
+DRAM slot and verified there first); what DRAM cannot hold, and every chunk where the
+tier is not shared, is scattered from the window slot the service filled. They run in
+waves of half the window, the next wave's fetch overlapping this wave's scatter, so the
+service's disk reads and the scatter overlap.
 A chunk that did not verify, went missing or timed out is reported by its block ids,
 and the engine recomputes those tokens; with `fail_requests` (a model with several KV
 cache groups, whose block ids are unique only within a group), an async load's request
@@ -103,11 +107,31 @@ class LoadHandler:
         if client is None:
             failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
         else:
-            failed = self._load_waves(client, [keys[i] for i in pending],
-                                      [transfer.blocks[i] for i in pending], transfer.group)
+            leased = transfer.leased[self.rank] if transfer.leased else ()
+            failed, pending = self._load_leased(client, keys, transfer.blocks, leased, pending,
+                                                transfer.group)
+            failed += self._load_waves(client, [keys[i] for i in pending],
+                                       [transfer.blocks[i] for i in pending], transfer.group)
         self.stats.add("load.chunks", transfer.num_chunks)
         self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         return failed
+
+    def _load_leased(self, client: StoreClient, keys: Sequence[bytes], blocks: Sequence[tuple[int, ...]],
+                     leased: Sequence[int], pending: list[int], group: int) -> tuple[list[int], list[int]]:
+        """Copy the chunks among `pending` that the scheduler leased (`leased[i]`: the
+        payload's offset in the tier) and that the tier still holds, with no request; (the
+        block ids that did not load, the chunks left to fetch)."""
+        def held(i: int) -> bool:
+            return i < len(leased) and leased[i] >= 0 and client.tier_holds(leased[i], keys[i])
+
+        direct = [i for i in pending if held(i)]
+        if not direct:
+            return [], pending
+        self.layout.scatter([(client.tier_payload(leased[i]), blocks[i]) for i in direct], group)
+        failed = [b for i in direct if not held(i) for b in blocks[i] if b != SKIP]
+        self.stats.add("load.leased_chunks", len(direct))
+        chosen = set(direct)
+        return failed, [i for i in pending if i not in chosen]
 
     def _load_waves(self, client: StoreClient, keys: list[bytes],
                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:

@@ -27,6 +27,9 @@ class Transfer:
     (SchedulerCore.abandon): workers report its blocks failed, so the engine recomputes them.
     namespaces[rank] is the digest of the namespace rank `rank`'s keys were made in: a
     save's records carry it in their headers (what `kvstore purge` finds them by).
+    A load's `leased[rank][i]` is where chunk i's payload lies in the service's shared DRAM
+    tier, pinned by the scheduler's lookup for this load (-1, or none at all: fetch it):
+    the worker copies it from there with no request of its own.
     """
 
     req_id: str
@@ -36,6 +39,7 @@ class Transfer:
     save_id: int = 0
     group: int = 0  # the engine's KV cache group whose blocks these are (hybrid models)
     namespaces: tuple[bytes, ...] = ()
+    leased: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_chunks(self) -> int:

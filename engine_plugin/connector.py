@@ -162,7 +162,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         saves = meta.done_saves if isinstance(meta, TieredWorkerMetadata) else []
         self._side().guard("update_connector_output", None, self._side().workers_reported, saves,
-                           connector_output.failed_recving, connector_output.invalid_block_ids, fallback=None)
+                           connector_output.failed_recving, connector_output.invalid_block_ids,
+                           connector_output.finished_recving or (), fallback=None)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

@@ -94,7 +94,8 @@ class SchedulerRole:
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens the store supplies, load async?), or (None,
         False): ask again later. An abandoned request is a miss (a fault that recurs on
-        every lookup must not loop it between a planned load and a given-up one)."""
+        every lookup must not loop it between a planned load and a given-up one). Its
+        counters go with the next lookup, or at the step's end (`workers_reported`)."""
         if request.request_id in self._abandoned:
             return 0, False
         try:
@@ -107,7 +108,6 @@ class SchedulerRole:
         keying = Keying(request_salt(request), extras)
         count = self.core.num_new_matched_tokens(request.request_id, request.all_token_ids,
                                                  num_computed_tokens, keying)
-        self.report_counters()
         if count is None:
             return None, False
         return count, self.load_async and count > 0
@@ -124,13 +124,16 @@ class SchedulerRole:
         return handoff.params() if handoff is not None else None
 
     def workers_reported(self, done_saves: list[int], failed_requests: Collection[str],
-                         failed_blocks: Collection[int]) -> None:
-        """update_connector_output: saves done leave the in-flight set; failed loads, as vLLM
-        aggregated them over the workers, are counted: by request with several KV cache
-        groups (`load.failed_requests`; one out of LOAD_TRIES is a miss until it finishes),
-        else by block (`load.failed_blocks`, vLLM keeps the prefix before the first)."""
+                         failed_blocks: Collection[int], finished_loads: Collection[str] = ()) -> None:
+        """update_connector_output: saves done leave the in-flight set; the loads that ended
+        give their leases back (SchedulerCore.step_done); failed loads, as vLLM aggregated
+        them over the workers, are counted: by request with several KV cache groups
+        (`load.failed_requests`; one out of LOAD_TRIES is a miss until it finishes), else by
+        block (`load.failed_blocks`, vLLM keeps the prefix before the first)."""
         self.core.saves_done(done_saves)
+        self.core.step_done([*finished_loads, *failed_requests])
         if not (failed_requests or failed_blocks):
+            self.report_counters()
             return
         self._load_failures.update(failed_requests)
         self._abandoned.update(r for r in failed_requests if self._load_failures[r] >= LOAD_TRIES)
@@ -138,16 +141,19 @@ class SchedulerRole:
         self.core.counters.update({name: count for name, count in counts.items() if count})
         self.report_counters()
 
-    def _lookup(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
+    def _lookup(self, keys: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+        """One lookup; it also gives back the leases done with and carries the counters
+        pending (one round trip). A failed one drops the connection, and every lease with it."""
         client = self.link.get()
         if client is None:
             return Residency(0, 0)
         try:
-            return Residency(*client.residency_ranks(keys, prefetch=prefetch))
+            found = client.lookup(keys, prefetch, lease, self.core.take_releases(), self.core.take_counters())
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self.link.fail()
             return Residency(0, 0)
+        return Residency(found.stored, found.resident, found.pending, found.lease, found.offsets)
 
     def _notify(self, kind: str, keys: list[list[bytes]], in_s: float,
                 end: RequestEnd | None = None) -> None:
@@ -200,21 +206,22 @@ class SchedulerRole:
                 self.core.expect(hint.tokens, hint.in_s, salt)
 
     def report_counters(self) -> None:
-        """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
-        the service (kvstore info, Prometheus), and so do namespaces it has not been told
-        of yet (described, for `kvstore purge`; told again after a failure)."""
-        pending = self.core.counters or (self.core.prefetch is not None and self.core.prefetch.counters)
+        """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) and the
+        leases done with go to the service in one request (an empty lookup), where no lookup
+        carried them; so do namespaces it has not been told of yet (described, for `kvstore
+        purge`; told again after a failure)."""
+        counters, releases = self.core.take_counters(), self.core.take_releases()
         new = self._namespaces.unannounced(MAX_ANNOUNCED)  # the rest at the next report
-        client = self.link.get() if pending or new else None
+        client = self.link.get() if counters or releases or new else None
         if client is None:
             return
         try:
             if new:
                 client.announce([(ns.digest(), ns.description()) for ns in new])
                 self._namespaces.announced(new)
-            if pending:
-                client.count(self.core.take_counters())
-        except Exception as exc:
+            if counters or releases:
+                client.lookup([], release=releases, counters=counters)
+        except Exception as exc:  # a lost connection released its leases too
             log.debug("kvstore: scheduler counters or namespaces not reported (%s)", exc)
 
 

@@ -34,7 +34,7 @@ def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,
 
 
 def lookup_in(present: dict[bytes, bool]):  # -> Lookup
-    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         count = min(next((i for i, key in enumerate(keys) if key not in present), len(keys))
                     for keys in ranks)
         return Residency(count, count)
@@ -57,7 +57,7 @@ def test_a_full_hit_leaves_one_token_to_compute():
 
 
 def test_a_hit_is_split_by_the_tier_that_held_it_at_the_lookup():
-    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         return Residency(stored=6, resident=2)  # chunks 0-1 in DRAM, 2-5 on disk
 
     scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))

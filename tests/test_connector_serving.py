@@ -37,6 +37,7 @@ from engine_plugin.kv_spec import (
 from engine_plugin.layout import PagedKVLayout
 from kvstore.config.store import load_config
 from kvstore.format.keys import KVNamespace, Shard, TensorParallel
+from kvstore.format.record import record_bytes
 from kvstore.service.client import ServiceUnavailable, StoreClient
 
 CHUNK, BLOCK = 256, 128
@@ -57,7 +58,7 @@ class Clock:
 def scheduler(stored: set[bytes], clock: Clock, wait_s: float = 5.0) -> SchedulerCore:
     """A scheduler over a store holding `stored` (a stand-in for the service's index)."""
 
-    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         count = min(next((i for i, key in enumerate(keys) if key not in stored), len(keys)) for keys in ranks)
         return Residency(count, count)
 
@@ -396,3 +397,73 @@ def test_the_first_groups_dtype_names_records():
     assert spec_dtype(first_group_spec(one)) == torch.float16
     with pytest.raises(UnsupportedKVCache, match="no KV cache group"):
         first_group_spec(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
+def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_request(tmp_path):
+    """The scheduler's lookup leases the prompt's DRAM run for both ranks; puts that fill
+    DRAM before the load evict none of it (nothing is recomputed); the workers copy every
+    chunk from the tier with no request of their own (the service counts none: no Pin, no
+    Get), byte for byte; once the step is reported the lease goes back with the next
+    request, and the chunks may be evicted again."""
+    slot = record_bytes(512 << 10)
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, host=10 * slot, io={"timeout_s": 5}, staging="4MiB")
+    config = load_config(raw)
+    lookup_client = StoreClient(config)
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    workers = [WorkerCore(source, rank, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+               for rank in range(2)]
+    target_caches = caches(fill=False)
+    target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    loaders = [WorkerCore(target, rank, partial(StoreClient, config, target.chunk_bytes), load_async=False)
+               for rank in range(2)]
+    core: SchedulerCore | None = None
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+        assert core is not None
+        found = lookup_client.lookup(ranks, prefetch, lease, core.take_releases())
+        return Residency(found.stored, found.resident, found.pending, found.lease, found.offsets)
+
+    core = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(load_async=False))
+    try:
+        assert core.num_new_matched_tokens("first", PROMPT, 0) == 0
+        core.on_scheduled("first", list(range(8)), replace=True, computed_after_step=len(PROMPT))
+        (save,) = core.take_plan().saves
+        for worker in workers:
+            worker.save([save])
+            wait_done(worker, {save.save_id})
+        core.on_finished("first")
+
+        assert core.num_new_matched_tokens("again", PROMPT, 0) == 4 * CHUNK
+        core.on_alloc("again", list(range(8, 16)), 4 * CHUNK)
+        plan = core.take_plan()
+        (load,) = plan.loads
+        assert all(o >= 0 for rank in load.leased for o in rank)
+        filler = StoreClient(config, 512 << 10)  # DRAM pressure between the match and the load
+        for first in range(0, 8, 2):
+            for i in range(2):
+                filler.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
+            filler.put([bytes([200, first + i]) * 8 for i in range(2)], [0, 1])
+        before = counters(raw)
+        for loader in loaders:
+            loader.start_loads(plan.loads, load_async=False)
+            assert loader.take_failed_blocks() == set()
+        after = counters(raw)
+        for kind in ("requests.pin", "requests.get"):
+            assert after.get(kind, 0) == before.get(kind, 0), kind
+        assert sum(loader.stats.snapshot()["load.leased_chunks"] for loader in loaders) == 8
+        for name, tensor in caches(fill=True).items():
+            assert torch.equal(target_caches[name][8:16], tensor[:8])
+
+        core.step_done([])
+        assert core.num_new_matched_tokens("third", list(range(1000, 1300)), 0) == 0  # carries the release
+        for first in range(8, 24, 2):
+            for i in range(2):
+                filler.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
+            filler.put([bytes([201, first + i]) * 8 for i in range(2)], [0, 1])
+        assert lookup_client.residency_ranks(list(save.keys))[1] < 4  # released: evictable again
+        filler.close()
+    finally:
+        for worker in [*workers, *loaders]:
+            worker.close()
+        lookup_client.close()
+        stop_service(raw)

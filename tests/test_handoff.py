@@ -30,7 +30,7 @@ class Clock:
 
 def core(present: set[bytes], settings: SchedulerSettings, clock: Clock, ranks: int = 1,
          notify: Notify | None = None) -> SchedulerCore:
-    def lookup(keys: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(keys: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         count = next((i for i, key in enumerate(keys[0]) if key not in present), len(keys[0]))
         return Residency(count, count)
 

@@ -351,3 +351,71 @@ def test_a_client_not_given_the_tier_cannot_pin(config):
         assert client.residency(_keys(1, 1)) == (1, 1, False)  # the connection stays usable
     finally:
         client.close()
+
+
+# -- the lease taken at the lookup (a scheduler's), used by its workers ---------------------
+
+
+def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_with_no_request(config):
+    """The scheduler's lookup (a connection with no window) pins the leading chunks every
+    rank has in DRAM; a worker's connection copies them out of the tier at those offsets with
+    no request of its own; puts that fill DRAM meanwhile evict none of them; once released
+    (on the next lookup), they may go."""
+    worker = StoreClient(load_config(config), CHUNK)
+    scheduler = StoreClient(load_config(config))
+    try:
+        ranks = [_keys(1, 3), _keys(11, 3)]
+        assert _put(worker, ranks[0]) == [True] * 3 and _put(worker, ranks[1]) == [True] * 3
+        found = scheduler.lookup(ranks, lease=True)
+        assert (found.stored, found.resident) == (3, 3) and found.lease > 0
+        assert all(o >= 0 for rank in found.offsets for o in rank)
+        before = worker.info()["counters"].get("get.chunks", 0)
+        assert sum(_put(worker, _keys(30, SLOTS))) == SLOTS - 6  # DRAM full: 6 of its 8 slots leased
+        for keys, offsets in zip(ranks, found.offsets, strict=True):
+            for key, offset in zip(keys, offsets, strict=True):
+                assert worker.tier_holds(offset, key)
+                assert bytes(worker.tier_payload(offset)) == key[:1] * CHUNK
+        assert worker.info()["counters"].get("get.chunks", 0) == before  # no request for the copy
+        again = scheduler.lookup([_keys(1, 3)], release=[found.lease])
+        assert again.lease == 0 and again.stored == 3
+        assert _put(worker, _keys(50, SLOTS)) == [True] * SLOTS
+        assert scheduler.lookup(ranks).resident < 3  # released: evictable again
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(tmp_path):
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
+    worker = StoreClient(load_config(raw), CHUNK)
+    try:
+        assert _put(worker, _keys(1, 6)) == [True] * 6
+        scheduler = StoreClient(load_config(raw))
+        first = scheduler.lookup([_keys(1, 3)], lease=True, counters={"load.chunks": 2})
+        second = scheduler.lookup([_keys(1, 3), _keys(4, 3)], lease=True)  # 6 asked, 1 left in budget
+        assert [len(o) for o in first.offsets] == [3] and second.lease == 0
+        counters = worker.info()["counters"]
+        assert counters["lease.over_budget"] == 1 and counters["load.chunks"] == 2  # counters rode along
+        another = StoreClient(load_config(raw))  # the same user's: the same budget, not a new one
+        assert [len(o) for o in another.lookup([_keys(4, 3)], lease=True).offsets] == [1]
+        another.close()
+        scheduler.close()  # its pins go with it (once the service sees the connection end)
+        deadline = time.monotonic() + 10
+        while sum(_put(worker, _keys(40, SLOTS))) < SLOTS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.residency(_keys(1, 3))[1] == 0
+    finally:
+        worker.close()
+        stop_service(raw)
+
+
+def test_a_client_that_may_not_map_the_tier_gets_no_lease(tmp_path):
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), share_dram="off")
+    worker = StoreClient(load_config(raw), CHUNK)
+    try:
+        assert _put(worker, _keys(1, 2)) == [True] * 2
+        found = StoreClient(load_config(raw)).lookup([_keys(1, 2)], lease=True)
+        assert (found.resident, found.lease, found.offsets) == (2, 0, ())
+    finally:
+        worker.close()
+        stop_service(raw)

@@ -77,7 +77,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cached: list[int] = []
     try:
         with OpenAIServer(model, [*base, "--no-enable-prefix-caching"], workdir / "server-kvstore.log",
-                          connector={"config": store}, kv_cache_gib=args.kv_cache_gib) as server:
+                          connector={"config": store, "load_async": not args.sync_load},
+                          kv_cache_gib=args.kv_cache_gib) as server:
             for i, prompt in enumerate(prompts):
                 found["recompute"].append(_ttft(server, prompt)[0])
                 _saves_done(store, (i + 1) * (args.prefix_tokens // CHUNK))
@@ -94,7 +95,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     copy = plain_copy_s(args.prefix_tokens * KV_BYTES_PER_TOKEN)
     medians = {name: statistics.median(values) for name, values in found.items()}
     extra = (medians["kvstore"] - medians["floor"]) / copy
-    loads = {k: v for k, v in counters.items() if k.startswith(("load.", "host.", "get."))}
+    loads = {k: v for k, v in counters.items() if k.startswith(("load.", "host.", "get.", "requests."))}
     return {"prefix_tokens": args.prefix_tokens, "runs": found, "median_s": medians, "plain_copy_s": copy,
             "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": loads}
 
@@ -106,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--host-capacity", default="4GiB", help="kvstore's DRAM tier")
+    parser.add_argument("--sync-load", action="store_true",
+                        help="the connector's load_async false: the load runs before the forward pass "
+                             "of the step that computes the rest, not while the request waits")
 
 
 def experiment(args: argparse.Namespace, workdir: Path) -> Result:

@@ -19,6 +19,7 @@ import importlib
 import logging
 from typing import Any
 
+import numpy as np
 import xxhash
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
     source, target = memoryview(src).cast("B"), memoryview(dst).cast("B")
     if len(source) != len(target):
         raise ValueError(f"copy of {len(source)} bytes into {len(target)}")
-    if _STREAM is None or len(source) < _SMALL or source.readonly:
+    if _STREAM is None or len(source) < _SMALL:
         target[:] = source
         return xxh3_64(source)
     create, reset, update, digest, free = _STREAM
@@ -85,7 +86,7 @@ def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
         raise MemoryError("XXH3_createState")
     try:
         reset(state)
-        src_base = ctypes.addressof(ctypes.c_char.from_buffer(source))
+        src_base = np.frombuffer(source, np.uint8).ctypes.data  # read-only memory too (a client's put)
         dst_base = ctypes.addressof(ctypes.c_char.from_buffer(target))
         for start in range(0, len(source), PIECE):
             size = min(PIECE, len(source) - start)

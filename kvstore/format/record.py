@@ -137,11 +137,23 @@ class RecordEncoder:
         return TensorSpec(self.dtype, self.shape)
 
     def header(self, key: bytes, parent: bytes | None, seq: int,
-               payload: memoryview | bytes, namespace: bytes | None = None) -> RecordHeader:
-        """The record's header; `namespace` is the chunk's own (None: the store's)."""
+               payload: memoryview | bytes, namespace: bytes | None = None,
+               checksum: int | None = None) -> RecordHeader:
+        """The record's header; `namespace` is the chunk's own (None: the store's); `checksum`
+        the payload's, where the caller took it already (None: taken here)."""
         return RecordHeader(key=key, namespace=namespace or self.namespace, parent=parent or bytes(16),
-                            seq=seq, payload_len=len(payload), payload_checksum=payload_checksum(payload),
+                            seq=seq, payload_len=len(payload),
+                            payload_checksum=payload_checksum(payload) if checksum is None else checksum,
                             tensor=self.tensor)
+
+    def write(self, image: memoryview, key: bytes, parent: bytes | None, seq: int,
+              payload: memoryview, namespace: bytes | None = None) -> RecordHeader:
+        """The whole record written into `image` (a slot or a staging buffer): the payload
+        copied and hashed in one pass over memory (xxh3_64_copy), then its header."""
+        checksum = xxh3_64_copy(image[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
+        header = self.header(key, parent, seq, payload, namespace, checksum)
+        pack_header(header, image)
+        return header
 
 
 def pack_header(header: RecordHeader, block: memoryview) -> None:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -27,6 +28,7 @@ import msgspec
 from kvstore.config.runtime import directory_problem, ensure_private_directory, open_private
 from kvstore.config.store import StoreConfig, dump_config, with_service
 from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.format.record import HEADER_BLOCK, KEY_OFFSET, read_payload_len
 from kvstore.io.memfd import SharedMemory
 from kvstore.service import protocol as P
 from kvstore.service.window import Window
@@ -208,25 +210,41 @@ class StoreClient:
     def residency_ranks(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False,
                         await_s: float = 0.0) -> tuple[int, int, bool]:
         """`residency` of one prompt whose keys differ per tensor-parallel rank: a chunk
-        counts only where every rank's copy is there; one request, one snapshot. A prompt
-        with more keys than one frame carries (protocol.MAX_KEYS, every rank's together)
-        is asked about a piece of chunks at a time, the next only while all of one is stored.
-        `await_s`: a request is held that long (at most protocol.MAX_AWAIT_S) for what is
-        not found; the service watches the cluster index for it meanwhile."""
+        counts only where every rank's copy is there; one request, one snapshot. `await_s`: a
+        request is held that long (at most protocol.MAX_AWAIT_S) for what is not found; the
+        service watches the cluster index for it meanwhile."""
+        found = self.lookup(ranks, prefetch, await_s=await_s)
+        return found.stored, found.resident, found.pending
+
+    def lookup(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False, lease: bool = False,
+               release: Sequence[int] = (), counters: Mapping[str, float] | None = None,
+               await_s: float = 0.0) -> Found:
+        """`residency_ranks`, with what a scheduler's lookup carries: `release` (leases it is
+        done with) and `counters` (added as by `count`) go first, and with `lease` the leading
+        chunks every rank has in DRAM come back pinned for its workers (`Found.lease`, 0 for
+        none; `Found.offsets[rank][i]`: chunk i's payload in the tier, -1 where not pinned).
+        A prompt with more keys than one frame carries (protocol.MAX_KEYS, every rank's
+        together) is asked about a piece of chunks at a time, the next only while all of one
+        is stored; only the first piece carries the rest and is leased."""
         lists = [list(k) for k in ranks]
         step = _per_rank(lists)
-        stored = resident = 0
+        extras: dict[str, Any] = {"lease": lease, "release": list(release), "counters": dict(counters or {})}
+        stored = resident = number = 0
         pending = False
+        offsets: tuple[tuple[int, ...], ...] = ()
         for start in range(0, max(1, max((len(k) for k in lists), default=0)), step):
             piece = [k[start : start + step] for k in lists]
-            found, in_dram, queued = self._request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S)))
+            reply = self._request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S), **extras))
+            if start == 0:
+                number, offsets = _leased(reply[3:])
+            extras = {}
             if resident == stored:  # a leading run: DRAM's continues only where all before was there
-                resident += int(in_dram)
-            stored += int(found)
-            pending = pending or bool(queued)
-            if int(found) < min((len(k) for k in piece), default=0):
+                resident += int(reply[1])
+            stored += int(reply[0])
+            pending = pending or bool(reply[2])
+            if int(reply[0]) < min((len(k) for k in piece), default=0):
                 break
-        return stored, resident, pending
+        return Found(stored, resident, pending, number, offsets)
 
     def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd | None = None) -> None:
         """A request's stored chunks (prompt and answer, per rank) ended: the service expects
@@ -290,6 +308,19 @@ class StoreClient:
         assert self.tier is not None and self.chunk_bytes is not None and offset >= 0
         return self.tier.view[offset : offset + self.chunk_bytes]
 
+    def tier_holds(self, offset: int, key: bytes) -> bool:
+        """Whether the mapped DRAM tier's record at payload offset `offset` is chunk `key`'s
+        (its header's key and payload length): a copy out under another connection's pin
+        (a scheduler's lease) is checked so before and after, since that pin goes with that
+        connection and this client may map another service's tier since (a restart)."""
+        if self.tier is None or self.chunk_bytes is None or offset < HEADER_BLOCK:
+            return False
+        if offset + self.chunk_bytes > len(self.tier.view):
+            return False
+        block = self.tier.view[offset - HEADER_BLOCK : offset]
+        named = bytes(block[KEY_OFFSET : KEY_OFFSET + len(key)])
+        return named == key and read_payload_len(block) == self.chunk_bytes
+
     def info(self) -> dict[str, Any]:
         return dict(self._request(P.Info()))
 
@@ -345,6 +376,26 @@ class StoreClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lookup's answer (StoreClient.lookup): leading chunks every rank has, of those in
+    DRAM, whether a promotion of the run is under way, and the lease of the DRAM ones (0:
+    none) with each rank's payload offsets in the tier (-1: not pinned)."""
+
+    stored: int
+    resident: int
+    pending: bool
+    lease: int = 0
+    offsets: tuple[tuple[int, ...], ...] = ()
+
+
+def _leased(extra: Sequence[Any]) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(lease, offsets per rank) of a Residency reply's lease part ((0, ()) without one)."""
+    if len(extra) < 2:
+        return 0, ()
+    return int(extra[0]), tuple(tuple(int(o) for o in rank) for rank in extra[1])
 
 
 def _per_rank(ranks: Sequence[Sequence[bytes]]) -> int:

@@ -98,6 +98,7 @@ class Client:
         self.maps_tier = False  # given the DRAM tier to map: only then may it pin
         self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
         self.leases: dict[int, Lease] = {}  # DRAM pins it holds, by lease number
+        self.lookup_leases: set[int] = set()  # of those, the ones its lookups took
         self.lease_ids = itertools.count(1)
 
 
@@ -114,22 +115,25 @@ class Requests:
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self._counted = (self.malformed, *counted)  # and the server's (refused clients)
         self.client_counters = ClientCounters(self.malformed)
+        self._seen: Counter[str] = Counter()
+        self._seen_lock = threading.Lock()
+        self._leased: Counter[int] = Counter()  # chunks each uid's lookups hold leased
+        self._leased_lock = threading.Lock()
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
         self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
         self.namespaces.start()
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
+        with self._seen_lock:  # `requests.KIND`: the round trips engines make, by kind
+            self._seen[f"requests.{type(request).__name__.lower()}"] += 1
         if isinstance(request, P.Hello):
             return self._hello(client, request)
         store = self.store
         if isinstance(request, P.Info):
             return self.info(), ()
         if isinstance(request, P.Residency):
-            self.next_turns.arrived(request.ranks)
-            if store is None or not request.ranks:
-                return [0, 0, False], ()
-            return self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s), ()
+            return self._residency(store, client, request), ()
         if isinstance(request, P.Finished):
             self.next_turns.finished(request.ranks)
             if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
@@ -174,11 +178,13 @@ class Requests:
         return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
 
     def own_counters(self) -> dict[str, Any]:
-        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`), kept whether
-        or not a store was made."""
+        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`, `requests.*`),
+        kept whether or not a store was made."""
         counters: dict[str, Any] = dict(self.namespaces.counters())
         for counts in self._counted:
             counters.update(counts.snapshot())
+        with self._seen_lock:
+            counters.update(self._seen)
         return counters
 
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
@@ -228,6 +234,44 @@ class Requests:
         mode = self.config.service.share_dram
         return mode == "allowed" or (mode == "own-user" and client.uid == os.geteuid())
 
+    def _residency(self, store: TieredStore | None, client: Client, request: P.Residency) -> list[Any]:
+        """One prompt's residency snapshot, after the counters and releases the request carries;
+        with `lease`, the leading chunks every rank has in DRAM pinned for the client's engine
+        workers (the lookup that decides a load protects it: nothing is evicted between that
+        decision and the workers' copy, and they copy with no request of their own)."""
+        self.client_counters.add(store, request.counters)
+        for number in request.release:
+            self._release(client, number)
+        self.next_turns.arrived(request.ranks)
+        found: list[Any] = [0, 0, False]
+        if store is not None and request.ranks:
+            found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
+        if not request.lease:
+            return found
+        return found + self._lease_resident(store, client, request.ranks, int(found[1]))
+
+    def _lease_resident(self, store: TieredStore | None, client: Client, ranks: list[list[bytes]],
+                        resident: int) -> list[Any]:
+        """[lease, offsets per rank] of the leading `resident` chunks of every rank (as many
+        as the user's budget, service.scheduler_leases for all its connections together, has
+        room for: no user pins more of DRAM than that, however many connections it opens;
+        DRAM only: no disk read on a lookup), or [0, []] where none is pinned or the client
+        may not map the tier."""
+        if store is None or not resident or not self._may_map_dram(client):
+            return [0, []]
+        budget = self.config.service.scheduler_leases // store.chunk_bytes
+        with self._leased_lock:
+            count = min(resident, max(0, budget - self._leased[client.uid]) // len(ranks))
+            self._leased[client.uid] += count * len(ranks)  # taken before the pin: no two overrun it
+        if not count:
+            store.stats.add("lease.over_budget")
+            return [0, []]
+        lease = store.lease([key for keys in ranks for key in keys[:count]], from_disk=False)
+        number = next(client.lease_ids)
+        client.leases[number] = lease
+        client.lookup_leases.add(number)
+        return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
+
     @staticmethod
     def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:
         """Pin the DRAM hits among `keys` (disk hits promoted first) for the client to copy
@@ -246,7 +290,13 @@ class Requests:
 
     def _release(self, client: Client, number: int) -> None:
         lease = client.leases.pop(number, None)
-        if lease is not None and self.store is not None:
+        if lease is None:
+            return
+        if number in client.lookup_leases:
+            client.lookup_leases.discard(number)
+            with self._leased_lock:
+                self._leased[client.uid] -= len(lease.offsets)
+        if self.store is not None:
             self.store.release(lease)
 
     def reload_policy(self, live: dict[str, Any]) -> bool:

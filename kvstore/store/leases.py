@@ -29,13 +29,13 @@ class Lease:
     released: bool = field(default=False, compare=False)
 
 
-def pin(parts: StoreParts, reads: Reads, keys: list[bytes]) -> Lease:
+def pin(parts: StoreParts, reads: Reads, keys: list[bytes], from_disk: bool = True) -> Lease:
     """Pin each of checked `keys` a get would serve from DRAM (key and length checked under
     the pin; its checksums were verified when it entered DRAM), through the store's read
-    path (store/reads.py `Reads.pin`): with promote_on_hit, the disk hits among the rest
-    are read into DRAM slots first, verified there, and pinned as they are published: one
-    DMA from the disk, one copy out."""
-    held = reads.pin(keys)
+    path (store/reads.py `Reads.pin`): with `from_disk` and promote_on_hit, the disk hits
+    among the rest are read into DRAM slots first, verified there, and pinned as they are
+    published: one DMA from the disk, one copy out."""
+    held = reads.pin(keys, from_disk)
     offsets = [-1] * len(keys)
     if parts.dram is not None:
         for i, slot in held.items():

@@ -35,6 +35,7 @@ from kvstore.store.leases import Lease
 from kvstore.store.parts import StoreParts
 from kvstore.store.probe import StoreProbe
 from kvstore.store.purge import purge
+from kvstore.store.put_bound import PutBound
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
 from kvstore.tiers.return_rates import RequestEnd
@@ -88,6 +89,7 @@ class TieredStore:
         self._seq = itertools.count(self.parts.recovery.max_seq + 1)
         self._reads = Reads(self.parts)
         self._writes = Writes(self.parts, self.encoder)
+        self._put_bound = PutBound(self.parts.config.put_inflight, chunk_bytes, self.stats)
 
     # -- queries -------------------------------------------------------------------
 
@@ -143,11 +145,12 @@ class TieredStore:
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
 
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        """Pin the chunks of `keys` a get would serve from DRAM (disk hits promoted first,
-        with promote_on_hit) for a reader that maps the DRAM tier and copies them out
-        itself: they stay pinned until `release` (store/leases.py)."""
-        return leases.pin(self.parts, self._reads, check_keys(keys))
+    def lease(self, keys: Sequence[bytes], from_disk: bool = True) -> Lease:
+        """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
+        promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
+        for a reader that maps the DRAM tier and copies them out itself: they stay pinned
+        until `release` (store/leases.py)."""
+        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk)
 
     def release(self, lease: Lease) -> None:
         """Unpin a lease's slots (once: a second release does nothing)."""
@@ -168,17 +171,20 @@ class TieredStore:
         `parent` is the key of the chunk before keys[0] (None for a prompt's first
         chunk); `namespace` the digest of the namespace they were keyed in, which their
         headers carry (None: the store's), so `purge` can find them. Keys already present
-        are kept, not rewritten (content addressing).
+        are kept, not rewritten (content addressing). Chunks past the bytes of puts under
+        way (`put_inflight`, store/put_bound.py) are refused at once: False.
         """
         keys = check_keys(keys)
         for named in (parent, namespace):
             if named is not None:
                 check_keys([named])
         views = chunk_views(payloads, len(keys), self.chunk_bytes, writable=False)
-        self.parts.touch(keys)  # first: storing this prompt's chunks never evicts its own
-        stored = self._writes.put(keys, views, parent, next(self._seq), namespace)
-        self.parts.touch(keys)  # again: new chunks join their chain tail-older-than-head
-        return stored
+        with self._put_bound.take(len(keys)) as granted:
+            taken = keys[:granted]
+            self.parts.touch(taken)  # first: storing this prompt's chunks never evicts its own
+            stored = self._writes.put(taken, views[:granted], parent, next(self._seq), namespace)
+            self.parts.touch(taken)  # again: new chunks join their chain tail-older-than-head
+        return stored + [False] * (len(keys) - granted)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
