@@ -167,14 +167,14 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
         assert writer.put([b"k" * 16], [0]) == [True]
     finally:
         writer.close()
-    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK), load_async=False)
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK))
     try:
         loading, saving = worker.loads.link.get(), worker.saves.link.get()
         assert loading is not None and saving is not None
         assert (loading.tier is None) == (share == "off")
         assert saving.tier is None  # only the loading client maps the tier
         worker.start_loads([Transfer("r", ((b"k" * 16, b"m" * 16),), (None,),
-                                     (tuple(range(15, -1, -1)), tuple(range(16))))], load_async=False)
+                                     (tuple(range(15, -1, -1)), tuple(range(16))), load_async=False)])
         assert worker.take_failed_blocks() == set(range(16))  # the second chunk is a miss
     finally:
         worker.close()
@@ -231,14 +231,14 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
         writer.close()
     stop_service(config)  # the next service starts with both chunks on disk only
     holder = StoreClient(load_config(config), CHUNK)
-    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK), load_async=False)
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK))
     try:
         if dram == "all pinned":
             fillers = _keys(1, 4)
             assert _put(holder, fillers) == [True] * 4
             assert holder.pin(fillers)[1].count(-1) == 0
         worker.start_loads([Transfer("r", (tuple(keys),), (None,),
-                                     (tuple(range(31, 15, -1)), tuple(range(16))))], load_async=False)
+                                     (tuple(range(31, 15, -1)), tuple(range(16))), load_async=False)])
         assert worker.take_failed_blocks() == set()
         counters = holder.info()["counters"]
         assert counters["disk.hits"] == 2
@@ -276,7 +276,7 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
         registered[map_tier] = register_for_dma(client)
         return client
 
-    worker = WorkerCore(layout, 0, make_client, load_async=False)
+    worker = WorkerCore(layout, 0, make_client)
     try:
         assert worker.loads.link.get() is not None
         loading = registered[True]
@@ -284,8 +284,8 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
         loading.thread.join(60)
         assert loading.ranges >= 2  # the window, and the tier
         assert registered[False].thread is None and registered[False].ranges == 1  # the window alone
-        worker.start_loads([Transfer("r", ((b"k" * 16,),), (None,), (tuple(range(15, -1, -1)),))],
-                           load_async=False)
+        worker.start_loads([Transfer("r", ((b"k" * 16,),), (None,), (tuple(range(15, -1, -1)),),
+                                     load_async=False)])
         torch.cuda.synchronize()
         assert worker.take_failed_blocks() == set()
         worker.loads.link.fail()  # a reconnecting worker drops its client: its registration goes

@@ -151,8 +151,8 @@ class _Setup:
 
     def load(self, worker: WorkerCore, keys: tuple[bytes, ...] | None = None) -> None:
         """Load `keys` (default: this run's) into the destination blocks, as the connector does."""
-        worker.start_loads([Transfer("bench", (keys or self.keys,), (None,), self.dest_blocks)],
-                           load_async=False)
+        worker.start_loads([Transfer("bench", (keys or self.keys,), (None,), self.dest_blocks,
+                                     load_async=False)])
         assert not worker.take_failed_blocks(), "a chunk failed to load"
 
 
@@ -163,7 +163,7 @@ def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[..., 
     not, as `tier` says) against the yardsticks in alternated rounds; best seconds of each."""
     try:
         _fill(config, setup.source, setup.src_blocks, setup.keys)
-        worker = WorkerCore(setup.target, 0, make_client, load_async=False)
+        worker = WorkerCore(setup.target, 0, make_client)
         try:
             client = worker.loads.link.get()
             assert client is not None and (client.tier is not None) == tier
@@ -239,7 +239,7 @@ def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str) -> dict[st
         _fill(config, setup.source, setup.src_blocks, keys)
         _fill(config, setup.source, setup.src_blocks, others)
         stop_service(config)  # DRAM's chunks go down to disk
-        worker = WorkerCore(setup.target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
+        worker = WorkerCore(setup.target, 0, partial(StoreClient, config, chunk_bytes))
         best, cpu = float("inf"), float("inf")
         try:
             client = worker.loads.link.get()
