@@ -9,7 +9,8 @@ verified there first), otherwise from the window slot the service filled (DRAM c
 O_DIRECT read, checksummed), in waves of half the window, the next wave's fetch running
 while this one is copied. A save gathers the segments into window slots and stores
 them as one chain (each page's parent the page before it, across waves; the caller
-names the first one's). A wave's copies go to
+names the first one's), in the same waves, each gathered into one half of the window
+while the wave before it is put (Transfers.store_waves). A wave's copies go to
 kvstore's copier in one call: shared out across threads that release the GIL, as the
 vLLM client's loads are (engine_plugin/layout.py). Whatever did not verify, went
 missing, or ran past the service deadline is a miss (False), never an exception: the
@@ -19,6 +20,7 @@ engine's storage threads must survive a fault.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -114,21 +116,16 @@ class PageIO:
         page's the one before it, across window waves. Their records' headers name
         `namespace` (None: the connection's). False where it was not stored."""
         self._check(keys, pages)
-        done = [False] * len(keys)
         with self._lock:
             client = self.link.get()
             if client is None or client.window is None:
-                return done
-            for start in range(0, len(keys), client.slots):
-                if self.link.peek() is not client:
-                    break  # a wave's store failed: the rest would miss too
-                wave = range(start, min(start + client.slots, len(keys)))
-                copy_many([(slot_bytes, segment) for slot, i in enumerate(wave)
+                return [False] * len(keys)
+
+            def gather(wave: range, first: int) -> None:
+                copy_many([(slot_bytes, segment) for slot, i in enumerate(wave, first)
                            for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
-                chained = keys[start - 1] if start else parent
-                done[wave.start:wave.stop] = self.transfers.store(
-                    client, [keys[i] for i in wave], list(range(len(wave))), chained, namespace)
-        return done
+
+            return self.transfers.store_waves(client, keys, gather, parent, namespace)
 
     def count_misses(self, kind: str, chunks: int, why: str, *args: Any) -> None:
         """`chunks` loaded chunks the engine's backend refused after they verified (`kind`:
@@ -173,8 +170,8 @@ def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
         raise ConfigError(field, None, "required: a kvstore YAML/JSON file or the config as a mapping")
     store = load_config(source)
 
-    def make_client() -> StoreClient:
-        client = StoreClient(store, chunk_bytes, namespace=namespace)
+    def make_client(map_tier: bool) -> StoreClient:
+        client = StoreClient(store, chunk_bytes, namespace=namespace, map_tier=map_tier)
         announced = [(namespace, description)] if description is not None else []
         if announced or more:
             try:
@@ -184,4 +181,5 @@ def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
                 raise
         return client
 
-    return PageIO(make_client, chunk_bytes), PageIO(make_client, chunk_bytes)
+    return PageIO(functools.partial(make_client, True), chunk_bytes), \
+        PageIO(functools.partial(make_client, False), chunk_bytes)  # a save never reads the tier

@@ -12,10 +12,12 @@ vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by
   the current one, and releases each wave's lease after its copy.
 - store: window slots handed to the service as one chain, head first: the first chunk's
   parent is the one given (the chunk before it in the engine's sequence), each next
-  chunk's parent the one before it. A caller that stores a sequence in several waves
-  passes the previous wave's last key, so the sequence stays one chain (the parent links
-  feed leaf-first eviction and the depth and family that `cost` eviction and `predicted`
-  admission use).
+  chunk's parent the one before it (`chain_parent`: a sequence stored in several waves
+  stays one chain, as the parent links feed leaf-first eviction and the depth and family
+  that `cost` eviction and `predicted` admission use). `store_waves` stores a list in the
+  same waves a fetch takes, each wave gathered into one half of the window while the
+  wave before it is put from the other (PageIO's saves); vLLM's saves gather within
+  their engine step and put behind it (saves.py), by the same wave and parent rules.
 - failure: a `KVStoreError` is logged, the connection dropped (which releases every pin
   it holds) and the chunks it carried miss; a miss is never an exception to the engine.
 """
@@ -54,6 +56,7 @@ class Fetched:
 
 
 Copy = Callable[[range, Fetched], None]  # copies one wave (its indices into the keys) out
+Gather = Callable[[range, int], None]  # copies one wave (indices into the keys) into slots from one
 TAIL_SPLIT = 8  # a last wave of at least this many chunks leaves its last quarter for a wave of its own
 
 
@@ -73,6 +76,12 @@ def wave_plan(count: int, half: int) -> list[range]:
         cut = last.stop - len(last) // 4
         waves += [range(last.start, cut), range(cut, last.stop)]
     return waves
+
+
+def chain_parent(keys: Sequence[bytes], start: int, parent: bytes | None) -> bytes | None:
+    """The parent of keys[start] in a chain stored in waves: the key before it, or for the
+    first, the chain's `parent` (the chunk before them in the engine's sequence)."""
+    return keys[start - 1] if start else parent
 
 
 class Transfers:
@@ -148,6 +157,38 @@ class Transfers:
                 releases.append(self._fetcher.submit(self.release, client, last))
             for release in releases:
                 release.result()
+
+    def store_waves(self, client: StoreClient, keys: Sequence[bytes], gather: Gather,
+                    parent: bytes | None, namespace: bytes | None = None) -> list[bool]:
+        """Store `keys` as one chain under `parent`, in the waves `wave_plan` makes of half
+        the window: `gather(wave, first_slot)` copies a wave's chunks into window slots
+        from first_slot (on the caller's thread) while the wave before it is put, on the
+        transfer thread, from the other half. Returns, True per chunk stored, once every
+        put has; on a failed one the rest are not gathered (they would miss too)."""
+        half = max(1, client.slots // 2)
+        done = [False] * len(keys)
+        putting: Future[None] | None = None
+
+        def put(wave: range, first: int) -> None:
+            done[wave.start : wave.stop] = self.store(client, [keys[i] for i in wave],
+                                                      range(first, first + len(wave)),
+                                                      chain_parent(keys, wave.start, parent), namespace)
+
+        try:
+            for k, wave in enumerate(wave_plan(len(keys), half)):
+                first = half * (k % 2) if client.slots >= 2 else 0
+                if client.slots < 2 and putting is not None:
+                    putting.result()  # one slot: its put before the next gather
+                if self.link.peek() is not client:
+                    break
+                gather(wave, first)
+                if putting is not None:
+                    putting.result()  # one request at a time on the connection
+                putting = self._fetcher.submit(put, wave, first)
+        finally:
+            if putting is not None:
+                putting.result()  # nothing is left reading the window
+        return done
 
     def store(self, client: StoreClient, keys: Sequence[bytes], slots: Sequence[int],
               parent: bytes | None, namespace: bytes | None = None) -> list[bool]:
