@@ -80,7 +80,7 @@ def readable_packages(modules: tuple[str, ...]) -> Iterator[str]:
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(map(str, roots))},
                             capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
-    innermost_first = sorted(roots, key=lambda root: len(root.parts), reverse=True)
+    innermost_first = sorted(roots, key=lambda root: len(str(root)), reverse=True)
     tops: dict[str, Path] = {}  # name in the snapshot -> what is copied there
     for name in map(Path, json.loads(loaded.stdout)):
         root = next((root for root in innermost_first if name.is_relative_to(root)), None)
