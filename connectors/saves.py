@@ -1,16 +1,16 @@
 """Worker saves: chunks copied out of KV blocks into window slots, then written behind.
 
-Saves copy out within their step, since a block may be reused once the step ends:
-each chunk's blocks are gathered into a free window slot, and a writer thread hands
-the slots to the service (transfer.py: a save's waves are one chain, each wave's parent
-the previous wave's last chunk: `chain_parent`), in the waves a fetch takes (`wave_plan`:
-at most half the window), so the copy-out of one wave overlaps the write of the previous. A step that computed more chunks than the
-window holds waits for slots to come back, at most `save_window_wait_s` per step (and
-not at all while the writer is stuck, i.e. since a wait ran out no slot came back);
-what does not fit is dropped and counted (`save.dropped`, sent to the service's
-counters). A dropped save is only a future miss. Each save is reported done (stored
-or given up) by its save_id, in the writer's order, so the scheduler knows when its
-chunks stopped being in flight.
+Saves copy out within their step, since a block may be reused once the step ends: each
+chunk's blocks are gathered into a free window slot, and a writer thread hands the slots
+to the service (transfer.py: a save's waves are one chain, each wave's parent the previous
+wave's last chunk: `chain_parent`), in the waves a fetch takes (`wave_plan`: at most half
+the window), so the copy-out of one wave overlaps the write of the previous. A step that
+computed more chunks than the window holds waits for slots to come back, at most
+`save_window_wait_s` per step (and not at all while the writer is stuck, i.e. since a wait
+ran out no slot came back); what does not fit is dropped and counted (`save.dropped`, sent
+to the service's counters). A dropped save is only a future miss. Each save is reported
+done (stored or given up) by its save_id, in the writer's order, so the scheduler knows
+when its chunks stopped being in flight.
 """
 
 from __future__ import annotations
