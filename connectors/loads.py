@@ -141,11 +141,19 @@ class LoadHandler:
         failed: list[int] = []
 
         def scatter(wave: range, fetched: Fetched) -> None:
-            found = [(fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
-            self.layout.scatter([(source, ids) for source, ids in found if source is not None], group)
-            failed.extend(b for source, ids in found if source is None for b in ids if b != SKIP)
+            found = [(j, fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
+            present = [(j, source, ids) for j, source, ids in found if source is not None]
+            verdicts = self.layout.scatter([(source, ids) for _, source, ids in present], group,
+                                           [fetched.check(j) for j, _, _ in present])
+            for (j, _, ids), ok in zip(present, verdicts, strict=True):
+                if fetched.check(j) is not None:  # a disk hit verified as it was copied: one pass
+                    (fetched.good if ok else fetched.bad).append(keys[wave[j]])
+                if not ok:
+                    self.stats.add("load.bad_checksum")
+                    failed.extend(b for b in ids if b != SKIP)
+            failed.extend(b for _, source, ids in found if source is None for b in ids if b != SKIP)
 
-        self.transfers.fetch_waves(client, keys, scatter)
+        self.transfers.fetch_waves(client, keys, scatter, self.layout.checks_copies)
         return failed
 
     def _report_staging(self, staged: int, loaded: int) -> None:

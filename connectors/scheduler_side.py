@@ -244,8 +244,9 @@ class SchedulerCore:
         earlier = self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
         if earlier is not None:
             self._release(earlier.found.lease)
+        loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
-                                    cap=(len(prompt) - 1) // self.chunk_tokens, lease=True)
+                                    cap=loadable, lease=num_computed < loadable * self.chunk_tokens)
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys

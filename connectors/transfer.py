@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connectors.link import ServiceLink
 from connectors.worker_threads import pool
@@ -41,12 +41,21 @@ log = logging.getLogger("kvstore.transfer")
 class Fetched:
     """One wave's chunks: j is pinned in the mapped tier at offsets[j] (>= 0), or in window
     slot first_slot + j where in_window[j]; neither is a miss. `lease` holds the pins
-    until `Transfers.release`."""
+    until `Transfers.release`. checks[j], where set, is the xxh3-64 chunk j's bytes in the
+    tier must have (a disk hit the service left for the copy to verify: one pass); the
+    copy names the keys it verified in `good` and those whose bytes had another in `bad`
+    (it uses none of those: a miss)."""
 
     first_slot: int
     offsets: list[int]
     in_window: list[bool]
     lease: int | None = None
+    checks: list[int | None] = field(default_factory=list)
+    good: list[bytes] = field(default_factory=list)
+    bad: list[bytes] = field(default_factory=list)
+
+    def check(self, j: int) -> int | None:
+        return self.checks[j] if j < len(self.checks) else None
 
     def source(self, client: StoreClient, j: int) -> memoryview | None:
         """Chunk j's verified bytes (valid until the wave is released), None on a miss."""
@@ -94,15 +103,17 @@ class Transfers:
         self.link = link
         self._fetcher = pool(f"kvstore-{name}-fetch")  # the next wave's fetch
 
-    def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0) -> Fetched:
-        """One wave: pin what the mapped tier can hold (disk hits promoted there first), the
-        rest into window slots from `first_slot`. All misses once the link dropped `client`."""
+    def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0,
+              checks_copies: bool = False) -> Fetched:
+        """One wave: pin what the mapped tier can hold (disk hits promoted there first; with
+        `checks_copies`, the copy verifies them, not the service), the rest into window slots
+        from `first_slot`. All misses once the link dropped `client`."""
         fetched = Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
         if self.link.peek() is not client:
             return fetched
         try:
             if client.tier is not None:
-                fetched.lease, fetched.offsets = client.pin(keys)
+                fetched.lease, fetched.offsets, fetched.checks = client.pin(keys, verify=not checks_copies)
             rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
             if rest and client.window is not None:
                 found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
@@ -119,15 +130,17 @@ class Transfers:
         if lease is None or self.link.peek() is not client:
             return  # no pins, or a dropped connection released them
         try:
-            client.unpin([lease])
+            client.unpin([lease], fetched.good, fetched.bad)
         except KVStoreError as exc:
             self.failed("release", exc)
 
-    def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy) -> None:
+    def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy,
+                    checks_copies: bool = False) -> None:
         """Fetch `keys` in waves of at most half the window (`wave_plan`) and `copy` each, the
         next wave's fetch running while this one is copied (into the other half of the window).
         Each wave is released after its copy, on the fetch thread; on return no fetch is
-        writing the window and no pin is held, also when `copy` raised."""
+        writing the window and no pin is held, also when `copy` raised. `checks_copies`: the
+        copy verifies the disk hits the service leaves unverified (Fetched.checks)."""
         half = max(1, client.slots // 2)
         ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
         waves = wave_plan(len(keys), half)
@@ -135,7 +148,8 @@ class Transfers:
             return
 
         def fetch(k: int) -> Fetched:
-            return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0)
+            return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0,
+                              checks_copies)
 
         releases: list[Future[None]] = []
         next_fetch = self._fetcher.submit(fetch, 0)
