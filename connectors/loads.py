@@ -14,9 +14,10 @@ A chunk that did not verify, went missing or timed out is reported by its block 
 and the engine recomputes those tokens; with `fail_requests` (a model with several KV
 cache groups, whose block ids are unique only within a group), an async load's request
 is reported failed instead, with its finish, and the engine recomputes it whole.
-With `load_async`, loads run on a thread while the request waits outside the batch;
-otherwise before the forward pass. Chunks already staged on the device (stages.py)
-are copied from the pool instead of asked for.
+An async load (Transfer.load_async, as the scheduler decided per request) runs on a
+thread while the request waits outside the batch; the others before the forward pass.
+Chunks already staged on the device (stages.py) are copied from the pool instead of
+asked for.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ log = logging.getLogger("vllm.kvstore.worker")
 
 class LoadHandler:
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient], stats: Stats,
-                 load_async: bool, staging: DeviceStagingPool | None, fail_requests: bool = False) -> None:
+                 staging: DeviceStagingPool | None, fail_requests: bool = False) -> None:
         self.layout = layout
         self.rank = rank
         self.stats = stats
@@ -56,9 +57,9 @@ class LoadHandler:
         self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
         self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
-        self._load_pool = pool("kvstore-load") if load_async else None
+        self._load_pool = pool("kvstore-load")  # async loads
 
-    def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
+    def start_loads(self, loads: Sequence[Transfer]) -> None:
         """An async load's request is reported finished once, after its last transfer (a
         hybrid model's groups load in transfers of their own), and with `fail_requests`
         failed in that same take if one of them failed (take_finished_loads); every other
@@ -66,7 +67,7 @@ class LoadHandler:
         with self._lock:
             self._loads_left.update(t.req_id for t in loads)
         for transfer in loads:
-            if load_async and self._load_pool is not None:
+            if transfer.load_async:
                 self._load_pool.submit(self._load, transfer, True)
             else:
                 self._load(transfer, False)
@@ -140,11 +141,19 @@ class LoadHandler:
         failed: list[int] = []
 
         def scatter(wave: range, fetched: Fetched) -> None:
-            found = [(fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
-            self.layout.scatter([(source, ids) for source, ids in found if source is not None], group)
-            failed.extend(b for source, ids in found if source is None for b in ids if b != SKIP)
+            found = [(j, fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
+            present = [(j, source, ids) for j, source, ids in found if source is not None]
+            verdicts = self.layout.scatter([(source, ids) for _, source, ids in present], group,
+                                           [fetched.check(j) for j, _, _ in present])
+            for (j, _, ids), ok in zip(present, verdicts, strict=True):
+                if fetched.check(j) is not None:  # a disk hit verified as it was copied: one pass
+                    (fetched.good if ok else fetched.bad).append(keys[wave[j]])
+                if not ok:
+                    self.stats.add("load.bad_checksum")
+                    failed.extend(b for b in ids if b != SKIP)
+            failed.extend(b for _, source, ids in found if source is None for b in ids if b != SKIP)
 
-        self.transfers.fetch_waves(client, keys, scatter)
+        self.transfers.fetch_waves(client, keys, scatter, self.layout.checks_copies)
         return failed
 
     def _report_staging(self, staged: int, loaded: int) -> None:
@@ -186,6 +195,5 @@ class LoadHandler:
         return failed
 
     def close(self) -> None:
-        if self._load_pool is not None:
-            self._load_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
         self.transfers.close()

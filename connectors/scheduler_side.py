@@ -63,6 +63,9 @@ class SchedulerSettings:
     """The engine-side options the scheduler acts on (connectors/options.py)."""
 
     load_async: bool = True
+    # A hit the lookup leased whole (in DRAM: a copy, no I/O) loads before the forward pass
+    # of the step that computes the rest, one engine step sooner than an async load.
+    sync_dram_loads: bool = True
     prefetch: PrefetchPolicy | None = None  # None: no promotion, every stored chunk counts at once
     stage_on_arrival: bool = False  # workers have device staging pools
     wait_for_saves_s: float = 5.0
@@ -93,6 +96,7 @@ class _Request:
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
     block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
     loading: bool = field(default=False, init=False)  # an async load of it is under way
+    load_async: bool = field(default=True, init=False)  # what the engine was told at the match
     saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
     turn_idle: tuple[int, float | None] = field(default=(0, None), init=False)  # ChainReports.planned
 
@@ -143,7 +147,13 @@ class _Request:
         return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
                         parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
                         blocks=tuple(blocks), save_id=save_id, group=group,
-                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]), leased=leased)
+                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]), leased=leased,
+                        load_async=self.load_async)
+
+    def leased_whole(self, chunks: int) -> bool:
+        """Every chunk before `chunks` is leased, on every rank (DRAM: a copy, no I/O)."""
+        return bool(self.found.lease) and chunks > 0 and all(
+            len(offsets) >= chunks and min(offsets[:chunks]) >= 0 for offsets in self.found.offsets)
 
 
 def _streams(position: int, ranks: int) -> slice:
@@ -175,7 +185,7 @@ class SchedulerCore:
                          else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
-        self._plan = StepPlan(load_async=settings.load_async)
+        self._plan = StepPlan()
         self.counters: Counter[str] = Counter()
         self.rules = settings.groups
         self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
@@ -234,8 +244,9 @@ class SchedulerCore:
         earlier = self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
         if earlier is not None:
             self._release(earlier.found.lease)
+        loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
-                                    cap=(len(prompt) - 1) // self.chunk_tokens, lease=True)
+                                    cap=loadable, lease=num_computed < loadable * self.chunk_tokens)
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
@@ -252,6 +263,8 @@ class SchedulerCore:
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
         request = self._requests[req_id] = _Request(
             keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
+        request.load_async = self.settings.load_async and not (
+            self.settings.sync_dram_loads and request.leased_whole(load_end // self.chunk_tokens))
         request.turn_idle = self.reports.planned(keys[0])
         return max(0, load_end - num_computed)
 
@@ -309,7 +322,7 @@ class SchedulerCore:
             if run is not None:
                 streams = _streams(position, self.ranks)
                 self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
-                request.loading = self.settings.load_async
+                request.loading = request.load_async
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -343,14 +356,19 @@ class SchedulerCore:
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty. A sync load's lease is
         released after the step (its workers copy before the forward pass)."""
-        plan, self._plan = self._plan, StepPlan(load_async=self.settings.load_async)
-        if not plan.load_async:
-            for req_id in {t.req_id for t in plan.loads}:
-                request = self._requests.get(req_id)
-                if request is not None and request.found.lease:
-                    self._after_step.append(request.found.lease)
-                    request.found = dataclasses.replace(request.found, lease=0)
+        plan, self._plan = self._plan, StepPlan()
+        for req_id in {t.req_id for t in plan.loads if not t.load_async}:
+            request = self._requests.get(req_id)
+            if request is not None and request.found.lease:
+                self._after_step.append(request.found.lease)
+                request.found = dataclasses.replace(request.found, lease=0)
         return plan
+
+    def loads_async(self, req_id: str) -> bool:
+        """Whether the load decided at the match runs while the request waits (the engine
+        is told so): a hit leased whole in DRAM loads in its step (`sync_dram_loads`)."""
+        request = self._requests.get(req_id)
+        return request.load_async if request is not None else self.settings.load_async
 
     def step_done(self, loads_ended: Iterable[str]) -> None:
         """The workers reported a step: its sync loads' leases go, and those of the async
@@ -386,7 +404,7 @@ class SchedulerCore:
         """A fault while serving `req_id`: its load in this step's plan is given up whole, or
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
         forgotten (the service is not told it ended: what it kept may be what faulted)."""
-        self._plan.give_up(req_id, blocks)
+        self._plan.give_up(req_id, blocks, self.loads_async(req_id))
         self._forget(req_id)
 
     def _forget(self, req_id: str) -> _Request | None:

@@ -245,7 +245,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         staging = None
         if self.options.device_staging:
             staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device)
-        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging,
+        self._worker = WorkerCore(layout, rank, make_client, staging,
                                   self.options.save_window_wait_s, self._fail_requests)
         log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
                  layout.chunk_bytes)
@@ -255,7 +255,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and plan.stages:
             self._worker.start_stages(plan.stages)
         if self._worker is not None and plan.loads:
-            self._worker.start_loads(plan.loads, plan.load_async)
+            self._worker.start_loads(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads fill whole chunks (all layers) before the request runs."""

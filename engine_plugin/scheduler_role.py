@@ -49,7 +49,6 @@ class SchedulerRole:
         store = options.store
         self._namespaces, self._rules = namespaces, rules
         self.limits = limits
-        self.load_async = options.load_async
         self._trust_mm_uuids = options.trust_client_mm_uuids
         self._faults_logged: set[str] = set()
         self._abandoned: set[str] = set()  # faulted, or out of load tries: misses until they finish
@@ -58,7 +57,8 @@ class SchedulerRole:
         self.link = ServiceLink(lambda: StoreClient(store, timeout_s=options.lookup_timeout_s))
         self.link.start()  # starts the service if needed: config errors surface now
         kept: Saves = ("answers" if options.save_answers else "prompts") if saves else "none"
-        settings = SchedulerSettings(load_async=options.load_async, prefetch=options.prefetch,
+        settings = SchedulerSettings(load_async=options.load_async, sync_dram_loads=options.sync_dram_loads,
+                                     prefetch=options.prefetch,
                                      stage_on_arrival=options.device_staging > 0,
                                      wait_for_saves_s=options.wait_for_saves_s, saves=kept,
                                      handoff_wait_s=options.pd_wait_s, groups=rules)
@@ -110,7 +110,7 @@ class SchedulerRole:
                                                  num_computed_tokens, keying)
         if count is None:
             return None, False
-        return count, self.load_async and count > 0
+        return count, self.core.loads_async(request.request_id) and count > 0
 
     def finished(self, request: Request, role: Role, host: str | None) -> dict[str, Any] | None:
         """request_finished: forget it; a producer's reply names the prompt chunks it stored

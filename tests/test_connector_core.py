@@ -227,3 +227,30 @@ def test_store_keys_at_the_top_level_are_checked_as_store_keys():
     with pytest.raises(ConfigError) as caught:
         parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "loadAsync": True})
     assert caught.value.field == "loadAsync" and "chunk_tokens" in caught.value.reason
+
+
+@pytest.mark.parametrize("resident,sync_dram_loads,expect_async", [
+    (8, True, False),  # leased whole: a copy, loaded in its step
+    (6, True, True),  # two chunks on disk: I/O, loaded while the request waits
+    (8, False, True),  # the option off: as load_async says
+])
+def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, sync_dram_loads, expect_async):
+    """The lookup that decides the load leased the DRAM run; a hit it covers whole is told
+    to the engine as a sync load (no extra engine step), its plan's transfer says so and
+    its lease goes back after the step; any other hit stays async until its load ends."""
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+        offsets = tuple(tuple(i * 4096 if i < resident else -1 for i in range(8)) for _ in ranks)
+        return Residency(8, resident, lease=5 if lease else 0, offsets=offsets if lease else ())
+
+    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
+                              SchedulerSettings(load_async=True, sync_dram_loads=sync_dram_loads))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    assert scheduler.loads_async("r") is expect_async
+    scheduler.on_alloc("r", list(range(16)), 8 * CHUNK)
+    (load,) = scheduler.take_plan().loads
+    assert load.load_async is expect_async
+    assert load.leased[0][:resident] == tuple(range(0, resident * 4096, 4096))
+    scheduler.step_done([])
+    assert scheduler.take_releases() == ([] if expect_async else [5])
+    scheduler.step_done(["r"])  # the async load ended
+    assert scheduler.take_releases() == ([5] if expect_async else [])

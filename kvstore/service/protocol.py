@@ -32,10 +32,15 @@ Requests (a tagged union) and what a Reply's value holds:
   Put(keys, slots, parent, namespace)
                            -> [bool]: chunk keys[i] (in window slot slots[i]) is stored, its
                               header naming `namespace` (None: the hello's)
-  Pin(keys)                -> [lease, [offset]]: chunk keys[i]'s payload is at offset[i] of
-                              the DRAM tier (-1: not in DRAM), pinned until Unpin(lease)
-                              or the connection ends; at most a window's worth at a time
-  Unpin(leases)            -> None
+  Pin(keys, verify)        -> [lease, [offset], [check]]: chunk keys[i]'s payload is at
+                              offset[i] of the DRAM tier (-1: not in DRAM), pinned until
+                              Unpin(lease) or the connection ends; at most a window's worth
+                              at a time. Without `verify` (the service's own user only) a
+                              disk hit's payload is not hashed by the service: check[i] is the
+                              checksum the client must find as it copies it (None: verified)
+  Unpin(leases, good, bad) -> None; of the leases' unverified chunks, those in `good` are
+                              published in DRAM, those in `bad` dropped (counted), the others
+                              released unpublished
   Info()                   -> the store's info
   Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
                               (chunk_events.py; since < 0: the current cursor only)
@@ -71,9 +76,9 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 10  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+PROTOCOL_VERSION = 11  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
 # it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find; 10: a
-# Residency leases, releases and counts
+# Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
@@ -169,10 +174,13 @@ class Purge(msgspec.Struct, tag="purge", forbid_unknown_fields=True):
 
 class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
     keys: Keys
+    verify: bool = True  # False: the client verifies disk hits as it copies them (checks)
 
 
 class Unpin(msgspec.Struct, tag="unpin", forbid_unknown_fields=True):
     leases: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
+    good: Keys = []  # unverified chunks of these leases the client verified as it copied them
+    bad: Keys = []  # and those whose payload it found another checksum for
 
 
 class Info(msgspec.Struct, tag="info", forbid_unknown_fields=True):

@@ -145,16 +145,18 @@ class TieredStore:
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
 
-    def lease(self, keys: Sequence[bytes], from_disk: bool = True) -> Lease:
+    def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True) -> Lease:
         """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
         promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
         for a reader that maps the DRAM tier and copies them out itself: they stay pinned
-        until `release` (store/leases.py)."""
-        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk)
+        until `release` (store/leases.py). Without `verify` the disk hits' payloads are left
+        for that reader to verify as it copies them (Lease.checks)."""
+        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk, verify)
 
-    def release(self, lease: Lease) -> None:
-        """Unpin a lease's slots (once: a second release does nothing)."""
-        leases.release(self.parts, lease)
+    def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = ()) -> None:
+        """Unpin a lease's slots (once: a second release does nothing); of its unverified
+        ones those in `good` are published, those in `bad` dropped (store/leases.py)."""
+        leases.release(self.parts, lease, good, bad)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
