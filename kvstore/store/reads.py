@@ -45,9 +45,7 @@ class Reads:
         if self.parts.dram is None:
             return held
         self._read(keys, None, held, from_disk, unchecked)
-        # A worker's pin is its get; a lookup's lease (DRAM only) is not one yet: the load
-        # it protects may be given up (the engine's own cache may hold the chunks).
-        for name in ("get.chunks", "get.hits", "host.leased") if from_disk else ("host.leased",):
+        for name in ("get.chunks", "get.hits", "host.leased"):  # a pin is the get of what it serves
             self.parts.stats.add(name, len(held))
         return held
 
