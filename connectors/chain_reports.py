@@ -21,7 +21,8 @@ from kvstore.tiers.return_rates import MAX_TOKENS, RequestEnd
 
 class Notify(Protocol):
     """Tell the service about a chain: ("finished", keys per rank, 0, how it ended) when a
-    request ends (its next turn is expected), ("expect", keys per rank, in_s) for a hint."""
+    request ends (its next turn is expected), ("expect", keys per rank, in_s) for a hint,
+    ("await", keys per rank, within_s) for chunks a held request waits for (handoff.py)."""
 
     def __call__(self, kind: str, ranks: list[list[bytes]], in_s: float, /,
                  end: RequestEnd | None = None) -> None: ...

@@ -24,12 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from connectors.plan import SKIP
-from connectors.prefetch import Residency
+from connectors.prefetch import Lookup, Residency
 
 NULL_BLOCK = 0  # vLLM's null block: the id a group's table holds where it keeps no KV
 MAX_HIT_TRIES = 4  # boundaries tried for the sliding groups' windows, per lookup
 
-Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
 
 
 @dataclass(frozen=True)

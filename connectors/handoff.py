@@ -10,6 +10,10 @@ the same prompt and holds the request ("ask again later", no KV blocks taken) un
 service finds that many chunks readable (its own tiers, or a peer's device through the
 cluster index), at most `pd_wait_s`; then it loads what is there and recomputes the
 rest. A wrong or late handoff costs recompute, never wrong tokens and never a hang.
+The producer's saves may still be on their way when its reply reaches the consumer, so
+a held request also has its service watch the index for the named chunks (a lookup's
+`await_s`): a lookup backoff (an index read that failed or came late) would otherwise
+hide chunks published meanwhile until the hold ran out.
 
 The params sit under one key (PARAMS_KEY), so vLLM's MultiConnector can merge them with
 another connector's without a clash; they carry no `do_remote_prefill`, which would make
@@ -25,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.chain_reports import Notify
 from kvstore.config.store import StoreConfig
 from kvstore.format.errors import ConfigError
 from kvstore.format.malformed import Malformed, whole
@@ -119,37 +124,43 @@ class HandoffWaits:
     handoff.ready (all named chunks readable at the first ask), handoff.waited and
     handoff.wait_ms (held, and for how long), handoff.expired (the deadline passed first:
     the rest is recomputed), handoff.mismatch (the named key is not this prompt's: another
-    model id, salt or chunk size; nothing waited for)."""
+    model id, salt or chunk size; nothing waited for). When a request is first held, the
+    service is told to await the named chunks of every key list for the hold's length
+    (`notify("await", ...)`)."""
 
     def __init__(self, wait_s: float, counters: Counter[str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, notify: Notify | None = None) -> None:
         self.wait_s = wait_s
         self.counters = counters
         self._clock = clock
+        self._notify = notify
         self._waiting: dict[str, _Waiting] = {}
 
     def expect(self, req_id: str, handoff: Handoff) -> None:
         self._waiting[req_id] = _Waiting(handoff)
         self.counters["handoff.requests"] += 1
 
-    def held(self, req_id: str, keys: Sequence[bytes], stored: int, prompt_tokens: int,
+    def held(self, req_id: str, keys: Sequence[Sequence[bytes]], stored: int, prompt_tokens: int,
              chunk_tokens: int) -> bool:
         """True while fewer than the named chunks (those a load may use: never the one
-        holding the prompt's last token) are readable, up to wait_s from the first ask."""
+        holding the prompt's last token) are readable, up to wait_s from the first ask.
+        `keys`: the request's key lists (one per group and rank), rank 0's first."""
         waiting = self._waiting.get(req_id)
         if waiting is None:
             return False
         handoff = waiting.handoff
-        if handoff.chunks > len(keys) or keys[handoff.chunks - 1] != handoff.last_key:
+        if handoff.chunks > len(keys[0]) or keys[0][handoff.chunks - 1] != handoff.last_key:
             self.counters["handoff.mismatch"] += 1
             del self._waiting[req_id]
             return False
         wanted = min(handoff.chunks, (prompt_tokens - 1) // chunk_tokens)
         now = self._clock()
-        if waiting.since is None:
-            waiting.since = now
+        first = waiting.since is None
+        waiting.since = now if waiting.since is None else waiting.since
         waited = now - waiting.since
         if stored < wanted and waited < self.wait_s:
+            if first and self._notify is not None:
+                self._notify("await", [list(k[:wanted]) for k in keys], self.wait_s)
             return True
         del self._waiting[req_id]
         if waited == 0:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 
+from connectors.worker_threads import unbind
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import ServiceUnavailable, StoreClient
 
@@ -101,10 +102,12 @@ class ServiceLink:
 
 
 def _in_thread(make: Callable[[], StoreClient]) -> Future[StoreClient]:
-    """`make()` on a daemon thread (one stuck in a spawn or a hello never holds up exit)."""
+    """`make()` on a daemon thread (one stuck in a spawn or a hello never holds up exit),
+    unbound from an engine's compute core: a service it spawns inherits its CPUs."""
     made: Future[StoreClient] = Future()
 
     def run() -> None:
+        unbind()
         try:
             made.set_result(make())
         except BaseException as exc:  # handed to whoever takes the result

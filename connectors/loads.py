@@ -1,18 +1,23 @@
 """Worker loads: chunks from the service's DRAM tier or window scattered into KV blocks.
 
-The chunks come through transfer.py: where this worker maps the service's DRAM tier
-(read-only), a hit is one copy, straight from its pinned slot into the blocks (a disk
-hit is read into a DRAM slot and verified there first); what DRAM cannot hold, and
-every chunk where the tier is not shared, is scattered from the window slot the service
-filled. They run in waves of half the window, the next wave's fetch overlapping this
-wave's scatter, so the service's disk reads and the scatter overlap.
+Where this worker maps the service's DRAM tier (read-only), the chunks the scheduler's
+lookup leased for this load (Transfer.leased) are copied straight from their pinned slots
+into the blocks, with no request to the service: the record's key is checked at its
+offset before and after the copy (the pin is the scheduler connection's, and goes with
+it), and one that changed is a failed chunk, recomputed. The rest come through
+transfer.py: a DRAM hit is one copy out of its pinned slot (a disk hit is read into a
+DRAM slot and verified there first); what DRAM cannot hold, and every chunk where the
+tier is not shared, is scattered from the window slot the service filled. They run in
+waves of half the window, the next wave's fetch overlapping this wave's scatter, so the
+service's disk reads and the scatter overlap.
 A chunk that did not verify, went missing or timed out is reported by its block ids,
 and the engine recomputes those tokens; with `fail_requests` (a model with several KV
 cache groups, whose block ids are unique only within a group), an async load's request
 is reported failed instead, with its finish, and the engine recomputes it whole.
-With `load_async`, loads run on a thread while the request waits outside the batch;
-otherwise before the forward pass. Chunks already staged on the device (stages.py)
-are copied from the pool instead of asked for.
+An async load (Transfer.load_async, as the scheduler decided per request) runs on a
+thread while the request waits outside the batch; the others before the forward pass.
+Chunks already staged on the device (stages.py) are copied from the pool instead of
+asked for.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.kv_layout import KVLayout
 from connectors.link import ServiceLink
 from connectors.plan import SKIP, Transfer
 from connectors.transfer import Fetched, Transfers
+from connectors.worker_threads import pool
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
@@ -37,7 +42,7 @@ log = logging.getLogger("vllm.kvstore.worker")
 
 class LoadHandler:
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient], stats: Stats,
-                 load_async: bool, staging: DeviceStagingPool | None, fail_requests: bool = False) -> None:
+                 staging: DeviceStagingPool | None, fail_requests: bool = False) -> None:
         self.layout = layout
         self.rank = rank
         self.stats = stats
@@ -52,9 +57,9 @@ class LoadHandler:
         self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
         self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
-        self._load_pool = ThreadPoolExecutor(1, "kvstore-load") if load_async else None
+        self._load_pool = pool("kvstore-load")  # async loads
 
-    def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
+    def start_loads(self, loads: Sequence[Transfer]) -> None:
         """An async load's request is reported finished once, after its last transfer (a
         hybrid model's groups load in transfers of their own), and with `fail_requests`
         failed in that same take if one of them failed (take_finished_loads); every other
@@ -62,7 +67,7 @@ class LoadHandler:
         with self._lock:
             self._loads_left.update(t.req_id for t in loads)
         for transfer in loads:
-            if load_async and self._load_pool is not None:
+            if transfer.load_async:
                 self._load_pool.submit(self._load, transfer, True)
             else:
                 self._load(transfer, False)
@@ -103,11 +108,31 @@ class LoadHandler:
         if client is None:
             failed = [b for i in pending for b in transfer.blocks[i] if b != SKIP]
         else:
-            failed = self._load_waves(client, [keys[i] for i in pending],
-                                      [transfer.blocks[i] for i in pending], transfer.group)
+            leased = transfer.leased[self.rank] if transfer.leased else ()
+            failed, pending = self._load_leased(client, keys, transfer.blocks, leased, pending,
+                                                transfer.group)
+            failed += self._load_waves(client, [keys[i] for i in pending],
+                                       [transfer.blocks[i] for i in pending], transfer.group)
         self.stats.add("load.chunks", transfer.num_chunks)
         self._report_staging(transfer.num_chunks - len(pending), transfer.num_chunks)
         return failed
+
+    def _load_leased(self, client: StoreClient, keys: Sequence[bytes], blocks: Sequence[tuple[int, ...]],
+                     leased: Sequence[int], pending: list[int], group: int) -> tuple[list[int], list[int]]:
+        """Copy the chunks among `pending` that the scheduler leased (`leased[i]`: the
+        payload's offset in the tier) and that the tier still holds, with no request; (the
+        block ids that did not load, the chunks left to fetch)."""
+        def held(i: int) -> bool:
+            return i < len(leased) and leased[i] >= 0 and client.tier_holds(leased[i], keys[i])
+
+        direct = [i for i in pending if held(i)]
+        if not direct:
+            return [], pending
+        self.layout.scatter([(client.tier_payload(leased[i]), blocks[i]) for i in direct], group)
+        failed = [b for i in direct if not held(i) for b in blocks[i] if b != SKIP]
+        self.stats.add("load.leased_chunks", len(direct))
+        chosen = set(direct)
+        return failed, [i for i in pending if i not in chosen]
 
     def _load_waves(self, client: StoreClient, keys: list[bytes],
                     blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
@@ -116,11 +141,19 @@ class LoadHandler:
         failed: list[int] = []
 
         def scatter(wave: range, fetched: Fetched) -> None:
-            found = [(fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
-            self.layout.scatter([(source, ids) for source, ids in found if source is not None], group)
-            failed.extend(b for source, ids in found if source is None for b in ids if b != SKIP)
+            found = [(j, fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
+            present = [(j, source, ids) for j, source, ids in found if source is not None]
+            verdicts = self.layout.scatter([(source, ids) for _, source, ids in present], group,
+                                           [fetched.check(j) for j, _, _ in present])
+            for (j, _, ids), ok in zip(present, verdicts, strict=True):
+                if fetched.check(j) is not None:  # a disk hit verified as it was copied: one pass
+                    (fetched.good if ok else fetched.bad).append(keys[wave[j]])
+                if not ok:
+                    self.stats.add("load.bad_checksum")
+                    failed.extend(b for b in ids if b != SKIP)
+            failed.extend(b for _, source, ids in found if source is None for b in ids if b != SKIP)
 
-        self.transfers.fetch_waves(client, keys, scatter)
+        self.transfers.fetch_waves(client, keys, scatter, self.layout.checks_copies)
         return failed
 
     def _report_staging(self, staged: int, loaded: int) -> None:
@@ -162,6 +195,5 @@ class LoadHandler:
         return failed
 
     def close(self) -> None:
-        if self._load_pool is not None:
-            self._load_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
         self.transfers.close()

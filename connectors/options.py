@@ -31,6 +31,12 @@ class ConnectorOptions(Schema):
                           "`WAITING_FOR_REMOTE_KVS`); false: read them just before the forward pass "
                           "that needs them (not on a model with more than one KV cache group, whose "
                           "loads are always async: see \"What happens on failure\")")
+    sync_dram_loads: Bool = Field(
+        True, description="a hit the scheduler's lookup leased whole (its chunks pinned in the DRAM tier: "
+                          "a copy, no I/O) loads before the forward pass of the step that computes the "
+                          "rest, one engine step sooner than an async load (it holds that step for the "
+                          "copy); false: every load as `load_async` says",
+        json_schema_extra={"doc_type": "true/false", "doc_default": "true"})
     model_id: Text | None = Field(
         None, description="the model identity in chunk keys (none: the engine's model path); set it "
                           "when one model is served from different paths, so they share chunks",

@@ -4,12 +4,14 @@ Engines with a host KV pool of their own (SGLang's HiCache, LMCache's CPU tier) 
 page by its memory: one or more (address, bytes) segments, in order, that together make
 one chunk. Chunks move through transfer.py, as the vLLM worker's do. A load copies each
 chunk once, straight into those segments: from the service's DRAM tier where this
-process maps it (the service pins the chunk's slot; a disk hit is read into DRAM and
-verified there first), otherwise from the window slot the service filled (DRAM copy or
-O_DIRECT read, checksummed), in waves of half the window, the next wave's fetch running
+process maps it (the service pins the chunk's slot; a disk hit is read into a DRAM slot
+and hashed as it is copied out, one pass over its bytes, then published for others only
+if it verified), otherwise from the window slot the service filled (DRAM copy or O_DIRECT
+read, checksummed), in waves of half the window, the next wave's fetch running
 while this one is copied. A save gathers the segments into window slots and stores
 them as one chain (each page's parent the page before it, across waves; the caller
-names the first one's). A wave's copies go to
+names the first one's), in the same waves, each gathered into one half of the window
+while the wave before it is put (Transfers.store_waves). A wave's copies go to
 kvstore's copier in one call: shared out across threads that release the GIL, as the
 vLLM client's loads are (engine_plugin/layout.py). Whatever did not verify, went
 missing, or ran past the service deadline is a miss (False), never an exception: the
@@ -19,6 +21,7 @@ engine's storage threads must survive a fault.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +31,7 @@ from connectors.link import ServiceLink
 from connectors.transfer import Fetched, Transfers
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.io.copier import copy_many
+from kvstore.io.copier import copy_checked, copy_many
 from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.page_io")
@@ -45,13 +48,18 @@ def _memory(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
 
+def _placed(page: Segments) -> list[tuple[memoryview, int]]:
+    """(page segment, where its bytes start in the chunk) for each of the page's segments."""
+    placed, at = [], 0
+    for address, size in page:
+        placed.append((_memory(address, size), at))
+        at += size
+    return placed
+
+
 def _pieces(page: Segments, chunk: memoryview) -> list[tuple[memoryview, memoryview]]:
     """(page segment, the chunk's bytes for it) for each of the page's segments, in order."""
-    pairs, at = [], 0
-    for address, size in page:
-        pairs.append((_memory(address, size), chunk[at : at + size]))
-        at += size
-    return pairs
+    return [(segment, chunk[at : at + len(segment)]) for segment, at in _placed(page)]
 
 
 class PageIO:
@@ -60,11 +68,17 @@ class PageIO:
 
     def __init__(self, make_client: Callable[[], StoreClient], chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
+        self.make_client = make_client
         self.link = ServiceLink(make_client)
         self.link.start()
         self.transfers = Transfers(self.link, "pages")
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+
+    def another(self) -> PageIO:
+        """A connection of its own to the same service, for the same pages: loads on two
+        PageIOs run side by side (one's service reads while the other copies)."""
+        return PageIO(self.make_client, self.chunk_bytes)
 
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the store holds (0 while the service does not answer)."""
@@ -92,36 +106,38 @@ class PageIO:
                 return done
 
             def copy(wave: range, fetched: Fetched) -> None:
-                found = [(i, source) for j, i in enumerate(wave)
+                found = [(j, i, source) for j, i in enumerate(wave)
                          if (source := fetched.source(client, j)) is not None]
-                copy_many([pair for i, source in found for pair in _pieces(pages[i], source)])
-                for i, _ in found:
+                plain = [(i, source) for j, i, source in found if fetched.check(j) is None]
+                checked = [(j, i, source) for j, i, source in found if fetched.check(j) is not None]
+                copy_many([pair for i, source in plain for pair in _pieces(pages[i], source)])
+                digests = copy_checked([(source, _placed(pages[i])) for _, i, source in checked])
+                for i, _ in plain:
                     done[i] = True
+                for (j, i, _), digest in zip(checked, digests, strict=True):  # verified as copied
+                    done[i] = digest == fetched.check(j)
+                    (fetched.good if done[i] else fetched.bad).append(keys[i])
 
-            self.transfers.fetch_waves(client, keys, copy)
+            self.transfers.fetch_waves(client, keys, copy, checks_copies=True)
         return done
 
     def save(self, keys: Sequence[bytes], pages: Sequence[Segments],
-             parent: bytes | None = None) -> list[bool]:
+             parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
         """Store pages[i] as chunk keys[i], one chain: keys[0]'s parent is `parent` (the
         chunk before them in the engine's sequence; None: they start it), each next
-        page's the one before it, across window waves. False where it was not stored."""
+        page's the one before it, across window waves. Their records' headers name
+        `namespace` (None: the connection's). False where it was not stored."""
         self._check(keys, pages)
-        done = [False] * len(keys)
         with self._lock:
             client = self.link.get()
             if client is None or client.window is None:
-                return done
-            for start in range(0, len(keys), client.slots):
-                if self.link.peek() is not client:
-                    break  # a wave's store failed: the rest would miss too
-                wave = range(start, min(start + client.slots, len(keys)))
-                copy_many([(slot_bytes, segment) for slot, i in enumerate(wave)
+                return [False] * len(keys)
+
+            def gather(wave: range, first: int) -> None:
+                copy_many([(slot_bytes, segment) for slot, i in enumerate(wave, first)
                            for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
-                chained = keys[start - 1] if start else parent
-                done[wave.start:wave.stop] = self.transfers.store(
-                    client, [keys[i] for i in wave], list(range(len(wave))), chained)
-        return done
+
+            return self.transfers.store_waves(client, keys, gather, parent, namespace)
 
     def count_misses(self, kind: str, chunks: int, why: str, *args: Any) -> None:
         """`chunks` loaded chunks the engine's backend refused after they verified (`kind`:
@@ -154,24 +170,28 @@ class PageIO:
 
 
 def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
-                  description: Mapping[str, str | int] | None = None) -> tuple[PageIO, PageIO]:
+                  description: Mapping[str, str | int] | None = None, *,
+                  more: Sequence[tuple[bytes, Mapping[str, str | int]]] = ()) -> tuple[PageIO, PageIO]:
     """(reads, writes): two connections to the service that `source` configures (a
     kvstore YAML/JSON file or the config as a mapping; `field` names where it came
     from, for the error when it is missing), so a save never waits behind a load. Their
     records' headers name `namespace`, announced with `description` at each connect
-    (what `kvstore purge --list` shows)."""
+    (what `kvstore purge --list` shows), together with `more` (digest, description):
+    further namespaces a save names (`PageIO.save`'s `namespace`)."""
     if not source:
         raise ConfigError(field, None, "required: a kvstore YAML/JSON file or the config as a mapping")
     store = load_config(source)
 
-    def make_client() -> StoreClient:
-        client = StoreClient(store, chunk_bytes, namespace=namespace)
-        if description is not None:
+    def make_client(map_tier: bool) -> StoreClient:
+        client = StoreClient(store, chunk_bytes, namespace=namespace, map_tier=map_tier)
+        announced = [(namespace, description)] if description is not None else []
+        if announced or more:
             try:
-                client.announce([(namespace, description)])
+                client.announce([*announced, *more])
             except BaseException:
                 client.close()
                 raise
         return client
 
-    return PageIO(make_client, chunk_bytes), PageIO(make_client, chunk_bytes)
+    return PageIO(functools.partial(make_client, True), chunk_bytes), \
+        PageIO(functools.partial(make_client, False), chunk_bytes)  # a save never reads the tier

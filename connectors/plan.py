@@ -27,6 +27,11 @@ class Transfer:
     (SchedulerCore.abandon): workers report its blocks failed, so the engine recomputes them.
     namespaces[rank] is the digest of the namespace rank `rank`'s keys were made in: a
     save's records carry it in their headers (what `kvstore purge` finds them by).
+    A load's `leased[rank][i]` is where chunk i's payload lies in the service's shared DRAM
+    tier, pinned by the scheduler's lookup for this load (-1, or none at all: fetch it):
+    the worker copies it from there with no request of its own. `load_async`: the load
+    runs while its request waits outside the batch (reported finished), else before the
+    forward pass of this step; the scheduler told the engine which, per request.
     """
 
     req_id: str
@@ -36,6 +41,8 @@ class Transfer:
     save_id: int = 0
     group: int = 0  # the engine's KV cache group whose blocks these are (hybrid models)
     namespaces: tuple[bytes, ...] = ()
+    leased: tuple[tuple[int, ...], ...] = ()
+    load_async: bool = True
 
     @property
     def num_chunks(self) -> int:
@@ -55,15 +62,16 @@ class StepPlan:
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
-    load_async: bool = True
 
-    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
+    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = (), load_async: bool = True) -> None:
         """Never half-load `req_id` after a fault: its loads become given-up ones (no keys:
         every block reported failed and, if async, the load finished, so the engine
-        recomputes them), or, with none planned, `blocks` (per KV cache group) do; its
-        stages are dropped; its saves stay (their keys and blocks were whole when planned)."""
-        mine = [(t.blocks, t.group) for t in self.loads if t.req_id == req_id]
-        given_up = mine or [((tuple(ids),), group) for group, ids in enumerate(blocks) if ids]
+        recomputes them), or, with none planned, `blocks` (per KV cache group) do, async as
+        the engine was told (`load_async`); its stages are dropped; its saves stay (their
+        keys and blocks were whole when planned)."""
+        mine = [(t.blocks, t.group, t.load_async) for t in self.loads if t.req_id == req_id]
+        given_up = mine or [((tuple(ids),), group, load_async) for group, ids in enumerate(blocks) if ids]
         self.loads = [t for t in self.loads if t.req_id != req_id]
-        self.loads += [Transfer(req_id, (), (), ids, group=group) for ids, group in given_up]
+        self.loads += [Transfer(req_id, (), (), ids, group=group, load_async=was_async)
+                       for ids, group, was_async in given_up]
         self.stages = [s for s in self.stages if s.req_id != req_id]

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from pydantic import Field, ValidationError
 
@@ -29,11 +29,23 @@ POLICIES = ("best_effort", "wait", "timeout")
 @dataclass(frozen=True)
 class Residency:
     """One prompt's chunks across every tensor-parallel rank: a chunk counts only where
-    every rank's copy is (the service answers for all ranks in one snapshot)."""
+    every rank's copy is (the service answers for all ranks in one snapshot). A lookup that
+    asked for a lease also holds the DRAM run pinned for the workers: `lease` (0: none) and
+    `offsets[rank][i]`, chunk i's payload in the shared tier (-1: not pinned)."""
 
     stored: int  # leading chunks present in any tier
     resident: int  # leading chunks already in DRAM
     pending: bool = False  # a promotion of this run is queued or running
+    lease: int = 0
+    offsets: tuple[tuple[int, ...], ...] = ()
+
+
+class Lookup(Protocol):
+    """What the store holds of one prompt (keys per rank), across ranks; with `lease_from`, its
+    DRAM run from that chunk on pinned for the workers until the lease is released."""
+
+    def __call__(self, keys: list[list[bytes]], prefetch: bool,
+                 lease_from: int | None = None) -> Residency: ...
 
 
 class PrefetchPolicy(Schema):

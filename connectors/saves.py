@@ -1,16 +1,16 @@
 """Worker saves: chunks copied out of KV blocks into window slots, then written behind.
 
-Saves copy out within their step, since a block may be reused once the step ends:
-each chunk's blocks are gathered into a free window slot, and a writer thread hands
-the slots to the service (transfer.py: a save's waves are one chain, each wave's parent
-the previous wave's last chunk), in waves of at most half the window so the copy-out of one
-wave overlaps the write of the previous. A step that computed more chunks than the
-window holds waits for slots to come back, at most `save_window_wait_s` per step (and
-not at all while the writer is stuck, i.e. since a wait ran out no slot came back);
-what does not fit is dropped and counted (`save.dropped`, sent to the service's
-counters). A dropped save is only a future miss. Each save is reported done (stored
-or given up) by its save_id, in the writer's order, so the scheduler knows when its
-chunks stopped being in flight.
+Saves copy out within their step, since a block may be reused once the step ends: each
+chunk's blocks are gathered into a free window slot, and a writer thread hands the slots
+to the service (transfer.py: a save's waves are one chain, each wave's parent the previous
+wave's last chunk: `chain_parent`), in the waves a fetch takes (`wave_plan`: at most half
+the window), so the copy-out of one wave overlaps the write of the previous. A step that
+computed more chunks than the window holds waits for slots to come back, at most
+`save_window_wait_s` per step (and not at all while the writer is stuck, i.e. since a wait
+ran out no slot came back); what does not fit is dropped and counted (`save.dropped`, sent
+to the service's counters). A dropped save is only a future miss. Each save is reported
+done (stored or given up) by its save_id, in the writer's order, so the scheduler knows
+when its chunks stopped being in flight.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from connectors.kv_layout import KVLayout
 from connectors.link import ServiceLink
 from connectors.plan import Transfer
-from connectors.transfer import Transfers
+from connectors.transfer import Transfers, chain_parent, wave_plan
+from connectors.worker_threads import unbind
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
@@ -90,17 +91,21 @@ class SaveHandler:
         deadline = time.monotonic() + self.save_window_wait_s
         for transfer in saves:
             keys = transfer.keys[self.rank]
+            namespace = transfer.namespaces[self.rank] if transfer.namespaces else None
+            waves = wave_plan(transfer.num_chunks, max(1, client.slots // 2)) if client is not None else []
             done = 0
-            while client is not None and done < transfer.num_chunks:
-                slots = self._take_slots(client, transfer.num_chunks - done, deadline)
-                if not slots:
+            for wave in waves:  # the fetches' waves; a wave short of free slots goes in pieces
+                while client is not None and done < wave.stop:
+                    slots = self._take_slots(client, wave.stop - done, deadline)
+                    if not slots:
+                        break
+                    for slot, blocks in zip(slots, transfer.blocks[done:], strict=False):
+                        self.layout.gather(blocks, client.slot(slot), transfer.group)
+                    parent = chain_parent(keys, done, transfer.parents[self.rank])
+                    self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent, namespace))
+                    done += len(slots)
+                if done < wave.stop:
                     break
-                for slot, blocks in zip(slots, transfer.blocks[done:], strict=False):
-                    self.layout.gather(blocks, client.slot(slot), transfer.group)
-                parent = keys[done - 1] if done else transfer.parents[self.rank]
-                namespace = transfer.namespaces[self.rank] if transfer.namespaces else None
-                self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent, namespace))
-                done += len(slots)
             self._writes.put(_SaveDone(transfer.save_id, transfer.num_chunks - done, client))
 
     def _take_slots(self, client: StoreClient, wanted: int, deadline: float) -> list[int]:
@@ -123,6 +128,7 @@ class SaveHandler:
         return done
 
     def _write_loop(self) -> None:
+        unbind()  # off the engine's compute core (worker_threads.py)
         while (item := self._writes.get()) is not None:
             if isinstance(item, _SaveDone):
                 self._finish_save(item)

@@ -28,10 +28,18 @@ Invariants (each holds per request):
   failed, so the engine recomputes it rather than read blocks never filled).
 - A request that ends tells the service how (connectors/chain_reports.py), for its
   next-turn prediction and disk admission.
+- The lookup that decides a load protects it (a model with one KV cache group): it leases
+  the run the store holds in DRAM, so nothing of it is evicted between the decision and
+  the workers' copy, and the workers copy it from the shared tier with no request of their
+  own. A request holds at most one lease; it is released (on the next request to the
+  service) once the load is over: an async load when the workers report it finished or
+  failed, a sync one after its step, a request that loads nothing at once, and a request
+  that finishes or is abandoned as soon as no load of it is under way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import Counter
@@ -43,12 +51,9 @@ from connectors.chain_reports import ChainReports, Notify
 from connectors.groups import GroupRules, KVGroup, load_run, per_group, save_runs
 from connectors.handoff import Handoff, HandoffWaits
 from connectors.plan import Stage, StepPlan, Transfer
-from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
+from connectors.prefetch import Lookup, PrefetchPolicy, PrefetchTracker, Residency
 from connectors.save_tracker import SaveTracker
 from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
-
-Lookup = Callable[[list[list[bytes]], bool], Residency]  # keys per rank -> across ranks
-
 
 Saves = Literal["answers", "prompts", "none"]
 
@@ -58,6 +63,9 @@ class SchedulerSettings:
     """The engine-side options the scheduler acts on (connectors/options.py)."""
 
     load_async: bool = True
+    # A hit the lookup leased whole (in DRAM: a copy, no I/O) loads before the forward pass
+    # of the step that computes the rest, one engine step sooner than an async load.
+    sync_dram_loads: bool = True
     prefetch: PrefetchPolicy | None = None  # None: no promotion, every stored chunk counts at once
     stage_on_arrival: bool = False  # workers have device staging pools
     wait_for_saves_s: float = 5.0
@@ -87,6 +95,8 @@ class _Request:
     found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
     block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
+    loading: bool = field(default=False, init=False)  # an async load of it is under way
+    load_async: bool = field(default=True, init=False)  # what the engine was told at the match
     saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
     turn_idle: tuple[int, float | None] = field(default=(0, None), init=False)  # ChainReports.planned
 
@@ -131,10 +141,19 @@ class _Request:
         """Chunks [first, first + len(blocks)) of the group whose keys are `streams` of self.keys."""
         end = first + len(blocks)
         keys = self.keys[streams]
+        leased = () if save_id else tuple(
+            tuple(offsets[i] if i < len(offsets) else -1 for i in range(first, end))
+            for offsets in self.found.offsets[streams])
         return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
                         parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
                         blocks=tuple(blocks), save_id=save_id, group=group,
-                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]))
+                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]), leased=leased,
+                        load_async=self.load_async)
+
+    def leased_whole(self, first: int, end: int) -> bool:
+        """Every chunk from `first` to `end` is leased, on every rank (DRAM: a copy, no I/O)."""
+        return bool(self.found.lease) and end > first and all(
+            len(offsets) >= end and min(offsets[first:end]) >= 0 for offsets in self.found.offsets)
 
 
 def _streams(position: int, ranks: int) -> slice:
@@ -166,23 +185,28 @@ class SchedulerCore:
                          else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
         self._requests: dict[str, _Request] = {}
-        self._plan = StepPlan(load_async=settings.load_async)
+        self._plan = StepPlan()
         self.counters: Counter[str] = Counter()
         self.rules = settings.groups
         self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
         self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
-        self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock)
+        self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
+        self._releases: list[int] = []  # leases done with, told to the service on its next request
+        self._after_step: list[int] = []  # leases of this step's sync loads: released after it
+        self._loading: dict[str, int] = {}  # forgotten requests' leases, until their async load ends
 
     def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
 
-    def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None) -> Residency:
-        """Leading chunks stored for every rank (and every group, at most `cap`)."""
+    def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None,
+                   lease_from: int | None = None) -> Residency:
+        """Leading chunks stored for every rank (and every group, at most `cap`); with
+        `lease_from` (one group) the DRAM run from that chunk on leased for the workers."""
         if not keys[0]:
             return Residency(0, 0)
         if self.rules is None:
-            return self._lookup(keys, prefetch)
+            return self._lookup(keys, prefetch, lease_from)
         grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.groups))]
         return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
 
@@ -217,22 +241,31 @@ class SchedulerCore:
         the request; ask again later."""
         arrived = self._arrived.get(req_id)  # keyed in the namespaces of now too (forget_lookups)
         keys = arrived if arrived is not None else self._keys(prompt, keying)
+        earlier = self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
+        if earlier is not None:
+            self._release(earlier.found.lease)
+        loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
+        first = num_computed // self.chunk_tokens  # the engine's own cache holds those before
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
-                                    cap=(len(prompt) - 1) // self.chunk_tokens)
+                                    cap=loadable, lease_from=first if first < loadable else None)
         if (self.saves.held(req_id, keys[0], residency.stored)
-                or self.handoffs.held(req_id, keys[0], residency.stored, len(prompt), self.chunk_tokens)):
+                or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
+            self._release(residency.lease)
             return None
         usable = residency.stored
         if self.prefetch is not None:
             decided = self.prefetch.decide(req_id, residency, len(prompt))
             if decided is None:
                 self._arrived[req_id] = keys
+                self._release(residency.lease)
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
         request = self._requests[req_id] = _Request(
             keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
+        request.load_async = self.settings.load_async and not (
+            self.settings.sync_dram_loads and request.leased_whole(first, load_end // self.chunk_tokens))
         request.turn_idle = self.reports.planned(keys[0])
         return max(0, load_end - num_computed)
 
@@ -274,7 +307,11 @@ class SchedulerCore:
         lookup; the hit's end holds). A group's blocks the engine keeps none of are skipped,
         and chunks with nothing to load are left out."""
         request = self._requests.get(req_id)
-        if request is None or num_external == 0:
+        if request is None:
+            return
+        if num_external == 0:  # nothing to load: its lease is not needed
+            self._release(request.found.lease)
+            request.found = dataclasses.replace(request.found, lease=0, offsets=())
             return
         request.block_ids = per_group(block_ids)
         num_computed = request.load_end - num_external
@@ -286,6 +323,7 @@ class SchedulerCore:
             if run is not None:
                 streams = _streams(position, self.ranks)
                 self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
+                request.loading = request.load_async
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -317,9 +355,44 @@ class SchedulerCore:
         request.saved_chunks = done
 
     def take_plan(self) -> StepPlan:
-        """The plan for this step; the next step starts empty."""
-        plan, self._plan = self._plan, StepPlan(load_async=self.settings.load_async)
+        """The plan for this step; the next step starts empty. A sync load's lease is
+        released after the step (its workers copy before the forward pass)."""
+        plan, self._plan = self._plan, StepPlan()
+        for req_id in {t.req_id for t in plan.loads if not t.load_async}:
+            request = self._requests.get(req_id)
+            if request is not None and request.found.lease:
+                self._after_step.append(request.found.lease)
+                request.found = dataclasses.replace(request.found, lease=0)
         return plan
+
+    def loads_async(self, req_id: str) -> bool:
+        """Whether the load decided at the match runs while the request waits (the engine
+        is told so): a hit leased whole in DRAM loads in its step (`sync_dram_loads`)."""
+        request = self._requests.get(req_id)
+        return request.load_async if request is not None else self.settings.load_async
+
+    def step_done(self, loads_ended: Iterable[str]) -> None:
+        """The workers reported a step: its sync loads' leases go, and those of the async
+        loads that ended (finished or failed) in it."""
+        self._releases += self._after_step
+        self._after_step = []
+        for req_id in loads_ended:
+            lease = self._loading.pop(req_id, 0)
+            request = self._requests.get(req_id)
+            if request is not None and request.loading:
+                request.loading = False
+                lease = request.found.lease
+                request.found = dataclasses.replace(request.found, lease=0)
+            self._release(lease)
+
+    def take_releases(self) -> list[int]:
+        """The leases to tell the service are done with (on the next request to it)."""
+        releases, self._releases = self._releases, []
+        return releases
+
+    def _release(self, lease: int) -> None:
+        if lease:
+            self._releases.append(lease)
 
     def on_finished(self, req_id: str) -> None:
         """Forget the request; tell the service it ended with these chunks (prompt and answer), which
@@ -332,13 +405,20 @@ class SchedulerCore:
         """A fault while serving `req_id`: its load in this step's plan is given up whole, or
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
         forgotten (the service is not told it ended: what it kept may be what faulted)."""
-        self._plan.give_up(req_id, blocks)
+        self._plan.give_up(req_id, blocks, self.loads_async(req_id))
         self._forget(req_id)
 
     def _forget(self, req_id: str) -> _Request | None:
+        """Forget a request; its lease goes now, or once its async load ends (step_done)."""
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        return self._requests.pop(req_id, None)
+        request = self._requests.pop(req_id, None)
+        if request is not None and request.found.lease:
+            if request.loading:
+                self._loading[req_id] = request.found.lease
+            else:
+                self._release(request.found.lease)
+        return request

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 
 from connectors.device_staging import DeviceStagingPool
 from connectors.link import ServiceLink
 from connectors.plan import Stage
 from connectors.transfer import Fetched, Transfers
+from connectors.worker_threads import pool
 from kvstore.service.client import StoreClient
 from kvstore.tiers.stats import Stats
 
@@ -28,7 +29,7 @@ class StageHandler:
         self.stats = stats
         self.staging = staging
         self.transfers = Transfers(ServiceLink(make_client), "stage")
-        self._stage_pool = ThreadPoolExecutor(1, "kvstore-stage")
+        self._stage_pool = pool("kvstore-stage")
 
     def start_stages(self, stages: Sequence[Stage]) -> Future[None] | None:
         """Stage each request's chunks on the staging thread; the future is done when the

@@ -12,10 +12,12 @@ vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by
   the current one, and releases each wave's lease after its copy.
 - store: window slots handed to the service as one chain, head first: the first chunk's
   parent is the one given (the chunk before it in the engine's sequence), each next
-  chunk's parent the one before it. A caller that stores a sequence in several waves
-  passes the previous wave's last key, so the sequence stays one chain (the parent links
-  feed leaf-first eviction and the depth and family that `cost` eviction and `predicted`
-  admission use).
+  chunk's parent the one before it (`chain_parent`: a sequence stored in several waves
+  stays one chain, as the parent links feed leaf-first eviction and the depth and family
+  that `cost` eviction and `predicted` admission use). `store_waves` stores a list in the
+  same waves a fetch takes, each wave gathered into one half of the window while the
+  wave before it is put from the other (PageIO's saves); vLLM's saves gather within
+  their engine step and put behind it (saves.py), by the same wave and parent rules.
 - failure: a `KVStoreError` is logged, the connection dropped (which releases every pin
   it holds) and the chunks it carried miss; a miss is never an exception to the engine.
 """
@@ -24,10 +26,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from connectors.link import ServiceLink
+from connectors.worker_threads import pool
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
 
@@ -38,12 +41,21 @@ log = logging.getLogger("kvstore.transfer")
 class Fetched:
     """One wave's chunks: j is pinned in the mapped tier at offsets[j] (>= 0), or in window
     slot first_slot + j where in_window[j]; neither is a miss. `lease` holds the pins
-    until `Transfers.release`."""
+    until `Transfers.release`. checks[j], where set, is the xxh3-64 chunk j's bytes in the
+    tier must have (a disk hit the service left for the copy to verify: one pass); the
+    copy names the keys it verified in `good` and those whose bytes had another in `bad`
+    (it uses none of those: a miss)."""
 
     first_slot: int
     offsets: list[int]
     in_window: list[bool]
     lease: int | None = None
+    checks: list[int | None] = field(default_factory=list)
+    good: list[bytes] = field(default_factory=list)
+    bad: list[bytes] = field(default_factory=list)
+
+    def check(self, j: int) -> int | None:
+        return self.checks[j] if j < len(self.checks) else None
 
     def source(self, client: StoreClient, j: int) -> memoryview | None:
         """Chunk j's verified bytes (valid until the wave is released), None on a miss."""
@@ -53,6 +65,7 @@ class Fetched:
 
 
 Copy = Callable[[range, Fetched], None]  # copies one wave (its indices into the keys) out
+Gather = Callable[[range, int], None]  # copies one wave (indices into the keys) into slots from one
 TAIL_SPLIT = 8  # a last wave of at least this many chunks leaves its last quarter for a wave of its own
 
 
@@ -74,6 +87,12 @@ def wave_plan(count: int, half: int) -> list[range]:
     return waves
 
 
+def chain_parent(keys: Sequence[bytes], start: int, parent: bytes | None) -> bytes | None:
+    """The parent of keys[start] in a chain stored in waves: the key before it, or for the
+    first, the chain's `parent` (the chunk before them in the engine's sequence)."""
+    return keys[start - 1] if start else parent
+
+
 class Transfers:
     """Fetches and stores over one `ServiceLink`. Invariants: one request at a time on the
     link's connection (the caller holds it; `fetch_waves` sends its fetches and releases
@@ -82,17 +101,19 @@ class Transfers:
 
     def __init__(self, link: ServiceLink, name: str) -> None:
         self.link = link
-        self._fetcher = ThreadPoolExecutor(1, f"kvstore-{name}-fetch")  # the next wave's fetch
+        self._fetcher = pool(f"kvstore-{name}-fetch")  # the next wave's fetch
 
-    def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0) -> Fetched:
-        """One wave: pin what the mapped tier can hold (disk hits promoted there first), the
-        rest into window slots from `first_slot`. All misses once the link dropped `client`."""
+    def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0,
+              checks_copies: bool = False) -> Fetched:
+        """One wave: pin what the mapped tier can hold (disk hits promoted there first; with
+        `checks_copies`, the copy verifies them, not the service), the rest into window slots
+        from `first_slot`. All misses once the link dropped `client`."""
         fetched = Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
         if self.link.peek() is not client:
             return fetched
         try:
             if client.tier is not None:
-                fetched.lease, fetched.offsets = client.pin(keys)
+                fetched.lease, fetched.offsets, fetched.checks = client.pin(keys, verify=not checks_copies)
             rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
             if rest and client.window is not None:
                 found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
@@ -109,15 +130,17 @@ class Transfers:
         if lease is None or self.link.peek() is not client:
             return  # no pins, or a dropped connection released them
         try:
-            client.unpin([lease])
+            client.unpin([lease], fetched.good, fetched.bad)
         except KVStoreError as exc:
             self.failed("release", exc)
 
-    def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy) -> None:
+    def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy,
+                    checks_copies: bool = False) -> None:
         """Fetch `keys` in waves of at most half the window (`wave_plan`) and `copy` each, the
         next wave's fetch running while this one is copied (into the other half of the window).
         Each wave is released after its copy, on the fetch thread; on return no fetch is
-        writing the window and no pin is held, also when `copy` raised."""
+        writing the window and no pin is held, also when `copy` raised. `checks_copies`: the
+        copy verifies the disk hits the service leaves unverified (Fetched.checks)."""
         half = max(1, client.slots // 2)
         ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
         waves = wave_plan(len(keys), half)
@@ -125,7 +148,8 @@ class Transfers:
             return
 
         def fetch(k: int) -> Fetched:
-            return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0)
+            return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0,
+                              checks_copies)
 
         releases: list[Future[None]] = []
         next_fetch = self._fetcher.submit(fetch, 0)
@@ -147,6 +171,38 @@ class Transfers:
                 releases.append(self._fetcher.submit(self.release, client, last))
             for release in releases:
                 release.result()
+
+    def store_waves(self, client: StoreClient, keys: Sequence[bytes], gather: Gather,
+                    parent: bytes | None, namespace: bytes | None = None) -> list[bool]:
+        """Store `keys` as one chain under `parent`, in the waves `wave_plan` makes of half
+        the window: `gather(wave, first_slot)` copies a wave's chunks into window slots
+        from first_slot (on the caller's thread) while the wave before it is put, on the
+        transfer thread, from the other half. Returns, True per chunk stored, once every
+        put has; on a failed one the rest are not gathered (they would miss too)."""
+        half = max(1, client.slots // 2)
+        done = [False] * len(keys)
+        putting: Future[None] | None = None
+
+        def put(wave: range, first: int) -> None:
+            done[wave.start : wave.stop] = self.store(client, [keys[i] for i in wave],
+                                                      range(first, first + len(wave)),
+                                                      chain_parent(keys, wave.start, parent), namespace)
+
+        try:
+            for k, wave in enumerate(wave_plan(len(keys), half)):
+                first = half * (k % 2) if client.slots >= 2 else 0
+                if client.slots < 2 and putting is not None:
+                    putting.result()  # one slot: its put before the next gather
+                if self.link.peek() is not client:
+                    break
+                gather(wave, first)
+                if putting is not None:
+                    putting.result()  # one request at a time on the connection
+                putting = self._fetcher.submit(put, wave, first)
+        finally:
+            if putting is not None:
+                putting.result()  # nothing is left reading the window
+        return done
 
     def store(self, client: StoreClient, keys: Sequence[bytes], slots: Sequence[int],
               parent: bytes | None, namespace: bytes | None = None) -> list[bool]:

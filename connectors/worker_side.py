@@ -32,13 +32,13 @@ class WorkerCore:
     `fail_requests`: a failed load is reported by its request, not its blocks (LoadHandler)."""
 
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[..., StoreClient],
-                 load_async: bool, staging: DeviceStagingPool | None = None,
+                 staging: DeviceStagingPool | None = None,
                  save_window_wait_s: float = 2.0, fail_requests: bool = False) -> None:
         self.rank = rank
         self.stats = Stats()
         self.staging = staging
-        self.loads = LoadHandler(layout, rank, partial(make_client, map_tier=True), self.stats, load_async,
-                                 staging, fail_requests)
+        self.loads = LoadHandler(layout, rank, partial(make_client, map_tier=True), self.stats, staging,
+                                 fail_requests)
         self.saves = SaveHandler(layout, rank, partial(make_client, map_tier=False), self.stats,
                                  save_window_wait_s)
         self.stages = (StageHandler(rank, partial(make_client, map_tier=False), self.stats, staging)
@@ -46,8 +46,8 @@ class WorkerCore:
         # Engines do not always call shutdown before exiting; queued saves must still land.
         atexit.register(self.close)
 
-    def start_loads(self, loads: Sequence[Transfer], load_async: bool) -> None:
-        self.loads.start_loads(loads, load_async)
+    def start_loads(self, loads: Sequence[Transfer]) -> None:
+        self.loads.start_loads(loads)
 
     def start_stages(self, stages: Sequence[Stage]) -> Future[None] | None:
         """Stage each request's chunks ahead of their load (None without a device pool)."""

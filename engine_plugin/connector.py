@@ -162,7 +162,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         saves = meta.done_saves if isinstance(meta, TieredWorkerMetadata) else []
         self._side().guard("update_connector_output", None, self._side().workers_reported, saves,
-                           connector_output.failed_recving, connector_output.invalid_block_ids, fallback=None)
+                           connector_output.failed_recving, connector_output.invalid_block_ids,
+                           connector_output.finished_recving or (), fallback=None)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -244,7 +245,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         staging = None
         if self.options.device_staging:
             staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device)
-        self._worker = WorkerCore(layout, rank, make_client, self.options.load_async, staging,
+        self._worker = WorkerCore(layout, rank, make_client, staging,
                                   self.options.save_window_wait_s, self._fail_requests)
         log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
                  layout.chunk_bytes)
@@ -254,7 +255,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and plan.stages:
             self._worker.start_stages(plan.stages)
         if self._worker is not None and plan.loads:
-            self._worker.start_loads(plan.loads, plan.load_async)
+            self._worker.start_loads(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads fill whole chunks (all layers) before the request runs."""

@@ -133,7 +133,12 @@ class GroupedKVLayout:
         layout = self.groups[group]
         layout.gather(blocks, out[: layout.chunk_bytes])
 
+    @property
+    def checks_copies(self) -> bool:
+        """No: a group's chunk is the front of its record, whose checksum is the whole's."""
+        return False
+
     def scatter(self, chunks: Sequence[tuple[memoryview | torch.Tensor, Sequence[int]]],
-                group: int = 0) -> None:
+                group: int = 0, checks: Sequence[int | None] = ()) -> list[bool]:
         layout = self.groups[group]
-        layout.scatter([(src[: layout.chunk_bytes], blocks) for src, blocks in chunks])
+        return layout.scatter([(src[: layout.chunk_bytes], blocks) for src, blocks in chunks])

@@ -27,7 +27,7 @@ import torch
 
 from connectors.plan import SKIP
 from kvstore.format.errors import ShapeError
-from kvstore.io.copier import copy_many
+from kvstore.io.copier import copy_checked, copy_many
 
 # A load from the mapped DRAM tier wraps read-only memory (PROT_READ) in a CPU tensor to
 # copy it to the device: torch's warning that the tensor could write it is moot (the
@@ -128,28 +128,50 @@ class PagedKVLayout:
             for positions, ids in runs:
                 part[positions] = layer[ids]
 
+    @property
+    def checks_copies(self) -> bool:
+        """Host layers the copier writes directly: it can hash a chunk as it copies it."""
+        return self._on_host and all(layer.flags.c_contiguous for layer in self._targets)
+
     def scatter(self, chunks: Sequence[tuple[memoryview | torch.Tensor, Sequence[int]]],
-                group: int = 0) -> None:
+                group: int = 0, checks: Sequence[int | None] = ()) -> list[bool]:
         """Write each (chunk's bytes, its blocks) (host memory, or a uint8 tensor such as a
         device staging slot) into the blocks, leaving SKIP positions untouched. On the CPU
         engine all the chunks' byte ranges go to the copier in one call: one hand-off to
-        its threads per wave, not one per chunk."""
+        its threads per wave, not one per chunk; a chunk with a check goes as one piece of
+        work that hashes it as it copies it (KVLayout.scatter)."""
         pairs: list[tuple[memoryview, memoryview]] = []
-        direct = self._on_host and all(layer.flags.c_contiguous for layer in self._targets)
-        for src, blocks in chunks:
+        checked: list[tuple[memoryview, list[tuple[memoryview, int]]]] = []
+        expected: list[int] = []
+        direct = self.checks_copies
+        for i, (src, blocks) in enumerate(chunks):
             source = self._bytes(src)
             if len(source) != self.chunk_bytes or len(blocks) != self.blocks_per_chunk:
                 raise ShapeError(f"chunk of {len(source)} bytes / {len(blocks)} blocks does not fit "
                                  f"{self.chunk_bytes} bytes / {self.blocks_per_chunk} blocks")
+            check = checks[i] if i < len(checks) else None
+            if check is not None and not direct:
+                raise ShapeError("this layout cannot check a chunk as it copies it (checks_copies)")
+            ranges: list[tuple[memoryview, memoryview]] = []
             runs = block_runs(blocks, descending=self._on_host)
             for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
                 for positions, ids in runs:
                     if direct:
-                        pairs.extend(_byte_ranges(layer, ids, part[positions]))
+                        ranges.extend(_byte_ranges(layer, ids, part[positions]))
                     else:
                         layer[ids] = part[positions]
+            if check is None:
+                pairs += ranges
+            else:
+                base = source.ctypes.data
+                at = [(dst, np.frombuffer(piece, np.uint8).ctypes.data - base) for dst, piece in ranges]
+                checked.append((source.data.cast("B"), at))
+                expected.append(check)
         if pairs:
             copy_many(pairs)
+        verdicts = iter([found == want for found, want in zip(copy_checked(checked), expected, strict=True)])
+        return [True if (checks[i] if i < len(checks) else None) is None else next(verdicts)
+                for i in range(len(chunks))]
 
     def _bytes(self, buffer: memoryview | torch.Tensor) -> Any:
         """A chunk buffer as a flat uint8 array of the kind the layers are (numpy or torch)."""

@@ -21,6 +21,7 @@ from engine_plugin.namespaces import EngineNamespaces
 from engine_plugin.request_keys import Unnamed, lora_identity, request_extras
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
+from kvstore.service.protocol import MAX_ANNOUNCED
 from kvstore.tiers.return_rates import RequestEnd
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ class SchedulerRole:
         store = options.store
         self._namespaces, self._rules = namespaces, rules
         self.limits = limits
-        self.load_async = options.load_async
         self._trust_mm_uuids = options.trust_client_mm_uuids
         self._faults_logged: set[str] = set()
         self._abandoned: set[str] = set()  # faulted, or out of load tries: misses until they finish
@@ -57,7 +57,8 @@ class SchedulerRole:
         self.link = ServiceLink(lambda: StoreClient(store, timeout_s=options.lookup_timeout_s))
         self.link.start()  # starts the service if needed: config errors surface now
         kept: Saves = ("answers" if options.save_answers else "prompts") if saves else "none"
-        settings = SchedulerSettings(load_async=options.load_async, prefetch=options.prefetch,
+        settings = SchedulerSettings(load_async=options.load_async, sync_dram_loads=options.sync_dram_loads,
+                                     prefetch=options.prefetch,
                                      stage_on_arrival=options.device_staging > 0,
                                      wait_for_saves_s=options.wait_for_saves_s, saves=kept,
                                      handoff_wait_s=options.pd_wait_s, groups=rules)
@@ -93,7 +94,8 @@ class SchedulerRole:
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens the store supplies, load async?), or (None,
         False): ask again later. An abandoned request is a miss (a fault that recurs on
-        every lookup must not loop it between a planned load and a given-up one)."""
+        every lookup must not loop it between a planned load and a given-up one). Its
+        counters go with the next lookup, or at the step's end (`workers_reported`)."""
         if request.request_id in self._abandoned:
             return 0, False
         try:
@@ -106,10 +108,9 @@ class SchedulerRole:
         keying = Keying(request_salt(request), extras)
         count = self.core.num_new_matched_tokens(request.request_id, request.all_token_ids,
                                                  num_computed_tokens, keying)
-        self.report_counters()
         if count is None:
             return None, False
-        return count, self.load_async and count > 0
+        return count, self.core.loads_async(request.request_id) and count > 0
 
     def finished(self, request: Request, role: Role, host: str | None) -> dict[str, Any] | None:
         """request_finished: forget it; a producer's reply names the prompt chunks it stored
@@ -123,13 +124,16 @@ class SchedulerRole:
         return handoff.params() if handoff is not None else None
 
     def workers_reported(self, done_saves: list[int], failed_requests: Collection[str],
-                         failed_blocks: Collection[int]) -> None:
-        """update_connector_output: saves done leave the in-flight set; failed loads, as vLLM
-        aggregated them over the workers, are counted: by request with several KV cache
-        groups (`load.failed_requests`; one out of LOAD_TRIES is a miss until it finishes),
-        else by block (`load.failed_blocks`, vLLM keeps the prefix before the first)."""
+                         failed_blocks: Collection[int], finished_loads: Collection[str] = ()) -> None:
+        """update_connector_output: saves done leave the in-flight set; the loads that ended
+        give their leases back (SchedulerCore.step_done); failed loads, as vLLM aggregated
+        them over the workers, are counted: by request with several KV cache groups
+        (`load.failed_requests`; one out of LOAD_TRIES is a miss until it finishes), else by
+        block (`load.failed_blocks`, vLLM keeps the prefix before the first)."""
         self.core.saves_done(done_saves)
+        self.core.step_done([*finished_loads, *failed_requests])
         if not (failed_requests or failed_blocks):
+            self.report_counters()
             return
         self._load_failures.update(failed_requests)
         self._abandoned.update(r for r in failed_requests if self._load_failures[r] >= LOAD_TRIES)
@@ -137,27 +141,34 @@ class SchedulerRole:
         self.core.counters.update({name: count for name, count in counts.items() if count})
         self.report_counters()
 
-    def _lookup(self, keys: list[list[bytes]], prefetch: bool) -> Residency:
+    def _lookup(self, keys: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        """One lookup; it also gives back the leases done with and carries the counters
+        pending (one round trip). A failed one drops the connection, and every lease with it."""
         client = self.link.get()
         if client is None:
             return Residency(0, 0)
         try:
-            return Residency(*client.residency_ranks(keys, prefetch=prefetch))
+            found = client.lookup(keys, prefetch, lease_from, self.core.take_releases(),
+                                  self.core.take_counters())
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self.link.fail()
             return Residency(0, 0)
+        return Residency(found.stored, found.resident, found.pending, found.lease, found.offsets)
 
     def _notify(self, kind: str, keys: list[list[bytes]], in_s: float,
                 end: RequestEnd | None = None) -> None:
-        """A request ended (`finished`, and how) or a hint expects chunks later (`expect`):
-        told to the service's next-turn prediction and disk admission; never fatal."""
+        """A request ended (`finished`, and how), a hint expects chunks later (`expect`), or
+        a held request awaits a producer's chunks (`await`): told to the service (next-turn
+        prediction, disk admission, the cluster index watch); never fatal."""
         client = self.link.get()
         if client is None:
             return
         try:
             if kind == "finished":
                 client.finished(keys, end)
+            elif kind == "await":  # a lookup that has the service await what it does not find
+                client.residency_ranks(keys, await_s=in_s)
             else:
                 client.expect(keys, in_s)
         except Exception as exc:
@@ -196,21 +207,22 @@ class SchedulerRole:
                 self.core.expect(hint.tokens, hint.in_s, salt)
 
     def report_counters(self) -> None:
-        """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) go to
-        the service (kvstore info, Prometheus), and so do namespaces it has not been told
-        of yet (described, for `kvstore purge`; told again after a failure)."""
-        pending = self.core.counters or (self.core.prefetch is not None and self.core.prefetch.counters)
-        new = list(self._namespaces.unannounced)
-        client = self.link.get() if pending or new else None
+        """Scheduler-side counters (prefetch timeliness, holds for in-flight saves) and the
+        leases done with go to the service in one request (an empty lookup), where no lookup
+        carried them; so do namespaces it has not been told of yet (described, for `kvstore
+        purge`; told again after a failure)."""
+        counters, releases = self.core.take_counters(), self.core.take_releases()
+        new = self._namespaces.unannounced(MAX_ANNOUNCED)  # the rest at the next report
+        client = self.link.get() if counters or releases or new else None
         if client is None:
             return
         try:
             if new:
                 client.announce([(ns.digest(), ns.description()) for ns in new])
-                self._namespaces.announced(len(new))
-            if pending:
-                client.count(self.core.take_counters())
-        except Exception as exc:
+                self._namespaces.announced(new)
+            if counters or releases:
+                client.lookup([], release=releases, counters=counters)
+        except Exception as exc:  # a lost connection released its leases too
             log.debug("kvstore: scheduler counters or namespaces not reported (%s)", exc)
 
 

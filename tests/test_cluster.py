@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -153,11 +154,56 @@ def test_with_the_index_paused_or_down_both_serve_their_own_within_the_deadline(
     assert get(b, own_a)[0] == [True, True]
 
 
+def test_awaited_chunks_are_found_while_lookups_skip_the_index(tmp_path, disk_dir, redis_server):
+    """A consumer holds a request until chunks a producer is storing are readable (the
+    prefill/decode handoff). After an index read that failed, B's lookups skip the index
+    (here for a minute): they would not see A's chunks published meanwhile before the hold
+    ran out. Awaited, the chunks are looked for past that, and B's next lookup finds them."""
+    configs = {name: host_config(name, [other], disk_dir, redis_server.url, sockets=str(tmp_path))
+               for name, other in (("a", "b"), ("b", "a"))}
+    configs["b"]["cluster"]["index_backoff_s"] = 60.0
+    try:
+        a, b = client(configs["a"]), client(configs["b"])
+        keys, payloads = make_keys(SLOTS, seed=7), make_payloads(SLOTS, seed=7, chunk_bytes=CHUNK)
+        redis_server.pause()
+        assert found(b, keys) == 0  # the read fails: B's lookups skip the index from now on
+        redis_server.resume()
+        assert put(a, keys, payloads) == [True] * SLOTS
+        wait_for(lambda: all(index_entry(redis_server.url, key, "a") for key in keys), what="A publishing")
+        assert found(b, keys) == 0  # in the index, but B's lookups do not ask it
+        assert b.residency_ranks([keys], await_s=10.0)[0] == 0  # held for them: B awaits them
+        wait_for(lambda: found(b, keys) == SLOTS, timeout_s=5, what="B finding the awaited chunks")
+        ok, data = get(b, keys)
+        assert ok == [True] * SLOTS and data == [p.tobytes() for p in payloads]
+        assert counters(configs["b"])["peer.index_skipped"] >= 2
+    finally:
+        for config in configs.values():
+            stop_service(config)
+
+
 def _store_pair(root: str, url: str, **b_options) -> tuple[TieredStore, TieredStore]:
     a = TieredStore(host_config("a", ["b"], root, url), CHUNK, background=False)
     b = TieredStore(host_config("b", ["a"], root, url, **b_options.pop("config", {})), CHUNK,
                     background=False, **b_options)
     return a, b
+
+
+def test_a_failing_round_of_awaiting_ends_neither_the_awaiting_nor_a_lookup(disk_dir, redis_server):
+    a, b = _store_pair(disk_dir, redis_server.url)
+    try:
+        keys, payloads = make_keys(SLOTS, seed=9), make_payloads(SLOTS, seed=9, chunk_bytes=CHUNK)
+        faults.awaiting_fails(b, RuntimeError("an answer of a kind never seen"))
+        assert b.lookup(keys, await_s=10.0).count == 0  # answered; the awaiting rounds fail
+        time.sleep(0.2)  # several rounds
+        faults.awaiting_fails(b, None)
+        assert [t.name for t in threading.enumerate()].count("kvstore-awaited") >= 1
+        a.put_many(keys, payloads)
+        a.step()
+        wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=5, what="B finding A's chunks")
+        assert reads_back(b, keys, payloads)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, redis_server):

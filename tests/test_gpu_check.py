@@ -30,9 +30,9 @@ def test_the_gpu_check_runs_on_cpu_with_every_gpu_item_skipped(tmp_path):
     assert result["device"] is None
     rows = {row["item"]: row for row in result["rows"]}
     assert {row["status"] for row in rows.values()} == {"skipped"}, rows
-    assert {gpu_check.LOAD_PATH, gpu_check.VLLM} <= set(rows)
+    assert {gpu_check.LOAD_PATH, gpu_check.VLLM, gpu_check.TIER} <= set(rows)
     assert set(gpu_check.LABELS.values()) <= {item.split(" (")[0] for item in rows}, rows
-    cuda_tests = [item for item in rows if item not in (gpu_check.LOAD_PATH, gpu_check.VLLM)]
+    cuda_tests = [item for item in rows if item not in (gpu_check.LOAD_PATH, gpu_check.VLLM, gpu_check.TIER)]
     assert len(cuda_tests) >= 3, rows
     for row in rows.values():
         assert re.search(rf"^{re.escape(row['item'])} +skipped ", done.stdout, re.M), done.stdout
@@ -51,6 +51,12 @@ def test_the_vllm_verdict_needs_equal_answers_and_loads_after_the_restart():
     assert gpu_check.demo_verdict(different, 0)[2] == "greedy answers differ"
     cold = {**good, "disk": [_turn("a", 0), _turn("b", 512)]}
     assert gpu_check.demo_verdict(cold, 0)[2] == "the restarted engine did not load every turn"
+
+
+def test_the_tier_verdict_needs_equal_answers_and_a_load_by_the_fresh_server():
+    assert gpu_check.tier_verdict([[1, 2], [1, 2]], [0, 512])[0] == "pass"
+    assert gpu_check.tier_verdict([[1, 2], [1, 3]], [0, 512])[2] == "greedy answers differ"
+    assert gpu_check.tier_verdict([[1, 2], [1, 2]], [0, 0])[2] == "the fresh server loaded nothing"
 
 
 def test_a_failed_or_missing_cuda_test_is_a_failed_row(tmp_path):

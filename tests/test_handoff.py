@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from connectors.chain_reports import Notify
 from connectors.handoff import PARAMS_KEY, Handoff, Role, check_producer_store
 from connectors.prefetch import Residency
 from connectors.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
-from kvstore.format.keys import KVNamespace, chunk_keys
+from kvstore.format.keys import KVNamespace, Shard, TensorParallel, chunk_keys
 from kvstore.format.malformed import Malformed
 
 CHUNK, BLOCK = 256, 128
@@ -27,12 +28,15 @@ class Clock:
         return self.now
 
 
-def core(present: set[bytes], settings: SchedulerSettings, clock: Clock) -> SchedulerCore:
-    def lookup(ranks: list[list[bytes]], prefetch: bool) -> Residency:
-        count = next((i for i, key in enumerate(ranks[0]) if key not in present), len(ranks[0]))
+def core(present: set[bytes], settings: SchedulerSettings, clock: Clock, ranks: int = 1,
+         notify: Notify | None = None) -> SchedulerCore:
+    def lookup(keys: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+        count = next((i for i, key in enumerate(keys[0]) if key not in present), len(keys[0]))
         return Residency(count, count)
 
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), lookup, settings, clock=clock)
+    namespaces = tuple(KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(rank, ranks)))
+                       for rank in range(ranks))
+    return SchedulerCore(CHUNK, BLOCK, lambda salt: namespaces, lookup, settings, clock=clock, notify=notify)
 
 
 def test_roles_follow_vllm_kv_role():
@@ -77,6 +81,29 @@ def test_the_consumer_waits_for_exactly_the_named_chunks_then_loads():
     counters = scheduler.take_counters()
     assert counters["handoff.waited"] == 1 and counters["handoff.wait_ms"] == 500
     assert counters.get("handoff.expired", 0) == 0
+
+
+def test_a_held_request_has_its_service_await_the_named_chunks_once():
+    """The producer's saves may still be on their way, and the consumer's lookups may skip
+    the index meanwhile (its backoff): the service is told, at the first hold, to watch
+    for the named chunks of every rank, for as long as the hold lasts."""
+    told: list[tuple[str, list[list[bytes]], float]] = []
+    clock = Clock()
+    ranks = [chunk_keys(PROMPT, KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(rank, 2))))
+             for rank in range(2)]
+    present = set(ranks[0][:3])
+    scheduler = core(present, SchedulerSettings(prefetch=None, handoff_wait_s=2.0), clock, ranks=2,
+                     notify=lambda kind, keys, in_s, end=None: told.append((kind, keys, in_s)))
+    scheduler.expect_handoff("r", Handoff(8, ranks[0][7]))
+    for _ in range(3):
+        assert scheduler.num_new_matched_tokens("r", PROMPT, 0) is None
+        clock.now += 0.1
+    assert told == [("await", [ranks[0][:8], ranks[1][:8]], 2.0)]
+    present.update(ranks[0])
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    scheduler.expect_handoff("ready", Handoff(8, ranks[0][7]))
+    assert scheduler.num_new_matched_tokens("ready", PROMPT, 0) == 8 * CHUNK
+    assert len(told) == 1  # a request not held awaits nothing
 
 
 def test_past_the_deadline_the_consumer_loads_what_is_there_and_recomputes_the_rest():

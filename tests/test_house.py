@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,18 @@ def test_the_rules_read_the_whole_tree(report):
 
 
 def test_the_house_holds(report):
-    """No finding at all: one is fixed in the code, never by a wider limit."""
+    """No finding at all: one is fixed in the code, never by a wider limit. The size smells
+    print (as warnings, at the end of the run) and fail nothing: each asks what a class's
+    jobs are, which a split by job answers and a moved line does not."""
     found = [f"{rule}: {finding}" for rule, findings in report.problems.items() for finding in findings]
     assert not found, "\n".join(found)
+    for size, findings in report.smells.items():
+        for finding in findings:
+            warnings.warn(f"{size}: {finding}", SizeSmell, stacklevel=1)
+
+
+class SizeSmell(UserWarning):
+    """A class or constructor past the size that asks what its jobs are."""
 
 
 def test_the_top_of_the_storage_package_keeps_at_most_a_dozen_modules(report):
@@ -91,6 +101,10 @@ def _write(root: Path, name: str, text: str) -> None:
 
 def _findings(root: Path) -> list[str]:
     return [f"{rule}: {finding}" for rule, found in check(root).problems.items() for finding in found]
+
+
+def _smells(root: Path) -> list[str]:
+    return [f"{size}: {finding}" for size, found in check(root).smells.items() for finding in found]
 
 
 def test_a_tree_that_keeps_the_rules_passes(tmp_path):
@@ -158,13 +172,14 @@ def test_a_class_is_measured_with_its_in_project_bases(tmp_path):
     _write(tmp_path, "connectors/whole.py",
            "from connectors.parts import Half\nfrom connectors import parts\n" + _class("Whole", 90, "(Half)")
            + _class("Other", 90, "(parts.Half)") + _class("Fine", 150))
-    assert _findings(tmp_path) == ["class size: connectors/whole.py:Whole: 210 lines (with Half)",
-                                   "class size: connectors/whole.py:Other: 210 lines (with Half)"]
+    assert _smells(tmp_path) == ["class size: connectors/whole.py:Whole: 210 lines (with Half)",
+                                 "class size: connectors/whole.py:Other: 210 lines (with Half)"]
+    assert _findings(tmp_path) == []  # a smell, not a finding
 
 
-def test_a_class_over_the_limit_in_the_engine_plugin_fails(tmp_path):
+def test_a_class_over_the_size_in_the_engine_plugin_smells(tmp_path):
     _write(_tree(tmp_path), "engine_plugin/connector.py", _class("Connector", 201, "(object)"))
-    assert _findings(tmp_path) == ["class size: engine_plugin/connector.py:Connector: 201 lines"]
+    assert _smells(tmp_path) == ["class size: engine_plugin/connector.py:Connector: 201 lines"]
 
 
 def test_a_dataclass_counts_its_fields_and_its_bases_fields_as_constructor_parameters(tmp_path):
@@ -193,8 +208,8 @@ class Kept(Base):
 class Plain:
     def __init__(self, a, b, c, d, e, f, g, *rest): pass
 """)
-    assert _findings(tmp_path) == ["constructor: kvstore/format/records.py:Wide.__init__: 8 parameters",
-                                   "constructor: kvstore/format/records.py:Plain.__init__: 8 parameters"]
+    assert _smells(tmp_path) == ["constructor: kvstore/format/records.py:Wide.__init__: 8 parameters",
+                                 "constructor: kvstore/format/records.py:Plain.__init__: 8 parameters"]
 
 
 def test_the_size_rules_hold_in_benchs_support_and_commands_where_dataclasses_are_rows(tmp_path):
@@ -205,10 +220,10 @@ def test_the_size_rules_hold_in_benchs_support_and_commands_where_dataclasses_ar
     for floor in ("support", "commands", "lab"):
         _write(tmp_path, f"bench/{floor}/__init__.py", "")
         _write(tmp_path, f"bench/{floor}/big.py", _class("Big", 201) + row + wide)
-    assert sorted(_findings(tmp_path)) == ["class size: bench/commands/big.py:Big: 201 lines",
-                                           "class size: bench/support/big.py:Big: 201 lines",
-                                           "constructor: bench/commands/big.py:Wide.__init__: 8 parameters",
-                                           "constructor: bench/support/big.py:Wide.__init__: 8 parameters"]
+    assert sorted(_smells(tmp_path)) == ["class size: bench/commands/big.py:Big: 201 lines",
+                                         "class size: bench/support/big.py:Big: 201 lines",
+                                         "constructor: bench/commands/big.py:Wide.__init__: 8 parameters",
+                                         "constructor: bench/support/big.py:Wide.__init__: 8 parameters"]
 
 
 # -- bench in floors, and how tests reach it ----------------------------------------------

@@ -31,7 +31,7 @@ def keys_of(group: int, tokens: list[int] = PROMPT) -> list[bytes]:
 
 
 def core(present: set[bytes], interval: int = 0) -> SchedulerCore:
-    def lookup(lists: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(lists: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         count = min(next((i for i, key in enumerate(keys) if key not in present), len(keys))
                     for keys in lists)
         return Residency(count, count)

@@ -17,6 +17,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+import xxhash
 from support.records import corrupt_record
 from support.services import service_config, stop_service
 
@@ -71,7 +72,7 @@ def test_a_client_reads_pinned_chunks_from_the_tier_and_cannot_write_it(config):
         assert client.tier is not None and client.tier.view.readonly
         keys = _keys(1, 3)
         assert _put(client, keys) == [True] * 3
-        lease, offsets = client.pin([*keys, b"\xee" * 16])
+        lease, offsets, _ = client.pin([*keys, b"\xee" * 16])
         assert offsets[3] == -1
         assert [bytes(client.tier_payload(o)) for o in offsets[:3]] == [k[:1] * CHUNK for k in keys]
         with pytest.raises(TypeError):
@@ -121,7 +122,7 @@ import json, sys, time
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient
 client = StoreClient(load_config(json.loads(sys.argv[1])), int(sys.argv[2]))
-lease, offsets = client.pin([bytes([i]) * 16 for i in range(1, 9)])
+lease, offsets, _ = client.pin([bytes([i]) * 16 for i in range(1, 9)])
 print(sum(o >= 0 for o in offsets), flush=True)
 time.sleep(600)
 """
@@ -167,14 +168,14 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
         assert writer.put([b"k" * 16], [0]) == [True]
     finally:
         writer.close()
-    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK), load_async=False)
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK))
     try:
         loading, saving = worker.loads.link.get(), worker.saves.link.get()
         assert loading is not None and saving is not None
         assert (loading.tier is None) == (share == "off")
         assert saving.tier is None  # only the loading client maps the tier
         worker.start_loads([Transfer("r", ((b"k" * 16, b"m" * 16),), (None,),
-                                     (tuple(range(15, -1, -1)), tuple(range(16))))], load_async=False)
+                                     (tuple(range(15, -1, -1)), tuple(range(16))), load_async=False)])
         assert worker.take_failed_blocks() == set(range(16))  # the second chunk is a miss
     finally:
         worker.close()
@@ -231,14 +232,14 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
         writer.close()
     stop_service(config)  # the next service starts with both chunks on disk only
     holder = StoreClient(load_config(config), CHUNK)
-    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK), load_async=False)
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(config), CHUNK))
     try:
         if dram == "all pinned":
             fillers = _keys(1, 4)
             assert _put(holder, fillers) == [True] * 4
             assert holder.pin(fillers)[1].count(-1) == 0
         worker.start_loads([Transfer("r", (tuple(keys),), (None,),
-                                     (tuple(range(31, 15, -1)), tuple(range(16))))], load_async=False)
+                                     (tuple(range(31, 15, -1)), tuple(range(16))), load_async=False)])
         assert worker.take_failed_blocks() == set()
         counters = holder.info()["counters"]
         assert counters["disk.hits"] == 2
@@ -276,7 +277,7 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
         registered[map_tier] = register_for_dma(client)
         return client
 
-    worker = WorkerCore(layout, 0, make_client, load_async=False)
+    worker = WorkerCore(layout, 0, make_client)
     try:
         assert worker.loads.link.get() is not None
         loading = registered[True]
@@ -284,8 +285,8 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
         loading.thread.join(60)
         assert loading.ranges >= 2  # the window, and the tier
         assert registered[False].thread is None and registered[False].ranges == 1  # the window alone
-        worker.start_loads([Transfer("r", ((b"k" * 16,),), (None,), (tuple(range(15, -1, -1)),))],
-                           load_async=False)
+        worker.start_loads([Transfer("r", ((b"k" * 16,),), (None,), (tuple(range(15, -1, -1)),),
+                                     load_async=False)])
         torch.cuda.synchronize()
         assert worker.take_failed_blocks() == set()
         worker.loads.link.fail()  # a reconnecting worker drops its client: its registration goes
@@ -351,3 +352,162 @@ def test_a_client_not_given_the_tier_cannot_pin(config):
         assert client.residency(_keys(1, 1)) == (1, 1, False)  # the connection stays usable
     finally:
         client.close()
+
+
+# -- the lease taken at the lookup (a scheduler's), used by its workers ---------------------
+
+
+def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_with_no_request(config):
+    """The scheduler's lookup (a connection with no window) pins the leading chunks every
+    rank has in DRAM; a worker's connection copies them out of the tier at those offsets with
+    no request of its own; puts that fill DRAM meanwhile evict none of them; once released
+    (on the next lookup), they may go."""
+    worker = StoreClient(load_config(config), CHUNK)
+    scheduler = StoreClient(load_config(config))
+    try:
+        ranks = [_keys(1, 3), _keys(11, 3)]
+        assert _put(worker, ranks[0]) == [True] * 3 and _put(worker, ranks[1]) == [True] * 3
+        found = scheduler.lookup(ranks, lease_from=0)
+        assert (found.stored, found.resident) == (3, 3) and found.lease > 0
+        assert all(o >= 0 for rank in found.offsets for o in rank)
+        before = worker.info()["counters"].get("get.chunks", 0)
+        assert sum(_put(worker, _keys(30, SLOTS))) == SLOTS - 6  # DRAM full: 6 of its 8 slots leased
+        for keys, offsets in zip(ranks, found.offsets, strict=True):
+            for key, offset in zip(keys, offsets, strict=True):
+                assert worker.tier_holds(offset, key)
+                assert bytes(worker.tier_payload(offset)) == key[:1] * CHUNK
+        assert worker.info()["counters"].get("get.chunks", 0) == before  # no request for the copy
+        again = scheduler.lookup([_keys(1, 3)], release=[found.lease])
+        assert again.lease == 0 and again.stored == 3
+        assert _put(worker, _keys(50, SLOTS)) == [True] * SLOTS
+        assert scheduler.lookup(ranks).resident < 3  # released: evictable again
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_gets(config):
+    """The chunks before `lease_from` the engine's own cache holds: they are neither pinned
+    nor counted as served; the rest of the DRAM run is, as a get's hits."""
+    worker = StoreClient(load_config(config), CHUNK)
+    scheduler = StoreClient(load_config(config))
+    try:
+        assert _put(worker, _keys(1, 4)) == [True] * 4
+        before = worker.info()["counters"]
+        found = scheduler.lookup([_keys(1, 4)], lease_from=3)
+        assert found.offsets[0][:3] == (-1, -1, -1) and found.offsets[0][3] >= 0
+        assert worker.tier_holds(found.offsets[0][3], _keys(4, 1)[0])
+        after = worker.info()["counters"]
+        for name in ("get.chunks", "get.hits", "host.leased"):
+            assert after.get(name, 0) - before.get(name, 0) == 1
+        assert scheduler.lookup([_keys(1, 4)], lease_from=4).lease == 0  # nothing past the run
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(tmp_path):
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
+    worker = StoreClient(load_config(raw), CHUNK)
+    try:
+        assert _put(worker, _keys(1, 6)) == [True] * 6
+        scheduler = StoreClient(load_config(raw))
+        first = scheduler.lookup([_keys(1, 3)], lease_from=0, counters={"load.chunks": 2})
+        second = scheduler.lookup([_keys(1, 3), _keys(4, 3)], lease_from=0)  # 6 asked, 1 left in budget
+        assert [len(o) for o in first.offsets] == [3] and second.lease == 0
+        counters = worker.info()["counters"]
+        assert counters["lease.over_budget"] == 1 and counters["load.chunks"] == 2  # counters rode along
+        another = StoreClient(load_config(raw))  # the same user's: the same budget, not a new one
+        assert [len(o) for o in another.lookup([_keys(4, 3)], lease_from=0).offsets] == [1]
+        another.close()
+        scheduler.close()  # its pins go with it (once the service sees the connection end)
+        deadline = time.monotonic() + 10
+        while sum(_put(worker, _keys(40, SLOTS))) < SLOTS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.residency(_keys(1, 3))[1] == 0
+    finally:
+        worker.close()
+        stop_service(raw)
+
+
+def test_a_client_that_may_not_map_the_tier_gets_no_lease(tmp_path):
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), share_dram="off")
+    worker = StoreClient(load_config(raw), CHUNK)
+    try:
+        assert _put(worker, _keys(1, 2)) == [True] * 2
+        found = StoreClient(load_config(raw)).lookup([_keys(1, 2)], lease_from=0)
+        assert (found.resident, found.lease, found.offsets) == (2, 0, ())
+    finally:
+        worker.close()
+        stop_service(raw)
+
+
+# -- disk hits verified as they are copied out (one pass over their bytes) ------------------
+
+
+def _on_disk(tmp_path, disk_dir, keys: list[bytes]) -> dict:
+    """A service whose disk tier holds `keys` and whose DRAM tier holds none of them."""
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
+    writer = StoreClient(load_config(raw), CHUNK)
+    assert _put(writer, keys) == [True] * len(keys)
+    writer.close()
+    stop_service(raw)  # DRAM's chunks go down to disk; the next client starts a service anew
+    return raw
+
+
+def test_a_disk_hit_verified_by_its_reader_is_published_on_its_word_only(tmp_path, disk_dir):
+    """Pin(verify=False): the disk hits land in DRAM slots unpublished, each with the
+    checksum its bytes must have; the reader's unpin publishes those it names good, drops
+    and counts those it names bad (their disk records too), and puts back the ones it
+    named neither (a reader that failed half-way publishes nothing it did not check)."""
+    keys = _keys(1, 3)
+    raw = _on_disk(tmp_path, disk_dir, keys)
+    client = StoreClient(load_config(raw), CHUNK)
+    try:
+        lease, offsets, checks = client.pin(keys, verify=False)
+        assert all(o >= 0 for o in offsets) and all(isinstance(c, int) for c in checks)
+        assert [xxhash.xxh3_64_intdigest(bytes(client.tier_payload(o))) for o in offsets] == checks
+        assert client.residency(keys) == (3, 0, False)  # in DRAM, but not published
+        client.unpin([lease], good=keys[:1], bad=keys[1:2])
+        assert client.residency(keys[:1]) == (1, 1, False)  # promoted on the reader's word
+        assert client.residency(keys[1:2])[0] == 0  # dropped: DRAM and disk
+        assert client.residency(keys[2:]) == (1, 0, False)  # back on disk only, to be read again
+        assert client.info()["counters"]["disk.miss.bad_checksum"] == 1
+    finally:
+        client.close()
+        stop_service(raw)
+
+
+def test_a_flipped_byte_found_as_it_is_copied_fails_its_blocks_and_leaves_the_store(tmp_path, disk_dir):
+    """A worker loads disk hits verifying them as it copies them into KV blocks: the chunk
+    whose record has a byte flipped on disk is a failed load (its blocks reported, the
+    engine recomputes them), counted, dropped from the store; the other is loaded, byte for
+    byte, and promoted into DRAM for the next load."""
+    caches = {"layer": torch.zeros(32, 4, 16, 32, dtype=torch.float16)}
+    layout = PagedKVLayout(caches, 32, 16)
+    payloads = [np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8) for i in (1, 2)]
+    keys = _keys(1, 2)
+    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
+    writer = StoreClient(load_config(raw), CHUNK)
+    for slot, payload in enumerate(payloads):
+        writer.slot(slot)[:] = payload.tobytes()
+    assert writer.put(keys, [0, 1]) == [True, True]
+    writer.close()
+    stop_service(raw)
+    corrupt_record(os.path.join(disk_dir, "disk"), key=keys[1])
+    worker = WorkerCore(layout, 0, partial(StoreClient, load_config(raw), CHUNK))
+    try:
+        assert worker.loads.link.get() is not None
+        worker.start_loads([Transfer("r", (tuple(keys),), (None,), (tuple(range(16)), tuple(range(16, 32))),
+                                     load_async=False)])
+        assert worker.take_failed_blocks() == set(range(16, 32))
+        assert worker.stats.snapshot()["load.bad_checksum"] == 1
+        loaded = caches["layer"].view(torch.uint8).numpy().reshape(32, -1)
+        assert np.array_equal(loaded[:16].reshape(-1), payloads[0])
+        client = worker.loads.link.get()
+        assert client is not None
+        assert client.residency(keys) == (1, 1, False)  # the good one promoted, the bad one gone
+        assert client.info()["counters"]["disk.miss.bad_checksum"] == 1
+    finally:
+        worker.close()
+        stop_service(raw)

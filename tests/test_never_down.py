@@ -269,8 +269,9 @@ def _footprint(pid: int) -> tuple[int, int, set[str]]:
             set(os.listdir("/dev/shm")))
 
 
+# Never "shutdown": the owner may send it (allowed users may not: test_security.py).
 TAGS = ["hello", "residency", "finished", "expect", "count", "get", "put", "pin", "unpin", "info", "events",
-        "nonsense"]  # never "shutdown": the owner may send it (allowed users may not: test_security.py)
+        "nonsense"]
 # What msgpack can encode (its ints are 64-bit): JSON values as a peer could send them.
 WIRE_SCALARS = (st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
                 | st.text(max_size=6) | st.sampled_from([math.inf, math.nan, -1, 0, 1 << 63]))
@@ -279,7 +280,7 @@ WIRE = st.recursive(WIRE_SCALARS, lambda inner: st.lists(inner, max_size=6)
 FIELD_VALUES = (WIRE | st.binary(max_size=20) | st.lists(st.binary(min_size=15, max_size=17), max_size=4)
                 | st.lists(st.lists(st.binary(min_size=16, max_size=16), max_size=3), max_size=3))
 FIELDS = ["version", "config", "chunk_bytes", "namespace", "dtype", "shape", "ranks", "prefetch", "in_s",
-          "counters", "keys", "slots", "parent", "leases", "since", "extra"]
+          "await_s", "counters", "keys", "slots", "parent", "leases", "since", "extra"]
 FRAMES = st.one_of(
     st.binary(max_size=64),
     st.builds(lambda tag, fields: msgspec.msgpack.encode({"type": tag, **fields}), st.sampled_from(TAGS),
@@ -329,6 +330,15 @@ def test_an_expect_of_inf_or_nan_seconds_is_refused_at_the_frame(service, good):
     with pytest.raises(Exception, match="in_s"):  # the client refuses to send one
         good.expect([[b"k" * 16]], math.inf)
     good.expect([[b"k" * 16]], 1.0)
+
+
+def test_a_residency_awaiting_inf_nan_or_too_many_seconds_is_refused_at_the_frame(service, good):
+    for await_s in (math.inf, math.nan, -1.0, P.MAX_AWAIT_S * 2):
+        body = msgspec.msgpack.encode({"type": "residency", "ranks": [[b"k" * 16]], "await_s": await_s})
+        reply = _exchange(service, body)
+        assert reply is not None and "await_s" in reply.error
+    # The client asks for at most the bound.
+    assert good.residency_ranks([[b"k" * 16]], await_s=P.MAX_AWAIT_S * 2) == (0, 0, False)
 
 
 def test_a_residency_of_300000_keys_is_answered_on_the_same_connection(service, good):

@@ -32,7 +32,7 @@ class FakeStore:
         self.told.append((kind, len(ranks[0])))
         self.ends.append(end)
 
-    def lookup(self, ranks: list[list[bytes]], prefetch: bool) -> Residency:
+    def lookup(self, ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         (keys,) = ranks  # one tensor-parallel rank
         run = []
         for key in keys:

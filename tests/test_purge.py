@@ -36,6 +36,11 @@ def tiers(directory: str, dram_slots: int = 4) -> dict:
                       "disk": [{"path": os.path.join(directory, "disk"), "capacity": 64 * SLOT}]}}
 
 
+def listed(book: NamespaceBook) -> list[dict]:
+    """A small book's namespaces: its first page."""
+    return book.page(None)
+
+
 def put_chain(store, namespace: KVNamespace, chunks: int, seed: int) -> list[bytes]:
     keys = chunk_keys(range(seed, seed + 16 * chunks), namespace)
     stored = store.put_many(keys, make_payloads(chunks, seed=seed), namespace=namespace.digest())
@@ -110,7 +115,7 @@ def test_the_service_lists_announced_namespaces_and_purges_by_model_and_generati
         client.close()
         stop_service(config)
     book = NamespaceBook(raw["service"]["socket"] + ".namespaces")  # kept across a restart
-    assert {entry["namespace"] for entry in book.entries()} == {ns.digest().hex() for ns in (OLD, NEW, OTHER)}
+    assert {entry["namespace"] for entry in listed(book)} == {ns.digest().hex() for ns in (OLD, NEW, OTHER)}
 
 
 def test_a_described_namespace_shows_no_salt():
@@ -130,9 +135,9 @@ def test_an_announcement_is_kept_whole_or_refused(digest, description):
     try:
         book.announce(1000, [(digest, description)])  # type: ignore[list-item]
     except KVStoreError:
-        assert book.entries() == []
+        assert listed(book) == []
         return
-    (entry,) = book.entries()
+    (entry,) = listed(book)
     assert entry["description"] == description and entry["uid"] == 1000
 
 
@@ -140,14 +145,14 @@ def test_a_digest_keeps_its_first_description(tmp_path):
     book = NamespaceBook(str(tmp_path / "book"))
     book.announce(0, [(OLD.digest(), OLD.description())])
     book.announce(1000, [(OLD.digest(), OTHER.description())])  # relabelling: ignored
-    (entry,) = book.entries()
+    (entry,) = listed(book)
     assert entry["description"] == OLD.description() and entry["uid"] == 0
     book.close()
     assert os.stat(tmp_path / "book").st_mode & 0o777 == 0o600
-    assert NamespaceBook(str(tmp_path / "book")).entries()[0]["description"] == OLD.description()
+    assert listed(NamespaceBook(str(tmp_path / "book")))[0]["description"] == OLD.description()
 
 
 @pytest.mark.parametrize("garbage", [b"", b"{", b"[{\"namespace\": 1}]", b"\xff\xfe"])
 def test_a_damaged_book_is_an_empty_one(tmp_path, garbage):
     (tmp_path / "book").write_bytes(garbage)
-    assert NamespaceBook(str(tmp_path / "book")).entries() == []
+    assert listed(NamespaceBook(str(tmp_path / "book"))) == []

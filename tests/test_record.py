@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.format.record import (
@@ -82,6 +82,28 @@ def test_a_checksum_fused_with_a_copy_equals_the_hash_and_the_copy_apart():
         assert np.array_equal(target, source)
     with pytest.raises(ValueError, match="copy of 4 bytes into 3"):
         xxh3_64_copy(memoryview(bytearray(3)), memoryview(bytearray(4)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([100, 1 << 16, 3 * (256 << 10) + 17]), st.data())
+def test_a_checksum_fused_with_a_scatter_equals_the_hash_and_the_copies_apart(size, data):
+    """xxh3_64_scatter: pieces anywhere in the payload (some overlapping, some bytes in
+    none, a read-only payload), each copied where it goes, the digest the whole payload's."""
+    import numpy as np
+    import xxhash
+
+    from kvstore.format.checksum import xxh3_64_scatter
+
+    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    spans = data.draw(st.lists(st.tuples(st.integers(0, size - 1), st.integers(0, size)), max_size=12))
+    targets = [(np.zeros(min(length, size - at), np.uint8), at) for at, length in spans]
+    payload = memoryview(source.tobytes())  # read-only
+    digest = xxh3_64_scatter(payload, [(memoryview(target), at) for target, at in targets])
+    assert digest == xxhash.xxh3_64_intdigest(source)
+    for target, at in targets:
+        assert np.array_equal(target, source[at : at + len(target)])
+    with pytest.raises(ValueError, match="outside"):
+        xxh3_64_scatter(payload, [(memoryview(bytearray(4)), size - 2)])
 
 
 def test_a_record_checked_on_its_way_to_the_caller_still_misses_on_a_bad_checksum():

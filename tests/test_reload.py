@@ -3,7 +3,10 @@ that changed a live key reconnects with the config it started with and loads; a 
 that cannot be read (not UTF-8, unreadable, nested or aliased past bounds, too large)
 leaves the service serving with its old config, counted as malformed.config; and a
 SIGHUP while a spawned service starts (through its first store, recovery included)
-never ends it. Each test runs a real `kvstore serve`."""
+never ends it; and a state file the service reads (`SOCKET.learned` at the first hello or
+at a reload that switches to `learned`, `SOCKET.namespaces` at start) that is nested a
+million deep, huge or garbage is moved aside (`.bad`) and counted, the service serving
+from cold. Each test runs a real `kvstore serve`."""
 
 from __future__ import annotations
 
@@ -198,3 +201,97 @@ def test_a_config_error_names_no_password(tmp_path, disk_dir):
     with pytest.raises(ConfigError) as raised:
         load_config(json.dumps({**_raw(tmp_path, disk_dir), "cluster": {"host_id": "a", "index_url": url}}))
     assert "hunter2" not in str(raised.value) and "u:***@h" in str(raised.value)
+
+
+# -- state files: what `learned` admission learned, the announced namespaces ------------------
+
+def _state_file(kind: str) -> bytes:
+    """A state file that is not one: nested a million deep, over any bound (60 MiB), garbage."""
+    if kind == "nested":
+        return b"[" * 1_000_000 + b"]" * 1_000_000
+    if kind == "huge":
+        return b"[" + b"0," * (30 << 20) + b"0]"
+    return b"\x00\xff{[\"version\": 1,"
+
+
+STATE_FILES = ["nested", "huge", "garbage"]
+
+
+def _placed(socket: str, suffix: str, content: bytes) -> Path:
+    """`content` as the service's state file SOCKET+suffix, placed as the service would find
+    it: 0600 in its private directory (made here, 0700, if it is not there yet)."""
+    path = Path(socket + suffix)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.write_bytes(content)
+    path.chmod(0o600)
+    return path
+
+
+def _round_trip(config: dict, seed: int) -> StoreClient:
+    """An engine's client: its hello makes or joins the store, a put and a get; the chunk
+    events of the put come through."""
+    client = StoreClient(load_config(config), CHUNK_BYTES)
+    cursor = client.events(-1)[0]
+    keys, payloads = make_keys(2, seed=seed), make_payloads(2, seed=seed)
+    _put(client, keys, payloads)
+    assert _loads(client, keys, payloads)
+    assert {key for stored, key, _ in client.events(cursor)[2] if stored} >= set(keys)
+    return client
+
+
+@pytest.mark.parametrize("kind", STATE_FILES)
+def test_a_bad_learned_file_is_set_aside_at_the_first_hello(tmp_path, disk_dir, kind):
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir, disk_admission="learned")
+    path.write_text(yaml.safe_dump(raw))
+    learned = _placed(raw["service"]["socket"], ".learned", _state_file(kind))
+    with serving(path, log) as service:
+        client = _round_trip(raw, seed=8)
+        assert client.info()["counters"]["admission.learned_refused"] == 1
+        client.close()
+        stop_service(raw)
+        assert service.wait(timeout=30) == 0
+    assert Path(f"{learned}.bad").read_bytes() == _state_file(kind)
+    assert "returns" in json.loads(learned.read_text())  # written anew at the stop, from cold
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_reload_to_learned_over_a_nested_file_leaves_the_service_serving(tmp_path, disk_dir):
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir, disk_admission="all")
+    path.write_text(yaml.safe_dump(raw))
+    with serving(path, log) as service:
+        client = _round_trip(raw, seed=9)
+        learned = _placed(raw["service"]["socket"], ".learned", _state_file("nested"))
+        path.write_text(yaml.safe_dump({**raw, "disk_admission": "learned"}))
+        seen = len(log.read_text())
+        service.send_signal(signal.SIGHUP)
+        wait_for_log(log, "reload: disk_admission learned", seen)
+        assert service.poll() is None
+        client.close()
+        client = _round_trip(raw, seed=10)
+        assert client.info()["counters"]["admission.learned_refused"] == 1
+        assert Path(f"{learned}.bad").exists()
+        client.close()
+        stop_service(raw)
+        assert service.wait(timeout=30) == 0
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("kind", STATE_FILES)
+def test_a_bad_namespaces_file_is_set_aside_at_start(tmp_path, disk_dir, kind):
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir)
+    path.write_text(yaml.safe_dump(raw))
+    book = _placed(raw["service"]["socket"], ".namespaces", _state_file(kind))
+    with serving(path, log) as service:
+        client = _round_trip(raw, seed=11)
+        client.announce([(b"n" * 16, {"model": "m"})])
+        assert [entry["namespace"] for entry in client.namespaces()] == [(b"n" * 16).hex()]
+        assert client.info()["counters"]["malformed.state_file"] == 1
+        client.close()
+        stop_service(raw)
+        assert service.wait(timeout=30) == 0
+    assert Path(f"{book}.bad").read_bytes() == _state_file(kind)
+    assert "Traceback" not in log.read_text()

@@ -11,17 +11,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
+import shlex
 import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -29,6 +28,7 @@ import numpy as np
 import pytest
 from support import services
 from support.stores import CHUNK_BYTES, make_keys, make_payloads
+from support.users import User, cannot_make_users, readable_packages, shared_directory
 
 from kvstore.config.store import load_config
 from kvstore.devices.layout import SB_COPIES
@@ -40,70 +40,30 @@ from kvstore.service import protocol as P
 from kvstore.service.client import StoreClient, stop_service
 from kvstore.store.tiered import TieredStore
 
-REPO = Path(__file__).resolve().parents[1]
 SLOT = record_bytes(CHUNK_BYTES)
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
-                                reason="needs root and useradd to create a throwaway user")
+needs_root = pytest.mark.skipif(cannot_make_users() is not None, reason=str(cannot_make_users()))
 
 
-def _python_for_others() -> list[str] | None:
-    """An interpreter another user may run, with this project's packages importable: this
-    one if every directory up to it is searchable, else the system's of the same version."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        path = Path(os.path.realpath(candidate))
-        if not path.exists():
-            continue
-        if all(os.stat(p).st_mode & 0o001 for p in path.parents) and os.stat(path).st_mode & 0o001:
-            version = subprocess.run([str(path), "-c", "import sys; print(sys.version_info[:2])"],
-                                     capture_output=True, text=True).stdout.strip()
-            if version == str(sys.version_info[:2]):
-                return [str(path)]
-    return None
+# What the other user's code imports beside the standard library: the snapshot below holds
+# the packages these load.
+OTHERS_IMPORT = ("kvstore.config.store", "kvstore.format.errors", "kvstore.service.client")
 
 
-SITE = sysconfig.get_paths()["purelib"]
-
-
-class User:
-    """A throwaway unprivileged user: runs Python code as itself, removed in teardown."""
-
-    def __init__(self) -> None:
-        self.name = f"kvs{uuid.uuid4().hex[:8]}"
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", self.name],
-                       check=True, capture_output=True)
-        entry = pwd.getpwnam(self.name)
-        self.uid, self.gid = entry.pw_uid, entry.pw_gid
-
-    def run(self, code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-        uid, gid = self.uid, self.gid
-
-        def drop() -> None:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-
-        environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{SITE}", "HOME": "/tmp", **env}
-        return subprocess.run([*PYTHON_FOR_OTHERS, "-c", code], preexec_fn=drop, cwd="/",
-                              env=environment, capture_output=True, text=True, timeout=timeout)
-
-    def remove(self) -> None:
-        subprocess.run(["pkill", "-KILL", "-u", self.name], capture_output=True)
-        subprocess.run(["userdel", "--force", self.name], capture_output=True)
-
-
-PYTHON_FOR_OTHERS = _python_for_others() or []
+@pytest.fixture(scope="session")
+def others_pythonpath() -> Iterator[str]:
+    """Where the other user's interpreter finds kvstore and what it imports (a readable copy)."""
+    why = cannot_make_users()
+    if why is not None:
+        pytest.skip(why)
+    with readable_packages(OTHERS_IMPORT) as path:
+        yield path
 
 
 @pytest.fixture
-def intruder():
+def intruder(others_pythonpath):
     """Another local user, unprivileged (in some tests the victim instead: see there)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to create a throwaway user")
-    if not PYTHON_FOR_OTHERS:
-        pytest.skip(f"no Python {sys.version_info[:2]} that another user may run (this one is "
-                    f"{sys.executable}, behind a private directory)")
-    user = User()
+    user = User(others_pythonpath)
     yield user
     user.remove()
 
@@ -111,10 +71,8 @@ def intruder():
 @pytest.fixture
 def shared_tmp():
     """A directory other users can reach (pytest's own are private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="kvstore-sec-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_directory() as path:
+        yield path
 
 
 @pytest.fixture
@@ -150,10 +108,10 @@ def _hello(config: dict, chunk: int | None = CHUNK_BYTES) -> P.Hello:
 # -- 1. socket squatting ------------------------------------------------------------------
 
 @needs_root
-def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp):
+def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp, others_pythonpath):
     """Another user pre-creates the victim's default runtime directory in /tmp and
     listens there: the victim's client refuses the directory instead of connecting."""
-    victim = User()
+    victim = User(others_pythonpath)
     try:
         squat = f"/tmp/kvstore-{victim.uid}"
         made = intruder.run(f"import os; os.mkdir({squat!r}, 0o777); os.chmod({squat!r}, 0o777)")
@@ -217,7 +175,7 @@ def test_2_a_pickle_sent_to_the_service_runs_nothing(service_config, tmp_path):
 
     class Exploit:
         def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
+            return (os.system, (f"touch {shlex.quote(str(marker))}",))
 
     conn = Client(service_config["service"]["socket"], family="AF_UNIX")
     conn.send(("hello", Exploit()))

@@ -1,12 +1,16 @@
 """The transfer core's waves (connectors/transfer.py): every key once and in order, none
 past half the window, a long load's last quarter a wave of its own; and through a real
-service, loads of more pages than the window fill every byte, from DRAM and from disk."""
+service, loads of more pages than the window fill every byte, from DRAM and from disk,
+and saves of more pages than the window are one chain."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from support.records import disk_records
 from support.services import counters, service_config, stop_service
 
 from connectors.page_io import service_pages
@@ -66,3 +70,28 @@ def test_a_load_longer_than_the_window_fills_every_page_from_dram_and_from_disk(
             reads.close()
             writes.close()
             stop_service(store)  # the next pass starts a new service: its DRAM tier is empty
+
+
+def test_a_save_longer_than_the_window_is_one_chain_in_the_fetches_waves(tmp_path, disk_dir):
+    """PageIO's save of more pages than the window (Transfers.store_waves): each wave
+    gathered into one half while the other is put, the pages stored as one chain under the
+    parent given (each record's parent the page before it, across waves), every byte
+    loaded back; the write connection maps no DRAM tier."""
+    store = service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", staging="1MiB")
+    count = 3 * 8 + 5  # waves of half a 16-slot window: several, the last split
+    keys = [i.to_bytes(16, "big") for i in range(1, count + 1)]
+    written = np.random.default_rng(4).integers(0, 256, count * CHUNK, dtype=np.uint8)
+    reads, writes = service_pages(store, "config", CHUNK, b"t" * 16)
+    try:
+        client = writes.link.get()
+        assert client is not None and client.slots == 16 and client.tier is None
+        assert all(writes.save(keys, _pages(written), parent=b"p" * 16))
+        loaded = np.zeros_like(written)
+        assert reads.load(keys, _pages(loaded)) == [True] * count
+        assert np.array_equal(loaded, written)
+    finally:
+        reads.close()
+        writes.close()
+        stop_service(store)  # DRAM's chunks go down to disk, each with its parent
+    parents = {header.key: header.parent for header in disk_records(os.path.join(disk_dir, "disk"))}
+    assert [parents[key] for key in keys] == [b"p" * 16, *keys[:-1]]

@@ -17,7 +17,9 @@ recomputed gives the same tokens and logprobs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support.engines import assert_close
@@ -40,6 +42,7 @@ PROMPTS = {  # name: token ids; 2,100-2,700 tokens, as in the issue
     "c": prompt_token_ids(2700, seed=23),
     "replayed": prompt_token_ids(2305, seed=24),
     "lost": prompt_token_ids(2200, seed=25),
+    "late": prompt_token_ids(2600, seed=26),
 }
 ROUTED = ("a", "b", "c")
 
@@ -98,6 +101,29 @@ def test_the_prefill_reply_names_its_chunks_and_a_decode_sent_at_once_hits(clust
     assert handoff["host"] == "prefill"
     assert decoded.cached_tokens == (len(tokens) - 1) // CHUNK * CHUNK
     assert_close(reference["replayed"], decoded)
+
+
+def test_saves_landing_after_the_prefill_replied_are_waited_for_and_loaded(cluster, reference):
+    """The prefill's saves are still on their way when its reply reaches the decode: its
+    service is paused from before the prefill request until a second after the decode
+    request went out, so none of the prompt's chunks is stored when the decode first asks.
+    The decode holds the request until every named chunk is readable, then loads them all."""
+    tokens = PROMPTS["late"]
+    body = completion_body(cluster.model, tokens, MAX_TOKENS)
+    before = cluster.counters("decode")
+    with ThreadPoolExecutor(1) as pool:
+        with cluster.prefill_service_stopped():
+            prefilled = complete(cluster.prefill.url, prefill_body(body))
+            handoff = (prefilled.kv_transfer_params or {}).get(PARAMS_KEY)
+            assert handoff is not None and handoff["chunks"] == len(tokens) // CHUNK
+            decoding = pool.submit(complete, cluster.decode.url,
+                                   {**body, "kv_transfer_params": prefilled.kv_transfer_params})
+            time.sleep(1.0)  # the decode asks meanwhile and finds nothing yet
+        decoded = decoding.result()
+    assert decoded.cached_tokens == (len(tokens) - 1) // CHUNK * CHUNK
+    assert_close(reference["late"], decoded)
+    after = cluster.counters("decode")
+    assert after.get("handoff.expired", 0) == before.get("handoff.expired", 0)
 
 
 def test_with_the_prefill_saves_lost_the_decode_recomputes_within_its_deadline(cluster, reference):

@@ -25,6 +25,8 @@ from typing import Any
 EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("chat_bench", "multi-turn chat serving, several conversations at once, without and with kvstore"),
     ("cluster_bench", "what the cluster path costs: index lookups, publishing, peer reads"),
+    ("dram_hit", "TTFT of a DRAM hit through vLLM's server, against its own prefix-cache hit, recompute "
+                 "and a plain copy"),
     ("gpu_check", "everything that needs a GPU in one run of at most 8 minutes (scripts/gpu_check.sh)"),
     ("hybrid_groups", "bytes per token and TTFT of a load for the Gemma-3-style hybrid model"),
     ("index_load", "the cluster index under load: one Redis against a Redis Cluster of 3 shards"),
@@ -37,6 +39,7 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("serving", "vLLM's own serving benchmark without and with kvstore, or one long prompt"),
     ("sglang_bench", "loading SGLang HiCache pages: kvstore's backend against SGLang's `file` backend"),
     ("sglang_ttft", "TTFT on SGLang's own server: kvstore against SGLang's `file` backend (.venv-sglang)"),
+    ("vllm_tier", "vLLM's own tiered offloading: kvstore as its secondary tier against vLLM's `fs` tier"),
     ("weights_cost", "what the weights fingerprint costs: cold, again, and through its digest cache"),
 )
 

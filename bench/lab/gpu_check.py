@@ -14,6 +14,11 @@ vLLM's CUDA build there). Each item in turn, each with its share of the deadline
                are equal and the fresh engine loaded (its cached tokens); the model is
                built once from its PyPI wheel (bench/support/chat_model.py), so the first run
                needs PyPI, as the setup does
+  vllm tier    the same model on `vllm serve` with vLLM's own offloading (OffloadingConnector,
+               TieringOffloadingSpec) and kvstore as its secondary tier: a prompt stored,
+               the server and the kvstore service restarted, and the fresh server loads
+               it (its cached tokens) and answers it with the same greedy tokens; vLLM's
+               GPU <-> CPU swap needs CUDA, so this runs only here
 
 It prints one table (item, pass/fail/skipped, GiB/s) and writes it as JSON. Without a
 CUDA device every GPU item is reported skipped and it exits 0 (CI runs it so); otherwise
@@ -39,7 +44,9 @@ from bench.lab import Result
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_PATH = "tier -> GPU load (bench.lab load_path)"
 VLLM = "vllm serve: store, restart, fresh engine loads"
-SHARES = {"cuda tests": 0.3, LOAD_PATH: 0.2, VLLM: 0.5}  # of the deadline, in this order
+TIER = "vllm serve, native offloading, kvstore tier: store, restart, fresh server loads"
+SHARES = {"cuda tests": 0.25, LOAD_PATH: 0.15, VLLM: 0.35, TIER: 0.25}  # of the deadline, in this order
+TIER_PROMPT = [1000 + (7 * i) % 40000 for i in range(1536)]  # token ids: 96 blocks of 16
 LABELS = {  # cuda tests whose row says what they stand for
     "test_device_staging.py::test_a_load_uses_staged_chunks_and_fetches_only_the_rest[cuda]":
         "prefetch into HBM, then a load takes it",
@@ -150,6 +157,60 @@ def demo_verdict(runs: dict[str, list[dict[str, Any]]], returncode: int) -> tupl
         f"{len(answers[0])} turns equal; after the restart {cached} prompt tokens loaded from disk")
 
 
+def run_tier(workdir: Path, timeout_s: float) -> list[Row]:
+    """The prompt on a server with vLLM's native offloading over kvstore's tier, then, the
+    server and the kvstore service restarted, on a fresh one (kvstore's disk tier only)."""
+    import yaml
+
+    from bench.support.chat_model import build_chat_model, default_chat_model_dir
+    from bench.support.openai_server import OpenAIServer
+    from bench.support.runs import default_config
+    from bench.support.vllm_offload import native_offloading
+    from kvstore.config.store import load_config
+    from kvstore.service.client import service_info, stop_service
+
+    deadline = time.monotonic() + timeout_s
+    config = default_config(workdir / "tier", "1GiB")
+    (workdir / "tier").mkdir(parents=True, exist_ok=True)
+    path = workdir / "tier" / "kvstore.yaml"
+    path.write_text(yaml.safe_dump(config))
+    store = load_config(config)
+    args = ["--dtype", "float16", "--enable-prompt-tokens-details", "--max-model-len", "4096",
+            "--enforce-eager", "--served-model-name", "chat",  # prefix caching on: its hashes are the keys
+            "--kv-transfer-config", native_offloading(str(path), 1 << 30)]
+    answers, cached = [], []
+    try:
+        model = build_chat_model(default_chat_model_dir())
+        for run in ("first", "fresh"):
+            with OpenAIServer(model, args, workdir / f"tier-{run}.log", kv_cache_gib=2) as server:
+                left = max(10.0, deadline - time.monotonic())
+                done = server.complete(TIER_PROMPT, max_tokens=16, timeout_s=left)
+                answers.append(done.token_ids)
+                cached.append(done.cached_tokens)
+                while run == "first" and time.monotonic() < deadline - 30:  # the tier's stores land
+                    info = service_info(store)
+                    if info and sum(t["chunks"] for t in info["tiers"]) >= len(TIER_PROMPT) // 16 - 1:
+                        break
+                    time.sleep(0.5)
+            stop_service(store)  # DRAM written down and gone: the fresh server's loads read disk
+    except Exception as exc:  # a server that did not start, a request past the deadline
+        stop_service(store)
+        return [Row(TIER, "fail", note=str(exc)[-300:])]
+    return [Row(TIER, *tier_verdict(answers, cached))]
+
+
+def tier_verdict(answers: list[list[int]], cached: list[int]) -> tuple[str, None, str]:
+    """Pass: the fresh server took the prompt's chunks from kvstore (vLLM counts them cached:
+    its own caches were empty) and answered with the first server's greedy tokens."""
+    problems = []
+    if answers[0] != answers[1]:
+        problems.append("greedy answers differ")
+    if cached[1] <= 0:
+        problems.append("the fresh server loaded nothing")
+    return ("fail" if problems else "pass"), None, "; ".join(problems) or (
+        f"answers equal; the fresh server loaded {cached[1]} prompt tokens from kvstore's disk tier")
+
+
 def check(workdir: Path, deadline_s: float) -> tuple[str | None, list[Row]]:
     device = cuda_device()
     rows: list[Row] = []
@@ -165,8 +226,10 @@ def check(workdir: Path, deadline_s: float) -> tuple[str | None, list[Row]]:
             rows.append(Row(item, "fail", note="no time left of the deadline"))
         elif item == LOAD_PATH:
             rows += run_load_path(workdir, budget)
-        else:
+        elif item == VLLM:
             rows += run_vllm(workdir, budget)
+        else:
+            rows += run_tier(workdir, budget)
     return device, rows
 
 

@@ -11,10 +11,12 @@ service, in two ways, each with a service of its own:
 next to a plain copy of the same bytes on the same machine (torch's copy_ on its
 intra-op threads, and a one-thread memcpy through numpy). The rounds alternate (load,
 torch copy, memcpy, ...) and each figure is its best round, so drift on a shared
-machine touches them all alike. With --disk, disk hits too, both ways: each chunk is
-read (O_DIRECT) into a DRAM slot and verified there, then copied into the blocks from
-the slot (tier) or, hashed and copied in one pass, into the window first (window);
-GiB/s and the CPU seconds per GiB of worker and service together. Two sets of chunks
+machine touches them all alike. With --disk, disk hits too: each chunk is read
+(O_DIRECT) into a DRAM slot, then copied into the blocks from the slot (tier), its hash
+taken as it is copied (the connector's own way: one pass over its bytes), or taken in the
+service before it (a pass of its own), or not at all (verification off: the copy a load
+needs anyway, the yardstick), or, hashed and copied in one pass, into the window first
+(window); GiB/s and the CPU seconds per GiB of worker and service together. Two sets of chunks
 take turns in a DRAM tier that holds one, so each timed load reads its set from disk. Where CUDA is
 present, also DRAM hits into KV tensors on the GPU (the tier registered for DMA as the
 connector does it) against torch's pinned `copy_` of the same bytes (goal: >= 0.9x).
@@ -34,7 +36,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -53,6 +55,9 @@ from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient, stop_service
 
 GIB = 1 << 30
+# (result name, service.share_dram, how the disk hits are verified: _Verifying)
+DISK_PATHS = (("disk_tier", "own-user", "copy"), ("disk_tier_service", "own-user", "service"),
+              ("disk_tier_off", "own-user", "off"), ("disk_window", "off", "service"))
 
 
 def _caches(layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
@@ -62,6 +67,32 @@ def _caches(layers: int, num_blocks: int, kv_heads: int, block_size: int, head_d
     make = (lambda: torch.randn(shape, dtype=torch.float16)) if fill else (
         lambda: torch.zeros(shape, dtype=torch.float16))
     return {f"model.layers.{i}.self_attn.attn": make() for i in range(layers)}
+
+
+class _Verifying:
+    """The target layout, verifying the disk hits a load copies `how`: "copy" (hashed as
+    they are copied: the connector's own way), "service" (hashed in the service before
+    they are copied: the layout says it cannot check its copies), "off" (not verified at
+    all: the copy a load needs anyway, and a yardstick only, never a connector's way)."""
+
+    def __init__(self, layout: PagedKVLayout, how: str) -> None:
+        self.layout = layout
+        self.how = how
+        self.chunk_bytes = layout.chunk_bytes
+
+    @property
+    def checks_copies(self) -> bool:
+        return self.how != "service"
+
+    def gather(self, blocks: Sequence[int], out: memoryview, group: int = 0) -> None:
+        self.layout.gather(blocks, out, group)
+
+    def scatter(self, chunks: Sequence[tuple[memoryview | torch.Tensor, Sequence[int]]],
+                group: int = 0, checks: Sequence[int | None] = ()) -> list[bool]:
+        if self.how == "off":
+            self.layout.scatter(chunks, group)
+            return [True] * len(chunks)
+        return self.layout.scatter(chunks, group, checks)
 
 
 def _best(repeats: int, actions: dict[str, Callable[[], None]]) -> dict[str, float]:
@@ -130,9 +161,12 @@ def run(chunks: int = 16, layers: int = 32, kv_heads: int = 8, head_dim: int = 1
         slab_and_windows = chunks * record_bytes(chunk_bytes) + 3 * (256 << 20)
         with huge_pages(slab_and_windows) as why_not:
             result["disk_huge_pages"] = why_not or "reserved"
-            for path, share in (("disk_tier", "own-user"), ("disk_window", "off")):
-                result.update(_disk_rounds(setup, path, share, disk_dir))
+            for path, share, verify in DISK_PATHS:
+                result.update(_disk_rounds(setup, path, share, disk_dir, verify))
         result["disk_tier_vs_window"] = result["disk_tier_gib_s"] / result["disk_window_gib_s"]
+        unverified = result["disk_tier_off_cpu_s_per_gib"]
+        for path in ("disk_tier", "disk_tier_service"):  # the CPU of verifying, against none
+            result[f"{path}_cpu_vs_off"] = result[f"{path}_cpu_s_per_gib"] / unverified
     return result
 
 
@@ -151,8 +185,8 @@ class _Setup:
 
     def load(self, worker: WorkerCore, keys: tuple[bytes, ...] | None = None) -> None:
         """Load `keys` (default: this run's) into the destination blocks, as the connector does."""
-        worker.start_loads([Transfer("bench", (keys or self.keys,), (None,), self.dest_blocks)],
-                           load_async=False)
+        worker.start_loads([Transfer("bench", (keys or self.keys,), (None,), self.dest_blocks,
+                                     load_async=False)])
         assert not worker.take_failed_blocks(), "a chunk failed to load"
 
 
@@ -163,7 +197,7 @@ def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[..., 
     not, as `tier` says) against the yardsticks in alternated rounds; best seconds of each."""
     try:
         _fill(config, setup.source, setup.src_blocks, setup.keys)
-        worker = WorkerCore(setup.target, 0, make_client, load_async=False)
+        worker = WorkerCore(setup.target, 0, make_client)
         try:
             client = worker.loads.link.get()
             assert client is not None and (client.tier is not None) == tier
@@ -225,11 +259,12 @@ def _config(chunk_tokens: int, directory: str, share: str, dram_bytes: int,
                         "service": {"socket": str(Path(directory) / "kvstore.sock"), "share_dram": share}})
 
 
-def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str) -> dict[str, float]:
+def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str, verify: str) -> dict[str, float]:
     """Disk hits: two sets of chunks on disk and a DRAM tier that holds one set; each
     round loads the other set (untimed), which pushes this one out of DRAM, then this
-    one from disk (timed), in one service and worker as when serving. CPU seconds are
-    the worker's and the service's together, over the timed load."""
+    one from disk (timed), in one service and worker as when serving, each verified as
+    `verify` says (_Verifying). CPU seconds are the worker's and the service's together,
+    over the timed load."""
     keys, chunk_bytes = setup.keys, setup.source.chunk_bytes
     slot_bytes = record_bytes(chunk_bytes)
     others = tuple(bytes(b ^ 0xFF for b in key) for key in keys)
@@ -239,11 +274,11 @@ def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str) -> dict[st
         _fill(config, setup.source, setup.src_blocks, keys)
         _fill(config, setup.source, setup.src_blocks, others)
         stop_service(config)  # DRAM's chunks go down to disk
-        worker = WorkerCore(setup.target, 0, partial(StoreClient, config, chunk_bytes), load_async=False)
+        worker = WorkerCore(_Verifying(setup.target, verify), 0, partial(StoreClient, config, chunk_bytes))
         best, cpu = float("inf"), float("inf")
         try:
             client = worker.loads.link.get()
-            assert client is not None and (client.tier is not None) == (path == "disk_tier")
+            assert client is not None and (client.tier is not None) == path.startswith("disk_tier")
             service_pid = int(client.info()["service_pid"])
             for _ in range(setup.repeats):
                 for chunks in (others, keys):
@@ -257,7 +292,8 @@ def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str) -> dict[st
                     disk_hits, leased = (after.get(name, 0) - before.get(name, 0)
                                          for name in ("disk.hits", "host.leased"))
                     assert disk_hits == len(keys), f"{disk_hits} of {len(keys)} chunks came from disk"
-                    assert leased == (disk_hits if path == "disk_tier" else 0), f"{leased} chunks leased"
+                    wanted = disk_hits if path.startswith("disk_tier") else 0
+                    assert leased == wanted, f"{leased} chunks leased"
                 best, cpu = min(best, seconds), min(cpu, cpu_s)
                 _check(setup.source, setup.target, setup.src_blocks, setup.dest_blocks)
         finally:
@@ -330,10 +366,15 @@ def table(result: dict[str, Any], blocks: str) -> str:
     if "disk_tier_gib_s" in result:
         lines.append(f"  disk hits (O_DIRECT reads; huge pages: {result['disk_huge_pages']}):  {'GiB/s':>6s} "
                      f"{'CPU s/GiB':>10s}")
-        for path, label in (("disk_tier", "read into the DRAM slot, one copy from there"),
-                            ("disk_window", "read into the DRAM slot, copied via the window")):
+        for path, label in (("disk_tier", "into the DRAM slot, verified as copied out of it"),
+                            ("disk_tier_service", "into the DRAM slot, verified there, then copied"),
+                            ("disk_tier_off", "into the DRAM slot, copied unverified (yardstick)"),
+                            ("disk_window", "into the DRAM slot, copied via the window")):
             lines.append(f"  {label:60s} {result[path + '_gib_s']:6.2f} "
                          f"{result[path + '_cpu_s_per_gib']:10.3f}")
         lines.append(f"  disk tier / disk window: {result['disk_tier_vs_window']:.2f}x  (CPU: worker and "
                      "service together)")
+        lines.append(f"  CPU of a verified disk hit against an unverified one: "
+                     f"{result['disk_tier_cpu_vs_off']:.2f}x verified as copied, "
+                     f"{result['disk_tier_service_cpu_vs_off']:.2f}x verified in the service (goal <= 1.15x)")
     return "\n".join(lines)

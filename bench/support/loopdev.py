@@ -7,6 +7,7 @@ native-multipath layout, so the real resolution, health and raw block paths run.
         fake.set_state(0, "connecting")     # controller of namespace 0 loses its path
 
 The sysfs tree is also what `write_sysfs` builds for tests without loop devices.
+`small_filesystem` mounts a small ext4 filesystem on a loop device: a disk that fills up.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +74,29 @@ def loop_devices_unavailable() -> str | None:
     if shutil.which("losetup") is None:
         return "losetup not installed"
     return None
+
+
+def filesystem_unavailable() -> str | None:
+    """Why a loop-mounted filesystem cannot be made here, or None when it can."""
+    missing = [tool for tool in ("mount", "umount", "mkfs.ext4") if shutil.which(tool) is None]
+    return loop_devices_unavailable() or (f"{', '.join(missing)} not installed" if missing else None)
+
+
+@contextmanager
+def small_filesystem(workdir: str, size: int) -> Iterator[str]:
+    """An empty ext4 filesystem of `size` bytes (a sparse file in `workdir` on a loop
+    device), mounted at a directory it yields; unmounted and removed after."""
+    image, mountpoint = os.path.join(workdir, "small-fs.img"), os.path.join(workdir, "small-fs")
+    with open(image, "wb") as handle:
+        handle.truncate(size)
+    os.makedirs(mountpoint, exist_ok=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True, capture_output=True, timeout=60)
+    subprocess.run(["mount", "-o", "loop", image, mountpoint], check=True, capture_output=True, timeout=60)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", mountpoint], check=False, capture_output=True, timeout=60)
+        os.unlink(image)
 
 
 class LoopDevices:

@@ -142,13 +142,16 @@ class IndexReader:
         self._leases: dict[str, tuple[int, float]] = {}  # host -> generation, when it expires
         self.last_error = ""
 
-    def locate(self, keys: Sequence[bytes]) -> dict[bytes, list[PeerHit]] | None:
+    def locate(self, keys: Sequence[bytes], backoff: bool = True) -> dict[bytes, list[PeerHit]] | None:
         """For each key some live peer holds, where (one pipeline per shard: the peers'
         leases, an HMGET per key). None: the index is skipped (backing off) or did not
-        answer in time; a key whose shard did not answer is left out (a miss)."""
+        answer in time; a key whose shard did not answer is left out (a miss). `backoff`
+        False: a read off the lookups' path (chunks a held request awaits, node.py), made
+        even while lookups skip the index; its failing or answering late does not make
+        them skip it (within its deadline all the same)."""
         if not keys or not self.peers:
             return {}
-        if time.monotonic() < self._skip_until:
+        if backoff and time.monotonic() < self._skip_until:
             self.stats.add("peer.index_skipped")
             return None
         leases = [self.keys.lease(host) for host in self.peers]
@@ -158,18 +161,18 @@ class IndexReader:
         try:
             answers = self._index.run(commands)
         except FAILURES as exc:
-            self._fail(str(exc) or type(exc).__name__)
+            self._fail(str(exc) or type(exc).__name__, backoff)
             return None
         elapsed = time.monotonic() - started
         failed = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, MALFORMED)]
         if len(failed) == len(answers):
-            self._fail(str(failed[0]) or type(failed[0]).__name__)
+            self._fail(str(failed[0]) or type(failed[0]).__name__, backoff)
             return None
         self.stats.observe("peer.index", elapsed)
         # answered, but too late to count on (a cluster's late shards have failed on their own)
         late = elapsed > self.config.index_deadline_s
         if late and not self._index.cluster:
-            self._fail(f"answered in {elapsed * 1000:.0f} ms, past the deadline")
+            self._fail(f"answered in {elapsed * 1000:.0f} ms, past the deadline", backoff)
         self.stats.add("peer.index_reads")
         if failed:
             self.stats.add("peer.index_shard_errors")
@@ -213,15 +216,18 @@ class IndexReader:
             now = time.monotonic()
             return {host: generation for host, (generation, until) in self._leases.items() if until > now}
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, backoff: bool = True) -> None:
+        """Counted and logged; with `backoff`, lookups skip the index for index_backoff_s."""
         with self._lock:
             first = not self.last_error
             self.last_error = why
-            self._skip_until = time.monotonic() + self.config.index_backoff_s
+            if backoff:
+                self._skip_until = time.monotonic() + self.config.index_backoff_s
         self.stats.add("peer.index_errors")
-        (log.warning if first else log.debug)(
-            "cluster index %s: %s; lookups are local only for %.1f s", masked_url(self.config.index_url), why,
-            self.config.index_backoff_s)
+        then = (f"lookups are local only for {self.config.index_backoff_s:.1f} s" if backoff
+                else "awaited chunks are looked for again")
+        (log.warning if first else log.debug)("cluster index %s: %s; %s", masked_url(self.config.index_url),
+                                              why, then)
 
     def close(self) -> None:
         self._index.close()

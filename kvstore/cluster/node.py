@@ -14,10 +14,19 @@ step and its load follows its lookup, and neither needs another index round trip
 miss is kept only RECENT_MISS_S: a consumer waiting for chunks a producer is publishing
 right now (prefill/decode handoff, docs/pd.md) sees them within that, not a second
 later. A chunk that fails verification is forgotten at once.
+
+`await_chunks` (a lookup's `await_s`): a consumer holds a request until chunks a
+producer named are readable (the handoff). While lookups skip the index (its backoff: a
+read failed or came late, as it does on a starved CPU), their answers would not change
+until the hold ran out; so a thread of its own looks for awaited chunks every
+RECENT_MISS_S, past the backoff, until found or their time is up, and what it finds is
+remembered like a lookup's answer: the held request's next lookup finds it. It never
+runs on a lookup's path.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -36,9 +45,11 @@ from kvstore.io.base import IoEngine
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slots import Entry
 
+log = logging.getLogger(__name__)
 RECENT_S = 1.0  # how long an index answer is reused
 RECENT_MISS_S = 0.02  # how long an answer that a key is nowhere is reused
 RECENT_LIMIT = 1 << 16  # answers kept
+AWAITED_LIMIT = 1 << 16  # chunks awaited at once; past it an await is cut short (peer.await_dropped)
 
 
 class ClusterNode:
@@ -69,6 +80,10 @@ class ClusterNode:
                                  promoted=peer_copies.add)
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
+        self._awaited: dict[bytes, float] = {}  # chunk key -> until when (monotonic)
+        self._await_wake = threading.Event()
+        self._closed = threading.Event()
+        self._awaiter = threading.Thread(target=self._look_for_awaited, name="kvstore-awaited", daemon=True)
         self._from_peers = peer_copies
         if self.dram is not None:
             self.dram.table.subscribe(self._left_dram)
@@ -111,9 +126,11 @@ class ClusterNode:
                 found[key] = hit
         return found
 
-    def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None],
+               await_s: float = 0.0) -> list[str]:
         """The tiers of the leading run of `keys` (the part of a prompt the local tiers
-        did not hold): local where they hold a chunk, else 'peer'."""
+        did not hold): local where they hold a chunk, else 'peer'. With `await_s`, the
+        rest is awaited that long (`await_chunks`)."""
         located = self.readable(keys)
         tiers = []
         for key in keys:
@@ -121,7 +138,64 @@ class ClusterNode:
             if tier is None:
                 break
             tiers.append(tier)
+        if await_s > 0 and len(tiers) < len(keys):
+            self.await_chunks(keys[len(tiers) :], await_s)
         return tiers
+
+    def await_chunks(self, keys: Sequence[bytes], within_s: float) -> None:
+        """A request is held until `keys` are readable here, for at most `within_s`: look
+        for them off the lookups' path meanwhile (the module's docstring)."""
+        until, dropped = time.monotonic() + within_s, 0
+        with self._lock:
+            if self._closed.is_set():
+                return
+            for key in keys:
+                if key in self._awaited or len(self._awaited) < AWAITED_LIMIT:
+                    self._awaited[key] = max(self._awaited.get(key, until), until)
+                else:
+                    dropped += 1
+            if self._awaiter.ident is None:  # started at the first await, once
+                self._awaiter.start()
+        if dropped:
+            self.stats.add("peer.await_dropped", dropped)
+        self._await_wake.set()
+
+    def _look_for_awaited(self) -> None:
+        """The awaiting thread: one index read of the awaited chunks every RECENT_MISS_S
+        while any are awaited; a failing round is logged and the loop goes on."""
+        while not self._closed.is_set():
+            with self._lock:
+                wanted = self._still_awaited(time.monotonic())
+                if not wanted:
+                    self._await_wake.clear()
+            if not wanted:
+                self._await_wake.wait()
+                continue
+            try:
+                self._look_for(wanted)
+            except Exception:  # awaiting is a hint: lookups go on without it
+                log.exception("looking for awaited chunks failed; going on")
+            self._closed.wait(RECENT_MISS_S)
+
+    def _still_awaited(self, now: float) -> list[bytes]:
+        """Awaited chunks neither found (a recent hit) nor past their time (lock held)."""
+        for key, until in list(self._awaited.items()):
+            recent = self._recent.get(key)
+            if until <= now or (recent is not None and recent[1] and now - recent[0] <= RECENT_S):
+                del self._awaited[key]
+        return list(self._awaited)
+
+    def _look_for(self, wanted: list[bytes]) -> None:
+        """One index read of `wanted` past the backoff; what is found is remembered."""
+        now = time.monotonic()
+        answer = self.index.locate(wanted, backoff=False)
+        with self._lock:
+            for key, hits in (answer or {}).items():
+                self._recent[key] = (now, hits)
+                self._recent.move_to_end(key)
+                self._awaited.pop(key, None)
+            while len(self._recent) > RECENT_LIMIT:
+                self._recent.popitem(last=False)
 
     # -- reads -----------------------------------------------------------------------
 
@@ -157,6 +231,11 @@ class ClusterNode:
         """Stop publishing (`withdraw`: end the lease now, a clean stop) and reading."""
         if self.dram is not None:
             self.dram.table.unsubscribe(self._left_dram)
+        with self._lock:
+            self._closed.set()
+        self._await_wake.set()
+        if self._awaiter.is_alive():
+            self._awaiter.join(timeout=5)
         if self.publisher is not None:
             self.publisher.close(withdraw)
         self.devices.close()

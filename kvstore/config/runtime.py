@@ -8,17 +8,21 @@ be owned by this user (a client: or a user it trusts, service.allowed_uids), not
 link, and writable by no one else:
 otherwise another local user could listen on the socket first, or point a lock or
 log at a file of ours. Files in it are opened without following links and must
-be ours.
+be ours. The state files kept there (what `learned` admission learned, the announced
+namespaces) are read with bounds: their size, and a shape that bounds their nesting (a
+file nested a million deep is refused, not a RecursionError); one that cannot be read is
+set aside (`PATH.bad`), so that no later start trips on it again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 from collections.abc import Collection
 from typing import Any
+
+import msgspec
 
 from kvstore.format.errors import ConfigError
 
@@ -101,20 +105,41 @@ def open_private(path: str, flags: int) -> int:
 
 def write_private_json(path: str, value: Any) -> None:
     """`value` as JSON in a 0600 file of a private directory, whole or not at all (a
-    temporary file renamed over the old one); OSError or ConfigError when it cannot be."""
+    temporary file renamed over the old one); OSError or ConfigError when it cannot be.
+    (msgspec's encoder: a `msgspec.Raw` in `value` is written as the JSON it holds.)"""
     temporary = f"{path}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)
-    with os.fdopen(open_private(temporary, os.O_WRONLY | os.O_EXCL), "w") as f:
-        json.dump(value, f)
+    with os.fdopen(open_private(temporary, os.O_WRONLY | os.O_EXCL), "wb") as f:
+        f.write(msgspec.json.encode(value))
     os.replace(temporary, path)
 
 
-def read_private_json(path: str) -> Any:
-    """What `write_private_json` wrote there; None when there is nothing (no file, or an
-    empty one). OSError, ConfigError or ValueError when it cannot be read as JSON."""
+def read_private_json(path: str, shape: Any, max_bytes: int) -> Any:
+    """What `write_private_json` wrote there, decoded as `shape` (a type: the file is nested
+    no deeper than it says); None when there is nothing (no file, or an empty one). OSError,
+    ConfigError or ValueError when it cannot be read: not ours, over `max_bytes`, not JSON
+    of that shape."""
     if not os.path.lexists(path):
         return None
-    with os.fdopen(open_private(path, os.O_RDONLY)) as f:
-        text = f.read()
-    return json.loads(text) if text else None
+    with os.fdopen(open_private(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO never blocks
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    if not data:
+        return None
+    try:
+        return msgspec.json.decode(data, type=shape)
+    except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+        raise ValueError(f"not what this file holds: {str(exc)[:300]}") from None
+
+
+def set_aside(path: str) -> str:
+    """Move a state file that could not be read to PATH.bad (replacing an older one), kept
+    for a look while the service goes on without it; the name is moved, a link never
+    followed. Where it went, or why it stayed, for the log."""
+    try:
+        os.replace(path, path + ".bad")
+    except OSError as exc:
+        return f"left in place: {exc.strerror or exc}"
+    return f"moved to {path}.bad"

@@ -312,6 +312,12 @@ class ServiceConfig(Schema):
                           "sends first, as soon as it connects) this long after it was accepted is "
                           "closed (`clients.hello_timeout`): a client that stays silent, or sends a "
                           "byte at a time, holds a connection and its thread no longer than this")
+    scheduler_leases: Annotated[int, size()] = Field(
+        2 << 30, description="DRAM chunks (in bytes, every rank's together) one user's engines may hold "
+                             "pinned for loads their lookups decided (a scheduler's, from its lookup "
+                             "until the load ends); their workers copy them out of the shared tier with "
+                             "no request of their own. Past it a load fetches as without a lease "
+                             "(`lease.over_budget`)")
     learned_save_s: Annotated[float, seconds()] = Field(
         300.0, description="`learned` disk admission: how often what it learned is written to "
                            "`SOCKET.learned` while the service runs (as well as when it stops), so a "
@@ -364,6 +370,10 @@ class StoreConfig(Schema):
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit (and an "
                           "engine that maps the DRAM tier loads it from that slot: one copy)")
+    put_inflight: Annotated[int, size()] = Field(
+        1 << 30, description="the bytes of puts (engines' saves) the store writes at once, all clients "
+                             "together; the chunks of a put past it are refused at once (`put.rejected`: a "
+                             "save is best effort) instead of waiting behind the others")
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
                              "below `io.queue_depth` chunks it keeps the device's queue short")

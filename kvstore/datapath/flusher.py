@@ -22,14 +22,16 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, pack_header
-from kvstore.io.copier import copy_bytes
+from kvstore.format.record import MissReason, RecordHeader
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier, DiskWrite
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.slots import Fate, Reservation
 from kvstore.tiers.write_through import WriteThroughQueue
+
+# Makes a record (key, parent, payload) in a buffer, returning its header (RecordEncoder.write).
+RecordWriter = Callable[[memoryview, bytes, "bytes | None", memoryview], RecordHeader]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,19 +147,18 @@ class Flusher:
 
     # -- chunks with no DRAM slot ----------------------------------------------------------
 
-    def put_direct(self, headers: Sequence[RecordHeader], payloads: Sequence[memoryview]) -> list[bool]:
-        """Write chunks straight to disk through staging buffers, a wave at a time."""
+    def put_direct(self, chunks: Sequence[tuple[bytes, bytes | None, memoryview]],
+                   write: RecordWriter) -> list[bool]:
+        """Write chunks (key, parent, payload) straight to disk, each record made in a staging
+        buffer by `write` (RecordEncoder.write: payload and hash in one pass), a wave at a time."""
         stored: list[bool] = []
-        for start in range(0, len(headers), self.batch):
+        for start in range(0, len(chunks), self.batch):
             with ExitStack() as stack:
                 records = []
-                for header, payload in zip(headers[start : start + self.batch],
-                                           payloads[start : start + self.batch], strict=True):
+                for key, parent, payload in chunks[start : start + self.batch]:
                     image = self.staging.acquire()
                     stack.callback(self.staging.release, image)
-                    pack_header(header, image)
-                    copy_bytes(image[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
-                    parent = None if header.parent == bytes(16) else header.parent
+                    header = write(image, key, parent, payload)
                     records.append(Record(header.key, parent, header.seq, image))
                 stored += self.write(records)
         return stored

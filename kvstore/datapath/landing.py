@@ -117,14 +117,16 @@ class Landings:
         return landing
 
     def verify(self, landing: Landing, result: int, key: bytes, out: memoryview | None,
-               seq: int | None = None) -> MissReason | None:
+               seq: int | None = None, check_payload: bool = True) -> MissReason | None:
         """Check a completed read; on success copy the payload to `out` (unless it landed
-        there) and set `landing.header`. Returns why it is a miss, or None."""
+        there) and set `landing.header`. Returns why it is a miss, or None. Without
+        `check_payload` the payload's checksum is left to the reader it is handed to."""
         if result != landing.nbytes:
             return MissReason.IO_ERROR
         # Staged or promoted: the payload goes on to `out` in the same pass as its hash.
         copy_to = out if out is not None and landing.region is None else None
-        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key, copy_to)
+        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key, copy_to,
+                                      check_payload)
         if reason is None and header is not None and header.payload_len != self.chunk_bytes:
             reason = MissReason.BAD_HEADER
         if reason is None and header is not None and seq is not None and header.seq != seq:

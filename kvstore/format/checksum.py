@@ -9,7 +9,9 @@ build of the package), the Python function is used: same digest, GIL held.
 
 `xxh3_64_copy` verifies bytes on their way somewhere: it hashes a cache-sized piece,
 then copies that piece while it is still in cache, so a read that must be checked and
-copied (a staged disk read) touches memory once, not twice.
+copied (a staged disk read) touches memory once, not twice. `xxh3_64_scatter` does the
+same for bytes that go to many places (a chunk into an engine's KV blocks): the whole
+payload hashed in order, each piece copied to where it goes while it is in cache.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import xxhash
 
 log = logging.getLogger(__name__)
@@ -70,14 +74,18 @@ def xxh3_64(data: memoryview | bytes) -> int:
     return int(_XXH3(address, view.nbytes))
 
 
-def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
-    """Copy `src` into `dst` (same length) and return xxh3-64 of `src`, in one pass over
-    memory: each piece is hashed, then copied from cache. The GIL is released throughout."""
-    source, target = memoryview(src).cast("B"), memoryview(dst).cast("B")
-    if len(source) != len(target):
-        raise ValueError(f"copy of {len(source)} bytes into {len(target)}")
-    if _STREAM is None or len(source) < _SMALL or source.readonly:
-        target[:] = source
+def xxh3_64_scatter(payload: memoryview, pieces: Sequence[tuple[memoryview, int]]) -> int:
+    """xxh3-64 of all of `payload`, copying payload[at : at + len(dst)] into each (dst, at)
+    of `pieces` in the same pass over memory (a piece is copied while the hash has it in
+    cache). Bytes no piece takes are hashed all the same. The GIL is released throughout."""
+    source = memoryview(payload).cast("B")
+    targets = sorted(((at, memoryview(dst).cast("B")) for dst, at in pieces), key=lambda p: p[0])
+    for at, dst in targets:
+        if at < 0 or at + len(dst) > len(source):
+            raise ValueError(f"a piece of {len(dst)} bytes at {at} is outside a {len(source)}-byte payload")
+    if _STREAM is None or len(source) < _SMALL:
+        for at, dst in targets:
+            dst[:] = source[at : at + len(dst)]
         return xxh3_64(source)
     create, reset, update, digest, free = _STREAM
     state = create()
@@ -85,12 +93,30 @@ def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
         raise MemoryError("XXH3_createState")
     try:
         reset(state)
-        src_base = ctypes.addressof(ctypes.c_char.from_buffer(source))
-        dst_base = ctypes.addressof(ctypes.c_char.from_buffer(target))
+        src_base = np.frombuffer(source, np.uint8).ctypes.data
+        addressed = [(at, at + len(dst), ctypes.addressof(ctypes.c_char.from_buffer(dst)))
+                     for at, dst in targets if len(dst)]
+        first = 0  # the first piece not yet wholly copied (pieces are in payload order)
         for start in range(0, len(source), PIECE):
-            size = min(PIECE, len(source) - start)
-            update(state, src_base + start, size)
-            ctypes.memmove(dst_base + start, src_base + start, size)
+            end = min(start + PIECE, len(source))
+            update(state, src_base + start, end - start)
+            for begin, stop, address in addressed[first:]:
+                if begin >= end:
+                    break
+                lo, hi = max(begin, start), min(stop, end)
+                if lo < hi:
+                    ctypes.memmove(address + lo - begin, src_base + lo, hi - lo)
+            while first < len(addressed) and addressed[first][1] <= end:
+                first += 1
         return int(digest(state))
     finally:
         free(state)
+
+
+def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
+    """Copy `src` into `dst` (same length) and return xxh3-64 of `src`, in one pass over
+    memory: each piece is hashed, then copied from cache (xxh3_64_scatter, one piece)."""
+    source, target = memoryview(src).cast("B"), memoryview(dst).cast("B")
+    if len(source) != len(target):
+        raise ValueError(f"copy of {len(source)} bytes into {len(target)}")
+    return xxh3_64_scatter(source, [(target, 0)])

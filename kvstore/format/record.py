@@ -137,11 +137,23 @@ class RecordEncoder:
         return TensorSpec(self.dtype, self.shape)
 
     def header(self, key: bytes, parent: bytes | None, seq: int,
-               payload: memoryview | bytes, namespace: bytes | None = None) -> RecordHeader:
-        """The record's header; `namespace` is the chunk's own (None: the store's)."""
+               payload: memoryview | bytes, namespace: bytes | None = None,
+               checksum: int | None = None) -> RecordHeader:
+        """The record's header; `namespace` is the chunk's own (None: the store's); `checksum`
+        the payload's, where the caller took it already (None: taken here)."""
         return RecordHeader(key=key, namespace=namespace or self.namespace, parent=parent or bytes(16),
-                            seq=seq, payload_len=len(payload), payload_checksum=payload_checksum(payload),
+                            seq=seq, payload_len=len(payload),
+                            payload_checksum=payload_checksum(payload) if checksum is None else checksum,
                             tensor=self.tensor)
+
+    def write(self, image: memoryview, key: bytes, parent: bytes | None, seq: int,
+              payload: memoryview, namespace: bytes | None = None) -> RecordHeader:
+        """The whole record written into `image` (a slot or a staging buffer): the payload
+        copied and hashed in one pass over memory (xxh3_64_copy), then its header."""
+        checksum = xxh3_64_copy(image[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
+        header = self.header(key, parent, seq, payload, namespace, checksum)
+        pack_header(header, image)
+        return header
 
 
 def pack_header(header: RecordHeader, block: memoryview) -> None:
@@ -200,11 +212,13 @@ def parse_header(block: memoryview | bytes) -> tuple[HeaderState, RecordHeader |
 
 def check_record(
     block: memoryview | bytes, payload: memoryview | bytes, expected_key: bytes | None,
-    copy_to: memoryview | None = None,
+    copy_to: memoryview | None = None, check_payload: bool = True,
 ) -> tuple[RecordHeader | None, MissReason | None]:
     """Verify a header block and its payload against the key asked for. `copy_to`: the
     payload is also copied there, in the same pass over memory as its checksum (the
-    copy's bytes count only where this returns no miss reason)."""
+    copy's bytes count only where this returns no miss reason). Without `check_payload`
+    only the header, key and length are: the payload's checksum is left to whoever copies
+    it out (header.payload_checksum says what it must be)."""
     _, header = parse_header(block)
     if header is None:
         return None, MissReason.BAD_HEADER
@@ -212,6 +226,8 @@ def check_record(
         return header, MissReason.WRONG_KEY
     if header.payload_len > len(payload):
         return header, MissReason.BAD_HEADER
+    if not check_payload:
+        return header, None
     body = payload[: header.payload_len]
     if copy_to is not None and len(copy_to) == header.payload_len and isinstance(body, memoryview):
         checksum = xxh3_64_copy(copy_to, body)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -27,6 +28,7 @@ import msgspec
 from kvstore.config.runtime import directory_problem, ensure_private_directory, open_private
 from kvstore.config.store import StoreConfig, dump_config, with_service
 from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.format.record import HEADER_BLOCK, KEY_OFFSET, read_payload_len
 from kvstore.io.memfd import SharedMemory
 from kvstore.service import protocol as P
 from kvstore.service.window import Window
@@ -205,26 +207,46 @@ class StoreClient:
         part read, the rest touched): the hint API, for keys a request will want."""
         return self.residency_ranks([keys], prefetch)
 
-    def residency_ranks(self, ranks: Sequence[Sequence[bytes]],
-                        prefetch: bool = False) -> tuple[int, int, bool]:
+    def residency_ranks(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False,
+                        await_s: float = 0.0) -> tuple[int, int, bool]:
         """`residency` of one prompt whose keys differ per tensor-parallel rank: a chunk
-        counts only where every rank's copy is there; one request, one snapshot. A prompt
-        with more keys than one frame carries (protocol.MAX_KEYS, every rank's together)
-        is asked about a piece of chunks at a time, the next only while all of one is stored."""
+        counts only where every rank's copy is there; one request, one snapshot. `await_s`: a
+        request is held that long (at most protocol.MAX_AWAIT_S) for what is not found; the
+        service watches the cluster index for it meanwhile."""
+        found = self.lookup(ranks, prefetch, await_s=await_s)
+        return found.stored, found.resident, found.pending
+
+    def lookup(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False, lease_from: int | None = None,
+               release: Sequence[int] = (), counters: Mapping[str, float] | None = None,
+               await_s: float = 0.0) -> Found:
+        """`residency_ranks`, with what a scheduler's lookup carries: `release` (leases it is
+        done with) and `counters` (added as by `count`) go first, and with `lease_from` the
+        leading chunks every rank has in DRAM, from that one on (those before it the engine
+        holds), come back pinned for its workers (`Found.lease`, 0 for none;
+        `Found.offsets[rank][i]`: chunk i's payload in the tier, -1 where not pinned).
+        A prompt with more keys than one frame carries (protocol.MAX_KEYS, every rank's
+        together) is asked about a piece of chunks at a time, the next only while all of one
+        is stored; only the first piece carries the rest and is leased."""
         lists = [list(k) for k in ranks]
         step = _per_rank(lists)
-        stored = resident = 0
+        extras: dict[str, Any] = {"lease_from": lease_from, "release": list(release),
+                                  "counters": dict(counters or {})}
+        stored = resident = number = 0
         pending = False
+        offsets: tuple[tuple[int, ...], ...] = ()
         for start in range(0, max(1, max((len(k) for k in lists), default=0)), step):
             piece = [k[start : start + step] for k in lists]
-            found, in_dram, queued = self._request(P.Residency(piece, prefetch))
+            reply = self._request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S), **extras))
+            if start == 0:
+                number, offsets = _leased(reply[3:], lease_from or 0)
+            extras = {}
             if resident == stored:  # a leading run: DRAM's continues only where all before was there
-                resident += int(in_dram)
-            stored += int(found)
-            pending = pending or bool(queued)
-            if int(found) < min((len(k) for k in piece), default=0):
+                resident += int(reply[1])
+            stored += int(reply[0])
+            pending = pending or bool(reply[2])
+            if int(reply[0]) < min((len(k) for k in piece), default=0):
                 break
-        return stored, resident, pending
+        return Found(stored, resident, pending, number, offsets)
 
     def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd | None = None) -> None:
         """A request's stored chunks (prompt and answer, per rank) ended: the service expects
@@ -264,28 +286,47 @@ class StoreClient:
         digest, and KVNamespace.description()), so its owner can purge them by name."""
         self._request(P.Announce([(digest, dict(description)) for digest, description in namespaces]))
 
-    def namespaces(self) -> list[dict[str, Any]]:
-        """The namespaces clients announced (the service's owner only)."""
-        return list(self._request(P.Namespaces()))
+    def namespaces(self, after: bytes | None = None, limit: int = P.MAX_PAGE) -> list[dict[str, Any]]:
+        """One page of the namespaces clients announced, in digest order after `after`
+        (None: from the first); empty after the last. The service's owner only."""
+        return list(self._request(P.Namespaces(after, limit)))
 
     def purge(self, namespaces: Sequence[bytes], dry_run: bool = True) -> dict[str, int]:
         """Remove (or, with `dry_run`, count) the records of these namespace digests from
         every tier of this host (the service's owner only)."""
         return dict(self._request(P.Purge(list(namespaces), dry_run), timeout_s=max(self.timeout_s, 600.0)))
 
-    def pin(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
-        """(lease, offsets): chunk keys[i]'s payload is at offsets[i] of the DRAM tier (-1: not
-        in DRAM), pinned until `unpin(lease)` or this connection ends."""
-        lease, offsets = self._request(P.Pin(list(keys)))
-        return int(lease), [int(o) for o in offsets]
+    def pin(self, keys: Sequence[bytes], verify: bool = True) -> tuple[int, list[int], list[int | None]]:
+        """(lease, offsets, checks): chunk keys[i]'s payload is at offsets[i] of the DRAM tier
+        (-1: not in DRAM), pinned until `unpin(lease)` or this connection ends. Without
+        `verify` a disk hit's payload may come unverified: checks[i] is the xxh3-64 it must
+        have (None: verified), which the caller checks as it copies it, naming those that
+        failed in its `unpin`."""
+        lease, offsets, checks = self._request(P.Pin(list(keys), verify))
+        return int(lease), [int(o) for o in offsets], [None if c is None else int(c) for c in checks]
 
-    def unpin(self, leases: Sequence[int]) -> None:
-        self._request(P.Unpin(list(leases)))
+    def unpin(self, leases: Sequence[int], good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> None:
+        """Give leases back; of their unverified chunks, `good` were verified as they were
+        copied and `bad` had another checksum (the others go back unpublished)."""
+        self._request(P.Unpin(list(leases), list(good), list(bad)))
 
     def tier_payload(self, offset: int) -> memoryview:
         """A pinned chunk's payload in the mapped DRAM tier (read-only)."""
         assert self.tier is not None and self.chunk_bytes is not None and offset >= 0
         return self.tier.view[offset : offset + self.chunk_bytes]
+
+    def tier_holds(self, offset: int, key: bytes) -> bool:
+        """Whether the mapped DRAM tier's record at payload offset `offset` is chunk `key`'s
+        (its header's key and payload length): a copy out under another connection's pin
+        (a scheduler's lease) is checked so before and after, since that pin goes with that
+        connection and this client may map another service's tier since (a restart)."""
+        if self.tier is None or self.chunk_bytes is None or offset < HEADER_BLOCK:
+            return False
+        if offset + self.chunk_bytes > len(self.tier.view):
+            return False
+        block = self.tier.view[offset - HEADER_BLOCK : offset]
+        named = bytes(block[KEY_OFFSET : KEY_OFFSET + len(key)])
+        return named == key and read_payload_len(block) == self.chunk_bytes
 
     def info(self) -> dict[str, Any]:
         return dict(self._request(P.Info()))
@@ -342,6 +383,27 @@ class StoreClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lookup's answer (StoreClient.lookup): leading chunks every rank has, of those in
+    DRAM, whether a promotion of the run is under way, and the lease of the DRAM ones (0:
+    none) with each rank's payload offsets in the tier (-1: not pinned)."""
+
+    stored: int
+    resident: int
+    pending: bool
+    lease: int = 0
+    offsets: tuple[tuple[int, ...], ...] = ()
+
+
+def _leased(extra: Sequence[Any], first: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(lease, offsets per rank from chunk 0) of a Residency reply's lease part, whose offsets
+    start at chunk `first` ((0, ()) without one)."""
+    if len(extra) < 2:
+        return 0, ()
+    return int(extra[0]), tuple((-1,) * first + tuple(int(o) for o in rank) for rank in extra[1])
 
 
 def _per_rank(ranks: Sequence[Sequence[bytes]]) -> int:

@@ -23,11 +23,13 @@ import os
 import re
 import threading
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import KindCounts, MalformedCounts
+from kvstore.format.malformed import KindCounts, Malformed, MalformedCounts
+from kvstore.format.secrets import masked
 from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
@@ -54,15 +56,35 @@ def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
                   if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
 
 
-def add_counters(store: TieredStore | None, counters: dict[str, float]) -> None:
-    """Add a client's counters to the store's: only CLIENT_COUNTER names, or none at all."""
-    for name in counters:
-        if not CLIENT_COUNTER.fullmatch(name):
-            raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
-                               f"{CLIENT_COUNTER.pattern} counters")
-    if store is not None:
-        for name, amount in counters.items():
-            store.stats.add(name, amount)
+class ClientCounters:
+    """The counters clients add to (the scheduler's and the workers'): CLIENT_COUNTER names
+    only, and at most MAX_NAMES distinct ones, so no client can grow the service's counters
+    (Info, /metrics) without end; a new name past that is dropped and counted
+    (`malformed.counter`), the rest of its request added."""
+
+    MAX_NAMES = 1024
+
+    def __init__(self, malformed: MalformedCounts) -> None:
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+        self._malformed = malformed
+
+    def add(self, store: TieredStore | None, counters: dict[str, float]) -> None:
+        for name in counters:
+            if not CLIENT_COUNTER.fullmatch(name):
+                raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
+                                   f"{CLIENT_COUNTER.pattern} counters")
+        with self._lock:
+            new = [name for name in counters if name not in self._names]
+            room = max(0, self.MAX_NAMES - len(self._names))
+            self._names.update(new[:room])
+            kept = {name: amount for name, amount in counters.items() if name in self._names}
+        if len(kept) < len(counters):
+            self._malformed.count(Malformed("counter", f"{len(counters) - len(kept)} new counter names past "
+                                                       f"the {self.MAX_NAMES} clients may add"), "dropped")
+        if store is not None:
+            for name, amount in kept.items():
+                store.stats.add(name, amount)
 
 
 class Client:
@@ -77,6 +99,7 @@ class Client:
         self.maps_tier = False  # given the DRAM tier to map: only then may it pin
         self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
         self.leases: dict[int, Lease] = {}  # DRAM pins it holds, by lease number
+        self.lookup_leases: set[int] = set()  # of those, the ones its lookups took
         self.lease_ids = itertools.count(1)
 
 
@@ -92,21 +115,26 @@ class Requests:
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
         self._counted = (self.malformed, *counted)  # and the server's (refused clients)
+        self.client_counters = ClientCounters(self.malformed)
+        self._seen: Counter[str] = Counter()
+        self._seen_lock = threading.Lock()
+        self._leased: Counter[int] = Counter()  # chunks each uid's lookups hold leased
+        self._leased_lock = threading.Lock()
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces")  # what clients announced
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
+        self.namespaces.start()
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
+        with self._seen_lock:  # `requests.KIND`: the round trips engines make, by kind
+            self._seen[f"requests.{type(request).__name__.lower()}"] += 1
         if isinstance(request, P.Hello):
             return self._hello(client, request)
         store = self.store
         if isinstance(request, P.Info):
             return self.info(), ()
         if isinstance(request, P.Residency):
-            self.next_turns.arrived(request.ranks)
-            if store is None or not request.ranks:
-                return [0, 0, False], ()
-            return self._prefetches.residency(store, request.ranks, request.prefetch), ()
+            return self._residency(store, client, request), ()
         if isinstance(request, P.Finished):
             self.next_turns.finished(request.ranks)
             if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
@@ -118,11 +146,12 @@ class Requests:
         if isinstance(request, P.Events):
             return self.events.since(request.since), ()
         if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
-            add_counters(store, request.counters)
+            self.client_counters.add(store, request.counters)
             return None, ()
         if isinstance(request, P.Unpin):
+            good, bad = set(request.good), set(request.bad)
             for lease in request.leases:
-                self._release(client, lease)
+                self._release(client, lease, good, bad)
             return None, ()
         if isinstance(request, P.Announce | P.Namespaces | P.Purge):
             return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], store, request), ()
@@ -131,7 +160,7 @@ class Requests:
         if store is None or client.window is None:
             raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
         if isinstance(request, P.Pin):
-            return self._pin(store, client, request.keys), ()
+            return self._pin(store, client, request.keys, request.verify), ()
         size = store.chunk_bytes
         if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
             raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
@@ -139,7 +168,9 @@ class Requests:
         views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
         if isinstance(request, P.Get):
             return store.get_many(request.keys, views), ()
-        return store.put_many(request.keys, views, request.parent, request.namespace or client.namespace), ()
+        namespace = request.namespace or client.namespace
+        with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
+            return store.put_many(request.keys, views, request.parent, namespace), ()
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
@@ -149,11 +180,13 @@ class Requests:
         return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
 
     def own_counters(self) -> dict[str, Any]:
-        """The service's own counters (`malformed.*`, `clients.*`), kept whether or not a store
-        was made."""
-        counters: dict[str, Any] = {}
+        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`, `requests.*`),
+        kept whether or not a store was made."""
+        counters: dict[str, Any] = dict(self.namespaces.counters())
         for counts in self._counted:
             counters.update(counts.snapshot())
+        with self._seen_lock:
+            counters.update(self._seen)
         return counters
 
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
@@ -203,33 +236,97 @@ class Requests:
         mode = self.config.service.share_dram
         return mode == "allowed" or (mode == "own-user" and client.uid == os.geteuid())
 
+    def _residency(self, store: TieredStore | None, client: Client, request: P.Residency) -> list[Any]:
+        """One prompt's residency snapshot, after the counters and releases the request carries;
+        with `lease_from`, the leading chunks every rank has in DRAM from that one on pinned for
+        the client's engine workers (the lookup that decides a load protects it: nothing is
+        evicted between that decision and the workers' copy, and they copy with no request of
+        their own)."""
+        self.client_counters.add(store, request.counters)
+        for number in request.release:
+            self._release(client, number)
+        self.next_turns.arrived(request.ranks)
+        found: list[Any] = [0, 0, False]
+        if store is not None and request.ranks:
+            found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
+        if request.lease_from is None:
+            return found
+        return found + self._lease_resident(store, client, request.ranks, request.lease_from, int(found[1]))
+
+    def _lease_resident(self, store: TieredStore | None, client: Client, ranks: list[list[bytes]],
+                        first: int, resident: int) -> list[Any]:
+        """[lease, offsets per rank] of chunks `first` to `resident` (the DRAM run) of every
+        rank (as many as the user's budget, service.scheduler_leases for all its connections
+        together, has room for: no user pins more of DRAM than that, however many connections
+        it opens; DRAM only: no disk read on a lookup), or [0, []] where none is pinned or the
+        client may not map the tier."""
+        if store is None or first >= resident or not self._may_map_dram(client):
+            return [0, []]
+        budget = self.config.service.scheduler_leases // store.chunk_bytes
+        with self._leased_lock:
+            count = min(resident - first, max(0, budget - self._leased[client.uid]) // len(ranks))
+            self._leased[client.uid] += count * len(ranks)  # taken before the pin: no two overrun it
+        if not count:
+            store.stats.add("lease.over_budget")
+            return [0, []]
+        lease = store.lease([key for keys in ranks for key in keys[first : first + count]], from_disk=False)
+        number = next(client.lease_ids)
+        client.leases[number] = lease
+        client.lookup_leases.add(number)
+        return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
+
     @staticmethod
-    def _pin(store: TieredStore, client: Client, keys: list[bytes]) -> list[Any]:
+    def _pin(store: TieredStore, client: Client, keys: list[bytes], verify: bool) -> list[Any]:
         """Pin the DRAM hits among `keys` (disk hits promoted first) for the client to copy
-        out of the tier itself."""
+        out of the tier itself; without `verify` their payloads are left for the client to
+        check as it copies them, where the client is the service's own user's (its word
+        decides what is published in DRAM for everyone; any other's are verified here)."""
         if not client.maps_tier:
             raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
                                "load through the window")
-        held = sum(len(lease.slots) for lease in client.leases.values())
+        held = sum(lease.pinned for lease in client.leases.values())
         if held + len(keys) > client.slots:
             raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
                                f"is more than its window's {client.slots}: unpin first")
-        lease = store.lease(keys)
+        lease = store.lease(keys, verify=verify or client.uid != os.geteuid())
         number = next(client.lease_ids)
         client.leases[number] = lease
-        return [number, lease.offsets]
+        return [number, lease.offsets, lease.checks]
 
-    def _release(self, client: Client, number: int) -> None:
+    def _release(self, client: Client, number: int, good: Collection[bytes] = (),
+                 bad: Collection[bytes] = ()) -> None:
+        """Give a lease back; of its unverified chunks, `good` passed the client's check and
+        `bad` failed it (any other, as when the client left, goes back unpublished)."""
         lease = client.leases.pop(number, None)
-        if lease is not None and self.store is not None:
-            self.store.release(lease)
+        if lease is None:
+            return
+        if number in client.lookup_leases:
+            client.lookup_leases.discard(number)
+            with self._leased_lock:
+                self._leased[client.uid] -= len(lease.offsets)
+        if self.store is not None:
+            self.store.release(lease, good, bad)
 
-    def reload_policy(self, live: dict[str, Any]) -> None:
+    def reload_policy(self, live: dict[str, Any]) -> bool:
         """A reload's policy keys, applied to the store (lock held): a switch to `learned`
-        starts from what the service learned before, as a start does."""
+        starts from what the service learned before, as a start does. False if the switch
+        raised: logged and counted as a config that cannot be applied (`malformed.config`),
+        the service serving on."""
         store = self.store
-        if store is not None:
-            self._learned.switch(store, lambda: store.reload_policy(live))
+        try:
+            if store is not None:
+                self._learned.switch(store, lambda: store.reload_policy(live))
+        except Exception as exc:  # whatever the switch met: never the end of the service
+            why = masked(f"{type(exc).__name__}: {exc}")[:2000]
+            log.warning("reload: the policy was not applied: %s", why)
+            self.malformed.count(Malformed("config", why), logged=True)
+            return False
+        return True
+
+    def _held(self) -> set[bytes] | None:
+        """The namespaces the store's records name (none before there is a store)."""
+        store = self.store
+        return store.probe.namespaces() if store is not None else set()
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""

@@ -4,9 +4,11 @@ Learning from cold takes as long as people take to come back to a conversation
 (minutes), and a disk admission that has not learned yet refuses what it should not. So
 the service writes the store's learned return rates (per bucket: no key, no prompt) to
 `SOCKET.learned` (0600 JSON in its private directory) when it closes, and hands them
-back to the store it makes at the next start. What does not check (another version, a
-damaged or foreign file) is set aside with a warning and counted
-(`admission.learned_refused`): the store then learns from cold, it never fails to start.
+back to the store it makes at the next start, or to the store a reload switches to
+`learned`. A file that does not check, whatever is wrong with it (another version, a
+damaged, foreign, huge or deeply nested file), is moved aside (`SOCKET.learned.bad`) with a
+warning and counted (`admission.learned_refused`): the store then learns from cold; the
+hello or reload that read it goes on.
 `Keeper` also writes the file every `service.learned_save_s` while the service runs: a
 service killed outright (SIGKILL, out of memory) never reaches its close, and its
 successor would otherwise start from the last clean stop's file.
@@ -18,12 +20,14 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvstore.config.runtime import read_private_json, write_private_json
+from kvstore.config.runtime import read_private_json, set_aside, write_private_json
 from kvstore.format.errors import KVStoreError
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 SUFFIX = ".learned"  # after the service's socket path
+MAX_BYTES = 1 << 20  # a state is a few kilobytes (tiers/return_rates.py ReturnRates.state)
+STATE = dict[str, int | float | list[float]]  # its shape: nothing nests deeper
 
 
 def restore(store: TieredStore, socket: str) -> None:
@@ -32,13 +36,14 @@ def restore(store: TieredStore, socket: str) -> None:
     if store.learned_admission() is None:
         return  # another admission policy: nothing to start from
     try:
-        state = read_private_json(path)
+        state = read_private_json(path, STATE, MAX_BYTES)
         if state is not None:
             store.learned_admission(state)
             log.info("learned disk admission: return rates restored from %s", path)
-    except (OSError, ValueError, KVStoreError) as exc:
+    except Exception as exc:  # whatever the file holds: never the end of a hello or a reload
         store.stats.add("admission.learned_refused")
-        log.warning("learned disk admission: %s not used (%s); learning from cold", path, exc)
+        log.warning("learned disk admission: %s not used (%s: %s; %s); learning from cold", path,
+                    type(exc).__name__, str(exc)[:300], set_aside(path))
 
 
 class Keeper:

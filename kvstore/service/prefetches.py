@@ -26,11 +26,13 @@ class Prefetches:
         self._lock = threading.Lock()  # held across a residency snapshot
         self._queued: set[tuple[bytes, ...]] = set()  # runs waiting for the pool or running
 
-    def residency(self, store: TieredStore, ranks: Sequence[Sequence[bytes]], prefetch: bool) -> list[object]:
+    def residency(self, store: TieredStore, ranks: Sequence[Sequence[bytes]], prefetch: bool,
+                  await_s: float = 0.0) -> list[object]:
         """[leading chunks every rank has, of those in DRAM on every rank, a promotion of
-        some rank's run queued or running]; with `prefetch`, each rank's run is queued first."""
+        some rank's run queued or running]; with `prefetch`, each rank's run is queued first;
+        with `await_s`, what each rank lacks is awaited at the peers (TieredStore.lookup)."""
         with self._lock:
-            found = [store.lookup(list(keys)) for keys in ranks]
+            found = [store.lookup(list(keys), await_s) for keys in ranks]
             runs = [tuple(keys[: f.count]) for keys, f in zip(ranks, found, strict=True)]
             if prefetch:
                 for run in runs:

@@ -12,7 +12,17 @@ Requests (a tagged union) and what a Reply's value holds:
                            -> {"slots": n, "window_bytes": n, "pages": kind} (+ the window's fd)
                               or None; where the client may map the DRAM tier, also
                               "tier_bytes", "tier_pages" (+ the tier's fd, sealed read-only)
-  Residency(ranks, prefetch)-> [leading chunks every rank has, of those in DRAM, promotion pending]
+  Residency(ranks, prefetch, await_s, lease_from, release, counters)
+                           -> [leading chunks every rank has, of those in DRAM, promotion pending];
+                              with await_s, a request is held up to that long for the rest: the
+                              cluster index is watched for them (kvstore/cluster/node.py); with
+                              `lease_from`, also [lease, [[offset] per rank]]: the chunks from
+                              that one on of the leading run every rank has in DRAM (those before
+                              it the engine holds itself) pinned for the client's engine workers
+                              to copy out of the tier, each a get (handlers.py: a budget per connection; lease
+                              0: none), until Unpin(lease), a later Residency's `release`, or
+                              the connection ends; `release` and `counters` (as Count) are
+                              taken first: one round trip per lookup
   Finished(ranks, answer_tokens, turn, idle_s)
                            -> None; a request's chunks (per rank) ended: its next turn is expected;
                               how it ended (answer length, turn, idle time before it; none of it
@@ -23,16 +33,24 @@ Requests (a tagged union) and what a Reply's value holds:
   Put(keys, slots, parent, namespace)
                            -> [bool]: chunk keys[i] (in window slot slots[i]) is stored, its
                               header naming `namespace` (None: the hello's)
-  Pin(keys)                -> [lease, [offset]]: chunk keys[i]'s payload is at offset[i] of
-                              the DRAM tier (-1: not in DRAM), pinned until Unpin(lease)
-                              or the connection ends; at most a window's worth at a time
-  Unpin(leases)            -> None
+  Pin(keys, verify)        -> [lease, [offset], [check]]: chunk keys[i]'s payload is at
+                              offset[i] of the DRAM tier (-1: not in DRAM), pinned until
+                              Unpin(lease) or the connection ends; at most a window's worth
+                              at a time. Without `verify` (the service's own user only) a
+                              disk hit's payload is not hashed by the service: check[i] is the
+                              checksum the client must find as it copies it (None: verified)
+  Unpin(leases, good, bad) -> None; of the leases' unverified chunks, those in `good` are
+                              published in DRAM, those in `bad` dropped (counted), the others
+                              released unpublished
   Info()                   -> the store's info
   Events(since)            -> [next cursor, events lost, [[stored?, key, medium], ...]]
                               (chunk_events.py; since < 0: the current cursor only)
   Announce(namespaces)     -> None; [digest, description] of namespaces the client stores
                               under (kvstore/service/namespaces.py)
-  Namespaces()             -> the announced namespaces (the service's owner only)
+  Namespaces(after, limit) -> one page of the announced namespaces, in digest order after
+                              `after` (None: from the first), at most `limit` and about
+                              PAGE_BYTES of descriptions; empty after the last (the service's
+                              owner only)
   Purge(namespaces, dry_run)-> what was (or would be) removed of the records of these
                               namespace digests (the service's owner only)
   Shutdown()               -> None; the service drains, checkpoints and exits (its own
@@ -59,14 +77,20 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 7  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how it ended
+PROTOCOL_VERSION = 12  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+# it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find; 10: a
+# Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client;
+# 12: a Residency leases from a chunk on (lease_from)
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
 MAX_EXPECT_S = 86400.0  # how far ahead a hint may say its chunks are wanted
+MAX_AWAIT_S = 3600.0  # the longest a Residency has the chunks it did not find awaited
 MAX_ANNOUNCED = 1024  # namespaces in one announcement
 MAX_FIELDS = 16  # fields of one namespace's description
 MAX_TEXT = 512  # characters of one description field
+MAX_PAGE = 1024  # namespaces in one page of a Namespaces reply
+PAGE_BYTES = 1 << 20  # about as many bytes of descriptions as a page holds (one more at most)
 FRAME_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct(">I")
 _MAX_FDS = 4
@@ -97,6 +121,10 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
 class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
     ranks: Ranks  # one prompt's keys per tensor-parallel rank
     prefetch: bool = False
+    await_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_AWAIT_S)] = 0.0
+    lease_from: Whole | None = None  # pin the DRAM run from this chunk on (for the client's workers)
+    release: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)] = []  # leases given back first
+    counters: Annotated[dict[Name, Amount], msgspec.Meta(max_length=256)] = {}  # added first, as Count
 
 
 class Finished(msgspec.Struct, tag="finished", forbid_unknown_fields=True):
@@ -137,7 +165,8 @@ class Announce(msgspec.Struct, tag="announce", forbid_unknown_fields=True):
 
 
 class Namespaces(msgspec.Struct, tag="namespaces", forbid_unknown_fields=True):
-    pass
+    after: Key | None = None  # the page starts after this digest (None: at the first)
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE)] = MAX_PAGE
 
 
 class Purge(msgspec.Struct, tag="purge", forbid_unknown_fields=True):
@@ -147,10 +176,13 @@ class Purge(msgspec.Struct, tag="purge", forbid_unknown_fields=True):
 
 class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
     keys: Keys
+    verify: bool = True  # False: the client verifies disk hits as it copies them (checks)
 
 
 class Unpin(msgspec.Struct, tag="unpin", forbid_unknown_fields=True):
     leases: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
+    good: Keys = []  # unverified chunks of these leases the client verified as it copied them
+    bad: Keys = []  # and those whose payload it found another checksum for
 
 
 class Info(msgspec.Struct, tag="info", forbid_unknown_fields=True):

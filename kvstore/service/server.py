@@ -104,6 +104,26 @@ def _refuse(channel: P.Channel, why: str) -> None:
     channel.close()
 
 
+def send_reply(channel: P.Channel, reply: P.Reply, fds: tuple[int, ...], request: str,
+                malformed: MalformedCounts) -> bool:
+    """Send a request's reply; False if the client has gone. One that cannot go out (over
+    the frame limit, not encodable: nothing of it was sent) is an error reply saying why,
+    counted (`malformed.reply`): never the end of the client's thread."""
+    try:
+        channel.send(reply, fds)
+    except OSError:
+        log.warning("a client left before its reply (past its deadline?)")
+        return False
+    except Exception as exc:
+        why = masked(f"the reply to {request} was not sent: {exc}")[:1000]
+        malformed.count(Malformed("reply", why), "an error reply sent instead")
+        try:
+            channel.send(P.Reply(False, error=why))
+        except OSError:
+            return False
+    return True
+
+
 def _unpin_from_parent() -> None:
     """Run on every CPU the host allows.
 
@@ -238,9 +258,10 @@ class StoreService:
     def _reload(self, reload: Callable[[], StoreConfig]) -> None:
         """Apply the config file as it is now: LIVE_KEYS at once (TieredStore.reload_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
-        restart. A file that cannot be read changes nothing (`reread`). Engines connected
-        before keep connecting with the config they started with (the hello leaves
-        LIVE_KEYS out)."""
+        restart. A file that cannot be read changes nothing (`reread`); a policy switch that
+        fails is logged and counted, and leaves the running config (Requests.reload_policy).
+        Engines connected before keep connecting with the config they started with (the
+        hello leaves LIVE_KEYS out)."""
         fresh = reread(reload, self.config, self.requests.malformed)
         if fresh is None:
             return
@@ -248,8 +269,8 @@ class StoreService:
         if restart:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
         with self.requests.lock:  # no store made meanwhile from the config being replaced
-            if live and self.requests.store is not None:
-                self.requests.reload_policy(live)
+            if live and self.requests.store is not None and not self.requests.reload_policy(live):
+                return  # the switch failed (logged, counted): the service goes on as it was
             self.config = self.requests.config = merged
         log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 
@@ -302,10 +323,8 @@ class StoreService:
                     log.exception("request %s failed", type(request).__name__)
                     reply = P.Reply(False, error=masked(f"{type(exc).__name__}: {exc}"[:2000]))
                 try:
-                    channel.send(reply, fds)
-                except OSError:
-                    log.warning("a client left before its reply (past its deadline?)")
-                    return
+                    if not send_reply(channel, reply, fds, type(request).__name__, self.requests.malformed):
+                        return
                 finally:
                     for fd in fds:
                         os.close(fd)

@@ -9,12 +9,25 @@ so the pin outlives the request as a `Lease`, released by the client's next requ
 if the client dies, by the service when its connection ends. The pins are taken by the
 store's one read path (store/reads.py), as a get's are. Invariants: a leased slot is
 pinned (never evicted, rewritten or reused); every slot of a lease is unpinned exactly once.
+
+A disk hit leased for a reader that verifies it as it copies it (`verify=False`: one pass
+over its bytes, not a hash in the service and a copy in the engine) lands in a DRAM slot
+unpublished and unverified (`Lease.unchecked`, `checks[i]`: the checksum its payload must
+have); at the release its reader names those it verified (`good`: published in DRAM,
+promoted as a verified read would have been) and those that failed (`bad`: dropped from
+DRAM and from the disk's index and counted, as a record that does not verify always is);
+any other goes back unpublished (its record stays on disk, to be read and verified
+again): a reader that failed half-way, or left, publishes nothing it did not check. Only
+the service's own user's engines may lease so (the service acts on their word).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from kvstore.datapath.reader import Unchecked
+from kvstore.format.record import MissReason
 from kvstore.store.parts import StoreParts
 from kvstore.store.reads import Reads
 
@@ -22,32 +35,64 @@ from kvstore.store.reads import Reads
 @dataclass
 class Lease:
     """Pinned DRAM slots; `offsets[i]` is where chunk i's payload starts in the tier's
-    memory, -1 for a chunk not pinned (absent from DRAM, or not the record asked for)."""
+    memory, -1 for a chunk not pinned (absent from DRAM, or not the record asked for);
+    `checks[i]` the checksum chunk i's payload must have where nobody verified it yet
+    (None: verified), and `unchecked` how to settle those."""
 
     slots: list[int]
     offsets: list[int]
+    keys: list[bytes] = field(default_factory=list)
+    checks: list[int | None] = field(default_factory=list)
+    unchecked: dict[int, Unchecked] = field(default_factory=dict)
     released: bool = field(default=False, compare=False)
 
+    @property
+    def pinned(self) -> int:
+        """DRAM slots it holds, verified or not."""
+        return len(self.slots) + len(self.unchecked)
 
-def pin(parts: StoreParts, reads: Reads, keys: list[bytes]) -> Lease:
+
+def pin(parts: StoreParts, reads: Reads, keys: list[bytes], from_disk: bool = True,
+        verify: bool = True) -> Lease:
     """Pin each of checked `keys` a get would serve from DRAM (key and length checked under
     the pin; its checksums were verified when it entered DRAM), through the store's read
-    path (store/reads.py `Reads.pin`): with promote_on_hit, the disk hits among the rest
-    are read into DRAM slots first, verified there, and pinned as they are published: one
-    DMA from the disk, one copy out."""
-    held = reads.pin(keys)
+    path (store/reads.py `Reads.pin`): with `from_disk` and promote_on_hit, the disk hits
+    among the rest are read into DRAM slots first, verified there, and pinned as they are
+    published: one DMA from the disk, one copy out."""
+    unchecked: dict[int, Unchecked] = {}
+    held = reads.pin(keys, from_disk, None if verify else unchecked)
     offsets = [-1] * len(keys)
     if parts.dram is not None:
         for i, slot in held.items():
             offsets[i] = parts.dram.payload_offset(slot)
-    return Lease(list(held.values()), offsets)
+    checks: list[int | None] = [None] * len(keys)
+    for i, entry in unchecked.items():
+        checks[i] = entry.header.payload_checksum
+    return Lease([slot for i, slot in held.items() if i not in unchecked], offsets, keys, checks, unchecked)
 
 
-def release(parts: StoreParts, lease: Lease) -> None:
-    """Unpin a lease's slots (once: a second release does nothing)."""
+def release(parts: StoreParts, lease: Lease, good: Collection[bytes] = (),
+            bad: Collection[bytes] = ()) -> None:
+    """Unpin a lease's slots (once: a second release does nothing). Of its unchecked ones,
+    those in `good` (their reader verified them) are published, those in `bad` (their
+    reader found another checksum) released and their disk records dropped and counted,
+    and any other released unpublished."""
     if lease.released:
         return
     lease.released = True
     if parts.dram is not None:
         for slot in lease.slots:
             parts.dram.table.unpin(slot)
+    for i, entry in lease.unchecked.items():
+        key, header = lease.keys[i], entry.header
+        if key in good and key not in bad:
+            parent = None if header.parent == bytes(16) else header.parent
+            entry.reservation.publish(key, parent, header.seq)
+            continue
+        entry.reservation.release()
+        if key in bad:
+            parts.stats.miss("disk", MissReason.BAD_CHECKSUM, f"slot {entry.disk_slot}, found by its reader")
+            if parts.disk is not None:
+                with parts.disk.table.pinned([key]) as pins:
+                    pins.drop(key, entry.disk_slot)  # unless the key has moved to another slot
+

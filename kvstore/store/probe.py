@@ -2,7 +2,8 @@
 must see the tiers without holding them.
 
 It answers from the tiers' tables (a snapshot: a chunk may move the moment after) and
-changes nothing: no touch, no pin, no counter. Code outside `kvstore/store/` reads a
+changes nothing: no touch, no counter, no pin but the moment a header scan
+(`namespaces`) reads a batch's headers. Code outside `kvstore/store/` reads a
 store's state here, never through `TieredStore.parts` (tests/house_rules.py).
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
+
+from kvstore.store.purge import held
 
 if TYPE_CHECKING:
     from kvstore.store.parts import StoreParts
@@ -60,6 +63,12 @@ class StoreProbe:
         """The keys a tier publishes now ('host': DRAM; 'disk': every device), empty without it."""
         part = self._parts.dram if tier == "host" else self._parts.disk
         return {entry.key for entry in part.table.entries()} if part is not None else set()
+
+    def namespaces(self) -> set[bytes] | None:
+        """The namespace digests this host's records name (their headers: DRAM's read in
+        place, the disk's one 4 KiB read each, as a purge reads them), or None when a disk
+        header could not be read."""
+        return held(self._parts)
 
     def retired(self) -> int:
         """DRAM slots kept pinned for good after a read into them was abandoned."""

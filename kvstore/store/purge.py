@@ -8,12 +8,14 @@ the records whose namespace was asked for (TieredStore.delete: the DRAM slot fre
 disk header zeroed, so a restart does not bring them back). A dry run counts and removes
 nothing. Invariants: a record another namespace names is never touched; a record published
 while the scan runs is not seen (what an engine still stores under that namespace stays);
-a disk header that cannot be read is left and counted (`unread`).
+a disk header that cannot be read is left and counted (`unread`). The same scan tells the
+service which namespaces still hold records (`held`, through StoreProbe.namespaces), so
+that it never forgets the description of one it could still be asked to purge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from kvstore.devices.scanner import SCAN_BATCH
@@ -31,9 +33,9 @@ def purge(store: TieredStore, namespaces: set[bytes], dry_run: bool) -> dict[str
     found in each tier (bytes: their payloads, every tier's copy counted) and, unless
     `dry_run`, how many were removed."""
     parts = store.parts
-    in_dram = _dram_matches(parts, namespaces) if parts.dram is not None else []
     unread = [0]
-    on_disk = _disk_matches(parts, namespaces, unread) if parts.disk is not None else []
+    in_dram = [key for key, named in _dram_records(parts) if named in namespaces]
+    on_disk = [key for key, named in _disk_records(parts, unread) if named in namespaces]
     keys = list(dict.fromkeys(in_dram + on_disk))
     report = {"chunks": len(keys), "bytes": (len(in_dram) + len(on_disk)) * store.chunk_bytes,
               "host_chunks": len(in_dram), "disk_chunks": len(on_disk), "unread": unread[0],
@@ -44,16 +46,27 @@ def purge(store: TieredStore, namespaces: set[bytes], dry_run: bool) -> dict[str
     return report
 
 
-def _dram_matches(parts: StoreParts, namespaces: set[bytes]) -> list[bytes]:
+def held(parts: StoreParts) -> set[bytes] | None:
+    """The namespace digests that the records of every tier name, or None when a disk
+    header could not be read (its namespace, and so the answer, is not known). Records
+    published after the scan passed their table are not seen."""
+    unread = [0]
+    found = {named for _, named in _dram_records(parts)}
+    found.update(named for _, named in _disk_records(parts, unread))
+    return None if unread[0] else found
+
+
+def _dram_records(parts: StoreParts) -> Iterator[tuple[bytes, bytes]]:
     dram = parts.dram
-    assert dram is not None
-    return _matches(dram.table, namespaces,
-                    lambda slots: [dram.slot_view(slot)[:HEADER_BLOCK] for slot in slots])
+    if dram is None:
+        return iter(())
+    return _records(dram.table, lambda slots: [dram.slot_view(slot)[:HEADER_BLOCK] for slot in slots])
 
 
-def _disk_matches(parts: StoreParts, namespaces: set[bytes], unread: list[int]) -> list[bytes]:
+def _disk_records(parts: StoreParts, unread: list[int]) -> Iterator[tuple[bytes, bytes]]:
     disk = parts.disk
-    assert disk is not None
+    if disk is None:
+        return
     buffer = AlignedBuffer(SCAN_BATCH * HEADER_BLOCK)
     views = [buffer.view[i * HEADER_BLOCK : (i + 1) * HEADER_BLOCK] for i in range(SCAN_BATCH)]
 
@@ -63,18 +76,18 @@ def _disk_matches(parts: StoreParts, namespaces: set[bytes], unread: list[int]) 
         return [views[i] if result == HEADER_BLOCK else None for i, result in enumerate(results)]
 
     try:
-        return _matches(disk.table, namespaces, read)
+        yield from _records(disk.table, read)
     finally:
         views.clear()
         buffer.close()
 
 
-def _matches(table: SlotTable, namespaces: set[bytes],
-             headers: Callable[[list[int]], list[memoryview | None]]) -> list[bytes]:
-    """Keys of the table's published records whose header names one of `namespaces`; each
-    batch's slots pinned while `headers(slots)` reads their header blocks (None: unread)."""
+def _records(table: SlotTable,
+             headers: Callable[[list[int]], list[memoryview | None]]) -> Iterator[tuple[bytes, bytes]]:
+    """(key, namespace digest) of the table's published records whose header reads valid;
+    each batch's slots pinned while `headers(slots)` reads their header blocks (None: unread)
+    and the batch's records are handed on."""
     entries = table.entries()
-    found = []
     for first in range(0, len(entries), SCAN_BATCH):
         keys = [entry.key for entry in entries[first : first + SCAN_BATCH]]
         with table.pinned(keys) as pins:
@@ -83,7 +96,5 @@ def _matches(table: SlotTable, namespaces: set[bytes],
                 if block is None:
                     continue
                 state, header = parse_header(block)
-                if (state is HeaderState.VALID and header is not None and header.key == keys[i]
-                        and header.namespace in namespaces):
-                    found.append(keys[i])
-    return found
+                if state is HeaderState.VALID and header is not None and header.key == keys[i]:
+                    yield keys[i], header.namespace

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kvstore.datapath.reader import Unchecked
 from kvstore.format.record import MissReason
 from kvstore.io.copier import copy_many
 from kvstore.store.parts import StoreParts
@@ -32,34 +33,37 @@ class Reads:
         self.parts.stats.add("get.hits", sum(ok))
         return ok
 
-    def pin(self, keys: list[bytes]) -> dict[int, int]:
+    def pin(self, keys: list[bytes], from_disk: bool = True,
+            unchecked: dict[int, Unchecked] | None = None) -> dict[int, int]:
         """The same read for a reader that copies out of the DRAM tier itself: each of
         checked `keys` served is left pinned in its DRAM slot, {index: slot}. With
-        promote_on_hit the disk hits are read into DRAM first; peers are not asked (the
-        caller gets the rest through `get`, which counts them: here only what is served)."""
+        `from_disk` and promote_on_hit the disk hits are read into DRAM first (with
+        `unchecked`, their payloads left for the reader to verify as it copies: recorded
+        there, unpublished); peers are not asked (the caller gets the rest through `get`,
+        which counts them: here only what is served)."""
         held: dict[int, int] = {}
         if self.parts.dram is None:
             return held
-        self._read(keys, None, held)
-        for name in ("get.chunks", "get.hits", "host.leased"):
+        self._read(keys, None, held, from_disk, unchecked)
+        for name in ("get.chunks", "get.hits", "host.leased"):  # a pin is the get of what it serves
             self.parts.stats.add(name, len(held))
         return held
 
-    def _read(self, keys: list[bytes], views: list[memoryview] | None,
-              held: dict[int, int] | None) -> list[bool]:
-        """DRAM, then disk, then peers (only a get: `views`); with `held` (a pin) the
-        served chunks stay pinned in DRAM slots, recorded there, instead of copied out."""
+    def _read(self, keys: list[bytes], views: list[memoryview] | None, held: dict[int, int] | None,
+              from_disk: bool = True, unchecked: dict[int, Unchecked] | None = None) -> list[bool]:
+        """DRAM, then (`from_disk`) disk, then peers (only a get: `views`); with `held` (a
+        pin) the served chunks stay pinned in DRAM slots, recorded there, instead of copied out."""
         parts, promote = self.parts, self.parts.policy.promote_on_hit
         ok = [False] * len(keys)
         parts.touch(keys)  # first: promoting this prompt's chunks never evicts its own
         if parts.dram is not None:
             with parts.dram.table.pinned(keys) as pins:
                 self._from_dram(keys, views, pins, ok, held)
-        if parts.reader is not None and (views is not None or promote):
+        if parts.reader is not None and from_disk and (views is not None or promote):
             assert parts.disk is not None
             missing = [i for i, served in enumerate(ok) if not served]
             with parts.disk.table.pinned(keys, missing) as pins:
-                parts.reader.read(keys, pins, views, promote, ok, held=held)
+                parts.reader.read(keys, pins, views, promote, ok, held=held, unchecked=unchecked)
         if parts.cluster is not None and views is not None:
             parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
         parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head

@@ -35,6 +35,7 @@ from kvstore.store.leases import Lease
 from kvstore.store.parts import StoreParts
 from kvstore.store.probe import StoreProbe
 from kvstore.store.purge import purge
+from kvstore.store.put_bound import PutBound
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
 from kvstore.tiers.return_rates import RequestEnd
@@ -88,13 +89,15 @@ class TieredStore:
         self._seq = itertools.count(self.parts.recovery.max_seq + 1)
         self._reads = Reads(self.parts)
         self._writes = Writes(self.parts, self.encoder)
+        self._put_bound = PutBound(self.parts.config.put_inflight, chunk_bytes, self.stats)
 
     # -- queries -------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+    def lookup(self, keys: Sequence[bytes], await_s: float = 0.0) -> Lookup:
         """Leading chunks present, and where. A chunk moving down is published below
         before it leaves DRAM, so a lookup racing it still finds it. With a cluster, what
-        the local tiers lack is looked for at the peers (one index read)."""
+        the local tiers lack is looked for at the peers (one index read), and awaited there
+        for `await_s` (a request held for it: cluster/node.py)."""
         keys = check_keys(keys)
         dram, cluster = self.parts.dram, self.parts.cluster
         in_dram = dram.table.index if dram is not None else {}
@@ -105,7 +108,7 @@ class TieredStore:
                 break
             tiers.append(tier)
         if cluster is not None and len(tiers) < len(keys):
-            tiers += cluster.lookup(keys[len(tiers) :], self.parts.local_tier)
+            tiers += cluster.lookup(keys[len(tiers) :], self.parts.local_tier, await_s)
         return Lookup(len(tiers), tuple(tiers))
 
     def contains(self, key: bytes) -> bool:
@@ -142,15 +145,18 @@ class TieredStore:
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
 
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        """Pin the chunks of `keys` a get would serve from DRAM (disk hits promoted first,
-        with promote_on_hit) for a reader that maps the DRAM tier and copies them out
-        itself: they stay pinned until `release` (store/leases.py)."""
-        return leases.pin(self.parts, self._reads, check_keys(keys))
+    def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True) -> Lease:
+        """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
+        promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
+        for a reader that maps the DRAM tier and copies them out itself: they stay pinned
+        until `release` (store/leases.py). Without `verify` the disk hits' payloads are left
+        for that reader to verify as it copies them (Lease.checks)."""
+        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk, verify)
 
-    def release(self, lease: Lease) -> None:
-        """Unpin a lease's slots (once: a second release does nothing)."""
-        leases.release(self.parts, lease)
+    def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = ()) -> None:
+        """Unpin a lease's slots (once: a second release does nothing); of its unverified
+        ones those in `good` are published, those in `bad` dropped (store/leases.py)."""
+        leases.release(self.parts, lease, good, bad)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
@@ -167,17 +173,20 @@ class TieredStore:
         `parent` is the key of the chunk before keys[0] (None for a prompt's first
         chunk); `namespace` the digest of the namespace they were keyed in, which their
         headers carry (None: the store's), so `purge` can find them. Keys already present
-        are kept, not rewritten (content addressing).
+        are kept, not rewritten (content addressing). Chunks past the bytes of puts under
+        way (`put_inflight`, store/put_bound.py) are refused at once: False.
         """
         keys = check_keys(keys)
         for named in (parent, namespace):
             if named is not None:
                 check_keys([named])
         views = chunk_views(payloads, len(keys), self.chunk_bytes, writable=False)
-        self.parts.touch(keys)  # first: storing this prompt's chunks never evicts its own
-        stored = self._writes.put(keys, views, parent, next(self._seq), namespace)
-        self.parts.touch(keys)  # again: new chunks join their chain tail-older-than-head
-        return stored
+        with self._put_bound.take(len(keys)) as granted:
+            taken = keys[:granted]
+            self.parts.touch(taken)  # first: storing this prompt's chunks never evicts its own
+            stored = self._writes.put(taken, views[:granted], parent, next(self._seq), namespace)
+            self.parts.touch(taken)  # again: new chunks join their chain tail-older-than-head
+        return stored + [False] * (len(keys) - granted)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).

@@ -39,8 +39,8 @@ class Writes:
                 dram = parts.dram
                 assert dram is not None
                 for i, reservation in to_dram:
-                    dram.write(reservation.slot,
-                               self.encoder.header(keys[i], parents[i], seq, views[i], namespace), views[i])
+                    self.encoder.write(dram.slot_view(reservation.slot), keys[i], parents[i], seq, views[i],
+                                       namespace)
                 with dram.table.lock:
                     for i, reservation in to_dram:
                         reservation.publish(keys[i], parents[i], seq)
@@ -52,8 +52,9 @@ class Writes:
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
             refused = set(to_disk) - set(admitted)
             parts.flusher.count_refused([keys[i] for i in to_disk if i in refused])
-            headers = [self.encoder.header(keys[i], parents[i], seq, views[i], namespace) for i in admitted]
-            done = parts.flusher.put_direct(headers, [views[i] for i in admitted])
+            done = parts.flusher.put_direct(
+                [(keys[i], parents[i], views[i]) for i in admitted],
+                lambda image, key, parent, view: self.encoder.write(image, key, parent, seq, view, namespace))
             for i, landed in zip(admitted, done, strict=True):
                 stored[i] = landed
         elif to_disk:

@@ -24,13 +24,10 @@ from kvstore.format.errors import ConfigError
 from kvstore.format.record import (
     HEADER_BLOCK,
     KEY_OFFSET,
-    RecordHeader,
-    pack_header,
     read_payload_len,
 )
 from kvstore.format.units import format_size
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.copier import copy_bytes
 from kvstore.io.memfd import SharedMemory, seal_read_only
 from kvstore.tiers.slots import SlotTable
 
@@ -86,12 +83,6 @@ class DramTier:
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
         return self.slab.view[start : start + self.slot_bytes]
-
-    def write(self, slot: int, header: RecordHeader, payload: memoryview) -> None:
-        """Fill a reserved slot with a record (caller holds no lock: this is a copy)."""
-        view = self.slot_view(slot)
-        pack_header(header, view)
-        copy_bytes(view[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
 
     def payload(self, slot: int, key: bytes, nbytes: int) -> memoryview | None:
         """A pinned slot's payload, or None if the slot holds something else.

@@ -73,6 +73,7 @@ class Reservation:
         self.evicted = evicted  # the key evicted to make room, if any
         self.victim = victim  # the key to write elsewhere before the slot is ours
         self.settled = False
+        self.handed_over = False  # another owner settles it (leaving a `with` does not)
 
     def take_over(self) -> bool:
         """The victim is safe elsewhere: unpublish it and own the slot. False (the
@@ -117,8 +118,15 @@ class Reservation:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self.settled:
+        if not self.settled and not self.handed_over:
             self.release()
+
+    def hand_over(self) -> Reservation:
+        """Leaving the `with` block no longer releases it: the caller passes it, still
+        pinned and unpublished, to an owner that settles it later (a lease whose reader
+        verifies the record as it copies it: store/leases.py)."""
+        self.handed_over = True
+        return self
 
 
 class Pins:

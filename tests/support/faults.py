@@ -102,3 +102,18 @@ def index_locate(store: TieredStore, keys: list[bytes]) -> dict[bytes, list[Peer
     """The cluster index's answer for `keys`, uncached (None: the index failed)."""
     assert store.parts.cluster is not None
     return store.parts.cluster.index.locate(keys)
+
+
+def awaiting_fails(store: TieredStore, error: Exception | None) -> None:
+    """The cluster index reads for awaited chunks (off the lookups' path) raise `error`
+    (a bug, an answer of a kind never seen); None: they read the index again."""
+    assert store.parts.cluster is not None
+    index = store.parts.cluster.index
+    read = type(index).locate.__get__(index)
+
+    def locate(keys: list[bytes], backoff: bool = True) -> dict[bytes, list[PeerHit]] | None:
+        if error is not None and not backoff:
+            raise error
+        return read(keys, backoff)
+
+    index.locate = locate  # type: ignore[method-assign]

@@ -1,9 +1,12 @@
 """Other local users for the tests that attack through a shared host's doors: a throwaway
 unprivileged user (made as root with useradd, removed after) that runs Python code as
-itself, and a directory such a user can reach (pytest's own are private to root)."""
+itself, a directory such a user can reach (pytest's own are private to root), and a copy
+of the packages its code imports that it can read wherever the checkout sits (root's
+0700 home, a path with spaces)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -49,11 +52,62 @@ def cannot_make_users() -> str | None:
     return None
 
 
+# Run by the other user's interpreter: the files of every module it loaded, and of the
+# shared libraries the packages brought in beside them (numpy's numpy.libs).
+_LOADED = """\
+import importlib, json, os, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+with open("/proc/self/maps") as maps:
+    mapped = (line.rstrip("\\n").split(maxsplit=5) for line in maps)
+    files |= {fields[5] for fields in mapped if len(fields) == 6}
+print(json.dumps(sorted(os.path.realpath(name) for name in files if name and os.path.isabs(name))))
+"""
+
+
+@contextmanager
+def readable_packages(modules: tuple[str, ...]) -> Iterator[str]:
+    """A copy of the packages importing `modules` loads, in a fresh 0755 directory in /tmp
+    (removed after), for another user's PYTHONPATH: the checkout and its virtualenv may sit
+    where another user cannot enter (root's home is 0700), and a link into them would not
+    help. Found as that user's interpreter loads them, run here as root: every package of
+    the checkout or the virtualenv (the innermost of the two: the virtualenv may lie in the
+    checkout) one of its loaded files lies in. The user gets no privilege for it; the
+    checkout's own modes stay as they are."""
+    roots = [Path(os.path.realpath(path)) for path in (REPO, SITE)]  # the other user's order
+    loaded = subprocess.run([*PYTHON_FOR_OTHERS, "-c", _LOADED, *modules], cwd="/",
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(map(str, roots))},
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    innermost_first = sorted(roots, key=lambda root: len(str(root)), reverse=True)
+    tops: dict[str, Path] = {}  # name in the snapshot -> what is copied there
+    for name in map(Path, json.loads(loaded.stdout)):
+        root = next((root for root in innermost_first if name.is_relative_to(root)), None)
+        if root is not None:
+            top = os.path.relpath(name, root).split(os.sep, 1)[0]
+            tops.setdefault(top, root / top)
+    snapshot = Path(tempfile.mkdtemp(prefix="kvstore-sec-python-", dir="/tmp"))
+    try:
+        for name, source in tops.items():
+            if source.is_dir():
+                shutil.copytree(source, snapshot / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(source, snapshot / name)
+        for path in (snapshot, *snapshot.rglob("*")):  # readable by all whatever the checkout's umask
+            path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
+        yield str(snapshot)
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
+
+
 class User:
     """A throwaway unprivileged user: runs Python code as itself (`run` to the end, `start`
-    in the background); `remove` kills what it started and deletes the user."""
+    in the background), finding packages on `pythonpath` (readable_packages; none: the
+    standard library only); `remove` kills every process of it and deletes the user."""
 
-    def __init__(self) -> None:
+    def __init__(self, pythonpath: str = "") -> None:
+        self.pythonpath = pythonpath
         self.name = f"kvs{uuid.uuid4().hex[:8]}"
         subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", self.name],
                        check=True, capture_output=True)
@@ -77,13 +131,14 @@ class User:
         for process in self._started:
             process.kill()
             process.communicate()
+        subprocess.run(["pkill", "-KILL", "-u", self.name], capture_output=True)  # what its code started
         subprocess.run(["userdel", "--force", self.name], capture_output=True)
 
     def _command(self, code: str) -> list[str]:
         return [*PYTHON_FOR_OTHERS, "-c", code]
 
     def _env(self, env: dict[str, str]) -> dict[str, str]:
-        return {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{SITE}", "HOME": "/tmp", **env}
+        return {"PATH": "/usr/bin:/bin", "PYTHONPATH": self.pythonpath, "HOME": "/tmp", **env}
 
     def _drop(self) -> None:
         os.setgroups([])

@@ -1,0 +1,129 @@
+"""The TTFT of a prompt whose prefix kvstore's DRAM tier holds, against what bounds it:
+the same server's own prefix-cache hit (the floor: nothing to load), recomputing the
+prefix, and a plain copy of the prefix's KV bytes in one process (the least a load
+moves). The goal it checks: a DRAM hit costs at most the floor plus one plain copy.
+
+vLLM's OpenAI server with the Llama-3-8B-geometry model (32 MiB of KV per 256-token
+chunk, bench/support/tiny_model.py), as a user starts it. For each of --prompts prompts
+(a --prefix-tokens prefix of its own, then --suffix-tokens more):
+  recompute  the prompt's first request on the server with kvstore (vLLM's prefix cache
+             off): computed whole, its prefix chunks saved to the DRAM tier
+  kvstore    the same prompt again on that server, once its saves are done: loaded
+  floor      on a server without kvstore and with vLLM's prefix cache, the prompt sent
+             twice: the second's TTFT
+Each is the time to the first streamed token; the table shows the medians, and
+(kvstore - floor) / plain copy.
+
+  python -m bench.lab dram_hit [--prefix-tokens 4096] [--suffix-tokens 16] [--prompts 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.lab import Result
+from bench.support.openai_server import OpenAIServer, completion_body, stream_complete
+from bench.support.tiny_model import build_llama3_8b_geometry, prompt_token_ids
+from kvstore.config.store import load_config
+from kvstore.service.client import service_info, stop_service
+
+CHUNK = 256
+KV_BYTES_PER_TOKEN = 128 << 10  # the model's float16 KV: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes
+
+
+def plain_copy_s(nbytes: int, rounds: int = 5) -> float:
+    """The fastest of `rounds` copies of `nbytes` between two buffers of this process."""
+    source, target = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _ttft(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
+    """(time to the first token, cached tokens) of one greedy one-token completion."""
+    done, first = stream_complete(server.url, completion_body(server.model, prompt, 1))
+    return first, done.cached_tokens
+
+
+def _saves_done(store: dict[str, Any], chunks: int, timeout_s: float = 60) -> None:
+    """Wait until the service holds at least `chunks` chunks in DRAM."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = service_info(load_config(store)) or {}
+        if sum(t["chunks"] for t in info.get("tiers", []) if t.get("name") == "host") >= chunks:
+            return
+        time.sleep(0.2)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    model = args.model or str(build_llama3_8b_geometry(workdir / "model-8b"))
+    length = args.prefix_tokens + args.suffix_tokens
+    prompts = [prompt_token_ids(length, seed=100 + i) for i in range(args.prompts)]
+    base = ["--dtype", "float16", "--enforce-eager", "--enable-prompt-tokens-details",
+            "--max-model-len", str(args.prefix_tokens + args.suffix_tokens + 64),
+            "--max-num-batched-tokens", str(args.prefix_tokens + args.suffix_tokens)]
+    store = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": args.host_capacity}},
+             "service": {"socket": str(workdir / "kvstore.sock")}}
+    found: dict[str, list[float]] = {"recompute": [], "kvstore": [], "floor": []}
+    cached: list[int] = []
+    try:
+        with OpenAIServer(model, [*base, "--no-enable-prefix-caching"], workdir / "server-kvstore.log",
+                          connector={"config": store, "load_async": not args.sync_load},
+                          kv_cache_gib=args.kv_cache_gib) as server:
+            for i, prompt in enumerate(prompts):
+                found["recompute"].append(_ttft(server, prompt)[0])
+                _saves_done(store, (i + 1) * (args.prefix_tokens // CHUNK))
+                seconds, hit = _ttft(server, prompt)
+                found["kvstore"].append(seconds)
+                cached.append(hit)
+        counters = (service_info(load_config(store)) or {}).get("counters", {})
+    finally:
+        stop_service(load_config(store))
+    with OpenAIServer(model, base, workdir / "server-floor.log", kv_cache_gib=args.kv_cache_gib) as server:
+        for prompt in prompts:
+            _ttft(server, prompt)
+            found["floor"].append(_ttft(server, prompt)[0])
+    copy = plain_copy_s(args.prefix_tokens * KV_BYTES_PER_TOKEN)
+    medians = {name: statistics.median(values) for name, values in found.items()}
+    extra = (medians["kvstore"] - medians["floor"]) / copy
+    loads = {k: v for k, v in counters.items() if k.startswith(("load.", "host.", "get.", "requests."))}
+    return {"prefix_tokens": args.prefix_tokens, "runs": found, "median_s": medians, "plain_copy_s": copy,
+            "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": loads}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: build the 8B-geometry one)")
+    parser.add_argument("--prefix-tokens", type=int, default=4096)
+    parser.add_argument("--suffix-tokens", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--kv-cache-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--host-capacity", default="4GiB", help="kvstore's DRAM tier")
+    parser.add_argument("--sync-load", action="store_true",
+                        help="the connector's load_async false: the load runs before the forward pass "
+                             "of the step that computes the rest, not while the request waits")
+
+
+def experiment(args: argparse.Namespace, workdir: Path) -> Result:
+    found = measure(args, workdir)
+    m, copy = found["median_s"], found["plain_copy_s"]
+    table = "\n".join([
+        f"prefix {found['prefix_tokens']} tokens ({found['prefix_tokens'] * KV_BYTES_PER_TOKEN >> 20} MiB "
+        f"of KV), medians of {len(found['runs']['floor'])} prompts:",
+        "| TTFT | s |", "| --- | ---: |",
+        f"| floor (vLLM's own prefix-cache hit) | {m['floor']:.3f} |",
+        f"| kvstore DRAM hit | {m['kvstore']:.3f} |",
+        f"| recompute | {m['recompute']:.3f} |",
+        f"| plain copy of the prefix's KV | {copy:.3f} |",
+        f"kvstore's extra over the floor: {found['extra_over_floor_in_copies']:.2f} plain copies "
+        f"(goal: at most 1); cached tokens {found['kvstore_cached_tokens']}"])
+    ok = all(c >= found["prefix_tokens"] for c in found["kvstore_cached_tokens"])
+    return Result(table, found, ok=ok)
