@@ -13,7 +13,7 @@ from support import faults
 from support.services import service_config, wait_for_log, write_config
 from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
-from bench.support.replay import Replayer
+from bench.sim.replay import Replayer
 from bench.support.trace import block_keys, read_trace
 from kvstore.config.runtime import write_private_json
 from kvstore.config.store import load_config

@@ -32,8 +32,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
-from connectors.plan import StepPlan
-from connectors.scheduler_side import SchedulerCore
+from engine_plugin.vllm.core.plan import StepPlan
+from engine_plugin.vllm.core.scheduler_side import SchedulerCore
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient
 
@@ -264,7 +264,7 @@ def _image_request(req_id: str, prompt: list[int], image: int | None, offset: in
 
 def test_an_image_request_finds_only_the_text_before_its_image_and_a_reset_finds_nothing(
         scheduler, counted, data):
-    """Keys name images (engine_plugin/request_keys.py): a prompt stored as text is found by
+    """Keys name images (engine_plugin/vllm/request_keys.py): a prompt stored as text is found by
     a request with an image in it only up to the image's chunk; an image whose content the
     scheduler cannot name is neither looked up nor saved (counted); after vLLM resets the prefix cache
     with the connector's (a weight update), nothing stored before is found."""

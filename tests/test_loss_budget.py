@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.services import service_config, stop_service
 
-from bench.support.admission_path import ThresholdPath
-from bench.support.replay import Replayer
+from bench.sim.admission_path import ThresholdPath
+from bench.sim.replay import Replayer
 from bench.support.trace import read_trace
 from kvstore.cli import main as cli_main
 from kvstore.config.store import load_config

@@ -10,7 +10,7 @@ import pytest
 from support import faults
 from support.traces import BLOCK, write_trace
 
-from bench.support.replay import Replayer, parse_tier
+from bench.sim.replay import Replayer, parse_tier
 from bench.support.trace import block_keys, read_trace
 from kvstore.cli import main as cli_main
 from kvstore.format.errors import ConfigError, KVStoreError

@@ -70,7 +70,7 @@ def plot_ttft(rows: list[dict[str, Any]], value: str, path: Path) -> Path:
 
 def plot_threshold(path: dict[str, Any], title: str, out: Path) -> Path:
     """`learned` admission's threshold over the trace's time, and the share of hits its
-    refusals cost lately against its budget (bench/support/admission_path.py's `threshold_path`)."""
+    refusals cost lately against its budget (bench/sim/admission_path.py's `threshold_path`)."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))
     minutes = [t / 60 for t in path["time_s"]]

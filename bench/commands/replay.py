@@ -1,7 +1,7 @@
 """`kvstore replay`'s command line: parse a replay's tiers and policies, run one replay, a
-sweep of DRAM sizes, a cluster of hosts (bench/support/cluster_replay.py) or requests that end
-(bench/support/next_turn_replay.py), and print or write the result. The replay itself is
-bench/support/replay.py, which the cluster and next-turn replayers build on."""
+sweep of DRAM sizes, a cluster of hosts (bench/sim/cluster_replay.py) or requests that end
+(bench/sim/next_turn_replay.py), and print or write the result. The replay itself is
+bench/sim/replay.py, which the cluster and next-turn replayers build on."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.support.admission_path import ThresholdPath
-from bench.support.replay import MEMORY_TIERS, Clairvoyant, Replayer, parse_tier
+from bench.sim.admission_path import ThresholdPath
+from bench.sim.replay import MEMORY_TIERS, Clairvoyant, Replayer, parse_tier
 from bench.support.trace import MOONCAKE_BLOCK_TOKENS, read_passes, read_trace
 from kvstore.format.errors import ConfigError
 from kvstore.format.units import format_size, parse_write_budget
@@ -80,13 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiply arrival times (--ttft): >1 spreads a cluster's trace over one GPU")
     parser.add_argument("--hosts", type=int,
                         help="N hosts sharing one array (the last --tier, split N ways) against N "
-                             "private islands; other tiers are per host (bench/support/cluster_replay.py)")
+                             "private islands; other tiers are per host (bench/sim/cluster_replay.py)")
     parser.add_argument("--routing", choices=("random", "prefix"), default="prefix",
                         help="with --hosts: uniform, or by a hash of the first block (a KV-aware router)")
     parser.add_argument("--seed", type=int, default=0, help="with --hosts: the random routing's seed")
     parser.add_argument("--next-turn", choices=("off", "warm", "predict", "oracle"),
                         help="also model what happens when a request ends "
-                             "(bench/support/next_turn_replay.py) and report dram_resident_at_arrival "
+                             "(bench/sim/next_turn_replay.py) and report dram_resident_at_arrival "
                              "and prefetch_wasted_bytes; `oracle` knows when each chunk arrives next "
                              "(the bound for `predict`)")
     parser.add_argument("--tpot-ms", type=float, default=20.0,
@@ -103,11 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if args.passes != 1 and (args.ttft or args.hosts is not None):
         raise ConfigError("--passes", args.passes, "passes are replayed alone: not with --ttft or --hosts")
     if args.hosts is not None:
-        from bench.support.cluster_replay import run as run_cluster
+        from bench.sim.cluster_replay import run as run_cluster
 
         return run_cluster(args, tiers)
     if args.ttft:
-        from bench.support.ttft_model import model_spec
+        from bench.sim.ttft_model import model_spec
 
         args.kv_bytes_per_token = model_spec(args.model).kv_bytes_per_token
     started = time.perf_counter()
@@ -149,7 +149,7 @@ def _plot(args: argparse.Namespace, result: dict[str, Any]) -> None:
 def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: str | None = None,
             budget: bool = True, path: bool = False) -> dict[str, Any]:
     """One replay; `admission` in place of --admission, and without the budget if not `budget`;
-    with `path`, `learned`'s threshold over it (bench/support/admission_path.py)."""
+    with `path`, `learned`'s threshold over it (bench/sim/admission_path.py)."""
     admission = admission or args.admission
     policy = _policy(args, admission)
     runs = read_passes(args.trace, args.block_tokens, args.limit, getattr(args, "passes", 1))
@@ -160,7 +160,7 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
         ThresholdPath(replayer)
     replayer.ends.reported = args.request_ends == "reported"
     if getattr(args, "next_turn", None):
-        from bench.support.next_turn_replay import NextTurnReads
+        from bench.sim.next_turn_replay import NextTurnReads
 
         reads = NextTurnReads(replayer, args.next_turn)
         if args.next_turn == "oracle":
@@ -216,8 +216,8 @@ TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk"
 
 def _ttft_rows(args: argparse.Namespace, tiers: list[tuple[str, int]]) -> list[dict[str, Any]]:
     """One row per configuration: no cache, then the tiers added one at a time, top first."""
-    from bench.support.sched_model import SimRequest, simulate
-    from bench.support.ttft_model import PROFILES, model_spec
+    from bench.sim.sched_model import SimRequest, simulate
+    from bench.sim.ttft_model import PROFILES, model_spec
 
     if args.hardware not in PROFILES:
         raise ConfigError("--hardware", args.hardware, f"known: {', '.join(PROFILES)}")

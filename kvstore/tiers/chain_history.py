@@ -1,8 +1,8 @@
 """Which earlier request a request continues: its turn, and how long its chain sat idle.
 
 What a request that ends tells the service (return_rates.RequestEnd) is worked out from
-chunk keys alone, the same way by the connector (connectors/chain_reports.py) and by the
-trace replay (bench/support/replay.py): a request continues an earlier one when its keys contain a
+chunk keys alone, the same way by the connector (engine_plugin/vllm/core/chain_reports.py) and by the
+trace replay (bench/sim/replay.py): a request continues an earlier one when its keys contain a
 key that request ended on (a next turn holds the last prompt and answer, then a new
 message). Its turn is one more than that request's (0: it continues none: a new chain,
 even on a system prompt others share), and its idle time runs from that request's end to

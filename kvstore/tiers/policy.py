@@ -1,6 +1,6 @@
 """Where chunks go and when they move between tiers: the store's policy, in one place.
 
-The store (store/tiered.py) moves bytes; the trace replay (bench/support/replay.py) moves none; both
+The store (store/tiered.py) moves bytes; the trace replay (bench/sim/replay.py) moves none; both
 ask this object the same questions, so a replay's hit ratios are the store's:
 - a new chunk goes to the top tier (DRAM) if it has a slot, else straight down;
 - a victim of the top tier is demoted to the tier below unless that tier holds it
@@ -11,7 +11,7 @@ ask this object the same questions, so a replay's hit ratios are the store's:
   requests ended (`finished`) and what left DRAM (`left_dram`, told by the DRAM table's
   events); `admits` only asks, so a victim scan may ask it of many chunks; with
   write_through every chunk goes down as soon as it is stored and is never refused (a
-  PD producer in a cluster relies on it: connectors/handoff.py);
+  PD producer in a cluster relies on it: engine_plugin/vllm/core/handoff.py);
 - with a write budget (write_budget.py) the disk also refuses chunks whose return rate is
   under the budget's threshold, and every disk write is claimed from its allowance first
   (`claim_writes`, `settle_writes`): the budget is never exceeded;
@@ -171,7 +171,7 @@ class TierPolicy:
             self.admission, self._admission, self.disk_min_seen = name, admission, min_seen
 
     def use_admission(self, admission: Admission) -> None:
-        """Admit by a policy made elsewhere (the replay's clairvoyant bound, bench/support/replay.py)."""
+        """Admit by a policy made elsewhere (the replay's clairvoyant bound, bench/sim/replay.py)."""
         with self._lock:
             self.admission, self._admission = admission.name, admission
 
