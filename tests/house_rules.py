@@ -11,6 +11,10 @@ repository, and on small bad trees to show each rule can fail.
   its own engine and no other, nor another engine's room; a room's core/ imports no engine
   at all (the logic tested without one). A module at engine_plugin/'s own top (an old
   module path kept for configs) imports rooms, never an engine.
+- The client side (connectors/, engine_plugin/) reaches the storage engine through its
+  service: of kvstore it imports the floors format, config, io and service only (the
+  types it needs from the tiers are the service's client_types.py), never the tiers,
+  the data path, the cluster or the store.
 - Bench floors: bench/ holds four folders and no module of its own: support/ (the
   harness, shared with the tests), sim/ (the trace replay's simulator and the models it
   runs, product models a command and the tests both drive), commands/ (the `kvstore`
@@ -52,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench")  # each may import only those before it
+CLIENT_PACKAGES = ("connectors", "engine_plugin")  # the client side: engines' code
+CLIENT_FLOORS = ("format", "config", "io", "service")  # what of kvstore the client side imports
 ENGINES = ("vllm", "sglang", "lmcache")  # top-level packages of the engines kvstore plugs into
 ENGINE_PACKAGES = ("engine_plugin", "bench")  # the packages that may import an engine
 SIZED_PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench.support", "bench.sim", "bench.commands")
@@ -299,6 +305,16 @@ def _check_classes(root: Path, modules: list[_Module], names: _Names, report: Re
             report.smell("constructor", f"{where}.__init__: {count} parameters")
 
 
+def _check_client(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
+    """A client-side module's imports of kvstore: its CLIENT_FLOORS only."""
+    for module in modules:
+        for target in names.imported(module):
+            wanted = target.split(".")
+            if wanted[0] == "kvstore" and (len(wanted) == 1 or wanted[1] not in CLIENT_FLOORS):
+                report.add("client", f"{module.path.relative_to(root)} imports {target}: the client side "
+                           "reaches the storage engine through kvstore.service (client_types.py)")
+
+
 def _check_rooms(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
     """Each engine_plugin module's imports of engines and rooms: its room's own engine, not
     in core/; no other room; at the package's top, rooms only."""
@@ -424,6 +440,8 @@ def check(root: Path) -> Report:
         report.imports[package] = checked
     _check_floors(root, modules["kvstore"], names, report)
     _check_rooms(root, modules["engine_plugin"], names, report)
+    for package in CLIENT_PACKAGES:
+        _check_client(root, modules[package], names, report)
     _check_bench(root, modules["bench"], names, report)
     _check_tests(root, names, report)
     _check_classes(root, every, names, report)

@@ -84,7 +84,7 @@ def _tree(root: Path, floors: tuple[str, ...] = ("format", "tiers", "store")) ->
                + ("class Key:\n    pass\n" if floor == "format" else ""))
         below = f"from kvstore.{floor}.base import {floor.title()}Part\n"
     _write(root, "kvstore/cli.py", f"from kvstore.{floors[-1]}.base import {floors[-1].title()}Part\n")
-    for package, imports in (("connectors", "import kvstore.cli\n"),
+    for package, imports in (("connectors", "import kvstore.format.base\n"),
                              ("engine_plugin", "import connectors.core\n"),
                              ("bench/support", "import vllm\nimport engine_plugin.core\n")):
         _write(root, f"{package.split('/')[0]}/__init__.py", "")
@@ -178,6 +178,16 @@ def test_an_engine_outside_its_room_or_a_room_importing_another_fails(tmp_path):
         "another engine's room",
         "rooms: engine_plugin/vllm/connector.py imports sglang.srt: not its room's engine",
         "rooms: engine_plugin/vllm/core/saves.py imports vllm: a core imports no engine"]
+
+
+def test_the_client_side_reaching_past_the_service_into_the_storage_engine_fails(tmp_path):
+    _write(_tree(tmp_path), "connectors/extra.py", "from kvstore.tiers.base import TiersPart\n")
+    _write(tmp_path, "engine_plugin/extra.py", "import kvstore\nfrom kvstore.format import base\n")
+    assert _findings(tmp_path) == [
+        "client: connectors/extra.py imports kvstore.tiers.base: the client side reaches the storage "
+        "engine through kvstore.service (client_types.py)",
+        "client: engine_plugin/extra.py imports kvstore: the client side reaches the storage engine "
+        "through kvstore.service (client_types.py)"]
 
 
 def _class(name: str, lines: int, bases: str = "") -> str:

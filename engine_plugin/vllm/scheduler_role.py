@@ -21,8 +21,8 @@ from engine_plugin.vllm.namespaces import EngineNamespaces
 from engine_plugin.vllm.request_keys import Unnamed, lora_identity, request_extras
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service.client import StoreClient
+from kvstore.service.client_types import RequestEnd
 from kvstore.service.protocol import MAX_ANNOUNCED
-from kvstore.tiers.return_rates import RequestEnd
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

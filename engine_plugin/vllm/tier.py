@@ -64,7 +64,7 @@ from engine_plugin.vllm.core.tier_lookups import TierLookups, Verdict
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, Shard, Weights, key_digest
 from kvstore.service.client import StoreClient
-from kvstore.tiers.return_rates import RequestEnd
+from kvstore.service.client_types import RequestEnd
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

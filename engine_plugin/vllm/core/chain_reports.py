@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvstore.tiers.chain_history import ChainHistory
-from kvstore.tiers.return_rates import MAX_TOKENS, RequestEnd
+from kvstore.service.client_types import MAX_TOKENS, ChainHistory, RequestEnd
 
 
 class Notify(Protocol):

@@ -35,7 +35,7 @@ from engine_plugin.vllm.core.kv_layout import KVLayout
 from engine_plugin.vllm.core.plan import SKIP, Transfer
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
-from kvstore.tiers.stats import Stats
+from kvstore.service.client_types import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
 

@@ -17,7 +17,7 @@ from connectors.worker_threads import pool
 from engine_plugin.vllm.core.device_staging import DeviceStagingPool
 from engine_plugin.vllm.core.plan import Stage
 from kvstore.service.client import StoreClient
-from kvstore.tiers.stats import Stats
+from kvstore.service.client_types import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
 

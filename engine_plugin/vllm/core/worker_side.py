@@ -21,7 +21,7 @@ from engine_plugin.vllm.core.plan import Stage, Transfer
 from engine_plugin.vllm.core.saves import SaveHandler
 from engine_plugin.vllm.core.stages import StageHandler
 from kvstore.service.client import StoreClient
-from kvstore.tiers.stats import Stats
+from kvstore.service.client_types import Stats
 
 log = logging.getLogger("vllm.kvstore.worker")
 
