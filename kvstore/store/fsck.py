@@ -14,10 +14,10 @@ import stat
 from collections import Counter
 
 from kvstore.devices.device import DATA_FILE
-from kvstore.devices.layout import SB_COPIES, Superblock, parse_superblock
+from kvstore.devices.layout import Superblock, read_superblocks
 from kvstore.devices.scanner import scan_headers
 from kvstore.format.errors import DeviceError
-from kvstore.format.record import BLOCK, HEADER_BLOCK, HeaderState, check_record
+from kvstore.format.record import HEADER_BLOCK, HeaderState, check_record
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.threads import ThreadsEngine
 
@@ -45,24 +45,18 @@ def fsck(path: str) -> dict[str, int]:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DeviceError(data, "in use by a running kvstore; stop it first") from None
-        return _check_slots(engine, fd, _superblock(fd, data))
+        return _check_slots(engine, fd, _superblock(engine, fd, data))
     finally:
         engine.close()
         os.close(fd)
 
 
-def _superblock(fd: int, path: str) -> Superblock:
-    buffer = AlignedBuffer(SB_COPIES * BLOCK)
-    try:
-        os.preadv(fd, [buffer.view[: SB_COPIES * BLOCK]], 0)
-        raw = bytes(buffer.view[: SB_COPIES * BLOCK])
-    finally:
-        buffer.close()
-    for copy in range(SB_COPIES):
-        _, superblock = parse_superblock(raw[copy * BLOCK : (copy + 1) * BLOCK])
-        if superblock is not None:
-            return superblock
-    raise DeviceError(path, "no valid kvstore superblock (not formatted, another format, or damaged)")
+def _superblock(engine: ThreadsEngine, fd: int, path: str) -> Superblock:
+    """The first copy that parses, read by the one superblock reader a running store uses."""
+    found = next((sb for _, sb in read_superblocks(engine, fd, path, _TIMEOUT_S) if sb is not None), None)
+    if found is None:
+        raise DeviceError(path, "no valid kvstore superblock (not formatted, another format, or damaged)")
+    return found
 
 
 def _check_slots(engine: ThreadsEngine, fd: int, sb: Superblock) -> dict[str, int]:
