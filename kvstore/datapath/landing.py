@@ -39,19 +39,20 @@ class Landing:
     """One chunk's read: the memory the I/O fills (header block first) and its settling."""
 
     index: int  # into the keys asked for
-    memory: list[IoBuffer]  # lent to the read; let go on the wave's way out
+    memory: list[IoBuffer]  # lent to the read; closed on the wave's way out (`close`)
     payload: memoryview  # where the payload lands (inside memory)
     reservation: Reservation | None = None  # the DRAM slot it is promoted into
     region: Region | None = None  # caller memory it lands in directly
     header: RecordHeader | None = field(default=None, init=False)  # set once verified
 
     @property
-    def buffers(self) -> list[memoryview]:
-        return [view for memory in self.memory for view in memory.views]
-
-    @property
     def nbytes(self) -> int:
-        return sum(len(b) for b in self.buffers)
+        return sum(len(view) for memory in self.memory for view in memory.views)
+
+    def close(self) -> None:
+        """Its maker is done with its memory (the read may still hold it: io/base.py)."""
+        for memory in self.memory:
+            memory.close()
 
 
 class Landings:
@@ -98,24 +99,24 @@ class Landings:
             reservation = self.placement.reserve(may_demote)
             if reservation is not None:
                 stack.enter_context(reservation)  # released on the way out unless published
-                slot = self.placement.dram.slot_memory(reservation.slot)
-                stack.callback(slot.close)  # its own pin: the slot outlives a late read
-                view = slot.views[0]
-                return Landing(index, [slot], view[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes],
-                               reservation=reservation)
+                slot = self.placement.dram.slot_memory(reservation.slot)  # a pin a late read keeps
+                landing = Landing(index, [slot], self._payload(slot), reservation=reservation)
+                stack.callback(landing.close)
+                return landing
         if out is None:
             return None
         region = self.regions.find(out) if direct else None
         if region is not None and self.chunk_bytes % HEADER_BLOCK == 0:
-            memory = [self.headers.acquire(), region.lend(out)]
-            landing = Landing(index, memory, out, region=region)
+            landing = Landing(index, [self.headers.acquire(), region.lend(out)], out, region=region)
         else:
             staged = self.staging.acquire()
-            memory = [staged]
-            landing = Landing(index, memory, staged.views[0][HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes])
-        for part in memory:
-            stack.callback(part.close)
+            landing = Landing(index, [staged], self._payload(staged))
+        stack.callback(landing.close)
         return landing
+
+    def _payload(self, record: IoBuffer) -> memoryview:
+        """Where a record image's payload lies (after its header block)."""
+        return record.views[0][HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes]
 
     def verify(self, landing: Landing, result: int, key: bytes, out: memoryview | None,
                seq: int | None = None, check_payload: bool = True) -> MissReason | None:
@@ -126,8 +127,8 @@ class Landings:
             return MissReason.IO_ERROR
         # Staged or promoted: the payload goes on to `out` in the same pass as its hash.
         copy_to = out if out is not None and landing.region is None else None
-        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key, copy_to,
-                                      check_payload)
+        header_block = landing.memory[0].views[0][:HEADER_BLOCK]
+        header, reason = check_record(header_block, landing.payload, key, copy_to, check_payload)
         if reason is None and header is not None and header.payload_len != self.chunk_bytes:
             reason = MissReason.BAD_HEADER
         if reason is None and header is not None and seq is not None and header.seq != seq:

@@ -30,7 +30,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-_HOLDS = threading.Lock()  # every IoBuffer's count of holders (held for a few instructions)
+# Every IoBuffer's count of holders changes under this lock, here only (a few instructions
+# a time: one acquisition per batch lent, per request landed, per buffer closed).
+_HOLDS = threading.Lock()
 
 
 class IoBuffer:
@@ -41,9 +43,9 @@ class IoBuffer:
 
     __slots__ = ("_give_back", "_holders", "_on_late", "late", "views")
 
-    def __init__(self, views: Sequence[memoryview], give_back: Callable[[IoBuffer], None] | None = None,
+    def __init__(self, views: list[memoryview], give_back: Callable[[IoBuffer], None] | None = None,
                  on_late: Callable[[IoBuffer], None] | None = None) -> None:
-        self.views = list(views)
+        self.views = views
         self.late = False
         self._give_back = give_back
         self._on_late = on_late
@@ -63,36 +65,23 @@ class IoBuffer:
         elif self._give_back is not None:
             self._give_back(self)
 
-    def lend(self) -> None:
-        """One more request holds it (IoRequest.lend)."""
-        with _HOLDS:
-            self._holders += 1
-
-    def let_go(self) -> None:
-        """A request holding it landed (IoRequest.landed)."""
-        with _HOLDS:
-            self._holders -= 1
-            last = self._holders == 0
-        if last and self._give_back is not None:
-            self._give_back(self)
-
 
 _NEW, _LENT, _LANDED = range(3)  # an IoRequest's hold on its memory: not yet, held, let go
 
 
 class IoRequest:
     """One positioned read or write of `buffers`: all of `memory`'s views, or the parts of
-    them given as `views`. From `lend` (in `run`) until `landed` (by its engine) it holds
-    its memory, so nothing can reuse or free it while the I/O may move its bytes."""
+    them given as `views`. From `run` (`lend`) until its engine lands it (`landed`) it
+    holds its memory, so nothing can reuse or free it while the I/O may move its bytes."""
 
     __slots__ = ("_state", "buffers", "fd", "memory", "offset", "write")
 
     def __init__(self, fd: int, offset: int, memory: Sequence[IoBuffer], write: bool = False,
-                 views: Sequence[memoryview] | None = None) -> None:
+                 views: list[memoryview] | None = None) -> None:
         self.fd = fd
         self.offset = offset
-        self.memory = tuple(memory)
-        self.buffers = list(views) if views is not None else [v for m in self.memory for v in m.views]
+        self.memory = memory
+        self.buffers = views if views is not None else [v for m in memory for v in m.views]
         self.write = write
         self._state = _NEW
 
@@ -100,21 +89,32 @@ class IoRequest:
     def nbytes(self) -> int:
         return sum(len(b) for b in self.buffers)
 
-    def lend(self) -> None:
-        """The request takes its memory (again, by an engine another one wraps: nothing)."""
-        if self._state == _LANDED:
-            raise ValueError("an I/O request runs once: make a new one")
-        if self._state == _NEW:
-            self._state = _LENT
-            for memory in self.memory:
-                memory.lend()
+    @staticmethod
+    def lend(requests: Sequence[IoRequest]) -> None:
+        """The requests take their memory (again, by an engine another one wraps: nothing)."""
+        with _HOLDS:
+            for request in requests:
+                if request._state == _NEW:
+                    request._state = _LENT
+                    for memory in request.memory:
+                        memory._holders += 1
+                elif request._state == _LANDED:
+                    raise ValueError("an I/O request runs once: make a new one")
 
     def landed(self) -> None:
         """No I/O can touch its memory any more: the request lets go of it (once)."""
-        if self._state == _LENT:
+        last = []
+        with _HOLDS:
+            if self._state != _LENT:
+                return
             self._state = _LANDED
             for memory in self.memory:
-                memory.let_go()
+                memory._holders -= 1
+                if memory._holders == 0:
+                    last.append(memory)
+        for memory in last:
+            if memory._give_back is not None:
+                memory._give_back(memory)
 
 
 TIMED_OUT = -errno.ETIMEDOUT
@@ -159,8 +159,7 @@ class IoEngine(abc.ABC):
         holds its memory from here until the engine lands it: before this returns, or,
         for one the kernel or a worker still has at the deadline, as it finishes.
         """
-        for request in requests:
-            request.lend()
+        IoRequest.lend(requests)
         return self._run(requests, timeout_s, on_complete)
 
     @abc.abstractmethod

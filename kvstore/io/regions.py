@@ -7,7 +7,7 @@ late read lands: the read buffers `TieredStore.buffers()` hands out and the serv
 client windows. A read lends its part of a region as an IoBuffer (base.py); while one
 its caller gave up on is out (`late`), the region is no direct destination and a get
 into it is refused, its owner (the service) drops it, and it is freed (`close`) only
-once the last read into it has landed. Any other buffer gets a bounce buffer
+once the last such read has landed. Any other buffer gets a bounce buffer
 (staging.py) and a copy.
 """
 
@@ -24,7 +24,9 @@ from kvstore.io.base import IoBuffer
 
 class Region:
     """Memory kvstore owns (`owner` keeps it alive: an AlignedBuffer, a window) at `address`.
-    Invariant: it is freed (`close`) only once every read lent a part of it has landed."""
+    Invariant: it is freed (`close`) only once every read into it that went late (its
+    caller stopped waiting) has landed; a read whose caller still waits is that caller's,
+    done before the caller returns, so its owner does not close it under one."""
 
     def __init__(self, address: int, nbytes: int, owner: object,
                  went_late: Callable[[], None] | None = None) -> None:
@@ -33,20 +35,17 @@ class Region:
         self.owner = owner
         self.late = 0  # reads into it whose caller stopped waiting, not landed yet
         self._went_late = went_late  # told as a read into it goes late
-        self._lock = threading.Lock()
-        self._lent = 0  # reads into it not landed yet, late or not
+        self._lock = threading.Lock()  # for `late` and `_free`: taken only once a read went late
         self._free: Callable[[], None] | None = None  # its owner's `close`, once it is done
 
     def lend(self, view: memoryview) -> IoBuffer:
         """`view` (inside the region) as memory for one read."""
-        with self._lock:
-            self._lent += 1
         return IoBuffer([view], self._back, self._late)
 
     def close(self, free: Callable[[], None]) -> None:
-        """Its owner is done with it: `free` it now, or once the last read into it has landed."""
+        """Its owner is done with it: `free` it now, or once the last late read into it has landed."""
         with self._lock:
-            if self._lent:
+            if self.late:
                 self._free = free
                 return
         free()
@@ -58,10 +57,11 @@ class Region:
             self._went_late()
 
     def _back(self, buffer: IoBuffer) -> None:
+        if not buffer.late:
+            return
         with self._lock:
-            self._lent -= 1
-            self.late -= buffer.late
-            free = self._free if self._lent == 0 else None
+            self.late -= 1
+            free = self._free if self.late == 0 else None
             if free is not None:
                 self._free = None
         if free is not None:
