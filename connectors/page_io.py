@@ -13,7 +13,7 @@ them as one chain (each page's parent the page before it, across waves; the call
 names the first one's), in the same waves, each gathered into one half of the window
 while the wave before it is put (Transfers.store_waves). A wave's copies go to
 kvstore's copier in one call: shared out across threads that release the GIL, as the
-vLLM client's loads are (engine_plugin/layout.py). Whatever did not verify, went
+vLLM client's loads are (engine_plugin/vllm/layout.py). Whatever did not verify, went
 missing, or ran past the service deadline is a miss (False), never an exception: the
 engine's storage threads must survive a fault.
 """

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pages() -> dict[str, type[Schema]]:
     """Each page (relative to the repository) and the model whose keys its table lists."""
-    from connectors.options import ConnectorOptions
+    from engine_plugin.vllm.core.options import ConnectorOptions
 
     return {"docs/configuration.md": StoreConfig, "docs/nvmeof.md": NvmeofConfig,
             "docs/cluster.md": ClusterConfig, "docs/vllm.md": ConnectorOptions}

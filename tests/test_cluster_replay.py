@@ -12,7 +12,7 @@ import pytest
 from support.traces import BLOCK, write_trace
 
 import kvstore.cluster.node
-from bench.support.cluster_replay import Cluster, replay_cluster, route
+from bench.sim.cluster_replay import Cluster, replay_cluster, route
 from bench.support.trace import read_trace
 from bench.support.trace_tile import main as trace_tile
 from bench.support.trace_tile import tile

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from connectors.options import check_chunk_size, parse_options
-from connectors.plan import SKIP
-from connectors.prefetch import Residency
-from connectors.scheduler_side import Keying, SchedulerCore, SchedulerSettings
+from engine_plugin.vllm.core.options import check_chunk_size, parse_options
+from engine_plugin.vllm.core.plan import SKIP
+from engine_plugin.vllm.core.prefetch import Residency
+from engine_plugin.vllm.core.scheduler_side import Keying, SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import (
     KeyExtras,

@@ -1,5 +1,5 @@
 """Every method vLLM calls on the connector, and on the secondary tier of its own offloading
-(engine_plugin/vllm_tier.py), exists with the parameters vLLM passes: against the installed
+(engine_plugin/vllm/tier.py), exists with the parameters vLLM passes: against the installed
 vLLM (0.32) and against the released vLLM 0.33's own interfaces, read from its wheel's
 vllm/distributed/kv_transfer/kv_connector/v1/base.py and vllm/v1/kv_offload/tiering/base.py
 (scripts/setup.sh fetches them once; the CUDA install's `pip install vllm` brings 0.33,
@@ -19,8 +19,8 @@ pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm]
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
-from engine_plugin.connector import TieredKVConnector, TieredWorkerMetadata
-from engine_plugin.vllm_tier import KVStoreTier
+from engine_plugin.vllm.connector import TieredKVConnector, TieredWorkerMetadata
+from engine_plugin.vllm.tier import KVStoreTier
 
 ROOT = Path(__file__).resolve().parent.parent
 NEWER = ROOT / ".venv" / "share" / "kvstore" / "vllm-0.33-kv_connector-v1-base.py"  # scripts/setup.sh

@@ -24,18 +24,18 @@ from support.services import counters, service_client, service_config, stop_serv
 from bench.support.processes import paused
 from connectors import link as link_module
 from connectors.link import ServiceLink
-from connectors.plan import StepPlan, Transfer
-from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
-from connectors.worker_side import WorkerCore
-from engine_plugin.kv_spec import (
+from engine_plugin.vllm.core.plan import StepPlan, Transfer
+from engine_plugin.vllm.core.prefetch import Residency
+from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
+from engine_plugin.vllm.core.worker_side import WorkerCore
+from engine_plugin.vllm.kv_spec import (
     RECORD_DTYPE_BYTES,
     UnsupportedKVCache,
     first_group_spec,
     record_dtype_name,
     spec_dtype,
 )
-from engine_plugin.layout import PagedKVLayout
+from engine_plugin.vllm.layout import PagedKVLayout
 from kvstore.config.store import load_config
 from kvstore.format.keys import KVNamespace, Shard, TensorParallel
 from kvstore.format.record import record_bytes

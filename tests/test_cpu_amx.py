@@ -1,4 +1,4 @@
-"""The worker's request for AMX tile state (engine_plugin/cpu_amx.py), made for real.
+"""The worker's request for AMX tile state (engine_plugin/vllm/cpu_amx.py), made for real.
 
 Linux grants AMX tile state per process; ARCH_GET_XCOMP_PERM reads what this process may
 use. Each case runs in a fresh Python, so nothing this test process did (torch's oneDNN
@@ -18,7 +18,7 @@ from bench.support.cpu_dtypes import has_amx_tile
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = """
 import json
-from engine_plugin.cpu_amx import amx_tile_permitted, request_amx_tile_state
+from engine_plugin.vllm.cpu_amx import amx_tile_permitted, request_amx_tile_state
 before = amx_tile_permitted()
 answer = request_amx_tile_state()
 print(json.dumps({"before": before, "answer": answer, "after": amx_tile_permitted(),

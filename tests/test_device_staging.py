@@ -13,10 +13,10 @@ import torch
 from support import services
 from support.services import stop_service
 
-from connectors.device_staging import DeviceStagingPool
-from connectors.plan import Stage, Transfer
-from connectors.worker_side import WorkerCore
-from engine_plugin.layout import PagedKVLayout
+from engine_plugin.vllm.core.device_staging import DeviceStagingPool
+from engine_plugin.vllm.core.plan import Stage, Transfer
+from engine_plugin.vllm.core.worker_side import WorkerCore
+from engine_plugin.vllm.layout import PagedKVLayout
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient
 

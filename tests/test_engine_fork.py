@@ -1,4 +1,4 @@
-"""Engine runs forked from a process that has imported vLLM (engine_plugin/engine_fork.py)
+"""Engine runs forked from a process that has imported vLLM (bench/support/engine_fork.py)
 are processes of their own: their own arguments, directory, environment, process group
 (killed whole past a deadline), pipes and no other file of the server's, exit code and
 exit handlers; a run whose environment differs from the server's, a caller
@@ -24,13 +24,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from bench.support.engine_fork import SOCKET_ENV, fork_run
+from bench.support.engine_run import run_fresh
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
-from engine_plugin.engine_fork import SOCKET_ENV, fork_run
-from engine_plugin.engine_run import run_fresh
 
 SERVER = textwrap.dedent("""
     import atexit, json, os, subprocess, sys, time
-    from engine_plugin.engine_fork import serve
+    from bench.support.engine_fork import serve
 
     def prepare():
         os.environ["SET_BY_IMPORTS"] = "yes"

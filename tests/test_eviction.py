@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from bench.support.replay import Replayer
+from bench.sim.replay import Replayer
 from bench.support.trace import block_keys, read_trace
 from kvstore.tiers.eviction import CostAware, Eviction, PrefixLRU
 from kvstore.tiers.policy import TierPolicy

@@ -1,14 +1,14 @@
 """Prefill/decode handoff in the connector core: roles, the params a producer returns,
-and the consumer's bounded wait for exactly the chunks they name (connectors/handoff.py)."""
+and the consumer's bounded wait for exactly the chunks they name (engine_plugin/vllm/core/handoff.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from connectors.chain_reports import Notify
-from connectors.handoff import PARAMS_KEY, Handoff, Role, check_producer_store
-from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from engine_plugin.vllm.core.chain_reports import Notify
+from engine_plugin.vllm.core.handoff import PARAMS_KEY, Handoff, Role, check_producer_store
+from engine_plugin.vllm.core.prefetch import Residency
+from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, Shard, TensorParallel, chunk_keys

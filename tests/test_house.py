@@ -84,7 +84,7 @@ def _tree(root: Path, floors: tuple[str, ...] = ("format", "tiers", "store")) ->
                + ("class Key:\n    pass\n" if floor == "format" else ""))
         below = f"from kvstore.{floor}.base import {floor.title()}Part\n"
     _write(root, "kvstore/cli.py", f"from kvstore.{floors[-1]}.base import {floors[-1].title()}Part\n")
-    for package, imports in (("connectors", "import kvstore.cli\n"),
+    for package, imports in (("connectors", "import kvstore.format.base\n"),
                              ("engine_plugin", "import connectors.core\n"),
                              ("bench/support", "import vllm\nimport engine_plugin.core\n")):
         _write(root, f"{package.split('/')[0]}/__init__.py", "")
@@ -161,6 +161,35 @@ def test_a_package_importing_one_above_it_or_vllm_fails(tmp_path):
                                    "packages: connectors/extra.py imports vllm.config"]
 
 
+def test_an_engine_outside_its_room_or_a_room_importing_another_fails(tmp_path):
+    _tree(tmp_path)
+    _write(tmp_path, "engine_plugin/vllm/connector.py", "import vllm.config\nimport sglang.srt\n")
+    _write(tmp_path, "engine_plugin/vllm/core/plan.py", "import os\n")
+    _write(tmp_path, "engine_plugin/vllm/core/saves.py", "from vllm import envs\n")
+    _write(tmp_path, "engine_plugin/sglang/hicache.py",
+           "import sglang.srt\nfrom engine_plugin.vllm.core import plan\n")
+    _write(tmp_path, "engine_plugin/connector.py",
+           "from engine_plugin.vllm.connector import os\nimport lmcache\n")
+    _write(tmp_path, "connectors/extra.py", "import lmcache.v1\n")
+    assert _findings(tmp_path) == [
+        "packages: connectors/extra.py imports lmcache.v1",
+        "rooms: engine_plugin/connector.py imports lmcache: not its room's engine",
+        "rooms: engine_plugin/sglang/hicache.py (sglang) imports engine_plugin.vllm.core.plan: "
+        "another engine's room",
+        "rooms: engine_plugin/vllm/connector.py imports sglang.srt: not its room's engine",
+        "rooms: engine_plugin/vllm/core/saves.py imports vllm: a core imports no engine"]
+
+
+def test_the_client_side_reaching_past_the_service_into_the_storage_engine_fails(tmp_path):
+    _write(_tree(tmp_path), "connectors/extra.py", "from kvstore.tiers.base import TiersPart\n")
+    _write(tmp_path, "engine_plugin/extra.py", "import kvstore\nfrom kvstore.format import base\n")
+    assert _findings(tmp_path) == [
+        "client: connectors/extra.py imports kvstore.tiers.base: the client side reaches the storage "
+        "engine through kvstore.service (client_types.py)",
+        "client: engine_plugin/extra.py imports kvstore: the client side reaches the storage engine "
+        "through kvstore.service (client_types.py)"]
+
+
 def _class(name: str, lines: int, bases: str = "") -> str:
     body = "".join(f"    x{i} = {i}\n" for i in range(lines - 2))
     return f"class {name}{bases}:\n    '''Doc.'''\n{body}"
@@ -178,8 +207,8 @@ def test_a_class_is_measured_with_its_in_project_bases(tmp_path):
 
 
 def test_a_class_over_the_size_in_the_engine_plugin_smells(tmp_path):
-    _write(_tree(tmp_path), "engine_plugin/connector.py", _class("Connector", 201, "(object)"))
-    assert _smells(tmp_path) == ["class size: engine_plugin/connector.py:Connector: 201 lines"]
+    _write(_tree(tmp_path), "engine_plugin/vllm/connector.py", _class("Connector", 201, "(object)"))
+    assert _smells(tmp_path) == ["class size: engine_plugin/vllm/connector.py:Connector: 201 lines"]
 
 
 def test_a_dataclass_counts_its_fields_and_its_bases_fields_as_constructor_parameters(tmp_path):
@@ -229,18 +258,20 @@ def test_the_size_rules_hold_in_benchs_support_and_commands_where_dataclasses_ar
 # -- bench in floors, and how tests reach it ----------------------------------------------
 
 def _bench(root: Path) -> Path:
-    """The tree with a command and an experiment over the harness, each importing support."""
+    """The tree with a simulator over the harness, and a command and an experiment over both."""
     _tree(root)
+    _write(root, "bench/sim/__init__.py", "")
+    _write(root, "bench/sim/model.py", "from bench.support.core import os\n")
     for floor in ("commands", "lab"):
         _write(root, f"bench/{floor}/__init__.py", "")
         _write(root, f"bench/{floor}/one.py", "from bench.support.core import os\n")
-        _write(root, f"bench/{floor}/two.py", "from bench.support import core\n")
+        _write(root, f"bench/{floor}/two.py", "from bench.support import core\nfrom bench.sim import model\n")
     return root
 
 
 def test_bench_floors_that_keep_the_rules_pass(tmp_path):
     _write(_bench(tmp_path), "tests/test_one.py", "from bench.lab.one import os\nfrom bench.lab import one\n"
-           "from bench.support.core import os as same\n")
+           "from bench.support.core import os as same\nfrom bench.sim.model import os as sim\n")
     _write(tmp_path, "tests/test_two.py", "from bench.commands.two import core\n")
     assert _findings(tmp_path) == []
 
@@ -248,16 +279,18 @@ def test_bench_floors_that_keep_the_rules_pass(tmp_path):
 def test_a_module_of_bench_s_own_fails(tmp_path):
     _write(_bench(tmp_path), "bench/drawer.py", "import os\n")
     assert _findings(tmp_path) == [
-        "bench floors: bench/drawer.py: a module of bench/'s own; it goes in one of support/, commands/, "
-        "lab/"]
+        "bench floors: bench/drawer.py: a module of bench/'s own; it goes in one of support/, sim/, "
+        "commands/, lab/"]
 
 
 @pytest.mark.parametrize(("where", "line", "imported"), [
     ("support/core.py", "from bench.commands import one", "bench.commands.one (commands)"),
     ("support/extra.py", "from ..lab.two import core", "bench.lab.two (lab)"),
+    ("support/core.py", "from bench.sim import model", "bench.sim.model (sim)"),
+    ("sim/model.py", "from bench.commands import one", "bench.commands.one (commands)"),
     ("commands/one.py", "import bench.lab.two", "bench.lab.two (lab)"),
     ("lab/two.py", "from bench.commands import one", "bench.commands.one (commands)")])
-def test_support_importing_a_floor_above_or_commands_and_lab_each_other_fail(tmp_path, where, line, imported):
+def test_a_floor_importing_one_above_or_commands_and_lab_each_other_fail(tmp_path, where, line, imported):
     _write(_bench(tmp_path), f"bench/{where}", line + "\n")
     floor = where.split("/")[0]
     assert _findings(tmp_path) == [f"bench floors: bench/{where} ({floor}) imports {imported}"]

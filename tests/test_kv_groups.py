@@ -1,14 +1,14 @@
 """A hybrid model's KV cache groups in the connector core: what each group loads, saves and
-needs for a hit (connectors/groups.py), and the engine's groups as the plugin reads them."""
+needs for a hit (engine_plugin/vllm/core/groups.py), and the engine's groups as the plugin reads them."""
 
 from __future__ import annotations
 
 import pytest
 
-from connectors.groups import GroupRules, KVGroup
-from connectors.plan import SKIP
-from connectors.prefetch import Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from engine_plugin.vllm.core.groups import GroupRules, KVGroup
+from engine_plugin.vllm.core.plan import SKIP
+from engine_plugin.vllm.core.prefetch import Residency
+from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.format.keys import KVNamespace, Shard, chunk_keys
 
 CHUNK, BLOCK, WINDOW = 256, 128, 256
@@ -109,8 +109,8 @@ def test_the_engines_groups_full_attention_first_and_unsupported_kinds_refused()
         SlidingWindowSpec,
     )
 
-    from engine_plugin.kv_groups import group_rules, kv_groups
-    from engine_plugin.kv_spec import UnsupportedKVCache
+    from engine_plugin.vllm.kv_groups import group_rules, kv_groups
+    from engine_plugin.vllm.kv_spec import UnsupportedKVCache
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float16)
     window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float16,

@@ -7,8 +7,8 @@ import mmap
 import pytest
 import torch
 
-from connectors.plan import SKIP
-from engine_plugin.layout import PagedKVLayout, block_axis, block_runs
+from engine_plugin.vllm.core.plan import SKIP
+from engine_plugin.vllm.layout import PagedKVLayout, block_axis, block_runs
 from kvstore.format.errors import ShapeError
 
 NUM_BLOCKS = 10

@@ -21,9 +21,9 @@ import xxhash
 from support.records import corrupt_record
 from support.services import service_config, stop_service
 
-from connectors.plan import Transfer
-from connectors.worker_side import WorkerCore
-from engine_plugin.layout import PagedKVLayout
+from engine_plugin.vllm.core.plan import Transfer
+from engine_plugin.vllm.core.worker_side import WorkerCore
+from engine_plugin.vllm.layout import PagedKVLayout
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
 from kvstore.format.record import record_bytes
@@ -259,7 +259,7 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
         pytest.skip("needs a CUDA device")
     import gc
 
-    from engine_plugin.cuda_host import HostRegistration, register_for_dma
+    from engine_plugin.vllm.cuda_host import HostRegistration, register_for_dma
 
     caches = {"layer": torch.zeros(16, 2, 16, 64, dtype=torch.float16, device="cuda")}
     layout = PagedKVLayout(caches, 16, 16)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from support.services import service_config, stop_service, write_config
 from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
-from engine_plugin.namespaces import MAX_SALTS, EngineNamespaces
+from engine_plugin.vllm.namespaces import MAX_SALTS, EngineNamespaces
 from kvstore.config.store import load_config
 from kvstore.format.keys import KVNamespace, Weights
 from kvstore.format.malformed import MalformedCounts

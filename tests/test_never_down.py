@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from support.services import service_config, stop_service
 from support.stores import CHUNK_BYTES
 
-from connectors.handoff import MAX_CHUNKS, PARAMS_KEY, Handoff
-from connectors.hints import (
+from engine_plugin.vllm.core.handoff import MAX_CHUNKS, PARAMS_KEY, Handoff
+from engine_plugin.vllm.core.hints import (
     MAX_EXPECT_S,
     MAX_HINTS,
     PREFETCH_KEY,
@@ -37,7 +37,7 @@ from connectors.hints import (
     action_hint,
     prefetch_hints,
 )
-from connectors.plan import StepPlan, Transfer
+from engine_plugin.vllm.core.plan import StepPlan, Transfer
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
 from kvstore.format.malformed import Malformed, MalformedCounts
@@ -124,7 +124,7 @@ actions = st.lists(st.builds(NS, action_type=st.sampled_from(["fetch", "expect",
 @given(JSON | st.fixed_dictionaries({PREFETCH_KEY: HINT_VALUES}), st.none() | actions | JSON)
 def test_a_requests_hints_never_raise_and_are_bounded(params, envelope_actions):
     pytest.importorskip("vllm")
-    from engine_plugin.scheduler_role import request_hints
+    from engine_plugin.vllm.scheduler_role import request_hints
 
     counters: Counter[str] = Counter()
     request = NS(kv_transfer_params=params, kv_hints=NS(actions=envelope_actions))

@@ -61,8 +61,8 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synt
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
 def test_on_the_trace_reading_ahead_never_costs_a_hit_and_its_waste_is_counted():
-    from bench.support.next_turn_replay import NextTurnReads
-    from bench.support.replay import Replayer
+    from bench.sim.next_turn_replay import NextTurnReads
+    from bench.sim.replay import Replayer
     from bench.support.trace import read_trace
 
     results = {}

@@ -18,7 +18,7 @@ pytest.importorskip("vllm.utils.ompmultiprocessing")
 
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-from engine_plugin.plugin import register
+from engine_plugin.vllm.plugin import register
 
 
 def _config(connector: str | None) -> NS:
@@ -46,14 +46,28 @@ def test_an_explicit_reservation_still_wins(monkeypatch):
     assert _binding("TieredKVConnector")[0] == 0
 
 
+@pytest.mark.parametrize("module_path", ["engine_plugin.vllm.connector", "engine_plugin.connector"])
+def test_vllm_finds_the_connector_by_its_module_path_and_by_the_one_before_the_rooms(module_path):
+    """docs/vllm.md's kv_connector_module_path, and the one configs named before each engine
+    had its room: vLLM's factory finds the same class by either."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from engine_plugin.vllm.connector import TieredKVConnector
+
+    config = KVTransferConfig(kv_connector="TieredKVConnector", kv_role="kv_both",
+                              kv_connector_module_path=module_path)
+    assert KVConnectorFactory.get_connector_class(config) is TieredKVConnector
+
+
 def test_kv_hints_fetch_now_or_expect_later_and_others_are_ignored():
     import logging
     from collections import Counter
 
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-    from connectors.hints import Hint, HintLimits
-    from engine_plugin.scheduler_role import request_hints
+    from engine_plugin.vllm.core.hints import Hint, HintLimits
+    from engine_plugin.vllm.scheduler_role import request_hints
     from kvstore.format.malformed import MalformedCounts
 
     def action(kind: str, payload: dict) -> KvHintAction:

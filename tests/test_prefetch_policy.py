@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.options import parse_options
-from connectors.prefetch import PrefetchPolicy, PrefetchTracker, Residency
-from connectors.scheduler_side import SchedulerCore, SchedulerSettings
+from engine_plugin.vllm.core.options import parse_options
+from engine_plugin.vllm.core.prefetch import PrefetchPolicy, PrefetchTracker, Residency
+from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, chunk_keys
 from kvstore.tiers.return_rates import RequestEnd

@@ -27,8 +27,8 @@ from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys
 from vllm.v1.request import Request
 
 from connectors.weights import FileDigests, fingerprint
-from engine_plugin.namespaces import EngineNamespaces
-from engine_plugin.request_keys import Unnamed, lora_identity, model_weights, request_extras
+from engine_plugin.vllm.namespaces import EngineNamespaces
+from engine_plugin.vllm.request_keys import Unnamed, lora_identity, model_weights, request_extras
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, Weights, chunk_keys
 

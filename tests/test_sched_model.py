@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.support.sched_model import SimRequest, simulate, step_seconds
-from bench.support.ttft_model import HardwareProfile, ModelSpec
+from bench.sim.sched_model import SimRequest, simulate, step_seconds
+from bench.sim.ttft_model import HardwareProfile, ModelSpec
 
 MODEL = ModelSpec("m", params=1e6, layers=1, heads=1, kv_heads=1, head_dim=8)
 # 1 TFLOP/s, no weight-read floor worth noticing, loads at 1 GB/s from "dram"

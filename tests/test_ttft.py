@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from bench.sim.ttft_model import MODELS, PROFILES, HardwareProfile, ModelSpec, estimate, load_s, prefill_s
 from bench.support.runs import run_workdir
 from bench.support.tiny_model import build_tiny_llama
-from bench.support.ttft_model import MODELS, PROFILES, HardwareProfile, ModelSpec, estimate, load_s, prefill_s
 from kvstore.cli import main as cli_main
 from kvstore.format.errors import ConfigError
 

@@ -28,9 +28,9 @@ from support.stores import direct_io_dir
 
 from bench.support.answers import Tokens, identical
 from bench.support.cpu_dtypes import BF16_SKIP_REASON, has_amx_tile
+from bench.support.engine_run import run_fresh
 from bench.support.processes import paused
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
-from engine_plugin.engine_run import run_fresh
 from kvstore.config.store import load_config
 from kvstore.service.client import StoreClient
 

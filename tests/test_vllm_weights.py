@@ -15,9 +15,9 @@ import shutil
 import pytest
 from support.services import counters, service_client, service_config, stop_service
 
+from bench.support.engine_run import run_fresh
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
 from connectors.weights import FileDigests, fingerprint
-from engine_plugin.engine_run import run_fresh
 
 pytest.importorskip("vllm", reason="needs the vllm extra (pip install -e .[vllm])")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -104,7 +104,7 @@ def store_config(workdir: Path) -> dict[str, Any]:
 
 def l2_adapter(config_path: Path, size: int) -> str:
     """The MP server's --l2-adapter: kvstore's adapter through LMCache's `plugin` type."""
-    return json.dumps({"type": "plugin", "module_path": "engine_plugin.lmcache_l2",
+    return json.dumps({"type": "plugin", "module_path": "engine_plugin.lmcache.l2",
                        "class_name": "KVStoreL2Adapter",
                        "adapter_params": {"config": str(config_path), "chunk_bytes": size}})
 

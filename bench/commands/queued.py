@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.answers import judge_results
+from bench.support.engine_run import run_fresh
 from bench.support.summary import p50_p90
 from bench.support.tiny_model import prompt_token_ids
-from engine_plugin.engine_run import run_fresh
 from kvstore.config.store import StoreConfig, dump_config
 from kvstore.service.client import service_info, stop_service
 

@@ -12,7 +12,7 @@ tokens are judged against recompute's as vLLM's tests judge them (bench/support/
 or a near-tie at the first difference), and the disk run, which loads the chunks the dram
 run loaded, must give the dram run's tokens and logprobs to the bit. Every context runs in
 float16, and in bfloat16 too on a CPU with AMX (bench/support/cpu_dtypes.py; `--dtypes`). The
-estimate mode (--estimate) applies bench/support/ttft_model.py to a model and a hardware profile.
+estimate mode (--estimate) applies bench/sim/ttft_model.py to a model and a hardware profile.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 from bench.commands.queued import measure_queued
 from bench.support.answers import Tokens, identical, judge_results
 from bench.support.cpu_dtypes import checked_dtypes
+from bench.support.engine_run import run_fresh
 from bench.support.runs import default_config, run_workdir
 from bench.support.summary import p50_p90
 from bench.support.tiny_model import build_tiny_llama, prompt_token_ids
-from engine_plugin.engine_run import run_fresh
 from kvstore.config.store import dump_config, load_config
 from kvstore.format.errors import ConfigError
 from kvstore.format.units import parse_size
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_estimate(args: argparse.Namespace, contexts: list[int], modes: list[str]) -> int:
-    from bench.support.ttft_model import PROFILES, estimate, model_spec
+    from bench.sim.ttft_model import PROFILES, estimate, model_spec
 
     if args.hardware not in PROFILES:
         raise ConfigError("--hardware", args.hardware, f"known: {', '.join(PROFILES)}")

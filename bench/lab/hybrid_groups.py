@@ -2,7 +2,7 @@
 
   python -m bench.lab hybrid_groups [--tree DIR]
 
-Runs `engine_plugin.engine_run` of the checkout at DIR (default: this one) in fresh
+Runs the engine runner of the checkout at DIR (default: this one) in fresh
 engines: one storing two 2,049-token prompts, then three loading them (the first prompt
 warms the engine up; figures are the second's), against a DRAM tier of its own service.
 A checkout from before SupportsHMA gives the one-group mode (vLLM's hybrid KV cache
@@ -23,9 +23,9 @@ PROMPT_TOKENS = 2049
 
 
 def measure(tree: Path, workdir: Path, loads: int = 3) -> dict[str, Any]:
-    sys.path.insert(0, str(tree))  # that checkout's engine runner (and connector, in the engine)
+    sys.path.insert(0, str(tree))  # that checkout's kvstore: the service its engines start
+    from bench.support.engine_run import run_fresh
     from bench.support.tiny_model import build_tiny_gemma3, prompt_token_ids
-    from engine_plugin.engine_run import run_fresh
     from kvstore.config.store import load_config
     from kvstore.service.client import attach, stop_service
 
@@ -47,7 +47,7 @@ def measure(tree: Path, workdir: Path, loads: int = 3) -> dict[str, Any]:
     stored_tokens = 2 * (PROMPT_TOKENS // 256) * 256
     try:
         stored = run_fresh(model, prompts, {"config": raw}, single_process=True, timeout_s=300,
-                           dtype="float32")
+                           dtype="float32", checkout=tree)
         state = info()
         host = state["tiers"][0]
         result: dict[str, Any] = {
@@ -58,7 +58,7 @@ def measure(tree: Path, workdir: Path, loads: int = 3) -> dict[str, Any]:
         for _ in range(loads):
             before = info()["counters"].get("host.bytes_read", 0)
             loaded = run_fresh(model, prompts, {"config": raw}, single_process=True, timeout_s=300,
-                               dtype="float32")
+                               dtype="float32", checkout=tree)
             read = info()["counters"].get("host.bytes_read", 0) - before
             second = loaded.results[1]
             result["loads"].append({"cached_tokens": second["num_cached_tokens"], "read_bytes_per_token":

@@ -1,6 +1,6 @@
 """What naming KV with a collision-resistant hash costs (kvstore/format/keys.py), for
 docs/architecture.md: chunk keys (SHA-256) against the xxh3-128 chain they replaced, and
-an image's content name (engine_plugin/request_keys.py: SHA-256 over its processed
+an image's content name (engine_plugin/vllm/request_keys.py: SHA-256 over its processed
 bytes) against a plain copy of those bytes,
 each in the same run, and both against copying one chunk's KV at Llama-3-8B's geometry
 (32 MiB per 256 tokens in bf16), the least a load of that chunk moves.

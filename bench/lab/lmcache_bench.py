@@ -64,7 +64,7 @@ def _backends(directory: str, store: dict[str, Any], count: int, chunk_bytes: in
         storage_plugins=["kvstore"],
         extra_config={"use_odirect": True, "disk_io_threads": 4, "kvstore.config": store,
                       "kvstore.model_revision": "bench",
-                      "storage_plugin.kvstore.module_path": "engine_plugin.lmcache_storage",
+                      "storage_plugin.kvstore.module_path": "engine_plugin.lmcache.storage",
                       "storage_plugin.kvstore.class_name": "KVStoreBackend"})
     metadata = LMCacheMetadata(model_name="bench/model", world_size=1, local_world_size=1, worker_id=0,
                                local_worker_id=0, kv_dtype=torch.float16,
@@ -150,7 +150,7 @@ def experiment(args: argparse.Namespace, workdir: Path) -> Result:
                           timed("kvstore plugin", "warm", plugin, True)]
                 plugin.close()
                 stop_service(load_config(store))
-                from engine_plugin.lmcache_storage import KVStoreBackend
+                from engine_plugin.lmcache.storage import KVStoreBackend
 
                 again = KVStoreBackend("cpu", plugin.config, plugin.metadata, cpu, loop)
                 rounds.append(timed("kvstore plugin", "disk", again, True))

@@ -47,9 +47,9 @@ import torch
 from bench.lab import Result
 from bench.support.processes import process_cpu
 from bench.support.vm import huge_pages
-from connectors.plan import Transfer
-from connectors.worker_side import WorkerCore
-from engine_plugin.layout import PagedKVLayout
+from engine_plugin.vllm.core.plan import Transfer
+from engine_plugin.vllm.core.worker_side import WorkerCore
+from engine_plugin.vllm.layout import PagedKVLayout
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient, stop_service
@@ -218,7 +218,7 @@ def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[..., 
 def _cuda_rounds(setup: _Setup, workdir: str | Path | None) -> dict[str, float]:
     """DRAM hits into KV tensors on the GPU, from the tier registered as the connector
     registers it, against torch's pinned-memory `copy_` of the same bytes to the GPU."""
-    from engine_plugin.cuda_host import register_for_dma
+    from engine_plugin.vllm.cuda_host import register_for_dma
 
     chunk_bytes, chunks = setup.source.chunk_bytes, len(setup.keys)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros_like(layer, device="cuda")

@@ -95,9 +95,9 @@ def kvstore_rounds(pages: _Pages, directory: str) -> list[Round]:
     store = {"tiers": {"host": {"capacity": int(total * 1.25)},
                        "disk": [{"path": os.path.join(directory, "kvstore"), "capacity": int(total * 1.5)}]},
              "service": {"socket": os.path.join(directory, "run", "kvstore.sock"), "staging": "256MiB"}}
-    extra = {"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
+    extra = {"backend_name": "kvstore", "module_path": "engine_plugin.sglang.hicache",
              "class_name": "KVStoreHiCache", "interface_v1": 1, "config": store, "model_revision": "bench"}
-    from engine_plugin.sglang_hicache import KVStoreHiCache
+    from engine_plugin.sglang.hicache import KVStoreHiCache
 
     def open_backend() -> KVStoreHiCache:
         backend = KVStoreHiCache(storage_config(extra), {})

@@ -46,7 +46,7 @@ class Tokens:
 
     @classmethod
     def of(cls, result: Mapping[str, Any]) -> Tokens:
-        """One result of an engine run (engine_plugin/engine_run.py), or an answer read
+        """One result of an engine run (bench/support/engine_run.py), or an answer read
         back from JSON (token ids as text keys)."""
         return cls(result["token_ids"], [{int(token): value for token, value in step.items()}
                                          for step in result["top_logprobs"]])
@@ -137,7 +137,7 @@ def _margin(top: Mapping[Any, float], own: Hashable, other: Hashable) -> float |
 
 def judge_results(reference: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, Any]],
                   mode: str) -> dict[str, Any]:
-    """Two engine runs of the same prompts (engine_plugin/engine_run.py results): {answers:
+    """Two engine runs of the same prompts (bench/support/engine_run.py results): {answers:
     the worst prompt's verdict, answers_close: whether every prompt meets vLLM's bar}."""
     found = worst(compare(Tokens.of(a), Tokens.of(b), ("reference", mode))
                   for a, b in zip(reference, results, strict=True))

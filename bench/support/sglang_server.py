@@ -3,7 +3,7 @@
 The server runs in .venv-sglang (scripts/setup_sglang.sh) on the CPU, through
 bench/support/sglang_cpu.py's stand-ins, with HiCache on: the device KV pool, a host pool in
 `layer_first` or `page_first` layout (moved with the `direct` io backend), and a storage
-backend, kvstore's (`dynamic`, engine_plugin.sglang_hicache.KVStoreHiCache) or SGLang's own
+backend, kvstore's (`dynamic`, engine_plugin.sglang.hicache.KVStoreHiCache) or SGLang's own
 `file` (HiCacheFile). It waits, with a deadline, until /health answers and on stop kills
 the whole process group, scheduler and detokenizer included. Prefetches from storage
 run to completion (`wait_complete`), so what a request reports loaded does not depend on
@@ -77,7 +77,7 @@ def kvstore_backend(config: str | Path, prefetch_threshold: int | None = None) -
     """The flags that make kvstore HiCache's storage backend (docs/sglang.md). SGLang
     looks in storage only for a prompt whose uncached part reaches `prefetch_threshold`
     tokens (its extra config's key; SGLang's default 256)."""
-    extra: dict[str, Any] = {"backend_name": "kvstore", "module_path": "engine_plugin.sglang_hicache",
+    extra: dict[str, Any] = {"backend_name": "kvstore", "module_path": "engine_plugin.sglang.hicache",
                              "class_name": "KVStoreHiCache", "interface_v1": 1, "config": str(config)}
     if prefetch_threshold is not None:
         extra["prefetch_threshold"] = prefetch_threshold

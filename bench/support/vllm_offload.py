@@ -39,7 +39,7 @@ STEP_S = 0.002  # between scheduler steps while a rig waits for a tier
 def kvstore_tier(store: dict[str, Any] | str, **options: Any) -> dict[str, Any]:
     """The `secondary_tiers` entry of kvstore's tier over the service `store` configures
     (its weights named "bench" unless `model_revision` says otherwise; None: fingerprinted)."""
-    entry = {"type": "KVStoreTier", "module_path": "engine_plugin.vllm_tier", "config": store,
+    entry = {"type": "KVStoreTier", "module_path": "engine_plugin.vllm.tier", "config": store,
              "model_revision": "bench", **options}
     return {key: value for key, value in entry.items() if value is not None}
 

@@ -67,7 +67,7 @@ class Reads:
         if parts.cluster is not None and views is not None:
             parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
         parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
-        parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
+        parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served], read=True)
         return ok
 
     def _from_dram(self, keys: Sequence[bytes], views: list[memoryview] | None, pins: Pins,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.answers import Answer, Tokens, compare
-from engine_plugin.engine_run import EngineRun, run_fresh
+from bench.support.engine_run import EngineRun, run_fresh
 
 
 def run_engine(model: str | Path, prompts_file: str | Path, connector: dict[str, Any] | None = None,
