@@ -1,5 +1,6 @@
 """Both I/O engines against a real O_DIRECT file: scatter/gather, queue refills, per-request errors,
-a read batch out a quarter at a time, and a device that never answers holds back only its own."""
+a read batch out a quarter at a time, a device that never answers holds back only its own, and a
+read that outlives its caller's deadline keeps its memory until it lands (io/base.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 from kvstore.format.record import BLOCK
 from kvstore.io import IoRequest, make_engine
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.base import Gate
+from kvstore.io.base import TIMED_OUT, Gate, IoBuffer
+from kvstore.io.faulty import Fault
+from kvstore.io.regions import address_of
+from kvstore.io.staging import StagingPool
 
 PIECES = 3  # buffers per request: one readv/writev fills several places
 REQUESTS = 40  # five times the queue depth, so the ring's head and tail wrap repeatedly
@@ -29,17 +33,21 @@ def _views(buffer: AlignedBuffer, request: int) -> list[memoryview]:
     return [buffer.view[start + piece * BLOCK:start + (piece + 1) * BLOCK] for piece in range(PIECES)]
 
 
+def _memory(buffer: AlignedBuffer, request: int) -> list[IoBuffer]:
+    return [IoBuffer(_views(buffer, request))]
+
+
 @pytest.mark.parametrize("engine_name", ["uring", "threads"])
 def test_scattered_writes_read_back_through_a_refilled_queue(direct_file, engine_name):
     engine = make_engine(engine_name, 8)
     source, target = AlignedBuffer(REQUESTS * PIECES * BLOCK), AlignedBuffer(REQUESTS * PIECES * BLOCK)
     source.view[:] = os.urandom(len(source.view))
     extent = PIECES * BLOCK
-    writes = [IoRequest(direct_file, i * extent, _views(source, i), write=True) for i in range(REQUESTS)]
+    writes = [IoRequest(direct_file, i * extent, _memory(source, i), write=True) for i in range(REQUESTS)]
     assert engine.run(writes, timeout_s=30) == [extent] * REQUESTS
     finished = []
     # Read in reverse file order so each buffer's position differs from its offset's.
-    reads = [IoRequest(direct_file, (REQUESTS - 1 - i) * extent, _views(target, i)) for i in range(REQUESTS)]
+    reads = [IoRequest(direct_file, (REQUESTS - 1 - i) * extent, _memory(target, i)) for i in range(REQUESTS)]
     results = engine.run(reads, timeout_s=30, on_complete=lambda i, r: finished.append((i, r)))
     assert results == [extent] * REQUESTS
     assert sorted(finished) == [(i, extent) for i in range(REQUESTS)]
@@ -56,11 +64,11 @@ def test_a_failed_request_costs_only_itself(direct_file, engine_name):
     closed = os.open(os.devnull, os.O_RDONLY)
     os.close(closed)
     unaligned = buffer.view[1:BLOCK + 1]  # O_DIRECT refuses a misaligned buffer
-    assert engine.run([IoRequest(direct_file, 0, [buffer.view[:BLOCK]], write=True)], 30) == [BLOCK]
-    requests = [IoRequest(direct_file, 0, [buffer.view[:BLOCK]]),
-                IoRequest(closed, 0, [buffer.view[BLOCK:2 * BLOCK]]),
-                IoRequest(direct_file, 0, [unaligned]),
-                IoRequest(direct_file, 0, [buffer.view[3 * BLOCK:]])]
+    first = IoBuffer([buffer.view[:BLOCK]])
+    assert engine.run([IoRequest(direct_file, 0, [first], write=True)], 30) == [BLOCK]
+    requests = [IoRequest(fd, 0, [IoBuffer([view])]) for fd, view in
+                [(direct_file, buffer.view[:BLOCK]), (closed, buffer.view[BLOCK:2 * BLOCK]),
+                 (direct_file, unaligned), (direct_file, buffer.view[3 * BLOCK:])]]
     assert engine.run(requests, timeout_s=30) == [BLOCK, -errno.EBADF, -errno.EINVAL, BLOCK]
     engine.close()
 
@@ -84,7 +92,7 @@ def test_a_read_batch_goes_out_a_quarter_at_a_time(direct_file, engine_name):
         assert engine.in_flight(count, None) == count  # no completion work: nothing to overlap
         assert shallow.in_flight(count, checks) == 4  # never past queue_depth
         buffer.view[:] = os.urandom(len(buffer.view))
-        views = [buffer.view[i * extent:(i + 1) * extent] for i in range(count)]
+        views = [IoBuffer([buffer.view[i * extent:(i + 1) * extent]]) for i in range(count)]
         writes = [IoRequest(direct_file, i * extent, [views[i]], write=True) for i in range(count)]
         assert engine.run(writes, 30) == [extent] * count
         asked: list[int] = []
@@ -135,3 +143,45 @@ def test_files_sharing_one_queue_each_get_an_even_part_of_it(engine_name):
         assert sorted(requests[i].fd for i in taken) == [3] * per_file + [4] * per_file
     finally:
         engine.close()
+
+
+def _late_read(faulty, fd: int, memory: IoBuffer) -> Fault:
+    """A read of block 0 into `memory` that the engine carries out only after its caller's
+    deadline (at `land`), which its caller gives up on and closes `memory` after."""
+    late = faulty.add(Fault("late", remaining=1))
+    assert faulty.run([IoRequest(fd, 0, [memory])], timeout_s=0.1) == [TIMED_OUT]
+    memory.close()
+    return late
+
+
+def test_a_late_read_owns_its_buffer_until_it_lands(direct_file, faulty):
+    """Its caller closed the buffer at the deadline: it goes back (`give_back`) only once the
+    real engine has read into it, never while the read may still write it."""
+    data = AlignedBuffer(BLOCK)
+    data.view[:] = os.urandom(BLOCK)
+    assert faulty.run([IoRequest(direct_file, 0, [IoBuffer([data.view])], write=True)], 30) == [BLOCK]
+    target, back = AlignedBuffer(BLOCK), []
+    memory = IoBuffer([target.view], back.append)
+    late = _late_read(faulty, direct_file, memory)
+    assert back == [] and memory.late  # still the read's
+    assert bytes(target.view) == bytes(BLOCK)
+    late.land()
+    assert late.wait_landed(10)
+    assert back == [memory]
+    assert bytes(target.view) == bytes(data.view)  # it did land, after its caller left
+
+
+def test_a_staging_buffer_a_late_read_holds_is_not_handed_out_until_it_lands(direct_file, faulty):
+    pool = StagingPool(BLOCK, 1)
+    try:
+        first = pool.acquire()
+        where = address_of(first.views[0])
+        late = _late_read(faulty, direct_file, first)
+        other = pool.acquire()
+        assert address_of(other.views[0]) != where  # the pool grew instead
+        other.close()
+        late.land()
+        assert late.wait_landed(10)
+        assert {address_of(pool.acquire().views[0]) for _ in range(2)} == {where, address_of(other.views[0])}
+    finally:
+        pool.close()

@@ -332,7 +332,7 @@ def test_a_hung_disk_read_under_a_pin_is_a_miss_within_the_deadline(disk_dir, fa
     assert time.monotonic() - started < 5
     assert sorted(offset >= 0 for offset in lease.offsets) == [False, True]
     counters = store.stats.snapshot()
-    assert counters["disk.miss.timeout"] == 1 and counters["host.slots_retired"] == 1
+    assert counters["disk.miss.timeout"] == 1
     store.release(lease)
     again = store.lease(keys)  # the record stays on disk; the device answers now
     assert all(offset >= 0 for offset in again.offsets)

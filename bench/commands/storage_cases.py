@@ -30,7 +30,7 @@ from kvstore.format.keys import KVNamespace, chunk_keys
 from kvstore.format.record import BLOCK, record_bytes
 from kvstore.io import make_engine
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.base import IoRequest
+from kvstore.io.base import IoBuffer, IoRequest
 from kvstore.io.copier import copy_bytes
 from kvstore.store.tiered import TieredStore
 
@@ -291,19 +291,19 @@ def engine_case(data: DiskSet, engine_name: str, queue_depth: int, batch: int) -
     slots = random.Random(2).sample(range(geometry.size // block), geometry.size // block)
     buffer = AlignedBuffer(batch * block)
     np.frombuffer(buffer.view, dtype=np.uint8)[::4096] = 1  # touched, as the get case's are
-    views = [buffer.view[i * block : (i + 1) * block] for i in range(batch)]
+    memory = [IoBuffer([buffer.view[i * block : (i + 1) * block]]) for i in range(batch)]
     fd = os.open(geometry.file, os.O_RDONLY | os.O_DIRECT)
     engine = make_engine(engine_name, queue_depth)
     try:
         with clock() as read:
             for start in range(0, len(slots), batch):
                 picked = slots[start : start + batch]
-                engine.run([IoRequest(fd, geometry.offset + slot * block, [views[i]])
+                engine.run([IoRequest(fd, geometry.offset + slot * block, [memory[i]])
                             for i, slot in enumerate(picked)], timeout_s=60)
     finally:
         engine.close()
         os.close(fd)
-        views.clear()
+        memory.clear()
         buffer.close()
     gib = len(slots) * block / 2**30
     return CaseResult(data.tier_name, f"{engine_name}-raw", data.chunk_bytes, queue_depth,

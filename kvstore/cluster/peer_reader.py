@@ -68,7 +68,7 @@ class PeerReader:
                     self.stats.miss("peer", reason, f"{device.health.label} at byte {offset}: "
                                                     f"result {result}")
 
-            results = self.engine.run([IoRequest(device.fd, offset, landing.buffers)
+            results = self.engine.run([IoRequest(device.fd, offset, landing.memory)
                                        for landing, device, offset, _ in reads], self.timeout_s, verify)
             for (landing, device, _, _), result in zip(reads, results, strict=True):
                 self.devices.account(device, result, landing.nbytes)
@@ -83,9 +83,8 @@ class PeerReader:
 
     def _settle(self, landing: Landing, device: PeerDevice, result: int, key: bytes,
                 ok: list[bool]) -> None:
-        if result == TIMED_OUT:
+        if result == TIMED_OUT:  # its memory goes back once the read lands (io/base.py)
             self.stats.miss("peer", MissReason.TIMEOUT, device.health.label)
-            self.landings.timed_out(landing)
         elif landing.header is not None:  # else the slot and buffer go back on the way out
             ok[landing.index] = True
             if landing.reservation is not None:

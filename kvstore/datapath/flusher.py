@@ -13,7 +13,10 @@ Write-through copies go through a bounded queue served by one thread
 written when it is evicted instead. Each disk write is claimed from the write budget first
 (a write the budget has no allowance for is not made: `disk.budget_refused`), reserves a
 disk slot (striped over the devices in service), writes in the crash-safe order
-(disk_tier.py) and publishes only if the slot's device stayed in service.
+(disk_tier.py) and publishes only if the slot's device stayed in service. A record's
+image (a DRAM slot, pinned by it, or a staging buffer) is an IoBuffer (io/base.py): a
+write that missed its deadline holds it until it lands, so the slot or buffer is not
+rewritten under it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from kvstore.format.record import MissReason, RecordHeader
+from kvstore.io.base import IoBuffer
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier, DiskWrite
 from kvstore.tiers.dram import DramTier
@@ -41,7 +45,7 @@ class Record:
     key: bytes
     parent: bytes | None
     seq: int
-    image: memoryview
+    image: IoBuffer
 
 
 class Flusher:
@@ -91,7 +95,7 @@ class Flusher:
             entry = self.dram.table.entry(reservation.slot)
             assert entry is not None and entry.key == reservation.victim
             records.append(Record(entry.key, entry.parent, entry.seq,
-                                  self.dram.slot_view(reservation.slot)))
+                                  self.dram.slot_memory(reservation.slot)))
         landed = self.write(records)
         usable = []
         for reservation, done in zip(reservations, landed, strict=True):
@@ -121,7 +125,7 @@ class Flusher:
             entries = [dram.table.entry(slot) for _, slot in items]
             live = [(entry, slot) for (key, slot), entry in zip(items, entries, strict=True)
                     if entry is not None and entry.key == key]
-            landed = self.write([Record(e.key, e.parent, e.seq, dram.slot_view(slot)) for e, slot in live])
+            landed = self.write([Record(e.key, e.parent, e.seq, dram.slot_memory(slot)) for e, slot in live])
             self.stats.add("writethrough.written", sum(landed))
         finally:
             for _, slot in items:
@@ -140,7 +144,7 @@ class Flusher:
         try:
             for start in range(0, len(entries), self.batch):
                 wave = entries[start : start + self.batch]
-                self.write([Record(e.key, e.parent, e.seq, self.dram.slot_view(e.slot)) for e in wave])
+                self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in wave])
         finally:
             for entry in entries:
                 table.unpin(entry.slot)
@@ -157,8 +161,8 @@ class Flusher:
                 records = []
                 for key, parent, payload in chunks[start : start + self.batch]:
                     image = self.staging.acquire()
-                    stack.callback(self.staging.release, image)
-                    header = write(image, key, parent, payload)
+                    stack.callback(image.close)
+                    header = write(image.views[0], key, parent, payload)
                     records.append(Record(header.key, parent, header.seq, image))
                 stored += self.write(records)
         return stored
@@ -167,7 +171,14 @@ class Flusher:
 
     def write(self, records: Sequence[Record]) -> list[bool]:
         """Reserve disk slots (striped), write in crash-safe order, publish what landed;
-        True per record now on disk (or already there)."""
+        True per record now on disk (or already there). Each record's image is let go
+        (closed) on the way out."""
+        with ExitStack() as images:
+            for record in records:
+                images.callback(record.image.close)
+            return self._write(records)
+
+    def _write(self, records: Sequence[Record]) -> list[bool]:
         table = self.disk.table
         done = [record.key in table for record in records]
         fresh = [j for j, there in enumerate(done) if not there]

@@ -12,8 +12,10 @@ Verification (header checksum, the key asked for, the payload length, the payloa
 xxh3, and the sequence number where the reader was told one) runs on the I/O thread
 as each read completes; where the payload goes on to the caller, its hash and that
 copy are one pass over memory (format/checksum.py). Invariants: nothing unverified reaches a caller or is
-published; every resource a wave takes goes back through its ExitStack; a read still
-in flight at its deadline may land later, so its destination is retired, never reused.
+published; every resource a wave takes goes back through its ExitStack, timed out or not:
+a destination is an IoBuffer (io/base.py), which its read holds until it lands, so one a
+late read may still write (a DRAM slot, a staging buffer, a client's region) is reused
+only after that.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from kvstore.datapath.placement import DramPlacement
 from kvstore.datapath.prefetch_ledger import PrefetchLedger
 from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record
+from kvstore.io.base import IoBuffer
 from kvstore.io.regions import DirectRegions, Region
 from kvstore.io.staging import StagingPool
 from kvstore.tiers.slots import Reservation
@@ -33,22 +36,23 @@ from kvstore.tiers.stats import Stats
 
 @dataclass
 class Landing:
-    """One chunk's read: the buffers the I/O fills (header block first) and its settling."""
+    """One chunk's read: the memory the I/O fills (header block first) and its settling."""
 
     index: int  # into the keys asked for
-    buffers: list[memoryview]
-    payload: memoryview  # where the payload lands (inside buffers)
+    memory: list[IoBuffer]  # lent to the read; closed on the wave's way out (`close`)
+    payload: memoryview  # where the payload lands (inside memory)
     reservation: Reservation | None = None  # the DRAM slot it is promoted into
     region: Region | None = None  # caller memory it lands in directly
-    # Settled as the read goes, never given at the start:
-    staged: memoryview | None = field(default=None, init=False)  # a staging or header buffer to give back
-    pool: StagingPool | None = field(default=None, init=False)  # where `staged` goes back
     header: RecordHeader | None = field(default=None, init=False)  # set once verified
-    timed_out: bool = field(default=False, init=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for b in self.buffers)
+        return sum(len(view) for memory in self.memory for view in memory.views)
+
+    def close(self) -> None:
+        """Its maker is done with its memory (the read may still hold it: io/base.py)."""
+        for memory in self.memory:
+            memory.close()
 
 
 class Landings:
@@ -95,26 +99,24 @@ class Landings:
             reservation = self.placement.reserve(may_demote)
             if reservation is not None:
                 stack.enter_context(reservation)  # released on the way out unless published
-                view = self.placement.dram.slot_view(reservation.slot)
-                return Landing(index, [view], view[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes],
-                               reservation=reservation)
+                slot = self.placement.dram.slot_memory(reservation.slot)  # a pin a late read keeps
+                landing = Landing(index, [slot], self._payload(slot), reservation=reservation)
+                stack.callback(landing.close)
+                return landing
         if out is None:
             return None
         region = self.regions.find(out) if direct else None
         if region is not None and self.chunk_bytes % HEADER_BLOCK == 0:
-            landing = Landing(index, [], out, region=region)
-            pool = self.headers
+            landing = Landing(index, [self.headers.acquire(), region.lend(out)], out, region=region)
         else:
-            landing = Landing(index, [], memoryview(b""))
-            pool = self.staging
-        landing.staged, landing.pool = pool.acquire(), pool
-        stack.callback(self._give_back, landing)
-        if region is not None and pool is self.headers:
-            landing.buffers = [landing.staged, out]
-        else:
-            landing.buffers = [landing.staged]
-            landing.payload = landing.staged[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes]
+            staged = self.staging.acquire()
+            landing = Landing(index, [staged], self._payload(staged))
+        stack.callback(landing.close)
         return landing
+
+    def _payload(self, record: IoBuffer) -> memoryview:
+        """Where a record image's payload lies (after its header block)."""
+        return record.views[0][HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes]
 
     def verify(self, landing: Landing, result: int, key: bytes, out: memoryview | None,
                seq: int | None = None, check_payload: bool = True) -> MissReason | None:
@@ -125,8 +127,8 @@ class Landings:
             return MissReason.IO_ERROR
         # Staged or promoted: the payload goes on to `out` in the same pass as its hash.
         copy_to = out if out is not None and landing.region is None else None
-        header, reason = check_record(landing.buffers[0][:HEADER_BLOCK], landing.payload, key, copy_to,
-                                      check_payload)
+        header_block = landing.memory[0].views[0][:HEADER_BLOCK]
+        header, reason = check_record(header_block, landing.payload, key, copy_to, check_payload)
         if reason is None and header is not None and header.payload_len != self.chunk_bytes:
             reason = MissReason.BAD_HEADER
         if reason is None and header is not None and seq is not None and header.seq != seq:
@@ -136,15 +138,6 @@ class Landings:
         landing.header = header
         return None
 
-    def timed_out(self, landing: Landing) -> None:
-        """The device may still write into the destination later: never reuse it."""
-        landing.timed_out = True
-        if landing.reservation is not None:
-            landing.reservation.retire()
-            self.stats.add("host.slots_retired")
-        if landing.region is not None:
-            self.regions.retire(landing.region)
-
     @staticmethod
     def publish(landing: Landing, key: bytes, keep_pin: bool = False) -> None:
         """A verified record promoted into DRAM becomes servable there (and, with
@@ -152,9 +145,3 @@ class Landings:
         if landing.reservation is not None and landing.header is not None:
             parent = None if landing.header.parent == bytes(16) else landing.header.parent
             landing.reservation.publish(key, parent, landing.header.seq, keep_pin)
-
-    @staticmethod
-    def _give_back(landing: Landing) -> None:
-        """Return a staging or header buffer; one a late read may still land in is retired."""
-        assert landing.staged is not None and landing.pool is not None
-        (landing.pool.retire if landing.timed_out else landing.pool.release)(landing.staged)

@@ -87,7 +87,7 @@ class DiskReader:
                 if reason is not None:
                     self.stats.miss("disk", reason, f"{self.disk.describe(slot)}: result {result}")
 
-            results = self.disk.read([slot for _, slot in reads], [r.buffers for r, _ in reads],
+            results = self.disk.read([slot for _, slot in reads], [r.memory for r, _ in reads],
                                      self.timeout_s, verify)
             for (landing, slot), result in zip(reads, results, strict=True):
                 self._settle(landing, slot, result, keys[landing.index], pins, ok, held, unchecked)
@@ -100,9 +100,8 @@ class DiskReader:
 
     def _settle(self, landing: Landing, slot: int, result: int, key: bytes, pins: Pins,
                 ok: list[bool], held: dict[int, int] | None, unchecked: dict[int, Unchecked] | None) -> None:
-        if result == TIMED_OUT:
+        if result == TIMED_OUT:  # its memory goes back once the read lands (io/base.py)
             self.stats.miss("disk", MissReason.TIMEOUT, self.disk.describe(slot))
-            self.landings.timed_out(landing)
         elif landing.header is None:
             pins.drop(key, slot)  # unreadable or wrong: never serve it again
         elif unchecked is not None and held is not None and landing.reservation is not None:

@@ -38,7 +38,7 @@ from kvstore.format.errors import DeviceError
 from kvstore.format.record import BLOCK, round_up
 from kvstore.format.units import format_size
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.base import TIMED_OUT, IoEngine, IoRequest
+from kvstore.io.base import TIMED_OUT, IoBuffer, IoEngine, IoRequest
 
 log = logging.getLogger(__name__)
 SB_MAGIC = b"KVSB"
@@ -268,41 +268,33 @@ def _foreign_superblock(engine: IoEngine, device: Device, slot_bytes: int,
     return sb
 
 
-# Buffers of metadata I/O that missed its deadline: the device may still move data into or
-# out of them, so they are kept, never freed or reused (a few KiB per missed deadline).
-abandoned: list[AlignedBuffer] = []
-
-
-def _release(buffer: AlignedBuffer, late: bool) -> None:
-    if late:
-        abandoned.append(buffer)
-    else:
-        buffer.close()
+def _metadata(nbytes: int) -> IoBuffer:
+    """An aligned buffer for one metadata I/O, unmapped once its maker and the I/O let go (a
+    read or write that missed its deadline may still move its bytes: io/base.py)."""
+    buffer = AlignedBuffer(nbytes)
+    return IoBuffer([buffer.view[:nbytes]], lambda _: buffer.close())
 
 
 def _read(engine: IoEngine, fd: int, path: str, offset: int, nbytes: int, timeout_s: float | None,
           what: str) -> bytes:
-    buffer, late = AlignedBuffer(nbytes), False
+    memory = _metadata(nbytes)
     try:
-        result = engine.run([IoRequest(fd, offset, [buffer.view[:nbytes]])], timeout_s)[0]
-        late = result == TIMED_OUT
-        _check(result, nbytes, path, what)
-        return bytes(buffer.view[:nbytes])
+        _check(engine.run([IoRequest(fd, offset, [memory])], timeout_s)[0], nbytes, path, what)
+        return bytes(memory.views[0])
     finally:
-        _release(buffer, late)
+        memory.close()
 
 
 def _write(engine: IoEngine, device: Device, offset: int, data: bytes, timeout_s: float | None,
            what: str) -> None:
     nbytes = round_up(max(len(data), 1))
-    buffer, late = AlignedBuffer(nbytes), False
+    memory = _metadata(nbytes)
     try:
-        buffer.view[: len(data)] = data
-        result = engine.run([IoRequest(device.fd, offset, [buffer.view[:nbytes]], write=True)], timeout_s)[0]
-        late = result == TIMED_OUT
+        memory.views[0][: len(data)] = data
+        result = engine.run([IoRequest(device.fd, offset, [memory], write=True)], timeout_s)[0]
         _check(result, nbytes, device.path, what)
     finally:
-        _release(buffer, late)
+        memory.close()
 
 
 def _check(result: int, expected: int, path: str, what: str) -> None:

@@ -1,34 +1,120 @@
-"""The I/O engine interface: how a batch of positioned reads and writes goes out.
+"""The I/O engine interface: how a batch of positioned reads and writes goes out, and
+who owns the memory they move.
 
 Tiers describe work as IoRequests and hand a whole batch to `run`, which keeps up
 to `queue_depth` of them in flight (per file, and for a batch with completion work a
 quarter of the file's share where that is less: `Gate`) and returns one result per
 request: the bytes transferred, or -errno.
 Engines never raise for a failed request, so one bad sector costs one chunk, not
-the batch. A request still running at the deadline reports -ETIMEDOUT; its buffers
-may still be written by the kernel later, so a caller must treat them as lost (the
-disk tier reads into scratch it owns).
+the batch. A request still running at the deadline reports -ETIMEDOUT, and its caller
+returns without waiting for it.
+
+Late I/O is a rule of these types, not of each caller. Invariants:
+- Memory reaches an engine only as an IoBuffer, and each request holds its IoBuffers
+  from `run` until its engine lands it (`IoRequest.landed`: the kernel or a worker is
+  done with it, or it was never sent), whether its caller waited or its deadline came
+  first. Only engines (kvstore/io) land a request, once.
+- An IoBuffer goes back where it came from (`give_back`: a staging pool, a DRAM slot's
+  pin, a map to unmap) when its maker has closed it and every request holding it has
+  landed, never before. So a caller whose read timed out closes its buffers as after a
+  hit, and memory a late read may still write (or a late write still read) is reused
+  or freed only once that I/O has landed: early reuse is not a case a caller handles.
+  (foyer's engines, which take a buffer and hand it back with the result, are the model.)
 """
 
 from __future__ import annotations
 
 import abc
 import errno
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+# Every IoBuffer's count of holders changes under this lock, here only (a few instructions
+# a time: one acquisition per batch lent, per request landed, per buffer closed).
+_HOLDS = threading.Lock()
 
 
-@dataclass(slots=True)
+class IoBuffer:
+    """Memory I/O moves bytes into or out of (`views`), held by its maker until `close`
+    and by each request it is lent to until that request lands. The last to let go calls
+    `give_back(self)`; if the maker closed first (the I/O outlived its caller's wait),
+    `late` is set and `on_late(self)` is called as the maker closes."""
+
+    __slots__ = ("_give_back", "_holders", "_on_late", "late", "views")
+
+    def __init__(self, views: list[memoryview], give_back: Callable[[IoBuffer], None] | None = None,
+                 on_late: Callable[[IoBuffer], None] | None = None) -> None:
+        self.views = views
+        self.late = False
+        self._give_back = give_back
+        self._on_late = on_late
+        self._holders = 1  # the maker until it closes, plus each request holding it
+
+    def close(self) -> None:
+        """The maker is done with it (a second close does nothing): back now, or as the
+        last request holding it lands."""
+        with _HOLDS:
+            if self.late or self._holders == 0:
+                return
+            self._holders -= 1
+            self.late = self._holders > 0
+        if self.late:
+            if self._on_late is not None:
+                self._on_late(self)
+        elif self._give_back is not None:
+            self._give_back(self)
+
+
+_NEW, _LENT, _LANDED = range(3)  # an IoRequest's hold on its memory: not yet, held, let go
+
+
 class IoRequest:
-    fd: int
-    offset: int
-    buffers: list[memoryview]
-    write: bool = False
+    """One positioned read or write of `buffers`: all of `memory`'s views, or the parts of
+    them given as `views`. From `run` (`lend`) until its engine lands it (`landed`) it
+    holds its memory, so nothing can reuse or free it while the I/O may move its bytes."""
+
+    __slots__ = ("_state", "buffers", "fd", "memory", "offset", "write")
+
+    def __init__(self, fd: int, offset: int, memory: Sequence[IoBuffer], write: bool = False,
+                 views: list[memoryview] | None = None) -> None:
+        self.fd = fd
+        self.offset = offset
+        self.memory = memory
+        self.buffers = views if views is not None else [v for m in memory for v in m.views]
+        self.write = write
+        self._state = _NEW
 
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.buffers)
+
+    @staticmethod
+    def lend(requests: Sequence[IoRequest]) -> None:
+        """The requests take their memory (again, by an engine another one wraps: nothing)."""
+        with _HOLDS:
+            for request in requests:
+                if request._state == _NEW:
+                    request._state = _LENT
+                    for memory in request.memory:
+                        memory._holders += 1
+                elif request._state == _LANDED:
+                    raise ValueError("an I/O request runs once: make a new one")
+
+    def landed(self) -> None:
+        """No I/O can touch its memory any more: the request lets go of it (once)."""
+        last = []
+        with _HOLDS:
+            if self._state != _LENT:
+                return
+            self._state = _LANDED
+            for memory in self.memory:
+                memory._holders -= 1
+                if memory._holders == 0:
+                    last.append(memory)
+        for memory in last:
+            if memory._give_back is not None:
+                memory._give_back(memory)
 
 
 TIMED_OUT = -errno.ETIMEDOUT
@@ -65,13 +151,21 @@ class IoEngine(abc.ABC):
         return Gate(requests, lambda count: self.in_flight(count, on_complete),
                     self.queue_depth if self.one_queue else None)
 
-    @abc.abstractmethod
     def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
             on_complete: OnComplete | None = None) -> list[int]:
         """Execute every request; result i is bytes moved for request i, or -errno.
 
-        `on_complete(i, result)` is not called for requests that time out.
+        `on_complete(i, result)` is not called for requests that time out. Each request
+        holds its memory from here until the engine lands it: before this returns, or,
+        for one the kernel or a worker still has at the deadline, as it finishes.
         """
+        IoRequest.lend(requests)
+        return self._run(requests, timeout_s, on_complete)
+
+    @abc.abstractmethod
+    def _run(self, requests: Sequence[IoRequest], timeout_s: float | None,
+             on_complete: OnComplete | None) -> list[int]:
+        """`run` after its requests are lent; lands each exactly once, sent or not."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -110,3 +204,10 @@ class Gate:
 
     def finished(self, index: int) -> None:
         self._room[self._fds[index]] += 1
+
+    def unsent(self) -> list[int]:
+        """The requests never taken (their caller's deadline came first), taken now."""
+        left = [index for waiting in self._waiting.values() for index in waiting]
+        for waiting in self._waiting.values():
+            waiting.clear()
+        return left

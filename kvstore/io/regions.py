@@ -2,11 +2,13 @@
 
 A read that misses its deadline may still be written by the device later, when the
 caller has long reused the buffer for another chunk: wrong KV, silently. So reads go
-straight into a caller's buffer only when kvstore owns that memory and can retire it:
-the read buffers `TieredStore.buffers()` hands out and the service's client windows.
-A region whose read was abandoned is retired: it is never a direct destination
-again, and whoever handed it out (the service) replaces it. Any other buffer gets a
-bounce buffer (staging.py) and a copy.
+straight into a caller's buffer only when kvstore owns that memory and knows when the
+late read lands: the read buffers `TieredStore.buffers()` hands out and the service's
+client windows. A read lends its part of a region as an IoBuffer (base.py); while one
+its caller gave up on is out (`late`), the region is no direct destination and a get
+into it is refused, its owner (the service) drops it, and it is freed (`close`) only
+once the last such read has landed. Any other buffer gets a bounce buffer
+(staging.py) and a copy.
 """
 
 from __future__ import annotations
@@ -14,17 +16,56 @@ from __future__ import annotations
 import bisect
 import ctypes
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from kvstore.format.record import BLOCK
+from kvstore.io.base import IoBuffer
 
 
-@dataclass(eq=False)
 class Region:
-    address: int
-    nbytes: int
-    owner: object  # keeps the memory alive (an AlignedBuffer, an mmap)
-    retired: bool = False
+    """Memory kvstore owns (`owner` keeps it alive: an AlignedBuffer, a window) at `address`.
+    Invariant: it is freed (`close`) only once every read into it that went late (its
+    caller stopped waiting) has landed; a read whose caller still waits is that caller's,
+    done before the caller returns, so its owner does not close it under one."""
+
+    def __init__(self, address: int, nbytes: int, owner: object,
+                 went_late: Callable[[], None] | None = None) -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self.owner = owner
+        self.late = 0  # reads into it whose caller stopped waiting, not landed yet
+        self._went_late = went_late  # told as a read into it goes late
+        self._lock = threading.Lock()  # for `late` and `_free`: taken only once a read went late
+        self._free: Callable[[], None] | None = None  # its owner's `close`, once it is done
+
+    def lend(self, view: memoryview) -> IoBuffer:
+        """`view` (inside the region) as memory for one read."""
+        return IoBuffer([view], self._back, self._late)
+
+    def close(self, free: Callable[[], None]) -> None:
+        """Its owner is done with it: `free` it now, or once the last late read into it has landed."""
+        with self._lock:
+            if self.late:
+                self._free = free
+                return
+        free()
+
+    def _late(self, _: IoBuffer) -> None:
+        with self._lock:
+            self.late += 1
+        if self._went_late is not None:
+            self._went_late()
+
+    def _back(self, buffer: IoBuffer) -> None:
+        if not buffer.late:
+            return
+        with self._lock:
+            self.late -= 1
+            free = self._free if self.late == 0 else None
+            if free is not None:
+                self._free = None
+        if free is not None:
+            free()
 
 
 def address_of(view: memoryview) -> int:
@@ -37,10 +78,10 @@ class DirectRegions:
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._regions: list[Region] = []
-        self._ever_retired = False  # retiring is rare (a missed deadline): checks skip it till then
+        self._ever_late = False  # late reads are rare (a missed deadline): `late` skips lookups till one
 
     def add(self, address: int, nbytes: int, owner: object) -> Region:
-        region = Region(address, nbytes, owner)
+        region = Region(address, nbytes, owner, self._saw_late)
         with self._lock:
             at = bisect.bisect(self._starts, address)
             self._starts.insert(at, address)
@@ -53,7 +94,7 @@ class DirectRegions:
             del self._starts[at], self._regions[at]
 
     def holding(self, view: memoryview) -> Region | None:
-        """The region (live or retired) holding all of `view`, if any."""
+        """The region holding all of `view`, if any."""
         address = address_of(view)
         with self._lock:
             at = bisect.bisect(self._starts, address) - 1
@@ -63,20 +104,20 @@ class DirectRegions:
         return region
 
     def find(self, view: memoryview) -> Region | None:
-        """The live region holding all of `view`, if it is page-aligned (O_DIRECT)."""
+        """The region holding all of `view`, if it is page-aligned (O_DIRECT) and no late
+        read is out in it."""
         region = self.holding(view)
-        if region is None or region.retired or address_of(view) % BLOCK or len(view) % BLOCK:
+        if region is None or region.late or address_of(view) % BLOCK or len(view) % BLOCK:
             return None
         return region
 
-    def retire(self, region: Region) -> None:
-        """A read into it may still land: never read into it again (its owner is kept)."""
-        region.retired = True
-        self._ever_retired = True
+    def _saw_late(self) -> None:
+        self._ever_late = True
 
-    def retired(self, view: memoryview) -> bool:
-        """Whether `view` lies in a retired region (a get must not write into it)."""
-        if not self._ever_retired:
+    def late(self, view: memoryview) -> bool:
+        """Whether `view` lies in a region a late read may still land in (a get must not
+        write into it)."""
+        if not self._ever_late:
             return False
         region = self.holding(view)
-        return region is not None and region.retired
+        return region is not None and region.late > 0

@@ -1,8 +1,10 @@
 """A pool of aligned record-sized buffers for disk I/O the caller's memory cannot take.
 
 O_DIRECT needs aligned memory that caller tensors rarely are, and a read that times
-out may still land later, so disk reads go into buffers we own. A buffer whose
-request timed out is `retire`d (never reused); the pool then grows a new one.
+out may still land later, so disk reads go into buffers we own. Each buffer is an
+IoBuffer (base.py): it comes back to the pool only once its taker and every request it
+was lent to have let go, so one a late I/O still holds is never handed out again before
+that I/O lands; the pool grows meanwhile.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from kvstore.io.aligned import AlignedBuffer
+from kvstore.io.base import IoBuffer
 
 
 class StagingPool:
@@ -19,26 +22,25 @@ class StagingPool:
         self._slabs = [AlignedBuffer(buffer_bytes * count)]
         view = self._slabs[0].view
         self._free = [view[i * buffer_bytes : (i + 1) * buffer_bytes] for i in range(count)]
-        self._retired: list[memoryview] = []
 
-    def acquire(self) -> memoryview:
+    def acquire(self) -> IoBuffer:
+        """A buffer of the pool, or a new one while none is free; `close` it when done."""
         with self._lock:
             if self._free:
-                return self._free.pop()
-            slab = AlignedBuffer(self.buffer_bytes)
-            self._slabs.append(slab)
-            return slab.view[: self.buffer_bytes]
+                view = self._free.pop()
+            else:
+                slab = AlignedBuffer(self.buffer_bytes)
+                self._slabs.append(slab)
+                view = slab.view[: self.buffer_bytes]
+        return IoBuffer([view], self._give_back)
 
-    def release(self, view: memoryview) -> None:
+    def _give_back(self, buffer: IoBuffer) -> None:
         with self._lock:
-            self._free.append(view)
-
-    def retire(self, view: memoryview) -> None:
-        """The kernel may still write into `view`: keep it alive, never hand it out."""
-        with self._lock:
-            self._retired.append(view)
+            self._free.append(buffer.views[0])
 
     def close(self) -> None:
+        """Unmap the pool; a buffer a late I/O still holds stays mapped until it lands
+        (its view keeps the map: AlignedBuffer.close)."""
         with self._lock:
             self._free.clear()
             for slab in self._slabs:

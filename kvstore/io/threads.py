@@ -6,6 +6,9 @@ per file descriptor, so a device whose requests never return (a lost NVMe-oF
 path) ties up its own workers, at most `queue_depth`, never another device's.
 They are daemon threads: a worker stuck in uninterruptible sleep must not keep
 the process from exiting (a ThreadPoolExecutor joins its workers at exit).
+A worker lands each request it takes as its syscall returns (base.py: its memory goes
+back then, whether or not the caller still waits); one whose deadline passed before a
+worker took it is landed without being started.
 """
 
 from __future__ import annotations
@@ -28,19 +31,16 @@ def _execute(request: IoRequest) -> int:
         return -(exc.errno or 5)
 
 
-class _Batch:
-    """One `run` call: where its results go, and whether its caller gave up waiting."""
-
-    def __init__(self) -> None:
-        self.results: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-        self.abandoned = False
+# One request of a `run`: its index, the request, its caller's deadline (monotonic, or
+# None) and where its result goes.
+_Job = tuple[int, IoRequest, float | None, queue.SimpleQueue[tuple[int, int]]]
 
 
 class _Workers:
     """`count` daemon threads serving one file descriptor's requests in FIFO order."""
 
     def __init__(self, fd: int, count: int) -> None:
-        self.jobs: queue.SimpleQueue[tuple[int, IoRequest, _Batch] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._work, name=f"kvstore-io-fd{fd}", daemon=True)
                         for _ in range(count)]
         for thread in self.threads:
@@ -51,14 +51,16 @@ class _Workers:
             pass
 
     @staticmethod
-    def _serve(job: tuple[int, IoRequest, _Batch] | None) -> bool:
-        """One job; its buffers are not kept past it (a waiting worker holding the last
-        one would keep its memory mapped, and a window's descriptor open)."""
+    def _serve(job: _Job | None) -> bool:
+        """One job, landed as it ends; its buffers are not kept past it (a waiting worker
+        holding the last one would keep its memory mapped, and a window's descriptor open)."""
         if job is None:
             return False
-        index, request, batch = job
-        if not batch.abandoned:  # its caller timed out: do not start it late
-            batch.results.put((index, _execute(request)))
+        index, request, deadline, results = job
+        started = deadline is None or time.monotonic() < deadline  # else no one waits for it
+        result = _execute(request) if started else TIMED_OUT
+        request.landed()
+        results.put((index, result))
         return True
 
     def stop(self) -> None:
@@ -81,24 +83,25 @@ class ThreadsEngine(IoEngine):
                 workers = self._workers[fd] = _Workers(fd, self.queue_depth)
             return workers
 
-    def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
-            on_complete: OnComplete | None = None) -> list[int]:
+    def _run(self, requests: Sequence[IoRequest], timeout_s: float | None,
+             on_complete: OnComplete | None) -> list[int]:
         results = [TIMED_OUT] * len(requests)
-        batch = _Batch()
+        finished: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         gate = self.gate(requests, on_complete)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         def send() -> None:
             while (index := gate.take()) is not None:
-                self._for(requests[index].fd).jobs.put((index, requests[index], batch))
+                self._for(requests[index].fd).jobs.put((index, requests[index], deadline, finished))
 
         send()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for _ in requests:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                index, result = batch.results.get(timeout=remaining)
-            except queue.Empty:
-                batch.abandoned = True  # stragglers keep TIMED_OUT
+                index, result = finished.get(timeout=remaining)
+            except queue.Empty:  # the stragglers keep TIMED_OUT; their workers land them
+                for index in gate.unsent():
+                    requests[index].landed()
                 break
             results[index] = result
             gate.finished(index)

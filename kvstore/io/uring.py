@@ -5,7 +5,9 @@ write-behind flusher) never share submission state. A ring is closed when its
 thread ends (the service serves each client on a thread of its own: rings must not
 pile up with clients). Completions are awaited by polling an eventfd registered
 with the ring: poll() releases the GIL, so every other Python thread runs while
-this one waits.
+this one waits. Each request is landed (base.py) as its completion is reaped; at the
+deadline what is in flight is cancelled, and a ring whose requests will not die within a
+grace is set aside: a thread of its own lands each as it completes, then closes it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class _Ring:
         self.poller.register(self.eventfd, select.POLLIN)
         # Closed when the last reference goes: its thread ended (thread-local storage is
         # dropped with the thread) or the engine closed. Never while a request is stuck
-        # in it: the engine keeps a retired ring referenced forever.
+        # in it: its thread (`_land_late`) holds a set-aside ring till the last lands.
         self._closer = weakref.finalize(self, _close_ring, self.ring, self.eventfd)
 
     def wait(self, timeout_s: float | None) -> None:
@@ -62,6 +64,24 @@ def _close_ring(ring: R.Ring, eventfd: int) -> None:
     os.close(eventfd)
 
 
+# In flight on a ring: user_data -> the request and its iovecs (kept while the kernel may read them).
+_InFlight = dict[int, tuple[IoRequest, ctypes.Array]]
+
+
+def _land_late(ring: _Ring, in_flight: _InFlight) -> None:
+    """A set-aside ring's own thread: each request stuck past its deadline lands as its
+    completion comes (its memory goes back then, never before); then the ring closes."""
+    while True:
+        for index, _ in ring.ring.reap():  # before each wait: the grace may have read the eventfd
+            entry = in_flight.pop(index, None)
+            if entry is not None:
+                entry[0].landed()
+        if not in_flight:
+            break
+        ring.wait(None)
+    ring.close()
+
+
 class UringEngine(IoEngine):
     name = "uring"
     one_queue = True  # one ring per thread, for every file
@@ -71,7 +91,6 @@ class UringEngine(IoEngine):
         self._local = threading.local()
         self._rings: weakref.WeakSet[_Ring] = weakref.WeakSet()  # the live threads' rings
         self._lock = threading.Lock()
-        self._leaked: list[object] = []  # retired rings, and buffers of requests stuck in them
         self._ring()  # fail now, in the constructor, if io_uring is unavailable
 
     def _ring(self) -> _Ring:
@@ -83,12 +102,12 @@ class UringEngine(IoEngine):
                 self._rings.add(ring)
         return ring
 
-    def run(self, requests: Sequence[IoRequest], timeout_s: float | None = None,
-            on_complete: OnComplete | None = None) -> list[int]:
+    def _run(self, requests: Sequence[IoRequest], timeout_s: float | None,
+             on_complete: OnComplete | None) -> list[int]:
         ring = self._ring()
         results = [TIMED_OUT] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        in_flight: dict[int, object] = {}  # user_data -> iovecs kept alive until completion
+        in_flight: _InFlight = {}
         gate = self.gate(requests, on_complete)
         self._fill(ring, requests, gate, in_flight)
         while in_flight:
@@ -96,14 +115,16 @@ class UringEngine(IoEngine):
             if not completed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    self._abandon(ring, in_flight)
+                    self._cancel(ring, in_flight)
                     break
                 ring.wait(remaining)
                 continue
             done = []
             for index, result in completed:
-                if in_flight.pop(index, None) is None:
-                    continue  # a completion left over from an earlier cancel
+                entry = in_flight.pop(index, None)
+                if entry is None:
+                    continue  # an earlier cancel's own completion
+                entry[0].landed()
                 gate.finished(index)
                 results[index] = result
                 done.append((index, result))
@@ -113,10 +134,11 @@ class UringEngine(IoEngine):
             if on_complete is not None:
                 for index, result in done:
                     on_complete(index, result)
+        for index in gate.unsent():  # the deadline came first: never sent, nothing touched them
+            requests[index].landed()
         return results
 
-    def _fill(self, ring: _Ring, requests: Sequence[IoRequest], gate: Gate,
-              in_flight: dict[int, object]) -> None:
+    def _fill(self, ring: _Ring, requests: Sequence[IoRequest], gate: Gate, in_flight: _InFlight) -> None:
         """Queue what the gate lets out, `queue_depth` in flight at most (the ring's size);
         submit them."""
         queued = 0
@@ -128,33 +150,33 @@ class UringEngine(IoEngine):
                                    request.offset, index):
                 gate.give_back(index)
                 break
-            in_flight[index] = iovecs
+            in_flight[index] = request, iovecs
             queued += 1
         if queued:
             ring.ring.submit()
 
-    def _abandon(self, ring: _Ring, in_flight: dict[int, object]) -> None:
-        """Deadline passed: cancel what is in flight; if it will not die, retire the ring.
-
-        A request the kernel still owns may write its buffers later, so its iovec
-        (and through it the buffers) is kept alive forever rather than freed.
-        """
+    def _cancel(self, ring: _Ring, in_flight: _InFlight) -> None:
+        """Deadline passed: cancel what is in flight, landing what ends within the grace; a
+        ring still holding requests after it is set aside (`_land_late`), never reused."""
         for index in in_flight:
             ring.ring.queue(R.OP_ASYNC_CANCEL, -1, index, 0, 0, _CANCEL_USER_DATA)
         ring.ring.submit()
         grace_end = time.monotonic() + _CANCEL_GRACE_S
         while in_flight and time.monotonic() < grace_end:
             for index, _ in ring.ring.reap():
-                in_flight.pop(index, None)
+                entry = in_flight.pop(index, None)
+                if entry is not None:
+                    entry[0].landed()
             if in_flight:
                 ring.wait(grace_end - time.monotonic())
         if in_flight:
-            log.warning("io_uring: %d requests stuck past their deadline; retiring the ring",
-                        len(in_flight))
-            self._leaked.extend([ring, *in_flight.values()])  # never closed, never reused
+            log.warning("io_uring: %d requests stuck past their deadline; their ring is set aside "
+                        "until they land", len(in_flight))
             self._local.ring = None
             with self._lock:
                 self._rings.discard(ring)
+            threading.Thread(target=_land_late, args=(ring, in_flight), name="kvstore-io-late",
+                             daemon=True).start()
 
     def close(self) -> None:
         with self._lock:

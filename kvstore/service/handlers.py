@@ -9,8 +9,8 @@ SIGHUP reload changes while engines run (LIVE_KEYS); a refusal names the keys th
 differ, never their values (they may hold a password). A residency request covers
 every tensor-parallel rank's keys and is answered as one snapshot (prefetches.py, which
 runs the promotions it asks for). Invariants: a client's window is registered as a
-direct-read region while it lives; a region a late read may still land in (retired) is
-never unmapped; a client's DRAM leases (store/leases.py) are released by its Unpin or,
+direct-read region while it lives, and unmapped once no read that missed its deadline
+may still land in it (Region.close); a client's DRAM leases (store/leases.py) are released by its Unpin or,
 whatever way it leaves, when its connection ends, and together pin no more chunks than its
 window holds.
 """
@@ -335,15 +335,18 @@ class Requests:
             self._prefetches.promote(store, keys)
 
     def forget(self, client: Client) -> None:
-        """A client left (or died): its pins go, and its window, unless a late read may
-        still land in it."""
+        """A client left (or died): its pins go, and its window, unmapped once no late read
+        may still land in it."""
         for number in list(client.leases):
             self._release(client, number)
         with self.lock:
-            if client.region is not None and not client.region.retired and self.store is not None:
+            if client.region is not None and self.store is not None:
                 self.store.regions.remove(client.region)
-        if client.window is not None and (client.region is None or not client.region.retired):
-            client.window.close()  # a retired one stays mapped: the device may still write it
+        if client.window is not None:
+            if client.region is not None:
+                client.region.close(client.window.close)
+            else:
+                client.window.close()
 
     def close(self) -> None:
         """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""

@@ -328,7 +328,7 @@ class StoreService:
                 finally:
                     for fd in fds:
                         os.close(fd)
-                if client.region is not None and client.region.retired:
+                if client.region is not None and client.region.late:
                     return  # a read into its window may still land: it must reconnect, fresh
         finally:
             self._forget(client)

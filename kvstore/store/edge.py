@@ -1,7 +1,7 @@
 """The store's API edge: keys and buffers checked once, with errors that name the fix.
 
 Past this edge every key is 16 bytes and every buffer a byte view of exactly one chunk
-(writable for a get, and not one retired after a read into it missed its deadline).
+(writable for a get, and not one a read that missed its deadline may still land in).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
 def chunk_views(buffers: Sequence[Any], count: int, chunk_bytes: int, *, writable: bool,
                 regions: DirectRegions | None = None) -> list[memoryview]:
     """One byte view per buffer, or ShapeError naming the first unfit one. `regions`:
-    the store's direct-read regions, whose retired buffers a get refuses."""
+    the store's direct-read regions: a get is refused a buffer a late read may still land in."""
     if len(buffers) != count:
         raise ShapeError(f"{count} keys but {len(buffers)} buffers")
     views = []
@@ -45,9 +45,9 @@ def chunk_views(buffers: Sequence[Any], count: int, chunk_bytes: int, *, writabl
                              f"{chunk_bytes} bytes")
         if writable and view.readonly:
             raise ShapeError(f"buffer {i} is read-only: a get writes the chunk into it")
-        if regions is not None and regions.retired(view):
-            raise ShapeError(f"buffer {i} was retired after a read into it missed its "
-                             "deadline (the device may still write it): take new ones with "
-                             "TieredStore.buffers()")
+        if regions is not None and regions.late(view):
+            raise ShapeError(f"buffer {i} is still lent to a read that missed its deadline "
+                             "(the device may still write it): take new ones with "
+                             "TieredStore.buffers(), or use it again once that read has landed")
         views.append(view)
     return views

@@ -70,12 +70,8 @@ class StoreProbe:
         header could not be read."""
         return held(self._parts)
 
-    def retired(self) -> int:
-        """DRAM slots kept pinned for good after a read into them was abandoned."""
-        return self._parts.dram.table.retired if self._parts.dram is not None else 0
-
     def pinned(self) -> int:
-        """DRAM slots pinned now (reads, leases, reservations, and retired slots)."""
+        """DRAM slots pinned now (reads, leases, reservations, and I/O not landed yet)."""
         dram = self._parts.dram
         if dram is None:
             return 0

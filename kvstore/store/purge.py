@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.devices.scanner import SCAN_BATCH
 from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header
-from kvstore.io.aligned import AlignedBuffer
+from kvstore.io.staging import StagingPool
 from kvstore.store.parts import StoreParts
 from kvstore.tiers.slots import SlotTable
 
@@ -67,19 +67,23 @@ def _disk_records(parts: StoreParts, unread: list[int]) -> Iterator[tuple[bytes,
     disk = parts.disk
     if disk is None:
         return
-    buffer = AlignedBuffer(SCAN_BATCH * HEADER_BLOCK)
-    views = [buffer.view[i * HEADER_BLOCK : (i + 1) * HEADER_BLOCK] for i in range(SCAN_BATCH)]
+    pool = StagingPool(HEADER_BLOCK, SCAN_BATCH)  # a block a late read holds is not read into again
 
     def read(slots: list[int]) -> list[memoryview | None]:
-        results = disk.read(slots, [[views[i]] for i in range(len(slots))], parts.config.io.timeout_s)
-        unread[0] += sum(result != HEADER_BLOCK for result in results)
-        return [views[i] if result == HEADER_BLOCK else None for i, result in enumerate(results)]
+        blocks = [pool.acquire() for _ in slots]
+        try:
+            results = disk.read(slots, [[block] for block in blocks], parts.config.io.timeout_s)
+            unread[0] += sum(result != HEADER_BLOCK for result in results)
+            return [memoryview(bytes(block.views[0])) if result == HEADER_BLOCK else None
+                    for block, result in zip(blocks, results, strict=True)]
+        finally:
+            for block in blocks:
+                block.close()
 
     try:
         yield from _records(disk.table, read)
     finally:
-        views.clear()
-        buffer.close()
+        pool.close()
 
 
 def _records(table: SlotTable,

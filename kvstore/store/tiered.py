@@ -29,6 +29,7 @@ from kvstore.format.errors import ShapeError
 from kvstore.format.record import RecordEncoder
 from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
+from kvstore.io.regions import Region
 from kvstore.store import leases
 from kvstore.store.edge import check_keys, chunk_views
 from kvstore.store.leases import Lease
@@ -82,7 +83,7 @@ class TieredStore:
             raise ShapeError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         self.encoder = RecordEncoder(namespace, dtype, shape)
         self.chunk_bytes = chunk_bytes
-        self._read_buffers: list[AlignedBuffer] = []
+        self._read_buffers: list[tuple[Region, AlignedBuffer]] = []
         self.parts = StoreParts(load_config(config), chunk_bytes, engine, background)
         self.stats, self.regions = self.parts.stats, self.parts.regions
         self.probe = StoreProbe(self.parts)
@@ -128,11 +129,10 @@ class TieredStore:
 
     def buffers(self, count: int) -> list[memoryview]:
         """`count` chunk buffers a disk read lands in directly (no bounce copy): page
-        aligned, huge pages where the kernel gives them. A buffer whose read missed its
-        deadline is retired (a later get into it is refused): take a new one then."""
+        aligned, huge pages where the kernel gives them. While a read into them that missed
+        its deadline may still land, a get into them is refused: take new ones, or wait."""
         buffer = AlignedBuffer(count * self.chunk_bytes)
-        self._read_buffers.append(buffer)
-        self.regions.add(buffer.address, buffer.nbytes, buffer)
+        self._read_buffers.append((self.regions.add(buffer.address, buffer.nbytes, buffer), buffer))
         return [buffer.view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] for i in range(count)]
 
     def get_many(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
@@ -248,8 +248,8 @@ class TieredStore:
         (DRAM does not survive the process; the disk does, so a restarted service still
         serves them). `crash` True: stop as kill -9 would (tests of recovery)."""
         self.parts.close(crash)
-        for buffer in self._read_buffers:
-            buffer.close()
+        for region, buffer in self._read_buffers:
+            region.close(buffer.close)  # once no late read may land in it
         self._read_buffers.clear()
 
     def simulate_crash(self) -> None:

@@ -4,7 +4,9 @@ Write order makes a valid header imply a complete payload: for a slot that may h
 an earlier record, its old header is zeroed first; then the payload is written; the
 header goes last. A crash at any point leaves either an empty slot, the old record
 intact, or a header-less new payload: never a valid header over wrong bytes. Reads
-still verify the payload checksum (bit rot, foreign writers).
+still verify the payload checksum (bit rot, foreign writers). Memory goes to the engine
+as IoBuffers (io/base.py): a write timed out still holds its record image, and the
+zeroed header block stays mapped past `close` while a write of it is out.
 
 What lives elsewhere: which device holds which slot (device_set.py), whether a
 device serves (availability.py), rebuilding the index at start (recover.py).
@@ -20,7 +22,7 @@ from kvstore.devices.device_set import DeviceSet
 from kvstore.devices.health import OFFLINE
 from kvstore.format.record import HEADER_BLOCK, invalidate_header, round_up
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.io.base import IoEngine, IoRequest
+from kvstore.io.base import IoBuffer, IoEngine, IoRequest
 from kvstore.tiers.availability import DeviceAvailability
 from kvstore.tiers.slots import DiskSlotTable
 from kvstore.tiers.stats import Stats
@@ -31,7 +33,7 @@ class DiskWrite:
     """One record to write: `image` is header block + payload, aligned."""
 
     slot: int
-    image: memoryview
+    image: IoBuffer
     payload_len: int
 
 
@@ -49,8 +51,9 @@ class DiskTier:
         self.devices = DeviceSet(plans, engine, slot_bytes, chunk_bytes, timeout_s)
         self.table = DiskSlotTable(self.devices.group_sizes())
         self.availability = DeviceAvailability(self, breaker_threshold)
-        self._zero_header = AlignedBuffer(HEADER_BLOCK)
-        invalidate_header(self._zero_header.view)
+        zero_header = AlignedBuffer(HEADER_BLOCK)
+        invalidate_header(zero_header.view)
+        self._zero_header = IoBuffer([zero_header.view], lambda _: zero_header.close())
         for group, layout in enumerate(self.devices.layouts):
             if layout is None:  # served once it appears (devices/watch.py)
                 self.availability.take_out(group, OFFLINE, "not present at start-up")
@@ -67,12 +70,12 @@ class DiskTier:
         group, local = self.table.groups.of(slot)
         return f"slot {local} of {self.devices.devices[group].path}"
 
-    def read(self, slots: Sequence[int], buffers: Sequence[list[memoryview]], timeout_s: float,
+    def read(self, slots: Sequence[int], memory: Sequence[Sequence[IoBuffer]], timeout_s: float,
              on_complete: Callable[[int, int], None] | None = None) -> list[int]:
-        """Read whole slots, each into its aligned buffers (header block first); results
+        """Read whole slots, each into its aligned memory (header block first); results
         as the engine gives them, fed to each device's breaker."""
-        requests = [IoRequest(*self.locate(slot), list(views))
-                    for slot, views in zip(slots, buffers, strict=True)]
+        requests = [IoRequest(*self.locate(slot), buffers)
+                    for slot, buffers in zip(slots, memory, strict=True)]
         results = self.engine.run(requests, timeout_s, on_complete)
         self.availability.account(slots, results, [r.nbytes for r in requests])
         return results
@@ -84,10 +87,11 @@ class DiskTier:
         for i, write in enumerate(writes):
             fd, offset = self.locate(write.slot)
             if self.table.mark_written(write.slot):
-                phases[0].append((i, IoRequest(fd, offset, [self._zero_header.view], write=True)))
-            payload = write.image[HEADER_BLOCK : HEADER_BLOCK + round_up(write.payload_len)]
-            phases[1].append((i, IoRequest(fd, offset + HEADER_BLOCK, [payload], write=True)))
-            phases[2].append((i, IoRequest(fd, offset, [write.image[:HEADER_BLOCK]], write=True)))
+                phases[0].append((i, IoRequest(fd, offset, [self._zero_header], write=True)))
+            image = write.image.views[0]
+            payload = image[HEADER_BLOCK : HEADER_BLOCK + round_up(write.payload_len)]
+            phases[1].append((i, IoRequest(fd, offset + HEADER_BLOCK, [write.image], True, [payload])))
+            phases[2].append((i, IoRequest(fd, offset, [write.image], True, [image[:HEADER_BLOCK]])))
         for phase in phases:
             pending = [(i, req) for i, req in phase if ok[i]]
             results = self.engine.run([req for _, req in pending], timeout_s)
@@ -100,8 +104,7 @@ class DiskTier:
 
     def zero_headers(self, slots: Sequence[int], timeout_s: float) -> list[bool]:
         """Zero slots' headers so a restart does not bring their records back."""
-        requests = [IoRequest(*self.locate(slot), [self._zero_header.view], write=True)
-                    for slot in slots]
+        requests = [IoRequest(*self.locate(slot), [self._zero_header], write=True) for slot in slots]
         return [result == HEADER_BLOCK for result in self.engine.run(requests, timeout_s)]
 
     def used_bytes(self) -> int:

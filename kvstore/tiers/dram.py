@@ -28,6 +28,7 @@ from kvstore.format.record import (
 )
 from kvstore.format.units import format_size
 from kvstore.io.aligned import AlignedBuffer
+from kvstore.io.base import IoBuffer
 from kvstore.io.memfd import SharedMemory, seal_read_only
 from kvstore.tiers.slots import SlotTable
 
@@ -83,6 +84,13 @@ class DramTier:
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
         return self.slab.view[start : start + self.slot_bytes]
+
+    def slot_memory(self, slot: int) -> IoBuffer:
+        """A slot's record image for disk I/O, pinned until its maker and every request it
+        is lent to have let go: a slot a late read may still write, or a late write still
+        read, is neither freed nor rewritten before that I/O lands (io/base.py)."""
+        self.table.pin(slot)
+        return IoBuffer([self.slot_view(slot)], lambda _: self.table.unpin(slot))
 
     def payload(self, slot: int, key: bytes, nbytes: int) -> memoryview | None:
         """A pinned slot's payload, or None if the slot holds something else.

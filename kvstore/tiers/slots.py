@@ -10,7 +10,8 @@ takes it, so callers never touch the state directly. Invariants:
   Reservation of a reserved slot. A published slot is never rewritten: it leaves
   the index first (`unpublish`) and returns to the free list only once its last
   pin goes, so a get never sees a half-written record and a read never races a reuse.
-- A retired slot (a read into it may still land) keeps its pin forever: never reused.
+- A slot a late I/O may still move bytes into or out of keeps that I/O's pin until it
+  lands (DramTier.slot_memory, io/base.py): never freed or rewritten before.
 - Pins and reservations are context managers: an exception between taking and
   giving back costs nothing (the slot is unpinned or freed on the way out).
 - Listeners (`subscribe`) are told of each publish and unpublish after the fact, outside
@@ -60,8 +61,8 @@ class Entry:
 
 
 class Reservation:
-    """A reserved slot, pinned once, settled exactly once: `publish`, `release` or
-    `retire`. Leaving a `with` block unsettled releases it.
+    """A reserved slot, pinned once, settled exactly once: `publish` or `release`.
+    Leaving a `with` block unsettled releases it.
 
     With `victim` set (a DEMOTE), the slot still holds that published record: the
     caller writes it elsewhere, then `take_over` makes the slot its own."""
@@ -103,12 +104,6 @@ class Reservation:
             self._settle()
             self.table._unpin(self.slot)
 
-    def retire(self) -> None:
-        """The kernel may still write into this slot: keep it pinned, never reuse it."""
-        with self.table.lock:
-            self._settle()
-            self.table.retired += 1
-
     def _settle(self) -> None:
         if self.settled:
             raise RuntimeError(f"reservation of slot {self.slot} settled twice")
@@ -144,7 +139,7 @@ class Pins:
         self._dropped.append((key, slot))
 
     def keep(self, slot: int) -> None:
-        """Do not unpin this slot on exit: its pin passes to someone else (a retired read)."""
+        """Do not unpin this slot on exit: its pin passes to someone else (a lease)."""
         self._kept.add(slot)
 
     def __enter__(self) -> Pins:
@@ -278,7 +273,6 @@ class SlotTable:
         self.slots = [SlotInfo() for _ in range(sum(group_sizes))]
         self.index: dict[bytes, int] = {}
         self.eviction: Eviction = PrefixLRU()
-        self.retired = 0  # slots kept pinned forever after an abandoned read
 
     # -- queries ---------------------------------------------------------------------
 
