@@ -240,7 +240,9 @@ def test_every_counter_the_connector_reports_is_one_a_client_may_add():
 
     from kvstore.service.handlers import CLIENT_COUNTER
 
-    source = "\n".join(p.read_text() for p in (Path(__file__).parents[1] / "connectors").glob("*.py"))
+    root = Path(__file__).parents[1]
+    source = "\n".join(p.read_text() for room in ("connectors", "engine_plugin/vllm/core")
+                        for p in (root / room).glob("*.py"))
     loggers = set(re.findall(r'getLogger\("([^"]+)"\)', source))
     files = set(re.findall(r'"([a-z_]+\.json)"', source))  # the config files a weights fingerprint reads
     names = set(re.findall(r'"([a-z_]+\.[a-z_]+)"', source)) - loggers - files

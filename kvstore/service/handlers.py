@@ -10,20 +10,20 @@ differ, never their values (they may hold a password). A residency request cover
 every tensor-parallel rank's keys and is answered as one snapshot (prefetches.py, which
 runs the promotions it asks for). Invariants: a client's window is registered as a
 direct-read region while it lives, and unmapped once no read that missed its deadline
-may still land in it (Region.close); a client's DRAM leases (store/leases.py) are released by its Unpin or,
-whatever way it leaves, when its connection ends, and together pin no more chunks than its
-window holds.
+may still land in it (Region.close); a client's DRAM leases are held and given back
+through the lease desk (client_leases.py, which states their invariants). Each request
+kind has one answer in a table (`Requests._answers`); a hello, which may pass
+descriptors, is the one answered apart.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable
 from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
@@ -34,11 +34,11 @@ from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.client_leases import HeldLeases, LeaseDesk
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.prefetches import Prefetches
 from kvstore.service.window import Window
-from kvstore.store.leases import Lease
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.return_rates import RequestEnd
 
@@ -98,9 +98,7 @@ class Client:
         self.slots = 0
         self.maps_tier = False  # given the DRAM tier to map: only then may it pin
         self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
-        self.leases: dict[int, Lease] = {}  # DRAM pins it holds, by lease number
-        self.lookup_leases: set[int] = set()  # of those, the ones its lookups took
-        self.lease_ids = itertools.count(1)
+        self.held = HeldLeases(uid)  # the DRAM leases it holds (client_leases.py)
 
 
 class Requests:
@@ -118,59 +116,76 @@ class Requests:
         self.client_counters = ClientCounters(self.malformed)
         self._seen: Counter[str] = Counter()
         self._seen_lock = threading.Lock()
-        self._leased: Counter[int] = Counter()  # chunks each uid's lookups hold leased
-        self._leased_lock = threading.Lock()
+        self.leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
+        self._answers: dict[type, Callable[[Client, Any], Any]] = {
+            P.Info: lambda client, request: self.info(),
+            P.Residency: self._residency,
+            P.Finished: self._finished,
+            P.Expect: lambda client, request: self.next_turns.expect(request.ranks, request.in_s),
+            P.Events: lambda client, request: self.events.since(request.since),
+            P.Count: lambda client, request: self.client_counters.add(self.store, request.counters),
+            P.Unpin: self._unpin,
+            P.Announce: self._namespaces, P.Namespaces: self._namespaces, P.Purge: self._namespaces,
+            P.Pin: self._pin, P.Get: self._get, P.Put: self._put}
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
         self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
         self.namespaces.start()
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
+        """The reply to one request, and the descriptors it passes (a hello's only)."""
         with self._seen_lock:  # `requests.KIND`: the round trips engines make, by kind
             self._seen[f"requests.{type(request).__name__.lower()}"] += 1
         if isinstance(request, P.Hello):
             return self._hello(client, request)
-        store = self.store
-        if isinstance(request, P.Info):
-            return self.info(), ()
-        if isinstance(request, P.Residency):
-            return self._residency(store, client, request), ()
-        if isinstance(request, P.Finished):
-            self.next_turns.finished(request.ranks)
-            if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
-                store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
-            return None, ()
-        if isinstance(request, P.Expect):
-            self.next_turns.expect(request.ranks, request.in_s)
-            return None, ()
-        if isinstance(request, P.Events):
-            return self.events.since(request.since), ()
-        if isinstance(request, P.Count):  # counters a client keeps (the scheduler's, a worker's)
-            self.client_counters.add(store, request.counters)
-            return None, ()
-        if isinstance(request, P.Unpin):
-            good, bad = set(request.good), set(request.bad)
-            for lease in request.leases:
-                self._release(client, lease, good, bad)
-            return None, ()
-        if isinstance(request, P.Announce | P.Namespaces | P.Purge):
-            return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], store, request), ()
-        if not isinstance(request, P.Get | P.Put | P.Pin):
+        answer = self._answers.get(type(request))
+        if answer is None:
             raise KVStoreError(f"unknown request {type(request).__name__}")
+        return answer(client, request), ()
+
+    def _finished(self, client: Client, request: P.Finished) -> None:
+        self.next_turns.finished(request.ranks)
+        store = self.store
+        if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
+            store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
+
+    def _unpin(self, client: Client, request: P.Unpin) -> None:
+        good, bad = set(request.good), set(request.bad)
+        for number in request.leases:
+            self.leases.release(self.store, client.held, number, good, bad)
+
+    def _namespaces(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
+        return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.store, request)
+
+    def _pin(self, client: Client, request: P.Pin) -> list[Any]:
+        store = self.store
         if store is None or client.window is None:
+            raise KVStoreError("'Pin' needs a hello with a chunk size first")
+        if not client.maps_tier:
+            raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
+                               "load through the window")
+        return self.leases.pin(store, client.held, request.keys, request.verify, client.slots)
+
+    def _views(self, client: Client, request: P.Get | P.Put) -> tuple[TieredStore, list[memoryview]]:
+        """The store and the window slots a Get or Put names, checked."""
+        store, window = self.store, client.window
+        if store is None or window is None:
             raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
-        if isinstance(request, P.Pin):
-            return self._pin(store, client, request.keys, request.verify), ()
         size = store.chunk_bytes
         if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
             raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
                                f"(the window has {client.slots})")
-        views = [client.window.view[s * size : (s + 1) * size] for s in request.slots]
-        if isinstance(request, P.Get):
-            return store.get_many(request.keys, views), ()
+        return store, [window.view[s * size : (s + 1) * size] for s in request.slots]
+
+    def _get(self, client: Client, request: P.Get) -> list[bool]:
+        store, views = self._views(client, request)
+        return store.get_many(request.keys, views)
+
+    def _put(self, client: Client, request: P.Put) -> list[bool]:
+        store, views = self._views(client, request)
         namespace = request.namespace or client.namespace
         with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
-            return store.put_many(request.keys, views, request.parent, namespace), ()
+            return store.put_many(request.keys, views, request.parent, namespace)
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
@@ -236,76 +251,26 @@ class Requests:
         mode = self.config.service.share_dram
         return mode == "allowed" or (mode == "own-user" and client.uid == os.geteuid())
 
-    def _residency(self, store: TieredStore | None, client: Client, request: P.Residency) -> list[Any]:
+    def _residency(self, client: Client, request: P.Residency) -> list[Any]:
         """One prompt's residency snapshot, after the counters and releases the request carries;
-        with `lease_from`, the leading chunks every rank has in DRAM from that one on pinned for
-        the client's engine workers (the lookup that decides a load protects it: nothing is
-        evicted between that decision and the workers' copy, and they copy with no request of
-        their own)."""
+        with `lease_from`, the leading chunks every rank has in DRAM from that one on leased
+        for the client's engine workers (client_leases.py: the lookup that decides a load
+        protects it, and they copy with no request of their own), where the client may map
+        the tier."""
+        store = self.store
         self.client_counters.add(store, request.counters)
         for number in request.release:
-            self._release(client, number)
+            self.leases.release(store, client.held, number)
         self.next_turns.arrived(request.ranks)
         found: list[Any] = [0, 0, False]
         if store is not None and request.ranks:
             found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
         if request.lease_from is None:
             return found
-        return found + self._lease_resident(store, client, request.ranks, request.lease_from, int(found[1]))
-
-    def _lease_resident(self, store: TieredStore | None, client: Client, ranks: list[list[bytes]],
-                        first: int, resident: int) -> list[Any]:
-        """[lease, offsets per rank] of chunks `first` to `resident` (the DRAM run) of every
-        rank (as many as the user's budget, service.scheduler_leases for all its connections
-        together, has room for: no user pins more of DRAM than that, however many connections
-        it opens; DRAM only: no disk read on a lookup), or [0, []] where none is pinned or the
-        client may not map the tier."""
-        if store is None or first >= resident or not self._may_map_dram(client):
-            return [0, []]
-        budget = self.config.service.scheduler_leases // store.chunk_bytes
-        with self._leased_lock:
-            count = min(resident - first, max(0, budget - self._leased[client.uid]) // len(ranks))
-            self._leased[client.uid] += count * len(ranks)  # taken before the pin: no two overrun it
-        if not count:
-            store.stats.add("lease.over_budget")
-            return [0, []]
-        lease = store.lease([key for keys in ranks for key in keys[first : first + count]], from_disk=False)
-        number = next(client.lease_ids)
-        client.leases[number] = lease
-        client.lookup_leases.add(number)
-        return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
-
-    @staticmethod
-    def _pin(store: TieredStore, client: Client, keys: list[bytes], verify: bool) -> list[Any]:
-        """Pin the DRAM hits among `keys` (disk hits promoted first) for the client to copy
-        out of the tier itself; without `verify` their payloads are left for the client to
-        check as it copies them, where the client is the service's own user's (its word
-        decides what is published in DRAM for everyone; any other's are verified here)."""
-        if not client.maps_tier:
-            raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
-                               "load through the window")
-        held = sum(lease.pinned for lease in client.leases.values())
-        if held + len(keys) > client.slots:
-            raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held} this client holds "
-                               f"is more than its window's {client.slots}: unpin first")
-        lease = store.lease(keys, verify=verify or client.uid != os.geteuid())
-        number = next(client.lease_ids)
-        client.leases[number] = lease
-        return [number, lease.offsets, lease.checks]
-
-    def _release(self, client: Client, number: int, good: Collection[bytes] = (),
-                 bad: Collection[bytes] = ()) -> None:
-        """Give a lease back; of its unverified chunks, `good` passed the client's check and
-        `bad` failed it (any other, as when the client left, goes back unpublished)."""
-        lease = client.leases.pop(number, None)
-        if lease is None:
-            return
-        if number in client.lookup_leases:
-            client.lookup_leases.discard(number)
-            with self._leased_lock:
-                self._leased[client.uid] -= len(lease.offsets)
-        if self.store is not None:
-            self.store.release(lease, good, bad)
+        if store is None or not self._may_map_dram(client):
+            return [*found, 0, []]
+        return found + self.leases.lease_run(store, client.held, request.ranks, request.lease_from,
+                                             int(found[1]))
 
     def reload_policy(self, live: dict[str, Any]) -> bool:
         """A reload's policy keys, applied to the store (lock held): a switch to `learned`
@@ -337,8 +302,7 @@ class Requests:
     def forget(self, client: Client) -> None:
         """A client left (or died): its pins go, and its window, unmapped once no late read
         may still land in it."""
-        for number in list(client.leases):
-            self._release(client, number)
+        self.leases.release_all(self.store, client.held)
         with self.lock:
             if client.region is not None and self.store is not None:
                 self.store.regions.remove(client.region)
