@@ -33,7 +33,7 @@ from kvstore.tiers.admission import Tuning
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.policy import TierPolicy
-from kvstore.tiers.recover import RecoveryReport, checkpoint, recover
+from kvstore.tiers.recover import RecoveryReport, recover
 from kvstore.tiers.slots import Entry
 from kvstore.tiers.stats import Stats
 
@@ -227,7 +227,7 @@ class StoreParts:
             self.flusher = None
         if self.disk is not None:
             if not crash:
-                checkpoint(self.disk)
+                self.disk.checkpoint()
             self.disk.close()
             self.disk = None
         if self.dram is not None:

@@ -16,7 +16,6 @@ that it never forgets the description of one it could still be asked to purge.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from kvstore.devices.scanner import SCAN_BATCH
 from kvstore.format.record import HEADER_BLOCK, HeaderState, parse_header
@@ -24,24 +23,21 @@ from kvstore.io.staging import StagingPool
 from kvstore.store.parts import StoreParts
 from kvstore.tiers.slots import SlotTable
 
-if TYPE_CHECKING:
-    from kvstore.store.tiered import TieredStore
 
-
-def purge(store: TieredStore, namespaces: set[bytes], dry_run: bool) -> dict[str, int]:
+def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: set[bytes],
+          dry_run: bool) -> dict[str, int]:
     """{"chunks", "bytes", "host_chunks", "disk_chunks", "unread", "removed"}: the records
     found in each tier (bytes: their payloads, every tier's copy counted) and, unless
-    `dry_run`, how many were removed."""
-    parts = store.parts
+    `dry_run`, how many `delete` (the store's) removed."""
     unread = [0]
     in_dram = [key for key, named in _dram_records(parts) if named in namespaces]
     on_disk = [key for key, named in _disk_records(parts, unread) if named in namespaces]
     keys = list(dict.fromkeys(in_dram + on_disk))
-    report = {"chunks": len(keys), "bytes": (len(in_dram) + len(on_disk)) * store.chunk_bytes,
+    report = {"chunks": len(keys), "bytes": (len(in_dram) + len(on_disk)) * parts.chunk_bytes,
               "host_chunks": len(in_dram), "disk_chunks": len(on_disk), "unread": unread[0],
               "removed": 0}
     if not dry_run and keys:
-        report["removed"] = store.delete(keys)
+        report["removed"] = delete(keys)
         parts.stats.add("purge.records", report["removed"])
     return report
 

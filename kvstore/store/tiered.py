@@ -196,7 +196,7 @@ class TieredStore:
     def purge(self, namespaces: Collection[bytes], dry_run: bool = False) -> dict[str, int]:
         """Remove every record whose header names one of `namespaces` from every tier of
         this host (store/purge.py); a dry run only counts them."""
-        return purge(self, set(check_keys(list(namespaces))), dry_run)
+        return purge(self.parts, self.delete, set(check_keys(list(namespaces))), dry_run)
 
     def share_dram(self) -> tuple[int, int, str] | None:
         """(a new read-only descriptor of the DRAM tier for a client to map: the caller

@@ -14,19 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvstore.devices.health import TRIPPED, DeviceHealth, Probe, fault_reason, is_fault
-from kvstore.tiers.recover import RecoveryReport, newest, scan_group
-
-if TYPE_CHECKING:
-    from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.recover import DiskParts, RecoveryReport, newest, scan_group
 
 log = logging.getLogger(__name__)
 
 
 class DeviceAvailability:
-    def __init__(self, disk: DiskTier, breaker_threshold: int) -> None:
+    def __init__(self, disk: DiskParts, breaker_threshold: int) -> None:
         self.disk = disk
         self.breaker_threshold = breaker_threshold
         self.health = [DeviceHealth(plan.label or plan.path or "", plan.kind)

@@ -24,6 +24,7 @@ from kvstore.format.record import HEADER_BLOCK, invalidate_header, round_up
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.base import IoBuffer, IoEngine, IoRequest
 from kvstore.tiers.availability import DeviceAvailability
+from kvstore.tiers.recover import checkpoint
 from kvstore.tiers.slots import DiskSlotTable
 from kvstore.tiers.stats import Stats
 
@@ -101,6 +102,10 @@ class DiskTier:
                 if result != req.nbytes:
                     ok[i] = False
         return ok
+
+    def checkpoint(self) -> None:
+        """A clean shutdown's index of each device in service (recover.checkpoint)."""
+        checkpoint(self, self.availability.health)
 
     def zero_headers(self, slots: Sequence[int], timeout_s: float) -> list[bool]:
         """Zero slots' headers so a restart does not bring their records back."""

@@ -12,23 +12,38 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from kvstore.devices.device_set import DeviceSet
+from kvstore.devices.health import DeviceHealth
 from kvstore.devices.layout import CHECKPOINT_DTYPE
 from kvstore.devices.scanner import scan_headers
 from kvstore.format.errors import DeviceError
 from kvstore.format.record import HeaderState
-from kvstore.tiers.slots import Entry
-
-if TYPE_CHECKING:
-    from kvstore.tiers.disk import DiskTier
+from kvstore.io.base import IoEngine
+from kvstore.tiers.slots import DiskSlotTable, Entry
+from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
 
+
+
+class DiskParts(Protocol):
+    """What recovery, the checkpoint and a device's revalidation (availability.py) use of
+    the disk tier (disk.py's DiskTier, which holds them), named here so that neither
+    module imports the tier that uses them."""
+
+    devices: DeviceSet
+    table: DiskSlotTable
+    engine: IoEngine
+    stats: Stats
+    timeout_s: float
+
+    def zero_headers(self, slots: Sequence[int], timeout_s: float) -> list[bool]: ...
 
 @dataclass
 class RecoveryReport:
@@ -47,7 +62,7 @@ class RecoveryReport:
         return asdict(self)
 
 
-def scan_group(disk: DiskTier, group: int, report: RecoveryReport) -> list[Entry]:
+def scan_group(disk: DiskParts, group: int, report: RecoveryReport) -> list[Entry]:
     """The valid records of one device, by scanning every slot's header."""
     layout = disk.devices.layouts[group]
     assert layout is not None
@@ -80,7 +95,7 @@ def newest(entries: Iterable[Entry]) -> tuple[list[Entry], list[Entry]]:
     return sorted(best.values(), key=lambda e: e.seq), stale
 
 
-def recover(disk: DiskTier) -> RecoveryReport:
+def recover(disk: DiskParts) -> RecoveryReport:
     """Rebuild the index of every opened device (checkpoint, else scan)."""
     report = RecoveryReport()
     start = time.perf_counter()
@@ -119,7 +134,7 @@ def _parent(parent: bytes) -> bytes | None:
     return None if parent == bytes(16) else parent
 
 
-def checkpoint(disk: DiskTier) -> None:
+def checkpoint(disk: DiskParts, health: Sequence[DeviceHealth]) -> None:
     """Clean shutdown: write each device's index so the next open skips the scan.
 
     A device out of service gets none (its index here is empty, not its disk): the
@@ -130,12 +145,11 @@ def checkpoint(disk: DiskTier) -> None:
     for entry in table.entries():
         group, local = table.groups.of(entry.slot)
         per_group[group].append((local, entry.seq, entry.key, entry.parent or bytes(16)))
-    for layout, rows, health in zip(disk.devices.layouts, per_group, disk.availability.health,
-                                    strict=True):
-        if not health.in_service or layout is None:
+    for layout, rows, device in zip(disk.devices.layouts, per_group, health, strict=True):
+        if not device.in_service or layout is None:
             continue
         try:
             layout.write_checkpoint(np.array(rows, dtype=CHECKPOINT_DTYPE))
         except DeviceError as exc:
             log.warning("disk tier: no checkpoint for %s (%s); the next start scans it",
-                        health.label, exc)
+                        device.label, exc)
