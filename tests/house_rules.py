@@ -15,6 +15,9 @@ repository, and on small bad trees to show each rule can fail.
   service: of kvstore it imports the floors format, config, io and service only (the
   types it needs from the tiers are the service's client_types.py), never the tiers,
   the data path, the cluster or the store.
+- No circles: no module imports, through any chain of modules of the tree, one that
+  imports it back (TYPE_CHECKING and function-level imports count: they tie the code
+  the same way). A package's `__init__` is not a link of a chain.
 - Bench floors: bench/ holds four folders and no module of its own: support/ (the
   harness, shared with the tests), sim/ (the trace replay's simulator and the models it
   runs, product models a command and the tests both drive), commands/ (the `kvstore`
@@ -315,6 +318,48 @@ def _check_client(root: Path, modules: list[_Module], names: _Names, report: Rep
                            "reaches the storage engine through kvstore.service (client_types.py)")
 
 
+def circles(modules: list[_Module], names: _Names) -> list[list[str]]:
+    """Each set of modules that import one another in a circle (a strongly connected part
+    of the import graph of more than one module, or one importing itself), names sorted."""
+    graph: dict[str, set[str]] = {m.name: set() for m in modules if not m.is_package}
+    for module in modules:
+        if module.is_package:
+            continue
+        for target in names.imported(module):
+            while target and target not in graph and "." in target:
+                target = target.rsplit(".", 1)[0]  # a name a module binds: that module
+            if target in graph:
+                graph[module.name].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1 or node in graph[node]:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
 def _check_rooms(root: Path, modules: list[_Module], names: _Names, report: Report) -> None:
     """Each engine_plugin module's imports of engines and rooms: its room's own engine, not
     in core/; no other room; at the package's top, rooms only."""
@@ -445,6 +490,8 @@ def check(root: Path) -> Report:
     _check_bench(root, modules["bench"], names, report)
     _check_tests(root, names, report)
     _check_classes(root, every, names, report)
+    for circle in circles(every, names):
+        report.add("circles", " -> ".join(circle))
     for package in (*PACKAGES, TESTS):
         for where in reaches(root, package):
             report.add("reach", f"{where} reads a store's parts: ask the store's front (TieredStore, "
