@@ -1,9 +1,10 @@
 """TieredKVConnector: kvstore behind vLLM's KV connector interface (v1).
 
 vLLM creates one instance with role SCHEDULER (in the engine-core process) and one
-with role WORKER per tensor-parallel rank (in each worker process). They share no
-Python objects: both talk to the per-host kvstore service (kvstore/service/server.py),
-the scheduler for lookups, the workers for loads and saves. vLLM carries this
+with role WORKER per tensor-parallel rank (in each worker process); each hook hands over
+to its half, the scheduler's (scheduler_role.py) or a worker's (worker_role.py). They
+share no Python objects: both talk to the per-host kvstore service
+(kvstore/service/server.py), the scheduler for lookups, the workers for loads and saves. vLLM carries this
 step's plan (engine_plugin.vllm.core.plan.StepPlan) from one to the others.
 
 Workers report each save done through vLLM's worker metadata; the scheduler holds a
@@ -45,19 +46,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine_plugin.vllm.core.device_staging import DeviceStagingPool
 from engine_plugin.vllm.core.handoff import Role, check_producer_store
 from engine_plugin.vllm.core.hints import HintLimits
 from engine_plugin.vllm.core.options import check_chunk_size, parse_options
 from engine_plugin.vllm.core.plan import StepPlan
 from engine_plugin.vllm.core.scheduler_side import SchedulerCore
 from engine_plugin.vllm.core.worker_side import WorkerCore
-from engine_plugin.vllm.cpu_amx import ready_cpu_worker
-from engine_plugin.vllm.cuda_host import register_for_dma
-from engine_plugin.vllm.kv_groups import GroupedKVLayout, describe_groups, failures_per_request, group_rules
+from engine_plugin.vllm.kv_groups import describe_groups, failures_per_request, group_rules
 from engine_plugin.vllm.namespaces import EngineNamespaces
 from engine_plugin.vllm.scheduler_role import SchedulerRole
-from kvstore.service.client import StoreClient
+from engine_plugin.vllm.worker_role import make_worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -222,33 +220,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        from engine_plugin.vllm.layout import PagedKVLayout
-
-        layout: PagedKVLayout | GroupedKVLayout
-        if self._rules is None:
-            layout = PagedKVLayout(kv_caches, self._kv_cache_config.num_blocks, self.blocks_per_chunk)
-        else:
-            layout = GroupedKVLayout(kv_caches, self._kv_cache_config, self.blocks_per_chunk)
-        rank = get_tensor_model_parallel_rank()
-        ready_cpu_worker(layout.device.type, rank)  # before any forward pass reads loaded KV
-        namespace = self._namespaces("")[rank].digest()
-
-        def make_client(map_tier: bool) -> StoreClient:
-            client = StoreClient(self.options.store, layout.chunk_bytes, namespace=namespace,
-                                 dtype=self._kv_dtype, shape=(layout.chunk_bytes,), map_tier=map_tier)
-            if layout.device.type == "cuda":
-                register_for_dma(client)  # unregistered when the client goes (a reconnect)
-            return client
-
-        staging = None
-        if self.options.device_staging:
-            staging = DeviceStagingPool(layout.chunk_bytes, self.options.device_staging, layout.device)
-        self._worker = WorkerCore(layout, rank, make_client, staging,
-                                  self.options.save_window_wait_s, self._fail_requests)
-        log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
-                 layout.chunk_bytes)
+        self._worker = make_worker(kv_caches, self._kv_cache_config, self.blocks_per_chunk, self._rules,
+                                   self.options, self._namespaces, self._fail_requests)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
