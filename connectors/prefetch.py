@@ -41,10 +41,11 @@ class Residency:
 
 
 class Lookup(Protocol):
-    """What the store holds of one prompt (keys per rank), across ranks; with `lease`, its
-    DRAM run pinned for the workers until the lease is released."""
+    """What the store holds of one prompt (keys per rank), across ranks; with `lease_from`, its
+    DRAM run from that chunk on pinned for the workers until the lease is released."""
 
-    def __call__(self, keys: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency: ...
+    def __call__(self, keys: list[list[bytes]], prefetch: bool,
+                 lease_from: int | None = None) -> Residency: ...
 
 
 class PrefetchPolicy(Schema):

@@ -150,10 +150,10 @@ class _Request:
                         namespaces=tuple(ns.digest() for ns in self.namespaces[streams]), leased=leased,
                         load_async=self.load_async)
 
-    def leased_whole(self, chunks: int) -> bool:
-        """Every chunk before `chunks` is leased, on every rank (DRAM: a copy, no I/O)."""
-        return bool(self.found.lease) and chunks > 0 and all(
-            len(offsets) >= chunks and min(offsets[:chunks]) >= 0 for offsets in self.found.offsets)
+    def leased_whole(self, first: int, end: int) -> bool:
+        """Every chunk from `first` to `end` is leased, on every rank (DRAM: a copy, no I/O)."""
+        return bool(self.found.lease) and end > first and all(
+            len(offsets) >= end and min(offsets[first:end]) >= 0 for offsets in self.found.offsets)
 
 
 def _streams(position: int, ranks: int) -> slice:
@@ -200,13 +200,13 @@ class SchedulerCore:
         return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
 
     def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None,
-                   lease: bool = False) -> Residency:
+                   lease_from: int | None = None) -> Residency:
         """Leading chunks stored for every rank (and every group, at most `cap`); with
-        `lease` (one group) the DRAM run leased for the workers."""
+        `lease_from` (one group) the DRAM run from that chunk on leased for the workers."""
         if not keys[0]:
             return Residency(0, 0)
         if self.rules is None:
-            return self._lookup(keys, prefetch, lease)
+            return self._lookup(keys, prefetch, lease_from)
         grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.groups))]
         return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
 
@@ -245,8 +245,9 @@ class SchedulerCore:
         if earlier is not None:
             self._release(earlier.found.lease)
         loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
+        first = num_computed // self.chunk_tokens  # the engine's own cache holds those before
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
-                                    cap=loadable, lease=num_computed < loadable * self.chunk_tokens)
+                                    cap=loadable, lease_from=first if first < loadable else None)
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
@@ -264,7 +265,7 @@ class SchedulerCore:
         request = self._requests[req_id] = _Request(
             keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
         request.load_async = self.settings.load_async and not (
-            self.settings.sync_dram_loads and request.leased_whole(load_end // self.chunk_tokens))
+            self.settings.sync_dram_loads and request.leased_whole(first, load_end // self.chunk_tokens))
         request.turn_idle = self.reports.planned(keys[0])
         return max(0, load_end - num_computed)
 

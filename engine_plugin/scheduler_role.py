@@ -141,14 +141,15 @@ class SchedulerRole:
         self.core.counters.update({name: count for name, count in counts.items() if count})
         self.report_counters()
 
-    def _lookup(self, keys: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+    def _lookup(self, keys: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
         """One lookup; it also gives back the leases done with and carries the counters
         pending (one round trip). A failed one drops the connection, and every lease with it."""
         client = self.link.get()
         if client is None:
             return Residency(0, 0)
         try:
-            found = client.lookup(keys, prefetch, lease, self.core.take_releases(), self.core.take_counters())
+            found = client.lookup(keys, prefetch, lease_from, self.core.take_releases(),
+                                  self.core.take_counters())
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self.link.fail()

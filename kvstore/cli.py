@@ -83,6 +83,9 @@ def _print_admission(admission: dict, counters: dict) -> None:
     if not admission:
         return
     threshold = f" (return rate at least {admission['threshold']:g})" if "threshold" in admission else ""
+    if "loss_budget" in admission:
+        threshold += (f", losing {admission['loss_measured']:.2%} of hits lately for a budget of "
+                      f"{admission['loss_budget']:.2%}")
     print(f"  disk admission {admission['policy']}{threshold}: {counters.get('disk.admitted', 0):.0f} "
           f"chunks written, {counters.get('disk.admission_refused', 0):.0f} refused")
     if "budget_bytes_per_day" in admission:

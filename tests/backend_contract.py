@@ -60,6 +60,7 @@ FULL_POOL_S = TIMEOUT_S + 5.0  # a load into a full pool returns within this
 FROZEN_CALL_S = 2 * TIMEOUT_S + 5.0
 FUZZ_EXAMPLES = 40
 FUZZ_FIRST = 1000  # the first chunk index the fuzz case plants at (one per example)
+SETTLE_AT = 900  # the chunk index a case plants at before it counts descriptors and threads
 CHILD_TIMEOUT_S = 300
 
 
@@ -118,8 +119,9 @@ def driver_of(spec: str) -> type[Driver]:
 # -- the child's side: one case, one process ------------------------------------------
 
 
-def _process_state() -> tuple[int, int]:
-    return len(os.listdir("/proc/self/fd")), threading.active_count()
+def _process_state() -> tuple[int, list[str]]:
+    """Open descriptors and the names of live threads (a leak's message says whose)."""
+    return len(os.listdir("/proc/self/fd")), sorted(thread.name for thread in threading.enumerate())
 
 
 def _verdicts(loaded: Sequence[bytes | None], wanted: Sequence[bytes]) -> list[str]:
@@ -151,8 +153,17 @@ def _wrong_size(driver: Driver, out: Path) -> dict[str, Any]:
     return {"loaded": _verdicts(loaded, [driver.expected(i) for i in range(COUNT)]), "intact": intact}
 
 
+def _settle(driver: Driver) -> None:
+    """Threads, connections and learnt shapes settle before a case counts them: a load of
+    what is stored, and a planted record's write and load (a writer's threads start on its
+    first write)."""
+    driver.load(range(COUNT))
+    driver.plant(SETTLE_AT, next(iter(driver.bad_records().values())))
+    driver.load([SETTLE_AT])
+
+
 def _planted(driver: Driver, out: Path) -> dict[str, Any]:
-    driver.load(range(COUNT))  # threads, connections and learnt shapes settle first
+    _settle(driver)
     before, allocations = _process_state(), driver.allocations()
     records = driver.bad_records()
     at = {label: COUNT + j for j, label in enumerate(records)}
@@ -202,7 +213,7 @@ def _fuzz(driver: Driver, out: Path) -> dict[str, Any]:
     touched or an allocation kept; a hit only with the record's own bytes."""
     from hypothesis import HealthCheck, given, settings
 
-    driver.load(range(COUNT))
+    _settle(driver)
     before, allocations = _process_state(), driver.allocations()
     seen = {"examples": 0, "hits": 0}
 

@@ -34,7 +34,7 @@ def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,
 
 
 def lookup_in(present: dict[bytes, bool]):  # -> Lookup
-    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
         count = min(next((i for i, key in enumerate(keys) if key not in present), len(keys))
                     for keys in ranks)
         return Residency(count, count)
@@ -57,7 +57,7 @@ def test_a_full_hit_leaves_one_token_to_compute():
 
 
 def test_a_hit_is_split_by_the_tier_that_held_it_at_the_lookup():
-    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
         return Residency(stored=6, resident=2)  # chunks 0-1 in DRAM, 2-5 on disk
 
     scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
@@ -229,28 +229,50 @@ def test_store_keys_at_the_top_level_are_checked_as_store_keys():
     assert caught.value.field == "loadAsync" and "chunk_tokens" in caught.value.reason
 
 
-@pytest.mark.parametrize("resident,sync_dram_loads,expect_async", [
-    (8, True, False),  # leased whole: a copy, loaded in its step
-    (6, True, True),  # two chunks on disk: I/O, loaded while the request waits
-    (8, False, True),  # the option off: as load_async says
+@pytest.mark.parametrize("resident,computed,sync_dram_loads,expect_async", [
+    (8, 0, True, False),  # leased whole: a copy, loaded in its step
+    (8, 3 * CHUNK, True, False),  # the engine holds three chunks: only the rest leased, whole
+    (6, 0, True, True),  # two chunks on disk: I/O, loaded while the request waits
+    (8, 0, False, True),  # the option off: as load_async says
 ])
-def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, sync_dram_loads, expect_async):
-    """The lookup that decides the load leased the DRAM run; a hit it covers whole is told
-    to the engine as a sync load (no extra engine step), its plan's transfer says so and
-    its lease goes back after the step; any other hit stays async until its load ends."""
-    def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
-        offsets = tuple(tuple(i * 4096 if i < resident else -1 for i in range(8)) for _ in ranks)
-        return Residency(8, resident, lease=5 if lease else 0, offsets=offsets if lease else ())
+def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, computed, sync_dram_loads, expect_async):
+    """The lookup that decides the load leased the DRAM run past what the engine's own cache
+    holds; a hit it covers whole is told to the engine as a sync load (no extra engine step),
+    its plan's transfer says so and its lease goes back after the step; any other hit stays
+    async until its load ends."""
+    asked: list[int | None] = []
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        asked.append(lease_from)
+        if lease_from is None:
+            return Residency(8, resident)
+        leased = tuple(i * 4096 if lease_from <= i < resident else -1 for i in range(8))
+        offsets = tuple(leased for _ in ranks)
+        return Residency(8, resident, lease=5, offsets=offsets)
 
     scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
                               SchedulerSettings(load_async=True, sync_dram_loads=sync_dram_loads))
-    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    assert scheduler.num_new_matched_tokens("r", PROMPT, computed) == 8 * CHUNK - computed
+    assert asked == [computed // CHUNK]  # no lease for the chunks the engine holds
     assert scheduler.loads_async("r") is expect_async
-    scheduler.on_alloc("r", list(range(16)), 8 * CHUNK)
+    scheduler.on_alloc("r", list(range(16)), 8 * CHUNK - computed)
     (load,) = scheduler.take_plan().loads
     assert load.load_async is expect_async
-    assert load.leased[0][:resident] == tuple(range(0, resident * 4096, 4096))
+    assert load.leased[0][: resident - computed // CHUNK] == tuple(range(computed // CHUNK * 4096,
+                                                                           resident * 4096, 4096))
     scheduler.step_done([])
     assert scheduler.take_releases() == ([] if expect_async else [5])
     scheduler.step_done(["r"])  # the async load ended
     assert scheduler.take_releases() == ([5] if expect_async else [])
+
+
+def test_nothing_is_leased_where_the_engines_own_cache_covers_the_hit():
+    asked: list[int | None] = []
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        asked.append(lease_from)
+        return Residency(8, 8)
+
+    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 8 * CHUNK) == 0
+    assert asked == [None]

@@ -367,7 +367,7 @@ def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_wit
     try:
         ranks = [_keys(1, 3), _keys(11, 3)]
         assert _put(worker, ranks[0]) == [True] * 3 and _put(worker, ranks[1]) == [True] * 3
-        found = scheduler.lookup(ranks, lease=True)
+        found = scheduler.lookup(ranks, lease_from=0)
         assert (found.stored, found.resident) == (3, 3) and found.lease > 0
         assert all(o >= 0 for rank in found.offsets for o in rank)
         before = worker.info()["counters"].get("get.chunks", 0)
@@ -386,19 +386,39 @@ def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_wit
         worker.close()
 
 
+def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_gets(config):
+    """The chunks before `lease_from` the engine's own cache holds: they are neither pinned
+    nor counted as served; the rest of the DRAM run is, as a get's hits."""
+    worker = StoreClient(load_config(config), CHUNK)
+    scheduler = StoreClient(load_config(config))
+    try:
+        assert _put(worker, _keys(1, 4)) == [True] * 4
+        before = worker.info()["counters"]
+        found = scheduler.lookup([_keys(1, 4)], lease_from=3)
+        assert found.offsets[0][:3] == (-1, -1, -1) and found.offsets[0][3] >= 0
+        assert worker.tier_holds(found.offsets[0][3], _keys(4, 1)[0])
+        after = worker.info()["counters"]
+        for name in ("get.chunks", "get.hits", "host.leased"):
+            assert after.get(name, 0) - before.get(name, 0) == 1
+        assert scheduler.lookup([_keys(1, 4)], lease_from=4).lease == 0  # nothing past the run
+    finally:
+        scheduler.close()
+        worker.close()
+
+
 def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(tmp_path):
     raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
     worker = StoreClient(load_config(raw), CHUNK)
     try:
         assert _put(worker, _keys(1, 6)) == [True] * 6
         scheduler = StoreClient(load_config(raw))
-        first = scheduler.lookup([_keys(1, 3)], lease=True, counters={"load.chunks": 2})
-        second = scheduler.lookup([_keys(1, 3), _keys(4, 3)], lease=True)  # 6 asked, 1 left in budget
+        first = scheduler.lookup([_keys(1, 3)], lease_from=0, counters={"load.chunks": 2})
+        second = scheduler.lookup([_keys(1, 3), _keys(4, 3)], lease_from=0)  # 6 asked, 1 left in budget
         assert [len(o) for o in first.offsets] == [3] and second.lease == 0
         counters = worker.info()["counters"]
         assert counters["lease.over_budget"] == 1 and counters["load.chunks"] == 2  # counters rode along
         another = StoreClient(load_config(raw))  # the same user's: the same budget, not a new one
-        assert [len(o) for o in another.lookup([_keys(4, 3)], lease=True).offsets] == [1]
+        assert [len(o) for o in another.lookup([_keys(4, 3)], lease_from=0).offsets] == [1]
         another.close()
         scheduler.close()  # its pins go with it (once the service sees the connection end)
         deadline = time.monotonic() + 10
@@ -415,7 +435,7 @@ def test_a_client_that_may_not_map_the_tier_gets_no_lease(tmp_path):
     worker = StoreClient(load_config(raw), CHUNK)
     try:
         assert _put(worker, _keys(1, 2)) == [True] * 2
-        found = StoreClient(load_config(raw)).lookup([_keys(1, 2)], lease=True)
+        found = StoreClient(load_config(raw)).lookup([_keys(1, 2)], lease_from=0)
         assert (found.resident, found.lease, found.offsets) == (2, 0, ())
     finally:
         worker.close()

@@ -16,6 +16,7 @@ from kvstore.cli import main as cli_main
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.record import record_bytes
 from kvstore.store.tiered import TieredStore
+from kvstore.tiers.admission import Tuning
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.return_rates import RequestEnd
 
@@ -130,7 +131,7 @@ def test_ttft_compares_each_added_tier(tmp_path):
     TierPolicy(admission="tinylfu", chunk_tokens=BLOCK),
     TierPolicy(admission="predicted", chunk_tokens=BLOCK), TierPolicy(eviction="cost", chunk_tokens=BLOCK),
     TierPolicy(promote_on_hit=False, chunk_tokens=BLOCK),
-    TierPolicy(admission="learned", admission_threshold=0.6, chunk_tokens=BLOCK)],
+    TierPolicy(admission="learned", tuning=Tuning(threshold=0.6), chunk_tokens=BLOCK)],
     ids=["default", "second-touch", "tinylfu", "predicted", "cost", "no-promote", "learned"])
 def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, policy):
     """The same small trace through the replay and through a TieredStore (DRAM 4 chunks,
@@ -150,7 +151,7 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
     config = {"tiers": {"host": {"capacity": 4 * slot},
                         "disk": [{"path": disk_dir, "capacity": 3 * 4096 + 10 * slot}]},
               "promote_on_hit": policy.promote_on_hit, "disk_admission": policy.admission,
-              "disk_admission_threshold": policy.admission_threshold,
+              "disk_admission_threshold": policy.tuning.threshold, "disk_admission_loss": policy.tuning.loss,
               "eviction": policy.eviction, "chunk_tokens": BLOCK,
               "io": {"engine": "threads", "queue_depth": 16}}  # a batch holds a request
     replayer = Replayer([("host", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,

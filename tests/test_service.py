@@ -127,7 +127,9 @@ def test_metrics_are_scraped_from_the_store(config):
     assert "kvstore_host_hits_total 3.0" in text
     assert "kvstore_disk_bytes_written_total 0.0" in text  # all three still in DRAM: no SSD write
     assert "kvstore_disk_admission_refused_total 0.0" in text
-    assert 'kvstore_disk_admission_threshold{policy="learned"} 0.25' in text
+    assert 'kvstore_disk_admission_threshold{policy="learned"} 0.0' in text  # from cold: nothing refused
+    assert "kvstore_disk_admission_loss_budget 0.01" in text
+    assert "kvstore_disk_admission_loss_measured 0.0" in text
     assert "kvstore_disk_write_budget_bytes_per_day 1.099511627776e+12" in text
     assert "kvstore_disk_write_budget_left_bytes" in text and "kvstore_disk_budget_refused_total 0.0" in text
     assert 'kvstore_tier_chunks{tier="host"} 3.0' in text

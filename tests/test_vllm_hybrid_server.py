@@ -46,11 +46,14 @@ def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, d
     with OpenAIServer(model, ARGS, tmp_path / "reference.log", kv_cache_gib=1) as reference:
         expected = {name: reference.complete(prompt, max_tokens=8)
                     for name, prompt in (("prompt", PROMPT), ("damaged", DAMAGED))}
-    connector = {"config": config, "sliding_window_interval": CHUNK}  # every chunk kept
+    # Every chunk kept, and every save waits for its window slots: a busy machine's writer
+    # may take longer than the default wait, and a dropped save would move the chain's end.
+    connector = {"config": config, "sliding_window_interval": CHUNK, "save_window_wait_s": 120}
     try:
         with OpenAIServer(model, ARGS, tmp_path / "store.log", connector=connector, kv_cache_gib=1) as server:
             stored = server.complete(PROMPT, max_tokens=8)
             server.complete(DAMAGED, max_tokens=8)
+        assert counters(config).get("save.dropped", 0) == 0
         stop_service(config)  # every record on disk; the next service recovers them
         corrupt_record(disk, key=newest_chain_end(disk))  # one of DAMAGED's last chunks
         with OpenAIServer(model, ARGS, tmp_path / "load.log", connector={**connector, "prefetch": False},

@@ -1,4 +1,5 @@
-"""PNG plots for `kvstore replay --sweep` and `kvstore ttft` (matplotlib, no display).
+"""PNG plots for `kvstore replay` (`--sweep`, `learned` admission's threshold) and
+`kvstore ttft` (matplotlib, no display).
 
 matplotlib is the optional extra `plots` (in `dev` too): without it the commands
 still print and write their JSON, and say why the PNG is missing.
@@ -65,3 +66,32 @@ def plot_ttft(rows: list[dict[str, Any]], value: str, path: Path) -> Path:
     axes.set_xlabel("context (tokens)")
     axes.set_ylabel("time to first token (s)")
     return _save(plt, figure, axes, path)
+
+
+def plot_threshold(path: dict[str, Any], title: str, out: Path) -> Path:
+    """`learned` admission's threshold over the trace's time, and the share of hits its
+    refusals cost lately against its budget (bench/support/admission_path.py's `threshold_path`)."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    minutes = [t / 60 for t in path["time_s"]]
+    axes.plot(minutes, path["threshold"], label="threshold (return rate admitted)")
+    axes.set_xlabel("trace time (minutes)")
+    axes.set_ylabel("threshold")
+    axes.set_ylim(0, 1)
+    if path["counted_from_s"]:
+        axes.axvline(path["counted_from_s"] / 60, color="grey", linestyle=":", label="measured pass begins")
+    loss = axes.twinx()
+    loss.plot(minutes, path["loss_measured"], color="tab:red", alpha=0.7, label="hits lost lately (right)")
+    if path["loss_budget"] is not None:
+        loss.axhline(path["loss_budget"], color="tab:red", linestyle="--", label="loss budget (right)")
+    loss.set_ylabel("share of hits lost")
+    loss.set_ylim(0, max(0.03, 2 * (path["loss_budget"] or 0), *path["loss_measured"]))
+    lines, labels = axes.get_legend_handles_labels()
+    more, more_labels = loss.get_legend_handles_labels()
+    axes.legend(lines + more, labels + more_labels, loc="upper left", fontsize="small")
+    axes.set_title(title, fontsize="medium")
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.support.replay import Clairvoyant, Replayer, parse_tier
+from bench.support.admission_path import ThresholdPath
+from bench.support.replay import MEMORY_TIERS, Clairvoyant, Replayer, parse_tier
 from bench.support.trace import MOONCAKE_BLOCK_TOKENS, read_passes, read_trace
 from kvstore.format.errors import ConfigError
 from kvstore.format.units import format_size, parse_write_budget
-from kvstore.tiers.admission import ADMISSIONS, THRESHOLD
+from kvstore.tiers.admission import ADMISSIONS, THRESHOLD, Tuning
+from kvstore.tiers.loss_budget import LOSS
 from kvstore.tiers.policy import DEFAULT_ADMISSION, EVICTIONS, TierPolicy
 
 SWEEP_FACTORS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
@@ -39,9 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`; "
                              f"{DEFAULT_ADMISSION}, or learned with --write-budget), or `oracle`: only "
                              "chunks a later request will read (the bound)")
+    parser.add_argument("--admission-loss", type=float, default=LOSS,
+                        help="with --admission learned: the share of hits it may give up, which its "
+                             "threshold is tuned to (config `disk_admission_loss`; 0: the threshold is "
+                             "--admission-threshold alone)")
     parser.add_argument("--admission-threshold", type=float, default=THRESHOLD,
-                        help="with --admission learned: the return rate a chunk's bucket needs "
-                             "(config `disk_admission_threshold`)")
+                        help="with --admission learned: the least return rate a chunk's bucket needs, "
+                             "whatever the loss budget allows (config `disk_admission_threshold`)")
+    parser.add_argument("--request-ends", choices=("reported", "inferred"), default="reported",
+                        help="with --admission learned: how requests end is `reported` (output tokens, "
+                             "turn, idle time, as the vLLM connector reports them) or `inferred` (none "
+                             "reported, as from SGLang's and LMCache's backends: the service works turn and "
+                             "idle time out of the puts)")
     parser.add_argument("--write-budget", metavar="SIZE|N dwpd",
                         help="the most bytes written to the disk tiers in any 24 hours of the trace: a "
                              "size, or drive writes per day of their capacity (config `disk_write_budget`)")
@@ -100,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.kv_bytes_per_token = model_spec(args.model).kv_bytes_per_token
     started = time.perf_counter()
-    result = _replay(args, tiers)
+    result = _replay(args, tiers, path=True)
     result["seconds"] = time.perf_counter() - started
     if not args.no_bound and args.admission not in ("all", "oracle") and result["disk_bytes_written"] + \
             result["admission_refused"]:
@@ -115,25 +126,39 @@ def run(args: argparse.Namespace) -> int:
         _print_ttft(result["ttft"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-        if args.sweep:
-            from bench.commands.plots import PlotUnavailable, plot_sweep
-
-            try:
-                print(f"plot: {plot_sweep(result['sweep'], Path(args.json).with_suffix('.png'))}")
-            except PlotUnavailable as exc:
-                print(exc)
+        _plot(args, result)
     return 0
 
 
+def _plot(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The PNGs beside the JSON: the sweep's (its name's), `learned`'s threshold path (-threshold)."""
+    from bench.commands.plots import PlotUnavailable, plot_sweep, plot_threshold
+
+    out = Path(args.json)
+    try:
+        if args.sweep:
+            print(f"plot: {plot_sweep(result['sweep'], out.with_suffix('.png'))}")
+        if "threshold_path" in result:
+            title = f"{Path(args.trace).name}: learned admission, {args.passes} pass(es)"
+            png = out.with_name(out.stem + "-threshold.png")
+            print(f"plot: {plot_threshold(result['threshold_path'], title, png)}")
+    except PlotUnavailable as exc:
+        print(exc)
+
+
 def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: str | None = None,
-            budget: bool = True) -> dict[str, Any]:
-    """One replay; `admission` in place of --admission, and without the budget if not `budget`."""
+            budget: bool = True, path: bool = False) -> dict[str, Any]:
+    """One replay; `admission` in place of --admission, and without the budget if not `budget`;
+    with `path`, `learned`'s threshold over it (bench/support/admission_path.py)."""
     admission = admission or args.admission
     policy = _policy(args, admission)
     runs = read_passes(args.trace, args.block_tokens, args.limit, getattr(args, "passes", 1))
     requests = [request for run in runs for request in run]
     replayer = Replayer(tiers, args.kv_bytes_per_token, args.block_tokens, policy=policy,
                         tpot_s=args.tpot_ms / 1000)
+    if path and admission == "learned":
+        ThresholdPath(replayer)
+    replayer.ends.reported = args.request_ends == "reported"
     if getattr(args, "next_turn", None):
         from bench.support.next_turn_replay import NextTurnReads
 
@@ -157,16 +182,20 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
 
 
 def _policy(args: argparse.Namespace, admission: str) -> TierPolicy:
+    try:
+        tuning = Tuning(args.admission_threshold, args.admission_loss)
+    except ValueError as exc:
+        raise ConfigError("--admission-loss", args.admission_loss, str(exc)) from None
     return TierPolicy(promote_on_hit=not args.no_promote,
                       admission="all" if admission == "oracle" else admission,
-                      admission_threshold=args.admission_threshold, eviction=args.eviction,
-                      chunk_tokens=args.block_tokens)
+                      tuning=tuning, eviction=args.eviction, chunk_tokens=args.block_tokens)
 
 
 def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[str, Any]) -> dict[str, Any]:
     """This replay against `all` (what loses nothing) and `oracle` (what writes only what will
-    be read) on the same tiers: the share of the oracle's saving of disk writes it gets, and
-    the hit ratio it loses."""
+    be read) on the same tiers: the share of the oracle's saving of disk writes it gets, the
+    hit ratio it loses, and what the disk tiers gain under `all` (their hit ratio: what any
+    admission could lose at most, give or take DRAM's share)."""
     everything = _replay(args, tiers, "all", budget=False)
     oracle = _replay(args, tiers, "oracle", budget=False)
     written = everything["disk_bytes_written"]
@@ -176,7 +205,9 @@ def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[
             "of_all_written": 1 - saving, "oracle_of_all_written": 1 - oracle_saving,
             "of_oracle_saving": saving / oracle_saving if oracle_saving else None,
             "hit_ratio_lost": everything["hit_ratio"] - result["hit_ratio"],
-            "oracle_hit_ratio_lost": everything["hit_ratio"] - oracle["hit_ratio"]}
+            "oracle_hit_ratio_lost": everything["hit_ratio"] - oracle["hit_ratio"],
+            "all_disk_hit_ratio": sum(t["hit_ratio"] for i, t in enumerate(everything["tiers"])
+                                      if i and t["name"] not in MEMORY_TIERS)}
 
 
 TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk": "disk",
@@ -248,7 +279,8 @@ def _print(result: dict[str, Any]) -> None:
               f"({format_size(bound['all_disk_bytes_written'])}), the oracle's "
               f"{bound['oracle_of_all_written']:.3f}: "
               f"{'-' if share is None else f'{share:.2f}'} of the oracle's saving, hit ratio lost "
-              f"{bound['hit_ratio_lost']:.4f} (oracle {bound['oracle_hit_ratio_lost']:.4f})")
+              f"{bound['hit_ratio_lost']:.4f} (oracle {bound['oracle_hit_ratio_lost']:.4f}; all's disk "
+              f"hits {bound['all_disk_hit_ratio']:.3f})")
     if "next_turn" in result:
         print(f"next turn {result['next_turn']}: {result['dram_resident_at_arrival']:.3f} of found chunks in "
               f"DRAM at arrival; read ahead {format_size(result['prefetch_read_bytes'])}, wasted "

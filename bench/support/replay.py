@@ -150,16 +150,21 @@ class DiskWrites:
 class RequestEnds:
     """Requests end `tpot_s` an output token after they arrive and tell the policy how
     (`learned` admission: the answer's length, and the turn and idle time the chain
-    history works out, as the connector does); delivered in order of their end."""
+    history works out, as the connector does); delivered in order of their end. Unless
+    `reported` (set it False): then none is told, as SGLang's and LMCache's backends tell
+    none, and the policy infers what it can from the puts."""
 
     def __init__(self, policy: TierPolicy, tpot_s: float) -> None:
         self.policy = policy
         self.tpot_s = tpot_s
+        self.reported = True
         self.chains = ChainHistory()
         self._ends: list[tuple[float, int, list[bytes], RequestEnd]] = []  # a heap, by end time
         self._order = itertools.count()
 
     def arrived(self, request: TraceRequest, keys: list[bytes]) -> None:
+        if not self.reported:
+            return
         turn, idle = self.chains.arrived(keys, request.arrival_s)
         end = RequestEnd(request.output_tokens, turn, idle)
         heapq.heappush(self._ends, (request.arrival_s + request.output_tokens * self.tpot_s,
@@ -418,7 +423,7 @@ class Replayer:
             self.store.promote(found, keys, parents, "get")
             self._promote_from_peers(elsewhere, keys, parents)
         self.store.touch(hits)
-        self.policy.seen(hits)
+        self.policy.seen(hits, read=True)
         put = keys[stored:]  # the put: what no tier holds of it is stored
         new = [i for i in range(stored, len(keys)) if not self.store.held(keys[i])]
         self.policy.seen(put, keys[stored - 1] if stored else None)

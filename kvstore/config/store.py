@@ -396,16 +396,24 @@ class StoreConfig(Schema):
                            "`disk_min_seen` times; `predicted`: as second-touch, or one whose prefix "
                            "family's chunks mostly come back; `learned`: one whose bucket (the answer "
                            "length, turn and idle time of the request that last named it, as the vLLM "
-                           "connector reports them) came back after leaving DRAM at least "
-                           "`disk_admission_threshold` of the time. A refused chunk is dropped from DRAM "
-                           "(`disk.admission_refused`). Default `all`, or `learned` when a "
-                           "`disk_write_budget` is set. Only `all` goes with `write_policy: "
-                           "write_through`, which writes every chunk",
+                           "connector reports them or the service infers them from SGLang's and "
+                           "LMCache's puts) came back after leaving DRAM at least as often as a "
+                           "threshold tuned to lose no more than `disk_admission_loss` of the hits. A "
+                           "refused chunk is dropped from DRAM (`disk.admission_refused`). Default "
+                           "`all`, or `learned` when a `disk_write_budget` is set. Only `all` goes with "
+                           "`write_policy: write_through`, which writes every chunk",
         json_schema_extra={"doc_default": "`all` (`learned` with a `disk_write_budget`)"})
+    disk_admission_loss: Annotated[float, fraction()] = Field(
+        0.01, description="`learned`: the share of the store's hits disk admission may give up (hits a "
+                          "refused chunk would have served, measured as refused chunks are asked for "
+                          "again); its threshold starts at 0, admitting every chunk, and moves so the "
+                          "loss measured stays within this (docs/replay.md). 0: the threshold is "
+                          "`disk_admission_threshold` alone")
     disk_admission_threshold: Annotated[float, fraction()] = Field(
-        0.25, description="`learned`: the return rate a chunk's bucket needs for the chunk to be written "
-                         "to disk (the share of its chunks that were stored or read again after leaving "
-                         "DRAM); a `disk_write_budget` raises it further while writes would go over")
+        0.0, description="`learned`: the least return rate a chunk's bucket needs for the chunk to be "
+                         "written to disk (the share of its chunks stored or read again after leaving "
+                         "DRAM), whatever `disk_admission_loss` allows; a `disk_write_budget` raises "
+                         "the threshold further while writes would go over")
     disk_write_budget: Annotated[int | str, write_rate()] | None = Field(
         None, description="the most bytes written to the disk tier in any 24 hours: a size (e.g. `2TiB`) "
                           "or drive writes per day of the disk tier's capacity (e.g. `0.5 dwpd`); never "
@@ -478,7 +486,8 @@ class StoreConfig(Schema):
 
 # What a SIGHUP reload applies to a running service (kvstore/service/server.py); engines
 # started before it keep the config they started with, so a hello does not compare these.
-LIVE_KEYS = ("disk_admission", "disk_min_seen", "disk_admission_threshold", "disk_write_budget", "eviction")
+LIVE_KEYS = ("disk_admission", "disk_min_seen", "disk_admission_threshold", "disk_admission_loss",
+             "disk_write_budget", "eviction")
 
 
 def load_config(source: StoreConfig | dict[str, Any] | str | os.PathLike[str]) -> StoreConfig:

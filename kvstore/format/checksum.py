@@ -115,25 +115,8 @@ def xxh3_64_scatter(payload: memoryview, pieces: Sequence[tuple[memoryview, int]
 
 def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
     """Copy `src` into `dst` (same length) and return xxh3-64 of `src`, in one pass over
-    memory: each piece is hashed, then copied from cache. The GIL is released throughout."""
+    memory: each piece is hashed, then copied from cache (xxh3_64_scatter, one piece)."""
     source, target = memoryview(src).cast("B"), memoryview(dst).cast("B")
     if len(source) != len(target):
         raise ValueError(f"copy of {len(source)} bytes into {len(target)}")
-    if _STREAM is None or len(source) < _SMALL:
-        target[:] = source
-        return xxh3_64(source)
-    create, reset, update, digest, free = _STREAM
-    state = create()
-    if not state:
-        raise MemoryError("XXH3_createState")
-    try:
-        reset(state)
-        src_base = np.frombuffer(source, np.uint8).ctypes.data  # read-only memory too (a client's put)
-        dst_base = ctypes.addressof(ctypes.c_char.from_buffer(target))
-        for start in range(0, len(source), PIECE):
-            size = min(PIECE, len(source) - start)
-            update(state, src_base + start, size)
-            ctypes.memmove(dst_base + start, src_base + start, size)
-        return int(digest(state))
-    finally:
-        free(state)
+    return xxh3_64_scatter(source, [(target, 0)])

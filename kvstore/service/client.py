@@ -216,19 +216,21 @@ class StoreClient:
         found = self.lookup(ranks, prefetch, await_s=await_s)
         return found.stored, found.resident, found.pending
 
-    def lookup(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False, lease: bool = False,
+    def lookup(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False, lease_from: int | None = None,
                release: Sequence[int] = (), counters: Mapping[str, float] | None = None,
                await_s: float = 0.0) -> Found:
         """`residency_ranks`, with what a scheduler's lookup carries: `release` (leases it is
-        done with) and `counters` (added as by `count`) go first, and with `lease` the leading
-        chunks every rank has in DRAM come back pinned for its workers (`Found.lease`, 0 for
-        none; `Found.offsets[rank][i]`: chunk i's payload in the tier, -1 where not pinned).
+        done with) and `counters` (added as by `count`) go first, and with `lease_from` the
+        leading chunks every rank has in DRAM, from that one on (those before it the engine
+        holds), come back pinned for its workers (`Found.lease`, 0 for none;
+        `Found.offsets[rank][i]`: chunk i's payload in the tier, -1 where not pinned).
         A prompt with more keys than one frame carries (protocol.MAX_KEYS, every rank's
         together) is asked about a piece of chunks at a time, the next only while all of one
         is stored; only the first piece carries the rest and is leased."""
         lists = [list(k) for k in ranks]
         step = _per_rank(lists)
-        extras: dict[str, Any] = {"lease": lease, "release": list(release), "counters": dict(counters or {})}
+        extras: dict[str, Any] = {"lease_from": lease_from, "release": list(release),
+                                  "counters": dict(counters or {})}
         stored = resident = number = 0
         pending = False
         offsets: tuple[tuple[int, ...], ...] = ()
@@ -236,7 +238,7 @@ class StoreClient:
             piece = [k[start : start + step] for k in lists]
             reply = self._request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S), **extras))
             if start == 0:
-                number, offsets = _leased(reply[3:])
+                number, offsets = _leased(reply[3:], lease_from or 0)
             extras = {}
             if resident == stored:  # a leading run: DRAM's continues only where all before was there
                 resident += int(reply[1])
@@ -396,11 +398,12 @@ class Found:
     offsets: tuple[tuple[int, ...], ...] = ()
 
 
-def _leased(extra: Sequence[Any]) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """(lease, offsets per rank) of a Residency reply's lease part ((0, ()) without one)."""
+def _leased(extra: Sequence[Any], first: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(lease, offsets per rank from chunk 0) of a Residency reply's lease part, whose offsets
+    start at chunk `first` ((0, ()) without one)."""
     if len(extra) < 2:
         return 0, ()
-    return int(extra[0]), tuple(tuple(int(o) for o in rank) for rank in extra[1])
+    return int(extra[0]), tuple((-1,) * first + tuple(int(o) for o in rank) for rank in extra[1])
 
 
 def _per_rank(ranks: Sequence[Sequence[bytes]]) -> int:

@@ -238,9 +238,10 @@ class Requests:
 
     def _residency(self, store: TieredStore | None, client: Client, request: P.Residency) -> list[Any]:
         """One prompt's residency snapshot, after the counters and releases the request carries;
-        with `lease`, the leading chunks every rank has in DRAM pinned for the client's engine
-        workers (the lookup that decides a load protects it: nothing is evicted between that
-        decision and the workers' copy, and they copy with no request of their own)."""
+        with `lease_from`, the leading chunks every rank has in DRAM from that one on pinned for
+        the client's engine workers (the lookup that decides a load protects it: nothing is
+        evicted between that decision and the workers' copy, and they copy with no request of
+        their own)."""
         self.client_counters.add(store, request.counters)
         for number in request.release:
             self._release(client, number)
@@ -248,27 +249,27 @@ class Requests:
         found: list[Any] = [0, 0, False]
         if store is not None and request.ranks:
             found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
-        if not request.lease:
+        if request.lease_from is None:
             return found
-        return found + self._lease_resident(store, client, request.ranks, int(found[1]))
+        return found + self._lease_resident(store, client, request.ranks, request.lease_from, int(found[1]))
 
     def _lease_resident(self, store: TieredStore | None, client: Client, ranks: list[list[bytes]],
-                        resident: int) -> list[Any]:
-        """[lease, offsets per rank] of the leading `resident` chunks of every rank (as many
-        as the user's budget, service.scheduler_leases for all its connections together, has
-        room for: no user pins more of DRAM than that, however many connections it opens;
-        DRAM only: no disk read on a lookup), or [0, []] where none is pinned or the client
-        may not map the tier."""
-        if store is None or not resident or not self._may_map_dram(client):
+                        first: int, resident: int) -> list[Any]:
+        """[lease, offsets per rank] of chunks `first` to `resident` (the DRAM run) of every
+        rank (as many as the user's budget, service.scheduler_leases for all its connections
+        together, has room for: no user pins more of DRAM than that, however many connections
+        it opens; DRAM only: no disk read on a lookup), or [0, []] where none is pinned or the
+        client may not map the tier."""
+        if store is None or first >= resident or not self._may_map_dram(client):
             return [0, []]
         budget = self.config.service.scheduler_leases // store.chunk_bytes
         with self._leased_lock:
-            count = min(resident, max(0, budget - self._leased[client.uid]) // len(ranks))
+            count = min(resident - first, max(0, budget - self._leased[client.uid]) // len(ranks))
             self._leased[client.uid] += count * len(ranks)  # taken before the pin: no two overrun it
         if not count:
             store.stats.add("lease.over_budget")
             return [0, []]
-        lease = store.lease([key for keys in ranks for key in keys[:count]], from_disk=False)
+        lease = store.lease([key for keys in ranks for key in keys[first : first + count]], from_disk=False)
         number = next(client.lease_ids)
         client.leases[number] = lease
         client.lookup_leases.add(number)

@@ -26,7 +26,7 @@ from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 SUFFIX = ".learned"  # after the service's socket path
-MAX_BYTES = 1 << 20  # a state is a few kilobytes (tiers/return_rates.py ReturnRates.state)
+MAX_BYTES = 1 << 20  # a state is ~200 KB, set by the tally layout (return_rates.py ReturnRates.state)
 STATE = dict[str, int | float | list[float]]  # its shape: nothing nests deeper
 
 

@@ -10,8 +10,10 @@ the hot path pays nothing extra.
   kvstore_tier_capacity_bytes{tier}
   kvstore_read_latency_seconds{tier,quantile}  per-chunk read latency, recent samples
   kvstore_read_seconds{tier}        histogram of per-chunk read latency since start
-  kvstore_disk_admission_threshold{policy}  the return rate `learned` admission asks (and the
+  kvstore_disk_admission_threshold{policy}  the return rate `learned` admission asks now (and the
                                     write budget's, if higher: kvstore_disk_write_budget_threshold)
+  kvstore_disk_admission_loss_budget, kvstore_disk_admission_loss_measured  the share of hits
+                                    `learned` may give up, and what refusals cost lately
   kvstore_disk_write_budget_bytes_per_day, kvstore_disk_write_budget_left_bytes  with a budget
   kvstore_device_in_service{device,kind}   1 while a disk/NVMe-oF device serves, else 0
   kvstore_device_faults_total{device,kind} faulted I/Os; kvstore_device_trips_total: breaker trips
@@ -88,15 +90,19 @@ class StoreCollector(Collector):
 
 
 def _admission_families(admission: dict) -> Iterator[GaugeMetricFamily]:
-    """Disk admission's threshold and write budget (its counters are Stats counters:
+    """Disk admission's threshold, loss budget and write budget (its counters are Stats counters:
     kvstore_disk_admitted_total, kvstore_disk_admission_refused_total, kvstore_disk_budget_refused_total)."""
     if "threshold" in admission:
         threshold = GaugeMetricFamily("kvstore_disk_admission_threshold",
-                                      "the return rate learned disk admission asks of a chunk's bucket",
+                                      "the return rate learned disk admission asks of a chunk's bucket now",
                                       labels=["policy"])
         threshold.add_metric([admission["policy"]], admission["threshold"])
         yield threshold
     for field, name, text in (
+            ("loss_budget", "kvstore_disk_admission_loss_budget",
+             "the share of hits learned admission may give up"),
+            ("loss_measured", "kvstore_disk_admission_loss_measured",
+             "the share of hits learned admission's refusals cost lately"),
             ("budget_bytes_per_day", "kvstore_disk_write_budget_bytes_per_day", "the disk write budget"),
             ("budget_left_bytes", "kvstore_disk_write_budget_left_bytes",
              "bytes the budget lets be written now"),

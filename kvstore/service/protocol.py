@@ -12,13 +12,14 @@ Requests (a tagged union) and what a Reply's value holds:
                            -> {"slots": n, "window_bytes": n, "pages": kind} (+ the window's fd)
                               or None; where the client may map the DRAM tier, also
                               "tier_bytes", "tier_pages" (+ the tier's fd, sealed read-only)
-  Residency(ranks, prefetch, await_s, lease, release, counters)
+  Residency(ranks, prefetch, await_s, lease_from, release, counters)
                            -> [leading chunks every rank has, of those in DRAM, promotion pending];
                               with await_s, a request is held up to that long for the rest: the
                               cluster index is watched for them (kvstore/cluster/node.py); with
-                              `lease`, also [lease, [[offset] per rank]]: the leading chunks
-                              every rank has in DRAM pinned for the client's engine workers to
-                              copy out of the tier (handlers.py: a budget per connection; lease
+                              `lease_from`, also [lease, [[offset] per rank]]: the chunks from
+                              that one on of the leading run every rank has in DRAM (those before
+                              it the engine holds itself) pinned for the client's engine workers
+                              to copy out of the tier, each a get (handlers.py: a budget per connection; lease
                               0: none), until Unpin(lease), a later Residency's `release`, or
                               the connection ends; `release` and `counters` (as Count) are
                               taken first: one round trip per lookup
@@ -76,9 +77,10 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 11  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+PROTOCOL_VERSION = 12  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
 # it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find; 10: a
-# Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client
+# Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client;
+# 12: a Residency leases from a chunk on (lease_from)
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
@@ -120,7 +122,7 @@ class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
     ranks: Ranks  # one prompt's keys per tensor-parallel rank
     prefetch: bool = False
     await_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_AWAIT_S)] = 0.0
-    lease: bool = False  # pin the leading chunks every rank has in DRAM (for the client's workers)
+    lease_from: Whole | None = None  # pin the DRAM run from this chunk on (for the client's workers)
     release: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)] = []  # leases given back first
     counters: Annotated[dict[Name, Amount], msgspec.Meta(max_length=256)] = {}  # added first, as Count
 

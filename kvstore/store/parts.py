@@ -9,6 +9,7 @@ part once, whatever was built.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from kvstore.io import IoEngine, make_engine
 from kvstore.io.memfd import SharedMemory
 from kvstore.io.regions import DirectRegions
 from kvstore.io.staging import StagingPool
+from kvstore.tiers.admission import Tuning
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.policy import TierPolicy
@@ -56,7 +58,7 @@ class StoreParts:
         self.policy = TierPolicy(promote_on_hit=config.promote_on_hit,
                                  write_through=config.write_policy == "write_through",
                                  admission=config.disk_admission, disk_min_seen=config.disk_min_seen,
-                                 admission_threshold=config.disk_admission_threshold,
+                                 tuning=Tuning(config.disk_admission_threshold, config.disk_admission_loss),
                                  eviction=config.eviction, chunk_tokens=config.chunk_tokens)
         self.regions = DirectRegions()
         self.ledger = PrefetchLedger(self.stats, chunk_bytes)
@@ -162,12 +164,15 @@ class StoreParts:
         return None
 
     def switch_policy(self, admission: str | None = None, eviction: str | None = None,
-                      min_seen: int | None = None, threshold: float | None = None) -> None:
-        """Change disk admission (with `disk_min_seen`, `disk_admission_threshold`) and eviction
-        while serving (the service's SIGHUP reload): no chunk a tier holds is dropped or
-        rewritten; only later decisions change."""
-        if admission is not None or min_seen is not None or threshold is not None:
-            self.policy.set_admission(admission or self.policy.admission, min_seen, threshold)
+                      min_seen: int | None = None, threshold: float | None = None,
+                      loss: float | None = None) -> None:
+        """Change disk admission (with `disk_min_seen`, `disk_admission_threshold`,
+        `disk_admission_loss`) and eviction while serving (the service's SIGHUP reload): no
+        chunk a tier holds is dropped or rewritten; only later decisions change."""
+        if admission is not None or min_seen is not None or threshold is not None or loss is not None:
+            changed = {name: v for name, v in (("threshold", threshold), ("loss", loss)) if v is not None}
+            tuning = dataclasses.replace(self.policy.tuning, **changed)
+            self.policy.set_admission(admission or self.policy.admission, min_seen, tuning)
         if eviction is not None:
             self.policy.set_eviction(eviction)
             for tier in (self.dram, self.disk):
@@ -178,7 +183,8 @@ class StoreParts:
         """Apply the live keys a config reload changed (config.store.LIVE_KEYS, the service's
         SIGHUP), keeping every chunk a tier holds."""
         self.switch_policy(admission=live.get("disk_admission"), eviction=live.get("eviction"),
-                           min_seen=live.get("disk_min_seen"), threshold=live.get("disk_admission_threshold"))
+                           min_seen=live.get("disk_min_seen"), threshold=live.get("disk_admission_threshold"),
+                           loss=live.get("disk_admission_loss"))
         if "disk_write_budget" in live:
             self.set_write_budget(live["disk_write_budget"])
 

@@ -45,9 +45,7 @@ class Reads:
         if self.parts.dram is None:
             return held
         self._read(keys, None, held, from_disk, unchecked)
-        # A worker's pin is its get; a lookup's lease (DRAM only) is not one yet: the load
-        # it protects may be given up (the engine's own cache may hold the chunks).
-        for name in ("get.chunks", "get.hits", "host.leased") if from_disk else ("host.leased",):
+        for name in ("get.chunks", "get.hits", "host.leased"):  # a pin is the get of what it serves
             self.parts.stats.add(name, len(held))
         return held
 
@@ -69,7 +67,7 @@ class Reads:
         if parts.cluster is not None and views is not None:
             parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
         parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
-        parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served])
+        parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served], read=True)
         return ok
 
     def _from_dram(self, keys: Sequence[bytes], views: list[memoryview] | None, pins: Pins,

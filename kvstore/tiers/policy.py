@@ -7,10 +7,11 @@ ask this object the same questions, so a replay's hit ratios are the store's:
   already or does not admit it (then it is simply evicted: `admission_refused`);
 - the disk admits a chunk as the `admission` policy says (admission.py: `all`,
   `second-touch`, `tinylfu`, `predicted`, `learned`), from the chains requests stored or
-  read (`seen`), how requests ended (`finished`) and what left DRAM (`left_dram`, told by
-  the DRAM table's events); `admits` only asks, so a victim scan may ask it of many
-  chunks; with write_through every chunk goes down as soon as it is stored and is
-  never refused (a PD producer in a cluster relies on it: connectors/handoff.py);
+  read (`seen`; reads are hits, which `learned`'s loss budget is a share of), how
+  requests ended (`finished`) and what left DRAM (`left_dram`, told by the DRAM table's
+  events); `admits` only asks, so a victim scan may ask it of many chunks; with
+  write_through every chunk goes down as soon as it is stored and is never refused (a
+  PD producer in a cluster relies on it: connectors/handoff.py);
 - with a write budget (write_budget.py) the disk also refuses chunks whose return rate is
   under the budget's threshold, and every disk write is claimed from its allowance first
   (`claim_writes`, `settle_writes`): the budget is never exceeded;
@@ -46,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.tiers.admission import THRESHOLD, TRACKED_KEYS, Admission, Learned, make_admission
+from kvstore.tiers.admission import TRACKED_KEYS, Admission, Learned, Tuning, make_admission
 from kvstore.tiers.eviction import CostAware, Eviction, PrefixLRU
 from kvstore.tiers.return_rates import RequestEnd
 from kvstore.tiers.slots import Fate
@@ -56,9 +57,9 @@ EVICTIONS = ("lru", "cost")
 DEFAULT_ADMISSION = "all"
 CROSSOVER_TOKENS = 32768
 _DEPTHS = 4 * TRACKED_KEYS  # chunks whose depth and family are remembered
-# however large the tiers: the most keys `learned` remembers a kind of (about 680 bytes for each of
-# its labels, last-named times, departures, returns and queue entry: 340 MiB), and tinylfu's
-# counters a row (16 MiB)
+# however large the tiers: the most keys `learned` remembers a kind of (about 1,250 bytes for each
+# of its labels, reported and inferred, last-named times, departures, returns and queue entry:
+# 624 MiB, tracemalloc), and tinylfu's counters a row (16 MiB)
 _MOST_LEARNED, _MOST_COUNTERS = 1 << 19, 1 << 22
 _BRANCHED = b""  # a chunk seen with two different children
 
@@ -120,7 +121,7 @@ class TierPolicy:
     write_through: bool = False
     admission: str = DEFAULT_ADMISSION
     disk_min_seen: int = 2  # sightings `second-touch`, `tinylfu` and `predicted` ask for
-    admission_threshold: float = THRESHOLD  # the return rate `learned` asks of a chunk's bucket
+    tuning: Tuning = field(default_factory=Tuning)  # `learned`'s least threshold and loss budget
     eviction: str = "lru"
     chunk_tokens: int = 256
     crossover_tokens: int = field(default=CROSSOVER_TOKENS, init=False)
@@ -133,14 +134,15 @@ class TierPolicy:
         self.set_eviction(self.eviction)
         self._capacity = (TRACKED_KEYS, TRACKED_KEYS)  # (learned's keys, tinylfu's counters a row)
         self._budget: WriteBudget | None = None
-        self._admission: Admission = self._make(self.admission, self.disk_min_seen, self.admission_threshold)
+        self._admission: Admission = self._make(self.admission, self.disk_min_seen)
         self._chains = ChainMemory()
 
-    def _make(self, name: str, min_seen: int, threshold: float) -> Admission:
+    def _make(self, name: str, min_seen: int) -> Admission:
         capacity = {"learned": self._capacity[0], "tinylfu": self._capacity[1]}.get(name, TRACKED_KEYS)
-        admission = make_admission(name, min_seen, capacity, threshold)
+        admission = make_admission(name, min_seen, capacity)
         if isinstance(admission, Learned):
             admission.clock = lambda: self.clock()  # the clock a replay sets later, too
+            admission.tune(self.tuning)
         return admission
 
     def set_capacity(self, dram_chunks: int, stored_chunks: int) -> None:
@@ -150,23 +152,23 @@ class TierPolicy:
         most _MOST_LEARNED and _MOST_COUNTERS."""
         self._capacity = (min(_MOST_LEARNED, max(TRACKED_KEYS, dram_chunks)),
                           min(_MOST_COUNTERS, max(TRACKED_KEYS, stored_chunks)))
-        admission = self._make(self.admission, self.disk_min_seen, self.admission_threshold)
+        admission = self._make(self.admission, self.disk_min_seen)
         with self._lock:
             self._admission = admission
 
-    def set_admission(self, name: str, min_seen: int | None = None, threshold: float | None = None) -> None:
-        """Switch the disk admission policy (its sightings, its threshold) now; what the disk
-        holds stays, and so does what `learned` has learned when only its threshold changes."""
+    def set_admission(self, name: str, min_seen: int | None = None, tuning: Tuning | None = None) -> None:
+        """Switch the disk admission policy (its sightings, `learned`'s tuning; None: as they
+        are) now; what the disk holds stays, and so does what `learned` has learned when only
+        its tuning changes."""
         min_seen = self.disk_min_seen if min_seen is None else min_seen
-        threshold = self.admission_threshold if threshold is None else threshold
+        self.tuning = self.tuning if tuning is None else tuning
         with self._lock:
             if isinstance(self._admission, Learned) and name == self.admission:
-                self._admission.threshold = self.admission_threshold = threshold
+                self._admission.tune(self.tuning)
                 return
-        admission = self._make(name, min_seen, threshold)
+        admission = self._make(name, min_seen)
         with self._lock:
-            self.admission, self._admission = name, admission
-            self.disk_min_seen, self.admission_threshold = min_seen, threshold
+            self.admission, self._admission, self.disk_min_seen = name, admission, min_seen
 
     def use_admission(self, admission: Admission) -> None:
         """Admit by a policy made elsewhere (the replay's clairvoyant bound, bench/support/replay.py)."""
@@ -193,15 +195,21 @@ class TierPolicy:
         """A tier's eviction order as `eviction` names it (SlotTable.set_eviction takes it)."""
         return CostAware(self.chunk_cost) if self.eviction == "cost" else PrefixLRU()
 
-    def seen(self, keys: list[bytes], parent: bytes | None = None) -> None:
-        """Requests stored or read these chunks of one chain, `parent` before the first."""
+    def seen(self, keys: list[bytes], parent: bytes | None = None, read: bool = False) -> None:
+        """A request stored (`read`: read from the store, hits) these chunks of one chain,
+        `parent` before the first."""
         if not keys or (self.admission == "all" and self.eviction != "cost"):
             return  # nothing to remember (the default): no lock on every put and get
         with self._lock:
-            if self.eviction != "cost" and self.admission != "predicted":  # no depth or family asked
-                self._admission.see(keys, keys[0])
-                return
-            self._admission.see(keys, self._chains.record(keys, parent))
+            asked = self.eviction == "cost" or self.admission == "predicted"  # a depth or a family
+            family = self._chains.record(keys, parent) if asked else keys[0]
+            admission = self._admission
+            if not isinstance(admission, Learned):
+                admission.see(keys, family)
+            elif read:
+                admission.served(keys)
+            else:
+                admission.stored(keys, parent)
 
     def finished(self, keys: Sequence[bytes], end: RequestEnd) -> None:
         """A request that named these chunks ended so (what `learned` learns from)."""
@@ -231,7 +239,7 @@ class TierPolicy:
         with self._lock:
             if self._budget is not None and not on_disk:
                 self._budget.offered(self._admission.rate_of(key), self.clock())
-            self._admission.left(key)
+            self._admission.left(key, on_disk)
         return reason
 
     def admits(self, key: bytes) -> bool:
@@ -280,8 +288,8 @@ class TierPolicy:
         """The admission policy and its budget as `kvstore info` shows them."""
         with self._lock:
             info: dict[str, Any] = {"policy": self.admission}
-            if self.admission == "learned":
-                info["threshold"] = self.admission_threshold
+            if isinstance(self._admission, Learned):
+                info.update(self._admission.describe())
             if self._budget is not None:
                 info.update(self._budget.describe(self.clock()))
             return info
