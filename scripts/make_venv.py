@@ -24,9 +24,10 @@ import re
 import shlex
 import shutil
 import stat
-import subprocess
 import sys
+import venv
 from pathlib import Path
+from types import SimpleNamespace
 
 PLAIN = re.compile(r"[A-Za-z0-9/._+@,=-]+")  # what no compile line, LD_PRELOAD or PATH splits
 INTERPRETER = f"python{sys.version_info[0]}.{sys.version_info[1]}"  # the venv's, as `python -m venv` names it
@@ -115,22 +116,29 @@ def _replace_with_link(path: Path, target: str) -> None:
     os.replace(made, path)
 
 
-def make_plain_venv(venv: Path) -> None:
-    """A virtualenv at `venv` (a plain path) whose `python` and `python3` start its
-    interpreter as `venv`/bin/INTERPRETER, linked straight to the base Python's binary
-    (venv links it through `python3`, which becomes the script here). The script
-    is written last: where it is there, the virtualenv is whole."""
-    bin_dir = venv / "bin"
-    if (bin_dir / "python").is_file() and SHIM_MARK in (bin_dir / "python").read_text(errors="replace"):
-        return
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    interpreter = bin_dir / INTERPRETER
-    _replace_with_link(interpreter, os.path.realpath(interpreter))
-    for name in ("python3", "python"):
-        made = bin_dir / f".{name}.{os.getpid()}"
-        made.write_text(SHIM.format(interpreter=shlex.quote(str(interpreter))))
-        made.chmod(0o755)
-        os.replace(made, bin_dir / name)
+class PlainVenv(venv.EnvBuilder):
+    """`python -m venv`'s builder, whose virtualenv's `python` and `python3` become scripts
+    starting its interpreter as bin/INTERPRETER, linked straight to the base Python's binary
+    (venv may link it through `python` or `python3`, which become the scripts here). They are
+    written after pip is installed (post_setup): where the script is there, the virtualenv is whole."""
+
+    def __init__(self) -> None:
+        super().__init__(symlinks=True, with_pip=True, clear=True)  # a half-made one is made again
+
+    def post_setup(self, context: SimpleNamespace) -> None:
+        bin_dir = Path(context.bin_path)
+        interpreter = bin_dir / INTERPRETER
+        _replace_with_link(interpreter, os.path.realpath(interpreter))
+        for name in ("python3", "python"):
+            made = bin_dir / f".{name}.{os.getpid()}"
+            made.write_text(SHIM.format(interpreter=shlex.quote(str(interpreter))))
+            made.chmod(0o755)
+            os.replace(made, bin_dir / name)
+
+    @staticmethod
+    def is_whole(venv_dir: Path) -> bool:
+        python = venv_dir / "bin" / "python"
+        return python.is_file() and SHIM_MARK in python.read_text(errors="replace")
 
 
 def make(name: str, environ: dict[str, str]) -> str:
@@ -139,20 +147,20 @@ def make(name: str, environ: dict[str, str]) -> str:
     here = Path(name)
     if checkout_is_plain(environ):
         if not os.access(here / "bin" / "python", os.X_OK):
-            subprocess.run([sys.executable, "-m", "venv", name], check=True)
+            venv.EnvBuilder(symlinks=True, with_pip=True).create(name)  # as `python3 -m venv NAME`
         return ""
-    venv = checkout_dir(environ) / name.lstrip(".")
-    if here.is_symlink() and os.readlink(here) == str(venv):
-        make_plain_venv(venv)
+    target = checkout_dir(environ) / name.lstrip(".")
+    if here.is_symlink() and os.readlink(here) == str(target) and PlainVenv.is_whole(target):
         return ""
-    said = f"{name} is a link to {venv}: this checkout's path is not plain"
+    said = f"{name} is a link to {target}: this checkout's path is not plain"
     if not here.is_symlink() and (here / "pyvenv.cfg").is_file():
         shutil.rmtree(here)  # made in place by an earlier setup: its engines cannot run
-        said = f"{name} was made inside this checkout, whose path is not plain: made again in {venv}"
+        said = f"{name} was made inside this checkout, whose path is not plain: made again in {target}"
     elif not here.is_symlink() and here.exists():
-        raise Refused(f"{name} is in the way of the link to {venv}, and it is not a virtualenv: move it away")
-    make_plain_venv(venv)
-    _replace_with_link(here, str(venv))
+        raise Refused(f"{name} is in the way of the link to {target} and is not a virtualenv: move it away")
+    if not PlainVenv.is_whole(target):
+        PlainVenv().create(str(target))
+    _replace_with_link(here, str(target))
     return said
 
 

@@ -48,8 +48,10 @@ def test_a_checkout_with_spaces_runs_a_private_virtualenv_by_a_plain_path(tmp_pa
     for python in (".venv/bin/python", str(checkout / ".venv" / "bin" / "python3")):  # README's; whole
         paths = prefix_and_packages(python, checkout)
         assert paths[0] == str(venv) and all(map(plain, paths)), paths
+    (venv / "installed").write_text("")  # what setup installed: a second run keeps it
     again = make_venv(checkout, home)
     assert again.returncode == 0 and os.readlink(checkout / ".venv") == str(venv), again.stderr
+    assert (venv / "installed").exists() and not again.stderr
 
 
 def test_a_plain_checkout_keeps_its_virtualenv_in_place(tmp_path):
