@@ -9,6 +9,9 @@
 # (scripts/setup_sglang.sh): three pip runs side by side take about half the time of one
 # after the other on two cores. Where either fails, setup says so and goes on, and the
 # tests that need it skip naming it.
+# In a checkout whose path has a space (or a colon, a quote...) each virtualenv is made in a
+# private directory with a plain path and linked from here (scripts/make_venv.py): vLLM's
+# CPU engine cannot start from a virtualenv whose path has a space.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed setup leaves no build running
@@ -29,7 +32,7 @@ fi
 bash scripts/setup_lmcache.sh & lmcache=$!
 bash scripts/setup_sglang.sh & sglang=$!
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
+python3 scripts/make_venv.py .venv
 py=.venv/bin/python
 gpu=false
 command -v nvidia-smi >/dev/null 2>&1 && gpu=true

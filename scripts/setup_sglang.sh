@@ -22,8 +22,8 @@ SGLANG_VERSION=0.5.23  # bench/support/sglang_cpu.py holds for this version only
 venv=.venv-sglang
 stamp=$venv/.kvstore-installed
 BUILD="sglang==$SGLANG_VERSION (1)"  # change to rebuild existing .venv-sglang
+python3 scripts/make_venv.py "$venv"  # a link to a private one where this path is not plain
 [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$BUILD" ] && [ ! pyproject.toml -nt "$stamp" ] && exit 0
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py=$venv/bin/python
 if command -v nvidia-smi >/dev/null 2>&1; then
     "$py" -m pip install -q "sglang==$SGLANG_VERSION"
