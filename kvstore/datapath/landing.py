@@ -90,6 +90,14 @@ class Landings:
             usable = dict(zip(map(id, demoting), self.placement.take_over(demoting), strict=True))
             planned = [p if p is None or p.reservation is None or usable.get(id(p.reservation), True)
                        else None for p in planned]
+        for landing in planned:
+            if landing is not None and landing.reservation is not None:
+                # The slot's memory, a pin a late read keeps, is taken once its victim is
+                # written down: a pin taken before would keep `take_over` from owning it.
+                assert self.placement is not None
+                slot = self.placement.dram.slot_memory(landing.reservation.slot)
+                landing.memory, landing.payload = [slot], self._payload(slot)
+                stack.callback(landing.close)
         return planned
 
     def _plan_one(self, index: int, out: memoryview | None, promote: bool, may_demote: bool,
@@ -99,10 +107,7 @@ class Landings:
             reservation = self.placement.reserve(may_demote)
             if reservation is not None:
                 stack.enter_context(reservation)  # released on the way out unless published
-                slot = self.placement.dram.slot_memory(reservation.slot)  # a pin a late read keeps
-                landing = Landing(index, [slot], self._payload(slot), reservation=reservation)
-                stack.callback(landing.close)
-                return landing
+                return Landing(index, [], memoryview(b""), reservation=reservation)  # memory: `plan`
         if out is None:
             return None
         region = self.regions.find(out) if direct else None
