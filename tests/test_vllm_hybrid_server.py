@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.engines import assert_close
-from support.records import corrupt_record, newest_chain_end
+from support.records import chain_position, corrupt_record, newest_chain_end
 from support.services import counters, service_config, stop_service
 
 from bench.support.answers import identical
@@ -55,7 +55,9 @@ def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, d
             server.complete(DAMAGED, max_tokens=8)
         assert counters(config).get("save.dropped", 0) == 0
         stop_service(config)  # every record on disk; the next service recovers them
-        corrupt_record(disk, key=newest_chain_end(disk))  # one of DAMAGED's last chunks
+        flipped = newest_chain_end(disk)  # one of DAMAGED's last chunks
+        before = chain_position(disk, flipped)  # the records of its chain before it
+        corrupt_record(disk, key=flipped)
         with OpenAIServer(model, ARGS, tmp_path / "load.log", connector={**connector, "prefetch": False},
                           kv_cache_gib=1) as server:
             recomputed = server.complete(DAMAGED, max_tokens=8)
@@ -71,7 +73,8 @@ def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, d
     assert loaded.cached_tokens >= 0.9 * len(PROMPT), loaded
     assert_close(expected["prompt"], loaded)
     assert_close(expected["damaged"], recomputed)
-    # Looked up again after the failure: the flipped record is gone, the 7 chunks before it load.
-    assert recomputed.cached_tokens == 7 * CHUNK, recomputed
+    # Looked up again after the failure: the flipped record is gone, the chunks before it load
+    # (7 where all 8 of its group's chain were saved).
+    assert recomputed.cached_tokens == before * CHUNK, (recomputed.cached_tokens, before, found)
     assert found.get("disk.miss.bad_checksum") == 1 and found.get("load.failed_requests") == 1, found
     assert "load.failed_blocks" not in found

@@ -33,6 +33,16 @@ def newest_chain_end(directory: str) -> bytes:
     return max((h for h in headers if h.key not in parents), key=lambda h: h.seq).key
 
 
+def chain_position(directory: str, key: bytes) -> int:
+    """How many records precede `key`'s in its chain in a disk tier's data file (its
+    parent, that one's, and so on while they are there)."""
+    by_key = {header.key: header for header in disk_records(directory)}
+    count, parent = 0, by_key[key].parent
+    while parent in by_key:
+        count, parent = count + 1, by_key[parent].parent
+    return count
+
+
 def as_older_format(directory: str, superblock_version: int = 2, record_version: int = 1) -> int:
     """Rewrite a disk tier's data file as an older kvstore left it: each superblock copy and
     each valid record header with the older version number and a checksum that verifies
