@@ -126,16 +126,13 @@ class RedisClusterServers:
     def start(self) -> None:
         try:
             for port in _cluster_ports(2 * self.masters):
-                self.processes[port] = subprocess.Popen(
-                    ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                     "--appendonly", "no", "--dir", str(self.workdir), "--cluster-enabled", "yes",
-                     "--cluster-config-file", f"nodes-{port}.conf",
-                     "--cluster-node-timeout", str(self.node_timeout_ms),
-                     "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
-                     "--logfile", str(self.workdir / f"redis-{port}.log")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self._launch(port)
             deadline = time.monotonic() + 30  # a loaded 2-core host starts six nodes slowly
             while not all(RedisServer.answers(port) for port in self.processes):
+                for port, process in list(self.processes.items()):
+                    if process.poll() is not None:  # its port (or bus port) was taken since: another
+                        del self.processes[port]
+                        self._launch(_cluster_ports(1)[0])  # never a running node's: it is bound
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server nodes did not start (see {self.workdir})")
                 time.sleep(0.05)
@@ -147,6 +144,16 @@ class RedisClusterServers:
         except BaseException:
             self.stop()
             raise
+
+    def _launch(self, port: int) -> None:
+        self.processes[port] = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--cluster-enabled", "yes",
+             "--cluster-config-file", f"nodes-{port}.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms),
+             "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
+             "--logfile", str(self.workdir / f"redis-{port}.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def serving(self, port: int) -> bool:
         """The node at `port` says the cluster is up and every slot is assigned."""
