@@ -1,8 +1,9 @@
 """Where disk-tier bytes live: a preallocated file in a directory, or a block device.
 
 Each is opened with O_DIRECT (no page cache: the DRAM tier is our cache) and
-locked with an exclusive advisory flock, so a second process that opens the same
-path fails with a clear error instead of sharing, and corrupting, its slot map.
+locked with an exclusive advisory flock (devices/lock.py), so a second process that
+opens the same path fails with a clear error instead of sharing, and corrupting, its
+slot map.
 
 Cached KV reveals the prompts it came from, and a record someone else can write is
 a record someone else chose. So a tier directory must be ours and writable by no
@@ -25,6 +26,7 @@ import struct
 from dataclasses import dataclass
 
 from kvstore.devices.health import Probe
+from kvstore.devices.lock import lock_exclusive
 from kvstore.format.errors import DeviceError
 from kvstore.format.units import format_size
 
@@ -129,15 +131,6 @@ def open_read_only(path: str) -> Device:
                   logical_block=4096)
 
 
-def _lock(fd: int, path: str) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DeviceError(path, "in use by another kvstore process (advisory lock held); "
-                                "each process needs its own path or file") from None
-
-
 def _open_file(path: str, capacity: int) -> Device:
     flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
@@ -162,7 +155,7 @@ def _open_file(path: str, capacity: int) -> Device:
     if problem:
         os.close(fd)
         raise DeviceError(path, problem)
-    _lock(fd, path)
+    lock_exclusive(fd, path)
     if st.st_size < capacity:
         try:
             os.posix_fallocate(fd, 0, capacity)
@@ -182,7 +175,7 @@ def _open_block(path: str, capacity: int) -> Device:
         why = "in use (mounted, or held open exclusively by another program)" \
             if exc.errno == errno.EBUSY else f"cannot open block device: {exc.strerror}"
         raise DeviceError(path, why) from exc
-    _lock(fd, path)
+    lock_exclusive(fd, path)
     device_size = os.lseek(fd, 0, os.SEEK_END)
     logical = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]
     if capacity > device_size:
