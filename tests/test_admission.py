@@ -137,7 +137,7 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
         store.put_many([key], [payload])  # one at a time: each pushes the last out of DRAM
     on_disk = store.probe.keys("disk")
     assert len(on_disk) >= 4
-    store.reload_policy({"disk_admission": "second-touch", "eviction": "cost"})
+    store.admin.reload_policy({"disk_admission": "second-touch", "eviction": "cost"})
     assert store.probe.keys("disk") == on_disk and faults.eviction_keys(store) == on_disk
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))

@@ -57,13 +57,13 @@ def test_a_purge_removes_one_namespace_from_dram_and_disk_and_nothing_else(disk_
     old = put_chain(store, OLD, 6, seed=1)  # more than DRAM holds: some written down to disk
     assert {tier for key in old for tier in store.lookup([key]).tiers} == {"host", "disk"}
 
-    dry = store.purge([OLD.digest()], dry_run=True)
+    dry = store.admin.purge([OLD.digest()], dry_run=True)
     assert dry["chunks"] == 6 and dry["removed"] == 0
     assert dry["host_chunks"] + dry["disk_chunks"] >= 6 and dry["bytes"] == (
         dry["host_chunks"] + dry["disk_chunks"]) * CHUNK_BYTES
     assert store.lookup(old).count == 6  # a dry run touches nothing
 
-    done = store.purge([OLD.digest()])
+    done = store.admin.purge([OLD.digest()])
     assert done["removed"] >= 6 and done["chunks"] == 6
     assert all(store.lookup([key]).count == 0 for key in old)
     assert store.lookup(new).count == 2 and store.lookup(other).count == 2
@@ -72,7 +72,7 @@ def test_a_purge_removes_one_namespace_from_dram_and_disk_and_nothing_else(disk_
     reopened = store_factory(tiers(disk_dir), background=False)  # the disk headers were zeroed
     assert all(reopened.lookup([key]).count == 0 for key in old)
     assert reopened.lookup(other).count == 2
-    assert reopened.purge([OLD.digest()], dry_run=True)["chunks"] == 0
+    assert reopened.admin.purge([OLD.digest()], dry_run=True)["chunks"] == 0
 
 
 def test_the_service_lists_announced_namespaces_and_purges_by_model_and_generation(disk_dir, tmp_path):

@@ -280,7 +280,7 @@ class Requests:
         store = self.store
         try:
             if store is not None:
-                self._learned.switch(store, lambda: store.reload_policy(live))
+                self._learned.switch(store, lambda: store.admin.reload_policy(live))
         except Exception as exc:  # whatever the switch met: never the end of the service
             why = masked(f"{type(exc).__name__}: {exc}")[:2000]
             log.warning("reload: the policy was not applied: %s", why)

@@ -33,12 +33,12 @@ STATE = dict[str, int | float | list[float]]  # its shape: nothing nests deeper
 def restore(store: TieredStore, socket: str) -> None:
     """Start the store's `learned` admission from the service's file, if both are there."""
     path = socket + SUFFIX
-    if store.learned_admission() is None:
+    if store.admin.learned_admission() is None:
         return  # another admission policy: nothing to start from
     try:
         state = read_private_json(path, STATE, MAX_BYTES)
         if state is not None:
-            store.learned_admission(state)
+            store.admin.learned_admission(state)
             log.info("learned disk admission: return rates restored from %s", path)
     except Exception as exc:  # whatever the file holds: never the end of a hello or a reload
         store.stats.add("admission.learned_refused")
@@ -74,7 +74,7 @@ class Keeper:
         """Change the store's policy (`apply`, a reload's); if that switched `learned` on, it
         starts from the file, as at a start, not from cold."""
         with self._lock:
-            learning = store.learned_admission() is not None
+            learning = store.admin.learned_admission() is not None
             apply()
             if not learning:
                 restore(store, self._socket)
@@ -101,7 +101,7 @@ class Keeper:
 
 def save(store: TieredStore, socket: str) -> None:
     """Write what the store's `learned` admission has learned (nothing under another policy)."""
-    state = store.learned_admission()
+    state = store.admin.learned_admission()
     if state is None:
         return
     try:

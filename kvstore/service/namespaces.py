@@ -196,7 +196,7 @@ class NamespaceBook:
             return {"chunks": 0, "bytes": 0, "host_chunks": 0, "disk_chunks": 0, "unread": 0, "removed": 0}
         log.warning("purge%s of %d namespaces by uid %d", " (dry run)" if request.dry_run else "",
                     len(request.namespaces), uid)
-        return store.purge(request.namespaces, dry_run=request.dry_run)
+        return store.admin.purge(request.namespaces, dry_run=request.dry_run)
 
     def announce(self, uid: int, namespaces: Sequence[tuple[bytes, Mapping[str, str | int]]]) -> None:
         """Keep what is new of these (all checked first: KVStoreError, and nothing kept, if

@@ -256,7 +256,7 @@ class StoreService:
             os.write(self._wake_write, b"x")
 
     def _reload(self, reload: Callable[[], StoreConfig]) -> None:
-        """Apply the config file as it is now: LIVE_KEYS at once (TieredStore.reload_policy
+        """Apply the config file as it is now: LIVE_KEYS at once (StoreAdmin.reload_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
         restart. A file that cannot be read changes nothing (`reread`); a policy switch that
         fails is logged and counted, and leaves the running config (Requests.reload_policy).

@@ -1,4 +1,4 @@
-"""TieredStore: the one small API over the DRAM and disk tiers.
+"""TieredStore: the store's API over the DRAM and disk tiers, as engines' requests use it.
 
 Chunks enter DRAM (`put_many`); DRAM victims are written down to disk before their
 slot is reused; disk hits are promoted back into DRAM. This module checks input at the
@@ -13,6 +13,8 @@ released once); each concern has its own home:
   tiers/slots.py         each tier's slots, pins and reservations (own lock per tier)
   tiers/recover.py       the disk index at start; the checkpoint at a clean close
   cluster/               other hosts' chunks on a shared array (only with `cluster` configured)
+  store/probe.py         where chunks are, read without moving them (`store.probe`)
+  store/admin.py         what the service's owner does to the store: purge, reload (`store.admin`)
 Copies and I/O run outside every lock, on pinned or reserved slots.
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +33,11 @@ from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.regions import Region
 from kvstore.store import leases
+from kvstore.store.admin import StoreAdmin
 from kvstore.store.edge import check_keys, chunk_views
 from kvstore.store.leases import Lease
 from kvstore.store.parts import StoreParts
 from kvstore.store.probe import StoreProbe
-from kvstore.store.purge import purge
 from kvstore.store.put_bound import PutBound
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
@@ -59,12 +61,19 @@ class Lookup:
 
 
 class TieredStore:
-    """The store's API over its parts (`parts`: tiers, reader, flusher, placement,
-    cluster node...), which it holds rather than is: only kvstore/store/ reads `parts`.
-    `stats` and `regions` are the parts' counters and the memory reads may land in, for
-    the service; `probe` says where chunks are without moving them (store/probe.py).
-    Invariants: input is checked before anything is reserved; every get and put touches
-    its chain before and after, so a request never evicts its own prefix."""
+    """The store as a request reaches it (an engine's, through the service; a test's or a
+    bench's in-process): find chunks, read, lease and prefetch them, store and delete
+    them; and the store's life (`step`, `flush`, `close`). It holds its parts (`parts`:
+    tiers, reader, flusher, placement, cluster node...) rather than is them, and only
+    kvstore/store/ reads `parts` (a house rule). Two faces beside it serve other callers:
+    `probe` says where chunks are without moving them (tests, tools: store/probe.py), and
+    `admin` is what the service's owner does to the store (purge, a reload's policy,
+    learned admission's state: store/admin.py). `stats` and `regions` are the parts'
+    counters and the memory reads may land in, for the service.
+    Invariants: input is checked before anything is reserved (edge.py); every get and put
+    touches its chain before and after, so a request never evicts its own prefix; a put
+    past `put_inflight` bytes under way is refused, not queued; a read buffer is freed
+    only once no late read may land in it."""
 
     def __init__(
         self,
@@ -87,6 +96,7 @@ class TieredStore:
         self.parts = StoreParts(load_config(config), chunk_bytes, engine, background)
         self.stats, self.regions = self.parts.stats, self.parts.regions
         self.probe = StoreProbe(self.parts)
+        self.admin = StoreAdmin(self.parts, self.delete)
         self._seq = itertools.count(self.parts.recovery.max_seq + 1)
         self._reads = Reads(self.parts)
         self._writes = Writes(self.parts, self.encoder)
@@ -172,9 +182,9 @@ class TieredStore:
 
         `parent` is the key of the chunk before keys[0] (None for a prompt's first
         chunk); `namespace` the digest of the namespace they were keyed in, which their
-        headers carry (None: the store's), so `purge` can find them. Keys already present
-        are kept, not rewritten (content addressing). Chunks past the bytes of puts under
-        way (`put_inflight`, store/put_bound.py) are refused at once: False.
+        headers carry (None: the store's), so `admin.purge` can find them. Keys already
+        present are kept, not rewritten (content addressing). Chunks past the bytes of puts
+        under way (`put_inflight`, store/put_bound.py) are refused at once: False.
         """
         keys = check_keys(keys)
         for named in (parent, namespace):
@@ -193,32 +203,17 @@ class TieredStore:
         Returns the records removed."""
         return self._writes.delete(check_keys(keys))
 
-    def purge(self, namespaces: Collection[bytes], dry_run: bool = False) -> dict[str, int]:
-        """Remove every record whose header names one of `namespaces` from every tier of
-        this host (store/purge.py); a dry run only counts them."""
-        return purge(self.parts, self.delete, set(check_keys(list(namespaces))), dry_run)
-
     def share_dram(self) -> tuple[int, int, str] | None:
         """(a new read-only descriptor of the DRAM tier for a client to map: the caller
         closes it; its bytes; its page kind), or None when the tier is not shared."""
         dram = self.parts.dram
         return dram.share() if dram is not None else None
 
-    def reload_policy(self, live: Mapping[str, Any]) -> None:
-        """Apply the live keys a config reload changed (config.store.LIVE_KEYS): admission,
-        eviction and the write budget change; every chunk a tier holds stays."""
-        self.parts.reload_policy(live)
-
     def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd) -> None:
         """A request that stored or read these chunks (one chain per tensor-parallel rank)
         ended so: what `learned` disk admission learns from (tiers/return_rates.py)."""
         for keys in ranks:
             self.parts.policy.finished(check_keys(keys), end)
-
-    def learned_admission(self, restore: object = None) -> dict[str, Any] | None:
-        """What `learned` disk admission has learned, for a later process (None: another
-        policy); `restore`, an earlier one's, is taken over first (ValueError: it does not check)."""
-        return self.parts.policy.learned_state(restore)
 
     # -- housekeeping ----------------------------------------------------------------
 
