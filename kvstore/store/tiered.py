@@ -155,6 +155,13 @@ class TieredStore:
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
 
+    def share_dram(self) -> tuple[int, int, str] | None:
+        """(a new read-only descriptor of the DRAM tier, for a client that copies leased
+        chunks out of it: the caller closes it; its bytes; its page kind), or None when the
+        tier is not shared."""
+        dram = self.parts.dram
+        return dram.share() if dram is not None else None
+
     def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True) -> Lease:
         """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
         promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
@@ -202,12 +209,6 @@ class TieredStore:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
         Returns the records removed."""
         return self._writes.delete(check_keys(keys))
-
-    def share_dram(self) -> tuple[int, int, str] | None:
-        """(a new read-only descriptor of the DRAM tier for a client to map: the caller
-        closes it; its bytes; its page kind), or None when the tier is not shared."""
-        dram = self.parts.dram
-        return dram.share() if dram is not None else None
 
     def finished(self, ranks: Sequence[Sequence[bytes]], end: RequestEnd) -> None:
         """A request that stored or read these chunks (one chain per tensor-parallel rank)
