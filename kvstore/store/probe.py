@@ -47,6 +47,11 @@ class DeviceState:
 
 
 class StoreProbe:
+    """Where a store's chunks are, for code that must see the tiers without holding them
+    (`TieredStore.probe`): it exists so that nothing outside kvstore/store/ reads the
+    store's parts. Invariant: it changes nothing (no touch, counter or lasting pin), and
+    each answer is a snapshot of the tiers' tables."""
+
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
 
