@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_plugin.vllm.core.chain_reports import ChainReports, Notify
-from engine_plugin.vllm.core.groups import GroupRules, KVGroup, load_run, per_group, save_runs
+from engine_plugin.vllm.core.groups import KVGeometry, load_run, per_group, save_runs
 from engine_plugin.vllm.core.handoff import Handoff, HandoffWaits
 from engine_plugin.vllm.core.plan import Stage, StepPlan, Transfer
 from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker, Residency
@@ -60,7 +60,8 @@ Saves = Literal["answers", "prompts", "none"]
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """The engine-side options the scheduler acts on (engine_plugin/vllm/core/options.py)."""
+    """The engine-side options the scheduler acts on (engine_plugin/vllm/core/options.py);
+    what the model fixes (chunk and block sizes, KV cache groups) is its KVGeometry."""
 
     load_async: bool = True
     # A hit the lookup leased whole (in DRAM: a copy, no I/O) loads before the forward pass
@@ -73,7 +74,6 @@ class SchedulerSettings:
     # (prompt chunks only), "none" (plan no saves: a kv_consumer's default).
     saves: Saves = "answers"
     handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
-    groups: GroupRules | None = None  # a hybrid model's KV cache groups; None: one group
 
 
 @dataclass(frozen=True)
@@ -167,16 +167,15 @@ class SchedulerCore:
     `lookup(keys per rank, prefetch)` says what the store holds of one prompt on every
     rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
     request's salt (with KV cache groups: one per group and rank, group-major, in
-    `settings.groups` order). Counters (take_counters): the save tracker's and the prefetch
+    `geometry.groups` order). Counters (take_counters): the save tracker's and the prefetch
     policy's."""
 
-    def __init__(self, chunk_tokens: int, block_size: int,
-                 namespaces: Callable[[str], Sequence[KVNamespace]], lookup: Lookup,
-                 settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, geometry: KVGeometry, namespaces: Callable[[str], Sequence[KVNamespace]],
+                 lookup: Lookup, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
                  notify: Notify | None = None) -> None:
-        self.chunk_tokens = chunk_tokens
-        self.block_size = block_size
-        self.blocks_per_chunk = chunk_tokens // block_size
+        chunk_tokens = self.chunk_tokens = geometry.chunk_tokens
+        self.block_size = geometry.block_size
+        self.blocks_per_chunk = geometry.blocks_per_chunk
         self.settings = settings
         self._namespaces = namespaces
         self._lookup = lookup
@@ -187,8 +186,8 @@ class SchedulerCore:
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan()
         self.counters: Counter[str] = Counter()
-        self.rules = settings.groups
-        self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
+        self.rules = geometry.rules
+        self.groups = geometry.groups
         self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
