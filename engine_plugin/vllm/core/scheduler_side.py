@@ -29,12 +29,8 @@ Invariants (each holds per request):
 - A request that ends tells the service how (engine_plugin/vllm/core/chain_reports.py), for its
   next-turn prediction and disk admission.
 - The lookup that decides a load protects it (a model with one KV cache group): it leases
-  the run the store holds in DRAM, so nothing of it is evicted between the decision and
-  the workers' copy, and the workers copy it from the shared tier with no request of their
-  own. A request holds at most one lease; it is released (on the next request to the
-  service) once the load is over: an async load when the workers report it finished or
-  failed, a sync one after its step, a request that loads nothing at once, and a request
-  that finishes or is abandoned as soon as no load of it is under way.
+  the run the store holds in DRAM for the workers' copy, and the lease goes back once no
+  copy can still read it (engine_plugin/vllm/core/leases.py).
 """
 
 from __future__ import annotations
@@ -50,6 +46,7 @@ from typing import Literal
 from engine_plugin.vllm.core.chain_reports import ChainReports, Notify
 from engine_plugin.vllm.core.groups import KVGeometry, load_run, per_group, save_runs
 from engine_plugin.vllm.core.handoff import Handoff, HandoffWaits
+from engine_plugin.vllm.core.leases import Leases
 from engine_plugin.vllm.core.plan import Stage, StepPlan, Transfer
 from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker, Residency
 from engine_plugin.vllm.core.save_tracker import SaveTracker
@@ -95,7 +92,6 @@ class _Request:
     found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
     prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
     block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
-    loading: bool = field(default=False, init=False)  # an async load of it is under way
     load_async: bool = field(default=True, init=False)  # what the engine was told at the match
     saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
     turn_idle: tuple[int, float | None] = field(default=(0, None), init=False)  # ChainReports.planned
@@ -191,9 +187,7 @@ class SchedulerCore:
         self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
-        self._releases: list[int] = []  # leases done with, told to the service on its next request
-        self._after_step: list[int] = []  # leases of this step's sync loads: released after it
-        self._loading: dict[str, int] = {}  # forgotten requests' leases, until their async load ends
+        self.leases = Leases()
 
     def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
@@ -240,9 +234,8 @@ class SchedulerCore:
         the request; ask again later."""
         arrived = self._arrived.get(req_id)  # keyed in the namespaces of now too (forget_lookups)
         keys = arrived if arrived is not None else self._keys(prompt, keying)
-        earlier = self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
-        if earlier is not None:
-            self._release(earlier.found.lease)
+        self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
+        self.leases.drop(req_id)
         loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
         first = num_computed // self.chunk_tokens  # the engine's own cache holds those before
         residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
@@ -250,19 +243,20 @@ class SchedulerCore:
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
             self._arrived[req_id] = keys
-            self._release(residency.lease)
+            self.leases.release(residency.lease)
             return None
         usable = residency.stored
         if self.prefetch is not None:
             decided = self.prefetch.decide(req_id, residency, len(prompt))
             if decided is None:
                 self._arrived[req_id] = keys
-                self._release(residency.lease)
+                self.leases.release(residency.lease)
                 return None
             usable = decided
         load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
         request = self._requests[req_id] = _Request(
             keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
+        self.leases.hold(req_id, residency.lease)
         request.load_async = self.settings.load_async and not (
             self.settings.sync_dram_loads and request.leased_whole(first, load_end // self.chunk_tokens))
         request.turn_idle = self.reports.planned(keys[0])
@@ -308,8 +302,8 @@ class SchedulerCore:
         request = self._requests.get(req_id)
         if request is None:
             return
-        if num_external == 0:  # nothing to load: its lease is not needed
-            self._release(request.found.lease)
+        if num_external == 0:  # nothing to load: its lease is not needed, its offsets pinned no more
+            self.leases.drop(req_id)
             request.found = dataclasses.replace(request.found, lease=0, offsets=())
             return
         request.block_ids = per_group(block_ids)
@@ -322,7 +316,8 @@ class SchedulerCore:
             if run is not None:
                 streams = _streams(position, self.ranks)
                 self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
-                request.loading = request.load_async
+                if request.load_async:
+                    self.leases.loading(req_id)
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -357,11 +352,7 @@ class SchedulerCore:
         """The plan for this step; the next step starts empty. A sync load's lease is
         released after the step (its workers copy before the forward pass)."""
         plan, self._plan = self._plan, StepPlan()
-        for req_id in {t.req_id for t in plan.loads if not t.load_async}:
-            request = self._requests.get(req_id)
-            if request is not None and request.found.lease:
-                self._after_step.append(request.found.lease)
-                request.found = dataclasses.replace(request.found, lease=0)
+        self.leases.after_step({t.req_id for t in plan.loads if not t.load_async})
         return plan
 
     def loads_async(self, req_id: str) -> bool:
@@ -371,27 +362,12 @@ class SchedulerCore:
         return request.load_async if request is not None else self.settings.load_async
 
     def step_done(self, loads_ended: Iterable[str]) -> None:
-        """The workers reported a step: its sync loads' leases go, and those of the async
-        loads that ended (finished or failed) in it."""
-        self._releases += self._after_step
-        self._after_step = []
-        for req_id in loads_ended:
-            lease = self._loading.pop(req_id, 0)
-            request = self._requests.get(req_id)
-            if request is not None and request.loading:
-                request.loading = False
-                lease = request.found.lease
-                request.found = dataclasses.replace(request.found, lease=0)
-            self._release(lease)
+        """The workers reported a step (Leases.step_done)."""
+        self.leases.step_done(loads_ended)
 
     def take_releases(self) -> list[int]:
         """The leases to tell the service are done with (on the next request to it)."""
-        releases, self._releases = self._releases, []
-        return releases
-
-    def _release(self, lease: int) -> None:
-        if lease:
-            self._releases.append(lease)
+        return self.leases.take()
 
     def on_finished(self, req_id: str) -> None:
         """Forget the request; tell the service it ended with these chunks (prompt and answer), which
@@ -408,16 +384,11 @@ class SchedulerCore:
         self._forget(req_id)
 
     def _forget(self, req_id: str) -> _Request | None:
-        """Forget a request; its lease goes now, or once its async load ends (step_done)."""
+        """Forget a request; its lease goes now, or once its async load ends (Leases.forget)."""
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        request = self._requests.pop(req_id, None)
-        if request is not None and request.found.lease:
-            if request.loading:
-                self._loading[req_id] = request.found.lease
-            else:
-                self._release(request.found.lease)
-        return request
+        self.leases.forget(req_id)
+        return self._requests.pop(req_id, None)
