@@ -36,23 +36,23 @@ Invariants (each holds per request):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from engine_plugin.vllm.core.chain_reports import ChainReports, Notify
-from engine_plugin.vllm.core.groups import KVGeometry, load_run, per_group, save_runs
+from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.handoff import Handoff, HandoffWaits
 from engine_plugin.vllm.core.leases import Leases
-from engine_plugin.vllm.core.plan import Stage, StepPlan, Transfer
+from engine_plugin.vllm.core.plan import StepPlan
 from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker, Residency
+from engine_plugin.vllm.core.request_state import RequestState
 from engine_plugin.vllm.core.save_tracker import SaveTracker
+from engine_plugin.vllm.core.step_planner import Saves, StepPlanner
 from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
 
-Saves = Literal["answers", "prompts", "none"]
+__all__ = ["Keying", "Saves", "SchedulerCore", "SchedulerSettings"]
 
 
 @dataclass(frozen=True)
@@ -82,112 +82,50 @@ class Keying:
     extras: KeyExtras | None = None
 
 
-@dataclass
-class _Request:
-    keys: list[list[bytes]]  # [rank][chunk] for every full chunk of the tokens known so far
-    tokens: Sequence[int]  # the engine's live token list (prompt, then what it generates)
-    namespaces: Sequence[KVNamespace]  # each key list's (one per group and rank), as at the lookup
-    extras: KeyExtras | None  # what its keys cover besides its tokens
-    load_end: int  # token where a load from the store would end
-    found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
-    prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
-    block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
-    load_async: bool = field(default=True, init=False)  # what the engine was told at the match
-    saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
-    turn_idle: tuple[int, float | None] = field(default=(0, None), init=False)  # ChainReports.planned
-
-    def __post_init__(self) -> None:
-        self.saved_chunks = self.found.stored
-
-    def extend_keys(self, chunks: int, chunk_tokens: int) -> None:
-        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each
-        stream's chain, in the namespaces its prompt was keyed in (a new generation since
-        does not move a running request's chains)."""
-        have = len(self.keys[0])
-        if have >= chunks:
-            return
-        tokens = list(self.tokens[have * chunk_tokens : chunks * chunk_tokens])
-        for stream_keys, namespace in zip(self.keys, self.namespaces, strict=True):
-            parent = stream_keys[-1] if stream_keys else bytes(16)
-            stream_keys += chunk_keys(tokens, namespace, parent, self.extras, first=have)
-
-    def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
-        """The block ids of chunk `chunk` in KV cache group `group`."""
-        ids = self.block_ids[group][chunk * per_chunk : (chunk + 1) * per_chunk]
-        if len(ids) != per_chunk:
-            raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, expected {per_chunk}")
-        return tuple(ids)
-
-    def ending(self) -> tuple[list[list[bytes]], int, int, tuple[int, float | None]]:
-        """What ChainReports.ended asks: each rank's keys of the chunks stored or queued for
-        saving, the tokens known (prompt and answer), the prompt's, its turn and idle time."""
-        stored = [rank_keys[: self.saved_chunks] for rank_keys in self.keys]
-        return stored, len(self.tokens), self.prompt_tokens, self.turn_idle
-
-    def sources(self, num_external: int, chunk_tokens: int) -> dict[str, int]:
-        """The last `num_external` tokens of the hit by the tier that held them at the lookup:
-        `host` (DRAM) and `disk` (this host's disk or the shared array); zeros left out."""
-        start = self.load_end - num_external
-        host = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
-        return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
-
-
-    def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
-                 group: int, save_id: int = 0) -> Transfer:
-        """Chunks [first, first + len(blocks)) of the group whose keys are `streams` of self.keys."""
-        end = first + len(blocks)
-        keys = self.keys[streams]
-        leased = () if save_id else tuple(
-            tuple(offsets[i] if i < len(offsets) else -1 for i in range(first, end))
-            for offsets in self.found.offsets[streams])
-        return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
-                        parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
-                        blocks=tuple(blocks), save_id=save_id, group=group,
-                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]), leased=leased,
-                        load_async=self.load_async)
-
-    def leased_whole(self, first: int, end: int) -> bool:
-        """Every chunk from `first` to `end` is leased, on every rank (DRAM: a copy, no I/O)."""
-        return bool(self.found.lease) and end > first and all(
-            len(offsets) >= end and min(offsets[first:end]) >= 0 for offsets in self.found.offsets)
-
-
-def _streams(position: int, ranks: int) -> slice:
-    """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
-    return slice(position * ranks, (position + 1) * ranks)
-
-
 class SchedulerCore:
-    """Per-request bookkeeping behind get_num_new_matched_tokens and friends.
+    """The scheduler side of the connector: each vLLM hook of a request, in the order vLLM
+    calls them, over the parts that each keep one thing.
 
     `lookup(keys per rank, prefetch)` says what the store holds of one prompt on every
     rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
     request's salt (with KV cache groups: one per group and rank, group-major, in
-    `geometry.groups` order). Counters (take_counters): the save tracker's and the prefetch
-    policy's."""
+    `geometry.groups` order).
+
+    Parts: `saves` (saves in flight and
+    the holds they put on requests), `handoffs` (holds for a prefill instance's chunks),
+    `prefetch` (the prefetch policy's holds), `leases` (the DRAM leases of decided loads),
+    `planner` (the step plan the workers carry out) and `reports` (what the service is told
+    when a request ends). This class keeps the requests decided (RequestState, by id) and
+    makes the decision that needs every part: how many tokens a request loads, and whether
+    its load runs while it waits (async) or before its step's forward pass.
+
+    Invariants:
+    - A request is decided by its latest ask: asked again, its earlier decision and lease
+      go first; held (saves, handoff, prefetch), it is not decided and its keys are kept.
+    - A request is forgotten by every part at once (`on_finished`, `abandon`), and what is
+      not known here is never planned.
+    - Counters (take_counters) are this core's and every part's, in one report.
+    """
 
     def __init__(self, geometry: KVGeometry, namespaces: Callable[[str], Sequence[KVNamespace]],
                  lookup: Lookup, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
                  notify: Notify | None = None) -> None:
-        chunk_tokens = self.chunk_tokens = geometry.chunk_tokens
-        self.block_size = geometry.block_size
-        self.blocks_per_chunk = geometry.blocks_per_chunk
+        self.chunk_tokens = geometry.chunk_tokens
         self.settings = settings
+        self.rules = geometry.rules
         self._namespaces = namespaces
         self._lookup = lookup
-        self.reports = ChainReports(notify, chunk_tokens, clock)
-        self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
-                         else None)
         self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
-        self._requests: dict[str, _Request] = {}
-        self._plan = StepPlan()
+        self.ranks = len(namespaces("")) // len(geometry.groups)
         self.counters: Counter[str] = Counter()
-        self.rules = geometry.rules
-        self.groups = geometry.groups
-        self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
+        self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
+                         else None)
         self.leases = Leases()
+        self.planner = StepPlanner(geometry, self.ranks, settings.saves, self.saves)
+        self.reports = ChainReports(notify, geometry.chunk_tokens, clock)
+        self._requests: dict[str, RequestState] = {}
 
     def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
         return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
@@ -200,7 +138,7 @@ class SchedulerCore:
             return Residency(0, 0)
         if self.rules is None:
             return self._lookup(keys, prefetch, lease_from)
-        grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.groups))]
+        grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.rules.groups))]
         return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
 
     def on_arrival(self, req_id: str, prompt: Sequence[int], keying: Keying = Keying()) -> None:
@@ -213,7 +151,7 @@ class SchedulerCore:
         if self.prefetch is not None:
             self.prefetch.arrived(req_id, residency)
         if self.settings.stage_on_arrival and residency.stored:
-            self._plan.stages.append(Stage(req_id, tuple(tuple(k[: residency.stored]) for k in keys)))
+            self.planner.stage(req_id, keys, residency.stored)
 
     def forget_lookups(self) -> None:
         """The namespaces changed (a new generation): keys computed at arrival are stale."""
@@ -253,9 +191,10 @@ class SchedulerCore:
                 self.leases.release(residency.lease)
                 return None
             usable = decided
-        load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        request = self._requests[req_id] = _Request(
-            keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
+        load_end = min(usable, loadable) * self.chunk_tokens
+        namespaces = self._namespaces(keying.salt)
+        request = self._requests[req_id] = RequestState(
+            keys, prompt, namespaces, keying.extras, load_end, residency, len(prompt))
         self.leases.hold(req_id, residency.lease)
         request.load_async = self.settings.load_async and not (
             self.settings.sync_dram_loads and request.leased_whole(first, load_end // self.chunk_tokens))
@@ -277,7 +216,7 @@ class SchedulerCore:
         return Handoff(chunks, request.keys[0][chunks - 1], host) if chunks else None
 
     def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
-        """A hit's tokens by the tier that held them (`_Request.sources`), for engines' metrics."""
+        """A hit's tokens by the tier that held them (`RequestState.sources`), for engines' metrics."""
         request = self._requests.get(req_id)
         return {} if request is None else request.sources(num_external, self.chunk_tokens)
 
@@ -296,9 +235,8 @@ class SchedulerCore:
     def on_alloc(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
                  num_external: int) -> None:
         """Blocks are allocated (per group, or one group's list): plan the load of the last
-        `num_external` tokens of the hit (the engine may have trimmed its own hit since the
-        lookup; the hit's end holds). A group's blocks the engine keeps none of are skipped,
-        and chunks with nothing to load are left out."""
+        `num_external` tokens of the hit (StepPlanner.load); an async one keeps its lease
+        until the workers report it ended."""
         request = self._requests.get(req_id)
         if request is None:
             return
@@ -306,52 +244,25 @@ class SchedulerCore:
             self.leases.drop(req_id)
             request.found = dataclasses.replace(request.found, lease=0, offsets=())
             return
-        request.block_ids = per_group(block_ids)
-        num_computed = request.load_end - num_external
-        for position, group in enumerate(self.groups):
-            blocks_of = functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
-                                          group=group.index)
-            run = load_run(group, blocks_of, num_computed, request.load_end, self.chunk_tokens,
-                           self.block_size)
-            if run is not None:
-                streams = _streams(position, self.ranks)
-                self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
-                if request.load_async:
-                    self.leases.loading(req_id)
+        request.allocated(block_ids, replace=True)
+        if self.planner.load(req_id, request, num_external) and request.load_async:
+            self.leases.loading(req_id)
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
-        """A request runs this step; chunks it completes are saved after the forward (each
-        group's chunks worth storing: engine_plugin/vllm/core/groups.py)."""
+        """A request runs this step; chunks it completes are saved after the forward
+        (StepPlanner.save)."""
         request = self._requests.get(req_id)
         if request is None:
             return
         if block_ids is not None:
-            new = per_group(block_ids)
-            request.block_ids = new if replace or not request.block_ids else [
-                old + ids for old, ids in zip(request.block_ids, new, strict=True)]
-        if self.settings.saves == "none":
-            return
-        limit = request.prompt_tokens if self.settings.saves == "prompts" else len(request.tokens)
-        done = min(computed_after_step, limit) // self.chunk_tokens
-        if done <= request.saved_chunks:
-            return
-        request.extend_keys(done, self.chunk_tokens)
-        for position, group in enumerate(self.groups):
-            runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
-                             functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
-                                               group=group.index))
-            for first, blocks in runs:
-                keys = request.keys[position * self.ranks][first : first + len(blocks)]
-                streams = _streams(position, self.ranks)
-                self._plan.saves.append(request.transfer(req_id, first, blocks, streams, group.index,
-                                                         self.saves.started(keys)))
-        request.saved_chunks = done
+            request.allocated(block_ids, replace)
+        self.planner.save(req_id, request, computed_after_step)
 
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty. A sync load's lease is
         released after the step (its workers copy before the forward pass)."""
-        plan, self._plan = self._plan, StepPlan()
+        plan = self.planner.take()
         self.leases.after_step({t.req_id for t in plan.loads if not t.load_async})
         return plan
 
@@ -380,11 +291,12 @@ class SchedulerCore:
         """A fault while serving `req_id`: its load in this step's plan is given up whole, or
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
         forgotten (the service is not told it ended: what it kept may be what faulted)."""
-        self._plan.give_up(req_id, blocks, self.loads_async(req_id))
+        self.planner.give_up(req_id, blocks, self.loads_async(req_id))
         self._forget(req_id)
 
-    def _forget(self, req_id: str) -> _Request | None:
-        """Forget a request; its lease goes now, or once its async load ends (Leases.forget)."""
+    def _forget(self, req_id: str) -> RequestState | None:
+        """Forget a request in every part; its lease goes now, or once its async load ends
+        (Leases.forget)."""
         self._arrived.pop(req_id, None)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
