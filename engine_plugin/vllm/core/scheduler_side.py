@@ -46,11 +46,12 @@ from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.handoff import Handoff, HandoffWaits
 from engine_plugin.vllm.core.leases import Leases
 from engine_plugin.vllm.core.plan import StepPlan
-from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker, Residency
+from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker
+from engine_plugin.vllm.core.prompt_lookups import TOKENS_ONLY, Keying, PromptLookups
 from engine_plugin.vllm.core.request_state import RequestState
 from engine_plugin.vllm.core.save_tracker import SaveTracker
 from engine_plugin.vllm.core.step_planner import Saves, StepPlanner
-from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
+from kvstore.format.keys import KVNamespace
 
 __all__ = ["Keying", "Saves", "SchedulerCore", "SchedulerSettings"]
 
@@ -73,25 +74,11 @@ class SchedulerSettings:
     handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
 
 
-@dataclass(frozen=True)
-class Keying:
-    """What a request's keys depend on besides its token ids: the salt its namespaces
-    take (LoRA adapter, cache salt) and its chunks' extras (images, prompt embeddings)."""
-
-    salt: str = ""
-    extras: KeyExtras | None = None
-
-
 class SchedulerCore:
     """The scheduler side of the connector: each vLLM hook of a request, in the order vLLM
     calls them, over the parts that each keep one thing.
 
-    `lookup(keys per rank, prefetch)` says what the store holds of one prompt on every
-    rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
-    request's salt (with KV cache groups: one per group and rank, group-major, in
-    `geometry.groups` order).
-
-    Parts: `saves` (saves in flight and
+    Parts: `lookups` (keys and what the store holds of them), `saves` (saves in flight and
     the holds they put on requests), `handoffs` (holds for a prefill instance's chunks),
     `prefetch` (the prefetch policy's holds), `leases` (the DRAM leases of decided loads),
     `planner` (the step plan the workers carry out) and `reports` (what the service is told
@@ -112,11 +99,8 @@ class SchedulerCore:
                  notify: Notify | None = None) -> None:
         self.chunk_tokens = geometry.chunk_tokens
         self.settings = settings
-        self.rules = geometry.rules
-        self._namespaces = namespaces
-        self._lookup = lookup
-        self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
-        self.ranks = len(namespaces("")) // len(geometry.groups)
+        self.lookups = PromptLookups(geometry, namespaces, lookup)
+        self.ranks = self.lookups.ranks
         self.counters: Counter[str] = Counter()
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
@@ -127,27 +111,14 @@ class SchedulerCore:
         self.reports = ChainReports(notify, geometry.chunk_tokens, clock)
         self._requests: dict[str, RequestState] = {}
 
-    def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
-        return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
-
-    def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None,
-                   lease_from: int | None = None) -> Residency:
-        """Leading chunks stored for every rank (and every group, at most `cap`); with
-        `lease_from` (one group) the DRAM run from that chunk on leased for the workers."""
-        if not keys[0]:
-            return Residency(0, 0)
-        if self.rules is None:
-            return self._lookup(keys, prefetch, lease_from)
-        grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.rules.groups))]
-        return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
-
-    def on_arrival(self, req_id: str, prompt: Sequence[int], keying: Keying = Keying()) -> None:
+    def on_arrival(self, req_id: str, prompt: Sequence[int], keying: Keying = TOKENS_ONLY) -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,
         long before the scheduler reaches it, and have the workers stage them."""
         if self.prefetch is None and not self.settings.stage_on_arrival:
             return
-        keys = self._arrived[req_id] = self._keys(prompt, keying)
-        residency = self._residency(keys, prefetch=self.prefetch is not None)
+        keys = self.lookups.keys(prompt, keying)
+        self.lookups.keep(req_id, keys)
+        residency = self.lookups.residency(keys, prefetch=self.prefetch is not None)
         if self.prefetch is not None:
             self.prefetch.arrived(req_id, residency)
         if self.settings.stage_on_arrival and residency.stored:
@@ -155,44 +126,44 @@ class SchedulerCore:
 
     def forget_lookups(self) -> None:
         """The namespaces changed (a new generation): keys computed at arrival are stale."""
-        self._arrived.clear()
+        self.lookups.clear()
 
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
         """Tokens a future request will start with: promote what the store holds of them."""
-        self._residency(self._keys(prompt, Keying(salt)), prefetch=True)
+        self.lookups.residency(self.lookups.keys(prompt, Keying(salt)), prefetch=True)
 
     def expect(self, prompt: Sequence[int], in_s: float, salt: str = "") -> None:
         """Tokens a request will start with in `in_s` seconds: promoted just before."""
-        self.reports.expect(self._keys(prompt, Keying(salt)), in_s)
+        self.reports.expect(self.lookups.keys(prompt, Keying(salt)), in_s)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               keying: Keying = Keying()) -> int | None:
+                               keying: Keying = TOKENS_ONLY) -> int | None:
         """Tokens beyond `num_computed` (the engine's own hit) that the store can supply,
         or None: saves of its next chunks are in flight, or the prefetch policy holds
         the request; ask again later."""
-        arrived = self._arrived.get(req_id)  # keyed in the namespaces of now too (forget_lookups)
-        keys = arrived if arrived is not None else self._keys(prompt, keying)
+        kept = self.lookups.kept(req_id)  # keyed in the namespaces of now too (forget_lookups)
+        keys = kept if kept is not None else self.lookups.keys(prompt, keying)
         self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
         self.leases.drop(req_id)
         loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
         first = num_computed // self.chunk_tokens  # the engine's own cache holds those before
-        residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
-                                    cap=loadable, lease_from=first if first < loadable else None)
+        residency = self.lookups.residency(keys, prefetch=self.prefetch is not None and kept is None,
+                                           cap=loadable, lease_from=first if first < loadable else None)
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
-            self._arrived[req_id] = keys
+            self.lookups.keep(req_id, keys)
             self.leases.release(residency.lease)
             return None
         usable = residency.stored
         if self.prefetch is not None:
             decided = self.prefetch.decide(req_id, residency, len(prompt))
             if decided is None:
-                self._arrived[req_id] = keys
+                self.lookups.keep(req_id, keys)
                 self.leases.release(residency.lease)
                 return None
             usable = decided
         load_end = min(usable, loadable) * self.chunk_tokens
-        namespaces = self._namespaces(keying.salt)
+        namespaces = self.lookups.namespaces(keying.salt)
         request = self._requests[req_id] = RequestState(
             keys, prompt, namespaces, keying.extras, load_end, residency, len(prompt))
         self.leases.hold(req_id, residency.lease)
@@ -297,7 +268,7 @@ class SchedulerCore:
     def _forget(self, req_id: str) -> RequestState | None:
         """Forget a request in every part; its lease goes now, or once its async load ends
         (Leases.forget)."""
-        self._arrived.pop(req_id, None)
+        self.lookups.forget(req_id)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
