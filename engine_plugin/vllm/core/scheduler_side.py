@@ -1,11 +1,15 @@
 """Scheduler-side decisions: how many prompt tokens to load, and which chunks to save.
 
+SchedulerCore takes vLLM's hooks and makes the decision; the parts it composes each keep
+one thing (its docstring names them), in modules of their own beside this one.
+
 Invariants (each holds per request):
 - A load covers whole chunks of the leading run present in the store, for every
   tensor-parallel rank, and ends at least one token before the prompt's end: the
   engine must compute one token to produce logits.
 - A load never writes a block the engine's own prefix cache already supplied
-  (those are marked SKIP): such blocks may be shared with running requests.
+  (those are marked SKIP): such blocks may be shared with running requests
+  (engine_plugin/vllm/core/step_planner.py).
 - A chunk is saved once, in the step in which its last token's KV is computed
   (chunked prefill spreads a prompt over steps, decoding fills chunks one token at a
   time), and only if the store did not already hold it when the request arrived.
