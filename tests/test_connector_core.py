@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.options import check_chunk_size, parse_options
 from engine_plugin.vllm.core.plan import SKIP
 from engine_plugin.vllm.core.prefetch import Residency
@@ -22,6 +23,7 @@ from kvstore.format.keys import (
 )
 
 CHUNK, BLOCK = 256, 128
+GEOMETRY = KVGeometry(CHUNK, BLOCK)
 NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(0, 2))),
               KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(1, 2))))
 
@@ -29,7 +31,7 @@ NAMESPACES = (KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(0, 
 def core(stored: dict[bytes, bool] | None = None, load_async: bool = True,
          settings: SchedulerSettings | None = None) -> SchedulerCore:
     """A scheduler over a store holding `stored` (all in DRAM), prefetch off."""
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup_in(stored or {}),
+    return SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup_in(stored or {}),
                          settings or SchedulerSettings(load_async))
 
 
@@ -60,7 +62,7 @@ def test_a_hit_is_split_by_the_tier_that_held_it_at_the_lookup():
     def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
         return Residency(stored=6, resident=2)  # chunks 0-1 in DRAM, 2-5 on disk
 
-    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
     assert scheduler.num_new_matched_tokens("r", PROMPT, 384) == 6 * CHUNK - 384
     assert scheduler.hit_sources("r", 6 * CHUNK - 384) == {"host": 2 * CHUNK - 384, "disk": 4 * CHUNK}
     assert scheduler.hit_sources("r", 3 * CHUNK) == {"disk": 3 * CHUNK}  # the engine trimmed its own hit
@@ -148,7 +150,7 @@ def test_a_new_generation_keys_new_lookups_and_leaves_running_requests_in_theirs
     keeps saving its answer on its old chains (its KV is the old weights'), a new one is
     keyed in the new namespaces, and keys computed at arrival are not reused."""
     current = {"namespaces": NAMESPACES}
-    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: current["namespaces"], lookup_in({}),
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: current["namespaces"], lookup_in({}),
                               SchedulerSettings(True, stage_on_arrival=True))
     tokens = list(PROMPT)
     scheduler.num_new_matched_tokens("running", tokens, 0)
@@ -250,7 +252,7 @@ def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, computed, sync_d
         offsets = tuple(leased for _ in ranks)
         return Residency(8, resident, lease=5, offsets=offsets)
 
-    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup,
                               SchedulerSettings(load_async=True, sync_dram_loads=sync_dram_loads))
     assert scheduler.num_new_matched_tokens("r", PROMPT, computed) == 8 * CHUNK - computed
     assert asked == [computed // CHUNK]  # no lease for the chunks the engine holds
@@ -273,6 +275,6 @@ def test_nothing_is_leased_where_the_engines_own_cache_covers_the_hit():
         asked.append(lease_from)
         return Residency(8, 8)
 
-    scheduler = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
     assert scheduler.num_new_matched_tokens("r", PROMPT, 8 * CHUNK) == 0
     assert asked == [None]

@@ -24,6 +24,7 @@ from support.services import counters, service_client, service_config, stop_serv
 from bench.support.processes import paused
 from connectors import link as link_module
 from connectors.link import ServiceLink
+from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.plan import StepPlan, Transfer
 from engine_plugin.vllm.core.prefetch import Residency
 from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
@@ -63,7 +64,7 @@ def scheduler(stored: set[bytes], clock: Clock, wait_s: float = 5.0) -> Schedule
         count = min(next((i for i, key in enumerate(keys) if key not in stored), len(keys)) for keys in ranks)
         return Residency(count, count)
 
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup,
+    return SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: NAMESPACES, lookup,
                          SchedulerSettings(load_async=True, wait_for_saves_s=wait_s), clock=clock)
 
 
@@ -423,7 +424,8 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
         found = lookup_client.lookup(ranks, prefetch, lease, core.take_releases())
         return Residency(found.stored, found.resident, found.pending, found.lease, found.offsets)
 
-    core = SchedulerCore(CHUNK, BLOCK, lambda salt: NAMESPACES, lookup, SchedulerSettings(load_async=False))
+    core = SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: NAMESPACES, lookup,
+                         SchedulerSettings(load_async=False))
     try:
         assert core.num_new_matched_tokens("first", PROMPT, 0) == 0
         core.on_scheduled("first", list(range(8)), replace=True, computed_after_step=len(PROMPT))

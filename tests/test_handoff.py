@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_plugin.vllm.core.chain_reports import Notify
+from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.handoff import PARAMS_KEY, Handoff, Role, check_producer_store
 from engine_plugin.vllm.core.prefetch import Residency
 from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
@@ -36,7 +37,8 @@ def core(present: set[bytes], settings: SchedulerSettings, clock: Clock, ranks: 
 
     namespaces = tuple(KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(rank, ranks)))
                        for rank in range(ranks))
-    return SchedulerCore(CHUNK, BLOCK, lambda salt: namespaces, lookup, settings, clock=clock, notify=notify)
+    return SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: namespaces, lookup, settings, clock=clock,
+                         notify=notify)
 
 
 def test_roles_follow_vllm_kv_role():

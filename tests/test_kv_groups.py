@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_plugin.vllm.core.groups import GroupRules, KVGroup
+from engine_plugin.vllm.core.groups import GroupRules, KVGeometry, KVGroup
 from engine_plugin.vllm.core.plan import SKIP
 from engine_plugin.vllm.core.prefetch import Residency
 from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
@@ -36,7 +36,7 @@ def core(present: set[bytes], interval: int = 0) -> SchedulerCore:
                     for keys in lists)
         return Residency(count, count)
 
-    return SchedulerCore(CHUNK, BLOCK, namespaces, lookup, SchedulerSettings(groups=rules(interval)))
+    return SchedulerCore(KVGeometry(CHUNK, BLOCK, rules(interval)), namespaces, lookup, SchedulerSettings())
 
 
 def test_a_sliding_group_needs_only_the_blocks_vllm_keeps_before_the_boundary():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.options import parse_options
 from engine_plugin.vllm.core.prefetch import PrefetchPolicy, PrefetchTracker, Residency
 from engine_plugin.vllm.core.scheduler_side import SchedulerCore, SchedulerSettings
@@ -62,7 +63,7 @@ class Clock:
 
 
 def scheduler(store: FakeStore, policy: str, clock: Clock, **kwargs) -> SchedulerCore:
-    core = SchedulerCore(CHUNK, BLOCK, lambda salt: (NAMESPACE,), store.lookup,
+    core = SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: (NAMESPACE,), store.lookup,
                          SchedulerSettings(prefetch=PrefetchPolicy(policy, **kwargs)), clock=clock,
                          notify=store.notify)
     assert core.prefetch is not None

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from connectors.link import ServiceLink
-from engine_plugin.vllm.core.groups import GroupRules
+from engine_plugin.vllm.core.groups import GroupRules, KVGeometry
 from engine_plugin.vllm.core.handoff import Handoff, Role
 from engine_plugin.vllm.core.hints import MAX_HINTS, Hint, HintLimits, action_hint, prefetch_hints
 from engine_plugin.vllm.core.options import ConnectorOptions
@@ -61,9 +61,9 @@ class SchedulerRole:
                                      prefetch=options.prefetch,
                                      stage_on_arrival=options.device_staging > 0,
                                      wait_for_saves_s=options.wait_for_saves_s, saves=kept,
-                                     handoff_wait_s=options.pd_wait_s, groups=rules)
-        self.core = SchedulerCore(store.chunk_tokens, block_size, namespaces, self._lookup, settings,
-                                  notify=self._notify)
+                                     handoff_wait_s=options.pd_wait_s)
+        self.core = SchedulerCore(KVGeometry(store.chunk_tokens, block_size, rules), namespaces, self._lookup,
+                                  settings, notify=self._notify)
         self.router_events = RouterEvents(store.chunk_tokens, block_size, self.link) if kv_events else None
         self.malformed = MalformedCounts(log, self.core.counters)  # reported with the core's
         self._warned: set[str] = set()  # reasons a request went uncached, logged once each

@@ -114,6 +114,27 @@ class GroupRules:
         return Residency(0, 0, pending)
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """The engine's paged KV cache as the scheduler plans over it: tokens per chunk (the
+    store's), tokens per block (the engine's; a chunk is whole blocks), and a hybrid
+    model's groups (`rules`; None: one full-attention group). Fixed by the model and the
+    store, never by an option."""
+
+    chunk_tokens: int
+    block_size: int
+    rules: GroupRules | None = None
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """Every group the engine keeps blocks for, in `rules`' order (full attention first)."""
+        return self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
+
+
 def loadable(group: KVGroup, blocks: Sequence[int], skip: int) -> tuple[int, ...]:
     """A chunk's block ids for a load into `group`: blocks vLLM keeps none of (null) are
     `skip`, never written."""

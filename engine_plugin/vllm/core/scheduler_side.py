@@ -1,11 +1,15 @@
 """Scheduler-side decisions: how many prompt tokens to load, and which chunks to save.
 
+SchedulerCore takes vLLM's hooks and makes the decision; the parts it composes each keep
+one thing (its docstring names them), in modules of their own beside this one.
+
 Invariants (each holds per request):
 - A load covers whole chunks of the leading run present in the store, for every
   tensor-parallel rank, and ends at least one token before the prompt's end: the
   engine must compute one token to produce logits.
 - A load never writes a block the engine's own prefix cache already supplied
-  (those are marked SKIP): such blocks may be shared with running requests.
+  (those are marked SKIP): such blocks may be shared with running requests
+  (engine_plugin/vllm/core/step_planner.py).
 - A chunk is saved once, in the step in which its last token's KV is computed
   (chunked prefill spreads a prompt over steps, decoding fills chunks one token at a
   time), and only if the store did not already hold it when the request arrived.
@@ -29,38 +33,37 @@ Invariants (each holds per request):
 - A request that ends tells the service how (engine_plugin/vllm/core/chain_reports.py), for its
   next-turn prediction and disk admission.
 - The lookup that decides a load protects it (a model with one KV cache group): it leases
-  the run the store holds in DRAM, so nothing of it is evicted between the decision and
-  the workers' copy, and the workers copy it from the shared tier with no request of their
-  own. A request holds at most one lease; it is released (on the next request to the
-  service) once the load is over: an async load when the workers report it finished or
-  failed, a sync one after its step, a request that loads nothing at once, and a request
-  that finishes or is abandoned as soon as no load of it is under way.
+  the run the store holds in DRAM for the workers' copy, and the lease goes back once no
+  copy can still read it (engine_plugin/vllm/core/leases.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from engine_plugin.vllm.core.chain_reports import ChainReports, Notify
-from engine_plugin.vllm.core.groups import GroupRules, KVGroup, load_run, per_group, save_runs
+from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.handoff import Handoff, HandoffWaits
-from engine_plugin.vllm.core.plan import Stage, StepPlan, Transfer
-from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker, Residency
+from engine_plugin.vllm.core.leases import Leases
+from engine_plugin.vllm.core.plan import StepPlan
+from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker
+from engine_plugin.vllm.core.prompt_lookups import TOKENS_ONLY, Keying, PromptLookups
+from engine_plugin.vllm.core.request_state import RequestState
 from engine_plugin.vllm.core.save_tracker import SaveTracker
-from kvstore.format.keys import KeyExtras, KVNamespace, chunk_keys
+from engine_plugin.vllm.core.step_planner import Saves, StepPlanner
+from kvstore.format.keys import KVNamespace
 
-Saves = Literal["answers", "prompts", "none"]
+__all__ = ["Keying", "Saves", "SchedulerCore", "SchedulerSettings"]
 
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """The engine-side options the scheduler acts on (engine_plugin/vllm/core/options.py)."""
+    """The engine-side options the scheduler acts on (engine_plugin/vllm/core/options.py);
+    what the model fixes (chunk and block sizes, KV cache groups) is its KVGeometry."""
 
     load_async: bool = True
     # A hit the lookup leased whole (in DRAM: a copy, no I/O) loads before the forward pass
@@ -73,197 +76,101 @@ class SchedulerSettings:
     # (prompt chunks only), "none" (plan no saves: a kv_consumer's default).
     saves: Saves = "answers"
     handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
-    groups: GroupRules | None = None  # a hybrid model's KV cache groups; None: one group
-
-
-@dataclass(frozen=True)
-class Keying:
-    """What a request's keys depend on besides its token ids: the salt its namespaces
-    take (LoRA adapter, cache salt) and its chunks' extras (images, prompt embeddings)."""
-
-    salt: str = ""
-    extras: KeyExtras | None = None
-
-
-@dataclass
-class _Request:
-    keys: list[list[bytes]]  # [rank][chunk] for every full chunk of the tokens known so far
-    tokens: Sequence[int]  # the engine's live token list (prompt, then what it generates)
-    namespaces: Sequence[KVNamespace]  # each key list's (one per group and rank), as at the lookup
-    extras: KeyExtras | None  # what its keys cover besides its tokens
-    load_end: int  # token where a load from the store would end
-    found: Residency  # what the store held at the lookup (stored chunks, those in DRAM)
-    prompt_tokens: int = 0  # tokens known at the lookup: boundaries a later hit may end on
-    block_ids: list[list[int]] = field(default_factory=list, init=False)  # per KV cache group (vLLM's index)
-    loading: bool = field(default=False, init=False)  # an async load of it is under way
-    load_async: bool = field(default=True, init=False)  # what the engine was told at the match
-    saved_chunks: int = field(init=False)  # chunks [0, saved_chunks) are stored or queued for saving
-    turn_idle: tuple[int, float | None] = field(default=(0, None), init=False)  # ChainReports.planned
-
-    def __post_init__(self) -> None:
-        self.saved_chunks = self.found.stored
-
-    def extend_keys(self, chunks: int, chunk_tokens: int) -> None:
-        """Hash the keys of the first `chunks` chunks that generated tokens filled, on each
-        stream's chain, in the namespaces its prompt was keyed in (a new generation since
-        does not move a running request's chains)."""
-        have = len(self.keys[0])
-        if have >= chunks:
-            return
-        tokens = list(self.tokens[have * chunk_tokens : chunks * chunk_tokens])
-        for stream_keys, namespace in zip(self.keys, self.namespaces, strict=True):
-            parent = stream_keys[-1] if stream_keys else bytes(16)
-            stream_keys += chunk_keys(tokens, namespace, parent, self.extras, first=have)
-
-    def chunk_blocks(self, chunk: int, per_chunk: int, group: int = 0) -> tuple[int, ...]:
-        """The block ids of chunk `chunk` in KV cache group `group`."""
-        ids = self.block_ids[group][chunk * per_chunk : (chunk + 1) * per_chunk]
-        if len(ids) != per_chunk:
-            raise RuntimeError(f"chunk {chunk} has {len(ids)} blocks allocated, expected {per_chunk}")
-        return tuple(ids)
-
-    def ending(self) -> tuple[list[list[bytes]], int, int, tuple[int, float | None]]:
-        """What ChainReports.ended asks: each rank's keys of the chunks stored or queued for
-        saving, the tokens known (prompt and answer), the prompt's, its turn and idle time."""
-        stored = [rank_keys[: self.saved_chunks] for rank_keys in self.keys]
-        return stored, len(self.tokens), self.prompt_tokens, self.turn_idle
-
-    def sources(self, num_external: int, chunk_tokens: int) -> dict[str, int]:
-        """The last `num_external` tokens of the hit by the tier that held them at the lookup:
-        `host` (DRAM) and `disk` (this host's disk or the shared array); zeros left out."""
-        start = self.load_end - num_external
-        host = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
-        return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
-
-
-    def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
-                 group: int, save_id: int = 0) -> Transfer:
-        """Chunks [first, first + len(blocks)) of the group whose keys are `streams` of self.keys."""
-        end = first + len(blocks)
-        keys = self.keys[streams]
-        leased = () if save_id else tuple(
-            tuple(offsets[i] if i < len(offsets) else -1 for i in range(first, end))
-            for offsets in self.found.offsets[streams])
-        return Transfer(req_id=req_id, keys=tuple(tuple(rank_keys[first:end]) for rank_keys in keys),
-                        parents=tuple(rank_keys[first - 1] if first else None for rank_keys in keys),
-                        blocks=tuple(blocks), save_id=save_id, group=group,
-                        namespaces=tuple(ns.digest() for ns in self.namespaces[streams]), leased=leased,
-                        load_async=self.load_async)
-
-    def leased_whole(self, first: int, end: int) -> bool:
-        """Every chunk from `first` to `end` is leased, on every rank (DRAM: a copy, no I/O)."""
-        return bool(self.found.lease) and end > first and all(
-            len(offsets) >= end and min(offsets[first:end]) >= 0 for offsets in self.found.offsets)
-
-
-def _streams(position: int, ranks: int) -> slice:
-    """Which of a request's key lists (one per group and rank) are the group at `position`'s."""
-    return slice(position * ranks, (position + 1) * ranks)
 
 
 class SchedulerCore:
-    """Per-request bookkeeping behind get_num_new_matched_tokens and friends.
+    """The scheduler side of the connector: each vLLM hook of a request, in the order vLLM
+    calls them, over the parts that each keep one thing.
 
-    `lookup(keys per rank, prefetch)` says what the store holds of one prompt on every
-    rank; `namespaces(salt)` gives one namespace per tensor-parallel rank for a
-    request's salt (with KV cache groups: one per group and rank, group-major, in
-    `settings.groups` order). Counters (take_counters): the save tracker's and the prefetch
-    policy's."""
+    Parts: `lookups` (keys and what the store holds of them), `saves` (saves in flight and
+    the holds they put on requests), `handoffs` (holds for a prefill instance's chunks),
+    `prefetch` (the prefetch policy's holds), `leases` (the DRAM leases of decided loads),
+    `planner` (the step plan the workers carry out) and `reports` (what the service is told
+    when a request ends). This class keeps the requests decided (RequestState, by id) and
+    makes the decision that needs every part: how many tokens a request loads, and whether
+    its load runs while it waits (async) or before its step's forward pass.
 
-    def __init__(self, chunk_tokens: int, block_size: int,
-                 namespaces: Callable[[str], Sequence[KVNamespace]], lookup: Lookup,
-                 settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
+    Invariants:
+    - A request is decided by its latest ask: asked again, its earlier decision and lease
+      go first; held (saves, handoff, prefetch), it is not decided and its keys are kept.
+    - A request is forgotten by every part at once (`on_finished`, `abandon`), and what is
+      not known here is never planned.
+    - Counters (take_counters) are this core's and every part's, in one report.
+    """
+
+    def __init__(self, geometry: KVGeometry, namespaces: Callable[[str], Sequence[KVNamespace]],
+                 lookup: Lookup, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
                  notify: Notify | None = None) -> None:
-        self.chunk_tokens = chunk_tokens
-        self.block_size = block_size
-        self.blocks_per_chunk = chunk_tokens // block_size
+        self.chunk_tokens = geometry.chunk_tokens
         self.settings = settings
-        self._namespaces = namespaces
-        self._lookup = lookup
-        self.reports = ChainReports(notify, chunk_tokens, clock)
-        self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
-                         else None)
-        self._arrived: dict[str, list[list[bytes]]] = {}  # keys computed at arrival
-        self._requests: dict[str, _Request] = {}
-        self._plan = StepPlan()
+        self.lookups = PromptLookups(geometry, namespaces, lookup)
+        self.ranks = self.lookups.ranks
         self.counters: Counter[str] = Counter()
-        self.rules = settings.groups
-        self.groups = self.rules.groups if self.rules is not None else (KVGroup(0, "full_attention", ""),)
-        self.ranks = len(namespaces("")) // len(self.groups)
         self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
-        self._releases: list[int] = []  # leases done with, told to the service on its next request
-        self._after_step: list[int] = []  # leases of this step's sync loads: released after it
-        self._loading: dict[str, int] = {}  # forgotten requests' leases, until their async load ends
+        self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
+                         else None)
+        self.leases = Leases()
+        self.planner = StepPlanner(geometry, self.ranks, settings.saves, self.saves)
+        self.reports = ChainReports(notify, geometry.chunk_tokens, clock)
+        self._requests: dict[str, RequestState] = {}
 
-    def _keys(self, prompt: Sequence[int], keying: Keying) -> list[list[bytes]]:
-        return [chunk_keys(prompt, ns, extras=keying.extras) for ns in self._namespaces(keying.salt)]
-
-    def _residency(self, keys: list[list[bytes]], prefetch: bool, cap: int | None = None,
-                   lease_from: int | None = None) -> Residency:
-        """Leading chunks stored for every rank (and every group, at most `cap`); with
-        `lease_from` (one group) the DRAM run from that chunk on leased for the workers."""
-        if not keys[0]:
-            return Residency(0, 0)
-        if self.rules is None:
-            return self._lookup(keys, prefetch, lease_from)
-        grouped = [keys[g * self.ranks : (g + 1) * self.ranks] for g in range(len(self.groups))]
-        return self.rules.hit(self._lookup, grouped, len(keys[0]) if cap is None else cap, prefetch)
-
-    def on_arrival(self, req_id: str, prompt: Sequence[int], keying: Keying = Keying()) -> None:
+    def on_arrival(self, req_id: str, prompt: Sequence[int], keying: Keying = TOKENS_ONLY) -> None:
         """A request entered the waiting queue: start promoting its stored chunks now,
         long before the scheduler reaches it, and have the workers stage them."""
         if self.prefetch is None and not self.settings.stage_on_arrival:
             return
-        keys = self._arrived[req_id] = self._keys(prompt, keying)
-        residency = self._residency(keys, prefetch=self.prefetch is not None)
+        keys = self.lookups.keys(prompt, keying)
+        self.lookups.keep(req_id, keys)
+        residency = self.lookups.residency(keys, prefetch=self.prefetch is not None)
         if self.prefetch is not None:
             self.prefetch.arrived(req_id, residency)
         if self.settings.stage_on_arrival and residency.stored:
-            self._plan.stages.append(Stage(req_id, tuple(tuple(k[: residency.stored]) for k in keys)))
+            self.planner.stage(req_id, keys, residency.stored)
 
     def forget_lookups(self) -> None:
         """The namespaces changed (a new generation): keys computed at arrival are stale."""
-        self._arrived.clear()
+        self.lookups.clear()
 
     def hint(self, prompt: Sequence[int], salt: str = "") -> None:
         """Tokens a future request will start with: promote what the store holds of them."""
-        self._residency(self._keys(prompt, Keying(salt)), prefetch=True)
+        self.lookups.residency(self.lookups.keys(prompt, Keying(salt)), prefetch=True)
 
     def expect(self, prompt: Sequence[int], in_s: float, salt: str = "") -> None:
         """Tokens a request will start with in `in_s` seconds: promoted just before."""
-        self.reports.expect(self._keys(prompt, Keying(salt)), in_s)
+        self.reports.expect(self.lookups.keys(prompt, Keying(salt)), in_s)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               keying: Keying = Keying()) -> int | None:
+                               keying: Keying = TOKENS_ONLY) -> int | None:
         """Tokens beyond `num_computed` (the engine's own hit) that the store can supply,
         or None: saves of its next chunks are in flight, or the prefetch policy holds
         the request; ask again later."""
-        arrived = self._arrived.get(req_id)  # keyed in the namespaces of now too (forget_lookups)
-        keys = arrived if arrived is not None else self._keys(prompt, keying)
-        earlier = self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
-        if earlier is not None:
-            self._release(earlier.found.lease)
+        kept = self.lookups.kept(req_id)  # keyed in the namespaces of now too (forget_lookups)
+        keys = kept if kept is not None else self.lookups.keys(prompt, keying)
+        self._requests.pop(req_id, None)  # asked again: its earlier answer's lease goes
+        self.leases.drop(req_id)
         loadable = (len(prompt) - 1) // self.chunk_tokens  # a load may end here, no further
         first = num_computed // self.chunk_tokens  # the engine's own cache holds those before
-        residency = self._residency(keys, prefetch=self.prefetch is not None and arrived is None,
-                                    cap=loadable, lease_from=first if first < loadable else None)
+        residency = self.lookups.residency(keys, prefetch=self.prefetch is not None and kept is None,
+                                           cap=loadable, lease_from=first if first < loadable else None)
         if (self.saves.held(req_id, keys[0], residency.stored)
                 or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
-            self._arrived[req_id] = keys
-            self._release(residency.lease)
+            self.lookups.keep(req_id, keys)
+            self.leases.release(residency.lease)
             return None
         usable = residency.stored
         if self.prefetch is not None:
             decided = self.prefetch.decide(req_id, residency, len(prompt))
             if decided is None:
-                self._arrived[req_id] = keys
-                self._release(residency.lease)
+                self.lookups.keep(req_id, keys)
+                self.leases.release(residency.lease)
                 return None
             usable = decided
-        load_end = min(usable, (len(prompt) - 1) // self.chunk_tokens) * self.chunk_tokens
-        request = self._requests[req_id] = _Request(
-            keys, prompt, self._namespaces(keying.salt), keying.extras, load_end, residency, len(prompt))
+        load_end = min(usable, loadable) * self.chunk_tokens
+        namespaces = self.lookups.namespaces(keying.salt)
+        request = self._requests[req_id] = RequestState(
+            keys, prompt, namespaces, keying.extras, load_end, residency, len(prompt))
+        self.leases.hold(req_id, residency.lease)
         request.load_async = self.settings.load_async and not (
             self.settings.sync_dram_loads and request.leased_whole(first, load_end // self.chunk_tokens))
         request.turn_idle = self.reports.planned(keys[0])
@@ -284,7 +191,7 @@ class SchedulerCore:
         return Handoff(chunks, request.keys[0][chunks - 1], host) if chunks else None
 
     def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
-        """A hit's tokens by the tier that held them (`_Request.sources`), for engines' metrics."""
+        """A hit's tokens by the tier that held them (`RequestState.sources`), for engines' metrics."""
         request = self._requests.get(req_id)
         return {} if request is None else request.sources(num_external, self.chunk_tokens)
 
@@ -303,66 +210,35 @@ class SchedulerCore:
     def on_alloc(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
                  num_external: int) -> None:
         """Blocks are allocated (per group, or one group's list): plan the load of the last
-        `num_external` tokens of the hit (the engine may have trimmed its own hit since the
-        lookup; the hit's end holds). A group's blocks the engine keeps none of are skipped,
-        and chunks with nothing to load are left out."""
+        `num_external` tokens of the hit (StepPlanner.load); an async one keeps its lease
+        until the workers report it ended."""
         request = self._requests.get(req_id)
         if request is None:
             return
-        if num_external == 0:  # nothing to load: its lease is not needed
-            self._release(request.found.lease)
+        if num_external == 0:  # nothing to load: its lease is not needed, its offsets pinned no more
+            self.leases.drop(req_id)
             request.found = dataclasses.replace(request.found, lease=0, offsets=())
             return
-        request.block_ids = per_group(block_ids)
-        num_computed = request.load_end - num_external
-        for position, group in enumerate(self.groups):
-            blocks_of = functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
-                                          group=group.index)
-            run = load_run(group, blocks_of, num_computed, request.load_end, self.chunk_tokens,
-                           self.block_size)
-            if run is not None:
-                streams = _streams(position, self.ranks)
-                self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
-                request.loading = request.load_async
+        request.allocated(block_ids, replace=True)
+        if self.planner.load(req_id, request, num_external) and request.load_async:
+            self.leases.loading(req_id)
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
-        """A request runs this step; chunks it completes are saved after the forward (each
-        group's chunks worth storing: engine_plugin/vllm/core/groups.py)."""
+        """A request runs this step; chunks it completes are saved after the forward
+        (StepPlanner.save)."""
         request = self._requests.get(req_id)
         if request is None:
             return
         if block_ids is not None:
-            new = per_group(block_ids)
-            request.block_ids = new if replace or not request.block_ids else [
-                old + ids for old, ids in zip(request.block_ids, new, strict=True)]
-        if self.settings.saves == "none":
-            return
-        limit = request.prompt_tokens if self.settings.saves == "prompts" else len(request.tokens)
-        done = min(computed_after_step, limit) // self.chunk_tokens
-        if done <= request.saved_chunks:
-            return
-        request.extend_keys(done, self.chunk_tokens)
-        for position, group in enumerate(self.groups):
-            runs = save_runs(self.rules, group, request.prompt_tokens, request.saved_chunks, done,
-                             functools.partial(request.chunk_blocks, per_chunk=self.blocks_per_chunk,
-                                               group=group.index))
-            for first, blocks in runs:
-                keys = request.keys[position * self.ranks][first : first + len(blocks)]
-                streams = _streams(position, self.ranks)
-                self._plan.saves.append(request.transfer(req_id, first, blocks, streams, group.index,
-                                                         self.saves.started(keys)))
-        request.saved_chunks = done
+            request.allocated(block_ids, replace)
+        self.planner.save(req_id, request, computed_after_step)
 
     def take_plan(self) -> StepPlan:
         """The plan for this step; the next step starts empty. A sync load's lease is
         released after the step (its workers copy before the forward pass)."""
-        plan, self._plan = self._plan, StepPlan()
-        for req_id in {t.req_id for t in plan.loads if not t.load_async}:
-            request = self._requests.get(req_id)
-            if request is not None and request.found.lease:
-                self._after_step.append(request.found.lease)
-                request.found = dataclasses.replace(request.found, lease=0)
+        plan = self.planner.take()
+        self.leases.after_step({t.req_id for t in plan.loads if not t.load_async})
         return plan
 
     def loads_async(self, req_id: str) -> bool:
@@ -372,27 +248,12 @@ class SchedulerCore:
         return request.load_async if request is not None else self.settings.load_async
 
     def step_done(self, loads_ended: Iterable[str]) -> None:
-        """The workers reported a step: its sync loads' leases go, and those of the async
-        loads that ended (finished or failed) in it."""
-        self._releases += self._after_step
-        self._after_step = []
-        for req_id in loads_ended:
-            lease = self._loading.pop(req_id, 0)
-            request = self._requests.get(req_id)
-            if request is not None and request.loading:
-                request.loading = False
-                lease = request.found.lease
-                request.found = dataclasses.replace(request.found, lease=0)
-            self._release(lease)
+        """The workers reported a step (Leases.step_done)."""
+        self.leases.step_done(loads_ended)
 
     def take_releases(self) -> list[int]:
         """The leases to tell the service are done with (on the next request to it)."""
-        releases, self._releases = self._releases, []
-        return releases
-
-    def _release(self, lease: int) -> None:
-        if lease:
-            self._releases.append(lease)
+        return self.leases.take()
 
     def on_finished(self, req_id: str) -> None:
         """Forget the request; tell the service it ended with these chunks (prompt and answer), which
@@ -405,20 +266,16 @@ class SchedulerCore:
         """A fault while serving `req_id`: its load in this step's plan is given up whole, or
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
         forgotten (the service is not told it ended: what it kept may be what faulted)."""
-        self._plan.give_up(req_id, blocks, self.loads_async(req_id))
+        self.planner.give_up(req_id, blocks, self.loads_async(req_id))
         self._forget(req_id)
 
-    def _forget(self, req_id: str) -> _Request | None:
-        """Forget a request; its lease goes now, or once its async load ends (step_done)."""
-        self._arrived.pop(req_id, None)
+    def _forget(self, req_id: str) -> RequestState | None:
+        """Forget a request in every part; its lease goes now, or once its async load ends
+        (Leases.forget)."""
+        self.lookups.forget(req_id)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        request = self._requests.pop(req_id, None)
-        if request is not None and request.found.lease:
-            if request.loading:
-                self._loading[req_id] = request.found.lease
-            else:
-                self._release(request.found.lease)
-        return request
+        self.leases.forget(req_id)
+        return self._requests.pop(req_id, None)
