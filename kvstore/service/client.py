@@ -1,5 +1,6 @@
 """Client of the per-host service: the service's requests as typed calls (lookup, get,
-put, pin, the owner's admin calls) over one connection (client_connection.py).
+put, pin, the owner's admin calls) over one connection (client_connection.py), and the
+memory the service shares with a data client (client_memory.py).
 
 A client is used by one thread at a time (a connection carries one request at a
 time); an engine worker keeps one for loads and one for saves. Every request has
@@ -10,34 +11,35 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.config.store import StoreConfig, dump_config, with_service
 from kvstore.format.errors import KVStoreError
-from kvstore.format.record import HEADER_BLOCK, KEY_OFFSET, read_payload_len
-from kvstore.io.memfd import SharedMemory
 from kvstore.service import protocol as P
 from kvstore.service.client_connection import Connection, ServiceUnavailable, connect
-from kvstore.service.window import Window
+from kvstore.service.client_memory import ClientMemory
 from kvstore.tiers.return_rates import RequestEnd
 
 HELLO_TIMEOUT_S = 10.0
 
 
 class StoreClient:
-    """One connection plus, for data clients, the window the service gave it.
+    """The service's requests as typed calls, over one connection it says hello on.
 
-    With `chunk_bytes` None the client can only `residency`, `count` and `info` (a
-    scheduler). `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view)
-    with chunk keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
-    Where the service shares its DRAM tier and `map_tier` asks for it (a client that
-    loads), `tier` maps it read-only: `pin(keys)` pins the DRAM hits and says where each
-    payload is (`tier_payload`), for the caller to copy out itself before `unpin`.
-    `before_unmap` callbacks run when `close()` is about to unmap the window and tier (a
-    CUDA worker unregisters them from the driver there).
-    `timeout_s` is each request's deadline (default: twice io.timeout_s).
+    The hello introduces the client (config, chunk size, namespace, KV dtype and shape);
+    with a chunk size it brings the client's `memory` (client_memory.py): `get(keys,
+    slots)` fills window slot slots[i] (`memory.slot(n)` is its view) with chunk keys[i],
+    `put(keys, slots)` stores chunk keys[i] from slot slots[i], and where the service
+    shares its DRAM tier and `map_tier` asks for it (a client that loads), `pin(keys)`
+    pins the DRAM hits and says where each payload is (`memory.tier_payload`), for the
+    caller to copy out itself before `unpin`. Without one (a scheduler) it maps nothing
+    and asks the rest: lookups, hints, counters, the owner's admin calls. Each call
+    checks and shapes its arguments and its reply; a prompt too long for one frame is
+    asked about in pieces (`lookup`). Invariants: one request at a time; the connection
+    (client_connection.py) carries each under `timeout_s` (default: twice io.timeout_s);
+    `disconnect()` leaves the memory mapped for copies still in flight, `close()` unmaps it.
     """
 
     def __init__(self, config: StoreConfig, chunk_bytes: int | None = None, *,
@@ -45,11 +47,7 @@ class StoreClient:
                  shape: tuple[int, ...] = (), timeout_s: float | None = None,
                  map_tier: bool = True) -> None:
         self.config = config
-        self.chunk_bytes = chunk_bytes
-        self.window: Window | None = None
-        self.tier: SharedMemory | None = None
-        self.slots = 0
-        self.before_unmap: list[Callable[[], object]] = []
+        self.memory = ClientMemory()
         self._conn = Connection(connect(config), 2 * config.io.timeout_s if timeout_s is None else timeout_s)
         try:
             # The first hello with a chunk size makes the store (opens the tiers, recovers
@@ -58,17 +56,7 @@ class StoreClient:
             reply = self._conn.request(P.Hello(P.PROTOCOL_VERSION, dump_config(config), chunk_bytes,
                                                namespace, dtype, tuple(shape)), hello_timeout_s)
             if chunk_bytes is not None:
-                fd = self._conn.take_fd()
-                if fd is None or not isinstance(reply, dict):
-                    raise KVStoreError("the service sent no window")
-                self.window = Window.attach(fd, int(reply["window_bytes"]), str(reply["pages"]))
-                self.slots = int(reply["slots"])
-                tier_fd = self._conn.take_fd() if "tier_bytes" in reply else None
-                if tier_fd is not None and not map_tier:
-                    os.close(tier_fd)
-                elif tier_fd is not None:
-                    self.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]),
-                                                    str(reply["tier_pages"]), writable=False)
+                self.memory = ClientMemory.from_hello(chunk_bytes, reply, self._conn.take_fd, map_tier)
         except BaseException:
             self.disconnect()
             raise
@@ -77,11 +65,6 @@ class StoreClient:
     def timeout_s(self) -> float:
         """Each request's deadline (a ServiceLink waits that long for a reconnect)."""
         return self._conn.timeout_s
-
-    def slot(self, index: int) -> memoryview:
-        assert self.window is not None and self.chunk_bytes is not None
-        start = index * self.chunk_bytes
-        return self.window.view[start : start + self.chunk_bytes]
 
     def residency(self, keys: Sequence[bytes], prefetch: bool = False) -> tuple[int, int, bool]:
         """(leading chunks present, of those already in DRAM, whether a promotion of that
@@ -192,24 +175,6 @@ class StoreClient:
         copied and `bad` had another checksum (the others go back unpublished)."""
         self._conn.request(P.Unpin(list(leases), list(good), list(bad)))
 
-    def tier_payload(self, offset: int) -> memoryview:
-        """A pinned chunk's payload in the mapped DRAM tier (read-only)."""
-        assert self.tier is not None and self.chunk_bytes is not None and offset >= 0
-        return self.tier.view[offset : offset + self.chunk_bytes]
-
-    def tier_holds(self, offset: int, key: bytes) -> bool:
-        """Whether the mapped DRAM tier's record at payload offset `offset` is chunk `key`'s
-        (its header's key and payload length): a copy out under another connection's pin
-        (a scheduler's lease) is checked so before and after, since that pin goes with that
-        connection and this client may map another service's tier since (a restart)."""
-        if self.tier is None or self.chunk_bytes is None or offset < HEADER_BLOCK:
-            return False
-        if offset + self.chunk_bytes > len(self.tier.view):
-            return False
-        block = self.tier.view[offset - HEADER_BLOCK : offset]
-        named = bytes(block[KEY_OFFSET : KEY_OFFSET + len(key)])
-        return named == key and read_payload_len(block) == self.chunk_bytes
-
     def info(self) -> dict[str, Any]:
         return dict(self._conn.request(P.Info()))
 
@@ -233,13 +198,7 @@ class StoreClient:
 
     def close(self) -> None:
         self.disconnect()
-        for callback in self.before_unmap:
-            callback()
-        self.before_unmap.clear()
-        for memory in (self.window, self.tier):
-            if memory is not None:
-                memory.close()
-        self.window = self.tier = None
+        self.memory.close()
 
     def disconnect(self) -> None:
         """Close the connection; the window stays mapped for copies still in flight."""
