@@ -107,7 +107,7 @@ class PageIO:
 
             def copy(wave: range, fetched: Fetched) -> None:
                 found = [(j, i, source) for j, i in enumerate(wave)
-                         if (source := fetched.source(client, j)) is not None]
+                         if (source := fetched.source(client.memory, j)) is not None]
                 plain = [(i, source) for j, i, source in found if fetched.check(j) is None]
                 checked = [(j, i, source) for j, i, source in found if fetched.check(j) is not None]
                 copy_many([pair for i, source in plain for pair in _pieces(pages[i], source)])
@@ -130,12 +130,12 @@ class PageIO:
         self._check(keys, pages)
         with self._lock:
             client = self.link.get()
-            if client is None or client.window is None:
+            if client is None or client.memory.window is None:
                 return [False] * len(keys)
 
             def gather(wave: range, first: int) -> None:
                 copy_many([(slot_bytes, segment) for slot, i in enumerate(wave, first)
-                           for segment, slot_bytes in _pieces(pages[i], client.slot(slot))])
+                           for segment, slot_bytes in _pieces(pages[i], client.memory.slot(slot))])
 
             return self.transfers.store_waves(client, keys, gather, parent, namespace)
 

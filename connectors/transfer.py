@@ -33,6 +33,7 @@ from connectors.link import ServiceLink
 from connectors.worker_threads import pool
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
+from kvstore.service.client_memory import ClientMemory
 
 log = logging.getLogger("kvstore.transfer")
 
@@ -57,11 +58,12 @@ class Fetched:
     def check(self, j: int) -> int | None:
         return self.checks[j] if j < len(self.checks) else None
 
-    def source(self, client: StoreClient, j: int) -> memoryview | None:
-        """Chunk j's verified bytes (valid until the wave is released), None on a miss."""
+    def source(self, memory: ClientMemory, j: int) -> memoryview | None:
+        """Chunk j's verified bytes in the fetching client's `memory` (valid until the
+        wave is released), None on a miss."""
         if self.offsets[j] >= 0:
-            return client.tier_payload(self.offsets[j])
-        return client.slot(self.first_slot + j) if self.in_window[j] else None
+            return memory.tier_payload(self.offsets[j])
+        return memory.slot(self.first_slot + j) if self.in_window[j] else None
 
 
 Copy = Callable[[range, Fetched], None]  # copies one wave (its indices into the keys) out
@@ -112,10 +114,10 @@ class Transfers:
         if self.link.peek() is not client:
             return fetched
         try:
-            if client.tier is not None:
+            if client.memory.tier is not None:
                 fetched.lease, fetched.offsets, fetched.checks = client.pin(keys, verify=not checks_copies)
             rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
-            if rest and client.window is not None:
+            if rest and client.memory.window is not None:
                 found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
                 for j, ok in zip(rest, found, strict=True):
                     fetched.in_window[j] = ok
@@ -141,8 +143,8 @@ class Transfers:
         Each wave is released after its copy, on the fetch thread; on return no fetch is
         writing the window and no pin is held, also when `copy` raised. `checks_copies`: the
         copy verifies the disk hits the service leaves unverified (Fetched.checks)."""
-        half = max(1, client.slots // 2)
-        ahead = client.slots >= 2  # a window of one slot cannot fetch ahead
+        half = max(1, client.memory.slots // 2)
+        ahead = client.memory.slots >= 2  # a window of one slot cannot fetch ahead
         waves = wave_plan(len(keys), half)
         if not waves:
             return
@@ -179,7 +181,7 @@ class Transfers:
         from first_slot (on the caller's thread) while the wave before it is put, on the
         transfer thread, from the other half. Returns, True per chunk stored, once every
         put has; on a failed one the rest are not gathered (they would miss too)."""
-        half = max(1, client.slots // 2)
+        half = max(1, client.memory.slots // 2)
         done = [False] * len(keys)
         putting: Future[None] | None = None
 
@@ -190,8 +192,8 @@ class Transfers:
 
         try:
             for k, wave in enumerate(wave_plan(len(keys), half)):
-                first = half * (k % 2) if client.slots >= 2 else 0
-                if client.slots < 2 and putting is not None:
+                first = half * (k % 2) if client.memory.slots >= 2 else 0
+                if client.memory.slots < 2 and putting is not None:
                     putting.result()  # one slot: its put before the next gather
                 if self.link.peek() is not client:
                     break

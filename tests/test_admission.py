@@ -160,7 +160,7 @@ def _write_config(path, disk_dir, **changes) -> dict:
 
 def _put_one_at_a_time(client: StoreClient, keys, payloads) -> None:
     for key, payload in zip(keys, payloads, strict=True):  # each pushes the last out of DRAM
-        client.slot(0)[:] = payload.tobytes()
+        client.memory.slot(0)[:] = payload.tobytes()
         assert client.put([key], [0]) == [True]
 
 
@@ -197,7 +197,7 @@ def test_sighup_reload_switches_the_policy_and_keeps_what_the_disk_holds(tmp_pat
         assert client.info()["tiers"][1]["chunks"] == 4
         for key, payload in zip(keys[:4], payloads[:4], strict=True):  # what was on disk
             assert client.get([key], [1]) == [True]
-            assert bytes(client.slot(1)) == payload.tobytes()
+            assert bytes(client.memory.slot(1)) == payload.tobytes()
         before = client.info()["counters"]["disk.admission_refused"]
         _put_one_at_a_time(client, keys[6:], payloads[6:])
         assert client.info()["counters"]["disk.admission_refused"] >= before + 2  # seen once: refused

@@ -25,7 +25,7 @@ def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_
         assert (lost, events) == (0, [])
         keys, payloads = make_keys(3), make_payloads(3, chunk_bytes=CHUNK)
         for i, payload in enumerate(payloads):
-            client.slot(i)[:] = payload
+            client.memory.slot(i)[:] = payload
         assert client.put(keys[:2], [0, 1]) == [True] * 2
         assert client.put(keys[2:], [2], parent=keys[1]) == [True]  # DRAM holds 2: one moves down
         cursor, lost, events = client.events(cursor)

@@ -154,7 +154,7 @@ def _serves(client: StoreClient, seed: int) -> None:
     """A store round trip through the client's window."""
     keys, payloads = make_keys(2, seed=seed), make_payloads(2, seed=seed)
     assert put(client, keys, payloads) == [True, True]
-    client.slot(0)[:] = bytes(CHUNK_BYTES)
+    client.memory.slot(0)[:] = bytes(CHUNK_BYTES)
     assert get(client, keys) == ([True, True], [p.tobytes() for p in payloads])
 
 

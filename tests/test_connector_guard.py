@@ -121,7 +121,7 @@ def _store(data: StoreClient, plan: StepPlan, req_id: str) -> int:
     """Store the chunks the plan saves for `req_id` (any bytes: nothing is computed here)."""
     keys = [key for save in plan.saves if save.req_id == req_id for key in save.keys[0]]
     for i in range(len(keys)):
-        data.slot(i)[:] = bytes([i]) * 4096
+        data.memory.slot(i)[:] = bytes([i]) * 4096
     assert data.put(keys, list(range(len(keys)))) == [True] * len(keys)
     return len(keys)
 

@@ -153,7 +153,7 @@ def test_a_save_larger_than_the_window_goes_in_waves(service):
     config = load_config(service)
     worker = WorkerCore(source, 0, partial(StoreClient, config, source.chunk_bytes))
     try:
-        assert worker.saves.link.get().slots == 2
+        assert worker.saves.link.get().memory.slots == 2
         worker.save([save_transfer(0, 8, save_id=1)])  # one step computed 8 chunks
         wait_done(worker, {1})
         assert worker.stats.snapshot().get("save.chunks") == 8
@@ -443,7 +443,7 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
         filler = StoreClient(config, 512 << 10)  # DRAM pressure between the match and the load
         for first in range(0, 8, 2):
             for i in range(2):
-                filler.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
+                filler.memory.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
             filler.put([bytes([200, first + i]) * 8 for i in range(2)], [0, 1])
         before = counters(raw)
         for loader in loaders:
@@ -460,7 +460,7 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
         assert core.num_new_matched_tokens("third", list(range(1000, 1300)), 0) == 0  # carries the release
         for first in range(8, 24, 2):
             for i in range(2):
-                filler.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
+                filler.memory.slot(i)[:] = bytes([first + i + 1]) * (512 << 10)
             filler.put([bytes([201, first + i]) * 8 for i in range(2)], [0, 1])
         assert lookup_client.residency_ranks(list(save.keys))[1] < 4  # released: evictable again
         filler.close()

@@ -78,7 +78,7 @@ def test_a_load_uses_staged_chunks_and_fetches_only_the_rest(service_config, dev
     blocks = ((0, 1), (2, 3), (4, 5), (6, 7))
     writer = StoreClient(config, source.chunk_bytes)
     for slot, chunk_blocks in enumerate(blocks):
-        source.gather(chunk_blocks, writer.slot(slot))
+        source.gather(chunk_blocks, writer.memory.slot(slot))
     assert writer.put(keys, range(4)) == [True] * 4
     writer.close()
 

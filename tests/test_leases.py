@@ -62,21 +62,21 @@ def _mapped(store: TieredStore) -> Iterator[mmap.mmap]:
 
 def _put(client: StoreClient, keys: list[bytes]) -> list[bool]:
     for slot, key in enumerate(keys):
-        client.slot(slot)[:] = key[:1] * CHUNK
+        client.memory.slot(slot)[:] = key[:1] * CHUNK
     return client.put(keys, range(len(keys)))
 
 
 def test_a_client_reads_pinned_chunks_from_the_tier_and_cannot_write_it(config):
     client = StoreClient(load_config(config), CHUNK)
     try:
-        assert client.tier is not None and client.tier.view.readonly
+        assert client.memory.tier is not None and client.memory.tier.view.readonly
         keys = _keys(1, 3)
         assert _put(client, keys) == [True] * 3
         lease, offsets, _ = client.pin([*keys, b"\xee" * 16])
         assert offsets[3] == -1
-        assert [bytes(client.tier_payload(o)) for o in offsets[:3]] == [k[:1] * CHUNK for k in keys]
+        assert [bytes(client.memory.tier_payload(o)) for o in offsets[:3]] == [k[:1] * CHUNK for k in keys]
         with pytest.raises(TypeError):
-            client.tier.view[offsets[0]] = 0
+            client.memory.tier.view[offsets[0]] = 0
         client.unpin([lease])
         with pytest.raises(KVStoreError, match="more than its window"):
             client.pin(_keys(1, 3) * 6)
@@ -163,8 +163,8 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
     payload = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
     writer = StoreClient(load_config(config), CHUNK)
     try:
-        assert (writer.tier is None) == (share == "off")
-        writer.slot(0)[:] = payload.tobytes()
+        assert (writer.memory.tier is None) == (share == "off")
+        writer.memory.slot(0)[:] = payload.tobytes()
         assert writer.put([b"k" * 16], [0]) == [True]
     finally:
         writer.close()
@@ -172,8 +172,8 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
     try:
         loading, saving = worker.loads.link.get(), worker.saves.link.get()
         assert loading is not None and saving is not None
-        assert (loading.tier is None) == (share == "off")
-        assert saving.tier is None  # only the loading client maps the tier
+        assert (loading.memory.tier is None) == (share == "off")
+        assert saving.memory.tier is None  # only the loading client maps the tier
         worker.start_loads([Transfer("r", ((b"k" * 16, b"m" * 16),), (None,),
                                      (tuple(range(15, -1, -1)), tuple(range(16))), load_async=False)])
         assert worker.take_failed_blocks() == set(range(16))  # the second chunk is a miss
@@ -226,7 +226,7 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
     writer = StoreClient(load_config(config), CHUNK)
     try:
         for slot, payload in enumerate(payloads):
-            writer.slot(slot)[:] = payload.tobytes()
+            writer.memory.slot(slot)[:] = payload.tobytes()
         assert writer.put(keys, [0, 1]) == [True, True]
     finally:
         writer.close()
@@ -266,7 +266,7 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
     payload = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
     writer = StoreClient(load_config(config), CHUNK)
     try:
-        writer.slot(0)[:] = payload.tobytes()
+        writer.memory.slot(0)[:] = payload.tobytes()
         assert writer.put([b"k" * 16], [0]) == [True]
     finally:
         writer.close()
@@ -274,7 +274,7 @@ def test_a_cuda_load_copies_from_the_tier_registered_for_dma(config):
 
     def make_client(map_tier: bool) -> StoreClient:
         client = StoreClient(load_config(config), CHUNK, map_tier=map_tier)
-        registered[map_tier] = register_for_dma(client)
+        registered[map_tier] = register_for_dma(client.memory)
         return client
 
     worker = WorkerCore(layout, 0, make_client)
@@ -345,7 +345,7 @@ def test_a_client_not_given_the_tier_cannot_pin(config):
     config = {**config, "service": {**config["service"], "share_dram": "off"}}
     client = StoreClient(load_config(config), CHUNK)
     try:
-        assert client.tier is None
+        assert client.memory.tier is None
         assert _put(client, _keys(1, 1)) == [True]
         with pytest.raises(KVStoreError, match="not given the DRAM tier"):
             client.pin(_keys(1, 1))
@@ -374,8 +374,8 @@ def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_wit
         assert sum(_put(worker, _keys(30, SLOTS))) == SLOTS - 6  # DRAM full: 6 of its 8 slots leased
         for keys, offsets in zip(ranks, found.offsets, strict=True):
             for key, offset in zip(keys, offsets, strict=True):
-                assert worker.tier_holds(offset, key)
-                assert bytes(worker.tier_payload(offset)) == key[:1] * CHUNK
+                assert worker.memory.tier_holds(offset, key)
+                assert bytes(worker.memory.tier_payload(offset)) == key[:1] * CHUNK
         assert worker.info()["counters"].get("get.chunks", 0) == before  # no request for the copy
         again = scheduler.lookup([_keys(1, 3)], release=[found.lease])
         assert again.lease == 0 and again.stored == 3
@@ -396,7 +396,7 @@ def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_get
         before = worker.info()["counters"]
         found = scheduler.lookup([_keys(1, 4)], lease_from=3)
         assert found.offsets[0][:3] == (-1, -1, -1) and found.offsets[0][3] >= 0
-        assert worker.tier_holds(found.offsets[0][3], _keys(4, 1)[0])
+        assert worker.memory.tier_holds(found.offsets[0][3], _keys(4, 1)[0])
         after = worker.info()["counters"]
         for name in ("get.chunks", "get.hits", "host.leased"):
             assert after.get(name, 0) - before.get(name, 0) == 1
@@ -466,7 +466,7 @@ def test_a_disk_hit_verified_by_its_reader_is_published_on_its_word_only(tmp_pat
     try:
         lease, offsets, checks = client.pin(keys, verify=False)
         assert all(o >= 0 for o in offsets) and all(isinstance(c, int) for c in checks)
-        assert [xxhash.xxh3_64_intdigest(bytes(client.tier_payload(o))) for o in offsets] == checks
+        assert [xxhash.xxh3_64_intdigest(bytes(client.memory.tier_payload(o))) for o in offsets] == checks
         assert client.residency(keys) == (3, 0, False)  # in DRAM, but not published
         client.unpin([lease], good=keys[:1], bad=keys[1:2])
         assert client.residency(keys[:1]) == (1, 1, False)  # promoted on the reader's word
@@ -490,7 +490,7 @@ def test_a_flipped_byte_found_as_it_is_copied_fails_its_blocks_and_leaves_the_st
     raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
     writer = StoreClient(load_config(raw), CHUNK)
     for slot, payload in enumerate(payloads):
-        writer.slot(slot)[:] = payload.tobytes()
+        writer.memory.slot(slot)[:] = payload.tobytes()
     assert writer.put(keys, [0, 1]) == [True, True]
     writer.close()
     stop_service(raw)

@@ -310,7 +310,7 @@ def test_fuzzed_frames_leak_no_descriptor_thread_or_shm_file(service, good):
         _exchange(service, body)
     _until(lambda: _footprint(pid)[:2] <= baseline[:2])  # client threads end with their connections
     assert _footprint(pid)[2] == baseline[2]
-    good.slot(0)[:] = b"g" * CHUNK_BYTES
+    good.memory.slot(0)[:] = b"g" * CHUNK_BYTES
     assert good.put([b"g" * 16], [0]) == [True] and good.get([b"g" * 16], [1]) == [True]
 
 
@@ -354,7 +354,7 @@ def test_a_residency_of_300000_keys_is_answered_on_the_same_connection(service, 
 def test_pieces_of_a_split_residency_add_up(service, good, monkeypatch):
     keys = [bytes([i + 1]) * 16 for i in range(5)]
     for i in range(5):
-        good.slot(i)[:] = bytes([i]) * CHUNK_BYTES
+        good.memory.slot(i)[:] = bytes([i]) * CHUNK_BYTES
     assert good.put(keys, list(range(5))) == [True] * 5
     monkeypatch.setattr(P, "MAX_KEYS", 4)  # pieces of two chunks for two ranks
     assert good.residency_ranks([[*keys, b"z" * 16], keys]) == (5, 5, False)

@@ -91,7 +91,7 @@ def test_the_service_lists_announced_namespaces_and_purges_by_model_and_generati
         for number, namespace in enumerate((OLD, NEW, OTHER)):
             keys = chunk_keys(range(number * 100, number * 100 + 48), namespace)
             for slot, payload in enumerate(make_payloads(3, seed=number)):
-                client.slot(slot)[:] = payload.tobytes()
+                client.memory.slot(slot)[:] = payload.tobytes()
             assert client.put(keys, [0, 1, 2], namespace=namespace.digest()) == [True] * 3
             stored[namespace] = keys
         client.announce([(ns.digest(), ns.description()) for ns in (OLD, NEW, OTHER)])

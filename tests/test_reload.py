@@ -56,14 +56,14 @@ def serving(config_file: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def _put(client: StoreClient, keys, payloads) -> None:
     for i, payload in enumerate(payloads):
-        client.slot(i)[:] = payload.tobytes()
+        client.memory.slot(i)[:] = payload.tobytes()
     assert client.put(keys, list(range(len(keys)))) == [True] * len(keys)
 
 
 def _loads(client: StoreClient, keys, payloads) -> bool:
     slots = list(range(len(keys)))
     return client.get(keys, slots) == [True] * len(keys) and all(
-        bytes(client.slot(i)) == payload.tobytes() for i, payload in enumerate(payloads))
+        bytes(client.memory.slot(i)) == payload.tobytes() for i, payload in enumerate(payloads))
 
 
 def test_an_engine_connected_before_a_reload_that_changed_eviction_reconnects_and_loads(tmp_path, disk_dir):

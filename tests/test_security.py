@@ -215,9 +215,9 @@ def test_2_an_allowed_user_of_another_uid_gets_no_dram_tier_and_cannot_pin(intru
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     owner = StoreClient(load_config(raw), CHUNK_BYTES)
     try:
-        assert owner.tier is not None  # the service's own user maps it
+        assert owner.memory.tier is not None  # the service's own user maps it
         assert os.stat(shared_tmp / "run").st_mode & 0o777 == 0o711  # others pass, not list
-        owner.slot(0)[:] = b"s" * CHUNK_BYTES
+        owner.memory.slot(0)[:] = b"s" * CHUNK_BYTES
         assert owner.put([b"k" * 16], [0]) == [True]
         done = intruder.run(
             "import json, sys\n"
@@ -225,13 +225,13 @@ def test_2_an_allowed_user_of_another_uid_gets_no_dram_tier_and_cannot_pin(intru
             "from kvstore.format.errors import KVStoreError\n"
             "from kvstore.service.client import StoreClient\n"
             f"client = StoreClient(load_config(json.loads({json.dumps(theirs)!r})), {CHUNK_BYTES})\n"
-            "print('tier', client.tier is not None)\n"
+            "print('tier', client.memory.tier is not None)\n"
             "try:\n"
             "    client.pin([b'k' * 16])\n"
             "    print('pinned')\n"
             "except KVStoreError as exc:\n"
             "    print('refused', exc)\n"
-            "print('get', client.get([b'k' * 16], [0]), bytes(client.slot(0)[:1]))\n")
+            "print('get', client.get([b'k' * 16], [0]), bytes(client.memory.slot(0)[:1]))\n")
         assert "tier False" in done.stdout, done.stderr
         assert "refused" in done.stdout and "not given the DRAM tier" in done.stdout
         assert "get [True] b's'" in done.stdout  # an allowed user still loads, through its window
@@ -296,7 +296,7 @@ def test_2_an_allowed_user_may_announce_but_not_list_or_purge(intruder, shared_t
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     owner = StoreClient(load_config(raw), CHUNK_BYTES)
     try:
-        owner.slot(0)[:] = b"s" * CHUNK_BYTES
+        owner.memory.slot(0)[:] = b"s" * CHUNK_BYTES
         assert owner.put([b"k" * 16], [0], namespace=b"n" * 16) == [True]
         done = intruder.run(
             "import json\n"
@@ -467,7 +467,7 @@ def test_6_bad_puts_leak_no_slots(service_config):
             channel.close()
     keys = make_keys(4)
     for i in range(len(keys)):
-        client.slot(i)[:] = make_payloads(1, seed=i)[0]
+        client.memory.slot(i)[:] = make_payloads(1, seed=i)[0]
     assert client.put(keys, [0, 1, 2, 3]) == [True] * 4
     assert client.info()["tiers"][0]["chunks"] == 4  # every DRAM slot is still there to take
     client.close()

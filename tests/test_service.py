@@ -36,12 +36,12 @@ def test_clients_share_one_spawned_service(config):
     scheduler = StoreClient(load_config(config))
     keys = [bytes([i]) * 16 for i in range(4)]
     for i in range(4):
-        writer.slot(i)[:] = bytes([i + 1]) * CHUNK
+        writer.memory.slot(i)[:] = bytes([i + 1]) * CHUNK
     assert writer.put(keys, [0, 1, 2, 3]) == [True] * 4
     assert scheduler.residency(keys) == (4, 4, False)
     assert scheduler.residency([b"\xff" * 16, *keys]) == (0, 0, False)
     assert reader.get(keys[::-1], [5, 6, 7, 8]) == [True] * 4
-    assert bytes(reader.slot(5)[:2]) == b"\4\4" and bytes(reader.slot(8)[:2]) == b"\1\1"
+    assert bytes(reader.memory.slot(5)[:2]) == b"\4\4" and bytes(reader.memory.slot(8)[:2]) == b"\1\1"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvstore-window-{os.getpid()}-")]
     for client in (writer, reader, scheduler):
         client.close()

@@ -50,7 +50,7 @@ def test_a_load_longer_than_the_window_fills_every_page_from_dram_and_from_disk(
     store = service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", staging="2MiB")
     client = StoreClient(load_config(store), CHUNK)
     try:
-        half = client.slots // 2
+        half = client.memory.slots // 2
     finally:
         client.close()
     count = 2 * half + max(TAIL_SPLIT, half)  # two whole waves, then one split in two
@@ -84,7 +84,7 @@ def test_a_save_longer_than_the_window_is_one_chain_in_the_fetches_waves(tmp_pat
     reads, writes = service_pages(store, "config", CHUNK, b"t" * 16)
     try:
         client = writes.link.get()
-        assert client is not None and client.slots == 16 and client.tier is None
+        assert client is not None and client.memory.slots == 16 and client.memory.tier is None
         assert all(writes.save(keys, _pages(written), parent=b"p" * 16))
         loaded = np.zeros_like(written)
         assert reads.load(keys, _pages(loaded)) == [True] * count

@@ -198,7 +198,7 @@ def service_case(data: DiskSet, engine: str, queue_depth: int, workdir: str) -> 
         client = StoreClient(config, data.chunk_bytes)
     try:
         pid = int(client.info()["service_pid"])
-        batch = client.slots
+        batch = client.memory.slots
         warm = data.keys[:batch]  # fewer chunks than the window holds with a small --total
         client.get(warm, range(len(warm)))  # untimed, as in the other cases
         service_cpu = process_cpu(pid)
@@ -207,7 +207,7 @@ def service_case(data: DiskSet, engine: str, queue_depth: int, workdir: str) -> 
                 picked = [data.keys[i] for i in order[start : start + batch]]
                 served += sum(client.get(picked, range(len(picked))))
         service_cpu = process_cpu(pid) - service_cpu
-        pages = client.window.pages if client.window else "?"
+        pages = client.memory.window.pages if client.memory.window else "?"
     finally:
         client.close()
         stop_service(config)

@@ -200,7 +200,7 @@ def _dram_rounds(setup: _Setup, config: StoreConfig, make_client: Callable[..., 
         worker = WorkerCore(setup.target, 0, make_client)
         try:
             client = worker.loads.link.get()
-            assert client is not None and (client.tier is not None) == tier
+            assert client is not None and (client.memory.tier is not None) == tier
 
             def load() -> None:
                 setup.load(worker)
@@ -238,7 +238,7 @@ def _cuda_rounds(setup: _Setup, workdir: str | Path | None) -> dict[str, float]:
 
         def make_client(map_tier: bool) -> StoreClient:
             client = StoreClient(config, chunk_bytes, map_tier=map_tier)
-            registration = register_for_dma(client)
+            registration = register_for_dma(client.memory)
             if registration.thread is not None:
                 registration.thread.join()  # registered before the timed rounds, as once serving
             return client
@@ -278,7 +278,7 @@ def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str, verify: st
         best, cpu = float("inf"), float("inf")
         try:
             client = worker.loads.link.get()
-            assert client is not None and (client.tier is not None) == path.startswith("disk_tier")
+            assert client is not None and (client.memory.tier is not None) == path.startswith("disk_tier")
             service_pid = int(client.info()["service_pid"])
             for _ in range(setup.repeats):
                 for chunks in (others, keys):
@@ -308,10 +308,10 @@ def _fill(config: StoreConfig, source: PagedKVLayout, src_blocks: list[tuple[int
     """Put every chunk into the service's DRAM tier, a window at a time."""
     writer = StoreClient(config, source.chunk_bytes)
     try:
-        for start in range(0, len(keys), writer.slots):
-            wave = range(start, min(start + writer.slots, len(keys)))
+        for start in range(0, len(keys), writer.memory.slots):
+            wave = range(start, min(start + writer.memory.slots, len(keys)))
             for slot, c in enumerate(wave):
-                source.gather(src_blocks[c], writer.slot(slot))
+                source.gather(src_blocks[c], writer.memory.slot(slot))
             assert all(writer.put([keys[c] for c in wave], range(len(wave))))
     finally:
         writer.close()

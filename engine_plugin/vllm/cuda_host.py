@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvstore.format.record import record_bytes
-from kvstore.service.client import StoreClient
+from kvstore.service.client_memory import ClientMemory
 
 log = logging.getLogger("vllm.kvstore")
 REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the pages are mapped read-only
@@ -69,19 +69,20 @@ class HostRegistration:
             log.debug("kvstore: CUDA host memory not unregistered (%s)", exc)
 
 
-def register_for_dma(client: StoreClient) -> HostRegistration:
-    """Make host-to-device copies from the client's window and, where it mapped it, the
+def register_for_dma(memory: ClientMemory) -> HostRegistration:
+    """Make host-to-device copies from a client's window and, where it mapped it, the
     DRAM tier DMAs: the window at once (small), the tier in pieces of whole slots on a
     thread of its own, off the serving path (a large tier takes seconds; loads copy
     through the driver's bounce buffers meanwhile, and a refusal there never reaches
-    the engine's CUDA error state). Released when the client is closed or collected."""
+    the engine's CUDA error state). Released when the memory is closed (with its client)
+    or collected."""
     registration = HostRegistration()
-    client.before_unmap.append(weakref.finalize(client, registration.release))
+    memory.before_unmap.append(weakref.finalize(memory, registration.release))
     if not torch.cuda.is_available():
         return registration
-    if client.window is not None:
-        registration.register(client.window)
-    tier, chunk_bytes = client.tier, client.chunk_bytes
+    if memory.window is not None:
+        registration.register(memory.window)
+    tier, chunk_bytes = memory.tier, memory.chunk_bytes
     if tier is None or chunk_bytes is None:
         return registration
     slot_bytes = record_bytes(chunk_bytes)  # a load reads within one slot: pieces hold whole slots

@@ -48,7 +48,7 @@ def make_worker(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConf
         client = StoreClient(options.store, layout.chunk_bytes, namespace=namespace,
                              dtype=kv_dtype, shape=(layout.chunk_bytes,), map_tier=map_tier)
         if layout.device.type == "cuda":
-            register_for_dma(client)  # unregistered when the client goes (a reconnect)
+            register_for_dma(client.memory)  # unregistered when the client goes (a reconnect)
         return client
 
     staging = None

@@ -1,165 +1,45 @@
-"""Client of the per-host service: connect (or start it), then lookup/get/put.
+"""Client of the per-host service: the service's requests as typed calls (lookup, get,
+put, pin, the owner's admin calls) over one connection (client_connection.py), and the
+memory the service shares with a data client (client_memory.py).
 
 A client is used by one thread at a time (a connection carries one request at a
 time); an engine worker keeps one for loads and one for saves. Every request has
-a deadline: a service that does not answer in time costs a miss, never a hang,
-and the connection is dropped so a late answer cannot be taken for the next one.
-Before it says anything, a client checks that the socket's directory is private
-and that the process listening is this user's (or one the config trusts).
+a deadline: a service that does not answer in time costs a miss, never a hang.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from kvstore.config.runtime import directory_problem, ensure_private_directory, open_private
 from kvstore.config.store import StoreConfig, dump_config, with_service
-from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.record import HEADER_BLOCK, KEY_OFFSET, read_payload_len
-from kvstore.io.memfd import SharedMemory
+from kvstore.format.errors import KVStoreError
 from kvstore.service import protocol as P
-from kvstore.service.window import Window
+from kvstore.service.client_connection import Connection, ServiceUnavailable, connect
+from kvstore.service.client_memory import ClientMemory
 from kvstore.tiers.return_rates import RequestEnd
 
-SPAWN_TIMEOUT_S = 60.0
 HELLO_TIMEOUT_S = 10.0
 
 
-class ServiceUnavailable(KVStoreError):
-    """The service did not answer (not running, crashed, or past the deadline)."""
-
-
-def open_channel(config: StoreConfig) -> P.Channel:
-    """Connect and check who listens. A service that hangs stops accepting: once its
-    listener's backlog is full, a blocking connect() would wait for it forever, so the
-    connect does not block: a Unix socket's connects at once or fails at once (EAGAIN),
-    a ServiceUnavailable, never an OSError for the engine's thread."""
-    path = config.service.socket
-    directory = os.path.dirname(os.path.abspath(path))
-    problem = directory_problem(directory, config.service.allowed_uids)  # ours or a trusted user's
-    if problem is not None and problem != "does not exist":
-        raise ConfigError("service.socket", path, f"its directory {directory} {problem}: refusing "
-                                                  "to talk to whatever listens there")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)  # the channel sets its own deadlines
-    try:
-        sock.connect(path)
-    except BlockingIOError:
-        sock.close()
-        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection (its backlog "
-                                 "is full: it hangs)") from None
-    except OSError:
-        sock.close()
-        raise
-    _, uid, _ = P.peer_credentials(sock)
-    if uid != os.geteuid() and uid not in config.service.allowed_uids:
-        sock.close()
-        raise KVStoreError(f"the process listening at {path} runs as uid {uid}, not this user "
-                           f"({os.geteuid()}): refusing it (service.allowed_uids lists trusted users)")
-    return P.Channel(sock)
-
-
-def connect(config: StoreConfig) -> P.Channel:
-    """Connect to the service at config.service.socket, starting it if allowed."""
-    path = config.service.socket
-    with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-        return open_channel(config)
-    if not config.service.spawn:
-        raise ServiceUnavailable(f"no kvstore service at {path} (service.spawn is false: start it "
-                                 f"with `kvstore serve --config ...`)")
-    ensure_private_directory(path)
-    lock = open_private(path + ".spawn", os.O_RDWR)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one spawner per socket; the others then connect
-        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-            return open_channel(config)
-        return _spawn(config)
-    finally:
-        os.close(lock)
-
-
-# Starts the service and exits at once, so the service is no descendant of the
-# engine: vLLM kills its workers' whole process trees on shutdown, and the
-# service (with its DRAM tier) must outlive the engine that happened to start it.
-# The service starts with SIGHUP ignored (inherited through exec) until `kvstore serve`
-# catches it (cli.main): a reload asked for while it starts cannot end it.
-_LAUNCHER = ("import os, signal, subprocess, sys\n"
-             "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-             "log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW"
-             " | os.O_CLOEXEC, 0o600)\n"
-             "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,"
-             " start_new_session=True)\n"
-             "print(p.pid)")
-
-
-def _spawn(config: StoreConfig) -> P.Channel:
-    """Start a service; its config goes through a 0600 file in the private directory
-    (not the command line, which every user can read in /proc)."""
-    path = config.service.socket
-    log_path, config_path = path + ".log", path + ".json"
-    fd = open_private(config_path, os.O_WRONLY | os.O_TRUNC)
-    with os.fdopen(fd, "w") as f:
-        json.dump(dump_config(config), f)
-    service = [sys.executable, "-m", "kvstore.cli", "serve", "--config", config_path]
-    launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service],
-                              capture_output=True, text=True, timeout=30)
-    if launched.returncode != 0:  # killed before it started the service: try again later
-        raise ServiceUnavailable(f"the launcher of a kvstore service at {path} exited with "
-                                 f"{launched.returncode}: {launched.stderr.strip()[-300:]}")
-    pid = int(launched.stdout)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            raise KVStoreError(f"kvstore service failed to start: {_last_line(log_path)}")
-        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-            return open_channel(config)
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    raise ServiceUnavailable(f"kvstore service at {path} did not come up in {SPAWN_TIMEOUT_S:.0f} s "
-                             f"(log: {log_path})")
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` runs (an exited orphan may linger as a zombie until reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def _last_line(log_path: str) -> str:
-    with open(log_path, errors="replace") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    return lines[-1] if lines else f"no output (see {log_path})"
-
-
 class StoreClient:
-    """One connection plus, for data clients, the window the service gave it.
+    """The service's requests as typed calls, over one connection it says hello on.
 
-    With `chunk_bytes` None the client can only `residency`, `count` and `info` (a
-    scheduler). `get(keys, slots)` fills window slot slots[i] (`slot(n)` is its view)
-    with chunk keys[i]; `put(keys, slots)` stores chunk keys[i] from slot slots[i].
-    Where the service shares its DRAM tier and `map_tier` asks for it (a client that
-    loads), `tier` maps it read-only: `pin(keys)` pins the DRAM hits and says where each
-    payload is (`tier_payload`), for the caller to copy out itself before `unpin`.
-    `before_unmap` callbacks run when `close()` is about to unmap the window and tier (a
-    CUDA worker unregisters them from the driver there).
-    `timeout_s` is each request's deadline (default: twice io.timeout_s).
+    The hello introduces the client (config, chunk size, namespace, KV dtype and shape);
+    with a chunk size it brings the client's `memory` (client_memory.py): `get(keys,
+    slots)` fills window slot slots[i] (`memory.slot(n)` is its view) with chunk keys[i],
+    `put(keys, slots)` stores chunk keys[i] from slot slots[i], and where the service
+    shares its DRAM tier and `map_tier` asks for it (a client that loads), `pin(keys)`
+    pins the DRAM hits and says where each payload is (`memory.tier_payload`), for the
+    caller to copy out itself before `unpin`. Without one (a scheduler) it maps nothing
+    and asks the rest: lookups, hints, counters, the owner's admin calls. Each call
+    checks and shapes its arguments and its reply; a prompt too long for one frame is
+    asked about in pieces (`lookup`). Invariants: one request at a time; the connection
+    (client_connection.py) carries each under `timeout_s` (default: twice io.timeout_s);
+    `disconnect()` leaves the memory mapped for copies still in flight, `close()` unmaps it.
     """
 
     def __init__(self, config: StoreConfig, chunk_bytes: int | None = None, *,
@@ -167,39 +47,24 @@ class StoreClient:
                  shape: tuple[int, ...] = (), timeout_s: float | None = None,
                  map_tier: bool = True) -> None:
         self.config = config
-        self.chunk_bytes = chunk_bytes
-        self.timeout_s = timeout_s if timeout_s is not None else 2 * config.io.timeout_s
-        self.window: Window | None = None
-        self.tier: SharedMemory | None = None
-        self.slots = 0
-        self.before_unmap: list[Callable[[], object]] = []
-        self._conn: P.Channel | None = connect(config)
+        self.memory = ClientMemory()
+        self._conn = Connection(connect(config), 2 * config.io.timeout_s if timeout_s is None else timeout_s)
         try:
             # The first hello with a chunk size makes the store (opens the tiers, recovers
             # their index): it may take longer than a short request deadline allows.
             hello_timeout_s = max(self.timeout_s, HELLO_TIMEOUT_S) if chunk_bytes else self.timeout_s
-            reply = self._request(P.Hello(P.PROTOCOL_VERSION, dump_config(config), chunk_bytes,
-                                          namespace, dtype, tuple(shape)), hello_timeout_s)
+            reply = self._conn.request(P.Hello(P.PROTOCOL_VERSION, dump_config(config), chunk_bytes,
+                                               namespace, dtype, tuple(shape)), hello_timeout_s)
             if chunk_bytes is not None:
-                fd = self._conn.take_fd() if self._conn else None
-                if fd is None or not isinstance(reply, dict):
-                    raise KVStoreError("the service sent no window")
-                self.window = Window.attach(fd, int(reply["window_bytes"]), str(reply["pages"]))
-                self.slots = int(reply["slots"])
-                tier_fd = self._conn.take_fd() if self._conn and "tier_bytes" in reply else None
-                if tier_fd is not None and not map_tier:
-                    os.close(tier_fd)
-                elif tier_fd is not None:
-                    self.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]),
-                                                    str(reply["tier_pages"]), writable=False)
+                self.memory = ClientMemory.from_hello(chunk_bytes, reply, self._conn.take_fd, map_tier)
         except BaseException:
             self.disconnect()
             raise
 
-    def slot(self, index: int) -> memoryview:
-        assert self.window is not None and self.chunk_bytes is not None
-        start = index * self.chunk_bytes
-        return self.window.view[start : start + self.chunk_bytes]
+    @property
+    def timeout_s(self) -> float:
+        """Each request's deadline (a ServiceLink waits that long for a reconnect)."""
+        return self._conn.timeout_s
 
     def residency(self, keys: Sequence[bytes], prefetch: bool = False) -> tuple[int, int, bool]:
         """(leading chunks present, of those already in DRAM, whether a promotion of that
@@ -236,7 +101,7 @@ class StoreClient:
         offsets: tuple[tuple[int, ...], ...] = ()
         for start in range(0, max(1, max((len(k) for k in lists), default=0)), step):
             piece = [k[start : start + step] for k in lists]
-            reply = self._request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S), **extras))
+            reply = self._conn.request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S), **extras))
             if start == 0:
                 number, offsets = _leased(reply[3:], lease_from or 0)
             extras = {}
@@ -256,9 +121,9 @@ class StoreClient:
         lists = [list(k) for k in ranks]
         leading = [k[: _per_rank(lists)] for k in lists]
         if end is None:
-            self._request(P.Finished(leading))
+            self._conn.request(P.Finished(leading))
         else:
-            self._request(P.Finished(leading, end.answer_tokens, end.turn, end.idle_s))
+            self._conn.request(P.Finished(leading, end.answer_tokens, end.turn, end.idle_s))
 
     def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float) -> None:
         """A hint: these chunks (their leading part, as `finished`) are wanted in `in_s`
@@ -266,35 +131,35 @@ class StoreClient:
         if not 0 <= in_s <= P.MAX_EXPECT_S:  # NaN too
             raise KVStoreError(f"a hint's in_s must be between 0 and {P.MAX_EXPECT_S:g} s, not {in_s}")
         lists = [list(k) for k in ranks]
-        self._request(P.Expect([k[: _per_rank(lists)] for k in lists], float(in_s)))
+        self._conn.request(P.Expect([k[: _per_rank(lists)] for k in lists], float(in_s)))
 
     def count(self, counters: Mapping[str, float]) -> None:
         """Add to the service's counters (shown by `kvstore info` and Prometheus)."""
-        self._request(P.Count(dict(counters)))
+        self._conn.request(P.Count(dict(counters)))
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        return list(self._request(P.Get(list(keys), list(slots))))
+        return list(self._conn.request(P.Get(list(keys), list(slots))))
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int],
             parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
         """Store chunk keys[i] from window slot slots[i]; their headers name `namespace`
         (the digest of the namespace the keys were made in; None: this client's hello's)."""
-        return list(self._request(P.Put(list(keys), list(slots), parent, namespace)))
+        return list(self._conn.request(P.Put(list(keys), list(slots), parent, namespace)))
 
     def announce(self, namespaces: Sequence[tuple[bytes, Mapping[str, str | int]]]) -> None:
         """Tell the service which namespaces this client stores under, described (their
         digest, and KVNamespace.description()), so its owner can purge them by name."""
-        self._request(P.Announce([(digest, dict(description)) for digest, description in namespaces]))
+        self._conn.request(P.Announce([(digest, dict(description)) for digest, description in namespaces]))
 
     def namespaces(self, after: bytes | None = None, limit: int = P.MAX_PAGE) -> list[dict[str, Any]]:
         """One page of the namespaces clients announced, in digest order after `after`
         (None: from the first); empty after the last. The service's owner only."""
-        return list(self._request(P.Namespaces(after, limit)))
+        return list(self._conn.request(P.Namespaces(after, limit)))
 
     def purge(self, namespaces: Sequence[bytes], dry_run: bool = True) -> dict[str, int]:
         """Remove (or, with `dry_run`, count) the records of these namespace digests from
         every tier of this host (the service's owner only)."""
-        return dict(self._request(P.Purge(list(namespaces), dry_run), timeout_s=max(self.timeout_s, 600.0)))
+        return dict(self._conn.request(P.Purge(list(namespaces), dry_run), max(self.timeout_s, 600.0)))
 
     def pin(self, keys: Sequence[bytes], verify: bool = True) -> tuple[int, list[int], list[int | None]]:
         """(lease, offsets, checks): chunk keys[i]'s payload is at offsets[i] of the DRAM tier
@@ -302,45 +167,27 @@ class StoreClient:
         `verify` a disk hit's payload may come unverified: checks[i] is the xxh3-64 it must
         have (None: verified), which the caller checks as it copies it, naming those that
         failed in its `unpin`."""
-        lease, offsets, checks = self._request(P.Pin(list(keys), verify))
+        lease, offsets, checks = self._conn.request(P.Pin(list(keys), verify))
         return int(lease), [int(o) for o in offsets], [None if c is None else int(c) for c in checks]
 
     def unpin(self, leases: Sequence[int], good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> None:
         """Give leases back; of their unverified chunks, `good` were verified as they were
         copied and `bad` had another checksum (the others go back unpublished)."""
-        self._request(P.Unpin(list(leases), list(good), list(bad)))
-
-    def tier_payload(self, offset: int) -> memoryview:
-        """A pinned chunk's payload in the mapped DRAM tier (read-only)."""
-        assert self.tier is not None and self.chunk_bytes is not None and offset >= 0
-        return self.tier.view[offset : offset + self.chunk_bytes]
-
-    def tier_holds(self, offset: int, key: bytes) -> bool:
-        """Whether the mapped DRAM tier's record at payload offset `offset` is chunk `key`'s
-        (its header's key and payload length): a copy out under another connection's pin
-        (a scheduler's lease) is checked so before and after, since that pin goes with that
-        connection and this client may map another service's tier since (a restart)."""
-        if self.tier is None or self.chunk_bytes is None or offset < HEADER_BLOCK:
-            return False
-        if offset + self.chunk_bytes > len(self.tier.view):
-            return False
-        block = self.tier.view[offset - HEADER_BLOCK : offset]
-        named = bytes(block[KEY_OFFSET : KEY_OFFSET + len(key)])
-        return named == key and read_payload_len(block) == self.chunk_bytes
+        self._conn.request(P.Unpin(list(leases), list(good), list(bad)))
 
     def info(self) -> dict[str, Any]:
-        return dict(self._request(P.Info()))
+        return dict(self._conn.request(P.Info()))
 
     def events(self, since: int) -> tuple[int, int, list[tuple[bool, bytes, str]]]:
         """Chunks that entered or left a tier since cursor `since` (kvstore/service/chunk_events.py):
         (the next cursor, events lost, [(stored?, key, medium), ...])."""
-        cursor, lost, events = self._request(P.Events(since))
+        cursor, lost, events = self._conn.request(P.Events(since))
         return int(cursor), int(lost), [(bool(s), bytes(k), str(m)) for s, k, m in events]
 
     def shutdown(self, timeout_s: float = 300.0) -> None:
         """Ask the service to drain, checkpoint and exit; return once it has (its socket
         is gone), so a successor can take the tiers at once."""
-        self._request(P.Shutdown())
+        self._conn.request(P.Shutdown())
         self.close()
         deadline = time.monotonic() + timeout_s
         while os.path.exists(self.config.service.socket):
@@ -351,38 +198,11 @@ class StoreClient:
 
     def close(self) -> None:
         self.disconnect()
-        for callback in self.before_unmap:
-            callback()
-        self.before_unmap.clear()
-        for memory in (self.window, self.tier):
-            if memory is not None:
-                memory.close()
-        self.window = self.tier = None
-
-    def _request(self, message: msgspec.Struct, timeout_s: float | None = None) -> Any:
-        name = type(message).__name__
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self._conn is None:
-            raise ServiceUnavailable("connection to the kvstore service was dropped")
-        try:
-            self._conn.send(message)
-            reply = self._conn.recv(P.REPLY, timeout_s)
-        except TimeoutError:
-            self.disconnect()
-            raise ServiceUnavailable(f"kvstore service gave no answer to '{name}' in "
-                                     f"{timeout_s:g} s") from None
-        except (OSError, EOFError, P.ProtocolError) as exc:
-            self.disconnect()
-            raise ServiceUnavailable(f"kvstore service connection lost during '{name}': {exc}") from exc
-        if not reply.ok:
-            raise KVStoreError(f"kvstore service: {reply.error}")
-        return reply.value
+        self.memory.close()
 
     def disconnect(self) -> None:
         """Close the connection; the window stays mapped for copies still in flight."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._conn.close()
 
 
 @dataclass(frozen=True)

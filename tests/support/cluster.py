@@ -54,13 +54,13 @@ def client(config: dict) -> StoreClient:
 
 def put(store: StoreClient, keys: list[bytes], payloads: list[np.ndarray]) -> list[bool]:
     for i, payload in enumerate(payloads):
-        store.slot(i)[:] = payload
+        store.memory.slot(i)[:] = payload
     return store.put(keys, list(range(len(keys))))
 
 
 def get(store: StoreClient, keys: list[bytes]) -> tuple[list[bool], list[bytes]]:
     ok = store.get(keys, list(range(len(keys))))
-    return ok, [bytes(store.slot(i)) for i in range(len(keys))]
+    return ok, [bytes(store.memory.slot(i)) for i in range(len(keys))]
 
 
 def wait_for(condition, timeout_s: float = 10.0, what: str = "condition"):

@@ -123,12 +123,12 @@ class LoadHandler:
         payload's offset in the tier) and that the tier still holds, with no request; (the
         block ids that did not load, the chunks left to fetch)."""
         def held(i: int) -> bool:
-            return i < len(leased) and leased[i] >= 0 and client.tier_holds(leased[i], keys[i])
+            return i < len(leased) and leased[i] >= 0 and client.memory.tier_holds(leased[i], keys[i])
 
         direct = [i for i in pending if held(i)]
         if not direct:
             return [], pending
-        self.layout.scatter([(client.tier_payload(leased[i]), blocks[i]) for i in direct], group)
+        self.layout.scatter([(client.memory.tier_payload(leased[i]), blocks[i]) for i in direct], group)
         failed = [b for i in direct if not held(i) for b in blocks[i] if b != SKIP]
         self.stats.add("load.leased_chunks", len(direct))
         chosen = set(direct)
@@ -141,7 +141,7 @@ class LoadHandler:
         failed: list[int] = []
 
         def scatter(wave: range, fetched: Fetched) -> None:
-            found = [(j, fetched.source(client, j), blocks[i]) for j, i in enumerate(wave)]
+            found = [(j, fetched.source(client.memory, j), blocks[i]) for j, i in enumerate(wave)]
             present = [(j, source, ids) for j, source, ids in found if source is not None]
             verdicts = self.layout.scatter([(source, ids) for _, source, ids in present], group,
                                            [fetched.check(j) for j, _, _ in present])

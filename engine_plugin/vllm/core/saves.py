@@ -86,13 +86,14 @@ class SaveHandler:
         if client is not None:
             with self._lock:
                 if self._window_owner is not client:
-                    self._window_owner, self._free_slots = client, list(range(client.slots))
+                    self._window_owner, self._free_slots = client, list(range(client.memory.slots))
                     self._stalled = False
         deadline = time.monotonic() + self.save_window_wait_s
         for transfer in saves:
             keys = transfer.keys[self.rank]
             namespace = transfer.namespaces[self.rank] if transfer.namespaces else None
-            waves = wave_plan(transfer.num_chunks, max(1, client.slots // 2)) if client is not None else []
+            waves = (wave_plan(transfer.num_chunks, max(1, client.memory.slots // 2))
+                     if client is not None else [])
             done = 0
             for wave in waves:  # the fetches' waves; a wave short of free slots goes in pieces
                 while client is not None and done < wave.stop:
@@ -100,7 +101,7 @@ class SaveHandler:
                     if not slots:
                         break
                     for slot, blocks in zip(slots, transfer.blocks[done:], strict=False):
-                        self.layout.gather(blocks, client.slot(slot), transfer.group)
+                        self.layout.gather(blocks, client.memory.slot(slot), transfer.group)
                     parent = chain_parent(keys, done, transfer.parents[self.rank])
                     self._writes.put(_Write(client, keys[done : done + len(slots)], slots, parent, namespace))
                     done += len(slots)
@@ -118,7 +119,7 @@ class SaveHandler:
                     self._stalled = True
             if self._window_owner is not client:
                 return []
-            count = min(wanted, len(self._free_slots), max(1, client.slots // 2))
+            count = min(wanted, len(self._free_slots), max(1, client.memory.slots // 2))
             return [self._free_slots.pop() for _ in range(count)]
 
     def take_done_saves(self) -> list[int]:

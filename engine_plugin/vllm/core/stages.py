@@ -52,7 +52,7 @@ class StageHandler:
     def _place(self, client: StoreClient, keys: list[bytes], wave: range, fetched: Fetched) -> None:
         """Copy one fetched wave's chunks into the device pool."""
         found = [(keys[i], source) for j, i in enumerate(wave)
-                 if (source := fetched.source(client, j)) is not None]
+                 if (source := fetched.source(client.memory, j)) is not None]
         staged, evicted = self.staging.stage([key for key, _ in found], [source for _, source in found])
         self.stats.add("staging.chunks", staged)
         self.stats.add("staging.evicted_unused", evicted)
