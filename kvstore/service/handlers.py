@@ -1,12 +1,11 @@
-"""The service's requests: one store shared by every client, each client's window, and
-what each request does with them.
+"""The service's requests: each client's window, and what each request does with the one
+store every client shares (shared_store.py, which makes it at the first hello that gives
+a chunk size, a worker's, and closes it).
 
-The store is made by the first hello that gives a chunk size (a worker's) from the
-service's own user (an allowed user's engine cannot fix the store's chunk size nor have a
-fresh tier formatted for it); later hellos must agree on it. A hello's config must agree
-with the service's on what both act on: not `service` (the service's own) nor the keys a
-SIGHUP reload changes while engines run (LIVE_KEYS); a refusal names the keys that
-differ, never their values (they may hold a password). A residency request covers
+A hello's config must agree with the service's on what both act on: not `service` (the
+service's own) nor the keys a SIGHUP reload changes while engines run (LIVE_KEYS); a
+refusal names the keys that differ, never their values (they may hold a password). A
+residency request covers
 every tensor-parallel rank's keys and is answered as one snapshot (prefetches.py, which
 runs the promotions it asks for). Invariants: a client's window is registered as a
 direct-read region while it lives, and unmapped once no read that missed its deadline
@@ -29,15 +28,14 @@ from typing import Any
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.malformed import KindCounts, Malformed, MalformedCounts
-from kvstore.format.secrets import masked
 from kvstore.io.regions import Region
-from kvstore.service import learned_file
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.client_leases import HeldLeases, LeaseDesk
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.prefetches import Prefetches
+from kvstore.service.shared_store import SharedStore
 from kvstore.service.window import Window
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.return_rates import RequestEnd
@@ -105,13 +103,10 @@ class Requests:
     """Answers clients' requests against the one store (made at the first data hello)."""
 
     def __init__(self, config: StoreConfig, socket_path: str, counted: tuple[KindCounts, ...] = ()) -> None:
-        self.config = config
-        self.socket_path = socket_path
-        self.store: TieredStore | None = None
-        self.lock = threading.Lock()  # guards `store` creation and the clients' regions
         self._prefetches = Prefetches()  # promotions to DRAM, one at a time
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
         self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
+        self.shared = SharedStore(config, socket_path, self.events, self.malformed)  # the one store
         self._counted = (self.malformed, *counted)  # and the server's (refused clients)
         self.client_counters = ClientCounters(self.malformed)
         self._seen: Counter[str] = Counter()
@@ -123,14 +118,14 @@ class Requests:
             P.Finished: self._finished,
             P.Expect: lambda client, request: self.next_turns.expect(request.ranks, request.in_s),
             P.Events: lambda client, request: self.events.since(request.since),
-            P.Count: lambda client, request: self.client_counters.add(self.store, request.counters),
+            P.Count: lambda client, request: self.client_counters.add(self.shared.store, request.counters),
             P.Unpin: self._unpin,
             P.Announce: self._namespaces, P.Namespaces: self._namespaces, P.Purge: self._namespaces,
             P.Pin: self._pin, P.Get: self._get, P.Put: self._put}
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed,
+                                        self.shared.namespaces)  # announced
         self.namespaces.start()
-        self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         """The reply to one request, and the descriptors it passes (a hello's only)."""
@@ -145,20 +140,20 @@ class Requests:
 
     def _finished(self, client: Client, request: P.Finished) -> None:
         self.next_turns.finished(request.ranks)
-        store = self.store
+        store = self.shared.store
         if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
             store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
 
     def _unpin(self, client: Client, request: P.Unpin) -> None:
         good, bad = set(request.good), set(request.bad)
         for number in request.leases:
-            self.leases.release(self.store, client.held, number, good, bad)
+            self.leases.release(self.shared.store, client.held, number, good, bad)
 
     def _namespaces(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
-        return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.store, request)
+        return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.shared.store, request)
 
     def _pin(self, client: Client, request: P.Pin) -> list[Any]:
-        store = self.store
+        store = self.shared.store
         if store is None or client.window is None:
             raise KVStoreError("'Pin' needs a hello with a chunk size first")
         if not client.maps_tier:
@@ -168,7 +163,7 @@ class Requests:
 
     def _views(self, client: Client, request: P.Get | P.Put) -> tuple[TieredStore, list[memoryview]]:
         """The store and the window slots a Get or Put names, checked."""
-        store, window = self.store, client.window
+        store, window = self.shared.store, client.window
         if store is None or window is None:
             raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
         size = store.chunk_bytes
@@ -189,10 +184,11 @@ class Requests:
 
     def info(self) -> dict[str, Any]:
         """The store's info (none yet: no tiers), with the service's own counters added."""
-        info = self.store.info() if self.store else {"tiers": [], "counters": {}}
+        info = self.shared.store.info() if self.shared.store else {"tiers": [], "counters": {}}
         counters = Counter(info["counters"])
         counters.update(self.own_counters())  # adds, and keeps zeros
-        return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
+        return {**info, "counters": dict(counters), "service_pid": os.getpid(),
+                "socket": self.shared.socket_path}
 
     def own_counters(self) -> dict[str, Any]:
         """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`, `requests.*`),
@@ -207,11 +203,11 @@ class Requests:
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
         if hello.version != P.PROTOCOL_VERSION:
             raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
-                               f"{self.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
+                               f"{self.shared.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
                                "the same kvstore version (kvstore stop)")
-        differ = disagreement(dump_config(self.config), hello.config)
+        differ = disagreement(dump_config(self.shared.config), hello.config)
         if differ:
-            raise ConfigError("service.socket", self.socket_path,
+            raise ConfigError("service.socket", self.shared.socket_path,
                               f"a kvstore service with another config listens there (they differ in "
                               f"{', '.join(k[:64] for k in differ[:16])}); stop it (kvstore stop) or "
                               "use another socket")
@@ -220,36 +216,18 @@ class Requests:
         client.namespace = hello.namespace
         if client.window is not None:
             raise KVStoreError("this connection has a window already")
-        with self.lock:
-            if self.store is None and client.uid != os.geteuid():
-                raise KVStoreError("the store is made by the first engine of the service's own user "
-                                   "(its chunk size sets the tiers' format); none has connected yet")
-            if self.store is None:
-                self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
-                                         dtype=hello.dtype, shape=hello.shape)
-                self._learned.start(self.store)
-                self.events.watch(self.store)
-            elif self.store.chunk_bytes != hello.chunk_bytes:
-                raise ConfigError("service.socket", self.socket_path,
-                                  f"this service stores chunks of {self.store.chunk_bytes} bytes, "
-                                  f"this engine's are {hello.chunk_bytes}: give it its own socket")
-            store = self.store
-        slots = max(1, self.config.service.staging // hello.chunk_bytes)
+        store = self.shared.join(client.uid, hello.chunk_bytes, hello)
+        slots = max(1, self.shared.config.service.staging // hello.chunk_bytes)
         window, fd = Window.make(slots * hello.chunk_bytes)
         client.window, client.slots = window, slots
         client.region = store.regions.add(window.address, window.nbytes, window)
         reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
-        shared = store.share_dram() if self._may_map_dram(client) else None
+        shared = store.share_dram() if self.shared.may_map_dram(client.uid) else None
         if shared is None:
             return reply, (fd,)
         tier_fd, tier_bytes, tier_pages = shared
         client.maps_tier = True
         return {**reply, "tier_bytes": tier_bytes, "tier_pages": tier_pages}, (fd, tier_fd)
-
-    def _may_map_dram(self, client: Client) -> bool:
-        """service.share_dram: the service's own user's engines, every allowed one, or none."""
-        mode = self.config.service.share_dram
-        return mode == "allowed" or (mode == "own-user" and client.uid == os.geteuid())
 
     def _residency(self, client: Client, request: P.Residency) -> list[Any]:
         """One prompt's residency snapshot, after the counters and releases the request carries;
@@ -257,7 +235,7 @@ class Requests:
         for the client's engine workers (client_leases.py: the lookup that decides a load
         protects it, and they copy with no request of their own), where the client may map
         the tier."""
-        store = self.store
+        store = self.shared.store
         self.client_counters.add(store, request.counters)
         for number in request.release:
             self.leases.release(store, client.held, number)
@@ -267,45 +245,23 @@ class Requests:
             found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
         if request.lease_from is None:
             return found
-        if store is None or not self._may_map_dram(client):
+        if store is None or not self.shared.may_map_dram(client.uid):
             return [*found, 0, []]
         return found + self.leases.lease_run(store, client.held, request.ranks, request.lease_from,
                                              int(found[1]))
 
-    def reload_policy(self, live: dict[str, Any]) -> bool:
-        """A reload's policy keys, applied to the store (lock held): a switch to `learned`
-        starts from what the service learned before, as a start does. False if the switch
-        raised: logged and counted as a config that cannot be applied (`malformed.config`),
-        the service serving on."""
-        store = self.store
-        try:
-            if store is not None:
-                self._learned.switch(store, lambda: store.reload_policy(live))
-        except Exception as exc:  # whatever the switch met: never the end of the service
-            why = masked(f"{type(exc).__name__}: {exc}")[:2000]
-            log.warning("reload: the policy was not applied: %s", why)
-            self.malformed.count(Malformed("config", why), logged=True)
-            return False
-        return True
-
-    def _held(self) -> set[bytes] | None:
-        """The namespaces the store's records name (none before there is a store)."""
-        store = self.store
-        return store.probe.namespaces() if store is not None else set()
-
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""
-        store = self.store
+        store = self.shared.store
         if store is not None:
             self._prefetches.promote(store, keys)
 
     def forget(self, client: Client) -> None:
         """A client left (or died): its pins go, and its window, unmapped once no late read
         may still land in it."""
-        self.leases.release_all(self.store, client.held)
-        with self.lock:
-            if client.region is not None and self.store is not None:
-                self.store.regions.remove(client.region)
+        self.leases.release_all(self.shared.store, client.held)
+        if client.region is not None:
+            self.shared.unregister(client.region)
         if client.window is not None:
             if client.region is not None:
                 client.region.close(client.window.close)
@@ -317,8 +273,4 @@ class Requests:
         self.next_turns.close()
         self.namespaces.close()
         self._prefetches.close()
-        with self.lock:
-            self._learned.close()
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+        self.shared.close()

@@ -180,7 +180,7 @@ class StoreService:
             from kvstore.service.metrics import serve_metrics
 
             serve_metrics(config.service.metrics_host, config.service.metrics_port,
-                          lambda: self.requests.store, self.requests.own_counters)
+                          lambda: self.requests.shared.store, self.requests.own_counters)
 
     # -- the accept loop ---------------------------------------------------------------
 
@@ -259,7 +259,7 @@ class StoreService:
         """Apply the config file as it is now: LIVE_KEYS at once (TieredStore.reload_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
         restart. A file that cannot be read changes nothing (`reread`); a policy switch that
-        fails is logged and counted, and leaves the running config (Requests.reload_policy).
+        fails is logged and counted, and leaves the running config (SharedStore.reload).
         Engines connected before keep connecting with the config they started with (the
         hello leaves LIVE_KEYS out)."""
         fresh = reread(reload, self.config, self.requests.malformed)
@@ -268,10 +268,9 @@ class StoreService:
         live, restart, merged = fresh
         if restart:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
-        with self.requests.lock:  # no store made meanwhile from the config being replaced
-            if live and self.requests.store is not None and not self.requests.reload_policy(live):
-                return  # the switch failed (logged, counted): the service goes on as it was
-            self.config = self.requests.config = merged
+        if not self.requests.shared.reload(live, merged):
+            return  # the switch failed (logged, counted): the service goes on as it was
+        self.config = merged
         log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 
     def _close(self) -> None:
