@@ -238,7 +238,7 @@ def test_every_counter_the_connector_reports_is_one_a_client_may_add():
     import re
     from pathlib import Path
 
-    from kvstore.service.handlers import CLIENT_COUNTER
+    from kvstore.service.counters import CLIENT_COUNTER
 
     root = Path(__file__).parents[1]
     source = "\n".join(p.read_text() for room in ("connectors", "engine_plugin/vllm/core")

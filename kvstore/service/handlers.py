@@ -18,20 +18,17 @@ descriptors, is the one answered apart.
 from __future__ import annotations
 
 import logging
-import os
-import re
-import threading
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import KindCounts, Malformed, MalformedCounts
+from kvstore.format.malformed import KindCounts, MalformedCounts
 from kvstore.io.regions import Region
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.client_leases import HeldLeases, LeaseDesk
+from kvstore.service.counters import ServiceCounters
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.prefetches import Prefetches
@@ -41,48 +38,11 @@ from kvstore.store.tiered import TieredStore
 from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
-# The counters a client may add to (the scheduler's and the workers'): a bounded set of
-# names, so a client cannot grow the service's counters (and /metrics) without end.
-CLIENT_COUNTER = re.compile(
-    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector|keys)\.[a-z_]{1,32}")
-
-
 def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """The top-level config keys on which a client and the service differ where both act on
     them: not `service` (the service's own) nor LIVE_KEYS (a reload changes them live)."""
     return sorted(key for key in ours.keys() | theirs.keys()
                   if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
-
-
-class ClientCounters:
-    """The counters clients add to (the scheduler's and the workers'): CLIENT_COUNTER names
-    only, and at most MAX_NAMES distinct ones, so no client can grow the service's counters
-    (Info, /metrics) without end; a new name past that is dropped and counted
-    (`malformed.counter`), the rest of its request added."""
-
-    MAX_NAMES = 1024
-
-    def __init__(self, malformed: MalformedCounts) -> None:
-        self._names: set[str] = set()
-        self._lock = threading.Lock()
-        self._malformed = malformed
-
-    def add(self, store: TieredStore | None, counters: dict[str, float]) -> None:
-        for name in counters:
-            if not CLIENT_COUNTER.fullmatch(name):
-                raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
-                                   f"{CLIENT_COUNTER.pattern} counters")
-        with self._lock:
-            new = [name for name in counters if name not in self._names]
-            room = max(0, self.MAX_NAMES - len(self._names))
-            self._names.update(new[:room])
-            kept = {name: amount for name, amount in counters.items() if name in self._names}
-        if len(kept) < len(counters):
-            self._malformed.count(Malformed("counter", f"{len(counters) - len(kept)} new counter names past "
-                                                       f"the {self.MAX_NAMES} clients may add"), "dropped")
-        if store is not None:
-            for name, amount in kept.items():
-                store.stats.add(name, amount)
 
 
 class Client:
@@ -105,32 +65,28 @@ class Requests:
     def __init__(self, config: StoreConfig, socket_path: str, counted: tuple[KindCounts, ...] = ()) -> None:
         self._prefetches = Prefetches()  # promotions to DRAM, one at a time
         self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
-        self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
-        self.shared = SharedStore(config, socket_path, self.events, self.malformed)  # the one store
-        self._counted = (self.malformed, *counted)  # and the server's (refused clients)
-        self.client_counters = ClientCounters(self.malformed)
-        self._seen: Counter[str] = Counter()
-        self._seen_lock = threading.Lock()
+        malformed = MalformedCounts(log)
+        self.shared = SharedStore(config, socket_path, self.events, malformed)  # the one store
         self.leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
         self._answers: dict[type, Callable[[Client, Any], Any]] = {
-            P.Info: lambda client, request: self.info(),
+            P.Info: lambda client, request: self.counters.info(),
             P.Residency: self._residency,
             P.Finished: self._finished,
             P.Expect: lambda client, request: self.next_turns.expect(request.ranks, request.in_s),
             P.Events: lambda client, request: self.events.since(request.since),
-            P.Count: lambda client, request: self.client_counters.add(self.shared.store, request.counters),
+            P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters),
             P.Unpin: self._unpin,
             P.Announce: self._namespaces, P.Namespaces: self._namespaces, P.Purge: self._namespaces,
             P.Pin: self._pin, P.Get: self._get, P.Put: self._put}
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed,
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", malformed,
                                         self.shared.namespaces)  # announced
         self.namespaces.start()
+        self.counters = ServiceCounters(self.shared, self.namespaces, malformed, counted)
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         """The reply to one request, and the descriptors it passes (a hello's only)."""
-        with self._seen_lock:  # `requests.KIND`: the round trips engines make, by kind
-            self._seen[f"requests.{type(request).__name__.lower()}"] += 1
+        self.counters.saw(request)
         if isinstance(request, P.Hello):
             return self._hello(client, request)
         answer = self._answers.get(type(request))
@@ -182,24 +138,6 @@ class Requests:
         with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
             return store.put_many(request.keys, views, request.parent, namespace)
 
-    def info(self) -> dict[str, Any]:
-        """The store's info (none yet: no tiers), with the service's own counters added."""
-        info = self.shared.store.info() if self.shared.store else {"tiers": [], "counters": {}}
-        counters = Counter(info["counters"])
-        counters.update(self.own_counters())  # adds, and keeps zeros
-        return {**info, "counters": dict(counters), "service_pid": os.getpid(),
-                "socket": self.shared.socket_path}
-
-    def own_counters(self) -> dict[str, Any]:
-        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`, `requests.*`),
-        kept whether or not a store was made."""
-        counters: dict[str, Any] = dict(self.namespaces.counters())
-        for counts in self._counted:
-            counters.update(counts.snapshot())
-        with self._seen_lock:
-            counters.update(self._seen)
-        return counters
-
     def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
         if hello.version != P.PROTOCOL_VERSION:
             raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
@@ -236,7 +174,7 @@ class Requests:
         protects it, and they copy with no request of their own), where the client may map
         the tier."""
         store = self.shared.store
-        self.client_counters.add(store, request.counters)
+        self.counters.clients.add(store, request.counters)
         for number in request.release:
             self.leases.release(store, client.held, number)
         self.next_turns.arrived(request.ranks)

@@ -180,7 +180,7 @@ class StoreService:
             from kvstore.service.metrics import serve_metrics
 
             serve_metrics(config.service.metrics_host, config.service.metrics_port,
-                          lambda: self.requests.shared.store, self.requests.own_counters)
+                          lambda: self.requests.shared.store, self.requests.counters.own)
 
     # -- the accept loop ---------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class StoreService:
         fails is logged and counted, and leaves the running config (SharedStore.reload).
         Engines connected before keep connecting with the config they started with (the
         hello leaves LIVE_KEYS out)."""
-        fresh = reread(reload, self.config, self.requests.malformed)
+        fresh = reread(reload, self.config, self.requests.counters.malformed)
         if fresh is None:
             return
         live, restart, merged = fresh
@@ -288,7 +288,7 @@ class StoreService:
     def _serve_client(self, client: Client, hello_by: float) -> None:
         """Answer the client's requests until it leaves; until it has said hello, every
         frame (the first byte included) must have arrived by `hello_by` (time.monotonic)."""
-        channel = client.channel
+        channel, malformed = client.channel, self.requests.counters.malformed
         said_hello = False
         try:
             while True:
@@ -302,7 +302,7 @@ class StoreService:
                 except (EOFError, OSError):
                     return
                 except P.ProtocolError as exc:
-                    self.requests.malformed.count(Malformed("frame", str(exc)[:300]), "connection closed")
+                    malformed.count(Malformed("frame", str(exc)[:300]), "connection closed")
                     _refuse(channel, str(exc)[:1000])  # the stream cannot be trusted any more
                     return
                 fds: tuple[int, ...] = ()
@@ -322,7 +322,7 @@ class StoreService:
                     log.exception("request %s failed", type(request).__name__)
                     reply = P.Reply(False, error=masked(f"{type(exc).__name__}: {exc}"[:2000]))
                 try:
-                    if not send_reply(channel, reply, fds, type(request).__name__, self.requests.malformed):
+                    if not send_reply(channel, reply, fds, type(request).__name__, malformed):
                         return
                 finally:
                     for fd in fds:
