@@ -1,18 +1,13 @@
-"""The service's requests: each client's window, and what each request does with the one
-store every client shares (shared_store.py, which makes it at the first hello that gives
-a chunk size, a worker's, and closes it).
+"""The service's requests: what each request does with the one store every client shares
+(shared_store.py, which makes it at the first hello that gives a chunk size, a worker's,
+and closes it).
 
-A hello's config must agree with the service's on what both act on: not `service` (the
-service's own) nor the keys a SIGHUP reload changes while engines run (LIVE_KEYS); a
-refusal names the keys that differ, never their values (they may hold a password). A
-residency request covers
-every tensor-parallel rank's keys and is answered as one snapshot (prefetches.py, which
-runs the promotions it asks for). Invariants: a client's window is registered as a
-direct-read region while it lives, and unmapped once no read that missed its deadline
-may still land in it (Region.close); a client's DRAM leases are held and given back
-through the lease desk (client_leases.py, which states their invariants). Each request
-kind has one answer in a table (`Requests._answers`); a hello, which may pass
-descriptors, is the one answered apart.
+A client's session (its hello, its window, its leaving) is sessions.py's. A residency
+request covers every tensor-parallel rank's keys and is answered as one snapshot
+(prefetches.py, which runs the promotions it asks for). A client's DRAM leases are held
+and given back through the lease desk (client_leases.py, which states their invariants).
+Each request kind has one answer in a table (`Requests._answers`); a hello, which may
+pass descriptors, is the one answered apart.
 """
 
 from __future__ import annotations
@@ -21,42 +16,22 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
-from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.config.store import StoreConfig
+from kvstore.format.errors import KVStoreError
 from kvstore.format.malformed import KindCounts, MalformedCounts
-from kvstore.io.regions import Region
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
-from kvstore.service.client_leases import HeldLeases, LeaseDesk
+from kvstore.service.client_leases import LeaseDesk
 from kvstore.service.counters import ServiceCounters
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.next_turns import NextTurns
 from kvstore.service.prefetches import Prefetches
+from kvstore.service.sessions import Client, Sessions
 from kvstore.service.shared_store import SharedStore
-from kvstore.service.window import Window
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
-def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """The top-level config keys on which a client and the service differ where both act on
-    them: not `service` (the service's own) nor LIVE_KEYS (a reload changes them live)."""
-    return sorted(key for key in ours.keys() | theirs.keys()
-                  if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
-
-
-class Client:
-    """What the service keeps for one connection."""
-
-    def __init__(self, channel: P.Channel, uid: int) -> None:
-        self.channel = channel
-        self.uid = uid  # SO_PEERCRED's at accept
-        self.window: Window | None = None
-        self.region: Region | None = None
-        self.slots = 0
-        self.maps_tier = False  # given the DRAM tier to map: only then may it pin
-        self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
-        self.held = HeldLeases(uid)  # the DRAM leases it holds (client_leases.py)
 
 
 class Requests:
@@ -68,6 +43,7 @@ class Requests:
         malformed = MalformedCounts(log)
         self.shared = SharedStore(config, socket_path, self.events, malformed)  # the one store
         self.leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
+        self._sessions = Sessions(self.shared, self.leases)  # hello, and a client leaving
         self._answers: dict[type, Callable[[Client, Any], Any]] = {
             P.Info: lambda client, request: self.counters.info(),
             P.Residency: self._residency,
@@ -88,7 +64,7 @@ class Requests:
         """The reply to one request, and the descriptors it passes (a hello's only)."""
         self.counters.saw(request)
         if isinstance(request, P.Hello):
-            return self._hello(client, request)
+            return self._sessions.hello(client, request)
         answer = self._answers.get(type(request))
         if answer is None:
             raise KVStoreError(f"unknown request {type(request).__name__}")
@@ -138,35 +114,6 @@ class Requests:
         with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
             return store.put_many(request.keys, views, request.parent, namespace)
 
-    def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
-        if hello.version != P.PROTOCOL_VERSION:
-            raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
-                               f"{self.shared.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
-                               "the same kvstore version (kvstore stop)")
-        differ = disagreement(dump_config(self.shared.config), hello.config)
-        if differ:
-            raise ConfigError("service.socket", self.shared.socket_path,
-                              f"a kvstore service with another config listens there (they differ in "
-                              f"{', '.join(k[:64] for k in differ[:16])}); stop it (kvstore stop) or "
-                              "use another socket")
-        if hello.chunk_bytes is None:
-            return None, ()
-        client.namespace = hello.namespace
-        if client.window is not None:
-            raise KVStoreError("this connection has a window already")
-        store = self.shared.join(client.uid, hello.chunk_bytes, hello)
-        slots = max(1, self.shared.config.service.staging // hello.chunk_bytes)
-        window, fd = Window.make(slots * hello.chunk_bytes)
-        client.window, client.slots = window, slots
-        client.region = store.regions.add(window.address, window.nbytes, window)
-        reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
-        shared = store.share_dram() if self.shared.may_map_dram(client.uid) else None
-        if shared is None:
-            return reply, (fd,)
-        tier_fd, tier_bytes, tier_pages = shared
-        client.maps_tier = True
-        return {**reply, "tier_bytes": tier_bytes, "tier_pages": tier_pages}, (fd, tier_fd)
-
     def _residency(self, client: Client, request: P.Residency) -> list[Any]:
         """One prompt's residency snapshot, after the counters and releases the request carries;
         with `lease_from`, the leading chunks every rank has in DRAM from that one on leased
@@ -195,16 +142,8 @@ class Requests:
             self._prefetches.promote(store, keys)
 
     def forget(self, client: Client) -> None:
-        """A client left (or died): its pins go, and its window, unmapped once no late read
-        may still land in it."""
-        self.leases.release_all(self.shared.store, client.held)
-        if client.region is not None:
-            self.shared.unregister(client.region)
-        if client.window is not None:
-            if client.region is not None:
-                client.region.close(client.window.close)
-            else:
-                client.window.close()
+        """A client left (or died): its session ends (Sessions.forget)."""
+        self._sessions.forget(client)
 
     def close(self) -> None:
         """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""

@@ -47,7 +47,8 @@ from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.format.secrets import masked
 from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
-from kvstore.service.handlers import Client, Requests
+from kvstore.service.handlers import Requests
+from kvstore.service.sessions import Client
 
 log = logging.getLogger(__name__)
 _BACKLOG = 64
