@@ -2,7 +2,8 @@
 (shared_store.py, which makes it at the first hello that gives a chunk size, a worker's,
 and closes it).
 
-A client's session (its hello, its window, its leaving) is sessions.py's. A residency
+A client's session (its hello, its window, its leaving) is sessions.py's, and chunks moving
+between it and the store (Get, Put, Pin, Unpin) transfers.py's. A residency
 request covers every tensor-parallel rank's keys and is answered as one snapshot
 (prefetches.py, which runs the promotions it asks for). A client's DRAM leases are held
 and given back through the lease desk (client_leases.py, which states their invariants).
@@ -28,7 +29,7 @@ from kvstore.service.next_turns import NextTurns
 from kvstore.service.prefetches import Prefetches
 from kvstore.service.sessions import Client, Sessions
 from kvstore.service.shared_store import SharedStore
-from kvstore.store.tiered import TieredStore
+from kvstore.service.transfers import Transfers
 from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class Requests:
         self.shared = SharedStore(config, socket_path, self.events, malformed)  # the one store
         self.leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
         self._sessions = Sessions(self.shared, self.leases)  # hello, and a client leaving
+        self.namespaces = NamespaceBook(socket_path + ".namespaces", malformed,
+                                        self.shared.namespaces)  # announced
+        transfers = Transfers(self.shared, self.leases, self.namespaces)
         self._answers: dict[type, Callable[[Client, Any], Any]] = {
             P.Info: lambda client, request: self.counters.info(),
             P.Residency: self._residency,
@@ -51,12 +55,9 @@ class Requests:
             P.Expect: lambda client, request: self.next_turns.expect(request.ranks, request.in_s),
             P.Events: lambda client, request: self.events.since(request.since),
             P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters),
-            P.Unpin: self._unpin,
             P.Announce: self._namespaces, P.Namespaces: self._namespaces, P.Purge: self._namespaces,
-            P.Pin: self._pin, P.Get: self._get, P.Put: self._put}
+            P.Get: transfers.get, P.Put: transfers.put, P.Pin: transfers.pin, P.Unpin: transfers.unpin}
         self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces", malformed,
-                                        self.shared.namespaces)  # announced
         self.namespaces.start()
         self.counters = ServiceCounters(self.shared, self.namespaces, malformed, counted)
 
@@ -76,43 +77,8 @@ class Requests:
         if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
             store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
 
-    def _unpin(self, client: Client, request: P.Unpin) -> None:
-        good, bad = set(request.good), set(request.bad)
-        for number in request.leases:
-            self.leases.release(self.shared.store, client.held, number, good, bad)
-
     def _namespaces(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
         return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.shared.store, request)
-
-    def _pin(self, client: Client, request: P.Pin) -> list[Any]:
-        store = self.shared.store
-        if store is None or client.window is None:
-            raise KVStoreError("'Pin' needs a hello with a chunk size first")
-        if not client.maps_tier:
-            raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
-                               "load through the window")
-        return self.leases.pin(store, client.held, request.keys, request.verify, client.slots)
-
-    def _views(self, client: Client, request: P.Get | P.Put) -> tuple[TieredStore, list[memoryview]]:
-        """The store and the window slots a Get or Put names, checked."""
-        store, window = self.shared.store, client.window
-        if store is None or window is None:
-            raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
-        size = store.chunk_bytes
-        if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
-            raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
-                               f"(the window has {client.slots})")
-        return store, [window.view[s * size : (s + 1) * size] for s in request.slots]
-
-    def _get(self, client: Client, request: P.Get) -> list[bool]:
-        store, views = self._views(client, request)
-        return store.get_many(request.keys, views)
-
-    def _put(self, client: Client, request: P.Put) -> list[bool]:
-        store, views = self._views(client, request)
-        namespace = request.namespace or client.namespace
-        with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
-            return store.put_many(request.keys, views, request.parent, namespace)
 
     def _residency(self, client: Client, request: P.Residency) -> list[Any]:
         """One prompt's residency snapshot, after the counters and releases the request carries;
