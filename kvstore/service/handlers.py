@@ -1,14 +1,23 @@
-"""The service's requests: what each request does with the one store every client shares
-(shared_store.py, which makes it at the first hello that gives a chunk size, a worker's,
-and closes it).
+"""The service's requests: a table from each request kind to the part whose job it is,
+and the parts' life together (made at start, told when a client leaves, closed in order).
 
-A client's session (its hello, its window, its leaving) is sessions.py's, and chunks moving
-between it and the store (Get, Put, Pin, Unpin) transfers.py's. A residency
-request covers every tensor-parallel rank's keys and is answered as one snapshot
-(prefetches.py, which runs the promotions it asks for). A client's DRAM leases are held
-and given back through the lease desk (client_leases.py, which states their invariants).
-Each request kind has one answer in a table (`Requests._answers`); a hello, which may
-pass descriptors, is the one answered apart.
+The parts, each stating its own invariants:
+  shared_store.py  the one store every client shares (made at the first hello with a
+                   chunk size from the service's own user) and the config it runs with
+  sessions.py      Hello, and a client's leaving: its window, its leases
+  transfers.py     Get, Put, Pin, Unpin: chunks moving between a client and the store
+  lookups.py       Residency, Finished, Expect: what a scheduler asks and tells of its
+                   requests, and the promotions to DRAM they start
+  counters.py      Info, Count: what clients add and what the service counts of its own
+  namespaces.py    Announce, Namespaces, Purge (the last two the service's owner's only)
+  chunk_events.py  Events: chunks entering and leaving each tier, for routers
+
+A request's fields are bounded where its frame is decoded (protocol.py); what its body
+names is checked by the part that answers it, against what that part holds (a client's
+window, the store), so no check reads another part's state. What does not check is a
+KVStoreError, which the server sends back as an error reply on that connection; a chunk
+not found is a miss in the answer, counted by the store; any other exception is a bug the
+server logs and answers as an error, never the end of the service's thread.
 """
 
 from __future__ import annotations
@@ -24,42 +33,43 @@ from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.client_leases import LeaseDesk
 from kvstore.service.counters import ServiceCounters
+from kvstore.service.lookups import Lookups
 from kvstore.service.namespaces import NamespaceBook
-from kvstore.service.next_turns import NextTurns
-from kvstore.service.prefetches import Prefetches
 from kvstore.service.sessions import Client, Sessions
 from kvstore.service.shared_store import SharedStore
 from kvstore.service.transfers import Transfers
-from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger(__name__)
 
 
 class Requests:
-    """Answers clients' requests against the one store (made at the first data hello)."""
+    """Answers clients' requests, each kind by the part whose job it is (`_answers`); a
+    hello, which may pass descriptors, is the one answered apart. Invariants: every request
+    is counted by kind (`requests.KIND`) before it is answered; a kind with no answer is a
+    KVStoreError; at close, predictions and promotions stop first, then the namespace book,
+    and the store closes last."""
 
     def __init__(self, config: StoreConfig, socket_path: str, counted: tuple[KindCounts, ...] = ()) -> None:
-        self._prefetches = Prefetches()  # promotions to DRAM, one at a time
-        self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
-        malformed = MalformedCounts(log)
-        self.shared = SharedStore(config, socket_path, self.events, malformed)  # the one store
-        self.leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
-        self._sessions = Sessions(self.shared, self.leases)  # hello, and a client leaving
-        self.namespaces = NamespaceBook(socket_path + ".namespaces", malformed,
-                                        self.shared.namespaces)  # announced
-        transfers = Transfers(self.shared, self.leases, self.namespaces)
+        malformed = MalformedCounts(log)  # frames, reloads, counter names: the service's own
+        events = ChunkEvents()  # what engines tell routers
+        self.shared = SharedStore(config, socket_path, events, malformed)
+        self._namespaces = NamespaceBook(socket_path + ".namespaces", malformed, self.shared.namespaces)
+        self.counters = ServiceCounters(self.shared, self._namespaces, malformed, counted)
+        leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
+        self._sessions = Sessions(self.shared, leases)
+        self._lookups = Lookups(self.shared, leases, self.counters.clients)
+        transfers = Transfers(self.shared, leases, self._namespaces)
         self._answers: dict[type, Callable[[Client, Any], Any]] = {
+            P.Residency: self._lookups.residency,
+            P.Finished: lambda client, request: self._lookups.finished(request),
+            P.Expect: lambda client, request: self._lookups.expect(request),
+            P.Get: transfers.get, P.Put: transfers.put, P.Pin: transfers.pin, P.Unpin: transfers.unpin,
             P.Info: lambda client, request: self.counters.info(),
-            P.Residency: self._residency,
-            P.Finished: self._finished,
-            P.Expect: lambda client, request: self.next_turns.expect(request.ranks, request.in_s),
-            P.Events: lambda client, request: self.events.since(request.since),
             P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters),
-            P.Announce: self._namespaces, P.Namespaces: self._namespaces, P.Purge: self._namespaces,
-            P.Get: transfers.get, P.Put: transfers.put, P.Pin: transfers.pin, P.Unpin: transfers.unpin}
-        self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces.start()
-        self.counters = ServiceCounters(self.shared, self.namespaces, malformed, counted)
+            P.Events: lambda client, request: events.since(request.since),
+            P.Announce: self._namespace_request, P.Namespaces: self._namespace_request,
+            P.Purge: self._namespace_request}
+        self._namespaces.start()
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         """The reply to one request, and the descriptors it passes (a hello's only)."""
@@ -71,49 +81,18 @@ class Requests:
             raise KVStoreError(f"unknown request {type(request).__name__}")
         return answer(client, request), ()
 
-    def _finished(self, client: Client, request: P.Finished) -> None:
-        self.next_turns.finished(request.ranks)
-        store = self.shared.store
-        if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
-            store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
-
-    def _namespaces(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
-        return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.shared.store, request)
-
-    def _residency(self, client: Client, request: P.Residency) -> list[Any]:
-        """One prompt's residency snapshot, after the counters and releases the request carries;
-        with `lease_from`, the leading chunks every rank has in DRAM from that one on leased
-        for the client's engine workers (client_leases.py: the lookup that decides a load
-        protects it, and they copy with no request of their own), where the client may map
-        the tier."""
-        store = self.shared.store
-        self.counters.clients.add(store, request.counters)
-        for number in request.release:
-            self.leases.release(store, client.held, number)
-        self.next_turns.arrived(request.ranks)
-        found: list[Any] = [0, 0, False]
-        if store is not None and request.ranks:
-            found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
-        if request.lease_from is None:
-            return found
-        if store is None or not self.shared.may_map_dram(client.uid):
-            return [*found, 0, []]
-        return found + self.leases.lease_run(store, client.held, request.ranks, request.lease_from,
-                                             int(found[1]))
-
-    def _promote(self, keys: tuple[bytes, ...]) -> None:
-        """A chain next-turn prediction wants in DRAM now."""
-        store = self.shared.store
-        if store is not None:
-            self._prefetches.promote(store, keys)
+    def _namespace_request(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
+        """The book answers with the uid at the other end (SO_PEERCRED): listing and purging
+        are the service's owner's."""
+        return self._namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.shared.store, request)
 
     def forget(self, client: Client) -> None:
         """A client left (or died): its session ends (Sessions.forget)."""
         self._sessions.forget(client)
 
     def close(self) -> None:
-        """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""
-        self.next_turns.close()
-        self.namespaces.close()
-        self._prefetches.close()
+        """Predictions and promotions stopped, the namespace book written, then the store
+        closed (drained, checkpointed)."""
+        self._lookups.close()
+        self._namespaces.close()
         self.shared.close()
