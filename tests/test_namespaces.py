@@ -33,7 +33,7 @@ from kvstore.format.record import record_bytes
 from kvstore.service import namespaces as N
 from kvstore.service import protocol as P
 from kvstore.service.client import StoreClient
-from kvstore.service.handlers import ClientCounters
+from kvstore.service.counters import ClientCounters
 from kvstore.service.namespaces import NamespaceBook
 from kvstore.service.server import send_reply
 

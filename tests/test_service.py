@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import typing
 
 import pytest
 from support.services import service_client, service_config, stop_service
@@ -12,6 +13,7 @@ from support.services import service_client, service_config, stop_service
 from bench.support.processes import paused
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
+from kvstore.service import protocol as P
 from kvstore.service.client import ServiceUnavailable, StoreClient
 
 CHUNK = 64 * 1024
@@ -45,6 +47,32 @@ def test_clients_share_one_spawned_service(config):
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvstore-window-{os.getpid()}-")]
     for client in (writer, reader, scheduler):
         client.close()
+
+
+def test_every_kind_of_request_reaches_the_part_that_answers_it(config):
+    """Each kind the protocol decodes is in the service's table of answers: none comes back
+    as an unknown request (a kind added to the protocol and not to the table would). Before
+    a hello the data requests are clear errors, the others answers; Shutdown is the server's."""
+    kinds = set(typing.get_args(P.Request)) - {P.Hello, P.Shutdown}
+    requests = [P.Residency([]), P.Finished([]), P.Expect([], 0.0), P.Count({}), P.Get([], []), P.Put([], []),
+                P.Pin([]), P.Unpin([]), P.Info(), P.Events(-1), P.Announce([]), P.Namespaces(), P.Purge([])]
+    assert {type(request) for request in requests} == kinds
+    StoreClient(load_config(config)).close()  # spawns the service
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(config["service"]["socket"])
+    channel = P.Channel(sock)
+    try:
+        answered = {}
+        for request in requests:
+            channel.send(request)
+            reply = channel.recv(P.REPLY, 10)
+            answered[type(request).__name__] = reply.error or "ok"
+    finally:
+        channel.close()
+    assert not [kind for kind, error in answered.items() if "unknown request" in error], answered
+    needs_window = {kind for kind, error in answered.items() if "needs a hello with a chunk size" in error}
+    assert needs_window == {"Get", "Put", "Pin"}, answered
+    assert [error for kind, error in answered.items() if kind not in needs_window] == ["ok"] * 10, answered
 
 
 def test_a_service_with_another_config_is_refused(config):
@@ -238,7 +266,7 @@ def test_every_counter_the_connector_reports_is_one_a_client_may_add():
     import re
     from pathlib import Path
 
-    from kvstore.service.handlers import CLIENT_COUNTER
+    from kvstore.service.counters import CLIENT_COUNTER
 
     root = Path(__file__).parents[1]
     source = "\n".join(p.read_text() for room in ("connectors", "engine_plugin/vllm/core")

@@ -1,324 +1,98 @@
-"""The service's requests: one store shared by every client, each client's window, and
-what each request does with them.
+"""The service's requests: a table from each request kind to the part whose job it is,
+and the parts' life together (made at start, told when a client leaves, closed in order).
 
-The store is made by the first hello that gives a chunk size (a worker's) from the
-service's own user (an allowed user's engine cannot fix the store's chunk size nor have a
-fresh tier formatted for it); later hellos must agree on it. A hello's config must agree
-with the service's on what both act on: not `service` (the service's own) nor the keys a
-SIGHUP reload changes while engines run (LIVE_KEYS); a refusal names the keys that
-differ, never their values (they may hold a password). A residency request covers
-every tensor-parallel rank's keys and is answered as one snapshot (prefetches.py, which
-runs the promotions it asks for). Invariants: a client's window is registered as a
-direct-read region while it lives, and unmapped once no read that missed its deadline
-may still land in it (Region.close); a client's DRAM leases are held and given back
-through the lease desk (client_leases.py, which states their invariants). Each request
-kind has one answer in a table (`Requests._answers`); a hello, which may pass
-descriptors, is the one answered apart.
+The parts, each stating its own invariants:
+  shared_store.py  the one store every client shares (made at the first hello with a
+                   chunk size from the service's own user) and the config it runs with
+  sessions.py      Hello, and a client's leaving: its window, its leases
+  transfers.py     Get, Put, Pin, Unpin: chunks moving between a client and the store
+  lookups.py       Residency, Finished, Expect: what a scheduler asks and tells of its
+                   requests, and the promotions to DRAM they start
+  counters.py      Info, Count: what clients add and what the service counts of its own
+  namespaces.py    Announce, Namespaces, Purge (the last two the service's owner's only)
+  chunk_events.py  Events: chunks entering and leaving each tier, for routers
+
+A request's fields are bounded where its frame is decoded (protocol.py); what its body
+names is checked by the part that answers it, against what that part holds (a client's
+window, the store), so no check reads another part's state. What does not check is a
+KVStoreError, which the server sends back as an error reply on that connection; a chunk
+not found is a miss in the answer, counted by the store; any other exception is a bug the
+server logs and answers as an error, never the end of the service's thread.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import threading
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config
-from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.format.malformed import KindCounts, Malformed, MalformedCounts
-from kvstore.format.secrets import masked
-from kvstore.io.regions import Region
-from kvstore.service import learned_file
+from kvstore.config.store import StoreConfig
+from kvstore.format.errors import KVStoreError
+from kvstore.format.malformed import KindCounts, MalformedCounts
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
-from kvstore.service.client_leases import HeldLeases, LeaseDesk
+from kvstore.service.client_leases import LeaseDesk
+from kvstore.service.counters import ServiceCounters
+from kvstore.service.lookups import Lookups
 from kvstore.service.namespaces import NamespaceBook
-from kvstore.service.next_turns import NextTurns
-from kvstore.service.prefetches import Prefetches
-from kvstore.service.window import Window
-from kvstore.store.tiered import TieredStore
-from kvstore.tiers.return_rates import RequestEnd
+from kvstore.service.sessions import Client, Sessions
+from kvstore.service.shared_store import SharedStore
+from kvstore.service.transfers import Transfers
 
 log = logging.getLogger(__name__)
-# The counters a client may add to (the scheduler's and the workers'): a bounded set of
-# names, so a client cannot grow the service's counters (and /metrics) without end.
-CLIENT_COUNTER = re.compile(
-    r"(prefetch|save|save_wait|staging|load|handoff|malformed|connector|keys)\.[a-z_]{1,32}")
-
-
-def disagreement(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """The top-level config keys on which a client and the service differ where both act on
-    them: not `service` (the service's own) nor LIVE_KEYS (a reload changes them live)."""
-    return sorted(key for key in ours.keys() | theirs.keys()
-                  if key != "service" and key not in LIVE_KEYS and ours.get(key) != theirs.get(key))
-
-
-class ClientCounters:
-    """The counters clients add to (the scheduler's and the workers'): CLIENT_COUNTER names
-    only, and at most MAX_NAMES distinct ones, so no client can grow the service's counters
-    (Info, /metrics) without end; a new name past that is dropped and counted
-    (`malformed.counter`), the rest of its request added."""
-
-    MAX_NAMES = 1024
-
-    def __init__(self, malformed: MalformedCounts) -> None:
-        self._names: set[str] = set()
-        self._lock = threading.Lock()
-        self._malformed = malformed
-
-    def add(self, store: TieredStore | None, counters: dict[str, float]) -> None:
-        for name in counters:
-            if not CLIENT_COUNTER.fullmatch(name):
-                raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
-                                   f"{CLIENT_COUNTER.pattern} counters")
-        with self._lock:
-            new = [name for name in counters if name not in self._names]
-            room = max(0, self.MAX_NAMES - len(self._names))
-            self._names.update(new[:room])
-            kept = {name: amount for name, amount in counters.items() if name in self._names}
-        if len(kept) < len(counters):
-            self._malformed.count(Malformed("counter", f"{len(counters) - len(kept)} new counter names past "
-                                                       f"the {self.MAX_NAMES} clients may add"), "dropped")
-        if store is not None:
-            for name, amount in kept.items():
-                store.stats.add(name, amount)
-
-
-class Client:
-    """What the service keeps for one connection."""
-
-    def __init__(self, channel: P.Channel, uid: int) -> None:
-        self.channel = channel
-        self.uid = uid  # SO_PEERCRED's at accept
-        self.window: Window | None = None
-        self.region: Region | None = None
-        self.slots = 0
-        self.maps_tier = False  # given the DRAM tier to map: only then may it pin
-        self.namespace = bytes(16)  # its hello's: what its puts' headers name unless a put says
-        self.held = HeldLeases(uid)  # the DRAM leases it holds (client_leases.py)
 
 
 class Requests:
-    """Answers clients' requests against the one store (made at the first data hello)."""
+    """Answers clients' requests, each kind by the part whose job it is (`_answers`); a
+    hello, which may pass descriptors, is the one answered apart. Invariants: every request
+    is counted by kind (`requests.KIND`) before it is answered; a kind with no answer is a
+    KVStoreError; at close, predictions and promotions stop first, then the namespace book,
+    and the store closes last."""
 
     def __init__(self, config: StoreConfig, socket_path: str, counted: tuple[KindCounts, ...] = ()) -> None:
-        self.config = config
-        self.socket_path = socket_path
-        self.store: TieredStore | None = None
-        self.lock = threading.Lock()  # guards `store` creation and the clients' regions
-        self._prefetches = Prefetches()  # promotions to DRAM, one at a time
-        self.events = ChunkEvents()  # what engines tell routers (chunk_events.py)
-        self.malformed = MalformedCounts(log)  # frames, reloads: the service's own, store or not
-        self._counted = (self.malformed, *counted)  # and the server's (refused clients)
-        self.client_counters = ClientCounters(self.malformed)
-        self._seen: Counter[str] = Counter()
-        self._seen_lock = threading.Lock()
-        self.leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
+        malformed = MalformedCounts(log)  # frames, reloads, counter names: the service's own
+        events = ChunkEvents()  # what engines tell routers
+        self.shared = SharedStore(config, socket_path, events, malformed)
+        self._namespaces = NamespaceBook(socket_path + ".namespaces", malformed, self.shared.namespaces)
+        self.counters = ServiceCounters(self.shared, self._namespaces, malformed, counted)
+        leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
+        self._sessions = Sessions(self.shared, leases)
+        self._lookups = Lookups(self.shared, leases, self.counters.clients)
+        transfers = Transfers(self.shared, leases, self._namespaces)
         self._answers: dict[type, Callable[[Client, Any], Any]] = {
-            P.Info: lambda client, request: self.info(),
-            P.Residency: self._residency,
-            P.Finished: self._finished,
-            P.Expect: lambda client, request: self.next_turns.expect(request.ranks, request.in_s),
-            P.Events: lambda client, request: self.events.since(request.since),
-            P.Count: lambda client, request: self.client_counters.add(self.store, request.counters),
-            P.Unpin: self._unpin,
-            P.Announce: self._namespaces, P.Namespaces: self._namespaces, P.Purge: self._namespaces,
-            P.Pin: self._pin, P.Get: self._get, P.Put: self._put}
-        self.next_turns = NextTurns(config.next_turn, config.next_turn_lead_s, self._promote)
-        self.namespaces = NamespaceBook(socket_path + ".namespaces", self.malformed, self._held)  # announced
-        self.namespaces.start()
-        self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
+            P.Residency: self._lookups.residency,
+            P.Finished: lambda client, request: self._lookups.finished(request),
+            P.Expect: lambda client, request: self._lookups.expect(request),
+            P.Get: transfers.get, P.Put: transfers.put, P.Pin: transfers.pin, P.Unpin: transfers.unpin,
+            P.Info: lambda client, request: self.counters.info(),
+            P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters),
+            P.Events: lambda client, request: events.since(request.since),
+            P.Announce: self._namespace_request, P.Namespaces: self._namespace_request,
+            P.Purge: self._namespace_request}
+        self._namespaces.start()
 
     def handle(self, client: Client, request: P.Request) -> tuple[Any, tuple[int, ...]]:
         """The reply to one request, and the descriptors it passes (a hello's only)."""
-        with self._seen_lock:  # `requests.KIND`: the round trips engines make, by kind
-            self._seen[f"requests.{type(request).__name__.lower()}"] += 1
+        self.counters.saw(request)
         if isinstance(request, P.Hello):
-            return self._hello(client, request)
+            return self._sessions.hello(client, request)
         answer = self._answers.get(type(request))
         if answer is None:
             raise KVStoreError(f"unknown request {type(request).__name__}")
         return answer(client, request), ()
 
-    def _finished(self, client: Client, request: P.Finished) -> None:
-        self.next_turns.finished(request.ranks)
-        store = self.store
-        if store is not None and request.answer_tokens is not None:  # how it ended: admission learns
-            store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
-
-    def _unpin(self, client: Client, request: P.Unpin) -> None:
-        good, bad = set(request.good), set(request.bad)
-        for number in request.leases:
-            self.leases.release(self.store, client.held, number, good, bad)
-
-    def _namespaces(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
-        return self.namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.store, request)
-
-    def _pin(self, client: Client, request: P.Pin) -> list[Any]:
-        store = self.store
-        if store is None or client.window is None:
-            raise KVStoreError("'Pin' needs a hello with a chunk size first")
-        if not client.maps_tier:
-            raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
-                               "load through the window")
-        return self.leases.pin(store, client.held, request.keys, request.verify, client.slots)
-
-    def _views(self, client: Client, request: P.Get | P.Put) -> tuple[TieredStore, list[memoryview]]:
-        """The store and the window slots a Get or Put names, checked."""
-        store, window = self.store, client.window
-        if store is None or window is None:
-            raise KVStoreError(f"'{type(request).__name__}' needs a hello with a chunk size first")
-        size = store.chunk_bytes
-        if len(request.keys) != len(request.slots) or any(not 0 <= s < client.slots for s in request.slots):
-            raise KVStoreError(f"bad window slots {request.slots} for {len(request.keys)} keys "
-                               f"(the window has {client.slots})")
-        return store, [window.view[s * size : (s + 1) * size] for s in request.slots]
-
-    def _get(self, client: Client, request: P.Get) -> list[bool]:
-        store, views = self._views(client, request)
-        return store.get_many(request.keys, views)
-
-    def _put(self, client: Client, request: P.Put) -> list[bool]:
-        store, views = self._views(client, request)
-        namespace = request.namespace or client.namespace
-        with self.namespaces.storing(namespace):  # its records are not forgotten meanwhile
-            return store.put_many(request.keys, views, request.parent, namespace)
-
-    def info(self) -> dict[str, Any]:
-        """The store's info (none yet: no tiers), with the service's own counters added."""
-        info = self.store.info() if self.store else {"tiers": [], "counters": {}}
-        counters = Counter(info["counters"])
-        counters.update(self.own_counters())  # adds, and keeps zeros
-        return {**info, "counters": dict(counters), "service_pid": os.getpid(), "socket": self.socket_path}
-
-    def own_counters(self) -> dict[str, Any]:
-        """The service's own counters (`malformed.*`, `clients.*`, `namespaces.*`, `requests.*`),
-        kept whether or not a store was made."""
-        counters: dict[str, Any] = dict(self.namespaces.counters())
-        for counts in self._counted:
-            counters.update(counts.snapshot())
-        with self._seen_lock:
-            counters.update(self._seen)
-        return counters
-
-    def _hello(self, client: Client, hello: P.Hello) -> tuple[Any, tuple[int, ...]]:
-        if hello.version != P.PROTOCOL_VERSION:
-            raise KVStoreError(f"this client speaks protocol {hello.version}, the service at "
-                               f"{self.socket_path} speaks {P.PROTOCOL_VERSION}: restart it with "
-                               "the same kvstore version (kvstore stop)")
-        differ = disagreement(dump_config(self.config), hello.config)
-        if differ:
-            raise ConfigError("service.socket", self.socket_path,
-                              f"a kvstore service with another config listens there (they differ in "
-                              f"{', '.join(k[:64] for k in differ[:16])}); stop it (kvstore stop) or "
-                              "use another socket")
-        if hello.chunk_bytes is None:
-            return None, ()
-        client.namespace = hello.namespace
-        if client.window is not None:
-            raise KVStoreError("this connection has a window already")
-        with self.lock:
-            if self.store is None and client.uid != os.geteuid():
-                raise KVStoreError("the store is made by the first engine of the service's own user "
-                                   "(its chunk size sets the tiers' format); none has connected yet")
-            if self.store is None:
-                self.store = TieredStore(self.config, hello.chunk_bytes, namespace=hello.namespace,
-                                         dtype=hello.dtype, shape=hello.shape)
-                self._learned.start(self.store)
-                self.events.watch(self.store)
-            elif self.store.chunk_bytes != hello.chunk_bytes:
-                raise ConfigError("service.socket", self.socket_path,
-                                  f"this service stores chunks of {self.store.chunk_bytes} bytes, "
-                                  f"this engine's are {hello.chunk_bytes}: give it its own socket")
-            store = self.store
-        slots = max(1, self.config.service.staging // hello.chunk_bytes)
-        window, fd = Window.make(slots * hello.chunk_bytes)
-        client.window, client.slots = window, slots
-        client.region = store.regions.add(window.address, window.nbytes, window)
-        reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
-        shared = store.share_dram() if self._may_map_dram(client) else None
-        if shared is None:
-            return reply, (fd,)
-        tier_fd, tier_bytes, tier_pages = shared
-        client.maps_tier = True
-        return {**reply, "tier_bytes": tier_bytes, "tier_pages": tier_pages}, (fd, tier_fd)
-
-    def _may_map_dram(self, client: Client) -> bool:
-        """service.share_dram: the service's own user's engines, every allowed one, or none."""
-        mode = self.config.service.share_dram
-        return mode == "allowed" or (mode == "own-user" and client.uid == os.geteuid())
-
-    def _residency(self, client: Client, request: P.Residency) -> list[Any]:
-        """One prompt's residency snapshot, after the counters and releases the request carries;
-        with `lease_from`, the leading chunks every rank has in DRAM from that one on leased
-        for the client's engine workers (client_leases.py: the lookup that decides a load
-        protects it, and they copy with no request of their own), where the client may map
-        the tier."""
-        store = self.store
-        self.client_counters.add(store, request.counters)
-        for number in request.release:
-            self.leases.release(store, client.held, number)
-        self.next_turns.arrived(request.ranks)
-        found: list[Any] = [0, 0, False]
-        if store is not None and request.ranks:
-            found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
-        if request.lease_from is None:
-            return found
-        if store is None or not self._may_map_dram(client):
-            return [*found, 0, []]
-        return found + self.leases.lease_run(store, client.held, request.ranks, request.lease_from,
-                                             int(found[1]))
-
-    def reload_policy(self, live: dict[str, Any]) -> bool:
-        """A reload's policy keys, applied to the store (lock held): a switch to `learned`
-        starts from what the service learned before, as a start does. False if the switch
-        raised: logged and counted as a config that cannot be applied (`malformed.config`),
-        the service serving on."""
-        store = self.store
-        try:
-            if store is not None:
-                self._learned.switch(store, lambda: store.admin.reload_policy(live))
-        except Exception as exc:  # whatever the switch met: never the end of the service
-            why = masked(f"{type(exc).__name__}: {exc}")[:2000]
-            log.warning("reload: the policy was not applied: %s", why)
-            self.malformed.count(Malformed("config", why), logged=True)
-            return False
-        return True
-
-    def _held(self) -> set[bytes] | None:
-        """The namespaces the store's records name (none before there is a store)."""
-        store = self.store
-        return store.probe.namespaces() if store is not None else set()
-
-    def _promote(self, keys: tuple[bytes, ...]) -> None:
-        """A chain next-turn prediction wants in DRAM now."""
-        store = self.store
-        if store is not None:
-            self._prefetches.promote(store, keys)
+    def _namespace_request(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
+        """The book answers with the uid at the other end (SO_PEERCRED): listing and purging
+        are the service's owner's."""
+        return self._namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.shared.store, request)
 
     def forget(self, client: Client) -> None:
-        """A client left (or died): its pins go, and its window, unmapped once no late read
-        may still land in it."""
-        self.leases.release_all(self.store, client.held)
-        with self.lock:
-            if client.region is not None and self.store is not None:
-                self.store.regions.remove(client.region)
-        if client.window is not None:
-            if client.region is not None:
-                client.region.close(client.window.close)
-            else:
-                client.window.close()
+        """A client left (or died): its session ends (Sessions.forget)."""
+        self._sessions.forget(client)
 
     def close(self) -> None:
-        """Predictions and prefetches stopped, then the store closed (drained, checkpointed)."""
-        self.next_turns.close()
-        self.namespaces.close()
-        self._prefetches.close()
-        with self.lock:
-            self._learned.close()
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+        """Predictions and promotions stopped, the namespace book written, then the store
+        closed (drained, checkpointed)."""
+        self._lookups.close()
+        self._namespaces.close()
+        self.shared.close()

@@ -4,7 +4,7 @@ when its prediction falls due.
 
 `next_turn: warm` promotes a finished request's chunks at once (the predictor with no
 learning and a zero gap); `off` does nothing. A promotion goes through the service's
-one prefetch queue (handlers.py), so it is bounded like any other and never blocks a
+one prefetch queue (lookups.py), so it is bounded like any other and never blocks a
 request. Invariants: the predictor is touched under this object's lock only; the
 thread never outlives `close`, and nothing ends it before: a hint's `in_s` outside
 [0, MAX_AHEAD_S] (inf, NaN) is refused before it reaches the predictor, the timer never

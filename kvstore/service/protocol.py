@@ -19,7 +19,7 @@ Requests (a tagged union) and what a Reply's value holds:
                               `lease_from`, also [lease, [[offset] per rank]]: the chunks from
                               that one on of the leading run every rank has in DRAM (those before
                               it the engine holds itself) pinned for the client's engine workers
-                              to copy out of the tier, each a get (handlers.py: a budget per connection; lease
+                              to copy out of the tier, each a get (client_leases.py: a budget per user; lease
                               0: none), until Unpin(lease), a later Residency's `release`, or
                               the connection ends; `release` and `counters` (as Count) are
                               taken first: one round trip per lookup
@@ -111,7 +111,7 @@ class ProtocolError(KVStoreError):
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     version: int
-    config: dict[Name, Any]  # compared with the service's (handlers.py), never acted on
+    config: dict[Name, Any]  # compared with the service's (sessions.py), never acted on
     chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 36)] | None = None
     namespace: Key = bytes(16)
     dtype: Name = "uint8"

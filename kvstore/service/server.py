@@ -47,7 +47,8 @@ from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.format.secrets import masked
 from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
-from kvstore.service.handlers import Client, Requests
+from kvstore.service.handlers import Requests
+from kvstore.service.sessions import Client
 
 log = logging.getLogger(__name__)
 _BACKLOG = 64
@@ -180,7 +181,7 @@ class StoreService:
             from kvstore.service.metrics import serve_metrics
 
             serve_metrics(config.service.metrics_host, config.service.metrics_port,
-                          lambda: self.requests.store, self.requests.own_counters)
+                          lambda: self.requests.shared.store, self.requests.counters.own)
 
     # -- the accept loop ---------------------------------------------------------------
 
@@ -259,19 +260,18 @@ class StoreService:
         """Apply the config file as it is now: LIVE_KEYS at once (StoreAdmin.reload_policy
         keeps every chunk a tier holds), anything else changed only logged, as it needs a
         restart. A file that cannot be read changes nothing (`reread`); a policy switch that
-        fails is logged and counted, and leaves the running config (Requests.reload_policy).
+        fails is logged and counted, and leaves the running config (SharedStore.reload).
         Engines connected before keep connecting with the config they started with (the
         hello leaves LIVE_KEYS out)."""
-        fresh = reread(reload, self.config, self.requests.malformed)
+        fresh = reread(reload, self.config, self.requests.counters.malformed)
         if fresh is None:
             return
         live, restart, merged = fresh
         if restart:
             log.warning("reload: %s changed: applied only by a restart", ", ".join(restart))
-        with self.requests.lock:  # no store made meanwhile from the config being replaced
-            if live and self.requests.store is not None and not self.requests.reload_policy(live):
-                return  # the switch failed (logged, counted): the service goes on as it was
-            self.config = self.requests.config = merged
+        if not self.requests.shared.reload(live, merged):
+            return  # the switch failed (logged, counted): the service goes on as it was
+        self.config = merged
         log.warning("reload: %s", ", ".join(f"{k} {v}" for k, v in live.items()) or "no policy changed")
 
     def _close(self) -> None:
@@ -289,7 +289,7 @@ class StoreService:
     def _serve_client(self, client: Client, hello_by: float) -> None:
         """Answer the client's requests until it leaves; until it has said hello, every
         frame (the first byte included) must have arrived by `hello_by` (time.monotonic)."""
-        channel = client.channel
+        channel, malformed = client.channel, self.requests.counters.malformed
         said_hello = False
         try:
             while True:
@@ -303,7 +303,7 @@ class StoreService:
                 except (EOFError, OSError):
                     return
                 except P.ProtocolError as exc:
-                    self.requests.malformed.count(Malformed("frame", str(exc)[:300]), "connection closed")
+                    malformed.count(Malformed("frame", str(exc)[:300]), "connection closed")
                     _refuse(channel, str(exc)[:1000])  # the stream cannot be trusted any more
                     return
                 fds: tuple[int, ...] = ()
@@ -323,7 +323,7 @@ class StoreService:
                     log.exception("request %s failed", type(request).__name__)
                     reply = P.Reply(False, error=masked(f"{type(exc).__name__}: {exc}"[:2000]))
                 try:
-                    if not send_reply(channel, reply, fds, type(request).__name__, self.requests.malformed):
+                    if not send_reply(channel, reply, fds, type(request).__name__, malformed):
                         return
                 finally:
                     for fd in fds:
