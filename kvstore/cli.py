@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 
 from kvstore.format.errors import KVStoreError
 from kvstore.format.units import format_size, parse_size
+from kvstore.service.signal_flag import SignalFlag
 
 
 def _fsck(args: argparse.Namespace) -> int:
@@ -113,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 # SIGHUP's default action ends a process: `kvstore serve` catches it from its first line
 # (main) and reloads once serving, so a SIGHUP sent while it starts cannot end it.
-_HUNG_UP = threading.Event()
+_HUNG_UP = SignalFlag()
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command == "serve" and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGHUP, lambda *_: _HUNG_UP.set())
+        signal.signal(signal.SIGHUP, _HUNG_UP.raise_)
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

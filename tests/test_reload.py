@@ -180,6 +180,43 @@ def test_sighup_while_a_spawned_service_starts_never_ends_it(tmp_path, disk_dir)
     assert "Traceback" not in log_path.read_text()
 
 
+def test_a_storm_of_sighup_at_a_serving_service_never_ends_or_hangs_it(tmp_path, disk_dir):
+    """SIGHUP sent as fast as two threads can, for seconds, while a client loads: the
+    handlers (nested in each other, landing while the loop holds its locks) never end or
+    hang the service; it keeps serving, reloads after the storm and stops when asked."""
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir)
+    path.write_text(yaml.safe_dump(raw))
+    keys, payloads = make_keys(2, seed=8), make_payloads(2, seed=8)
+    with serving(path, log) as service:
+        client = StoreClient(load_config(raw), CHUNK_BYTES)
+        _put(client, keys, payloads)
+        until = time.monotonic() + 4
+
+        def storm() -> None:
+            while time.monotonic() < until and service.poll() is None:
+                service.send_signal(signal.SIGHUP)
+
+        storms = [threading.Thread(target=storm) for _ in range(2)]
+        for thread in storms:
+            thread.start()
+        loads = 0
+        while time.monotonic() < until and service.poll() is None:
+            assert _loads(client, keys, payloads)
+            loads += 1
+        for thread in storms:
+            thread.join()
+        assert service.poll() is None, log.read_text()[-2000:]
+        seen = len(log.read_text())
+        service.send_signal(signal.SIGHUP)
+        wait_for_log(log, "reload: ", seen)
+        assert loads > 0 and _loads(client, keys, payloads)
+        client.close()
+        stop_service(raw)
+        assert service.wait(timeout=30) == 0
+    assert "Traceback" not in log.read_text()
+
+
 def _processes_running(argv: list[bytes]) -> list[int]:
     """Interpreters running `argv` (the service itself, not the launcher that names it)."""
     found = []

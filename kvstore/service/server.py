@@ -49,6 +49,7 @@ from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
 from kvstore.service.handlers import Requests
 from kvstore.service.sessions import Client
+from kvstore.service.signal_flag import SignalFlag
 
 log = logging.getLogger(__name__)
 _BACKLOG = 64
@@ -186,22 +187,24 @@ class StoreService:
     # -- the accept loop ---------------------------------------------------------------
 
     def serve_forever(self, reload: Callable[[], StoreConfig] | None = None,
-                      hung_up: threading.Event | None = None) -> None:
+                      hung_up: SignalFlag | None = None) -> None:
         """Serve until a client sends shutdown or the process gets SIGTERM/SIGINT; on
         SIGHUP, `reload` (the config file read again) is applied (`_reload`). `hung_up`:
-        set by who caught SIGHUP before (`kvstore serve`, from its first line)."""
+        raised by who caught SIGHUP before (`kvstore serve`, from its first line). The
+        handlers only raise a flag and wake this loop, which acts (signal_flag.py)."""
+        ended, reloads = SignalFlag(), hung_up or SignalFlag()
+
+        def waking(flag: SignalFlag) -> Callable[..., None]:
+            def handler(*_: object) -> None:
+                flag.raise_()
+                self.stop(wake_only=True)
+            return handler
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-        reloads = hung_up or threading.Event()  # set by SIGHUP, acted on by this loop, not the handler
-
-        def hangup(*_: object) -> None:
-            reloads.set()
-            self.stop(wake_only=True)
-
+            signal.signal(sig, waking(ended))
         if reload is not None:
-            signal.signal(signal.SIGHUP, hangup)
-            if reloads.is_set():  # checked after ours took over: none is lost
-                hangup()
+            signal.signal(signal.SIGHUP, waking(reloads))
+        self.stop(wake_only=True)  # a signal caught before ours took over is acted on at once
         log.warning("kvstore service listening on %s", self.socket_path)
         backoff = _ACCEPT_BACKOFF_S[0]
         poller = select.poll()
@@ -213,8 +216,10 @@ class StoreService:
                 if any(fd == self._wake_read for fd, _ in ready):  # drained before the flag is read:
                     with contextlib.suppress(BlockingIOError):  # a SIGHUP after it wakes us again
                         os.read(self._wake_read, 64)
-                if reloads.is_set() and reload is not None:
-                    reloads.clear()
+                if ended.take():
+                    self._stopping.set()
+                    break
+                if reload is not None and reloads.take():
                     self._reload(reload)
                 if not any(fd == self._listener.fileno() for fd, _ in ready):
                     continue
@@ -249,8 +254,8 @@ class StoreService:
             self._forget(client)
 
     def stop(self, wake_only: bool = False) -> None:
-        """Make serve_forever return, or with `wake_only` look at its flags (safe from a
-        signal handler and from any thread)."""
+        """Make serve_forever return, or with `wake_only` look at its flags (from any thread;
+        `wake_only` takes no lock, so a signal handler may call it)."""
         if not wake_only:
             self._stopping.set()
         with contextlib.suppress(OSError):
