@@ -124,7 +124,7 @@ def test_metrics_are_scraped_from_the_store(config):
     client.close()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "made_up" not in text
-    assert "kvstore_host_hits_total 3.0" in text
+    assert "kvstore_dram_hits_total 3.0" in text
     assert "kvstore_disk_bytes_written_total 0.0" in text  # all three still in DRAM: no SSD write
     assert "kvstore_disk_admission_refused_total 0.0" in text
     assert 'kvstore_disk_admission_threshold{policy="learned"} 0.0' in text  # from cold: nothing refused
