@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     verb = "would remove" if args.dry_run else "removed"
     count = report["chunks"] if args.dry_run else report["removed"]
-    print(f"{verb} {count} chunks ({format_size(report['bytes'])}: {report['host_chunks']} in DRAM, "
+    print(f"{verb} {count} chunks ({format_size(report['bytes'])}: {report['dram_chunks']} in DRAM, "
           f"{report['disk_chunks']} on disk) of {len(chosen)} namespaces"
           + (f"; {report['unread']} disk headers could not be read" if report["unread"] else ""))
     return 0

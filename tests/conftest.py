@@ -91,7 +91,7 @@ def store_factory() -> Iterator:
 
     yield open_store
     for store in opened:
-        if store.probe.capacity("host") or store.probe.capacity("disk"):  # not closed yet
+        if store.probe.capacity("dram") or store.probe.capacity("disk"):  # not closed yet
             store.close()
 
 

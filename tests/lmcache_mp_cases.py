@@ -206,7 +206,7 @@ def test_vllm_through_lmcaches_mp_server_loads_a_stored_prompt_after_a_restart(t
     alone, storing, restarted = json.loads(out.read_text())[0]
     assert storing["cached_tokens"] == 0
     assert restarted["cached_tokens"] == 512  # both whole 256-token chunks
-    assert restarted["kvstore"]["disk.hits"] == 2 and restarted["kvstore"].get("host.hits", 0) == 0
+    assert restarted["kvstore"]["disk.hits"] == 2 and restarted["kvstore"].get("dram.hits", 0) == 0
     for run in (storing, restarted):  # as vLLM's tests judge answers (bench/support/answers.py)
         found = compare(Tokens.of(alone), Tokens.of(run))
         assert found.close, found.describe()

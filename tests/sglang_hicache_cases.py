@@ -282,7 +282,7 @@ def test_a_long_save_is_one_chain_whose_tail_cost_eviction_takes_first(store):
     pages, half = 128, 64
     pool = pool_of("page_first", pages + 1)
     page_bytes = pool.get_data_page(0).numel() * pool.dtype.itemsize
-    store["tiers"]["host"]["capacity"] = (pages + 2) * record_bytes(page_bytes)
+    store["tiers"]["dram"]["capacity"] = (pages + 2) * record_bytes(page_bytes)
     store["service"]["staging"] = 32 * page_bytes
     store["eviction"] = "cost"
     hicache = backend(store, pool)

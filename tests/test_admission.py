@@ -36,7 +36,7 @@ def _trace(tmp_path, ids: list[list[int]]):
 
 def _replay(tmp_path, admission: str, ids: list[list[int]]) -> tuple[list[list[int]], Replayer]:
     """DRAM of one chunk over a disk of eight."""
-    replayer = Replayer([("host", BLOCK), ("disk", 8 * BLOCK)], kv_bytes_per_token=1, block_tokens=BLOCK,
+    replayer = Replayer([("dram", BLOCK), ("disk", 8 * BLOCK)], kv_bytes_per_token=1, block_tokens=BLOCK,
                         policy=TierPolicy(admission=admission, chunk_tokens=BLOCK))
     return [replayer.serve(request) for request in _trace(tmp_path, ids)], replayer
 
@@ -129,7 +129,7 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
     """Chunks on disk under `all` + LRU stay readable after switching to second-touch + cost;
     a new one-off chunk is then refused."""
     slot = record_bytes(CHUNK_BYTES)
-    store = store_factory({"tiers": {"host": {"capacity": 2 * slot},
+    store = store_factory({"tiers": {"dram": {"capacity": 2 * slot},
                                      "disk": [{"path": disk_dir, "capacity": 32 * slot}]},
                            "io": {"queue_depth": 8, "timeout_s": 5}})
     keys, payloads = make_keys(6, seed=1), make_payloads(6, seed=1)
@@ -151,7 +151,7 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
 
 def _write_config(path, disk_dir, **changes) -> dict:
     slot = record_bytes(CHUNK_BYTES)
-    raw = {**service_config(path.parent, host=2 * slot, disk_dir=disk_dir, disk=32 * slot,
+    raw = {**service_config(path.parent, dram=2 * slot, disk_dir=disk_dir, disk=32 * slot,
                             io={"timeout_s": 5, "queue_depth": 8}, socket="run/kv.sock", spawn=False),
            **changes}
     write_config(path, raw)

@@ -17,7 +17,7 @@ CHUNK = 64 * 1024
 
 
 def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_dir):
-    config = service_config(tmp_path, host=2 * record_bytes(CHUNK), disk_dir=disk_dir, disk="4MiB",
+    config = service_config(tmp_path, dram=2 * record_bytes(CHUNK), disk_dir=disk_dir, disk="4MiB",
                             socket="kv.sock")
     try:
         client = StoreClient(load_config(config), CHUNK)
@@ -45,7 +45,7 @@ def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_
 
 def test_a_reader_that_falls_behind_is_told_how_much_it_lost():
     events, table = ChunkEvents(capacity=2), SlotTable([8])
-    table.subscribe(lambda stored, entry: events.record(stored, entry.key, "host"))
+    table.subscribe(lambda stored, entry: events.record(stored, entry.key, "dram"))
     for i in range(5):
         with table.reserve() as reservation:
             reservation.publish(bytes([i]) * 16, None, i)

@@ -119,7 +119,7 @@ def owner(shared_tmp: Path) -> Iterator[Callable[..., StoreClient]]:
     clients: list[StoreClient] = []
 
     def start(*uids: int, **service: object) -> StoreClient:
-        raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+        raw = services.service_config(shared_tmp, dram="4MiB", socket="run/kvstore.sock",
                                       allowed_uids=list(uids), **service)
         started.append(raw)
         clients.append(StoreClient(load_config(raw)))
@@ -320,7 +320,7 @@ def test_slots_never_exceed_their_bounds_and_all_come_back(service, steps):
 ])
 def test_shares_that_cannot_be_kept_are_clear_errors(service, field, words):
     with pytest.raises(ConfigError) as caught:
-        load_config({"tiers": {"host": {"capacity": "4MiB"}}, "service": service})
+        load_config({"tiers": {"dram": {"capacity": "4MiB"}}, "service": service})
     assert caught.value.field == field and words in str(caught.value)
 
 
@@ -328,5 +328,5 @@ def test_shares_that_cannot_be_kept_are_clear_errors(service, field, words):
     ({}, 64, 64), ({"max_clients": 2}, 1, 0), ({"max_clients": 4, "owner_reserved_clients": 4}, 1, 4),
     ({"max_clients": 8, "max_clients_per_user": 8, "allowed_uids": [7]}, 8, 2)])
 def test_a_share_and_a_reserve_default_to_a_quarter_of_max_clients(service, share, reserve):
-    config = load_config({"tiers": {"host": {"capacity": "4MiB"}}, "service": service})
+    config = load_config({"tiers": {"dram": {"capacity": "4MiB"}}, "service": service})
     assert (config.service.user_share, config.service.owner_reserve) == (share, reserve)

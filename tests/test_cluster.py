@@ -215,10 +215,10 @@ def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, 
         assert b.lookup(keys).tiers == ("peer",) * SLOTS
         for _ in range(2):
             assert reads_back(b, keys, payloads)
-        assert sorted(b.lookup(keys).tiers) == ["host", "host", "peer", "peer"]  # promoted, DRAM full
+        assert sorted(b.lookup(keys).tiers) == ["dram", "dram", "peer", "peer"]  # promoted, DRAM full
         b.put_many(make_keys(2, seed=8), make_payloads(2, seed=8, chunk_bytes=CHUNK))  # evicts them
         assert b.flush() and not b.probe.keys("disk")  # dropped, not written to B's disk
-        assert "host.demoted" not in b.stats.snapshot()
+        assert "dram.demoted" not in b.stats.snapshot()
     finally:
         a.close()
         b.close()

@@ -169,7 +169,7 @@ def test_hosts_share_through_an_index_behind_tls_with_client_certificates(starte
 
 
 def test_tls_files_are_refused_for_a_plain_url():
-    config = {"tiers": {"host": {"capacity": "1MiB"}},
+    config = {"tiers": {"dram": {"capacity": "1MiB"}},
               "cluster": {"host_id": "a", "index_url": "redis://h:1/0", "index_tls": {"ca_file": "ca.crt"}}}
     with pytest.raises(ConfigError, match=r"cluster\.index_tls.*rediss://"):
         load_config(config)
@@ -264,7 +264,7 @@ def test_a_host_whose_id_another_host_took_while_it_was_away_stops_publishing(st
 
 def test_passwords_are_masked_in_errors_logs_and_info(redis_server, disk_dir, caplog):
     with pytest.raises(ConfigError) as refused:  # a bad URL is quoted in the error
-        load_config({"tiers": {"host": {"capacity": "1MiB"}},
+        load_config({"tiers": {"dram": {"capacity": "1MiB"}},
                      "cluster": {"host_id": "a", "index_url": f"redis+cluster://u:{PASSWORD}@nohost"}})
     assert PASSWORD not in str(refused.value) and "u:***@nohost" in str(refused.value)
 
@@ -308,7 +308,7 @@ ENTRY = Location(generation=5, device=0, device_id=b"\0" * 8, slot=1, seq=3).pac
 def test_any_index_entry_or_lease_is_a_counted_miss_never_an_exception(redis_server, entry, lease,
                                                                        wrong_type):
     peer = {"host_id": "b", "disk": {"path": "/nowhere", "capacity": "1MiB"}}
-    config = load_config({"tiers": {"host": {"capacity": "1MiB"}},
+    config = load_config({"tiers": {"dram": {"capacity": "1MiB"}},
                           "cluster": {"host_id": "a", "index_url": redis_server.url, "index_deadline_s": 2,
                                       "peers": [peer]}})
     assert config.cluster is not None

@@ -35,13 +35,13 @@ def shared_prefix_trace(path, seed: int = 3, requests: int = 200) -> str:
 def test_the_cli_reports_both_ratios(tmp_path, capsys):
     trace = shared_prefix_trace(tmp_path / "t.jsonl")
     out = tmp_path / "r.json"
-    assert cli_main(["replay", trace, "--tier", "host=8", "--tier", "disk=48", "--hosts", "3",
+    assert cli_main(["replay", trace, "--tier", "dram=8", "--tier", "disk=48", "--hosts", "3",
                      "--routing", "random", "--kv-bytes-per-token", "1", "--block-tokens", str(BLOCK),
                      "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["hosts"] == 3 and result["routing"] == "random"
-    assert [t["name"] for t in result["tiers"]] == ["host", "disk", "peer"]
-    assert [t["name"] for t in result["private_tiers"]] == ["host", "disk"]
+    assert [t["name"] for t in result["tiers"]] == ["dram", "disk", "peer"]
+    assert [t["name"] for t in result["private_tiers"]] == ["dram", "disk"]
     assert result["tiers"][1]["capacity_bytes"] == 48  # the array, in three parts of 16
     assert result["hit_ratio"] > result["private_hit_ratio"] > 0  # the others' parts add hits
     assert result["tiers"][2]["hit_tokens"] > 0
@@ -52,9 +52,9 @@ def test_the_cli_reports_both_ratios(tmp_path, capsys):
 def test_one_host_is_its_own_island_and_prefix_routing_keeps_prefixes_home(tmp_path):
     trace = shared_prefix_trace(tmp_path / "t.jsonl")
     options = {"kv_bytes_per_token": 1, "block_tokens": BLOCK}
-    alone = replay_cluster(trace, [("host", 8), ("disk", 48)], 1, "random", **options)
+    alone = replay_cluster(trace, [("dram", 8), ("disk", 48)], 1, "random", **options)
     assert alone["hit_ratio"] == alone["private_hit_ratio"]
-    prefix = replay_cluster(trace, [("host", 8), ("disk", 48)], 3, "prefix", **options)
+    prefix = replay_cluster(trace, [("dram", 8), ("disk", 48)], 3, "prefix", **options)
     assert prefix["tiers"][2]["hit_tokens"] == 0  # every request of a prefix on one host
     assert prefix["hit_ratio"] == prefix["private_hit_ratio"]
     routed = list(route(read_trace(trace, BLOCK), 3, "prefix", 0))
@@ -67,7 +67,7 @@ def test_bad_cluster_arguments_are_named(tmp_path):
     trace = shared_prefix_trace(tmp_path / "t.jsonl", requests=2)
     with pytest.raises(ConfigError, match="a tier per host and the array last"):
         replay_cluster(trace, [("disk", 48)], 2, "random", kv_bytes_per_token=1, block_tokens=BLOCK)
-    assert cli_main(["replay", trace, "--tier", "host=8", "--tier", "disk=48", "--hosts", "2",
+    assert cli_main(["replay", trace, "--tier", "dram=8", "--tier", "disk=48", "--hosts", "2",
                      "--sweep"]) == 2
 
 
@@ -87,7 +87,7 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
 
     def config(me: int) -> dict:
         other = 1 - me
-        return {"tiers": {"host": {"capacity": 4 * slot},
+        return {"tiers": {"dram": {"capacity": 4 * slot},
                           "disk": [{"path": f"{disk_dir}/h{me}", "capacity": 3 * 4096 + 10 * slot}]},
                 "io": {"engine": "threads", "queue_depth": 16},
                 "cluster": {"host_id": f"h{me}", "index_url": redis_server.url, "index_deadline_s": 5,
@@ -95,7 +95,7 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
                                        "disk": [{"path": f"{disk_dir}/h{other}",
                                                  "capacity": 3 * 4096 + 10 * slot}]}]}}
 
-    cluster = Cluster([("host", 4 * BLOCK), ("disk", 20 * BLOCK)], 2, True, 1, BLOCK, True)
+    cluster = Cluster([("dram", 4 * BLOCK), ("disk", 20 * BLOCK)], 2, True, 1, BLOCK, True)
     stores = [TieredStore(config(0), chunk, background=False)]
     stores.append(TieredStore(config(1), chunk, background=False))
     stores[0].step()  # host 1's device exists now: host 0 opens it
@@ -117,10 +117,10 @@ def test_the_cluster_replay_and_real_clustered_stores_agree_chunk_for_chunk(tmp_
             for each in stores:
                 each.step()  # the index thread's work, now
             replayed = cluster.hosts[host].serve(request)
-            assert [("host", "disk", "peer")[t] for t in replayed] == list(found.tiers)
+            assert [("dram", "disk", "peer")[t] for t in replayed] == list(found.tiers)
             peer_hits += found.tiers.count("peer")
         for store, replayer in zip(stores, cluster.hosts, strict=True):
-            assert store.probe.keys("host") == set(replayer.tiers[0].table.index)
+            assert store.probe.keys("dram") == set(replayer.tiers[0].table.index)
             assert store.probe.keys("disk") == set(replayer.tiers[1].table.index)
         assert peer_hits > 20 and stores[0].stats.snapshot()["peer.hits"] > 0
     finally:

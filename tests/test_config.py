@@ -12,7 +12,7 @@ from kvstore.format.units import format_size, parse_size
 GOOD_YAML = """
 chunk_tokens: 256
 tiers:
-  host: {capacity: 8GiB}
+  dram: {capacity: 8GiB}
   disk:
     - {path: /mnt/nvme0/kvstore, capacity: 500GiB}
     - {path: /dev/nvme1n1, capacity: 1TiB}
@@ -24,23 +24,23 @@ def test_the_documented_example_loads(tmp_path):
     path = tmp_path / "kvstore.yaml"
     path.write_text(GOOD_YAML)
     config = load_config(str(path))
-    assert config.host.capacity == 8 << 30
+    assert config.dram.capacity == 8 << 30
     assert [d.capacity for d in config.disk] == [500 << 30, 1 << 40]
     assert config.io.queue_depth == 64
     assert load_config(GOOD_YAML) == config
 
 
 @pytest.mark.parametrize("data,field", [
-    ({"tiers": {"host": {"capacity": "8GiB"}, "ssd": {}}}, "tiers.ssd"),
-    ({"tiers": {"host": {"capacity": "lots"}}}, "tiers.host.capacity"),
-    ({"tiers": {"host": {}}}, "tiers.host.capacity"),
+    ({"tiers": {"dram": {"capacity": "8GiB"}, "ssd": {}}}, "tiers.ssd"),
+    ({"tiers": {"dram": {"capacity": "lots"}}}, "tiers.dram.capacity"),
+    ({"tiers": {"dram": {}}}, "tiers.dram.capacity"),
     ({"tiers": {"disk": [{"path": "/x"}]}}, "tiers.disk[0].capacity"),
     ({"tiers": {"disk": [{"capacity": "1GiB"}]}}, "tiers.disk[0].path"),
-    ({"tiers": {"host": {"capacity": "1GiB"}}, "io": {"engine": "aio"}}, "io.engine"),
-    ({"tiers": {"host": {"capacity": "1GiB"}}, "io": {"queue_depth": 0}}, "io.queue_depth"),
-    ({"tiers": {"host": {"capacity": "1GiB"}}, "chunk_tokens": "many"}, "chunk_tokens"),
+    ({"tiers": {"dram": {"capacity": "1GiB"}}, "io": {"engine": "aio"}}, "io.engine"),
+    ({"tiers": {"dram": {"capacity": "1GiB"}}, "io": {"queue_depth": 0}}, "io.queue_depth"),
+    ({"tiers": {"dram": {"capacity": "1GiB"}}, "chunk_tokens": "many"}, "chunk_tokens"),
     ({"tiers": {}}, "tiers"),
-    ({"tiers": {"host": {"capacity": "1GiB"}}, "colour": "red"}, "colour"),
+    ({"tiers": {"dram": {"capacity": "1GiB"}}, "colour": "red"}, "colour"),
     ({"tiers": {"disk": [{"path": "/a", "capacity": 1}, {"path": "/a", "capacity": 1}]}},
      "tiers.disk"),
 ])
@@ -71,7 +71,7 @@ def test_sizes():
 
 def test_inline_json_longer_than_a_file_name_is_read_as_json():
     long_socket = "/tmp/" + "s" * 90 + ".sock"
-    text = json.dumps({"tiers": {"host": {"capacity": "1GiB"}}, "service": {"socket": long_socket},
+    text = json.dumps({"tiers": {"dram": {"capacity": "1GiB"}}, "service": {"socket": long_socket},
                        "write_behind_chunks": 64, "promote_on_hit": True, "prefetch_inflight": "256MiB",
                        "io": {"engine": "auto", "queue_depth": 64, "timeout_s": 30.0}})
     assert len(text) > 255
@@ -80,7 +80,7 @@ def test_inline_json_longer_than_a_file_name_is_read_as_json():
 
 # -- the schema's error paths ----------------------------------------------------------
 
-HOST = {"host": {"capacity": "1GiB"}}
+DRAM = {"dram": {"capacity": "1GiB"}}
 
 
 @pytest.mark.parametrize("data,field,words", [
@@ -92,20 +92,20 @@ HOST = {"host": {"capacity": "1GiB"}}
      "unknown key (allowed: capacity, path)"),
     ({"tiers": {"disk": {"path": "/a"}}}, "tiers.disk[0].capacity", "required"),  # one mapping
     ({"tiers": {"disk": "/a"}}, "tiers.disk", "must be a list"),
-    ({"tiers": {"host": "8GiB"}}, "tiers.host", "must be a mapping"),
-    ({"tiers": HOST, "io": {"engine": "aio"}}, "io.engine", "auto, uring, threads"),
-    ({"tiers": HOST, "io": {"queueDepth": 8}}, "io.queueDepth",
+    ({"tiers": {"dram": "8GiB"}}, "tiers.dram", "must be a mapping"),
+    ({"tiers": DRAM, "io": {"engine": "aio"}}, "io.engine", "auto, uring, threads"),
+    ({"tiers": DRAM, "io": {"queueDepth": 8}}, "io.queueDepth",
      "allowed: breaker_cooldown_s, breaker_threshold, engine, queue_depth, timeout_s"),
-    ({"tiers": HOST, "service": {"socket": "/tmp/" + "s" * 120}}, "service.socket", "107 bytes"),
-    ({"tiers": HOST, "service": {"metrics_port": 70000}}, "service.metrics_port", "between 0 and 65535"),
-    ({"tiers": HOST, "service": {"staging": "4KiB"}}, "service.staging", "at least 1048576 bytes"),
-    ({"tiers": HOST, "io": {"timeout_s": 0}}, "io.timeout_s", "above 0"),
-    ({"tiers": HOST, "io": {"timeout_s": "30s"}}, "io.timeout_s", "seconds"),
-    ({"tiers": HOST, "write_policy": "sometimes"}, "write_policy", "write_back, write_through"),
-    ({"tiers": HOST, "io": None}, "io", "must be a mapping"),
-    ({"tiers": HOST, "write_policy": "write_through", "disk_admission": "tinylfu"}, "disk_admission",
+    ({"tiers": DRAM, "service": {"socket": "/tmp/" + "s" * 120}}, "service.socket", "107 bytes"),
+    ({"tiers": DRAM, "service": {"metrics_port": 70000}}, "service.metrics_port", "between 0 and 65535"),
+    ({"tiers": DRAM, "service": {"staging": "4KiB"}}, "service.staging", "at least 1048576 bytes"),
+    ({"tiers": DRAM, "io": {"timeout_s": 0}}, "io.timeout_s", "above 0"),
+    ({"tiers": DRAM, "io": {"timeout_s": "30s"}}, "io.timeout_s", "seconds"),
+    ({"tiers": DRAM, "write_policy": "sometimes"}, "write_policy", "write_back, write_through"),
+    ({"tiers": DRAM, "io": None}, "io", "must be a mapping"),
+    ({"tiers": DRAM, "write_policy": "write_through", "disk_admission": "tinylfu"}, "disk_admission",
      "write_policy write_through writes every chunk to disk, so disk_admission 'tinylfu' would refuse"),
-    ({"tiers": HOST, "write_policy": "write_through", "disk_min_seen": 3}, "disk_admission",
+    ({"tiers": DRAM, "write_policy": "write_through", "disk_min_seen": 3}, "disk_admission",
      "'second-touch' would refuse none"),
     ({}, "tiers", "at least one tier"),
 ])
@@ -126,50 +126,65 @@ def test_errors_name_the_dotted_path(data, field, words):
 ])
 def test_booleans_and_integers_are_strict(change, field):
     with pytest.raises(ConfigError) as caught:
-        load_config({"tiers": HOST, **change})
+        load_config({"tiers": DRAM, **change})
     assert caught.value.field == field
 
 
 def test_sizes_take_strings_and_integers():
-    config = load_config({"tiers": {"host": {"capacity": "1.5GiB"},
+    config = load_config({"tiers": {"dram": {"capacity": "1.5GiB"},
                                     "disk": [{"path": "/a", "capacity": 4096}]},
                           "prefetch_inflight": "64 MiB", "service": {"staging": "2MiB"}})
-    assert config.host.capacity == 3 << 29 and config.disk[0].capacity == 4096
+    assert config.dram.capacity == 3 << 29 and config.disk[0].capacity == 4096
     assert config.prefetch_inflight == 64 << 20 and config.service.staging == 2 << 20
     for bad in (-1, True, "1 parsec", 1.5):
         with pytest.raises(ConfigError) as caught:
-            load_config({"tiers": {"host": {"capacity": bad}}})
-        assert caught.value.field == "tiers.host.capacity"
+            load_config({"tiers": {"dram": {"capacity": bad}}})
+        assert caught.value.field == "tiers.dram.capacity"
 
 
 def test_write_behind_chunks_zero_is_refused():
     """0 once silently turned demotion to disk off; a disk tier always gets a write-behind queue."""
     with pytest.raises(ConfigError) as caught:
-        load_config({"tiers": HOST, "write_behind_chunks": 0})
+        load_config({"tiers": DRAM, "write_behind_chunks": 0})
     assert caught.value.field == "write_behind_chunks" and "at least 1" in caught.value.reason
-    assert load_config({"tiers": HOST, "write_behind_chunks": 1}).write_behind_chunks == 1
+    assert load_config({"tiers": DRAM, "write_behind_chunks": 1}).write_behind_chunks == 1
 
 
 def test_shm_name_was_removed():
     with pytest.raises(ConfigError) as caught:
-        load_config({"tiers": {"host": {"capacity": "1GiB", "shm_name": "kv"}}})
-    assert caught.value.field == "tiers.host.shm_name" and "removed" in caught.value.reason
+        load_config({"tiers": {"dram": {"capacity": "1GiB", "shm_name": "kv"}}})
+    assert caught.value.field == "tiers.dram.shm_name" and "removed" in caught.value.reason
+
+
+def test_host_is_the_dram_tiers_old_key(tmp_path):
+    """A config written before the DRAM tier's key was `dram` (`tiers.host`) loads as that
+    tier, from a file as from an engine's dict; giving both spellings is refused."""
+    path = tmp_path / "old.yaml"
+    path.write_text(GOOD_YAML.replace("dram:", "host:"))
+    assert load_config(str(path)) == load_config(GOOD_YAML)
+    assert load_config({"tiers": {"host": {"capacity": "1GiB"}}}).dram.capacity == 1 << 30
+    with pytest.raises(ConfigError) as caught:
+        load_config({"tiers": {"host": {"capacity": "1GiB"}, "dram": {"capacity": "2GiB"}}})
+    assert caught.value.field == "tiers.host" and "`dram`" in caught.value.reason
+    with pytest.raises(ConfigError) as caught:
+        load_config({"tiers": {"host": {"capacity": "lots"}}})
+    assert caught.value.field == "tiers.dram.capacity"
 
 
 def test_configs_are_frozen_values():
-    first = load_config({"tiers": HOST})
-    second = load_config(json.dumps({"tiers": {"host": {"capacity": 1 << 30}}}))
+    first = load_config({"tiers": DRAM})
+    second = load_config(json.dumps({"tiers": {"dram": {"capacity": 1 << 30}}}))
     assert first == second and hash(first) == hash(second)
     assert dump_config(first) == dump_config(second)
-    assert dump_config(first) != dump_config(load_config({"tiers": HOST, "write_behind_chunks": 3}))
+    assert dump_config(first) != dump_config(load_config({"tiers": DRAM, "write_behind_chunks": 3}))
     with pytest.raises(ValidationError):
         first.chunk_tokens = 16
 
 
 def test_with_service_validates_the_change():
-    config = load_config({"tiers": HOST})
+    config = load_config({"tiers": DRAM})
     moved = with_service(config, socket="/tmp/other.sock", spawn=False)
-    assert (moved.service.socket, moved.service.spawn, moved.host) == ("/tmp/other.sock", False, config.host)
+    assert (moved.service.socket, moved.service.spawn, moved.dram) == ("/tmp/other.sock", False, config.dram)
     with pytest.raises(ConfigError) as caught:
         with_service(config, socket="")
     assert caught.value.field == "service.socket"
@@ -206,11 +221,11 @@ def _nvmeof(draw):
 
 
 _tiers = st.fixed_dictionaries({}, optional={
-    "host": st.fixed_dictionaries({"capacity": _sizes}),
+    "dram": st.fixed_dictionaries({"capacity": _sizes}),
     "disk": st.lists(_sizes, max_size=3).map(
         lambda caps: [{"path": f"/mnt/kv{i}", "capacity": cap} for i, cap in enumerate(caps)]),
     "nvmeof": _nvmeof(),
-}).filter(lambda tiers: tiers.get("host") or tiers.get("disk") or tiers.get("nvmeof"))
+}).filter(lambda tiers: tiers.get("dram") or tiers.get("disk") or tiers.get("nvmeof"))
 
 _configs = st.fixed_dictionaries({"tiers": _tiers}, optional={
     "chunk_tokens": st.integers(1, 1 << 20), "write_behind_chunks": st.integers(1, 1 << 20),

@@ -64,7 +64,7 @@ def test_a_hit_is_split_by_the_tier_that_held_it_at_the_lookup():
 
     scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup, SchedulerSettings(True))
     assert scheduler.num_new_matched_tokens("r", PROMPT, 384) == 6 * CHUNK - 384
-    assert scheduler.hit_sources("r", 6 * CHUNK - 384) == {"host": 2 * CHUNK - 384, "disk": 4 * CHUNK}
+    assert scheduler.hit_sources("r", 6 * CHUNK - 384) == {"dram": 2 * CHUNK - 384, "disk": 4 * CHUNK}
     assert scheduler.hit_sources("r", 3 * CHUNK) == {"disk": 3 * CHUNK}  # the engine trimmed its own hit
     assert scheduler.hit_sources("r", 0) == {} and scheduler.hit_sources("unknown", 256) == {}
 
@@ -199,13 +199,15 @@ def test_options_name_the_bad_field():
         check_chunk_size(100, 128)
     assert check_chunk_size(256, 128) == 2
     with pytest.raises(ConfigError, match="'load_async'"):
-        parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}, "load_async": "yes"})
+        parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}}, "load_async": "yes"})
     with pytest.raises(ConfigError, match=r"'tiers\.ssd'"):
         parse_options({"config": {"tiers": {"ssd": {}}}})
     with pytest.raises(ConfigError, match="'config'"):
         parse_options({})
-    inline = parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "load_async": False})
-    assert inline.store.host is not None and inline.load_async is False
+    inline = parse_options({"tiers": {"dram": {"capacity": "1GiB"}}, "load_async": False})
+    assert inline.store.dram is not None and inline.load_async is False
+    old = parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}})  # the DRAM tier's old key
+    assert old.store.dram is not None and old.store == inline.store
 
 
 @pytest.mark.parametrize("extra,field,words", [
@@ -218,16 +220,16 @@ def test_options_name_the_bad_field():
 ])
 def test_engine_keys_name_the_bad_field(extra, field, words):
     with pytest.raises(ConfigError) as caught:
-        parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}, **extra})
+        parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}}, **extra})
     assert caught.value.field == field and words in caught.value.reason
 
 
 def test_store_keys_at_the_top_level_are_checked_as_store_keys():
-    options = parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "chunk_tokens": 128,
+    options = parse_options({"tiers": {"dram": {"capacity": "1GiB"}}, "chunk_tokens": 128,
                              "device_staging": "64MiB", "model_id": "m"})
     assert (options.store.chunk_tokens, options.device_staging, options.model_id) == (128, 64 << 20, "m")
     with pytest.raises(ConfigError) as caught:
-        parse_options({"tiers": {"host": {"capacity": "1GiB"}}, "loadAsync": True})
+        parse_options({"tiers": {"dram": {"capacity": "1GiB"}}, "loadAsync": True})
     assert caught.value.field == "loadAsync" and "chunk_tokens" in caught.value.reason
 
 

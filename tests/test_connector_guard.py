@@ -45,7 +45,7 @@ BLOCKS = 64
 @pytest.fixture(scope="module")
 def store_config(tmp_path_factory) -> Iterator[dict]:
     folder = tmp_path_factory.mktemp("guard")
-    config = service_config(folder, chunk_tokens=CHUNK, host="16MiB", socket="run/kvstore.sock")
+    config = service_config(folder, chunk_tokens=CHUNK, dram="16MiB", socket="run/kvstore.sock")
     yield config
     stop_service(config)
 

@@ -106,7 +106,7 @@ def test_a_hold_ends_at_its_deadline_and_happens_once():
 @pytest.fixture
 def service(tmp_path, disk_dir) -> Iterator[dict]:
     """A service whose staging window holds two chunks of the layout below."""
-    raw = service_config(tmp_path, chunk_tokens=CHUNK, host="16MiB", io={"timeout_s": 5})
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, dram="16MiB", io={"timeout_s": 5})
     yield raw
     stop_service(raw)
 
@@ -407,7 +407,7 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
     Get), byte for byte; once the step is reported the lease goes back with the next
     request, and the chunks may be evicted again."""
     slot = record_bytes(512 << 10)
-    raw = service_config(tmp_path, chunk_tokens=CHUNK, host=10 * slot, io={"timeout_s": 5}, staging="4MiB")
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, dram=10 * slot, io={"timeout_s": 5}, staging="4MiB")
     config = load_config(raw)
     lookup_client = StoreClient(config)
     source = PagedKVLayout(caches(fill=True), NUM_BLOCKS, BLOCKS_PER_CHUNK)

@@ -133,7 +133,7 @@ def test_an_offline_device_gets_no_checkpoint_and_is_scanned_next_time(disk_dir,
 
 def test_a_timed_out_promotion_reuses_its_dram_slot_only_once_the_read_lands(disk_dir, faulty,
                                                                              store_factory):
-    config = {"tiers": {"host": {"capacity": 8 * SLOT}, "disk": [{"path": disk_dir, "capacity": 32 * SLOT}]},
+    config = {"tiers": {"dram": {"capacity": 8 * SLOT}, "disk": [{"path": disk_dir, "capacity": 32 * SLOT}]},
               "io": {"queue_depth": 8, "timeout_s": 0.3, "breaker_threshold": 100}}
     keys, payloads = make_keys(2), make_payloads(2)
     first = store_factory(config, engine=faulty)

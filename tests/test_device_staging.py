@@ -60,7 +60,7 @@ def test_a_full_pool_evicts_the_oldest_unused_chunk_but_never_a_taken_one():
 
 @pytest.fixture
 def service_config(tmp_path, disk_dir):
-    raw = services.service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5})
+    raw = services.service_config(tmp_path, dram="8MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5})
     yield raw
     stop_service(raw)
 

@@ -134,7 +134,7 @@ def test_a_deep_chunk_outlives_a_shallow_one_in_a_replay_under_cost(tmp_path):
                                          "hash_ids": ids}) + "\n" for i, (ids, n) in enumerate(rows)))
     results = {}
     for name in ("lru", "cost"):
-        replayer = Replayer([("host", 4 * 512)], kv_bytes_per_token=1, block_tokens=512,
+        replayer = Replayer([("dram", 4 * 512)], kv_bytes_per_token=1, block_tokens=512,
                             policy=TierPolicy(eviction=name, chunk_tokens=512))
         requests = list(read_trace(trace, 512))
         hits = [replayer.serve(request) for request in requests[:3]]

@@ -137,7 +137,7 @@ def test_the_chunk_with_the_last_prompt_token_is_not_waited_for():
 
 def test_a_producer_in_a_cluster_must_write_through(tmp_path):
     cluster = {"host_id": "p", "index_url": "redis://127.0.0.1:1/0"}
-    tiers = {"host": {"capacity": "64MiB"}, "disk": [{"path": str(tmp_path), "capacity": "64MiB"}]}
+    tiers = {"dram": {"capacity": "64MiB"}, "disk": [{"path": str(tmp_path), "capacity": "64MiB"}]}
     back = load_config({"tiers": tiers, "cluster": cluster})
     with pytest.raises(ConfigError, match="write_through"):
         check_producer_store(Role.of("kv_producer", False), back)

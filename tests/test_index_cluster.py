@@ -42,7 +42,7 @@ DEADLINE_S = 0.5  # a shard of this loaded 2-core machine may answer past 0.2 s:
     ("cluster://127.0.0.1:7000", "must be a Redis URL"),
 ])
 def test_a_bad_cluster_url_is_refused_naming_the_problem(url, error):
-    config = {"tiers": {"host": {"capacity": "1MiB"}}, "cluster": {"host_id": "a", "index_url": url}}
+    config = {"tiers": {"dram": {"capacity": "1MiB"}}, "cluster": {"host_id": "a", "index_url": url}}
     with pytest.raises(ConfigError, match=rf"cluster\.index_url.*{error}"):
         load_config(config)
 
@@ -58,7 +58,7 @@ def test_logs_and_info_hide_the_password(url, seen):
 
 
 def test_a_prefix_with_a_hash_tag_is_refused_for_a_cluster_only():
-    config = {"tiers": {"host": {"capacity": "1MiB"}},
+    config = {"tiers": {"dram": {"capacity": "1MiB"}},
               "cluster": {"host_id": "a", "index_url": "redis+cluster://h:1", "key_prefix": "kv{x}:"}}
     with pytest.raises(ConfigError, match=r"cluster\.key_prefix.*one hash slot"):
         load_config(config)

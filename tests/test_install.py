@@ -56,7 +56,7 @@ def test_the_package_without_extras_runs_its_commands(tmp_path):
     assert "disk-tier directory" in _run([kvstore, "fsck", "--help"], tmp_path, 120)
     disk = tmp_path / "disk"
     config = tmp_path / "kvstore.yaml"
-    write_config(config, service_config(tmp_path, host="64MiB", disk_dir=str(tmp_path), disk="64MiB",
+    write_config(config, service_config(tmp_path, dram="64MiB", disk_dir=str(tmp_path), disk="64MiB",
                                         socket="run/kv.sock", staging=None))
     info = _run([kvstore, "info", "--config", str(config), "--chunk-size", "1MiB"], tmp_path, 120)
     assert str(disk) in info, info

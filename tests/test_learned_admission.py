@@ -322,19 +322,19 @@ def test_write_budgets_take_sizes_and_drive_writes_per_day():
     assert parse_write_budget("0.5 dwpd", 4 << 40) == 2 << 40
     with pytest.raises(ValueError, match="write budget"):
         parse_write_budget("lots", 1)
-    config = load_config({"tiers": {"host": {"capacity": "1GiB"}}, "disk_write_budget": "0.3 DWPD"})
+    config = load_config({"tiers": {"dram": {"capacity": "1GiB"}}, "disk_write_budget": "0.3 DWPD"})
     assert config.disk_write_budget == "0.3 dwpd" and config.disk_admission == "learned"
-    plain = load_config({"tiers": {"host": {"capacity": "1GiB"}}})
+    plain = load_config({"tiers": {"dram": {"capacity": "1GiB"}}})
     assert plain.disk_admission == "all" and plain.disk_admission_threshold == THRESHOLD
-    assert load_config({"tiers": {"host": {"capacity": "1GiB"}}, "disk_write_budget": "1TiB",
+    assert load_config({"tiers": {"dram": {"capacity": "1GiB"}}, "disk_write_budget": "1TiB",
                         "disk_admission": "all"}).disk_admission == "all"  # a cap on `all`, as asked
     with pytest.raises(ConfigError, match="disk_write_budget"):
-        load_config({"tiers": {"host": {"capacity": "1GiB"}}, "disk_write_budget": "often"})
+        load_config({"tiers": {"dram": {"capacity": "1GiB"}}, "disk_write_budget": "often"})
     with pytest.raises(ConfigError, match="write_through"):
-        load_config({"tiers": {"host": {"capacity": "1GiB"}}, "disk_write_budget": "1TiB",
+        load_config({"tiers": {"dram": {"capacity": "1GiB"}}, "disk_write_budget": "1TiB",
                      "write_policy": "write_through", "disk_admission": "all"})
     with pytest.raises(ConfigError, match="disk_admission_threshold"):
-        load_config({"tiers": {"host": {"capacity": "1GiB"}}, "disk_admission_threshold": 1.5})
+        load_config({"tiers": {"dram": {"capacity": "1GiB"}}, "disk_admission_threshold": 1.5})
 
 
 # -- replays of small made-up traces ---------------------------------------------------------
@@ -363,7 +363,7 @@ def returning_trace(path, conversations: int = 400, seed: int = 0, gap_s: float 
 def replay(capsys, trace: str, *options: str) -> dict:
     """`kvstore replay` with DRAM of 20 chunks over a disk that never fills; its JSON."""
     out = trace + ".json"
-    assert cli_main(["replay", trace, "--tier", f"host={20 * BLOCK}", "--tier", f"disk={1 << 20}",
+    assert cli_main(["replay", trace, "--tier", f"dram={20 * BLOCK}", "--tier", f"disk={1 << 20}",
                      "--kv-bytes-per-token", "1", "--block-tokens", str(BLOCK), "--json", out,
                      *options]) == 0
     capsys.readouterr()
@@ -437,7 +437,7 @@ def test_the_replay_counts_refusals_once_per_chunk_that_leaves(tmp_path):
     as chunks that left DRAM with no disk copy."""
     trace = returning_trace(tmp_path / "t.jsonl", conversations=200)
     policy = TierPolicy(admission="second-touch", chunk_tokens=BLOCK)
-    replayer = Replayer([("host", 20 * BLOCK), ("disk", 1 << 20)], 1, BLOCK, policy=policy)
+    replayer = Replayer([("dram", 20 * BLOCK), ("disk", 1 << 20)], 1, BLOCK, policy=policy)
     dropped = []
     replayer.tiers[0].table.subscribe(
         lambda published, entry: dropped.append(entry.key) if not published and entry.key not in
@@ -453,7 +453,7 @@ def test_the_replay_counts_refusals_once_per_chunk_that_leaves(tmp_path):
 def test_the_service_keeps_what_was_learned_across_a_restart(tmp_path, disk_dir):
     """Written 0600 beside the socket when the service stops, handed to the next one's
     store; a damaged file is counted and the service learns from cold, never fails."""
-    config = {**service_config(tmp_path, host="4MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 0.5}),
+    config = {**service_config(tmp_path, dram="4MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 0.5}),
               "disk_admission": "learned"}
     saved = tmp_path / "kvstore.sock.learned"
     trained_state = trained(ReturnRates(1 << 12)).state()
@@ -485,7 +485,7 @@ def test_a_killed_service_is_followed_by_one_that_starts_from_what_it_had_learne
     """While it runs, the service writes what it learned every `service.learned_save_s`: a
     successor of one killed outright (SIGKILL: no clean stop, no close) starts from that,
     where it would otherwise start from cold (no file was ever written by a clean stop)."""
-    config = {**service_config(tmp_path, host="1MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5.0},
+    config = {**service_config(tmp_path, dram="1MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5.0},
                                learned_save_s=0.2), "disk_admission": "learned"}
     saved = tmp_path / "kvstore.sock.learned"
     chunks = keys("chain-", 48)  # DRAM holds 16: each wave of 8 pushes older ones out to disk

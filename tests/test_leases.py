@@ -42,7 +42,7 @@ def _keys(first: int, count: int) -> list[bytes]:
 
 @pytest.fixture
 def config(tmp_path):
-    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK))
+    raw = service_config(tmp_path, dram=SLOTS * record_bytes(CHUNK))
     yield raw
     stop_service(raw)
 
@@ -101,13 +101,13 @@ def test_the_shared_tier_refuses_writable_maps():
 
 
 def test_a_pinned_slot_is_never_evicted_or_reused_until_released():
-    with TieredStore({"tiers": {"host": {"capacity": 4 * record_bytes(CHUNK)}}}, CHUNK) as store:
+    with TieredStore({"tiers": {"dram": {"capacity": 4 * record_bytes(CHUNK)}}}, CHUNK) as store:
         first = _keys(1, 4)
         assert store.put_many(first, [k[:1] * CHUNK for k in first]) == [True] * 4
         lease = store.lease(first[:2])
         for wave in (_keys(10, 4), _keys(20, 4)):  # every unpinned slot is taken, twice over
             store.put_many(wave, [k[:1] * CHUNK for k in wave])
-        assert store.lookup(first[:2]).tiers == ("host", "host")
+        assert store.lookup(first[:2]).tiers == ("dram", "dram")
         with _mapped(store) as tier:
             assert [tier[o : o + CHUNK] for o in lease.offsets] == [k[:1] * CHUNK for k in first[:2]]
         store.release(lease)
@@ -184,7 +184,7 @@ def test_a_load_copies_from_the_tier_or_through_the_window_into_descending_block
 
 
 def _disk_config(disk_dir: str) -> dict:
-    return {"tiers": {"host": {"capacity": 4 * record_bytes(CHUNK)},
+    return {"tiers": {"dram": {"capacity": 4 * record_bytes(CHUNK)},
                       "disk": [{"path": disk_dir, "capacity": 32 * record_bytes(CHUNK)}]},
             "io": {"timeout_s": 5}}
 
@@ -203,15 +203,15 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
         assert [tier[o : o + CHUNK] for o in (lease.offsets[0], lease.offsets[2])] == [
             keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
     counters = store.stats.snapshot()
-    assert counters["disk.hits"] == counters["host.leased"] == 2
+    assert counters["disk.hits"] == counters["dram.leased"] == 2
     assert counters["disk.miss.bad_checksum"] == 1
-    assert store.lookup(keys[:1]).tiers == ("host",)
+    assert store.lookup(keys[:1]).tiers == ("dram",)
     others = _keys(10, 8)  # DRAM turns over twice; the leased slots stay
     store.put_many(others, [k[:1] * CHUNK for k in others])
     with _mapped(store) as tier:
         assert [tier[o : o + CHUNK] for o in (lease.offsets[0], lease.offsets[2])] == [
             keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
-    assert store.lookup([keys[0]]).tiers == ("host",)
+    assert store.lookup([keys[0]]).tiers == ("dram",)
     store.release(lease)
     assert store.lookup([keys[1]]).count == 0  # the record that did not verify left the index
 
@@ -243,7 +243,7 @@ def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(dis
         assert worker.take_failed_blocks() == set()
         counters = holder.info()["counters"]
         assert counters["disk.hits"] == 2
-        assert counters.get("host.leased", 0) == (2 if dram == "free" else 4)  # the holder's 4
+        assert counters.get("dram.leased", 0) == (2 if dram == "free" else 4)  # the holder's 4
     finally:
         worker.close()
         holder.close()
@@ -398,7 +398,7 @@ def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_get
         assert found.offsets[0][:3] == (-1, -1, -1) and found.offsets[0][3] >= 0
         assert worker.memory.tier_holds(found.offsets[0][3], _keys(4, 1)[0])
         after = worker.info()["counters"]
-        for name in ("get.chunks", "get.hits", "host.leased"):
+        for name in ("get.chunks", "get.hits", "dram.leased"):
             assert after.get(name, 0) - before.get(name, 0) == 1
         assert scheduler.lookup([_keys(1, 4)], lease_from=4).lease == 0  # nothing past the run
     finally:
@@ -407,7 +407,7 @@ def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_get
 
 
 def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(tmp_path):
-    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
+    raw = service_config(tmp_path, dram=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
     worker = StoreClient(load_config(raw), CHUNK)
     try:
         assert _put(worker, _keys(1, 6)) == [True] * 6
@@ -431,7 +431,7 @@ def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(t
 
 
 def test_a_client_that_may_not_map_the_tier_gets_no_lease(tmp_path):
-    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), share_dram="off")
+    raw = service_config(tmp_path, dram=SLOTS * record_bytes(CHUNK), share_dram="off")
     worker = StoreClient(load_config(raw), CHUNK)
     try:
         assert _put(worker, _keys(1, 2)) == [True] * 2
@@ -447,7 +447,7 @@ def test_a_client_that_may_not_map_the_tier_gets_no_lease(tmp_path):
 
 def _on_disk(tmp_path, disk_dir, keys: list[bytes]) -> dict:
     """A service whose disk tier holds `keys` and whose DRAM tier holds none of them."""
-    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
+    raw = service_config(tmp_path, dram=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
     writer = StoreClient(load_config(raw), CHUNK)
     assert _put(writer, keys) == [True] * len(keys)
     writer.close()
@@ -487,7 +487,7 @@ def test_a_flipped_byte_found_as_it_is_copied_fails_its_blocks_and_leaves_the_st
     layout = PagedKVLayout(caches, 32, 16)
     payloads = [np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8) for i in (1, 2)]
     keys = _keys(1, 2)
-    raw = service_config(tmp_path, host=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
+    raw = service_config(tmp_path, dram=SLOTS * record_bytes(CHUNK), disk_dir=disk_dir, disk="8MiB")
     writer = StoreClient(load_config(raw), CHUNK)
     for slot, payload in enumerate(payloads):
         writer.memory.slot(slot)[:] = payload.tobytes()

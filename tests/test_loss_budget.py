@@ -53,7 +53,7 @@ def threshold_path(trace: str) -> dict:
     """`learned` admission's threshold and measured loss over a replay of `trace` (DRAM of 20
     chunks, a disk that never fills, the default budget)."""
     policy = TierPolicy(admission="learned", chunk_tokens=BLOCK)
-    replayer = Replayer([("host", 20 * BLOCK), ("disk", 1 << 20)], 1, BLOCK, policy=policy)
+    replayer = Replayer([("dram", 20 * BLOCK), ("disk", 1 << 20)], 1, BLOCK, policy=policy)
     ThresholdPath(replayer)
     result = replayer.run(read_trace(trace, BLOCK))
     return {**result["threshold_path"], "refused": result["admission_refused"]}
@@ -180,7 +180,7 @@ def test_the_service_labels_puts_it_has_no_request_end_for(tmp_path, disk_dir):
     """Through a real service, puts alone (chains under parents, as SGLang's backend saves):
     the chunks that leave DRAM and come back are counted in the buckets of an end inferred
     (the answer not known), none in the bucket of chunks no end labels."""
-    config = {**service_config(tmp_path, host="1MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5.0}),
+    config = {**service_config(tmp_path, dram="1MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5.0}),
               "disk_admission": "learned"}
     chains = [keys(f"chain{i}-", 8) for i in range(6)]  # DRAM holds 16: later chains push earlier out
     worker = StoreClient(load_config(config), 64 * 1024)
@@ -204,6 +204,6 @@ def test_a_budget_or_floor_out_of_range_is_refused_naming_it(tmp_path, capsys):
         with pytest.raises(ValueError, match="loss budget"):
             Tuning(threshold, loss)
     trace = phased_trace(tmp_path / "t.jsonl", quiet=5)
-    assert cli_main(["replay", trace, "--tier", "host=80", "--tier", "disk=1MiB", "--kv-bytes-per-token", "1",
+    assert cli_main(["replay", trace, "--tier", "dram=80", "--tier", "disk=1MiB", "--kv-bytes-per-token", "1",
                      "--block-tokens", str(BLOCK), "--admission", "learned", "--admission-loss", "2"]) == 2
     assert "--admission-loss" in capsys.readouterr().err

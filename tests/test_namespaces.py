@@ -97,7 +97,7 @@ def test_tens_of_thousands_of_namespaces_are_listed_a_page_at_a_time(tmp_path, d
     """20,000 salts' namespaces (over 4 MiB of descriptions): `kvstore purge --list` lists
     them all, and `--model` purges them, before and after a restart."""
     slot = record_bytes(CHUNK_BYTES)
-    raw = service_config(tmp_path, host=4 * slot, disk_dir=disk_dir, disk=16 * slot, io={"timeout_s": 5},
+    raw = service_config(tmp_path, dram=4 * slot, disk_dir=disk_dir, disk=16 * slot, io={"timeout_s": 5},
                          socket="run/kvstore.sock")
     config_file = write_config(tmp_path / "kvstore.json", raw)
     made = salted(20_000)
@@ -159,7 +159,7 @@ def test_room_is_made_only_of_namespaces_without_records(store_factory, disk_dir
     what no longer fits is refused, then the book's upkeep drops the least recently
     announced without records, down to ROOMY, and never one that holds records."""
     slot = record_bytes(CHUNK_BYTES)
-    store = store_factory({"tiers": {"host": {"capacity": 4 * slot},
+    store = store_factory({"tiers": {"dram": {"capacity": 4 * slot},
                                      "disk": [{"path": f"{disk_dir}/disk", "capacity": 16 * slot}]}},
                           background=False)
     book = NamespaceBook(None, held=store.probe.namespaces)
@@ -241,7 +241,7 @@ def test_new_client_counters_past_the_bound_are_dropped_and_info_stays_small(tmp
     """A client adding counters of every name its pattern allows (110,000 of them made Info's
     reply pass the frame limit): past ClientCounters.MAX_NAMES names the new ones are
     dropped and counted, the known ones still add up, and Info answers."""
-    raw = service_config(tmp_path, host=4 * record_bytes(CHUNK_BYTES), socket="run/kvstore.sock")
+    raw = service_config(tmp_path, dram=4 * record_bytes(CHUNK_BYTES), socket="run/kvstore.sock")
     client = StoreClient(load_config(raw), CHUNK_BYTES)
     try:
         for first in range(0, 110_000, 256):

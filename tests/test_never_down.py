@@ -231,7 +231,7 @@ def _until(condition, timeout_s: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[dict]:
     folder = tmp_path_factory.mktemp("never-down")
-    raw = service_config(folder, host="4MiB", io={"timeout_s": 5}, socket="run/kvstore.sock")
+    raw = service_config(folder, dram="4MiB", io={"timeout_s": 5}, socket="run/kvstore.sock")
     yield raw
     stop_service(raw)
 

@@ -67,7 +67,7 @@ def test_on_the_trace_reading_ahead_never_costs_a_hit_and_its_waste_is_counted()
 
     results = {}
     for mode in ("off", "warm", "predict", "oracle"):
-        replayer = Replayer([("host", 40 << 30), ("disk", 1 << 40)], 131072, 512)
+        replayer = Replayer([("dram", 40 << 30), ("disk", 1 << 40)], 131072, 512)
         reads = NextTurnReads(replayer, mode)
         if mode == "oracle":
             reads.foresee(read_trace(TRACE, 512, limit=1500))

@@ -23,7 +23,7 @@ PROMPT = list(range(7, 7 + 8 * CHUNK + 1))  # 8 full chunks and one more token
 class FakeStore:
     def __init__(self, on_disk: int, in_dram: int = 0) -> None:
         keys = chunk_keys(PROMPT, NAMESPACE)
-        self.tier = {k: "host" for k in keys[:in_dram]} | {k: "disk" for k in keys[in_dram:on_disk]}
+        self.tier = {k: "dram" for k in keys[:in_dram]} | {k: "disk" for k in keys[in_dram:on_disk]}
         self.pending: set[tuple[bytes, ...]] = set()
         self.prefetches: list[int] = []
         self.told: list[tuple[str, int]] = []
@@ -44,13 +44,13 @@ class FakeStore:
             self.prefetches.append(len(run))
             if any(self.tier[k] == "disk" for k in run):
                 self.pending.add(tuple(run))
-        resident = next((i for i, k in enumerate(run) if self.tier[k] != "host"), len(run))
+        resident = next((i for i, k in enumerate(run) if self.tier[k] != "dram"), len(run))
         return Residency(len(run), resident, tuple(run) in self.pending)
 
     def finish_promotion(self, chunks: int | None = None) -> None:
         for run in self.pending:
             for key in run[:chunks]:
-                self.tier[key] = "host"
+                self.tier[key] = "dram"
         self.pending.clear()
 
 
@@ -183,19 +183,19 @@ def test_a_finished_request_says_how_it_ended_and_its_next_turn_continues_it():
     core.on_finished("b")
     assert store.ends[-1] == RequestEnd(answer_tokens=0, turn=1, idle_s=42.0)
     other = [9, *PROMPT[1:]]
-    store.tier.update(dict.fromkeys(chunk_keys(other, NAMESPACE), "host"))
+    store.tier.update(dict.fromkeys(chunk_keys(other, NAMESPACE), "dram"))
     assert core.num_new_matched_tokens("c", other, 0) == 8 * CHUNK
     core.on_finished("c")
     assert store.ends[-1] == RequestEnd(answer_tokens=0, turn=0, idle_s=None)
 
 def test_options_parse_and_reject_bad_policies():
-    options = parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}},
+    options = parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}},
                              "prefetch_policy": "timeout", "prefetch_timeout_s_per_1k_tokens": 0.2})
     assert options.prefetch == PrefetchPolicy("timeout", timeout_s_per_1k_tokens=0.2)
-    assert parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}},
+    assert parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}},
                           "prefetch": False}).prefetch is None
     with pytest.raises(ConfigError, match=r"prefetch_policy.*best_effort, wait, timeout"):
-        parse_options({"config": {"tiers": {"host": {"capacity": "1GiB"}}}, "prefetch_policy": "eager"})
+        parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}}, "prefetch_policy": "eager"})
     with pytest.raises(ConfigError, match="prefetch_max_wait_s"):
         PrefetchPolicy(max_wait_s=-1)
 

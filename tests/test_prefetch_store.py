@@ -30,7 +30,7 @@ class RecordingEngine(FaultyEngine):
 
 
 def _on_disk_only(disk_dir, store_factory, engine, count, **extra):
-    config = {"tiers": {"host": {"capacity": 64 * SLOT}, "disk": [{"path": disk_dir, "capacity": 64 * SLOT}]},
+    config = {"tiers": {"dram": {"capacity": 64 * SLOT}, "disk": [{"path": disk_dir, "capacity": 64 * SLOT}]},
               "io": {"queue_depth": 8, "timeout_s": 5}, **extra}
     keys, payloads = make_keys(count), make_payloads(count)
     first = store_factory(config, engine=engine)
@@ -52,7 +52,7 @@ def test_prefetch_reads_in_waves_no_larger_than_the_cap(disk_dir, store_factory)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
     counters = store.stats.snapshot()
     assert counters["prefetch.chunks"] == 12 and counters["prefetch.used"] == 12
-    assert counters["host.hits"] == 12 and "disk.hits" not in counters
+    assert counters["dram.hits"] == 12 and "disk.hits" not in counters
 
 
 def test_a_prefetched_chunk_evicted_unread_is_wasted(disk_dir, store_factory):

@@ -32,7 +32,7 @@ OTHER = KVNamespace("qwen", "float16", "cpu", 16, weights=Weights("xxh3:bb"))
 
 
 def tiers(directory: str, dram_slots: int = 4) -> dict:
-    return {"tiers": {"host": {"capacity": dram_slots * SLOT},
+    return {"tiers": {"dram": {"capacity": dram_slots * SLOT},
                       "disk": [{"path": os.path.join(directory, "disk"), "capacity": 64 * SLOT}]}}
 
 
@@ -55,12 +55,12 @@ def test_a_purge_removes_one_namespace_from_dram_and_disk_and_nothing_else(disk_
     unnamed = chunk_keys(range(16), OLD)[:1]
     store.put_many(unnamed, make_payloads(1, seed=3))  # no namespace: the store's (zeros)
     old = put_chain(store, OLD, 6, seed=1)  # more than DRAM holds: some written down to disk
-    assert {tier for key in old for tier in store.lookup([key]).tiers} == {"host", "disk"}
+    assert {tier for key in old for tier in store.lookup([key]).tiers} == {"dram", "disk"}
 
     dry = store.admin.purge([OLD.digest()], dry_run=True)
     assert dry["chunks"] == 6 and dry["removed"] == 0
-    assert dry["host_chunks"] + dry["disk_chunks"] >= 6 and dry["bytes"] == (
-        dry["host_chunks"] + dry["disk_chunks"]) * CHUNK_BYTES
+    assert dry["dram_chunks"] + dry["disk_chunks"] >= 6 and dry["bytes"] == (
+        dry["dram_chunks"] + dry["disk_chunks"]) * CHUNK_BYTES
     assert store.lookup(old).count == 6  # a dry run touches nothing
 
     done = store.admin.purge([OLD.digest()])

@@ -183,7 +183,7 @@ def test_recovery_of_100k_records(disk_dir, store_factory):
 
 def test_clean_close_writes_dram_chunks_down(disk_dir):
     """A restart loses DRAM, not what DRAM held: close writes it to disk first."""
-    config = {"tiers": {"host": {"capacity": "4MiB"},
+    config = {"tiers": {"dram": {"capacity": "4MiB"},
                         "disk": [{"path": disk_dir, "capacity": "16MiB"}]}}
     keys, payloads = make_keys(5), make_payloads(5)
     with TieredStore(config, CHUNK_BYTES) as store:

@@ -34,7 +34,7 @@ from kvstore.service.client import StoreClient
 
 def _raw(tmp_path: Path, disk_dir: str, **changes) -> dict:
     slot = record_bytes(CHUNK_BYTES)
-    return {**service_config(tmp_path, host=4 * slot, disk_dir=disk_dir, disk=32 * slot, io={"timeout_s": 5},
+    return {**service_config(tmp_path, dram=4 * slot, disk_dir=disk_dir, disk=32 * slot, io={"timeout_s": 5},
                              socket="run/kv.sock", spawn=False),
             **changes}
 

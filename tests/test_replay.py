@@ -22,33 +22,33 @@ from kvstore.tiers.return_rates import RequestEnd
 
 
 def test_two_tier_lru_matches_the_hand_computed_run(tmp_path):
-    """host holds 3 chunks, disk 4. A = ids [1, 2], B = ids [3, 4], each prompt 9 tokens.
+    """dram holds 3 chunks, disk 4. A = ids [1, 2], B = ids [3, 4], each prompt 9 tokens.
 
-    R1 A: miss, host {A1 A2}.            R2 A: 2 host hits.
+    R1 A: miss, dram {A1 A2}.            R2 A: 2 dram hits.
     R3 B: miss; storing B2 writes the oldest leaf A2 down to disk and takes its slot:
-          host {A1 B1 B2}, disk {A2}.
-    R4 A: A1 from host, A2 from disk; promoting A2 writes leaf B2 down to disk (A1 was
+          dram {A1 B1 B2}, disk {A2}.
+    R4 A: A1 from dram, A2 from disk; promoting A2 writes leaf B2 down to disk (A1 was
           touched) and takes its slot.
     """
     trace = write_trace(tmp_path / "t.jsonl", [([1, 2], 9), ([1, 2], 9), ([3, 4], 9), ([1, 2], 9)])
-    replayer = Replayer([("host", 12), ("disk", 16)], kv_bytes_per_token=1, block_tokens=BLOCK)
+    replayer = Replayer([("dram", 12), ("disk", 16)], kv_bytes_per_token=1, block_tokens=BLOCK)
     requests = list(read_trace(trace, BLOCK))
     hits = [replayer.serve(r) for r in requests]
     assert hits == [[], [0, 0], [], [0, 1]]
     result = replayer.result()
-    host, disk = result["tiers"]
+    dram, disk = result["tiers"]
     assert result["prompt_tokens"] == 36
-    assert (host["hit_tokens"], disk["hit_tokens"]) == (12, 4)
+    assert (dram["hit_tokens"], disk["hit_tokens"]) == (12, 4)
     assert result["hit_ratio"] == pytest.approx(16 / 36)
-    assert (host["evictions"], disk["evictions"]) == (2, 0)
-    assert (host["bytes_written"], disk["bytes_written"]) == (5 * 4, 2 * 4)
-    assert (host["bytes_read"], disk["bytes_read"]) == (3 * 4, 1 * 4)
+    assert (dram["evictions"], disk["evictions"]) == (2, 0)
+    assert (dram["bytes_written"], disk["bytes_written"]) == (5 * 4, 2 * 4)
+    assert (dram["bytes_read"], disk["bytes_read"]) == (3 * 4, 1 * 4)
     assert set(replayer.tiers[0].table.index) == set(block_keys([1, 2])) | {block_keys([3, 4])[0]}
 
 
 def test_a_prompt_always_computes_its_last_token(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", [([1, 2], 8), ([1, 2], 8)])
-    replayer = Replayer([("host", 64)], kv_bytes_per_token=1, block_tokens=BLOCK)
+    replayer = Replayer([("dram", 64)], kv_bytes_per_token=1, block_tokens=BLOCK)
     result = replayer.run(read_trace(trace, BLOCK))
     assert result["tiers"][0]["hit_tokens"] == BLOCK  # 8 tokens = 2 blocks, but one token is computed
 
@@ -67,12 +67,12 @@ def test_shared_prefix_ids_share_keys_and_diverge_after():
 def test_cli_writes_json_and_plot(tmp_path, capsys):
     trace = write_trace(tmp_path / "t.jsonl", [([1, 2], 9)] * 3)
     out = tmp_path / "r.json"
-    assert cli_main(["replay", trace, "--tier", "host=16", "--tier", "disk=64",
+    assert cli_main(["replay", trace, "--tier", "dram=16", "--tier", "disk=64",
                      "--kv-bytes-per-token", "1", "--block-tokens", str(BLOCK),
                      "--sweep", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["hit_ratio"] == pytest.approx(16 / 27)
-    assert [t["name"] for t in result["tiers"]] == ["host", "disk"]
+    assert [t["name"] for t in result["tiers"]] == ["dram", "disk"]
     assert {"capacity_bytes", "hit_ratio", "bytes_read", "bytes_written", "evictions"} <= set(
         result["tiers"][0])
     assert len(result["sweep"]) > 3 and out.with_suffix(".png").stat().st_size > 1000
@@ -83,7 +83,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
             "recompute_cost", "recompute_cost_no_cache"} <= set(result)
     printed = capsys.readouterr().out
     assert "hit ratio" in printed and "written per byte read" in printed and "never read" in printed
-    assert cli_main(["replay", trace, "--tier", "host=4", "--tier", "disk=64", "--kv-bytes-per-token", "1",
+    assert cli_main(["replay", trace, "--tier", "dram=4", "--tier", "disk=64", "--kv-bytes-per-token", "1",
                      "--block-tokens", str(BLOCK), "--admission", "second-touch", "--eviction", "cost",
                      "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -106,6 +106,17 @@ def test_synthetic_shapes_are_repeatable_and_named():
         list(read_trace("synthetic:batch"))
 
 
+def test_host_is_read_as_the_dram_tier(tmp_path):
+    """`--tier host=SIZE`, the DRAM tier's old name, still names the DRAM tier: a memory
+    tier below the top (nothing refused, not counted as disk) that --ttft knows."""
+    assert parse_tier("host=64GiB") == ("dram", 64 << 30)
+    trace = write_trace(tmp_path / "t.jsonl", [([1, 2, 3, 4], 2049)] * 4)
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", trace, "--tier", "gpu=1GiB", "--tier", "host=64GiB", "--ttft",
+                     "--block-tokens", "512", "--json", str(out)]) == 0
+    assert [r["config"] for r in json.loads(out.read_text())["ttft"]] == ["no cache", "gpu", "gpu + dram"]
+
+
 def test_bad_tier_and_bad_trace_are_named(tmp_path):
     with pytest.raises(ConfigError, match="NAME=SIZE"):
         parse_tier("host")
@@ -118,10 +129,10 @@ def test_bad_tier_and_bad_trace_are_named(tmp_path):
 def test_ttft_compares_each_added_tier(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", [([1, 2, 3, 4], 2049)] * 4)
     out = tmp_path / "r.json"
-    assert cli_main(["replay", trace, "--tier", "gpu=1GiB", "--tier", "host=64GiB", "--ttft",
+    assert cli_main(["replay", trace, "--tier", "gpu=1GiB", "--tier", "dram=64GiB", "--ttft",
                      "--block-tokens", "512", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["ttft"]
-    assert [r["config"] for r in rows] == ["no cache", "gpu", "gpu + host"]
+    assert [r["config"] for r in rows] == ["no cache", "gpu", "gpu + dram"]
     assert rows[1]["ttft_p50_s"] < rows[0]["ttft_p50_s"]  # repeats hit: less to compute
     assert cli_main(["replay", trace, "--tier", "tape=1TiB", "--ttft"]) == 2  # named on stderr
 
@@ -148,13 +159,13 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
 
     chunk = 4096
     slot = record_bytes(chunk)
-    config = {"tiers": {"host": {"capacity": 4 * slot},
+    config = {"tiers": {"dram": {"capacity": 4 * slot},
                         "disk": [{"path": disk_dir, "capacity": 3 * 4096 + 10 * slot}]},
               "promote_on_hit": policy.promote_on_hit, "disk_admission": policy.admission,
               "disk_admission_threshold": policy.tuning.threshold, "disk_admission_loss": policy.tuning.loss,
               "eviction": policy.eviction, "chunk_tokens": BLOCK,
               "io": {"engine": "threads", "queue_depth": 16}}  # a batch holds a request
-    replayer = Replayer([("host", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,
+    replayer = Replayer([("dram", 4 * BLOCK), ("disk", 10 * BLOCK)], kv_bytes_per_token=1,
                         block_tokens=BLOCK, policy=policy)
     payload = np.zeros(chunk, np.uint8)
     with TieredStore(config, chunk, background=False) as store:
@@ -177,11 +188,11 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
             assert store.get_many(keys[: found.count], [np.empty(chunk, np.uint8)] * found.count) == \
                 [True] * found.count
             store.put_many(keys, [payload] * len(keys))
-            assert [("host", "disk")[t] for t in replayed] == list(found.tiers)
-        assert store.probe.keys("host") == set(replayer.tiers[0].table.index)
+            assert [("dram", "disk")[t] for t in replayed] == list(found.tiers)
+        assert store.probe.keys("dram") == set(replayer.tiers[0].table.index)
         assert store.probe.keys("disk") == set(replayer.tiers[1].table.index)
         counters = store.stats.snapshot()
-        assert counters.get("host.evictions", 0) > 10  # the tiers were full
+        assert counters.get("dram.evictions", 0) > 10  # the tiers were full
         result = replayer.result()
         assert result["disk_bytes_written"] == replayer.tiers[1].stats.bytes_written > 0
         assert counters["disk.bytes_written"] == record_bytes(chunk) * (
@@ -193,15 +204,15 @@ def test_the_replay_and_a_real_store_agree_chunk_for_chunk(tmp_path, disk_dir, p
 
 
 def test_admission_and_write_counts_are_the_disk_tiers_alone(tmp_path):
-    """gpu over host over disk, second-touch: a gpu victim always goes down to host (only the
-    disk refuses), and disk_bytes_* count the disk's traffic, not the host's. A, B, C, A, D, A
+    """gpu over dram over disk, second-touch: a gpu victim always goes down to dram (only the
+    disk refuses), and disk_bytes_* count the disk's traffic, not dram's. A, B, C, A, D, A
     with one slot per memory tier: A reaches the disk only once seen twice."""
     trace = write_trace(tmp_path / "t.jsonl", [([i], BLOCK + 1) for i in (1, 2, 3, 1, 4, 1, 5, 6, 1)])
-    replayer = Replayer([("gpu", BLOCK), ("host", BLOCK), ("disk", 8 * BLOCK)], kv_bytes_per_token=1,
+    replayer = Replayer([("gpu", BLOCK), ("dram", BLOCK), ("disk", 8 * BLOCK)], kv_bytes_per_token=1,
                         block_tokens=BLOCK, policy=TierPolicy(admission="second-touch", chunk_tokens=BLOCK))
     result = replayer.run(read_trace(trace, BLOCK))
-    host, disk = replayer.tiers[1].stats, replayer.tiers[2].stats
-    assert host.bytes_written > disk.bytes_written > 0  # every gpu victim went to host
+    dram, disk = replayer.tiers[1].stats, replayer.tiers[2].stats
+    assert dram.bytes_written > disk.bytes_written > 0  # every gpu victim went to dram
     assert result["disk_bytes_written"] == disk.bytes_written
     assert result["disk_bytes_read"] == disk.bytes_read > 0
     assert result["disk_bytes_written_per_byte_read"] == disk.bytes_written / disk.bytes_read

@@ -32,8 +32,8 @@ def test_one_request_is_prefilled_in_budget_sized_chunks():
 
 
 def test_a_hit_is_loaded_first_then_only_the_rest_is_computed():
-    request = SimRequest(0.0, prompt_tokens=250, output_tokens=1, hits={"host": 200})
-    simulate([request], MODEL, HW, {"host": "dram"}, budget=100)
+    request = SimRequest(0.0, prompt_tokens=250, output_tokens=1, hits={"dram": 200})
+    simulate([request], MODEL, HW, {"dram": "dram"}, budget=100)
     load = 0.001 + 200 * MODEL.kv_bytes_per_token / 1e9
     assert request.first_token_s == pytest.approx(load + step([(200, 50)]))
 

@@ -78,7 +78,7 @@ def shared_tmp():
 @pytest.fixture
 def service_config(tmp_path, disk_dir):
     """A config whose service the test starts; stopped (and its leftovers killed) after."""
-    raw = services.service_config(tmp_path, host=4 * SLOT, disk_dir=disk_dir, disk=64 * SLOT,
+    raw = services.service_config(tmp_path, dram=4 * SLOT, disk_dir=disk_dir, disk=64 * SLOT,
                                   io={"timeout_s": 5}, socket="run/kvstore.sock")
     yield raw
     stop_service(load_config(raw))
@@ -116,7 +116,7 @@ def test_1_a_squatted_default_runtime_directory_is_refused(intruder, shared_tmp,
         squat = f"/tmp/kvstore-{victim.uid}"
         made = intruder.run(f"import os; os.mkdir({squat!r}, 0o777); os.chmod({squat!r}, 0o777)")
         assert made.returncode == 0, made.stderr
-        config = {"tiers": {"host": {"capacity": "4MiB"}}}
+        config = {"tiers": {"dram": {"capacity": "4MiB"}}}
         code = ("from kvstore.service.client import StoreClient\n"
                 "from kvstore.config.store import load_config\n"
                 f"StoreClient(load_config({config!r}), 65536)")
@@ -156,7 +156,7 @@ def test_1_a_client_refuses_a_listener_of_another_user(intruder, shared_tmp):
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
-    config = {"tiers": {"host": {"capacity": "4MiB"}}, "service": {"socket": path, "spawn": False}}
+    config = {"tiers": {"dram": {"capacity": "4MiB"}}, "service": {"socket": path, "spawn": False}}
     code = ("from kvstore.service.client import StoreClient\nfrom kvstore.config.store import load_config\n"
             f"StoreClient(load_config({config!r}))")
     done = victim.run(code)
@@ -192,7 +192,7 @@ def test_2_a_pickle_sent_to_the_service_runs_nothing(service_config, tmp_path):
 @needs_root
 def test_2_another_user_cannot_reach_the_socket_even_under_umask_0(intruder, shared_tmp):
     path = str(shared_tmp / "run" / "kvstore.sock")
-    config = load_config({"tiers": {"host": {"capacity": "4MiB"}}, "service": {"socket": path}})
+    config = load_config({"tiers": {"dram": {"capacity": "4MiB"}}, "service": {"socket": path}})
     old = os.umask(0)  # the client and the service it spawns both run under it
     try:
         StoreClient(config).close()
@@ -209,7 +209,7 @@ def test_2_another_user_cannot_reach_the_socket_even_under_umask_0(intruder, sha
 def test_2_an_allowed_user_of_another_uid_gets_no_dram_tier_and_cannot_pin(intruder, shared_tmp):
     """Under the default share_dram (own-user) an engine of another allowed user loads
     through its window: it is not handed the DRAM tier, and a Pin from it is refused."""
-    raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+    raw = services.service_config(shared_tmp, dram="4MiB", socket="run/kvstore.sock",
                                   allowed_uids=[intruder.uid])
     # Their engine trusts this user's service (listener and directory) and never spawns one.
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
@@ -244,7 +244,7 @@ def test_2_an_allowed_user_can_neither_stop_the_service_nor_make_its_store(intru
     """An allowed user may use the service (docs/security.md), not run it: its Shutdown is
     refused, and its engine, first to connect, cannot fix the store's chunk size (nor have a
     fresh tier formatted for it): the store is made by the service's own user's engine."""
-    raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+    raw = services.service_config(shared_tmp, dram="4MiB", socket="run/kvstore.sock",
                                   allowed_uids=[intruder.uid])
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     scheduler = StoreClient(load_config(raw))  # the owner's service, no store yet
@@ -291,7 +291,7 @@ def test_2_a_refused_hello_names_the_keys_that_differ_not_the_config(service_con
 
 def test_2_an_allowed_user_may_announce_but_not_list_or_purge(intruder, shared_tmp):
     """`kvstore purge` deletes every user's records of a namespace: the service's owner only."""
-    raw = services.service_config(shared_tmp, host="4MiB", socket="run/kvstore.sock",
+    raw = services.service_config(shared_tmp, dram="4MiB", socket="run/kvstore.sock",
                                   allowed_uids=[intruder.uid])
     theirs = {**raw, "service": {**raw["service"], "allowed_uids": [os.geteuid()], "spawn": False}}
     owner = StoreClient(load_config(raw), CHUNK_BYTES)
@@ -368,7 +368,7 @@ def test_3_a_planted_data_file_or_link_is_refused(intruder, shared_tmp):
 
 def test_3_the_dram_slab_has_no_file_to_squat():
     with pytest.raises(ConfigError, match=r"shm_name.*removed"):
-        load_config({"tiers": {"host": {"capacity": "4MiB", "shm_name": "kvstore-slab"}}})
+        load_config({"tiers": {"dram": {"capacity": "4MiB", "shm_name": "kvstore-slab"}}})
 
 
 # -- 4. runtime files: private directory, no links followed, not world-readable ------------
@@ -377,7 +377,7 @@ def test_4_a_socket_in_a_world_writable_directory_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o1777)
-    config = load_config(services.service_config(shared, host="4MiB", socket="kv.sock", staging=None))
+    config = load_config(services.service_config(shared, dram="4MiB", socket="kv.sock", staging=None))
     with pytest.raises(ConfigError, match="others may create files in it"):
         StoreClient(config)
 
@@ -490,7 +490,7 @@ def test_6_a_huge_frame_is_refused_before_it_is_buffered(service_config):
 @pytest.mark.parametrize("engine", ["uring", "threads"])
 def test_7_descriptors_stay_flat_after_200_short_lived_clients(service_config, engine):
     service_config["io"]["engine"] = engine
-    del service_config["tiers"]["host"]  # every put and get goes to the disk, on the client's thread
+    del service_config["tiers"]["dram"]  # every put and get goes to the disk, on the client's thread
     config = load_config(service_config)
     first = StoreClient(config, CHUNK_BYTES)
     pid = int(first.info()["service_pid"])
@@ -527,7 +527,7 @@ def test_8_serve_refuses_a_socket_that_a_live_service_holds(service_config, tmp_
 # -- 9. input checked at the edge; a damaged superblock is not fatal ---------------------------
 
 def test_9_a_get_into_a_read_only_buffer_is_refused(store_factory):
-    store = store_factory({"tiers": {"host": {"capacity": 8 * SLOT}}})
+    store = store_factory({"tiers": {"dram": {"capacity": 8 * SLOT}}})
     store.put_many(make_keys(1), make_payloads(1))
     out = np.zeros(CHUNK_BYTES, np.uint8)
     out.flags.writeable = False
@@ -537,19 +537,19 @@ def test_9_a_get_into_a_read_only_buffer_is_refused(store_factory):
 
 @pytest.mark.parametrize("key", [b"short", "a str key", b"x" * 17, 7])
 def test_9_keys_of_the_wrong_kind_are_refused_and_reserve_nothing(store_factory, key):
-    store = store_factory({"tiers": {"host": {"capacity": 2 * SLOT}}})
+    store = store_factory({"tiers": {"dram": {"capacity": 2 * SLOT}}})
     for call in (lambda: store.put_many([key], make_payloads(1)),
                  lambda: store.get_many([key], [np.zeros(CHUNK_BYTES, np.uint8)]),
                  lambda: store.lookup([key])):
         with pytest.raises(BadKeyError, match="chunk keys are 16 bytes"):
             call()
     assert store.put_many(make_keys(2), make_payloads(2)) == [True, True]
-    assert store.lookup(make_keys(2)).tiers == ("host", "host")
+    assert store.lookup(make_keys(2)).tiers == ("dram", "dram")
 
 
 def test_9_a_dtype_name_too_long_is_refused_before_any_slot_is_taken(store_factory):
     with pytest.raises(ShapeError, match=r"float8_e4m3fn.*19 bytes"):
-        store_factory({"tiers": {"host": {"capacity": 2 * SLOT}}}, dtype="torch.float8_e4m3fn")
+        store_factory({"tiers": {"dram": {"capacity": 2 * SLOT}}}, dtype="torch.float8_e4m3fn")
 
 
 def test_9_a_chunk_size_that_rounds_to_the_same_slot_is_refused(disk_dir, store_factory):
@@ -580,8 +580,8 @@ def test_9_a_bad_superblock_bit_keeps_the_tier_and_its_records(disk_dir, store_f
 
 
 def test_9_a_dram_tier_too_large_names_the_field():
-    with pytest.raises(ConfigError, match=r"tiers.host.capacity.*more than this machine's memory"):
-        TieredStore({"tiers": {"host": {"capacity": "1024TiB"}}}, CHUNK_BYTES)
+    with pytest.raises(ConfigError, match=r"tiers.dram.capacity.*more than this machine's memory"):
+        TieredStore({"tiers": {"dram": {"capacity": "1024TiB"}}}, CHUNK_BYTES)
 
 
 def test_9_metrics_listen_on_loopback_only(service_config):

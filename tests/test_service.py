@@ -21,7 +21,7 @@ CHUNK = 64 * 1024
 
 @pytest.fixture
 def config(tmp_path, disk_dir):
-    raw = service_config(tmp_path, host="4MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 0.5})
+    raw = service_config(tmp_path, dram="4MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 0.5})
     yield raw
     stop_service(raw)
 
@@ -111,7 +111,7 @@ def test_a_hung_service_costs_a_deadline_not_a_hang(config):
 def test_a_service_whose_backlog_is_full_is_unavailable_not_an_os_error(tmp_path):
     """A hung service accepts no connection: once its listener's backlog is full a
     connect() fails at once with EAGAIN, which must reach the engine as a miss."""
-    raw = service_config(tmp_path, host="4MiB", socket="run/kvstore.sock", spawn=False)
+    raw = service_config(tmp_path, dram="4MiB", socket="run/kvstore.sock", spawn=False)
     path = raw["service"]["socket"]
     os.makedirs(os.path.dirname(path), mode=0o700)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,7 +152,7 @@ def test_metrics_are_scraped_from_the_store(config):
     client.close()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "made_up" not in text
-    assert "kvstore_host_hits_total 3.0" in text
+    assert "kvstore_dram_hits_total 3.0" in text
     assert "kvstore_disk_bytes_written_total 0.0" in text  # all three still in DRAM: no SSD write
     assert "kvstore_disk_admission_refused_total 0.0" in text
     assert 'kvstore_disk_admission_threshold{policy="learned"} 0.0' in text  # from cold: nothing refused
@@ -160,10 +160,10 @@ def test_metrics_are_scraped_from_the_store(config):
     assert "kvstore_disk_admission_loss_measured 0.0" in text
     assert "kvstore_disk_write_budget_bytes_per_day 1.099511627776e+12" in text
     assert "kvstore_disk_write_budget_left_bytes" in text and "kvstore_disk_budget_refused_total 0.0" in text
-    assert 'kvstore_tier_chunks{tier="host"} 3.0' in text
-    assert 'kvstore_read_latency_seconds{quantile="0.5",tier="host"}' in text
-    assert 'kvstore_read_seconds_bucket{le="+Inf",tier="host"} 3.0' in text
-    assert 'kvstore_read_seconds_count{tier="host"} 3.0' in text
+    assert 'kvstore_tier_chunks{tier="dram"} 3.0' in text
+    assert 'kvstore_read_latency_seconds{quantile="0.5",tier="dram"}' in text
+    assert 'kvstore_read_seconds_bucket{le="+Inf",tier="dram"} 3.0' in text
+    assert 'kvstore_read_seconds_count{tier="dram"} 3.0' in text
     disk_path = config["tiers"]["disk"][0]["path"]
     assert f'kvstore_device_in_service{{device="{disk_path}",kind="disk"}} 1.0' in text
     assert f'kvstore_device_trips_total{{device="{disk_path}",kind="disk"}} 0.0' in text
@@ -205,7 +205,7 @@ def test_a_lookup_with_prefetch_warms_dram(config):
     client.count({"prefetch.requests": 1})
     assert client.info()["counters"]["prefetch.requests"] == 1
     assert client.get(keys, [0, 1, 2, 3]) == [True] * 4
-    assert client.info()["counters"]["host.hits"] == 4
+    assert client.info()["counters"]["dram.hits"] == 4
     client.close()
 
 
@@ -251,7 +251,7 @@ def test_misses_are_one_metric_labelled_by_tier_and_reason(tmp_path):
     from kvstore.service.metrics import StoreCollector
     from kvstore.store.tiered import TieredStore
 
-    with TieredStore({"tiers": {"host": {"capacity": "1MiB"}}}, CHUNK) as store:
+    with TieredStore({"tiers": {"dram": {"capacity": "1MiB"}}}, CHUNK) as store:
         store.stats.miss("disk", MissReason.BAD_CHECKSUM, "a test")
         store.stats.miss("peer", MissReason.STALE, "a test")
         families = {f.name: f for f in StoreCollector(lambda: store).collect()}

@@ -178,7 +178,7 @@ def test_a_new_server_loads_the_prompt_from_kvstores_dram(pair):
     assert all(r.storage == 0 for r in pair.reference.values()), "A found pages before any were stored"
     assert pair.answers["dram"].details.get("storage") == PAGES * PAGE_TOKENS, pair.answers["dram"].details
     assert pair.answers["dram"].details.get("device") == 0
-    assert pair.hits["dram"].get("host.hits") == PAGES, pair.hits["dram"]
+    assert pair.hits["dram"].get("dram.hits") == PAGES, pair.hits["dram"]
     assert not pair.hits["dram"].get("disk.hits"), pair.hits["dram"]
     same_answer(pair, "dram", "P1")
 

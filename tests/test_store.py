@@ -14,13 +14,13 @@ SLOT = record_bytes(CHUNK_BYTES)
 
 
 def test_host_only_round_trip_with_torch_buffers(store_factory):
-    store = store_factory({"tiers": {"host": {"capacity": 8 * SLOT}}})
+    store = store_factory({"tiers": {"dram": {"capacity": 8 * SLOT}}})
     keys, payloads = make_keys(4), make_payloads(4)
     assert store.put_many(keys, [torch.from_numpy(p) for p in payloads]) == [True] * 4
     outs = [torch.zeros(CHUNK_BYTES, dtype=torch.uint8) for _ in keys]
     assert store.get_many(keys, outs) == [True] * 4
     assert all(np.array_equal(o.numpy(), p) for o, p in zip(outs, payloads, strict=True))
-    assert store.lookup(keys).tiers == ("host",) * 4
+    assert store.lookup(keys).tiers == ("dram",) * 4
 
 
 def test_disk_only_round_trip_both_engines(disk_dir, engine, store_factory):
@@ -34,23 +34,23 @@ def test_disk_only_round_trip_both_engines(disk_dir, engine, store_factory):
 
 
 def test_dram_victims_go_down_to_disk_and_come_back_up(disk_dir, engine, store_factory):
-    store = store_factory(disk_config(disk_dir, 64 * SLOT, engine, host=4 * SLOT))
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, engine, dram=4 * SLOT))
     keys, payloads = make_keys(12), make_payloads(12)
     for start in range(0, 12, 2):
         assert all(store.put_many(keys[start:start + 2], payloads[start:start + 2],
                                   parent=keys[start - 1] if start else None))
         assert store.flush(10)
     counters = store.stats.snapshot()
-    assert counters["host.demoted"] >= 8
+    assert counters["dram.demoted"] >= 8
     assert store.lookup(keys).count == 12
     ok, outs = read_back(store, keys)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
     assert store.stats.snapshot()["disk.hits"] >= 8
-    assert "host" in store.lookup(keys).tiers  # promoted on the way up
+    assert "dram" in store.lookup(keys).tiers  # promoted on the way up
 
 
 def test_lookup_counts_the_leading_run_only(store_factory):
-    store = store_factory({"tiers": {"host": {"capacity": 16 * SLOT}}})
+    store = store_factory({"tiers": {"dram": {"capacity": 16 * SLOT}}})
     keys, payloads = make_keys(6), make_payloads(6)
     store.put_many(keys[:2] + keys[3:], payloads[:2] + payloads[3:])
     assert store.lookup(keys).count == 2
@@ -99,7 +99,7 @@ def test_capacity_is_never_exceeded_under_concurrent_writers(disk_dir, engine, s
 
 
 def test_wrong_buffer_sizes_are_refused_before_any_io(store_factory):
-    store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
+    store = store_factory({"tiers": {"dram": {"capacity": 4 * SLOT}}})
     with pytest.raises(ShapeError, match="buffer 0 has 10 bytes"):
         store.put_many(make_keys(1), [np.zeros(10, np.uint8)])
     with pytest.raises(ShapeError, match="2 keys but 1 buffers"):
@@ -124,33 +124,33 @@ def test_changed_chunk_size_does_not_destroy_stored_data(disk_dir, store_factory
 def test_missing_path_and_too_small_host_tier_are_clear(tmp_path, store_factory):
     with pytest.raises(DeviceError, match="does not exist"):
         store_factory(disk_config(str(tmp_path / "no" / "such" / "dir"), 8 * SLOT))
-    with pytest.raises(ConfigError, match=r"tiers\.host\.capacity"):
-        store_factory({"tiers": {"host": {"capacity": 4096}}})
+    with pytest.raises(ConfigError, match=r"tiers\.dram\.capacity"):
+        store_factory({"tiers": {"dram": {"capacity": 4096}}})
 
 
 def test_a_dram_slot_holding_another_key_is_a_counted_miss(store_factory):
-    store = store_factory({"tiers": {"host": {"capacity": 4 * SLOT}}})
+    store = store_factory({"tiers": {"dram": {"capacity": 4 * SLOT}}})
     keys, payloads = make_keys(2), make_payloads(2)
     store.put_many(keys, payloads)
     faults.stray_write(store, keys[1], 16, bytes(16))  # a stray write into the slab
     ok, _ = read_back(store, keys)
     assert ok == [True, False]
-    assert store.stats.snapshot()["host.miss.wrong_key"] == 1
+    assert store.stats.snapshot()["dram.miss.wrong_key"] == 1
     assert not store.contains(keys[1])
 
 
 def test_prefetch_promotes_the_leading_disk_run_to_dram(disk_dir):
-    config = disk_config(disk_dir, "16MiB", host=4 << 20)
+    config = disk_config(disk_dir, "16MiB", dram=4 << 20)
     keys, payloads = make_keys(6), make_payloads(6)
     with TieredStore(config, CHUNK_BYTES) as store:
         store.put_many(keys[:4], payloads[:4])
     with TieredStore(config, CHUNK_BYTES) as store:  # a restart: DRAM empty, disk recovered
         assert store.lookup(keys).tiers == ("disk",) * 4
         assert store.prefetch(keys) == 4
-        assert store.lookup(keys).tiers == ("host",) * 4
+        assert store.lookup(keys).tiers == ("dram",) * 4
         found, outs = read_back(store, keys[:4])
         assert found == [True] * 4
         assert all(np.array_equal(o, p) for o, p in zip(outs, payloads[:4], strict=True))
         counters = store.stats.snapshot()
-        assert counters["host.hits"] == 4 and "disk.hits" not in counters
+        assert counters["dram.hits"] == 4 and "disk.hits" not in counters
         assert store.prefetch(keys) == 0  # already in DRAM

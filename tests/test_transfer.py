@@ -47,7 +47,7 @@ def _pages(memory: np.ndarray) -> list[list[tuple[int, int]]]:
 
 
 def test_a_load_longer_than_the_window_fills_every_page_from_dram_and_from_disk(tmp_path, disk_dir):
-    store = service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", staging="2MiB")
+    store = service_config(tmp_path, dram="8MiB", disk_dir=disk_dir, disk="16MiB", staging="2MiB")
     client = StoreClient(load_config(store), CHUNK)
     try:
         half = client.memory.slots // 2
@@ -77,7 +77,7 @@ def test_a_save_longer_than_the_window_is_one_chain_in_the_fetches_waves(tmp_pat
     gathered into one half while the other is put, the pages stored as one chain under the
     parent given (each record's parent the page before it, across waves), every byte
     loaded back; the write connection maps no DRAM tier."""
-    store = service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="16MiB", staging="1MiB")
+    store = service_config(tmp_path, dram="8MiB", disk_dir=disk_dir, disk="16MiB", staging="1MiB")
     count = 3 * 8 + 5  # waves of half a 16-slot window: several, the last split
     keys = [i.to_bytes(16, "big") for i in range(1, count + 1)]
     written = np.random.default_rng(4).integers(0, 256, count * CHUNK, dtype=np.uint8)

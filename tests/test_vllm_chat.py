@@ -46,7 +46,7 @@ def model() -> Path:
 
 
 def test_every_turn_finds_the_previous_answer_and_answers_stay_those_of_vllm(model, tmp_path, disk_dir):
-    config = service_config(tmp_path, chunk_tokens=CHUNK, host="1GiB", disk_dir=disk_dir, disk="1GiB",
+    config = service_config(tmp_path, chunk_tokens=CHUNK, dram="1GiB", disk_dir=disk_dir, disk="1GiB",
                             staging="64MiB")
     try:
         with OpenAIServer(model, [*ARGS, "--no-enable-prefix-caching"], tmp_path / "kvstore.log",

@@ -65,7 +65,7 @@ def test_host_b_loads_what_host_a_stored_and_routers_hear_both(tmp_path, disk_di
     for name, other in (("a", "b"), ("b", "a")):
         tiers: dict = {"disk": [{"path": devices[name], "capacity": "256MiB"}]}
         if name == "b":
-            tiers["host"] = {"capacity": "256MiB"}  # A writes straight to its device
+            tiers["dram"] = {"capacity": "256MiB"}  # A writes straight to its device
         configs[name] = {"chunk_tokens": CHUNK, "tiers": tiers,
                          "service": {"socket": str(tmp_path / f"{name}.sock")},
                          "cluster": {"host_id": f"host-{name}", "index_url": redis_server.url,

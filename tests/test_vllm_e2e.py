@@ -80,12 +80,12 @@ def reference(model, prompts, tmp_path_factory) -> dict[str, dict]:
     return dict(zip(names, run.results, strict=True))
 
 
-def kvstore_config(socket: str, disk_path: str, host: bool = True, disk: bool = True,
+def kvstore_config(socket: str, disk_path: str, dram: bool = True, disk: bool = True,
                    **extra) -> dict:
     """This file's kvstore config: 256 MiB of DRAM over a 512 MiB disk tier at `disk_path`."""
     tiers: dict = {}
-    if host:
-        tiers["host"] = {"capacity": "256MiB"}
+    if dram:
+        tiers["dram"] = {"capacity": "256MiB"}
     if disk:
         tiers["disk"] = [{"path": disk_path, "capacity": "512MiB"}]
     return {"chunk_tokens": CHUNK, "tiers": tiers, "service": {"socket": socket}, **extra}
@@ -96,9 +96,9 @@ def store_config(tmp_path, disk_dir):
     """Makes kvstore configs, each with its own service socket; services stop after the test."""
     configs: list[dict] = []
 
-    def make(host: bool = True, disk: bool = True, **extra) -> dict:
+    def make(dram: bool = True, disk: bool = True, **extra) -> dict:
         config = kvstore_config(str(tmp_path / f"kvstore{len(configs)}.sock"),
-                                os.path.join(disk_dir, "disk"), host, disk, **extra)
+                                os.path.join(disk_dir, "disk"), dram, disk, **extra)
         configs.append(config)
         return config
 
@@ -204,9 +204,9 @@ def test_chunked_prefill_saves_every_chunk(model, prompts, reference, store_conf
     assert_close(reference["long"], loaded.results[0])
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["dram", "disk"])
 def test_single_tier(model, prompts, reference, store_config, tier):
-    config = store_config(host=tier == "host", disk=tier == "disk")
+    config = store_config(dram=tier == "dram", disk=tier == "disk")
     run_engine(model, prompts["long"], connector(config, load_async=False))
     loaded = run_engine(model, prompts["long"], connector(config, load_async=False))
     assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
@@ -235,7 +235,7 @@ def test_a_hung_service_costs_misses_not_a_hang(model, prompts, reference, store
 
 
 def test_corrupt_record_is_recomputed_and_counted(model, prompts, reference, stored_config):
-    config = stored_config(host=False)
+    config = stored_config(dram=False)
     corrupt_record(config["tiers"]["disk"][0]["path"])
     loaded = run_engine(model, prompts["long"], connector(config))
     assert_close(reference["long"], loaded.results[0])
@@ -269,7 +269,7 @@ def test_prefetch_policies_load_from_a_restarted_service(model, prompts, referen
     if policy != "best_effort":
         assert loaded.results[0]["num_cached_tokens"] == FULL_CHUNKS * CHUNK
         assert read["prefetch.resident_chunks"] == FULL_CHUNKS  # every chunk was in DRAM in time
-        assert read["host.hits"] == FULL_CHUNKS and "disk.hits" not in read
+        assert read["dram.hits"] == FULL_CHUNKS and "disk.hits" not in read
 
 
 def test_a_prefetch_whose_read_fails_falls_back_to_recompute(model, prompts, reference, stored_config):
@@ -315,4 +315,4 @@ def test_a_hint_promotes_a_later_requests_chunks(model, prompts, stored_config, 
     while (read := counters(config)).get("prefetch.chunks", 0) < FULL_CHUNKS and time.monotonic() < deadline:
         time.sleep(0.1)
     assert read["prefetch.chunks"] == FULL_CHUNKS  # promoted on the hint alone
-    assert read.get("disk.hits", 0) == 0 and read.get("host.hits", 0) == 0  # nothing was loaded
+    assert read.get("disk.hits", 0) == 0 and read.get("dram.hits", 0) == 0  # nothing was loaded

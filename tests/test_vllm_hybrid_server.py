@@ -41,7 +41,7 @@ def test_a_fresh_server_loads_a_hybrid_models_prompt_with_its_groups(tmp_path, d
     record (a prefetch would drop it first, and nothing would fail)."""
     model: Path = build_tiny_gemma3(tmp_path / "gemma")
     disk = f"{disk_dir}/disk"
-    config = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", disk_dir=disk_dir, disk="256MiB",
+    config = service_config(tmp_path, chunk_tokens=CHUNK, dram="256MiB", disk_dir=disk_dir, disk="256MiB",
                             staging="16MiB")
     with OpenAIServer(model, ARGS, tmp_path / "reference.log", kv_cache_gib=1) as reference:
         expected = {name: reference.complete(prompt, max_tokens=8)

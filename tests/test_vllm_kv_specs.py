@@ -30,7 +30,7 @@ def prompt_file(tmp_path) -> str:
 
 @pytest.fixture
 def connector(tmp_path, disk_dir):
-    raw = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", disk_dir=disk_dir, disk="256MiB",
+    raw = service_config(tmp_path, chunk_tokens=CHUNK, dram="256MiB", disk_dir=disk_dir, disk="256MiB",
                          staging=None)
     yield {"config": raw}
     stop_service(raw)
@@ -61,8 +61,8 @@ def stored_chunks(connector: dict) -> tuple[int, int]:
         info = client.info()
     finally:
         client.close()
-    host = next(tier for tier in info["tiers"] if tier["name"] == "host")
-    return host["chunks"], host["chunks"] * info["chunk_bytes"]
+    dram = next(tier for tier in info["tiers"] if tier["name"] == "dram")
+    return dram["chunks"], dram["chunks"] * info["chunk_bytes"]
 
 
 def test_sliding_window_and_full_attention_model_keeps_its_groups(tmp_path, prompt_file, connector):

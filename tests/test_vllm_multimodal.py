@@ -70,7 +70,7 @@ def reference(model, tmp_path_factory) -> dict[int, ChatReply]:
 @pytest.fixture(scope="module")
 def kvstore_server(model, tmp_path_factory) -> Iterator[OpenAIServer]:
     folder = tmp_path_factory.mktemp("kvstore")
-    config = service_config(folder, chunk_tokens=CHUNK, host="256MiB", staging="16MiB")
+    config = service_config(folder, chunk_tokens=CHUNK, dram="256MiB", staging="16MiB")
     try:
         with OpenAIServer(model, ARGS, folder / "server.log", connector={"config": config}, kv_cache_gib=1,
                           env=server_env(model)) as server:
@@ -101,7 +101,7 @@ def test_an_image_sent_under_another_tenants_uuid_is_not_served_for_it_after_a_r
     """The attacker's image 1 under the uuid the victim's image 2 uses, through vLLM's
     OpenAI server; the server restarts (the store keeps the chunks); the victim's request
     loads only the chunks before its image and answers as a server without kvstore does."""
-    config = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", staging="16MiB")
+    config = service_config(tmp_path, chunk_tokens=CHUNK, dram="256MiB", staging="16MiB")
     prompt = reference[1].prompt_token_ids
     before_image = prompt.index(image_token_id(model)) // CHUNK * CHUNK
     try:

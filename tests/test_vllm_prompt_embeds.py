@@ -74,7 +74,7 @@ def reference(model, prompts, tmp_path_factory) -> Iterator[dict[str, Completion
 
 def test_prompt_embeddings_load_after_a_restart_and_their_xxh3_twin_loads_nothing(
         model, prompts, reference, tmp_path):
-    config = service_config(tmp_path, chunk_tokens=CHUNK, host="256MiB", staging="16MiB")
+    config = service_config(tmp_path, chunk_tokens=CHUNK, dram="256MiB", staging="16MiB")
     try:
         with OpenAIServer(model, ARGS, tmp_path / "first.log", connector={"config": config},
                           kv_cache_gib=1) as server:

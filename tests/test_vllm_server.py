@@ -78,7 +78,7 @@ def store_config(tmp_path_factory) -> Iterator[dict]:
         os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
     except OSError:
         pytest.skip("the temporary directory's filesystem does not support O_DIRECT")
-    config = service_config(folder, chunk_tokens=CHUNK, host="1GiB", disk_dir=str(folder), disk="1GiB",
+    config = service_config(folder, chunk_tokens=CHUNK, dram="1GiB", disk_dir=str(folder), disk="1GiB",
                             staging="64MiB")
     yield config
     stop_service(config)
@@ -181,7 +181,7 @@ def test_a_restarted_server_and_service_hit_from_disk(restarted, dram_load, refe
     assert_close(reference["follow_up"], loaded)
     read = counters(store_config)  # read by the load itself, or promoted by the lookup's prefetch
     assert read.get("disk.hits", 0) + read.get("prefetch.chunks", 0) >= 7
-    assert read.get("host.leased", 0) >= 7  # each copied into the engine from its DRAM slot
+    assert read.get("dram.leased", 0) >= 7  # each copied into the engine from its DRAM slot
     # vLLM's per-source hit metric: every loaded token under the tier that held it (a disk
     # hit the lookup's prefetch promoted counts as host), none "external_unspecified".
     by_source = restarted.tokens_by_source("vllm:prompt_tokens_cached_by_source")

@@ -40,7 +40,7 @@ COUNT = 6
 def store(tmp_path, disk_dir) -> Iterator[dict]:
     """A service of its own: 8 MiB of DRAM over a 32 MiB disk tier, a patient I/O deadline
     (disk reads right after a restart, on a busy 2-core machine)."""
-    config = service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="32MiB", io={"timeout_s": 5.0},
+    config = service_config(tmp_path, dram="8MiB", disk_dir=disk_dir, disk="32MiB", io={"timeout_s": 5.0},
                             socket="run/kvstore.sock", staging="2MiB")
     yield config
     stop_service(config)
@@ -113,7 +113,7 @@ def test_a_restart_finds_what_was_written_and_a_flipped_byte_is_a_miss(store, pr
 
 
 def test_a_full_tier_stays_within_its_capacity_and_never_serves_other_bytes(tmp_path, disk_dir):
-    small = service_config(tmp_path, host="1MiB", disk_dir=disk_dir, disk="4MiB", io={"timeout_s": 5.0},
+    small = service_config(tmp_path, dram="1MiB", disk_dir=disk_dir, disk="4MiB", io={"timeout_s": 5.0},
                            socket="run/kvstore.sock", staging="1MiB")
     rig = rig_of(small)
     try:

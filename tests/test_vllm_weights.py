@@ -31,7 +31,7 @@ def setup(tmp_path, disk_dir):
     """A model directory, a prompt file and a kvstore config (its service stopped after)."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([PROMPT]))
-    config = service_config(tmp_path, chunk_tokens=CHUNK, host="64MiB", disk_dir=disk_dir, disk="128MiB",
+    config = service_config(tmp_path, chunk_tokens=CHUNK, dram="64MiB", disk_dir=disk_dir, disk="128MiB",
                             socket="run/kvstore.sock", staging=None)
     yield build_tiny_llama(tmp_path / "model"), prompts, config
     stop_service(config)

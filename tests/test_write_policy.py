@@ -13,8 +13,8 @@ from kvstore.format.record import record_bytes
 SLOT = record_bytes(CHUNK_BYTES)
 
 
-def _config(disk_dir: str, host_slots: int = 8, **extra) -> dict:
-    return {"tiers": {"host": {"capacity": host_slots * SLOT},
+def _config(disk_dir: str, dram_slots: int = 8, **extra) -> dict:
+    return {"tiers": {"dram": {"capacity": dram_slots * SLOT},
                       "disk": [{"path": disk_dir, "capacity": 64 * SLOT}]},
             "io": {"queue_depth": 8, "timeout_s": 5}, **extra}
 
@@ -24,7 +24,7 @@ def test_write_back_reaches_disk_only_on_eviction(disk_dir, store_factory):
     keys, payloads = make_keys(4), make_payloads(4)
     assert all(store.put_many(keys, payloads))
     store.flush()
-    assert not store.probe.keys("disk") and store.lookup(keys).tiers == ("host",) * 4
+    assert not store.probe.keys("disk") and store.lookup(keys).tiers == ("dram",) * 4
 
 
 def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, store_factory):
@@ -33,7 +33,7 @@ def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, s
     assert all(store.put_many(keys, payloads))
     assert store.flush()
     assert all(k in store.probe.keys("disk") for k in keys)
-    assert store.lookup(keys).tiers == ("host",) * 4  # still served from DRAM
+    assert store.lookup(keys).tiers == ("dram",) * 4  # still served from DRAM
     # A service killed now loses nothing: the disk alone serves every chunk.
     for key in keys:
         faults.lose_from_dram(store, key)
@@ -42,7 +42,7 @@ def test_write_through_puts_every_chunk_on_disk_and_keeps_it_in_dram(disk_dir, s
 
 
 def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
-    store = store_factory(_config(disk_dir, host_slots=4, disk_admission="second-touch"))
+    store = store_factory(_config(disk_dir, dram_slots=4, disk_admission="second-touch"))
     popular, popular_payloads = make_keys(2, seed=1), make_payloads(2, seed=1)
     store.put_many(popular, popular_payloads)
     read_back(store, popular)  # seen twice: stored once, read once

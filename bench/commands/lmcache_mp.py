@@ -96,7 +96,7 @@ def store_config(workdir: Path) -> dict[str, Any]:
     (every chunk reaches disk when stored), started by this bench, not by the adapter."""
     run = workdir / "run"
     run.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return {"tiers": {"host": {"capacity": "512MiB"},
+    return {"tiers": {"dram": {"capacity": "512MiB"},
                       "disk": [{"path": str(workdir / "disk"), "capacity": "1GiB"}]},
             "write_policy": "write_through", "io": {"timeout_s": 5.0},
             "service": {"socket": str(run / "kvstore.sock"), "spawn": False, "staging": "128MiB"}}

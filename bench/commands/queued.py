@@ -9,7 +9,7 @@ promoting their chunks from disk to DRAM. Three runs, one row each:
   disk (queued)           DRAM emptied (service restarted), prefetch off: disk reads at load
   disk+prefetch (queued)  DRAM emptied, prefetch on (the connector's policy)
 `resident_fraction` is the share of the measured requests' loaded chunks that came from
-DRAM rather than disk (the service's host.hits / (host.hits + disk.hits) in that run).
+DRAM rather than disk (the service's dram.hits / (dram.hits + disk.hits) in that run).
 With `device_staging` (bytes), the runs also stage chunks into the workers' device pools
 on arrival, and `device_resident_fraction` is the share of loaded chunks taken from there
 (staging.hits / staging.loaded_chunks).
@@ -72,11 +72,11 @@ def _rows(context: int, runs: list[tuple[str, list[dict[str, Any]], dict[str, in
     dram_p50, _ = p50_p90(r["ttft_s"] for r in runs[0][1])
     rows = []
     for mode, results, counters in runs:
-        host, disk = counters.get("host.hits", 0), counters.get("disk.hits", 0)
+        dram, disk = counters.get("dram.hits", 0), counters.get("disk.hits", 0)
         p50, p90 = p50_p90(r["ttft_s"] for r in results)
         rows.append({"mode": mode, "dtype": dtype, "context_tokens": context, "busy_prompts": BUSY_PROMPTS,
                      "ttft_p50_s": p50, "ttft_p90_s": p90, "vs_dram": p50 / dram_p50,
-                     "resident_fraction": host / (host + disk) if host + disk else None,
+                     "resident_fraction": dram / (dram + disk) if dram + disk else None,
                      "device_resident_fraction": (counters["staging.hits"] / counters["staging.loaded_chunks"]
                                                   if counters.get("staging.loaded_chunks") else None),
                      "prefetch_counters": {k: v for k, v in counters.items()

@@ -26,8 +26,9 @@ SWEEP_FACTORS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="Mooncake-format JSONL trace")
     parser.add_argument("--tier", action="append", default=[], metavar="NAME=SIZE",
-                        help="a tier, top first (repeat): e.g. --tier host=64GiB --tier disk=2TiB; "
-                             "a tier below the top not named gpu, hbm, host or dram is a disk "
+                        help="a tier, top first (repeat): e.g. --tier dram=64GiB --tier disk=2TiB "
+                             "(`host` is dram's old name, still read as dram); "
+                             "a tier below the top not named gpu, hbm or dram is a disk "
                              "(disk admission applies to it and its writes are counted)")
     parser.add_argument("--kv-bytes-per-token", type=int, default=131072,
                         help="KV bytes one token takes (2 x layers x kv_heads x head_dim x dtype); a "
@@ -210,7 +211,7 @@ def _bound(args: argparse.Namespace, tiers: list[tuple[str, int]], result: dict[
                                       if i and t["name"] not in MEMORY_TIERS)}
 
 
-TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "host": "dram", "dram": "dram", "disk": "disk",
+TIER_PATHS = {"gpu": "hbm", "hbm": "hbm", "dram": "dram", "disk": "disk",
               "nvme": "disk", "ssd": "disk", "nvmeof": "nvmeof", "fabric": "nvmeof"}
 
 

@@ -228,7 +228,7 @@ def prefetch_case(data: DiskSet, engine: str, queue_depth: int) -> list[CaseResu
     once before, as a running service's are."""
     slot = record_bytes(data.chunk_bytes)
     inflight = max(256 << 20, 2 * queue_depth * slot)
-    tiers = {**data.tiers, "host": {"capacity": (data.count + 2) * slot}}
+    tiers = {**data.tiers, "dram": {"capacity": (data.count + 2) * slot}}
     config = {"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth},
               "prefetch_inflight": inflight}
     return [_prefetch(data, config, f"{engine}-prefetch-cold", queue_depth, warm=False),
@@ -313,7 +313,7 @@ def engine_case(data: DiskSet, engine_name: str, queue_depth: int, batch: int) -
 
 def host_store(chunk_bytes: int, count: int) -> tuple[TieredStore, list[bytes], list[torch.Tensor]]:
     """An empty DRAM-only store with room for `count` chunks, their keys and payloads."""
-    store = TieredStore({"tiers": {"host": {"capacity": (count + 2) * record_bytes(chunk_bytes)}}},
+    store = TieredStore({"tiers": {"dram": {"capacity": (count + 2) * record_bytes(chunk_bytes)}}},
                         chunk_bytes)
     return store, _keys(count), _payloads(count, chunk_bytes)
 
@@ -350,7 +350,7 @@ def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
                 raise RuntimeError(f"bench: only {served} of {count} host chunks read back")
             gets.append(read)
         copy()
-        p50, p99 = store.stats.latency_ms("host.read")
+        p50, p99 = store.stats.latency_ms("dram.read")
     finally:
         store.close()
     gib = count * chunk_bytes / 2**30

@@ -257,7 +257,7 @@ def case_killed_write(target: Target) -> str:
         time.sleep(6)
         _complete(target.url, target.model, prompt_token_ids(chunk + 1, seed=82, vocab=VOCAB))
     restarted = service_info(store) or {}
-    on_disk = sum(t["chunks"] for t in restarted.get("tiers", []) if t.get("name") != "host")
+    on_disk = sum(t["chunks"] for t in restarted.get("tiers", []) if t.get("name") != "dram")
     seen = check(_complete(target.url, target.model, prompt), expected, _floor(len(prompt) - 1, chunk))
     return f"service killed {when}; {on_disk} whole chunks on disk after its restart; again: {seen}"
 
@@ -315,7 +315,7 @@ def own_servers(workdir: Path, long_chunks: int) -> Iterator[Target]:
     lora = build_tiny_lora(workdir / "lora", model)
     args = [*SERVER_ARGS, "--max-model-len", str((long_chunks + 8) * CHUNK)]
     lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={lora}"]
-    config = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": "1GiB"},
+    config = {"chunk_tokens": CHUNK, "tiers": {"dram": {"capacity": "1GiB"},
                                                "disk": [{"path": str(workdir / "disk"), "capacity": "1GiB"}]},
               "service": {"socket": str(workdir / "kvstore.sock"), "staging": "32MiB"},
               "write_policy": "write_through"}  # chunks reach disk as they are stored (killed write)

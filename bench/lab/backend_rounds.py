@@ -62,7 +62,7 @@ def service_huge_pages(store: dict[str, Any], clients: int) -> Iterator[None]:
     """Huge pages reserved (as root; given back after) for the service's shared DRAM tier
     and its clients' windows, as fio's buffers get theirs: a disk hit read into memory of
     4 KiB pages splits at the device's segment limit (docs/vllm.md). Said when not had."""
-    need = int(store["tiers"]["host"]["capacity"]) + clients * parse_size(store["service"]["staging"])
+    need = int(store["tiers"]["dram"]["capacity"]) + clients * parse_size(store["service"]["staging"])
     with huge_pages(need + (64 << 20)) as why_not:
         if why_not is not None:
             print(f"note: the kvstore service runs without reserved huge pages: {why_not}")

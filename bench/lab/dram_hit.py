@@ -59,7 +59,7 @@ def _saves_done(store: dict[str, Any], chunks: int, timeout_s: float = 60) -> No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         info = service_info(load_config(store)) or {}
-        if sum(t["chunks"] for t in info.get("tiers", []) if t.get("name") == "host") >= chunks:
+        if sum(t["chunks"] for t in info.get("tiers", []) if t.get("name") == "dram") >= chunks:
             return
         time.sleep(0.2)
 
@@ -71,7 +71,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     base = ["--dtype", "float16", "--enforce-eager", "--enable-prompt-tokens-details",
             "--max-model-len", str(args.prefix_tokens + args.suffix_tokens + 64),
             "--max-num-batched-tokens", str(args.prefix_tokens + args.suffix_tokens)]
-    store = {"chunk_tokens": CHUNK, "tiers": {"host": {"capacity": args.host_capacity}},
+    store = {"chunk_tokens": CHUNK, "tiers": {"dram": {"capacity": args.dram_capacity}},
              "service": {"socket": str(workdir / "kvstore.sock")}}
     found: dict[str, list[float]] = {"recompute": [], "kvstore": [], "floor": []}
     cached: list[int] = []
@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     copy = plain_copy_s(args.prefix_tokens * KV_BYTES_PER_TOKEN)
     medians = {name: statistics.median(values) for name, values in found.items()}
     extra = (medians["kvstore"] - medians["floor"]) / copy
-    loads = {k: v for k, v in counters.items() if k.startswith(("load.", "host.", "get.", "requests."))}
+    loads = {k: v for k, v in counters.items() if k.startswith(("load.", "dram.", "get.", "requests."))}
     return {"prefix_tokens": args.prefix_tokens, "runs": found, "median_s": medians, "plain_copy_s": copy,
             "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": loads}
 
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--host-capacity", default="4GiB", help="kvstore's DRAM tier")
+    parser.add_argument("--dram-capacity", default="4GiB", help="kvstore's DRAM tier")
     parser.add_argument("--sync-load", action="store_true",
                         help="the connector's load_async false: the load runs before the forward pass "
                              "of the step that computes the rest, not while the request waits")

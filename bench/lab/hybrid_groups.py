@@ -33,7 +33,7 @@ def measure(tree: Path, workdir: Path, loads: int = 3) -> dict[str, Any]:
     prompts = workdir / "prompts.json"
     prompts.write_text(json.dumps([prompt_token_ids(PROMPT_TOKENS, seed=5),
                                    prompt_token_ids(PROMPT_TOKENS, seed=21)]))
-    raw = {"chunk_tokens": 256, "tiers": {"host": {"capacity": "256MiB"}},
+    raw = {"chunk_tokens": 256, "tiers": {"dram": {"capacity": "256MiB"}},
            "service": {"socket": str(workdir / "kvstore.sock")}}
     config = load_config(raw)
 
@@ -49,17 +49,17 @@ def measure(tree: Path, workdir: Path, loads: int = 3) -> dict[str, Any]:
         stored = run_fresh(model, prompts, {"config": raw}, single_process=True, timeout_s=300,
                            dtype="float32", checkout=tree)
         state = info()
-        host = state["tiers"][0]
+        dram = state["tiers"][0]
         result: dict[str, Any] = {
             "hybrid_manager": "off" if "Turning off hybrid kv cache manager" in stored.output else "on",
-            "stored_chunks": host["chunks"],
-            "stored_bytes_per_token": host["chunks"] * state["chunk_bytes"] / stored_tokens,
+            "stored_chunks": dram["chunks"],
+            "stored_bytes_per_token": dram["chunks"] * state["chunk_bytes"] / stored_tokens,
             "cold_ttft_ms": stored.results[1]["ttft_s"] * 1000, "loads": []}
         for _ in range(loads):
-            before = info()["counters"].get("host.bytes_read", 0)
+            before = info()["counters"].get("dram.bytes_read", 0)
             loaded = run_fresh(model, prompts, {"config": raw}, single_process=True, timeout_s=300,
                                dtype="float32", checkout=tree)
-            read = info()["counters"].get("host.bytes_read", 0) - before
+            read = info()["counters"].get("dram.bytes_read", 0) - before
             second = loaded.results[1]
             result["loads"].append({"cached_tokens": second["num_cached_tokens"], "read_bytes_per_token":
                                     read / stored_tokens, "ttft_ms": second["ttft_s"] * 1000,

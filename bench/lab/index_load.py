@@ -36,7 +36,7 @@ LEASE_S = 600.0
 
 
 def _config(url: str, peers: int) -> ClusterConfig:
-    config = load_config({"tiers": {"host": {"capacity": "1MiB"}},
+    config = load_config({"tiers": {"dram": {"capacity": "1MiB"}},
                           "cluster": {"host_id": "reader", "index_url": url, "index_deadline_s": 5,
                                       "lease_s": LEASE_S,
                                       "peers": [{"host_id": f"h{i}",  # devices never opened here

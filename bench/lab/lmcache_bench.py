@@ -99,7 +99,7 @@ def experiment(args: argparse.Namespace, workdir: Path) -> Result:
     chunk_bytes = LAYERS * 2 * CHUNK_TOKENS * HEADS * HEAD_DIM * 2
     count = max(BATCH, parse_size(args.total) // chunk_bytes // BATCH * BATCH)
     with tempfile.TemporaryDirectory(dir=args.dir or workdir, prefix="lmcache-bench-") as directory:
-        store = {"tiers": {"host": {"capacity": int(count * (chunk_bytes + 8192) * 1.3)},
+        store = {"tiers": {"dram": {"capacity": int(count * (chunk_bytes + 8192) * 1.3)},
                            "disk": [{"path": os.path.join(directory, "kvstore"),
                                      "capacity": int(count * (chunk_bytes + 8192) * 1.6)}]},
                  "service": {"socket": os.path.join(directory, "run", "kvstore.sock"), "staging": "256MiB"}}

@@ -252,7 +252,7 @@ def _cuda_rounds(setup: _Setup, workdir: str | Path | None) -> dict[str, float]:
 
 def _config(chunk_tokens: int, directory: str, share: str, dram_bytes: int,
             disk_bytes: int = 0) -> StoreConfig:
-    tiers: dict[str, Any] = {"host": {"capacity": dram_bytes}}
+    tiers: dict[str, Any] = {"dram": {"capacity": dram_bytes}}
     if disk_bytes:
         tiers["disk"] = [{"path": directory, "capacity": disk_bytes}]
     return load_config({"chunk_tokens": chunk_tokens, "tiers": tiers,
@@ -290,7 +290,7 @@ def _disk_rounds(setup: _Setup, path: str, share: str, disk_dir: str, verify: st
                     cpu_s = time.process_time() + process_cpu(service_pid) - cpu_before
                     after = client.info()["counters"]
                     disk_hits, leased = (after.get(name, 0) - before.get(name, 0)
-                                         for name in ("disk.hits", "host.leased"))
+                                         for name in ("disk.hits", "dram.leased"))
                     assert disk_hits == len(keys), f"{disk_hits} of {len(keys)} chunks came from disk"
                     wanted = disk_hits if path.startswith("disk_tier") else 0
                     assert leased == wanted, f"{leased} chunks leased"

@@ -71,7 +71,7 @@ def client_args(server: OpenAIServer, args: argparse.Namespace, result: Path) ->
 def both_modes(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, Any]]:
     """Both modes, each in a fresh server; {mode: vLLM's result dict}."""
     model = args.model or str(build_llama3_8b_geometry(workdir / "model-8b"))
-    store = {"chunk_tokens": 256, "tiers": {"host": {"capacity": args.host_capacity}},
+    store = {"chunk_tokens": 256, "tiers": {"dram": {"capacity": args.dram_capacity}},
              "service": {"socket": str(workdir / "kvstore.sock")}}
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -92,7 +92,7 @@ def both_modes(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, A
 def long_prompt(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One N-token prompt computed in one step, then sent again --gap-s later."""
     model = args.model or str(build_llama3_8b_geometry(workdir / "model-8b"))
-    store = {"chunk_tokens": 256, "tiers": {"host": {"capacity": args.host_capacity}},
+    store = {"chunk_tokens": 256, "tiers": {"dram": {"capacity": args.dram_capacity}},
              "service": {"socket": str(workdir / "kvstore.sock"), "share_dram": args.share_dram}}
     tokens = args.long_prompt
     server_args = ["--dtype", "float16", "--enforce-eager", "--no-enable-prefix-caching",
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--max-concurrency", type=int, default=2)
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--host-capacity", default="4GiB", help="kvstore's DRAM tier")
+    parser.add_argument("--dram-capacity", default="4GiB", help="kvstore's DRAM tier")
     parser.add_argument("--timeout-s", type=float, default=1800, help="deadline of each client run")
     parser.add_argument("--long-prompt", type=int, help="measure one N-token prompt instead (see above)")
     parser.add_argument("--gap-s", type=float, default=5.0, help="--long-prompt: seconds between the two")

@@ -92,7 +92,7 @@ def _timed(name: str, hits: str, pages: _Pages, load: Loader,
 
 def kvstore_rounds(pages: _Pages, directory: str) -> list[Round]:
     total = len(pages.keys) * pages.page_bytes
-    store = {"tiers": {"host": {"capacity": int(total * 1.25)},
+    store = {"tiers": {"dram": {"capacity": int(total * 1.25)},
                        "disk": [{"path": os.path.join(directory, "kvstore"), "capacity": int(total * 1.5)}]},
              "service": {"socket": os.path.join(directory, "run", "kvstore.sock"), "staging": "256MiB"}}
     extra = {"backend_name": "kvstore", "module_path": "engine_plugin.sglang.hicache",

@@ -71,7 +71,7 @@ def warm_up(server: SGLangServer) -> None:
 
 def kvstore_round(python: Path, model: Path, work: Path, prompts: list[list[int]], layout: str,
                   number: int) -> list[Request]:
-    store, config = kvstore_store(work, host="1GiB", disk="2GiB")
+    store, config = kvstore_store(work, dram="1GiB", disk="2GiB")
     backend = kvstore_backend(config, prefetch_threshold=PAGE_TOKENS)
     try:
         with SGLangServer(python, model, backend, work / "a.log", layout=layout) as a:

@@ -108,9 +108,9 @@ class Bench:
         """An engine's manager over `tier`, its CPU tier twice one step's promotions."""
         return OffloadRig(offloading_spec([tier], self.row, 2 * self.at_once * self.per_request))
 
-    def kvstore(self, directory: str, host: int, disk: int, name: str) -> dict[str, Any]:
+    def kvstore(self, directory: str, dram: int, disk: int, name: str) -> dict[str, Any]:
         """A service of its own (socket `name`) with its disk tier in `directory`."""
-        return {"tiers": {"host": {"capacity": host}, "disk": [{"path": os.path.join(directory, "kvstore"),
+        return {"tiers": {"dram": {"capacity": dram}, "disk": [{"path": os.path.join(directory, "kvstore"),
                                                                 "capacity": disk}]},
                 "service": {"socket": os.path.join(self.sockets, name, "kvstore.sock"),
                             "staging": 2 * self.at_once * self.per_request * self.row}}

@@ -1,6 +1,6 @@
 """`kvstore replay TRACE --hosts N`: N hosts sharing one array, against N private islands.
 
-Every host has its own tiers above the array (`--tier host=SIZE`: SIZE per host) and
+Every host has its own tiers above the array (`--tier dram=SIZE`: SIZE per host) and
 writes its own part of the array (the last `--tier`, e.g. `disk=SIZE`, is the whole
 array: each host's part holds SIZE/N), under the store's policy, as a cluster host does
 (kvstore/cluster/: each host is the only writer of its own namespaces). Both runs see
@@ -83,7 +83,7 @@ def replay_cluster(trace: str, tiers: list[tuple[str, int]], hosts: int, routing
         raise ConfigError("--routing", routing, f"one of {', '.join(ROUTINGS)}")
     if len(tiers) < 2:
         raise ConfigError("--tier", [name for name, _ in tiers], "--hosts needs a tier per host and "
-                          "the array last, e.g. --tier host=64GiB --tier disk=16TiB")
+                          "the array last, e.g. --tier dram=64GiB --tier disk=16TiB")
     shared, private = (Cluster(tiers, hosts, flag, kv_bytes_per_token, block_tokens, promote)
                        for flag in (True, False))
     requests = tokens = 0

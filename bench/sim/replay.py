@@ -52,7 +52,8 @@ from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.return_rates import RequestEnd
 from kvstore.tiers.slots import Entry, Fate, Reservation, SlotTable
 
-MEMORY_TIERS = ("gpu", "hbm", "host", "dram")  # tier names that are not disk: nothing refused
+MEMORY_TIERS = ("gpu", "hbm", "dram")  # tier names that are not disk: nothing refused
+OLD_NAMES = {"host": "dram"}  # --tier names read as another: `host` was the DRAM tier's
 _ADMIT_ALL = TierPolicy()  # victim fates between memory tiers: admission is the disk's alone
 DAY_S = 86400.0
 
@@ -332,7 +333,7 @@ class Replayer:
         """`peers` (a cluster host; [] for one alone): the bottom tiers of the other hosts.
         `tpot_s`: a request ends its output tokens x this after it arrives."""
         if not tiers:
-            raise ConfigError("--tier", None, "give at least one tier, e.g. --tier host=64GiB")
+            raise ConfigError("--tier", None, "give at least one tier, e.g. --tier dram=64GiB")
         self.block_tokens = block_tokens
         self.chunk_bytes = kv_bytes_per_token * block_tokens
         self.policy = policy or TierPolicy(chunk_tokens=block_tokens)
@@ -476,10 +477,11 @@ class Replayer:
 
 
 def parse_tier(text: str) -> tuple[str, int]:
+    """A `--tier NAME=SIZE`; `host` is read as `dram`, its old name."""
     name, sep, size = text.partition("=")
     if not sep or not name:
-        raise ConfigError("--tier", text, "use NAME=SIZE, e.g. host=64GiB")
+        raise ConfigError("--tier", text, "use NAME=SIZE, e.g. dram=64GiB")
     try:
-        return name, parse_size(size)
+        return OLD_NAMES.get(name, name), parse_size(size)
     except ValueError as exc:
         raise ConfigError("--tier", text, str(exc)) from None

@@ -97,7 +97,7 @@ def store_configs(workdir: Path, redis_url: str, *, dram: str = "1GiB", disk: st
     for name, other in (("prefill", "decode"), ("decode", "prefill")):
         configs[name] = {
             "chunk_tokens": CHUNK,
-            "tiers": {"host": {"capacity": dram}, "disk": [{"path": devices[name], "capacity": disk}]},
+            "tiers": {"dram": {"capacity": dram}, "disk": [{"path": devices[name], "capacity": disk}]},
             "service": {"socket": str(workdir / f"{name}.sock"), "staging": staging},
             "cluster": {"host_id": name, "index_url": redis_url,
                         "peers": [{"host_id": other, "disk": [{"path": devices[other], "capacity": disk}]}]}}

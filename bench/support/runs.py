@@ -30,7 +30,7 @@ SERVER_ARGS = server_args("float16")
 def default_config(workdir: Path, disk_capacity: str = "4GiB") -> dict[str, Any]:
     """A DRAM tier over a disk tier in `workdir`, its service's socket there too."""
     return {"chunk_tokens": CHUNK,
-            "tiers": {"host": {"capacity": "2GiB"},
+            "tiers": {"dram": {"capacity": "2GiB"},
                       "disk": [{"path": str(workdir / "disk"), "capacity": disk_capacity}]},
             "service": {"socket": str(workdir / "kvstore.sock")}}
 
@@ -51,7 +51,7 @@ def run_workdir(path: str | None, prefix: str, parent: str | None = None) -> Ite
         yield Path(temp)
 
 
-def wait_held(store: dict[str, Any], chunks: int, timeout_s: float = 120, *, tier: str = "host") -> int:
+def wait_held(store: dict[str, Any], chunks: int, timeout_s: float = 120, *, tier: str = "dram") -> int:
     """Wait until the kvstore service of `store` holds `chunks` chunks in `tier` (an engine
     stores them behind its answers); the count there when it does or the deadline passes.
     SGLang's pages are counted in the DRAM tier (write-through copies that find the disk

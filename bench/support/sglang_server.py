@@ -61,11 +61,11 @@ def sglang_python() -> Path | None:
     return SGLANG_VENV / "bin" / "python"
 
 
-def kvstore_store(work: Path, host: str = "256MiB", disk: str = "512MiB") -> tuple[dict[str, Any], Path]:
+def kvstore_store(work: Path, dram: str = "256MiB", disk: str = "512MiB") -> tuple[dict[str, Any], Path]:
     """A kvstore config for the servers' backend under `work` (a DRAM tier over a disk
     tier, written through; the service is spawned by the first backend that needs it),
     and the file SGLang's extra config names."""
-    store = {"tiers": {"host": {"capacity": host}, "disk": [{"path": str(work / "disk"), "capacity": disk}]},
+    store = {"tiers": {"dram": {"capacity": dram}, "disk": [{"path": str(work / "disk"), "capacity": disk}]},
              "write_policy": "write_through", "io": {"timeout_s": 5.0},
              "service": {"socket": str(work / "run" / "kv.sock"), "staging": "64MiB"}}
     config = work / "kvstore.yaml"

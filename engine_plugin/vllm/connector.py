@@ -69,6 +69,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvstore")
 _MISS: tuple[int | None, bool] = (0, False)  # what a guarded lookup answers after a fault
+# The tiers a hit's tokens came from (RequestState.sources), as vLLM names them.
+HIT_SOURCES = {"dram": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 @dataclass
@@ -175,12 +177,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
-        """vLLM's hit metrics by source: what was in DRAM at the lookup is `host`, the rest `disk`."""
+        """vLLM's hit metrics by source: what was in DRAM at the lookup is vLLM's `host` (host
+        memory), the rest `disk`."""
         assert self._scheduler is not None
         split: dict[str, int] = self._side().guard("get_external_cache_hit_sources", None,
                                                    self._scheduler.hit_sources, request.request_id,
                                                    num_external_tokens, fallback={})
-        return {CacheHitSource(tier): tokens for tier, tokens in split.items()}
+        return {HIT_SOURCES[tier]: tokens for tier, tokens in split.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's plan; a request whose bookkeeping faults is abandoned, the others go on."""

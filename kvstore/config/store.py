@@ -36,7 +36,7 @@ from kvstore.config.schema import (
 from kvstore.format.errors import ConfigError
 
 
-class HostTierConfig(Schema):
+class DramTierConfig(Schema):
     """The DRAM tier: one slab of private memory in the service."""
 
     removed_keys = {"shm_name": "removed: the DRAM slab is the service's private memory "
@@ -57,10 +57,18 @@ class DiskPathConfig(Schema):
         description="bytes kvstore may use on that path, metadata included; never exceeded")
 
 
+def _disk_as_list(data: Any) -> Any:
+    """`disk` may be one mapping, or null for none."""
+    if isinstance(data, dict) and "disk" in data and not isinstance(data["disk"], list):
+        return {**data, "disk": [data["disk"]] if isinstance(data["disk"], dict) else data["disk"] or []}
+    return data
+
+
 class TiersConfig(Schema):
     """Where chunks live: at least one of DRAM, disk paths, NVMe-oF namespaces."""
 
-    host: HostTierConfig | None = Field(None, description="the DRAM tier; none: no DRAM tier")
+    dram: DramTierConfig | None = Field(
+        None, description="the DRAM tier (`host` is its old spelling, still accepted); none: no DRAM tier")
     disk: tuple[DiskPathConfig, ...] = Field(
         (), description="disk paths (one mapping, or a list) striped round-robin with the "
                         "NVMe-oF namespaces as one block tier")
@@ -70,16 +78,18 @@ class TiersConfig(Schema):
 
     @classmethod
     def reshape(cls, data: Any) -> Any:
-        """`disk` may be one mapping, or null for none."""
-        if isinstance(data, dict) and "disk" in data and not isinstance(data["disk"], list):
-            return {**data, "disk": [data["disk"]] if isinstance(data["disk"], dict) else
-                    data["disk"] or []}
-        return data
+        """`host` is the DRAM tier's old key, read as `dram`; `disk` may be one mapping."""
+        if isinstance(data, dict) and "host" in data:
+            if "dram" in data:
+                raise Refused("`host` is the old spelling of `dram`: give the DRAM tier once, as `dram`",
+                              "host", value=data["host"])
+            data = {("dram" if key == "host" else key): value for key, value in data.items()}
+        return _disk_as_list(data)
 
     @model_validator(mode="after")
     def _usable(self) -> TiersConfig:
-        if self.host is None and not self.disk and self.nvmeof is None:
-            raise Refused("configure at least one tier (host, disk or nvmeof)")
+        if self.dram is None and not self.disk and self.nvmeof is None:
+            raise Refused("configure at least one tier (dram, disk or nvmeof)")
         paths = [os.path.realpath(d.path) for d in self.disk]
         if len(set(paths)) != len(paths):
             raise Refused("the same path is listed twice", "disk", value=[d.path for d in self.disk])
@@ -182,7 +192,7 @@ class PeerConfig(Schema):
     @classmethod
     def reshape(cls, data: Any) -> Any:
         """`disk` may be one mapping, as in `tiers`."""
-        return TiersConfig.reshape(data)
+        return _disk_as_list(data)
 
     @model_validator(mode="after")
     def _has_devices(self) -> PeerConfig:
@@ -472,8 +482,8 @@ class StoreConfig(Schema):
         return self
 
     @property
-    def host(self) -> HostTierConfig | None:
-        return self.tiers.host
+    def dram(self) -> DramTierConfig | None:
+        return self.tiers.dram
 
     @property
     def disk(self) -> tuple[DiskPathConfig, ...]:

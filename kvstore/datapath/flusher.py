@@ -104,7 +104,7 @@ class Flusher:
                 usable.append(False)
                 continue
             usable.append(reservation.take_over())
-            self.stats.add("host.demoted")
+            self.stats.add("dram.demoted")
         return usable
 
     # -- write-through copies -------------------------------------------------------------

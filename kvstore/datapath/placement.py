@@ -53,5 +53,5 @@ class DramPlacement:
         return usable
 
     def _left(self, key: bytes) -> None:
-        self.stats.add("host.evictions")
+        self.stats.add("dram.evictions")
         self.ledger.left_dram(key)

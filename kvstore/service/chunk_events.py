@@ -35,7 +35,7 @@ class ChunkEvents:
 
     def record(self, published: bool, key: bytes, tier: str) -> None:
         """One chunk stored in (or removed from) a tier named as `TieredStore.lookup` names it."""
-        medium = "kvstore-dram" if tier == "host" else f"kvstore-{tier}"
+        medium = f"kvstore-{tier}"
         with self._lock:
             self._log.append((published, key, medium))
             self._next += 1

@@ -4,7 +4,7 @@ A collector, not counters updated on the data path: the store already counts
 everything in `Stats`, so a scrape turns that snapshot into metric families and
 the hot path pays nothing extra.
   kvstore_misses_total{tier,reason} chunks that looked present but were not served, by why
-  kvstore_<counter>_total           every other Stats counter ("host.hits" -> kvstore_host_hits_total)
+  kvstore_<counter>_total           every other Stats counter ("dram.hits" -> kvstore_dram_hits_total)
   kvstore_tier_chunks{tier}         chunks stored
   kvstore_tier_used_bytes{tier}     bytes used, metadata included
   kvstore_tier_capacity_bytes{tier}

@@ -193,7 +193,7 @@ class NamespaceBook:
         if isinstance(request, P.Namespaces):
             return self.page(request.after, request.limit)
         if store is None:
-            return {"chunks": 0, "bytes": 0, "host_chunks": 0, "disk_chunks": 0, "unread": 0, "removed": 0}
+            return {"chunks": 0, "bytes": 0, "dram_chunks": 0, "disk_chunks": 0, "unread": 0, "removed": 0}
         log.warning("purge%s of %d namespaces by uid %d", " (dry run)" if request.dry_run else "",
                     len(request.namespaces), uid)
         return store.admin.purge(request.namespaces, dry_run=request.dry_run)

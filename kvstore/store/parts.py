@@ -83,8 +83,8 @@ class StoreParts:
 
     def _build(self, chunk_bytes: int, background: bool) -> None:
         config, io = self.config, self.config.io
-        if config.host is not None:
-            self.dram = DramTier(config.host.capacity, self.slot_bytes,
+        if config.dram is not None:
+            self.dram = DramTier(config.dram.capacity, self.slot_bytes,
                                  shared=config.service.share_dram != "off")
             self.dram.table.set_eviction(self.policy.make_eviction())
         plans = [DevicePlan(d.path, d.capacity) for d in config.disk]
@@ -156,9 +156,9 @@ class StoreParts:
                 tier.table.touch_chain(keys)
 
     def local_tier(self, key: bytes) -> str | None:
-        """Which local tier holds `key` ('host', 'disk' or 'nvmeof'), DRAM first."""
+        """Which local tier holds `key` ('dram', 'disk' or 'nvmeof'), DRAM first."""
         if self.dram and key in self.dram.table:
-            return "host"
+            return "dram"
         if self.disk and (slot := self.disk.table.find(key)) is not None:
             return self.disk.kind_of(slot)
         return None
@@ -191,7 +191,7 @@ class StoreParts:
     def info(self) -> dict[str, Any]:
         tiers = []
         if self.dram:
-            tiers.append({"name": "host", "chunks": len(self.dram.table),
+            tiers.append({"name": "dram", "chunks": len(self.dram.table),
                           "capacity_bytes": self.dram.table.capacity * self.slot_bytes,
                           "used_bytes": len(self.dram.table) * self.slot_bytes})
         if self.disk:

@@ -17,7 +17,7 @@ from kvstore.store.purge import held
 if TYPE_CHECKING:
     from kvstore.store.parts import StoreParts
 
-Tier = Literal["host", "disk"]
+Tier = Literal["dram", "disk"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class StoreProbe:
         return Place(in_dram, True, disk.devices[disk.table.groups.of(slot)[0]].path, offset)
 
     def keys(self, tier: Tier) -> set[bytes]:
-        """The keys a tier publishes now ('host': DRAM; 'disk': every device), empty without it."""
-        part = self._parts.dram if tier == "host" else self._parts.disk
+        """The keys a tier publishes now ('dram': DRAM; 'disk': every device), empty without it."""
+        part = self._parts.dram if tier == "dram" else self._parts.disk
         return {entry.key for entry in part.table.entries()} if part is not None else set()
 
     def namespaces(self) -> set[bytes] | None:
@@ -85,7 +85,7 @@ class StoreProbe:
 
     def capacity(self, tier: Tier) -> int:
         """Chunks the tier holds at most (0 without it)."""
-        part = self._parts.dram if tier == "host" else self._parts.disk
+        part = self._parts.dram if tier == "dram" else self._parts.disk
         return part.table.capacity if part is not None else 0
 
     def devices(self) -> list[DeviceState]:

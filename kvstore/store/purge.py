@@ -26,7 +26,7 @@ from kvstore.tiers.slots import SlotTable
 
 def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: set[bytes],
           dry_run: bool) -> dict[str, int]:
-    """{"chunks", "bytes", "host_chunks", "disk_chunks", "unread", "removed"}: the records
+    """{"chunks", "bytes", "dram_chunks", "disk_chunks", "unread", "removed"}: the records
     found in each tier (bytes: their payloads, every tier's copy counted) and, unless
     `dry_run`, how many `delete` (the store's) removed."""
     unread = [0]
@@ -34,7 +34,7 @@ def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: s
     on_disk = [key for key, named in _disk_records(parts, unread) if named in namespaces]
     keys = list(dict.fromkeys(in_dram + on_disk))
     report = {"chunks": len(keys), "bytes": (len(in_dram) + len(on_disk)) * parts.chunk_bytes,
-              "host_chunks": len(in_dram), "disk_chunks": len(on_disk), "unread": unread[0],
+              "dram_chunks": len(in_dram), "disk_chunks": len(on_disk), "unread": unread[0],
               "removed": 0}
     if not dry_run and keys:
         report["removed"] = delete(keys)

@@ -45,7 +45,7 @@ class Reads:
         if self.parts.dram is None:
             return held
         self._read(keys, None, held, from_disk, unchecked)
-        for name in ("get.chunks", "get.hits", "host.leased"):  # a pin is the get of what it serves
+        for name in ("get.chunks", "get.hits", "dram.leased"):  # a pin is the get of what it serves
             self.parts.stats.add(name, len(held))
         return held
 
@@ -78,7 +78,7 @@ class Reads:
         for i, slot in pins.hits:
             payload = dram.payload(slot, keys[i], parts.chunk_bytes)
             if payload is None:
-                parts.stats.miss("host", MissReason.WRONG_KEY, f"slot {slot}")
+                parts.stats.miss("dram", MissReason.WRONG_KEY, f"slot {slot}")
                 pins.drop(keys[i], slot)
                 continue
             ok[i] = True
@@ -91,11 +91,11 @@ class Reads:
             started = time.perf_counter()
             copy_many(copies)  # the slots stay pinned until it returns
             # per chunk, as for disk reads: its time from the start of its batch
-            parts.stats.observe("host.read", time.perf_counter() - started, len(copies))
+            parts.stats.observe("dram.read", time.perf_counter() - started, len(copies))
         served = [keys[i] for i, _ in pins.hits if ok[i]]
         parts.ledger.read(served)
-        parts.stats.add("host.hits", len(served))
-        parts.stats.add("host.bytes_read", len(served) * parts.chunk_bytes)
+        parts.stats.add("dram.hits", len(served))
+        parts.stats.add("dram.bytes_read", len(served) * parts.chunk_bytes)
 
     def prefetch(self, keys: list[bytes]) -> int:
         """The leading run of checked `keys` on disk (or at peers) into DRAM, in waves of

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Lookup:
-    """How many leading chunks are present, and the tier ('host', 'disk', 'nvmeof' or 'peer':
+    """How many leading chunks are present, and the tier ('dram', 'disk', 'nvmeof' or 'peer':
     another host's device on a shared array) of each."""
 
     count: int
@@ -57,7 +57,7 @@ class Lookup:
     @property
     def resident(self) -> int:
         """Leading chunks already in DRAM: what a get serves without touching a device."""
-        return next((i for i, tier in enumerate(self.tiers) if tier != "host"), self.count)
+        return next((i for i, tier in enumerate(self.tiers) if tier != "dram"), self.count)
 
 
 class TieredStore:
@@ -114,7 +114,7 @@ class TieredStore:
         in_dram = dram.table.index if dram is not None else {}
         tiers = []
         for key in keys:
-            tier = "host" if key in in_dram else self.parts.local_tier(key)  # DRAM first, inline: hot
+            tier = "dram" if key in in_dram else self.parts.local_tier(key)  # DRAM first, inline: hot
             if tier is None:
                 break
             tiers.append(tier)
@@ -127,11 +127,11 @@ class TieredStore:
 
     def watch(self, listener: Callable[[bool, bytes, str], None]) -> None:
         """Tell `listener(stored?, key, tier)` of every chunk published in or removed from a
-        local tier from now on, `tier` named as `lookup` names it ('host', 'disk', 'nvmeof').
+        local tier from now on, `tier` named as `lookup` names it ('dram', 'disk', 'nvmeof').
         It runs outside the tiers' locks, in each tier's order (tiers/slots.py `subscribe`)."""
         dram, disk = self.parts.dram, self.parts.disk
         if dram is not None:
-            dram.table.subscribe(lambda stored, entry: listener(stored, entry.key, "host"))
+            dram.table.subscribe(lambda stored, entry: listener(stored, entry.key, "dram"))
         if disk is not None:
             disk.table.subscribe(lambda stored, entry: listener(stored, entry.key, disk.kind_of(entry.slot)))
 

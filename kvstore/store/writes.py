@@ -47,7 +47,7 @@ class Writes:
                         if parts.policy.write_through and parts.flusher is not None:
                             parts.flusher.write_through(keys[i], reservation.slot)
                         stored[i] = True
-                parts.stats.add("host.bytes_written", len(to_dram) * parts.chunk_bytes)
+                parts.stats.add("dram.bytes_written", len(to_dram) * parts.chunk_bytes)
         if to_disk and parts.flusher is not None:
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
             refused = set(to_disk) - set(admitted)

@@ -36,18 +36,18 @@ log = logging.getLogger(__name__)
 
 
 class DramTier:
-    name = "host"
+    name = "dram"
 
     def __init__(self, capacity: int, slot_bytes: int, shared: bool = False) -> None:
         """`shared`: the slab is memory engine workers may map read-only (`share_fd`)."""
         num_slots = capacity // slot_bytes
         if num_slots == 0:
-            raise ConfigError("tiers.host.capacity", format_size(capacity),
+            raise ConfigError("tiers.dram.capacity", format_size(capacity),
                               f"smaller than one record slot ({format_size(slot_bytes)})")
         self.slot_bytes = slot_bytes
         total = _memory_bytes()
         if total and num_slots * slot_bytes > total:
-            raise ConfigError("tiers.host.capacity", format_size(capacity),
+            raise ConfigError("tiers.dram.capacity", format_size(capacity),
                               f"more than this machine's memory ({format_size(total)})")
         self._fd: int | None = None  # the shared slab's descriptor, while it may be handed out
         self.slab: AlignedBuffer | SharedMemory
@@ -62,7 +62,7 @@ class DramTier:
             else:
                 self.slab = AlignedBuffer(num_slots * slot_bytes)
         except OSError as exc:
-            raise ConfigError("tiers.host.capacity", format_size(capacity),
+            raise ConfigError("tiers.dram.capacity", format_size(capacity),
                               f"cannot allocate it: {exc.strerror or exc}") from exc
         self.table = SlotTable([num_slots])
         self._populating = threading.Event()

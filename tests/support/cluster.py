@@ -35,7 +35,7 @@ def host_config(name: str, others: list[str], root: str, url: str, *, dram: str 
     as its peers', the index at `url`; with `sockets`, a service whose socket is there."""
     tiers: dict = {"disk": [{"path": os.path.join(root, name), "capacity": capacity_for(SLOTS)}]}
     if dram:
-        tiers["host"] = {"capacity": dram}
+        tiers["dram"] = {"capacity": dram}
     config = {"tiers": tiers, "io": {"engine": "threads", "queue_depth": 8, "timeout_s": 0.5,
                                      "breaker_cooldown_s": 0.3},
               "cluster": {"host_id": name, "index_url": url, "lease_s": LEASE_S,

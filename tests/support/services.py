@@ -19,22 +19,22 @@ from kvstore.service.client import StoreClient, attach
 from kvstore.service.client import stop_service as _stop
 
 
-def service_config(folder: Path | str, *, host: int | str | None = None, disk_dir: str | None = None,
+def service_config(folder: Path | str, *, dram: int | str | None = None, disk_dir: str | None = None,
                    disk: int | str | None = None, io: dict[str, Any] | None = None,
                    chunk_tokens: int | None = None, socket: str = "kvstore.sock",
                    staging: int | str | None = "1MiB", **service: Any) -> dict[str, Any]:
     """A service's config: its socket at `folder/socket` (`socket` may name a subfolder:
-    "run/kvstore.sock"), a DRAM tier of `host` bytes, a disk tier of `disk` bytes at
+    "run/kvstore.sock"), a DRAM tier of `dram` bytes, a disk tier of `disk` bytes at
     `disk_dir/disk`, the `io` section as given, the service's `staging` window (None: the
-    service's default) and its other keys (`spawn`, `allowed_uids`...). Neither `host`
+    service's default) and its other keys (`spawn`, `allowed_uids`...). Neither `dram`
     nor `disk_dir`: no `tiers` key, for a caller that merges in tiers of its own."""
     assert (disk_dir is None) == (disk is None), "a disk tier needs both disk_dir and disk"
     config: dict[str, Any] = {}
     if chunk_tokens is not None:
         config["chunk_tokens"] = chunk_tokens
     tiers: dict[str, Any] = {}
-    if host is not None:
-        tiers["host"] = {"capacity": host}
+    if dram is not None:
+        tiers["dram"] = {"capacity": dram}
     if disk_dir is not None:
         tiers["disk"] = [{"path": os.path.join(disk_dir, "disk"), "capacity": disk}]
     if tiers:
@@ -58,7 +58,7 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
 def small_service_config(tmp_path: Path, disk_dir: str) -> dict[str, Any]:
     """A service of its own for an engine backend's test: 8 MiB of DRAM over a 32 MiB disk
     tier, a short I/O deadline, its socket under `tmp_path`."""
-    return service_config(tmp_path, host="8MiB", disk_dir=disk_dir, disk="32MiB", io={"timeout_s": 0.5},
+    return service_config(tmp_path, dram="8MiB", disk_dir=disk_dir, disk="32MiB", io={"timeout_s": 0.5},
                           socket="run/kvstore.sock", staging="2MiB")
 
 

@@ -73,11 +73,11 @@ def reads_back(store: TieredStore, keys: list[bytes], payloads: list[np.ndarray]
     return all(ok) and all((o == p).all() for o, p in zip(outs, payloads, strict=True))
 
 
-def disk_config(path: str, capacity: int | str, engine: str = "auto", host: int | None = None,
+def disk_config(path: str, capacity: int | str, engine: str = "auto", dram: int | None = None,
                 **extra) -> dict:
-    """A store's config (no service): one disk tier at `path`, a DRAM tier of `host` bytes
+    """A store's config (no service): one disk tier at `path`, a DRAM tier of `dram` bytes
     if given, an I/O engine of queue depth 8 and a 5 s deadline."""
     tiers: dict = {"disk": [{"path": path, "capacity": capacity}]}
-    if host is not None:
-        tiers["host"] = {"capacity": host}
+    if dram is not None:
+        tiers["dram"] = {"capacity": dram}
     return {"tiers": tiers, "io": {"engine": engine, "queue_depth": 8, "timeout_s": 5}, **extra}

@@ -73,7 +73,7 @@ def check_producer_store(role: Role, store: StoreConfig) -> None:
     """A producer in a cluster must put its fresh chunks where peers read them (its disk
     tier, on the shared array): peers never read its DRAM, so under write-back a fresh
     chunk would reach them only when evicted."""
-    if (role.name == "kv_producer" and store.cluster is not None and store.tiers.host is not None
+    if (role.name == "kv_producer" and store.cluster is not None and store.tiers.dram is not None
             and store.write_policy != "write_through"):
         raise ConfigError("write_policy", store.write_policy,
                           "a kv_producer with a DRAM tier in a cluster must write through "

@@ -75,10 +75,10 @@ class RequestState:
 
     def sources(self, num_external: int, chunk_tokens: int) -> dict[str, int]:
         """The last `num_external` tokens of the hit by the tier that held them at the lookup:
-        `host` (DRAM) and `disk` (this host's disk or the shared array); zeros left out."""
+        `dram` and `disk` (this host's disk or the shared array); zeros left out."""
         start = self.load_end - num_external
-        host = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
-        return {tier: tokens for tier, tokens in (("host", host), ("disk", num_external - host)) if tokens}
+        dram = max(0, min(self.found.resident * chunk_tokens, self.load_end) - start)
+        return {tier: tokens for tier, tokens in (("dram", dram), ("disk", num_external - dram)) if tokens}
 
     def transfer(self, req_id: str, first: int, blocks: list[tuple[int, ...]], streams: slice,
                  group: int, save_id: int = 0) -> Transfer:
