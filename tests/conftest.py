@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from support.redis_servers import running
 from support.stores import CHUNK_BYTES, direct_io_dir
 
@@ -17,6 +18,11 @@ from kvstore.io.faulty import FaultyEngine
 from kvstore.store.tiered import TieredStore
 
 MICRO_JSON = Path(".benchmarks") / "micro.json"  # under the root dir; gitignored
+
+# Time judges no test (benchmarks show speed): an example that takes long on a loaded machine
+# is no failure, and neither is slow generation of its data.
+settings.register_profile("kvstore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvstore")
 
 
 ENGINE_MARKS = ("slow", "vllm", "sglang")
