@@ -15,6 +15,7 @@ def test_bench_writes_the_documented_json(disk_dir, tmp_path):
     results = json.loads(out.read_text())["results"]
     engines = {r["engine"] for r in results}
     assert {"uring", "threads", "uring-raw", "threads-raw", "serial", "memcpy"} <= engines
+    assert {r["tier"] for r in results if r["engine"] == "memcpy"} == {"dram"}
     for row in results:
         for field in ("tier", "engine", "chunk_bytes", "queue_depth", "read_gibps", "write_gibps",
                       "cpu_s_per_gib_read", "p50_ms", "p99_ms"):
@@ -26,6 +27,18 @@ def test_bench_writes_the_documented_json(disk_dir, tmp_path):
     assert "lookup of 512 keys" in done.stdout
     assert "xxh3-64 of 256KiB chunks out of cache" in done.stdout
     assert json.loads(out.read_text())["hash_cpu_s_per_gib"][str(256 << 10)]["fused"] > 0
+
+
+def test_bench_reads_the_dram_tiers_old_name(tmp_path):
+    """`host` named the DRAM tier and case before `dram`: a command written so still runs it."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "bench", "--tiers", "host", "--cases", "host",
+         "--host-chunk-size", "256KiB", "--total", "4MiB", "--no-fio", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(r["tier"], r["chunk_bytes"]) for r in results] == [("dram", 256 << 10)]
 
 
 def test_info_shows_tiers_and_usage(disk_dir, tmp_path, store_factory):

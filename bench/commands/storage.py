@@ -24,10 +24,10 @@ from bench.commands.storage_cases import (
     DiskSet,
     capacity_for,
     delete_set,
+    dram_case,
     engine_case,
     get_case,
     hash_cpu_s_per_gib,
-    host_case,
     lookup_ms,
     prefetch_case,
     remove_data,
@@ -45,7 +45,8 @@ from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.format.record import record_bytes
 from kvstore.format.units import format_size, parse_size
 
-CASES = ("get", "bounce", "service", "raw", "prefetch", "serial", "host")
+CASES = ("get", "bounce", "service", "raw", "prefetch", "serial", "dram")
+OLD_NAMES = {"host": "dram"}  # the DRAM tier's and case's old name, still read
 PEERS = ("lmcache",)
 
 
@@ -140,14 +141,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", action="append", default=[],
                         help="chunk payload size(s) of the disk cases, e.g. 4MiB or 4MiB,32MiB "
                              "(default 4MiB)")
-    parser.add_argument("--host-chunk-size", action="append", default=[],
+    parser.add_argument("--dram-chunk-size", "--host-chunk-size", action="append", default=[],
                         help="chunk size(s) of the DRAM case (default: the --chunk-size ones)")
     parser.add_argument("--queue-depth", action="append", default=[],
                         help="queue depth(s), e.g. 16 or 1,16,64 (default 16)")
     parser.add_argument("--batch", type=int,
                         help="chunks per get_many and per engine batch (default 4 x depth)")
     parser.add_argument("--engine", default="uring,threads", help="I/O engines to compare")
-    parser.add_argument("--tiers", default="host,disk", help="tiers to measure")
+    parser.add_argument("--tiers", default="dram,disk",
+                        help="tiers to measure, of dram, disk (and nvmeof with --nvmeof*)")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"cases to run, of {','.join(CASES)} (default all)")
     parser.add_argument("--peer", choices=PEERS,
@@ -171,11 +173,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     chunk_sizes = _sizes(args.chunk_size or ["4MiB"])
-    host_sizes = _sizes(args.host_chunk_size) or chunk_sizes
+    dram_sizes = _sizes(args.dram_chunk_size) or chunk_sizes
     depths = [int(v) for item in (args.queue_depth or ["16"]) for v in item.split(",")]
     engines = args.engine.split(",")
-    tiers = args.tiers.split(",")
-    cases = args.cases.split(",")
+    tiers = [OLD_NAMES.get(tier, tier) for tier in args.tiers.split(",")]
+    cases = [OLD_NAMES.get(case, case) for case in args.cases.split(",")]
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise KVStoreError(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
@@ -195,10 +197,10 @@ def run(args: argparse.Namespace) -> int:
                     for depth in depths:
                         results += nvmeof_cases(sitting, nvmeof, engines, chunk, depth, args.batch,
                                                 total)
-        if "host" in tiers and "host" in cases:
-            for chunk in host_sizes:
+        if "dram" in tiers and "dram" in cases:
+            for chunk in dram_sizes:
                 sitting.before_case()
-                results.append(host_case(chunk, total))
+                results.append(dram_case(chunk, total))
                 _progress(results[-1])
         lookup = lookup_ms()
         hashing = {chunk: hash_cpu_s_per_gib(chunk) for chunk in chunk_sizes} if "disk" in tiers else {}
@@ -244,7 +246,7 @@ def _disk_cases(args: argparse.Namespace, sitting: Sitting, chunk: int, depths: 
                 engines: list[str], cases: list[str], total: int, paths: list[str],
                 workdir: str) -> list[CaseResult]:
     """One written set per chunk size; at each depth its read cases alternate with fio."""
-    disk_cases = [c for c in cases if c != "host"]
+    disk_cases = [c for c in cases if c != "dram"]
     if not disk_cases and not args.peer:
         return []
     count = max(1, total // chunk)

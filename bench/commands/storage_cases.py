@@ -311,14 +311,14 @@ def engine_case(data: DiskSet, engine_name: str, queue_depth: int, batch: int) -
                       cpu_s_per_gib_read=read["cpu"] / gib, extra={"batch": batch})
 
 
-def host_store(chunk_bytes: int, count: int) -> tuple[TieredStore, list[bytes], list[torch.Tensor]]:
+def dram_store(chunk_bytes: int, count: int) -> tuple[TieredStore, list[bytes], list[torch.Tensor]]:
     """An empty DRAM-only store with room for `count` chunks, their keys and payloads."""
     store = TieredStore({"tiers": {"dram": {"capacity": (count + 2) * record_bytes(chunk_bytes)}}},
                         chunk_bytes)
     return store, _keys(count), _payloads(count, chunk_bytes)
 
 
-def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
+def dram_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
     """DRAM-tier get against a plain torch copy of the same bytes into the same buffers,
     alternated (copy, get, copy, ..., copy); each figure is its best round, since on a
     shared machine a parallel copy (torch's, and the DRAM get's own) now and then
@@ -336,7 +336,7 @@ def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
                 out.copy_(source)
         copies.append(copied)
 
-    store, keys, payloads = host_store(chunk_bytes, count)
+    store, keys, payloads = dram_store(chunk_bytes, count)
     try:
         with clock() as wrote:
             store.put_many(keys, payloads)
@@ -347,7 +347,7 @@ def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
             with clock() as read:
                 served = sum(store.get_many(keys, outs))
             if served != count:
-                raise RuntimeError(f"bench: only {served} of {count} host chunks read back")
+                raise RuntimeError(f"bench: only {served} of {count} DRAM chunks read back")
             gets.append(read)
         copy()
         p50, p99 = store.stats.latency_ms("dram.read")
@@ -356,7 +356,7 @@ def host_case(chunk_bytes: int, total: int, rounds: int = 3) -> CaseResult:
     gib = count * chunk_bytes / 2**30
     read = min(gets, key=lambda t: t["wall"])
     copied = min(copies, key=lambda t: t["wall"])
-    return CaseResult("host", "memcpy", chunk_bytes, 0, gib / read["wall"], gib / wrote["wall"],
+    return CaseResult("dram", "memcpy", chunk_bytes, 0, gib / read["wall"], gib / wrote["wall"],
                       read["cpu"] / gib, p50, p99,
                       {"batch": count, "rounds": rounds, "torch_copy_gibps": gib / copied["wall"],
                        "torch_copy_cpu_s_per_gib": copied["cpu"] / gib,
@@ -396,7 +396,7 @@ def hash_cpu_s_per_gib(chunk_bytes: int, nbytes: int = 1 << 30) -> dict[str, flo
 
 def lookup_ms(keys_per_lookup: int = 512, repeats: int = 200) -> float:
     """Median time of `lookup` over a prompt of `keys_per_lookup` chunks, all present."""
-    store, keys, payloads = host_store(4096, keys_per_lookup)
+    store, keys, payloads = dram_store(4096, keys_per_lookup)
     times = []
     with store:
         store.put_many(keys, payloads)
