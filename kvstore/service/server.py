@@ -31,7 +31,6 @@ import fcntl
 import logging
 import os
 import select
-import signal
 import socket
 import threading
 import time
@@ -49,7 +48,7 @@ from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
 from kvstore.service.handlers import Requests
 from kvstore.service.sessions import Client
-from kvstore.service.signal_flag import SignalFlag
+from kvstore.service.signal_flag import LoopSignals, SignalFlag
 
 log = logging.getLogger(__name__)
 _BACKLOG = 64
@@ -192,19 +191,7 @@ class StoreService:
         SIGHUP, `reload` (the config file read again) is applied (`_reload`). `hung_up`:
         raised by who caught SIGHUP before (`kvstore serve`, from its first line). The
         handlers only raise a flag and wake this loop, which acts (signal_flag.py)."""
-        ended, reloads = SignalFlag(), hung_up or SignalFlag()
-
-        def waking(flag: SignalFlag) -> Callable[..., None]:
-            def handler(*_: object) -> None:
-                flag.raise_()
-                self.stop(wake_only=True)
-            return handler
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, waking(ended))
-        if reload is not None:
-            signal.signal(signal.SIGHUP, waking(reloads))
-        self.stop(wake_only=True)  # a signal caught before ours took over is acted on at once
+        signals = LoopSignals(lambda: self.stop(wake_only=True), hung_up, hangup=reload is not None)
         log.warning("kvstore service listening on %s", self.socket_path)
         backoff = _ACCEPT_BACKOFF_S[0]
         poller = select.poll()
@@ -216,10 +203,10 @@ class StoreService:
                 if any(fd == self._wake_read for fd, _ in ready):  # drained before the flag is read:
                     with contextlib.suppress(BlockingIOError):  # a SIGHUP after it wakes us again
                         os.read(self._wake_read, 64)
-                if ended.take():
+                if signals.ended.take():
                     self._stopping.set()
                     break
-                if reload is not None and reloads.take():
+                if reload is not None and signals.reloads.take():
                     self._reload(reload)
                 if not any(fd == self._listener.fileno() for fd, _ in ready):
                     continue

@@ -1,4 +1,4 @@
-"""A flag a signal handler raises without taking a lock.
+"""Signals as flags: a flag a handler raises without taking a lock, and a loop's signals.
 
 Python runs a signal handler in the main thread between two bytecodes, whatever that
 thread was doing, and runs it again if another signal comes while it runs. A handler
@@ -10,6 +10,9 @@ the loop that acts on the signal reads the count in its own time.
 """
 
 from __future__ import annotations
+
+import signal
+from collections.abc import Callable
 
 
 class SignalFlag:
@@ -36,3 +39,28 @@ class SignalFlag:
             return False
         self._seen = raised
         return True
+
+
+class LoopSignals:
+    """SIGTERM and SIGINT (`ended`) and, where the loop reloads, SIGHUP (`reloads`) as flags
+    of one loop that polls: each handler raises its flag and calls `wake`, which must take
+    no lock (a write to the loop's wake pipe). Made in the main thread (where Python runs
+    handlers); a signal caught before these handlers took over (`reloads` given, raised by
+    an earlier handler) is acted on at the loop's first look: `wake` is called once here.
+    """
+
+    def __init__(self, wake: Callable[[], None], reloads: SignalFlag | None, hangup: bool) -> None:
+        self.ended = SignalFlag()
+        self.reloads = reloads or SignalFlag()
+
+        def waking(flag: SignalFlag) -> Callable[..., None]:
+            def handler(*_: object) -> None:
+                flag.raise_()
+                wake()
+            return handler
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, waking(self.ended))
+        if hangup:
+            signal.signal(signal.SIGHUP, waking(self.reloads))
+        wake()
