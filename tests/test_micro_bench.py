@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from bench.commands.storage_cases import host_store
+from bench.commands.storage_cases import dram_store
 from kvstore.format.record import (
     HEADER_BLOCK,
     HeaderState,
@@ -41,7 +41,7 @@ def dram() -> Iterator[list[TieredStore]]:
 
 
 def _stored(opened: list[TieredStore], chunk_bytes: int, count: int) -> tuple[TieredStore, list[bytes]]:
-    store, keys, payloads = host_store(chunk_bytes, count)
+    store, keys, payloads = dram_store(chunk_bytes, count)
     opened.append(store)
     assert all(store.put_many(keys, payloads))
     return store, keys
@@ -96,7 +96,7 @@ def test_slot_table_reserve_publish_evict(benchmark):
 
 def test_put_and_delete_64_chunks(benchmark, dram):
     """Each round reserves and publishes 64 DRAM slots, then unpublishes and frees them."""
-    store, keys, payloads = host_store(4096, 64)
+    store, keys, payloads = dram_store(4096, 64)
     dram.append(store)
 
     def put_and_delete() -> int:
