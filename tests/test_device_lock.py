@@ -75,3 +75,18 @@ def test_a_live_holder_is_refused_at_once_without_waiting(tmp_path):
         holder.stdin.close()
         holder.wait(10)
         os.close(shared)
+
+
+def test_a_lock_whose_holder_is_never_listed_is_refused_after_a_few_looks(tmp_path, monkeypatch):
+    """A file system whose device numbers /proc/locks names otherwise (or no /proc/locks):
+    the holder is never seen, so nothing says it exited; refused as a live holder's, not
+    waited out. The unreadable listing is the fault stood in for."""
+    path = str(tmp_path / "data")
+    shared = _held_by_exited_child(path)
+    monkeypatch.setattr("kvstore.devices.lock.lock_holders", lambda fd: [])
+    fd = _open(path)
+    started = time.monotonic()
+    with pytest.raises(DeviceError, match="in use by another kvstore process"):
+        lock_exclusive(fd, path, wait_s=60)
+    assert time.monotonic() - started < 30  # refused, not waited out
+    os.close(shared)

@@ -53,8 +53,12 @@ class ClientMemory:
         if tier_fd is not None and not map_tier:
             os.close(tier_fd)
         elif tier_fd is not None:
-            memory.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]), str(reply["tier_pages"]),
-                                              writable=False)
+            try:
+                memory.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]),
+                                                  str(reply["tier_pages"]), writable=False)
+            except BaseException:
+                memory.close()  # the window mapped above goes with the failed hello
+                raise
         return memory
 
     def slot(self, index: int) -> memoryview:

@@ -77,10 +77,11 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 12  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+PROTOCOL_VERSION = 13  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
 # it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find; 10: a
 # Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client;
-# 12: a Residency leases from a chunk on (lease_from)
+# 12: a Residency leases from a chunk on (lease_from); 13: the DRAM tier is `dram` (its config
+# key, lookups, info, events: a client of 12 would be refused as another config, not a version)
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
