@@ -79,6 +79,9 @@ class ChatReply:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per answer token
 
 
+PORT_TRIES = 3  # picks of a free port before a server that cannot bind is an error
+
+
 class OpenAIServer:
     """One server process; use as a context manager, or call start() and stop()."""
 
@@ -105,12 +108,19 @@ class OpenAIServer:
 
     def start(self, timeout_s: float = 300) -> None:
         """Start the server and wait until it answers /health; on failure or past the
-        deadline the process group is killed and the error carries the log's tail."""
-        self.process = start_group(self.command, self.log_path, self.env)
-        problem = wait_healthy(self.url, self.process, timeout_s)
-        if problem is not None:
+        deadline the process group is killed and the error carries the log's tail. A port
+        another process took between its pick and the server's bind is picked again."""
+        for attempt in range(PORT_TRIES):
+            self.process = start_group(self.command, self.log_path, self.env)
+            problem = wait_healthy(self.url, self.process, timeout_s)
+            if problem is None:
+                return
             self.stop()
-            raise RuntimeError(f"vLLM server {problem}:\n{self.log_tail()}")
+            if "Address already in use" not in self.log_tail() or attempt == PORT_TRIES - 1:
+                raise RuntimeError(f"vLLM server {problem}:\n{self.log_tail()}")
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.command[self.command.index("--port") + 1] = str(self.port)
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the whole process group, SIGKILL to what is left after `timeout_s`."""
