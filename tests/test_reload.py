@@ -10,8 +10,10 @@ from cold. Each test runs a real `kvstore serve`."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -213,6 +215,47 @@ def test_a_storm_of_sighup_at_a_serving_service_never_ends_or_hangs_it(tmp_path,
         assert loads > 0 and _loads(client, keys, payloads)
         client.close()
         stop_service(raw)
+        assert service.wait(timeout=30) == 0
+    assert "Traceback" not in log.read_text()
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}  # the syscall's number
+
+
+def _signal_thread(pid: int, tid: int, sig: int) -> None:
+    """Send `sig` to one thread of another process (tgkill), as the kernel may hand a
+    signal sent to the process to any thread that does not block it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_TGKILL[platform.machine()], pid, tid, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+def _other_threads(pid: int) -> list[int]:
+    return sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid)
+
+
+@pytest.mark.skipif(platform.machine() not in _TGKILL, reason="tgkill's number known here")
+def test_a_signal_caught_by_a_thread_other_than_the_main_one_is_acted_on(tmp_path, disk_dir):
+    """The kernel hands SIGHUP or SIGTERM sent to the service to any of its threads; caught
+    by a client's, the store's or a watcher's thread, it still reloads the config or stops
+    the service, at once (before, the main thread slept on in its poll: a reload or a stop
+    waited for the next client)."""
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir)
+    path.write_text(yaml.safe_dump(raw))
+    keys, payloads = make_keys(2, seed=9), make_payloads(2, seed=9)
+    with serving(path, log) as service:
+        client = StoreClient(load_config(raw), CHUNK_BYTES)
+        _put(client, keys, payloads)  # the store's threads and this client's exist now
+        threads = _other_threads(service.pid)
+        assert len(threads) >= 2
+        for tid in threads:
+            seen = len(log.read_text())
+            _signal_thread(service.pid, tid, signal.SIGHUP)
+            wait_for_log(log, "reload: ", seen, timeout_s=10)
+        assert _loads(client, keys, payloads)
+        client.close()
+        _signal_thread(service.pid, _other_threads(service.pid)[-1], signal.SIGTERM)
         assert service.wait(timeout=30) == 0
     assert "Traceback" not in log.read_text()
 

@@ -191,36 +191,40 @@ class StoreService:
         SIGHUP, `reload` (the config file read again) is applied (`_reload`). `hung_up`:
         raised by who caught SIGHUP before (`kvstore serve`, from its first line). The
         handlers only raise a flag and wake this loop, which acts (signal_flag.py)."""
-        signals = LoopSignals(lambda: self.stop(wake_only=True), hung_up, hangup=reload is not None)
+        try:
+            with LoopSignals(self._wake_write, hung_up, hangup=reload is not None) as signals:
+                self._accept_until_stopped(signals, reload)
+        finally:  # after the handlers are back: they write to the pipe _close closes
+            self._close()
+
+    def _accept_until_stopped(self, signals: LoopSignals, reload: Callable[[], StoreConfig] | None) -> None:
+        """serve_forever's loop: accept clients, act on the signals' flags, until stopped."""
         log.warning("kvstore service listening on %s", self.socket_path)
         backoff = _ACCEPT_BACKOFF_S[0]
         poller = select.poll()
         poller.register(self._listener, select.POLLIN)
         poller.register(self._wake_read, select.POLLIN)
-        try:
-            while not self._stopping.is_set():
-                ready = poller.poll()
-                if any(fd == self._wake_read for fd, _ in ready):  # drained before the flag is read:
-                    with contextlib.suppress(BlockingIOError):  # a SIGHUP after it wakes us again
-                        os.read(self._wake_read, 64)
-                if signals.ended.take():
-                    self._stopping.set()
-                    break
-                if reload is not None and signals.reloads.take():
-                    self._reload(reload)
-                if not any(fd == self._listener.fileno() for fd, _ in ready):
-                    continue
-                try:
-                    conn, _ = self._listener.accept()
-                except OSError as exc:  # out of descriptors or memory: wait, never exit
-                    log.warning("accept failed (%s); retrying in %.2f s", exc.strerror, backoff)
-                    time.sleep(backoff)
-                    backoff = min(2 * backoff, _ACCEPT_BACKOFF_S[1])
-                    continue
-                backoff = _ACCEPT_BACKOFF_S[0]
-                self._admit(conn)
-        finally:
-            self._close()
+        while not self._stopping.is_set():
+            ready = poller.poll()
+            if any(fd == self._wake_read for fd, _ in ready):  # drained before the flag is read:
+                with contextlib.suppress(BlockingIOError):  # a SIGHUP after it wakes us again
+                    os.read(self._wake_read, 64)
+            if signals.ended.take():
+                self._stopping.set()
+                break
+            if reload is not None and signals.reloads.take():
+                self._reload(reload)
+            if not any(fd == self._listener.fileno() for fd, _ in ready):
+                continue
+            try:
+                conn, _ = self._listener.accept()
+            except OSError as exc:  # out of descriptors or memory: wait, never exit
+                log.warning("accept failed (%s); retrying in %.2f s", exc.strerror, backoff)
+                time.sleep(backoff)
+                backoff = min(2 * backoff, _ACCEPT_BACKOFF_S[1])
+                continue
+            backoff = _ACCEPT_BACKOFF_S[0]
+            self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
         """Serve a new connection on a thread of its own if its user may take a slot
@@ -240,11 +244,9 @@ class StoreService:
             log.warning("refused a client: %s", exc)
             self._forget(client)
 
-    def stop(self, wake_only: bool = False) -> None:
-        """Make serve_forever return, or with `wake_only` look at its flags (from any thread;
-        `wake_only` takes no lock, so a signal handler may call it)."""
-        if not wake_only:
-            self._stopping.set()
+    def stop(self) -> None:
+        """Make serve_forever return (from any thread)."""
+        self._stopping.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"x")
 
