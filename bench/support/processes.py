@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,34 @@ START_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
-    """A loopback TCP port nobody listens on now (the kernel's pick)."""
+    """A loopback TCP port nobody holds now, below the kernel's ephemeral range (and with
+    its +10000, a Redis Cluster node's bus port, below it too) where there is room: a port
+    the kernel picks itself for a client's connect or a server's port 0 could be handed to
+    any process of the host between this pick and the server's bind, one it never picks
+    on its own only to another explicit pick. The kernel's pick where there is no room."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    top = ephemeral - 10_000
+    for _ in range(64 if top - _LOWEST_PORT >= 1_000 else 0):
+        port = random.randrange(_LOWEST_PORT, top)
+        if port_free(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_LOWEST_PORT = 10_240  # above the well-known and most registered servers' ports
+
+
+def port_free(port: int) -> bool:
+    """Whether a listener could bind `port` on loopback now (no SO_REUSEADDR: a port in
+    TIME_WAIT counts as taken)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def port_open(port: int) -> bool:

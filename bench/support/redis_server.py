@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.support.processes import free_port, pause, resume
+from bench.support.processes import free_port, pause, port_free, resume
 
 
 def redis_server_unavailable(cluster: bool = False) -> str | None:
@@ -256,15 +256,6 @@ def _cluster_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = free_port()
-        if port + 10000 < 65536 and port not in ports and _is_free(port + 10000):
+        if port + 10000 < 65536 and port not in ports and port_free(port + 10000):
             ports.append(port)
     return ports
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
