@@ -101,12 +101,14 @@ def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, fault
 
 def test_a_write_in_flight_to_a_lost_device_is_never_served(disk_dir, faulty, store_factory):
     store, _, _ = _two_devices(disk_dir, faulty, store_factory, count=2)
-    faulty.add(Fault("latency", reads=False, writes=True, delay_s=0.5, match=faults.on_device(store, 0)))
+    on_a, sent = faults.on_device(store, 0), threading.Event()
+    faulty.add(Fault("latency", reads=False, writes=True, delay_s=3,
+                     match=lambda request: on_a(request) and (sent.set() or True)))
     keys, payloads = make_keys(2, seed=5), make_payloads(2, seed=5)
     result = {}
     writer = threading.Thread(target=lambda: result.update(stored=store.put_many(keys, payloads)))
     writer.start()
-    time.sleep(0.2)  # the write to device a is now in flight
+    assert sent.wait(10)  # the write to device a is now in flight
     faults.controller_lost(store, 0, "test: controller lost")
     writer.join(timeout=10)
     assert not writer.is_alive()

@@ -147,9 +147,9 @@ def test_the_service_releases_the_pins_of_a_client_that_leaves_holding_them(conf
             child.wait()
         else:
             holder.close()
-        for _ in range(100):  # the service notices the closed connection on its own thread
-            if _put(client, _keys(20, 1)) == [True]:
-                break
+        deadline = time.monotonic() + 10  # the service notices the closed connection on its own thread
+        while _put(client, _keys(20, 1)) != [True] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert client.residency(_keys(20, 1)) == (1, 1, False)
     finally:
         client.close()

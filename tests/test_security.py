@@ -501,7 +501,9 @@ def test_7_descriptors_stay_flat_after_200_short_lived_clients(service_config, e
         key = make_keys(1, seed=i)
         assert client.put(key, [0]) == [True] and client.get(key, [1]) == [True]
         client.close()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10  # each client's thread closes its descriptors as it ends
+    while len(os.listdir(f"/proc/{pid}/fd")) > baseline + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(os.listdir(f"/proc/{pid}/fd")) <= baseline + 4
 
 

@@ -33,7 +33,8 @@ def free_port() -> int:
     top = ephemeral - 10_000
     for _ in range(64 if top - _LOWEST_PORT >= 1_000 else 0):
         port = random.randrange(_LOWEST_PORT, top)
-        if port_free(port):
+        if port not in _HANDED_OUT and port_free(port):
+            _HANDED_OUT.add(port)  # two picks before either is bound (a router's pair) differ
             return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -41,6 +42,7 @@ def free_port() -> int:
 
 
 _LOWEST_PORT = 10_240  # above the well-known and most registered servers' ports
+_HANDED_OUT: set[int] = set()
 
 
 def port_free(port: int) -> bool:
