@@ -228,7 +228,7 @@ def test_a_stuck_writer_costs_one_bounded_wait_and_drops_are_counted(service, tm
         wait_done(worker, {2, 3})
     finally:
         worker.close()
-    assert 0.5 <= first < 1.5 and second < 0.2, (first, second)
+    assert 0.5 <= first < 3 and second < 0.4, (first, second)  # one 0.5 s wait, then none
     assert worker.stats.snapshot()["save.dropped"] == 10
     assert counters(service)["save.dropped"] == 10  # visible in kvstore info and Prometheus
     config_file = tmp_path / "kvstore.json"
@@ -254,7 +254,7 @@ def test_a_save_never_connects_on_the_engine_thread(service):
         wait_done(worker, {1})
     finally:
         worker.close()
-    assert elapsed < 0.2, elapsed
+    assert elapsed < 2, elapsed  # not the hello's 10 s allowance
     assert worker.stats.snapshot()["save.dropped"] == 2
 
 
@@ -353,7 +353,7 @@ def test_a_hung_service_costs_a_lookup_its_short_deadline(service):
             elapsed = time.monotonic() - started
     finally:
         lookup.close()
-    assert 0.3 <= elapsed < 1.0  # not 2 x io.timeout_s = 10 s
+    assert 0.3 <= elapsed < 3  # not 2 x io.timeout_s = 10 s
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8,
