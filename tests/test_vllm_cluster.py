@@ -69,6 +69,7 @@ def test_host_b_loads_what_host_a_stored_and_routers_hear_both(tmp_path, disk_di
         configs[name] = {"chunk_tokens": CHUNK, "tiers": tiers,
                          "service": {"socket": str(tmp_path / f"{name}.sock")},
                          "cluster": {"host_id": f"host-{name}", "index_url": redis_server.url,
+                                     "index_deadline_s": 2.0,  # a busy 2-core machine's Redis
                                      "peers": [{"host_id": f"host-{other}",
                                                 "disk": [{"path": devices[other], "capacity": "256MiB"}]}]}}
     heard = {}
@@ -77,7 +78,8 @@ def test_host_b_loads_what_host_a_stored_and_routers_hear_both(tmp_path, disk_di
             endpoint = f"ipc://{tmp_path}/{name}-events"
             listener = KVEventListener(endpoint)
             try:
-                runs = run_engine(model, prompts, {"config": configs[name]}, kv_events=endpoint).results
+                runs = run_engine(model, prompts, {"config": configs[name], "lookup_timeout_s": 30},
+                                  kv_events=endpoint).results
             finally:
                 heard[name] = listener.close()
             if name == "a":
