@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,30 @@ def _loads(client: StoreClient, keys, payloads) -> bool:
     slots = list(range(len(keys)))
     return client.get(keys, slots) == [True] * len(keys) and all(
         bytes(client.memory.slot(i)) == payload.tobytes() for i, payload in enumerate(payloads))
+
+
+@dataclass
+class TwoChunks:
+    """A `kvstore serve` started from its config file and a client that stored two chunks."""
+
+    service: subprocess.Popen[bytes]
+    log: Path
+    raw: dict
+    client: StoreClient
+    keys: list[bytes]
+    payloads: list
+
+
+@contextmanager
+def serving_two_chunks(tmp_path: Path, disk_dir: str, seed: int) -> Iterator[TwoChunks]:
+    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
+    raw = _raw(tmp_path, disk_dir)
+    path.write_text(yaml.safe_dump(raw))
+    keys, payloads = make_keys(2, seed=seed), make_payloads(2, seed=seed)
+    with serving(path, log) as service:
+        client = StoreClient(load_config(raw), CHUNK_BYTES)
+        _put(client, keys, payloads)  # the store's threads and this client's exist now
+        yield TwoChunks(service, log, raw, client, keys, payloads)
 
 
 def test_an_engine_connected_before_a_reload_that_changed_eviction_reconnects_and_loads(tmp_path, disk_dir):
@@ -187,13 +212,8 @@ def test_a_storm_of_sighup_at_a_serving_service_never_ends_or_hangs_it(tmp_path,
     """SIGHUP sent as fast as two threads can, for seconds, while a client loads: the
     handlers (nested in each other, landing while the loop holds its locks) never end or
     hang the service; it keeps serving, reloads after the storm and stops when asked."""
-    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
-    raw = _raw(tmp_path, disk_dir)
-    path.write_text(yaml.safe_dump(raw))
-    keys, payloads = make_keys(2, seed=8), make_payloads(2, seed=8)
-    with serving(path, log) as service:
-        client = StoreClient(load_config(raw), CHUNK_BYTES)
-        _put(client, keys, payloads)
+    with serving_two_chunks(tmp_path, disk_dir, seed=8) as served:
+        service, log = served.service, served.log
         until = time.monotonic() + 4
 
         def storm() -> None:
@@ -205,7 +225,7 @@ def test_a_storm_of_sighup_at_a_serving_service_never_ends_or_hangs_it(tmp_path,
             thread.start()
         loads = 0
         while time.monotonic() < until and service.poll() is None:
-            assert _loads(client, keys, payloads)
+            assert _loads(served.client, served.keys, served.payloads)
             loads += 1
         for thread in storms:
             thread.join()
@@ -213,9 +233,9 @@ def test_a_storm_of_sighup_at_a_serving_service_never_ends_or_hangs_it(tmp_path,
         seen = len(log.read_text())
         service.send_signal(signal.SIGHUP)
         wait_for_log(log, "reload: ", seen)
-        assert loads > 0 and _loads(client, keys, payloads)
-        client.close()
-        stop_service(raw)
+        assert loads > 0 and _loads(served.client, served.keys, served.payloads)
+        served.client.close()
+        stop_service(served.raw)
         assert service.wait(timeout=30) == 0
     assert "Traceback" not in log.read_text()
 
@@ -245,24 +265,19 @@ def test_a_signal_caught_by_a_thread_other_than_the_main_one_is_acted_on(tmp_pat
     by a client's, the store's or a watcher's thread, it still reloads the config or stops
     the service, at once (before, the main thread slept on in its poll: a reload or a stop
     waited for the next client)."""
-    path, log = tmp_path / "kv.yaml", tmp_path / "serve.log"
-    raw = _raw(tmp_path, disk_dir)
-    path.write_text(yaml.safe_dump(raw))
-    keys, payloads = make_keys(2, seed=9), make_payloads(2, seed=9)
-    with serving(path, log) as service:
-        client = StoreClient(load_config(raw), CHUNK_BYTES)
-        _put(client, keys, payloads)  # the store's threads and this client's exist now
+    with serving_two_chunks(tmp_path, disk_dir, seed=9) as served:
+        pid, log = served.service.pid, served.log
         signalled = 0
-        for tid in _other_threads(service.pid):
+        for tid in _other_threads(pid):
             seen = len(log.read_text())
-            if _signal_thread(service.pid, tid, signal.SIGHUP):  # not a thread that has ended since
+            if _signal_thread(pid, tid, signal.SIGHUP):  # not a thread that has ended since
                 wait_for_log(log, "reload: ", seen, timeout_s=10)
                 signalled += 1
         assert signalled >= 2
-        assert _loads(client, keys, payloads)
-        client.close()
-        assert any(_signal_thread(service.pid, tid, signal.SIGTERM) for tid in _other_threads(service.pid))
-        assert service.wait(timeout=30) == 0
+        assert _loads(served.client, served.keys, served.payloads)
+        served.client.close()
+        assert any(_signal_thread(pid, tid, signal.SIGTERM) for tid in _other_threads(pid))
+        assert served.service.wait(timeout=30) == 0
     assert "Traceback" not in log.read_text()
 
 
