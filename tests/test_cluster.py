@@ -227,7 +227,7 @@ def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, 
 
 def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_server):
     engine = FaultyEngine(make_engine("threads", 8))
-    a, b = _store_pair(disk_dir, redis_server.url, engine=engine)
+    a, b = _store_pair(disk_dir, redis_server.url, engine=engine, config={"io_timeout_s": 0.5})
     try:
         keys, payloads = make_keys(SLOTS, seed=9), make_payloads(SLOTS, seed=9, chunk_bytes=CHUNK)
         a.put_many(keys, payloads)

@@ -18,6 +18,7 @@ from support.services import service_config
 CHUNK = 64 * 1024
 LEASE_S = 1.5
 DEADLINE_S = 0.2
+IO_TIMEOUT_S = 5.0  # a busy machine's I/O (a superblock read missed 0.5 s); deadline tests ask less
 SLOTS = 4
 
 
@@ -30,13 +31,13 @@ def capacity_for(slots: int) -> int:
 
 
 def host_config(name: str, others: list[str], root: str, url: str, *, dram: str | None = None,
-                sockets: str | None = None, **extra) -> dict:
+                sockets: str | None = None, io_timeout_s: float = IO_TIMEOUT_S, **extra) -> dict:
     """Host `name`'s config: a disk of SLOTS records at `root/name`, the disks of `others`
     as its peers', the index at `url`; with `sockets`, a service whose socket is there."""
     tiers: dict = {"disk": [{"path": os.path.join(root, name), "capacity": capacity_for(SLOTS)}]}
     if dram:
         tiers["dram"] = {"capacity": dram}
-    config = {"tiers": tiers, "io": {"engine": "threads", "queue_depth": 8, "timeout_s": 0.5,
+    config = {"tiers": tiers, "io": {"engine": "threads", "queue_depth": 8, "timeout_s": io_timeout_s,
                                      "breaker_cooldown_s": 0.3},
               "cluster": {"host_id": name, "index_url": url, "lease_s": LEASE_S,
                           "index_deadline_s": DEADLINE_S, "index_backoff_s": 0.3,
