@@ -194,7 +194,7 @@ class StoreService:
         try:
             with LoopSignals(self._wake_write, hung_up, hangup=reload is not None) as signals:
                 self._accept_until_stopped(signals, reload)
-        finally:  # after the handlers are back: they write to the pipe _close closes
+        finally:  # once LoopSignals no longer writes to the pipe that _close closes
             self._close()
 
     def _accept_until_stopped(self, signals: LoopSignals, reload: Callable[[], StoreConfig] | None) -> None:
