@@ -55,3 +55,14 @@ def test_an_experiment_this_machine_cannot_run_exits_2_saying_why():
     done = _lab("index_load", "--chunks", "10", "--lookup-keys", "60")
     assert done.returncode == 2
     assert done.stderr.startswith("python -m bench.lab index_load: "), done.stderr
+
+
+def test_save_path_prints_each_mode_against_the_floor(tmp_path):
+    out = tmp_path / "save.json"
+    done = _lab("save_path", "--chunk-mib", "1", "--dram-chunks", "8", "--wave", "2", "--saves", "3",
+                "--gap-s", "0.05", "--rounds", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    best = json.loads(out.read_text())["best"]
+    assert list(best) == ["free DRAM (floor)", "cleaner", "no cleaner"]
+    assert best["no cleaner"]["demoted"] > 0 and best["no cleaner"]["cleaned"] == 0
+    assert "x floor" in done.stdout

@@ -36,6 +36,8 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
                       "(.venv-lmcache)"),
     ("load_path", "load-path throughput: the DRAM tier into an engine's paged KV, through the service"),
     ("pd", "prefill/decode disaggregation through kvstore behind vLLM's router, against one server"),
+    ("save_path", "what a save costs its caller once DRAM is full: with the DRAM cleaner, without, and "
+                  "into free slots"),
     ("serving", "vLLM's own serving benchmark without and with kvstore, or one long prompt"),
     ("sglang_bench", "loading SGLang HiCache pages: kvstore's backend against SGLang's `file` backend"),
     ("sglang_ttft", "TTFT on SGLang's own server: kvstore against SGLang's `file` backend (.venv-sglang)"),

@@ -376,7 +376,7 @@ class StoreConfig(Schema):
         64, description="bound on chunks queued for the background disk writer (`write_through` "
                         "copies); past it a copy is skipped (`writethrough.dropped`) and the chunk "
                         "is written when evicted instead. (A DRAM victim not on disk yet is always "
-                        "written down before its slot is reused.)")
+                        "written down before its slot is reused: see `dram_clean_ahead`.)")
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit (and an "
                           "engine that maps the DRAM tier loads it from that slot: one copy)")
@@ -384,6 +384,12 @@ class StoreConfig(Schema):
         1 << 30, description="the bytes of puts (engines' saves) the store writes at once, all clients "
                              "together; the chunks of a put past it are refused at once (`put.rejected`: a "
                              "save is best effort) instead of waiting behind the others")
+    dram_clean_ahead: Annotated[int, size(0)] | None = Field(
+        None, description="how much of the DRAM tier's coldest end a background cleaner keeps written "
+                          "down to disk, so that a put takes a clean slot and never writes another "
+                          "chunk down on its caller's thread (it does where the cleaner falls behind: "
+                          "`dram.demoted`; the cleaner's writes are `dram.cleaned`); 0: no cleaner",
+        json_schema_extra={"doc_default": "`put_inflight`, at most a quarter of the DRAM tier"})
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
                              "below `io.queue_depth` chunks it keeps the device's queue short")

@@ -2,9 +2,10 @@
 no DRAM slot (written straight from a staging buffer).
 
 A DRAM victim that is not on disk yet (and that the disk admits) is written down
-before its slot is reused: the reservation that chose it carries it (DEMOTE), the
-flusher writes a batch of such victims at once, and only then does the new chunk
-take the slot. So a chunk never leaves DRAM unwritten, and the victim stays
+before its slot is reused: ahead of time by the DRAM cleaner (datapath/cleaner.py,
+`write_down`), or, where the cleaner has fallen behind, by the put: the reservation that
+chose it carries it (DEMOTE), the flusher writes a batch of such victims at once, and
+only then does the new chunk take the slot. So a chunk never leaves DRAM unwritten, and the victim stays
 readable in DRAM until its disk copy is published. A get's promotion never waits
 for that: it only takes slots whose chunk is already on disk (`clean_fate`).
 
@@ -31,7 +32,7 @@ from kvstore.io.staging import StagingPool
 from kvstore.tiers.disk import DiskTier, DiskWrite
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.policy import TierPolicy
-from kvstore.tiers.slots import Fate, Reservation
+from kvstore.tiers.slots import Entry, Fate, Reservation
 from kvstore.tiers.write_through import WriteThroughQueue
 
 # Makes a record (key, parent, payload) in a buffer, returning its header (RecordEncoder.write).
@@ -83,6 +84,11 @@ class Flusher:
         """A victim for a promotion: only a chunk already on disk (or not admitted) goes."""
         return self.policy.victim_fate(key, self._on_disk(key), promotion=True)
 
+    def dirty(self, key: bytes) -> bool:
+        """A DRAM chunk that would have to be written down before its slot is reused: not on
+        disk (here or a peer's) and admitted."""
+        return not self._on_disk(key) and self.policy.admits(key)
+
     def _on_disk(self, key: bytes) -> bool:
         return key in self.disk.table or (self.held_elsewhere is not None and self.held_elsewhere(key))
 
@@ -90,13 +96,12 @@ class Flusher:
         """Write the victims of DEMOTE reservations to disk in one batch, then hand each
         slot over; False where a victim's write failed (that reservation is released)."""
         assert self.dram is not None
-        records = []
+        entries = []
         for reservation in reservations:
             entry = self.dram.table.entry(reservation.slot)
             assert entry is not None and entry.key == reservation.victim
-            records.append(Record(entry.key, entry.parent, entry.seq,
-                                  self.dram.slot_memory(reservation.slot)))
-        landed = self.write(records)
+            entries.append(entry)
+        landed = self.write_down(entries)
         usable = []
         for reservation, done in zip(reservations, landed, strict=True):
             if not done:
@@ -123,9 +128,8 @@ class Flusher:
         dram = self.dram
         try:
             entries = [dram.table.entry(slot) for _, slot in items]
-            live = [(entry, slot) for (key, slot), entry in zip(items, entries, strict=True)
-                    if entry is not None and entry.key == key]
-            landed = self.write([Record(e.key, e.parent, e.seq, dram.slot_memory(slot)) for e, slot in live])
+            landed = self.write_down([entry for (key, _), entry in zip(items, entries, strict=True)
+                                      if entry is not None and entry.key == key])
             self.stats.add("writethrough.written", sum(landed))
         finally:
             for _, slot in items:
@@ -137,17 +141,20 @@ class Flusher:
             return
         table = self.dram.table
         with table.lock:
-            entries = [e for e in table.entries() if not self._on_disk(e.key)
-                       and self.policy.admits(e.key)]
+            entries = [e for e in table.entries() if self.dirty(e.key)]
             for entry in entries:
                 table.pin(entry.slot)
         try:
             for start in range(0, len(entries), self.batch):
-                wave = entries[start : start + self.batch]
-                self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in wave])
+                self.write_down(entries[start : start + self.batch])
         finally:
             for entry in entries:
                 table.unpin(entry.slot)
+
+    def write_down(self, entries: Sequence[Entry]) -> list[bool]:
+        """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM."""
+        assert self.dram is not None
+        return self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in entries])
 
     # -- chunks with no DRAM slot ----------------------------------------------------------
 

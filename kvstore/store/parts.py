@@ -1,10 +1,10 @@
 """The store's parts, built from a config in dependency order and released in reverse.
 
 Order matters: the disk index is recovered before anything writes; the flusher exists
-before DRAM placement (placement writes victims through it); placement before the
-landings (promotions reserve through it); landings before the readers and the cluster
-node. Invariants: a failure half-way releases what was built; `close` releases each
-part once, whatever was built.
+before the DRAM cleaner and placement (both write victims through it), and the cleaner
+stops before it; placement before the landings (promotions reserve through it); landings
+before the readers and the cluster node. Invariants: a failure half-way releases what
+was built; `close` releases each part once, whatever was built.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config.store import StoreConfig
+from kvstore.datapath.cleaner import DramCleaner
 from kvstore.datapath.flusher import Flusher
 from kvstore.datapath.landing import Landings
 from kvstore.datapath.placement import DramPlacement
@@ -67,6 +68,7 @@ class StoreParts:
         self.dram: DramTier | None = None
         self.disk: DiskTier | None = None
         self.flusher: Flusher | None = None
+        self.cleaner: DramCleaner | None = None  # writes DRAM's coldest chunks down ahead of puts
         self.reader: DiskReader | None = None
         self.monitor: DeviceWatch | None = None  # moves devices out of and back into service
         self.cluster: ClusterNode | None = None
@@ -106,8 +108,15 @@ class StoreParts:
         self.set_write_budget(config.disk_write_budget)
         if self.dram is not None and self.disk is not None:
             self.dram.table.subscribe(self._left_dram)
+        if self.dram is not None and self.flusher is not None:
+            ahead = config.dram_clean_ahead
+            depth = (min(config.put_inflight // chunk_bytes, self.dram.table.capacity // 4)
+                     if ahead is None else min(ahead // chunk_bytes, self.dram.table.capacity))
+            if depth > 0:
+                self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth, io.timeout_s,
+                                           start=background)
         if self.dram is not None:
-            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger)
+            self.placement = DramPlacement(self.dram, self.flusher, self.cleaner, self.stats, self.ledger)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
                             chunk_bytes)
         if self.disk is not None:
@@ -219,6 +228,9 @@ class StoreParts:
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+        if self.cleaner is not None:
+            self.cleaner.close(self.config.io.timeout_s)  # its write lands before the disk closes
+            self.cleaner = None
         if self.flusher is not None:
             if not self.flusher.close(0 if crash else self.config.io.timeout_s) and not crash:
                 log.warning("close: write-through queue did not drain in time; queued copies dropped")

@@ -1,0 +1,65 @@
+"""The DRAM cleaner: DRAM's coldest chunks written down ahead, so a put's victim is clean
+and a put never writes another chunk to disk on its caller's thread."""
+
+from __future__ import annotations
+
+import numpy as np
+from support.cluster import wait_for
+from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+
+from kvstore.format.record import record_bytes
+from kvstore.io.faulty import Fault
+
+SLOT = record_bytes(CHUNK_BYTES)
+DRAM_SLOTS = 16  # the cleaner keeps a quarter clean: the 4 coldest
+
+
+def _counted(store, name: str) -> int:
+    return store.stats.snapshot().get(name, 0)
+
+
+def _fill(store, keys, payloads) -> None:
+    for key, payload in zip(keys, payloads, strict=True):  # one chain each: LRU in this order
+        assert store.put_many([key], [payload]) == [True]
+
+
+def test_puts_take_the_slots_the_cleaner_wrote_down_while_the_disk_takes_no_write(
+        disk_dir, faulty, store_factory):
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT), engine=faulty)
+    keys, payloads = make_keys(DRAM_SLOTS + 4), make_payloads(DRAM_SLOTS + 4)
+    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 4, 10, "the 4 coldest chunks written down")
+    faulty.add(Fault("hang", reads=False, writes=True))  # from now on no write returns
+    try:
+        # Each put evicts one of the chunks cleaned ahead: none waits on the stuck disk.
+        assert store.put_many(keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:]) == [True] * 4
+        assert _counted(store, "dram.demoted") == 0
+        assert store.lookup(keys[DRAM_SLOTS:]).tiers == ("dram",) * 4
+        ok, outs = read_back(store, keys[:4])  # the evicted ones, from their disk copies
+        assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads[:4], strict=True))
+    finally:
+        faulty.clear()
+        faulty.release()
+
+
+def test_with_no_cleaner_a_put_writes_its_victim_down_itself(disk_dir, store_factory):
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT, dram_clean_ahead=0))
+    keys, payloads = make_keys(DRAM_SLOTS + 2), make_payloads(DRAM_SLOTS + 2)
+    _fill(store, keys, payloads)  # the 2 last puts find every victim dirty
+    assert _counted(store, "dram.demoted") == 2 and _counted(store, "dram.cleaned") == 0
+    assert store.probe.keys("disk") == set(keys[:2])  # the least recently used, as before
+    assert all(read_back(store, keys)[0])
+
+
+def test_the_cleaner_writes_only_what_the_disk_admits(disk_dir, store_factory):
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT,
+                                      disk_admission="second-touch"))
+    keys, payloads = make_keys(DRAM_SLOTS + 1), make_payloads(DRAM_SLOTS + 1)
+    store.put_many([keys[0], keys[2]], [payloads[0], payloads[2]])
+    store.delete([keys[0], keys[2]])  # seen once already: the next put is their second
+    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])  # DRAM full, only keys 0 and 2 admitted
+    _fill(store, keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:])  # one more put: its victim comes from the window
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 2, 10, "the two admitted chunks written")
+    on_disk = store.probe.keys("disk")
+    assert {keys[0], keys[2]} <= on_disk
+    assert not on_disk & set(keys[1:2] + keys[3:])
