@@ -3,6 +3,9 @@ and a put never writes another chunk to disk on its caller's thread."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 from support.cluster import wait_for
 from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
@@ -34,7 +37,7 @@ def test_puts_take_the_slots_the_cleaner_wrote_down_while_the_disk_takes_no_writ
         # Each put evicts one of the chunks cleaned ahead: none waits on the stuck disk.
         assert store.put_many(keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:]) == [True] * 4
         assert _counted(store, "dram.demoted") == 0
-        assert store.lookup(keys[DRAM_SLOTS:]).tiers == ("dram",) * 4
+        assert store.probe.keys("dram") == set(keys[4:])  # the 4 least recently used went, as without
         ok, outs = read_back(store, keys[:4])  # the evicted ones, from their disk copies
         assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads[:4], strict=True))
     finally:
@@ -58,8 +61,41 @@ def test_the_cleaner_writes_only_what_the_disk_admits(disk_dir, store_factory):
     store.put_many([keys[0], keys[2]], [payloads[0], payloads[2]])
     store.delete([keys[0], keys[2]])  # seen once already: the next put is their second
     _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])  # DRAM full, only keys 0 and 2 admitted
-    _fill(store, keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:])  # one more put: its victim comes from the window
+    _fill(store, keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:])  # one more put: it evicts keys[0], written down
     wait_for(lambda: _counted(store, "dram.cleaned") >= 2, 10, "the two admitted chunks written")
     on_disk = store.probe.keys("disk")
     assert {keys[0], keys[2]} <= on_disk
     assert not on_disk & set(keys[1:2] + keys[3:])
+
+
+def test_a_chunk_deleted_while_the_cleaner_writes_it_does_not_come_back(disk_dir, faulty, store_factory):
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    store = store_factory(config, engine=faulty)
+    sent = threading.Event()
+    held = faulty.add(Fault("late", reads=False, writes=True, match=lambda _request: sent.set() or True))
+    keys, payloads = make_keys(DRAM_SLOTS), make_payloads(DRAM_SLOTS)
+    _fill(store, keys, payloads)  # the cleaner starts writing the 4 coldest; they land when told
+    assert sent.wait(10)
+    assert store.delete(keys[:1]) == 1  # a purge: out of DRAM now, not on disk yet
+    held.land()
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 3, 10, "the other three written down")
+    assert keys[0] not in store.probe.keys("disk") and not store.contains(keys[0])
+    assert _counted(store, "disk.deleted_while_written") == 1
+    faulty.clear()
+    store.close()
+    reopened = store_factory(config)
+    assert not reopened.contains(keys[0]) and all(reopened.contains(k) for k in keys[1:])
+
+
+def test_a_disk_that_fails_every_write_costs_the_cleaner_a_pass_per_deadline_not_a_spin(
+        disk_dir, faulty, store_factory):
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT), engine=faulty)
+    faulty.add(Fault("error", reads=False, writes=True))
+    keys, payloads = make_keys(DRAM_SLOTS), make_payloads(DRAM_SLOTS)
+    _fill(store, keys, payloads)
+    wait_for(lambda: faulty.injected > 0, 10, "the cleaner's first write")
+    time.sleep(1.0)  # a spinning cleaner would try thousands of writes meanwhile
+    tries = faulty.injected + _counted(store, "disk.write_dropped")  # dropped: the device tripped out
+    assert tries <= 2 * DRAM_SLOTS  # one pass (the next after the 5 s deadline)
+    assert _counted(store, "dram.cleaned") == 0 and store.probe.keys("dram") == set(keys)
+    faulty.clear()

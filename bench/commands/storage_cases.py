@@ -230,7 +230,8 @@ def prefetch_case(data: DiskSet, engine: str, queue_depth: int) -> list[CaseResu
     inflight = max(256 << 20, 2 * queue_depth * slot)
     tiers = {**data.tiers, "dram": {"capacity": (data.count + 2) * slot}}
     config = {"tiers": tiers, "io": {"engine": engine, "queue_depth": queue_depth},
-              "prefetch_inflight": inflight}
+              "prefetch_inflight": inflight,
+              "dram_clean_ahead": 0}  # no writes behind the warm-up's puts: the case times reads
     return [_prefetch(data, config, f"{engine}-prefetch-cold", queue_depth, warm=False),
             _prefetch(data, config, f"{engine}-prefetch", queue_depth, warm=True)]
 

@@ -1,22 +1,24 @@
 """The DRAM cleaner: a background thread that writes the coldest DRAM chunks down to disk
-before they are evicted, so that a put finds a clean victim (one already on disk, or one
-the disk does not admit) and never writes other chunks to disk on its caller's thread.
+before they are evicted, so that a put's victim (the least recently used chunk, as
+without the cleaner) is already on disk and is dropped, and the put writes no other chunk
+to disk on its caller's thread.
 
-CacheLib's and foyer's flushers work the same way: writes to the device are the cleaner's,
-and an insert takes a clean region. The cleaner keeps the next `depth` slots to be reused
-clean: free slots count first, then the eviction policy's order. `depth` is what puts may
-fill at once (`put_inflight`), so puts under the bound find clean slots while the cleaner
-keeps up with the disk. Where it falls behind (the disk slower than the saves), a put
-writes its victim down itself as before (DEMOTE, `dram.demoted`); `dram.cleaned` counts
-what the cleaner wrote. Invariants:
+CacheLib's and foyer's flushers work the same way: writes to the device are the
+cleaner's, and an insert takes a clean region. The cleaner keeps the next `depth` slots to
+be reused (its window) clean: free slots count first, then the eviction policy's order. `depth` is
+what puts may fill at once (`put_inflight`), so puts under the bound find clean victims
+while the cleaner keeps up with the disk. Where it falls behind (the disk slower than the
+saves), a put writes its victim down itself as before (DEMOTE, `dram.demoted`);
+`dram.cleaned` counts what the cleaner wrote. Invariants:
 - a chunk it writes stays in DRAM, published and readable, pinned only while its write
-  is in flight (the write's own pin holds the slot past a missed deadline: io/base.py);
+  is in flight (a pinned chunk is passed over by eviction, as any reader's; the write's
+  own pin holds the slot past a missed deadline: io/base.py);
 - it writes only what a victim's fate would write (Flusher.dirty: not on disk, admitted,
-  so the write budget and admission apply as to any eviction);
+  so the write budget and admission apply as to any eviction), and never changes which
+  chunk is evicted: eviction order is the policy's, cleaner or not;
 - it wakes on each DRAM publish (a listener that only sets an event) and sleeps while the
   window is clean; a pass whose writes all failed waits `retry_s` before the next.
 """
-
 from __future__ import annotations
 
 import logging
@@ -24,7 +26,7 @@ import threading
 
 from kvstore.datapath.flusher import Flusher
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.slots import Entry, Fate
+from kvstore.tiers.slots import Entry
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -45,24 +47,19 @@ class DramCleaner:
         if start:
             self._thread.start()
 
-    def window_fate(self) -> CleanWithin:
-        """The fate a put's reservation asks of each victim: one of the clean chunks within
-        the cleaner's window, never a write."""
-        return CleanWithin(self.flusher, self.depth)
-
-    def clean(self) -> int | None:
+    def _clean(self) -> bool | None:
         """One pass: write down up to a batch of the window's dirty chunks. None: the window
-        is clean; else how many landed."""
+        is clean; False: none of them got anywhere (their writes failed); else True."""
         entries = self.dram.table.pin_coldest(self.depth, self.flusher.dirty, self.flusher.batch)
         if not entries:
             return None
         try:
-            landed = sum(self.flusher.write_down(entries))
+            landed = self.flusher.write_down(entries)
         finally:
             for entry in entries:
                 self.dram.table.unpin(entry.slot)
-        self.stats.add("dram.cleaned", landed)
-        return landed
+        self.stats.add("dram.cleaned", sum(landed))
+        return any(landed) or any(entry.key not in self.dram.table for entry in entries)  # deleted
 
     def close(self, timeout_s: float) -> None:
         """Stop the thread; a write in flight lands first (its deadline is `timeout_s`), so
@@ -82,26 +79,11 @@ class DramCleaner:
             self._wake.wait()
             self._wake.clear()
             try:
-                while not self._stop.is_set() and (landed := self.clean()) is not None:
-                    if landed == 0:  # the disk took nothing: not again at once
+                while not self._stop.is_set() and (progress := self._clean()) is not None:
+                    if not progress:  # the disk took nothing: not again at once
                         self._stop.wait(self.retry_s)
                         break
             except Exception:  # a failed pass costs a clean slot, never the thread
                 log.exception("DRAM cleaner pass failed")
                 self._stop.wait(self.retry_s)
 
-
-class CleanWithin:
-    """A put's victim fate: a clean chunk among the first `depth` asked (the cleaner's
-    window), passing over dirty ones; past the window every chunk is passed over, so the
-    put falls back to writing a victim down itself rather than evict far from the tail."""
-
-    def __init__(self, flusher: Flusher, depth: int) -> None:
-        self.flusher = flusher
-        self.left = depth
-
-    def __call__(self, key: bytes) -> Fate:
-        self.left -= 1
-        if self.left < 0:
-            return Fate.SKIP
-        return self.flusher.clean_fate(key)

@@ -152,9 +152,17 @@ class Flusher:
                 table.unpin(entry.slot)
 
     def write_down(self, entries: Sequence[Entry]) -> list[bool]:
-        """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM."""
+        """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM. One
+        deleted from DRAM while its copy was written (a purge) is taken off the disk again:
+        a delete takes a chunk out of DRAM, then off the disk, and this looks at DRAM after
+        publishing on disk, so whichever runs second removes the disk copy."""
         assert self.dram is not None
-        return self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in entries])
+        landed = self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in entries])
+        for i, entry in enumerate(entries):
+            if landed[i] and entry.key not in self.dram.table:
+                self.stats.add("disk.deleted_while_written")
+                landed[i] = self.disk.remove(entry.key) is False  # False: it stays, served
+        return landed
 
     # -- chunks with no DRAM slot ----------------------------------------------------------
 

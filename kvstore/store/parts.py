@@ -1,8 +1,8 @@
 """The store's parts, built from a config in dependency order and released in reverse.
 
 Order matters: the disk index is recovered before anything writes; the flusher exists
-before the DRAM cleaner and placement (both write victims through it), and the cleaner
-stops before it; placement before the landings (promotions reserve through it); landings
+before the DRAM cleaner and placement (both write DRAM chunks down through it), and the
+cleaner stops before it; placement before the landings (promotions reserve through it); landings
 before the readers and the cluster node. Invariants: a failure half-way releases what
 was built; `close` releases each part once, whatever was built.
 """
@@ -116,7 +116,7 @@ class StoreParts:
                 self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth, io.timeout_s,
                                            start=background)
         if self.dram is not None:
-            self.placement = DramPlacement(self.dram, self.flusher, self.cleaner, self.stats, self.ledger)
+            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
                             chunk_bytes)
         if self.disk is not None:

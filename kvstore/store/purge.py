@@ -28,7 +28,7 @@ def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: s
           dry_run: bool) -> dict[str, int]:
     """{"chunks", "bytes", "dram_chunks", "disk_chunks", "unread", "removed"}: the records
     found in each tier (bytes: their payloads, every tier's copy counted) and, unless
-    `dry_run`, how many `delete` (the store's) removed."""
+    `dry_run`, how many chunks `delete` (the store's) removed."""
     unread = [0]
     in_dram = [key for key, named in _dram_records(parts) if named in namespaces]
     on_disk = [key for key, named in _disk_records(parts, unread) if named in namespaces]
@@ -38,7 +38,7 @@ def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: s
               "removed": 0}
     if not dry_run and keys:
         report["removed"] = delete(keys)
-        parts.stats.add("purge.records", report["removed"])
+        parts.stats.add("purge.chunks", report["removed"])
     return report
 
 

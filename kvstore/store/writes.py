@@ -10,14 +10,11 @@ reservation taken is published or released, whatever fails.
 
 from __future__ import annotations
 
-import logging
 from contextlib import ExitStack
 
 from kvstore.format.record import RecordEncoder
 from kvstore.store.parts import StoreParts
 from kvstore.tiers.slots import Reservation
-
-log = logging.getLogger(__name__)
 
 
 class Writes:
@@ -88,20 +85,11 @@ class Writes:
     def delete(self, keys: list[bytes]) -> int:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
         A disk record whose header cannot be zeroed stays (and is still served): what is
-        indexed is what a restart would find. Returns the records removed."""
+        indexed is what a restart would find. Returns the chunks removed (from any tier:
+        a chunk with a copy in DRAM and one on disk counts once)."""
         removed = 0
         for key in keys:
-            if self.parts.dram is not None and self.parts.dram.table.unpublish(key) is not None:
-                removed += 1
-            if self.parts.disk is None:
-                continue
-            with self.parts.disk.table.pinned([key]) as pins:
-                for _, slot in pins.hits:
-                    if self.parts.disk.zero_headers([slot], self.parts.config.io.timeout_s)[0]:
-                        pins.drop(key, slot)
-                        removed += 1
-                    else:
-                        self.parts.stats.add("disk.delete_failed")
-                        log.warning("delete: could not zero the header of %s; the record stays",
-                                    self.parts.disk.describe(slot))
+            in_dram = self.parts.dram is not None and self.parts.dram.table.unpublish(key) is not None
+            on_disk = self.parts.disk is not None and self.parts.disk.remove(key) is True
+            removed += in_dram or on_disk
         return removed

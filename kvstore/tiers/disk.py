@@ -14,6 +14,7 @@ device serves (availability.py), rebuilding the index at start (recover.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from kvstore.tiers.availability import DeviceAvailability
 from kvstore.tiers.recover import checkpoint
 from kvstore.tiers.slots import DiskSlotTable
 from kvstore.tiers.stats import Stats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -111,6 +114,20 @@ class DiskTier:
         """Zero slots' headers so a restart does not bring their records back."""
         requests = [IoRequest(*self.locate(slot), [self._zero_header], write=True) for slot in slots]
         return [result == HEADER_BLOCK for result in self.engine.run(requests, timeout_s)]
+
+    def remove(self, key: bytes) -> bool | None:
+        """Take a record off the disk: its header zeroed, so a restart does not bring it back,
+        then out of the index. None: not here; False: its header could not be zeroed, so it
+        stays, still served (what is indexed is what a restart would find; counted and logged)."""
+        with self.table.pinned([key]) as pins:
+            for _, slot in pins.hits:
+                if self.zero_headers([slot], self.timeout_s)[0]:
+                    pins.drop(key, slot)
+                    return True
+                self.stats.add("disk.delete_failed")
+                log.warning("could not zero the header of %s; the record stays", self.describe(slot))
+                return False
+        return None
 
     def used_bytes(self) -> int:
         return len(self.table) * self.slot_bytes
