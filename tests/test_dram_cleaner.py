@@ -3,15 +3,22 @@ and a put never writes another chunk to disk on its caller's thread."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from support.cluster import wait_for
-from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
+from support.stores import CHUNK_BYTES, direct_io_dir, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
+from kvstore.store.tiered import TieredStore
 
 SLOT = record_bytes(CHUNK_BYTES)
 DRAM_SLOTS = 16  # the cleaner keeps a quarter clean: the 4 coldest
@@ -76,8 +83,14 @@ def test_a_chunk_deleted_while_the_cleaner_writes_it_does_not_come_back(disk_dir
     keys, payloads = make_keys(DRAM_SLOTS), make_payloads(DRAM_SLOTS)
     _fill(store, keys, payloads)  # the cleaner starts writing the 4 coldest; they land when told
     assert sent.wait(10)
-    assert store.delete(keys[:1]) == 1  # a purge: out of DRAM now, not on disk yet
+    removed: list[int] = []
+    deleting = threading.Thread(target=lambda: removed.append(store.delete(keys[:1])))  # a purge
+    deleting.start()
+    wait_for(lambda: keys[0] not in store.probe.keys("dram"), 10, "the chunk out of DRAM")
+    assert deleting.is_alive()  # the delete waits for the copy being written
     held.land()
+    deleting.join(10)
+    assert removed == [1]
     wait_for(lambda: _counted(store, "dram.cleaned") >= 3, 10, "the other three written down")
     assert keys[0] not in store.probe.keys("disk") and not store.contains(keys[0])
     assert _counted(store, "disk.deleted_while_written") == 1
@@ -99,3 +112,59 @@ def test_a_disk_that_fails_every_write_costs_the_cleaner_a_pass_per_deadline_not
     assert tries <= 2 * DRAM_SLOTS  # one pass (the next after the 5 s deadline)
     assert _counted(store, "dram.cleaned") == 0 and store.probe.keys("dram") == set(keys)
     faulty.clear()
+
+
+class CleanedStore(RuleBasedStateMachine):
+    """Puts, gets, deletes and restarts of a store whose cleaner runs beside them, in any
+    order: every chunk stored and not deleted since reads back as it was stored, and a
+    deleted one never comes back, before or after a restart."""
+
+    KEYS, PAYLOADS = make_keys(40), make_payloads(40)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = tempfile.mkdtemp(prefix="kvstore-cleaner-")
+        self.config = disk_config(direct_io_dir(Path(self.directory)), 64 * SLOT, dram=8 * SLOT)
+        self.store = TieredStore(self.config, CHUNK_BYTES)
+        self.stored: set[int] = set()
+        self.deleted: set[int] = set()
+
+    @rule(first=st.integers(0, 39), count=st.integers(1, 4))
+    def put(self, first: int, count: int) -> None:
+        chosen = range(first, min(first + count, 40))
+        done = self.store.put_many([self.KEYS[i] for i in chosen], [self.PAYLOADS[i] for i in chosen])
+        assert done == [True] * len(chosen)  # DRAM or disk: never full here
+        self.stored |= set(chosen)
+        self.deleted -= set(chosen)
+
+    @rule(chosen=st.lists(st.integers(0, 39), min_size=1, max_size=4, unique=True))
+    def get(self, chosen: list[int]) -> None:
+        ok, outs = read_back(self.store, [self.KEYS[i] for i in chosen])
+        for i, found, out in zip(chosen, ok, outs, strict=True):
+            if i in self.stored:
+                assert found and np.array_equal(out, self.PAYLOADS[i]), f"chunk {i} lost or wrong"
+            elif i in self.deleted:
+                assert not found, f"deleted chunk {i} came back"
+
+    @rule(chosen=st.lists(st.integers(0, 39), min_size=1, max_size=4, unique=True))
+    def delete(self, chosen: list[int]) -> None:
+        self.store.delete([self.KEYS[i] for i in chosen])
+        self.stored -= set(chosen)
+        self.deleted |= set(chosen)
+
+    @rule()
+    def restart(self) -> None:
+        self.store.close()
+        self.store = TieredStore(self.config, CHUNK_BYTES)
+
+    @invariant()
+    def deleted_chunks_are_nowhere(self) -> None:
+        assert not any(self.store.contains(self.KEYS[i]) for i in self.deleted)
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+TestCleanedStore = CleanedStore.TestCase
+TestCleanedStore.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)

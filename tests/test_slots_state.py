@@ -76,6 +76,20 @@ class SlotTableMachine(RuleBasedStateMachine):
                 self.table.pin(slot)  # one more than the context's own, kept after it
                 self.pins.append(slot)
 
+    @rule(depth=st.integers(0, 8), wanted=st.frozensets(st.sampled_from(KEYS)), most=st.integers(1, 4))
+    def pin_coldest(self, depth: int, wanted: frozenset[bytes], most: int) -> None:
+        """The DRAM cleaner's pick: wanted, unpinned records among the next `depth` to go."""
+        table = self.table
+        free = sum(len(f) for g, f in enumerate(table.groups.free) if g not in table.groups.disabled)
+        looked = list(table.eviction)[: 2 * depth]
+        unpinned = [key for key in looked if table.slots[table.index[key]].pins == 0]
+        window = unpinned[: max(0, depth - free)]
+        picked = table.pin_coldest(depth, wanted.__contains__, most)
+        assert [entry.key for entry in picked] == [key for key in window if key in wanted][:most]
+        for entry in picked:
+            assert table.index[entry.key] == entry.slot
+            self.pins.append(entry.slot)
+
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:

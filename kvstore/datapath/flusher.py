@@ -22,6 +22,8 @@ rewritten under it.
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -63,6 +65,8 @@ class Flusher:
         self.chunk_bytes = disk.chunk_bytes
         self.timeout_s = disk.timeout_s
         self.batch = disk.engine.queue_depth
+        self._in_flight: Counter[bytes] = Counter()  # DRAM chunks being written down (write_down)
+        self._landed = threading.Condition()
         self._queue = (WriteThroughQueue(self._write_through, queue_chunks, self.batch, start=background)
                        if dram is not None and policy.write_through else None)
 
@@ -153,16 +157,33 @@ class Flusher:
 
     def write_down(self, entries: Sequence[Entry]) -> list[bool]:
         """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM. One
-        deleted from DRAM while its copy was written (a purge) is taken off the disk again:
-        a delete takes a chunk out of DRAM, then off the disk, and this looks at DRAM after
-        publishing on disk, so whichever runs second removes the disk copy."""
+        deleted from DRAM while its copy was written (a purge) is taken off the disk again
+        before this returns, and a delete waits for that (`settle`)."""
         assert self.dram is not None
-        landed = self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in entries])
-        for i, entry in enumerate(entries):
-            if landed[i] and entry.key not in self.dram.table:
-                self.stats.add("disk.deleted_while_written")
-                landed[i] = self.disk.remove(entry.key) is False  # False: it stays, served
+        with self._landed:
+            self._in_flight.update(entry.key for entry in entries)
+        try:
+            landed = self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot))
+                                 for e in entries])
+            for i, entry in enumerate(entries):
+                if landed[i] and entry.key not in self.dram.table:
+                    self.stats.add("disk.deleted_while_written")
+                    landed[i] = self.disk.remove(entry.key) is False  # False: it stays, served
+        finally:
+            with self._landed:
+                self._in_flight.subtract(entry.key for entry in entries)
+                for entry in entries:
+                    if not self._in_flight[entry.key]:
+                        del self._in_flight[entry.key]
+                self._landed.notify_all()
         return landed
+
+    def settle(self, key: bytes, timeout_s: float) -> bool:
+        """Wait until no copy of `key` is being written down from DRAM (False: one still was
+        after `timeout_s`). A delete takes the chunk out of DRAM first, then waits here, so
+        a copy in flight is off the disk again, or never published, before it looks there."""
+        with self._landed:
+            return self._landed.wait_for(lambda: key not in self._in_flight, timeout_s)
 
     # -- chunks with no DRAM slot ----------------------------------------------------------
 

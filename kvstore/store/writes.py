@@ -87,9 +87,11 @@ class Writes:
         A disk record whose header cannot be zeroed stays (and is still served): what is
         indexed is what a restart would find. Returns the chunks removed (from any tier:
         a chunk with a copy in DRAM and one on disk counts once)."""
-        removed = 0
+        parts, removed = self.parts, 0
         for key in keys:
-            in_dram = self.parts.dram is not None and self.parts.dram.table.unpublish(key) is not None
-            on_disk = self.parts.disk is not None and self.parts.disk.remove(key) is True
+            in_dram = parts.dram is not None and parts.dram.table.unpublish(key) is not None
+            if parts.flusher is not None:  # a copy being written down lands, and goes, first
+                parts.flusher.settle(key, parts.config.io.timeout_s)
+            on_disk = parts.disk is not None and parts.disk.remove(key) is True
             removed += in_dram or on_disk
         return removed
