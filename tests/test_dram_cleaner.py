@@ -64,11 +64,10 @@ def test_with_no_cleaner_a_put_writes_its_victim_down_itself(disk_dir, store_fac
 def test_the_cleaner_writes_only_what_the_disk_admits(disk_dir, store_factory):
     store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT,
                                       disk_admission="second-touch"))
-    keys, payloads = make_keys(DRAM_SLOTS + 1), make_payloads(DRAM_SLOTS + 1)
+    keys, payloads = make_keys(DRAM_SLOTS), make_payloads(DRAM_SLOTS)
     store.put_many([keys[0], keys[2]], [payloads[0], payloads[2]])
     store.delete([keys[0], keys[2]])  # seen once already: the next put is their second
-    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])  # DRAM full, only keys 0 and 2 admitted
-    _fill(store, keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:])  # one more put: it evicts keys[0], written down
+    _fill(store, keys, payloads)  # DRAM full; of the 4 coldest, keys 0 and 2 are admitted
     wait_for(lambda: _counted(store, "dram.cleaned") >= 2, 10, "the two admitted chunks written")
     on_disk = store.probe.keys("disk")
     assert {keys[0], keys[2]} <= on_disk

@@ -157,14 +157,17 @@ class Flusher:
 
     def write_down(self, entries: Sequence[Entry]) -> list[bool]:
         """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM. One
-        deleted from DRAM while its copy was written (a purge) is taken off the disk again
-        before this returns, and a delete waits for that (`settle`)."""
+        deleted from DRAM (a purge) before it is marked in flight here is not written; one
+        deleted while its copy was written is taken off the disk again before this returns,
+        and a delete waits for that (`settle`)."""
         assert self.dram is not None
         with self._landed:
             self._in_flight.update(entry.key for entry in entries)
         try:
-            landed = self.write([Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot))
-                                 for e in entries])
+            live = [entry for entry in entries if entry.key in self.dram.table]  # else deleted already
+            records = [Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in live]
+            written = dict(zip((e.key for e in live), self.write(records), strict=True))
+            landed = [written.get(entry.key, False) for entry in entries]
             for i, entry in enumerate(entries):
                 if landed[i] and entry.key not in self.dram.table:
                     self.stats.add("disk.deleted_while_written")
