@@ -4,12 +4,12 @@ without the cleaner) is already on disk and is dropped, and the put writes no ot
 to disk on its caller's thread.
 
 CacheLib's and foyer's flushers work the same way: writes to the device are the
-cleaner's, and an insert takes a clean region. The cleaner keeps the next `depth` slots to
-be reused (its window) clean: free slots count first, then the eviction policy's order. `depth` is
-what puts may fill at once (`put_inflight`), so puts under the bound find clean victims
-while the cleaner keeps up with the disk. Where it falls behind (the disk slower than the
-saves), a put writes its victim down itself as before (DEMOTE, `dram.demoted`);
-`dram.cleaned` counts what the cleaner wrote. Invariants:
+cleaner's, and an insert takes a clean region. The cleaner keeps the next `depth` slots
+to be reused (its window) clean: free slots count first, then the eviction policy's
+order. `depth` is what puts may fill at once (`put_inflight`, `clean_depth`), so puts
+under the bound find clean victims while the cleaner keeps up with the disk. Where it
+falls behind (the disk slower than the saves), a put writes its victim down itself as
+before (DEMOTE, `dram.demoted`); `dram.cleaned` counts what the cleaner wrote. Invariants:
 - a chunk it writes stays in DRAM, published and readable, pinned only while its write
   is in flight (a pinned chunk is passed over by eviction, as any reader's; the write's
   own pin holds the slot past a missed deadline: io/base.py);
@@ -24,12 +24,22 @@ from __future__ import annotations
 import logging
 import threading
 
+from kvstore.config.store import StoreConfig
 from kvstore.datapath.flusher import Flusher
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.slots import Entry
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
+
+
+def clean_depth(config: StoreConfig, chunk_bytes: int, dram_slots: int) -> int:
+    """The slots the cleaner keeps clean: `dram_clean_ahead`'s, or by default what puts may
+    fill at once (`put_inflight`), at most a quarter of the tier, so that most of DRAM is
+    written only as it leaves. 0: no cleaner."""
+    if config.dram_clean_ahead is not None:
+        return min(config.dram_clean_ahead // chunk_bytes, dram_slots)
+    return min(config.put_inflight // chunk_bytes, dram_slots // 4)
 
 
 class DramCleaner:

@@ -5,8 +5,8 @@ A DRAM victim that is not on disk yet (and that the disk admits) is written down
 before its slot is reused: ahead of time by the DRAM cleaner (datapath/cleaner.py,
 `write_down`), or, where the cleaner has fallen behind, by the put: the reservation that
 chose it carries it (DEMOTE), the flusher writes a batch of such victims at once, and
-only then does the new chunk take the slot. So a chunk never leaves DRAM unwritten, and the victim stays
-readable in DRAM until its disk copy is published. A get's promotion never waits
+only then does the new chunk take the slot. So a chunk never leaves DRAM unwritten, and
+the victim stays readable in DRAM until its disk copy is published. A get's promotion never waits
 for that: it only takes slots whose chunk is already on disk (`clean_fate`).
 
 Write-through copies go through a bounded queue served by one thread
@@ -22,12 +22,11 @@ rewritten under it.
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+from kvstore.datapath.copies_in_flight import CopiesInFlight
 from kvstore.format.record import MissReason, RecordHeader
 from kvstore.io.base import IoBuffer
 from kvstore.io.staging import StagingPool
@@ -53,7 +52,7 @@ class Record:
 
 class Flusher:
     def __init__(self, disk: DiskTier, dram: DramTier | None, policy: TierPolicy, staging: StagingPool, *,
-                 queue_chunks: int, background: bool = True,
+                 queue_chunks: int, in_flight: CopiesInFlight, background: bool = True,
                  held_elsewhere: Callable[[bytes], bool] | None = None) -> None:
         self.disk = disk
         # A chunk whose disk copy another host holds (a cluster's peer): never written here.
@@ -65,8 +64,7 @@ class Flusher:
         self.chunk_bytes = disk.chunk_bytes
         self.timeout_s = disk.timeout_s
         self.batch = disk.engine.queue_depth
-        self._in_flight: Counter[bytes] = Counter()  # DRAM chunks being written down (write_down)
-        self._landed = threading.Condition()
+        self.in_flight = in_flight
         self._queue = (WriteThroughQueue(self._write_through, queue_chunks, self.batch, start=background)
                        if dram is not None and policy.write_through else None)
 
@@ -157,13 +155,11 @@ class Flusher:
 
     def write_down(self, entries: Sequence[Entry]) -> list[bool]:
         """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM. One
-        deleted from DRAM (a purge) before it is marked in flight here is not written; one
-        deleted while its copy was written is taken off the disk again before this returns,
-        and a delete waits for that (`settle`)."""
+        deleted from DRAM (a purge) before it is listed in flight is not written; one
+        deleted while its copy was written is taken off the disk again before it is no
+        longer listed, which a delete waits for (copies_in_flight.py)."""
         assert self.dram is not None
-        with self._landed:
-            self._in_flight.update(entry.key for entry in entries)
-        try:
+        with self.in_flight.writing([entry.key for entry in entries]):
             live = [entry for entry in entries if entry.key in self.dram.table]  # else deleted already
             records = [Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in live]
             written = dict(zip((e.key for e in live), self.write(records), strict=True))
@@ -172,21 +168,7 @@ class Flusher:
                 if landed[i] and entry.key not in self.dram.table:
                     self.stats.add("disk.deleted_while_written")
                     landed[i] = self.disk.remove(entry.key) is False  # False: it stays, served
-        finally:
-            with self._landed:
-                self._in_flight.subtract(entry.key for entry in entries)
-                for entry in entries:
-                    if not self._in_flight[entry.key]:
-                        del self._in_flight[entry.key]
-                self._landed.notify_all()
         return landed
-
-    def settle(self, key: bytes, timeout_s: float) -> bool:
-        """Wait until no copy of `key` is being written down from DRAM (False: one still was
-        after `timeout_s`). A delete takes the chunk out of DRAM first, then waits here, so
-        a copy in flight is off the disk again, or never published, before it looks there."""
-        with self._landed:
-            return self._landed.wait_for(lambda: key not in self._in_flight, timeout_s)
 
     # -- chunks with no DRAM slot ----------------------------------------------------------
 

@@ -2,9 +2,9 @@
 
 Order matters: the disk index is recovered before anything writes; the flusher exists
 before the DRAM cleaner and placement (both write DRAM chunks down through it), and the
-cleaner stops before it; placement before the landings (promotions reserve through it); landings
-before the readers and the cluster node. Invariants: a failure half-way releases what
-was built; `close` releases each part once, whatever was built.
+cleaner stops before it; placement before the landings (promotions reserve through it);
+landings before the readers and the cluster node. Invariants: a failure half-way
+releases what was built; `close` releases each part once, whatever was built.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config.store import StoreConfig
-from kvstore.datapath.cleaner import DramCleaner
+from kvstore.datapath.cleaner import DramCleaner, clean_depth
+from kvstore.datapath.copies_in_flight import CopiesInFlight
 from kvstore.datapath.flusher import Flusher
 from kvstore.datapath.landing import Landings
 from kvstore.datapath.placement import DramPlacement
@@ -74,6 +75,7 @@ class StoreParts:
         self.cluster: ClusterNode | None = None
         self.placement: DramPlacement | None = None
         self.peer_copies: set[bytes] = set()  # DRAM chunks whose disk copy is a peer's
+        self.in_flight = CopiesInFlight()  # DRAM chunks being written down, which a delete waits for
         self.staging = StagingPool(self.slot_bytes, io.queue_depth)
         self.headers = StagingPool(HEADER_BLOCK, io.queue_depth)
         self.recovery = RecoveryReport()
@@ -101,17 +103,15 @@ class StoreParts:
                             "disk.budget_refused"):  # scraped from the start
                 self.stats.add(counter, 0)
             self.flusher = Flusher(self.disk, self.dram, self.policy, self.staging,
-                                   queue_chunks=config.write_behind_chunks, background=background,
-                                   held_elsewhere=self.peer_copies.__contains__)
+                                   queue_chunks=config.write_behind_chunks, in_flight=self.in_flight,
+                                   background=background, held_elsewhere=self.peer_copies.__contains__)
         dram_chunks = self.dram.table.capacity if self.dram is not None else 0
         self.policy.set_capacity(dram_chunks, dram_chunks + (self.disk.table.capacity if self.disk else 0))
         self.set_write_budget(config.disk_write_budget)
         if self.dram is not None and self.disk is not None:
             self.dram.table.subscribe(self._left_dram)
         if self.dram is not None and self.flusher is not None:
-            ahead = config.dram_clean_ahead
-            depth = (min(config.put_inflight // chunk_bytes, self.dram.table.capacity // 4)
-                     if ahead is None else min(ahead // chunk_bytes, self.dram.table.capacity))
+            depth = clean_depth(config, chunk_bytes, self.dram.table.capacity)
             if depth > 0:
                 self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth, io.timeout_s,
                                            start=background)

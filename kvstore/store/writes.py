@@ -90,8 +90,7 @@ class Writes:
         parts, removed = self.parts, 0
         for key in keys:
             in_dram = parts.dram is not None and parts.dram.table.unpublish(key) is not None
-            if parts.flusher is not None:  # a copy being written down lands, and goes, first
-                parts.flusher.settle(key, parts.config.io.timeout_s)
+            parts.in_flight.settle(key, parts.config.io.timeout_s)  # a copy being written down goes first
             on_disk = parts.disk is not None and parts.disk.remove(key) is True
             removed += in_dram or on_disk
         return removed
