@@ -76,6 +76,7 @@ def test_the_cleaner_writes_only_what_the_disk_admits(disk_dir, store_factory):
 
 def test_a_chunk_deleted_while_the_cleaner_writes_it_does_not_come_back(disk_dir, faulty, store_factory):
     config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    config["io"]["timeout_s"] = 60  # the held write outlives no deadline on a busy machine
     store = store_factory(config, engine=faulty)
     sent = threading.Event()
     held = faulty.add(Fault("late", reads=False, writes=True, match=lambda _request: sent.set() or True))

@@ -71,14 +71,16 @@ class DramCleaner:
         self.stats.add("dram.cleaned", sum(landed))
         return any(landed) or any(entry.key not in self.dram.table for entry in entries)  # deleted
 
-    def close(self, timeout_s: float) -> None:
-        """Stop the thread; a write in flight lands first (its deadline is `timeout_s`), so
-        nothing is written after the disk tier closes, even at a crash close."""
+    def close(self, timeout_s: float) -> bool:
+        """Stop the thread once its write in flight has ended (each I/O has its deadline:
+        `timeout_s` is the longest one write takes), so nothing is written after the disk
+        tier closes, even at a crash close. False: it had not ended by then."""
         self.dram.table.unsubscribe(self._on_event)
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _on_event(self, published: bool, _entry: Entry) -> None:
         if published:

@@ -96,18 +96,16 @@ class Flusher:
 
     def take_over(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Write the victims of DEMOTE reservations to disk in one batch, then hand each
-        slot over; False where a victim's write failed (that reservation is released)."""
+        slot over; False where a victim's write failed, or the victim was deleted meanwhile
+        (that reservation is released)."""
         assert self.dram is not None
-        entries = []
-        for reservation in reservations:
-            entry = self.dram.table.entry(reservation.slot)
-            assert entry is not None and entry.key == reservation.victim
-            entries.append(entry)
-        landed = self.write_down(entries)
+        victims = [(r, self.dram.table.entry(r.slot)) for r in reservations]
+        live = [(r, entry) for r, entry in victims if entry is not None and entry.key == r.victim]
+        landed = dict(zip((id(r) for r, _ in live), self.write_down([e for _, e in live]), strict=True))
         usable = []
-        for reservation, done in zip(reservations, landed, strict=True):
-            if not done:
-                reservation.release()  # the victim stays in DRAM
+        for reservation in reservations:
+            if not landed.get(id(reservation), False):
+                reservation.release()  # the victim stays in DRAM, or is gone already
                 usable.append(False)
                 continue
             usable.append(reservation.take_over())
@@ -152,6 +150,12 @@ class Flusher:
         finally:
             for entry in entries:
                 table.unpin(entry.slot)
+
+    @property
+    def longest_write_down_s(self) -> float:
+        """The longest `write_down` takes: each of a disk write's three phases (disk.py) and
+        the zeroing of a header written after a delete, each under its own I/O deadline."""
+        return 4 * self.timeout_s
 
     def write_down(self, entries: Sequence[Entry]) -> list[bool]:
         """Write these DRAM records (pinned by the caller) to disk; they stay in DRAM. One

@@ -229,7 +229,11 @@ class StoreParts:
             self.monitor.close()
             self.monitor = None
         if self.cleaner is not None:
-            self.cleaner.close(self.config.io.timeout_s)  # its write lands before the disk closes
+            assert self.flusher is not None
+            if not self.cleaner.close(self.flusher.longest_write_down_s):  # its write lands first
+                log.error("close: the DRAM cleaner's write did not end in its deadlines; the "
+                          "disk tier is left open under it")
+                self.flusher = self.disk = None  # never closed under a write in flight
             self.cleaner = None
         if self.flusher is not None:
             if not self.flusher.close(0 if crash else self.config.io.timeout_s) and not crash:

@@ -90,7 +90,9 @@ class Writes:
         parts, removed = self.parts, 0
         for key in keys:
             in_dram = parts.dram is not None and parts.dram.table.unpublish(key) is not None
-            parts.in_flight.settle(key, parts.config.io.timeout_s)  # a copy being written down goes first
+            writing_s = parts.flusher.longest_write_down_s if parts.flusher is not None else 0.0
+            if not parts.in_flight.settle(key, writing_s):  # a copy being written down goes first
+                parts.stats.add("delete.copy_still_in_flight")  # its writer takes it off when it lands
             on_disk = parts.disk is not None and parts.disk.remove(key) is True
             removed += in_dram or on_disk
         return removed

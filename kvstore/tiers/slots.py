@@ -364,8 +364,9 @@ class SlotTable:
                     continue
                 left -= 1
                 if wanted(key):
-                    info.pins += 1
                     picked.append(Entry(key, slot, info.parent, info.seq))
+            for entry in picked:  # only once `wanted` can no longer raise
+                self.slots[entry.slot].pins += 1
             return picked
 
     # -- writes ----------------------------------------------------------------------
