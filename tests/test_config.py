@@ -41,6 +41,7 @@ def test_the_documented_example_loads(tmp_path):
     ({"tiers": {"dram": {"capacity": "1GiB"}}, "chunk_tokens": "many"}, "chunk_tokens"),
     ({"tiers": {}}, "tiers"),
     ({"tiers": {"dram": {"capacity": "1GiB"}}, "colour": "red"}, "colour"),
+    ({"tiers": {"dram": {"capacity": "1GiB"}}, "dram_clean_ahead": "-1GiB"}, "dram_clean_ahead"),
     ({"tiers": {"disk": [{"path": "/a", "capacity": 1}, {"path": "/a", "capacity": 1}]}},
      "tiers.disk"),
 ])
@@ -230,6 +231,7 @@ _tiers = st.fixed_dictionaries({}, optional={
 _configs = st.fixed_dictionaries({"tiers": _tiers}, optional={
     "chunk_tokens": st.integers(1, 1 << 20), "write_behind_chunks": st.integers(1, 1 << 20),
     "promote_on_hit": st.booleans(), "prefetch_inflight": _sizes, "disk_min_seen": st.integers(1, 100),
+    "dram_clean_ahead": st.none() | st.just(0) | _sizes,
     "write_policy": st.sampled_from(["write_back", "write_through"]),
     "io": st.fixed_dictionaries({}, optional={
         "engine": st.sampled_from(["auto", "uring", "threads"]), "queue_depth": st.integers(1, 4096),
