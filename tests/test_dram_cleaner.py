@@ -16,6 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from support.cluster import wait_for
 from support.stores import CHUNK_BYTES, direct_io_dir, disk_config, make_keys, make_payloads, read_back
 
+from kvstore.config.store import load_config
+from kvstore.datapath.cleaner import MOST_CHUNKS, clean_depth
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 from kvstore.store.tiered import TieredStore
@@ -50,6 +52,17 @@ def test_puts_take_the_slots_the_cleaner_wrote_down_while_the_disk_takes_no_writ
     finally:
         faulty.clear()
         faulty.release()
+
+
+def test_the_window_is_bounded_in_chunks_whatever_their_size():
+    """Each pass walks the window under the DRAM lock: small chunks under the 1 GiB default
+    (4,096 of 256 KiB) would make every pass hold it for a millisecond."""
+    dram = {"tiers": {"dram": {"capacity": "64GiB"}}}
+    assert clean_depth(load_config(dram), 32 << 20, 2048) == 32  # put_inflight / chunk
+    assert clean_depth(load_config(dram), 256 << 10, 1 << 18) == MOST_CHUNKS
+    assert clean_depth(load_config({**dram, "dram_clean_ahead": "8GiB"}), 256 << 10, 1 << 18) == MOST_CHUNKS
+    assert clean_depth(load_config({**dram, "dram_clean_ahead": "8GiB"}), 32 << 20, 2048) == 256
+    assert clean_depth(load_config(dram), 32 << 20, 16) == 4  # a quarter of a small tier
 
 
 def test_with_no_cleaner_a_put_writes_its_victim_down_itself(disk_dir, store_factory):

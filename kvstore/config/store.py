@@ -388,7 +388,9 @@ class StoreConfig(Schema):
         None, description="how much of the DRAM tier's coldest end a background cleaner keeps written "
                           "down to disk, so that a put takes a clean slot and never writes another "
                           "chunk down on its caller's thread (it does where the cleaner falls behind: "
-                          "`dram.demoted`; the cleaner's writes are `dram.cleaned`); 0: no cleaner",
+                          "`dram.demoted`; the cleaner's writes are `dram.cleaned`); 0: no cleaner. "
+                          "At most 1,024 chunks, whatever is set: each pass walks it under the DRAM "
+                          "tier's lock",
         json_schema_extra={"doc_default": "`put_inflight`, at most a quarter of the DRAM tier"})
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
