@@ -113,6 +113,39 @@ def test_a_chunk_deleted_while_the_cleaner_writes_it_does_not_come_back(disk_dir
     assert not reopened.contains(keys[0]) and all(reopened.contains(k) for k in keys[1:])
 
 
+def test_a_victim_deleted_while_a_put_writes_it_down_does_not_come_back(disk_dir, faulty, store_factory):
+    """With no cleaner a put writes its victim down itself (DEMOTE); a purge of that victim
+    meanwhile wins: the put's chunk goes elsewhere, and the victim is nowhere."""
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT, dram_clean_ahead=0)
+    config["io"]["timeout_s"] = 60  # the held write outlives no deadline on a busy machine
+    store = store_factory(config, engine=faulty)
+    keys, payloads = make_keys(DRAM_SLOTS + 1), make_payloads(DRAM_SLOTS + 1)
+    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])  # free slots: nothing written yet
+    sent = threading.Event()
+    held = faulty.add(Fault("late", reads=False, writes=True, match=lambda _request: sent.set() or True))
+    stored: list[list[bool]] = []
+    putting = threading.Thread(target=lambda: stored.append(store.put_many(keys[-1:], payloads[-1:])))
+    putting.start()
+    assert sent.wait(10)  # the put is writing its victim, the least recently used chunk, down
+    removed: list[int] = []
+    deleting = threading.Thread(target=lambda: removed.append(store.delete(keys[:1])))
+    deleting.start()
+    wait_for(lambda: keys[0] not in store.probe.keys("dram"), 10, "the victim out of DRAM")
+    assert deleting.is_alive() and putting.is_alive()  # the delete waits for the copy being written
+    held.land()
+    deleting.join(10)
+    putting.join(10)
+    assert removed == [1] and stored == [[True]]
+    assert not store.contains(keys[0]) and keys[0] not in store.probe.keys("disk")
+    assert _counted(store, "disk.deleted_while_written") == 1 and _counted(store, "dram.demoted") == 0
+    ok, outs = read_back(store, keys[-1:])
+    assert ok == [True] and np.array_equal(outs[0], payloads[-1])
+    faulty.clear()
+    store.close()
+    reopened = store_factory(config)
+    assert not reopened.contains(keys[0]) and reopened.contains(keys[-1])
+
+
 def test_a_disk_that_fails_every_write_costs_the_cleaner_a_pass_per_deadline_not_a_spin(
         disk_dir, faulty, store_factory):
     store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT), engine=faulty)
