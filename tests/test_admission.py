@@ -149,6 +149,17 @@ def test_a_switched_policy_keeps_what_the_disk_holds(disk_dir, store_factory):
     assert on_disk <= store.probe.keys("disk")
 
 
+def test_a_reload_of_the_loss_budget_and_floor_alone_keeps_the_policy(store_factory):
+    store = store_factory({"tiers": {"dram": {"capacity": 4 * record_bytes(CHUNK_BYTES)}},
+                           "disk_admission": "learned"})
+    store.admin.reload_policy({"disk_admission_loss": 0.05, "disk_admission_threshold": 0.2})
+    admission = store.info()["admission"]
+    assert admission["policy"] == "learned"
+    assert admission["loss_budget"] == 0.05 and admission["threshold_floor"] == 0.2
+    store.admin.reload_policy({"disk_write_budget": None})  # nothing of admission named: unchanged
+    assert store.info()["admission"]["loss_budget"] == 0.05
+
+
 def _write_config(path, disk_dir, **changes) -> dict:
     slot = record_bytes(CHUNK_BYTES)
     raw = {**service_config(path.parent, dram=2 * slot, disk_dir=disk_dir, disk=32 * slot,

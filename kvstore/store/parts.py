@@ -172,47 +172,29 @@ class StoreParts:
             return self.disk.kind_of(slot)
         return None
 
-    def switch_policy(self, admission: str | None = None, eviction: str | None = None,
-                      min_seen: int | None = None, threshold: float | None = None,
-                      loss: float | None = None) -> None:
-        """Change disk admission (with `disk_min_seen`, `disk_admission_threshold`,
-        `disk_admission_loss`) and eviction while serving (the service's SIGHUP reload): no
-        chunk a tier holds is dropped or rewritten; only later decisions change."""
-        if admission is not None or min_seen is not None or threshold is not None or loss is not None:
-            changed = {name: v for name, v in (("threshold", threshold), ("loss", loss)) if v is not None}
-            tuning = dataclasses.replace(self.policy.tuning, **changed)
-            self.policy.set_admission(admission or self.policy.admission, min_seen, tuning)
-        if eviction is not None:
-            self.policy.set_eviction(eviction)
+    def reload_policy(self, live: Mapping[str, Any]) -> None:
+        """Apply the live keys a config reload changed (config.store.LIVE_KEYS, the service's
+        SIGHUP): disk admission (with `disk_min_seen` and its tuning), eviction and the write
+        budget. No chunk a tier holds is dropped or rewritten; only later decisions change."""
+        named = (("threshold", "disk_admission_threshold"), ("loss", "disk_admission_loss"))
+        tuned = {name: live[key] for name, key in named if live.get(key) is not None}
+        min_seen = live.get("disk_min_seen")
+        if tuned or live.get("disk_admission") is not None or min_seen is not None:
+            tuning = dataclasses.replace(self.policy.tuning, **tuned)
+            self.policy.set_admission(live.get("disk_admission") or self.policy.admission, min_seen, tuning)
+        if live.get("eviction") is not None:
+            self.policy.set_eviction(live["eviction"])
             for tier in (self.dram, self.disk):
                 if tier is not None:
                     tier.table.set_eviction(self.policy.make_eviction())
-
-    def reload_policy(self, live: Mapping[str, Any]) -> None:
-        """Apply the live keys a config reload changed (config.store.LIVE_KEYS, the service's
-        SIGHUP), keeping every chunk a tier holds."""
-        self.switch_policy(admission=live.get("disk_admission"), eviction=live.get("eviction"),
-                           min_seen=live.get("disk_min_seen"), threshold=live.get("disk_admission_threshold"),
-                           loss=live.get("disk_admission_loss"))
         if "disk_write_budget" in live:
             self.set_write_budget(live["disk_write_budget"])
 
     def info(self) -> dict[str, Any]:
-        tiers = []
-        if self.dram:
-            tiers.append({"name": "dram", "chunks": len(self.dram.table),
-                          "capacity_bytes": self.dram.table.capacity * self.slot_bytes,
-                          "used_bytes": len(self.dram.table) * self.slot_bytes})
-        if self.disk:
-            health = self.disk.availability.health
-            tiers.append({"name": "disk", "chunks": len(self.disk.table),
-                          "capacity_bytes": self.disk.capacity_bytes(),
-                          "used_bytes": self.disk.used_bytes(),
-                          "paths": [d.path for d in self.disk.devices.devices],
-                          "devices": [{"path": d.path, **h.describe()} for d, h in
-                                      zip(self.disk.devices.devices, health, strict=True)]})
-        info = {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes,
-                "io_engine": self.engine.name, "tiers": tiers, "counters": self.stats.snapshot(),
+        """What `kvstore info` prints of this store: its tiers, counters, recovery, policy."""
+        info = {"chunk_bytes": self.chunk_bytes, "slot_bytes": self.slot_bytes, "io_engine": self.engine.name,
+                "tiers": [tier.info() for tier in (self.dram, self.disk) if tier is not None],
+                "counters": self.stats.snapshot(),
                 "recovery": self.recovery.as_dict(), "admission": self.policy.describe()}
         if self.cluster is not None:
             info["cluster"] = self.cluster.info()

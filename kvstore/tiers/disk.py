@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.devices.device import DevicePlan
 from kvstore.devices.device_set import DeviceSet
@@ -134,6 +135,14 @@ class DiskTier:
 
     def capacity_bytes(self) -> int:
         return self.table.capacity * self.slot_bytes
+
+    def info(self) -> dict[str, Any]:
+        """This tier as `kvstore info` prints it, each device with its health."""
+        devices = self.devices.devices
+        return {"name": "disk", "chunks": len(self.table), "capacity_bytes": self.capacity_bytes(),
+                "used_bytes": self.used_bytes(), "paths": [d.path for d in devices],
+                "devices": [{"path": d.path, **h.describe()}
+                            for d, h in zip(devices, self.availability.health, strict=True)]}
 
     def close(self) -> None:
         self._zero_header.close()

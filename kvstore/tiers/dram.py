@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import threading
+from typing import Any
 
 from kvstore.format.errors import ConfigError
 from kvstore.format.record import (
@@ -76,6 +77,12 @@ class DramTier:
         if self._fd is None or not isinstance(self.slab, SharedMemory):
             return None
         return os.dup(self._fd), self.slab.nbytes, self.slab.pages
+
+    def info(self) -> dict[str, Any]:
+        """This tier as `kvstore info` prints it."""
+        return {"name": "dram", "chunks": len(self.table),
+                "capacity_bytes": self.table.capacity * self.slot_bytes,
+                "used_bytes": len(self.table) * self.slot_bytes}
 
     def payload_offset(self, slot: int) -> int:
         """Where a slot's payload starts in the slab (as a client maps it)."""

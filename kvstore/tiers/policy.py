@@ -33,7 +33,7 @@ request may start with one system prompt, and each conversation is still a famil
 own (a chunk with two different children seen is a branch; the child starts a family).
 
 Switching a policy at runtime (`set_admission`, `set_budget`, `set_eviction` with SlotTable.set_eviction:
-StoreParts.switch_policy (StoreAdmin.reload_policy), which `kvstore serve` calls on SIGHUP) keeps every
+StoreParts.reload_policy (StoreAdmin.reload_policy), which `kvstore serve` calls on SIGHUP) keeps every
 chunk a tier holds: admission only decides future writes, and the new eviction order is
 built from the chunks already published.
 """
