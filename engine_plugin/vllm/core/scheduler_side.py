@@ -153,19 +153,15 @@ class SchedulerCore:
         first = num_computed // self.chunk_tokens  # the engine's own cache holds those before
         residency = self.lookups.residency(keys, prefetch=self.prefetch is not None and kept is None,
                                            cap=loadable, lease_from=first if first < loadable else None)
-        if (self.saves.held(req_id, keys[0], residency.stored)
-                or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens)):
+        held = (self.saves.held(req_id, keys[0], residency.stored)
+                or self.handoffs.held(req_id, keys, residency.stored, len(prompt), self.chunk_tokens))
+        usable = None if held else residency.stored
+        if usable is not None and self.prefetch is not None:
+            usable = self.prefetch.decide(req_id, residency, len(prompt))
+        if usable is None:  # held: asked again later, its keys kept and its lease let go
             self.lookups.keep(req_id, keys)
             self.leases.release(residency.lease)
             return None
-        usable = residency.stored
-        if self.prefetch is not None:
-            decided = self.prefetch.decide(req_id, residency, len(prompt))
-            if decided is None:
-                self.lookups.keep(req_id, keys)
-                self.leases.release(residency.lease)
-                return None
-            usable = decided
         load_end = min(usable, loadable) * self.chunk_tokens
         namespaces = self.lookups.namespaces(keying.salt)
         request = self._requests[req_id] = RequestState(
