@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore.io.copier import copy_bytes, copy_many
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pairs(sizes: list[int], seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -70,3 +75,24 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
         os._exit(0 if np.array_equal(outs[0], sources[0]) and helpers else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+PROBE = "from kvstore.io.copier import streaming_threshold; print(streaming_threshold())"
+
+
+def _threshold_in_fresh_python(tunables: str | None) -> int | None:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, check=True)
+    answer = done.stdout.strip()
+    return None if answer == "None" else int(answer)
+
+
+def test_the_streaming_threshold_is_the_one_this_process_started_with() -> None:
+    default = _threshold_in_fresh_python(None)
+    if default is None:
+        pytest.skip("not glibc on x86-64: its dynamic loader lists no streaming threshold")
+    assert default > 0
+    assert _threshold_in_fresh_python("glibc.cpu.x86_non_temporal_threshold=0x20000") == 0x20000

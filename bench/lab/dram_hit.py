@@ -12,9 +12,14 @@ chunk, bench/support/tiny_model.py), as a user starts it. For each of --prompts 
   floor      on a server without kvstore and with vLLM's prefix cache, the prompt sent
              twice: the second's TTFT
 Each is the time to the first streamed token; the table shows the medians, and
-(kvstore - floor) / plain copy.
+(kvstore - floor) / plain copy. With --streaming-stores both servers start with the
+GLIBC_TUNABLES the connector's worker logs it would want (engine_plugin/vllm/cpu_copies.py):
+its loads' copies then stream past the cache, as the plain copy of the whole prefix does.
+With --huge-pages the service's DRAM tier is in reserved huge pages (its start-up warning
+asks for them where there are none).
 
   python -m bench.lab dram_hit [--prefix-tokens 4096] [--suffix-tokens 16] [--prompts 3]
+                               [--streaming-stores] [--huge-pages]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +36,14 @@ import numpy as np
 from bench.lab import Result
 from bench.support.openai_server import OpenAIServer, completion_body, stream_complete
 from bench.support.tiny_model import build_llama3_8b_geometry, prompt_token_ids
+from bench.support.vm import huge_pages
 from kvstore.config.store import load_config
+from kvstore.format.units import parse_size
 from kvstore.service.client import service_info, stop_service
 
 CHUNK = 256
 KV_BYTES_PER_TOKEN = 128 << 10  # the model's float16 KV: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes
+STREAMING = "glibc.cpu.x86_non_temporal_threshold=0x80000"  # what the worker logs for this model
 
 
 def plain_copy_s(nbytes: int, rounds: int = 5) -> float:
@@ -73,12 +82,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "--max-num-batched-tokens", str(args.prefix_tokens + args.suffix_tokens)]
     store = {"chunk_tokens": CHUNK, "tiers": {"dram": {"capacity": args.dram_capacity}},
              "service": {"socket": str(workdir / "kvstore.sock")}}
+    env = {"GLIBC_TUNABLES": STREAMING} if args.streaming_stores else {}
     found: dict[str, list[float]] = {"recompute": [], "kvstore": [], "floor": []}
     cached: list[int] = []
+    pages = huge_pages(parse_size(args.dram_capacity)) if args.huge_pages else nullcontext("not asked")
     try:
-        with OpenAIServer(model, [*base, "--no-enable-prefix-caching"], workdir / "server-kvstore.log",
-                          connector={"config": store, "load_async": not args.sync_load},
-                          kv_cache_gib=args.kv_cache_gib) as server:
+        with pages as why_not, OpenAIServer(
+                model, [*base, "--no-enable-prefix-caching"], workdir / "server-kvstore.log",
+                connector={"config": store, "load_async": not args.sync_load},
+                kv_cache_gib=args.kv_cache_gib, env=env) as server:
             for i, prompt in enumerate(prompts):
                 found["recompute"].append(_ttft(server, prompt)[0])
                 _saves_done(store, (i + 1) * (args.prefix_tokens // CHUNK))
@@ -88,7 +100,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         counters = (service_info(load_config(store)) or {}).get("counters", {})
     finally:
         stop_service(load_config(store))
-    with OpenAIServer(model, base, workdir / "server-floor.log", kv_cache_gib=args.kv_cache_gib) as server:
+    with OpenAIServer(model, base, workdir / "server-floor.log", kv_cache_gib=args.kv_cache_gib,
+                      env=env) as server:
         for prompt in prompts:
             _ttft(server, prompt)
             found["floor"].append(_ttft(server, prompt)[0])
@@ -96,7 +109,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     medians = {name: statistics.median(values) for name, values in found.items()}
     extra = (medians["kvstore"] - medians["floor"]) / copy
     loads = {k: v for k, v in counters.items() if k.startswith(("load.", "dram.", "get.", "requests."))}
-    return {"prefix_tokens": args.prefix_tokens, "runs": found, "median_s": medians, "plain_copy_s": copy,
+    return {"prefix_tokens": args.prefix_tokens, "glibc_tunables": env.get("GLIBC_TUNABLES"),
+            "tier_huge_pages": why_not or "reserved",
+            "runs": found, "median_s": medians, "plain_copy_s": copy,
             "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": loads}
 
 
@@ -107,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--dram-capacity", default="4GiB", help="kvstore's DRAM tier")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="reserve huge pages for the DRAM tier while the kvstore server runs (root; "
+                             "vm.nr_hugepages is put back after), as the service's warning asks")
+    parser.add_argument("--streaming-stores", action="store_true",
+                        help=f"start both servers with GLIBC_TUNABLES={STREAMING}: copies of a layer's "
+                             "block and more stream past the cache")
     parser.add_argument("--sync-load", action="store_true",
                         help="the connector's load_async false: the load runs before the forward pass "
                              "of the step that computes the rest, not while the request waits")

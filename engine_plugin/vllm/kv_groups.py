@@ -134,6 +134,10 @@ class GroupedKVLayout:
         layout.gather(blocks, out[: layout.chunk_bytes])
 
     @property
+    def smallest_copy(self) -> int:
+        return min(layout.smallest_copy for layout in self.groups.values())
+
+    @property
     def checks_copies(self) -> bool:
         """No: a group's chunk is the front of its record, whose checksum is the whole's."""
         return False

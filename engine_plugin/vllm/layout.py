@@ -129,6 +129,11 @@ class PagedKVLayout:
                 part[positions] = layer[ids]
 
     @property
+    def smallest_copy(self) -> int:
+        """The fewest bytes one copy of a load moves: one layer's block."""
+        return min(self.block_bytes)
+
+    @property
     def checks_copies(self) -> bool:
         """Host layers the copier writes directly: it can hash a chunk as it copies it."""
         return self._on_host and all(layer.flags.c_contiguous for layer in self._targets)

@@ -15,10 +15,12 @@ from engine_plugin.vllm.core.groups import GroupRules
 from engine_plugin.vllm.core.options import ConnectorOptions
 from engine_plugin.vllm.core.worker_side import WorkerCore
 from engine_plugin.vllm.cpu_amx import ready_cpu_worker
+from engine_plugin.vllm.cpu_copies import streaming_advice
 from engine_plugin.vllm.cuda_host import register_for_dma
 from engine_plugin.vllm.kv_groups import GroupedKVLayout
 from engine_plugin.vllm.layout import PagedKVLayout
 from engine_plugin.vllm.namespaces import EngineNamespaces
+from kvstore.io.copier import streaming_threshold
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -57,4 +59,8 @@ def make_worker(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConf
     worker = WorkerCore(layout, rank, make_client, staging, options.save_window_wait_s, fail_requests)
     log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
              layout.chunk_bytes)
+    if layout.device.type == "cpu":
+        advice = streaming_advice(layout.smallest_copy, streaming_threshold())
+        if advice is not None:
+            log.info("kvstore worker rank %d: %s", rank, advice)
     return worker
