@@ -12,7 +12,9 @@ from support.services import service_client, service_config, stop_service
 
 from bench.support.processes import paused
 from kvstore.config.store import load_config
+from kvstore.format.checksum import PIECE
 from kvstore.format.errors import KVStoreError
+from kvstore.io.copier import streaming_threshold, streaming_tunable
 from kvstore.service import protocol as P
 from kvstore.service.client import ServiceUnavailable, StoreClient
 
@@ -82,6 +84,21 @@ def test_a_service_with_another_config_is_refused(config):
         StoreClient(load_config(other), CHUNK)
     with pytest.raises(KVStoreError, match=f"chunks of {CHUNK} bytes"):
         StoreClient(load_config(config), 2 * CHUNK)
+
+
+def test_a_spawned_service_streams_its_copies_into_dram_slots(config):
+    """Started with the GLIBC_TUNABLES under which its puts' copies (PIECE at a time)
+    stream past the cache (kvstore/io/copier.py), beside whatever the engine had."""
+    wanted = streaming_tunable(PIECE, streaming_threshold())
+    if wanted is None:
+        pytest.skip("this glibc streams a put's copies already, or is not glibc")
+    StoreClient(load_config(config)).close()  # spawns the service
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(config["service"]["socket"])
+        pid, _, _ = P.peer_credentials(sock)
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert wanted.encode() in environ[b"GLIBC_TUNABLES"].split(b":")
 
 
 def test_no_service_and_no_spawn_is_a_clear_error(config):

@@ -13,7 +13,7 @@ chunk, bench/support/tiny_model.py), as a user starts it. For each of --prompts 
              twice: the second's TTFT
 Each is the time to the first streamed token; the table shows the medians, and
 (kvstore - floor) / plain copy. With --streaming-stores both servers start with the
-GLIBC_TUNABLES the connector's worker logs it would want (engine_plugin/vllm/cpu_copies.py):
+GLIBC_TUNABLES the connector's worker logs it would want (engine_plugin/vllm/worker_role.py):
 its loads' copies then stream past the cache, as the plain copy of the whole prefix does.
 With --huge-pages the service's DRAM tier is in reserved huge pages (its start-up warning
 asks for them where there are none).

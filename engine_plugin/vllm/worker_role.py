@@ -15,12 +15,11 @@ from engine_plugin.vllm.core.groups import GroupRules
 from engine_plugin.vllm.core.options import ConnectorOptions
 from engine_plugin.vllm.core.worker_side import WorkerCore
 from engine_plugin.vllm.cpu_amx import ready_cpu_worker
-from engine_plugin.vllm.cpu_copies import streaming_advice
 from engine_plugin.vllm.cuda_host import register_for_dma
 from engine_plugin.vllm.kv_groups import GroupedKVLayout
 from engine_plugin.vllm.layout import PagedKVLayout
 from engine_plugin.vllm.namespaces import EngineNamespaces
-from kvstore.io.copier import streaming_threshold
+from kvstore.io.copier import streaming_threshold, streaming_tunable
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -59,8 +58,10 @@ def make_worker(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConf
     worker = WorkerCore(layout, rank, make_client, staging, options.save_window_wait_s, fail_requests)
     log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
              layout.chunk_bytes)
-    if layout.device.type == "cpu":
-        advice = streaming_advice(layout.smallest_copy, streaming_threshold())
-        if advice is not None:
-            log.info("kvstore worker rank %d: %s", rank, advice)
+    on_cpu = layout.device.type == "cpu"
+    tunable = streaming_tunable(layout.smallest_copy, streaming_threshold()) if on_cpu else None
+    if tunable is not None:  # the threshold is the process's from its start: only vLLM's user can set it
+        log.info("kvstore worker rank %d: a load copies pieces of %d bytes (one layer's block), under this "
+                 "process's streaming-store threshold: start vLLM with GLIBC_TUNABLES=%s for faster loads "
+                 "(docs/vllm.md)", rank, layout.smallest_copy, tunable)
     return worker

@@ -25,7 +25,9 @@ import msgspec
 
 from kvstore.config.runtime import directory_problem, ensure_private_directory, open_private
 from kvstore.config.store import StoreConfig, dump_config
+from kvstore.format.checksum import PIECE
 from kvstore.format.errors import ConfigError, KVStoreError
+from kvstore.io.copier import with_streaming
 from kvstore.service import protocol as P
 
 SPAWN_TIMEOUT_S = 60.0
@@ -100,15 +102,16 @@ _LAUNCHER = ("import os, signal, subprocess, sys\n"
 
 def _spawn(config: StoreConfig) -> P.Channel:
     """Start a service; its config goes through a 0600 file in the private directory
-    (not the command line, which every user can read in /proc)."""
+    (not the command line, which every user can read in /proc). Its copies into DRAM slots
+    (a put's, hashed PIECE bytes at a time) stream past the cache (io/copier.py)."""
     path = config.service.socket
     log_path, config_path = path + ".log", path + ".json"
     fd = open_private(config_path, os.O_WRONLY | os.O_TRUNC)
     with os.fdopen(fd, "w") as f:
         json.dump(dump_config(config), f)
     service = [sys.executable, "-m", "kvstore.cli", "serve", "--config", config_path]
-    launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service],
-                              capture_output=True, text=True, timeout=30)
+    launched = subprocess.run([sys.executable, "-c", _LAUNCHER, log_path, *service], capture_output=True,
+                              text=True, timeout=30, env=with_streaming(os.environ, PIECE))
     if launched.returncode != 0:  # killed before it started the service: try again later
         raise ServiceUnavailable(f"the launcher of a kvstore service at {path} exited with "
                                  f"{launched.returncode}: {launched.stderr.strip()[-300:]}")

@@ -41,9 +41,11 @@ from kvstore.config.runtime import ensure_private_directory, open_private
 from kvstore.config.store import LIVE_KEYS, StoreConfig, dump_config, load_config
 from kvstore.devices.device import path_problem
 from kvstore.devices.nvmeof.plans import namespace_plans
+from kvstore.format.checksum import PIECE
 from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.format.secrets import masked
+from kvstore.io.copier import streaming_threshold, streaming_tunable
 from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
 from kvstore.service.handlers import Requests
@@ -163,6 +165,11 @@ class StoreService:
 
     def _start(self, config: StoreConfig) -> None:
         _unpin_from_parent()
+        tunable = streaming_tunable(PIECE, streaming_threshold())
+        if tunable is not None:  # started by hand: a spawned service has it (client_connection.py)
+            log.info("a put copies into its DRAM slot %d bytes at a time, under this process's streaming-"
+                     "store threshold: start `kvstore serve` with GLIBC_TUNABLES=%s for less CPU per put "
+                     "(docs/architecture.md)", PIECE, tunable)
         self._slots = ClientSlots(config.service, os.geteuid(), log)
         self.requests = Requests(config, self.socket_path, (self._slots.counts,))
         self._stopping = threading.Event()
