@@ -135,6 +135,7 @@ class GroupedKVLayout:
 
     @property
     def smallest_copy(self) -> int:
+        """The fewest bytes one copy of a load moves: the smallest group's layer block."""
         return min(layout.smallest_copy for layout in self.groups.values())
 
     @property

@@ -19,7 +19,7 @@ from engine_plugin.vllm.cuda_host import register_for_dma
 from engine_plugin.vllm.kv_groups import GroupedKVLayout
 from engine_plugin.vllm.layout import PagedKVLayout
 from engine_plugin.vllm.namespaces import EngineNamespaces
-from kvstore.io.copier import streaming_threshold, streaming_tunable
+from kvstore.io.streaming import streaming_threshold, streaming_tunable
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:

@@ -391,7 +391,8 @@ class StoreConfig(Schema):
                           "`dram.demoted`; the cleaner's writes are `dram.cleaned`); 0: no cleaner. "
                           "At most 1,024 chunks, whatever is set: each pass walks it under the DRAM "
                           "tier's lock",
-        json_schema_extra={"doc_default": "`put_inflight`, at most a quarter of the DRAM tier"})
+        json_schema_extra={"doc_default": "`put_inflight`, at most a quarter of the DRAM tier and "
+                                          "1,024 chunks"})
     prefetch_inflight: Annotated[int, size()] = Field(
         1 << 30, description="the bytes one prefetch (a promotion from disk to DRAM) reads at a time; "
                              "below `io.queue_depth` chunks it keeps the device's queue short")

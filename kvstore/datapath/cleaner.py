@@ -6,10 +6,11 @@ to disk on its caller's thread.
 CacheLib's and foyer's flushers work the same way: writes to the device are the
 cleaner's, and an insert takes a clean region. The cleaner keeps the next `depth` slots
 to be reused (its window) clean: free slots count first, then the eviction policy's
-order. `depth` is what puts may fill at once (`put_inflight`, `clean_depth`), so puts
-under the bound find clean victims while the cleaner keeps up with the disk. Where it
-falls behind (the disk slower than the saves), a put writes its victim down itself as
-before (DEMOTE, `dram.demoted`); `dram.cleaned` counts what the cleaner wrote. Invariants:
+order. `depth` is what puts may fill at once (`put_inflight`, `clean_depth`), up to
+MOST_CHUNKS, so puts under the bound find clean victims while the cleaner keeps up with the
+disk (a burst of more than MOST_CHUNKS small chunks may outrun the window). Where it falls
+behind (the disk slower than the saves), a put writes its victim down itself as before
+(DEMOTE, `dram.demoted`); `dram.cleaned` counts what the cleaner wrote. Invariants:
 - a chunk it writes stays in DRAM, published and readable, pinned only while its write
   is in flight (a pinned chunk is passed over by eviction, as any reader's; the write's
   own pin holds the slot past a missed deadline: io/base.py);
@@ -44,7 +45,11 @@ def clean_depth(config: StoreConfig, chunk_bytes: int, dram_slots: int) -> int:
     fill at once (`put_inflight`), at most a quarter of the tier, so that most of DRAM is
     written only as it leaves; never more than MOST_CHUNKS. 0: no cleaner."""
     if config.dram_clean_ahead is not None:
-        return min(config.dram_clean_ahead // chunk_bytes, dram_slots, MOST_CHUNKS)
+        asked = min(config.dram_clean_ahead // chunk_bytes, dram_slots)
+        if asked > MOST_CHUNKS:
+            log.info("dram_clean_ahead: %d chunks asked, the cleaner keeps %d clean (its walk holds the "
+                     "DRAM lock)", asked, MOST_CHUNKS)
+        return min(asked, MOST_CHUNKS)
     return min(config.put_inflight // chunk_bytes, dram_slots // 4, MOST_CHUNKS)
 
 

@@ -7,26 +7,16 @@ releases the GIL, so plain threads run the pieces in parallel. The calling threa
 takes pieces too and waits only for pieces a helper has started, never for a helper
 that has not been scheduled yet (on a busy machine one may not run for a whole time
 slice): a stall costs at most one piece.
-
-glibc's memcpy streams a copy past the cache (non-temporal stores: no read of the
-destination first) only from a size it sets by the cache's (`x86_non_temporal_threshold`,
-181 MiB on this machine's 480 MiB L3), so copies of a block or a hash piece pay that read:
-a load into vLLM's CPU KV blocks (512 KiB copies) ran at 6.1 GiB/s on one core here
-against 9.9 with the threshold under them, and a put (hashed and copied 256 KiB at a
-time) at 4.5 against 6.5. The threshold is set only at a process's start (GLIBC_TUNABLES):
-`with_streaming` is the environment to start a process in (the service kvstore spawns),
-`streaming_tunable` what to tell the user of a process already started.
+Whether those copies stream past the cache is glibc's choice, made by size (io/streaming.py).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
-import subprocess
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -87,48 +77,6 @@ def copy_checked(chunks: Sequence[tuple[memoryview, Sequence[tuple[memoryview, i
     hashes and copies them (4.5 GiB/s here against the disk's 2), and two threads sharing
     the memory bus spend a fifth more CPU on the same bytes."""
     return [xxh3_64_scatter(payload, pieces) for payload, pieces in chunks]
-
-
-_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-GLIBC_LEAST = 0x4040  # the least threshold glibc takes
-
-
-def streaming_tunable(piece_bytes: int, threshold: int | None) -> str | None:
-    """The GLIBC_TUNABLES entry under which copies of `piece_bytes` stream, or None: they do
-    under `threshold` (a process's: streaming_threshold) already, or it is not known."""
-    if threshold is None or threshold <= piece_bytes:
-        return None
-    return f"{_TUNABLE}={max(GLIBC_LEAST, piece_bytes):#x}"
-
-
-def with_streaming(environ: Mapping[str, str], piece_bytes: int) -> dict[str, str]:
-    """`environ` for a process to start whose copies of `piece_bytes` should stream: the
-    entry added to its GLIBC_TUNABLES, unless that names a threshold already (the user's
-    choice stands) or this glibc streams them anyway."""
-    env = dict(environ)
-    tunables = env.get("GLIBC_TUNABLES", "")
-    entry = None if _TUNABLE in tunables else streaming_tunable(piece_bytes, streaming_threshold())
-    if entry is not None:
-        env["GLIBC_TUNABLES"] = f"{tunables}:{entry}" if tunables else entry
-    return env
-
-
-@functools.cache
-def streaming_threshold() -> int | None:
-    """The size from which this process's memcpy streams past the cache, as its dynamic
-    loader reports it (glibc >= 2.33 on x86-64: `ld.so --list-tunables`, which reads the
-    GLIBC_TUNABLES this process started with), or None where it cannot be asked."""
-    try:
-        with open("/proc/self/maps") as maps:
-            loader = next((line.split()[-1] for line in maps if "/ld-linux-x86-64.so" in line), None)
-        if loader is None:
-            return None
-        listed = subprocess.run([loader, "--list-tunables"], capture_output=True, text=True, timeout=10,
-                                check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"glibc\.cpu\.x86_non_temporal_threshold: (0x[0-9a-f]+)", listed)
-    return int(found.group(1), 16) if found else None
 
 
 def _copy_all(piece: list[tuple[memoryview, memoryview]]) -> None:

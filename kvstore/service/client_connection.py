@@ -27,7 +27,7 @@ from kvstore.config.runtime import directory_problem, ensure_private_directory, 
 from kvstore.config.store import StoreConfig, dump_config
 from kvstore.format.checksum import PIECE
 from kvstore.format.errors import ConfigError, KVStoreError
-from kvstore.io.copier import with_streaming
+from kvstore.io.streaming import with_streaming
 from kvstore.service import protocol as P
 
 SPAWN_TIMEOUT_S = 60.0

@@ -45,7 +45,7 @@ from kvstore.format.checksum import PIECE
 from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.format.secrets import masked
-from kvstore.io.copier import streaming_threshold, streaming_tunable
+from kvstore.io.streaming import streaming_threshold, streaming_tunable
 from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
 from kvstore.service.handlers import Requests
