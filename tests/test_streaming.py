@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.io.streaming import GLIBC_LEAST, TUNABLE, loader_threshold, streaming_tunable, with_streaming
 
@@ -68,3 +70,29 @@ def test_an_engines_threshold_too_high_for_the_pieces_is_replaced_a_low_one_kept
         "GLIBC_TUNABLES": f"{TUNABLE}={PIECE // 2:#x}:glibc.malloc.arena_max=2"}
     low = {"GLIBC_TUNABLES": f"{TUNABLE}=0x10000"}
     assert with_streaming(low, PIECE) == low
+
+
+_TEXT = st.characters(codec="ascii", exclude_characters=":\0")
+_ENTRY = st.one_of(
+    st.builds(lambda v: f"{TUNABLE}={v}", st.sampled_from(["0x10000", "0x20000", "0x80000", "0", "zzz", ""])),
+    st.builds(lambda n, v: f"glibc.{n}={v}", st.sampled_from(["malloc.arena_max", "cpu.hwcaps"]),
+              st.text(_TEXT, max_size=12)),
+    st.text(_TEXT, max_size=20))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_ENTRY, max_size=5).map(":".join))
+def test_whatever_the_engine_set_the_service_gets_a_streaming_threshold_and_the_rest(tunables: str) -> None:
+    """Any GLIBC_TUNABLES an engine may have (an environment holds no NUL): the spawned
+    process's copies of a piece stream under the entries it gets, and the engine's other
+    entries reach it in their order."""
+    env = with_streaming({"GLIBC_TUNABLES": tunables}, PIECE)
+    given_threshold = loader_threshold(tunables)
+    if given_threshold is None or given_threshold < PIECE:
+        assert env == {"GLIBC_TUNABLES": tunables}
+        return
+    result = env["GLIBC_TUNABLES"]
+    threshold = loader_threshold(result)
+    assert threshold is not None and threshold < PIECE
+    others = [e for e in tunables.split(":") if e and not e.startswith(TUNABLE + "=")]
+    assert result.split(":")[1:] == others
