@@ -103,7 +103,7 @@ _LAUNCHER = ("import os, signal, subprocess, sys\n"
 def _spawn(config: StoreConfig) -> P.Channel:
     """Start a service; its config goes through a 0600 file in the private directory
     (not the command line, which every user can read in /proc). Its copies into DRAM slots
-    (a put's, hashed PIECE bytes at a time) stream past the cache (io/copier.py)."""
+    (a put's, hashed PIECE bytes at a time) stream past the cache (io/streaming.py)."""
     path = config.service.socket
     log_path, config_path = path + ".log", path + ".json"
     fd = open_private(config_path, os.O_WRONLY | os.O_TRUNC)
