@@ -43,7 +43,7 @@ from kvstore.service.client import service_info, stop_service
 
 CHUNK = 256
 KV_BYTES_PER_TOKEN = 128 << 10  # the model's float16 KV: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes
-STREAMING = "glibc.cpu.x86_non_temporal_threshold=0x40000"  # what the worker logs for this model
+STREAMING = "glibc.cpu.x86_non_temporal_threshold=0x20000"  # what the worker logs for this model
 
 
 def plain_copy_s(nbytes: int, rounds: int = 5) -> float:

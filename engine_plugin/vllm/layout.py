@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine_plugin.vllm.core.plan import SKIP
+from kvstore.format.checksum import PIECE
 from kvstore.format.errors import ShapeError
 from kvstore.io.copier import copy_checked, copy_many
 
@@ -130,8 +131,10 @@ class PagedKVLayout:
 
     @property
     def smallest_copy(self) -> int:
-        """The fewest bytes one copy of a load moves: one layer's block."""
-        return min(self.block_bytes)
+        """The fewest bytes one copy of a load moves: one layer's block, or where the copier
+        hashes as it copies (a disk hit), the hash's piece if that is less."""
+        block = min(self.block_bytes)
+        return min(block, PIECE) if self.checks_copies else block
 
     @property
     def checks_copies(self) -> bool:

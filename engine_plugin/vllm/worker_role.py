@@ -61,7 +61,7 @@ def make_worker(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConf
     on_cpu = layout.device.type == "cpu"
     tunable = streaming_tunable(layout.smallest_copy, streaming_threshold()) if on_cpu else None
     if tunable is not None:  # the threshold is the process's from its start: only vLLM's user can set it
-        log.info("kvstore worker rank %d: a load copies pieces of %d bytes (one layer's block), under this "
+        log.info("kvstore worker rank %d: a load copies pieces of %d bytes, under this "
                  "process's streaming-store threshold: start vLLM with GLIBC_TUNABLES=%s for faster loads "
                  "(docs/vllm.md)", rank, layout.smallest_copy, tunable)
     return worker

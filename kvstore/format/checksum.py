@@ -7,11 +7,16 @@ point): called through ctypes, which releases the GIL around foreign calls, the
 identical hash runs while other threads work. Where the symbol is missing (another
 build of the package), the Python function is used: same digest, GIL held.
 
-`xxh3_64_copy` verifies bytes on their way somewhere: it hashes a cache-sized piece,
-then copies that piece while it is still in cache, so a read that must be checked and
-copied (a staged disk read) touches memory once, not twice. `xxh3_64_scatter` does the
-same for bytes that go to many places (a chunk into an engine's KV blocks): the whole
-payload hashed in order, each piece copied to where it goes while it is in cache.
+`xxh3_64_copy` verifies bytes on their way somewhere: it copies a cache-sized piece,
+then hashes that piece's source while the copy has left it in cache, so a read that must
+be checked and copied (a staged disk read) comes from memory once, not twice.
+`xxh3_64_scatter` does the same for bytes that go to many places (a chunk into an engine's
+KV blocks): each piece copied to where it goes, the whole payload hashed in order. The copy
+goes first because a copy may stream its stores past the cache (io/streaming.py) but its
+loads fill it, while a hash's loads from memory would leave the copy's reads in cache and
+its writes waiting. The piecewise hash is the library's SIMD-dispatching update where the
+build has one (AVX-512 where the CPU has it): its plain update is the baseline SSE2 code,
+measured here at 26 GiB/s from cache against the dispatched one's 47.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def _streaming() -> Any:
     try:
         library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         create, reset = library.XXH3_createState, library.XXH3_64bits_reset
-        update, digest, free = library.XXH3_64bits_update, library.XXH3_64bits_digest, library.XXH3_freeState
+        update = getattr(library, "XXH3_64bits_update_dispatch", None) or library.XXH3_64bits_update
+        digest, free = library.XXH3_64bits_digest, library.XXH3_freeState
     except (ImportError, OSError, AttributeError) as exc:
         log.info("streaming xxh3 through ctypes unavailable (%s); hash and copy run apart", exc)
         return None
@@ -62,7 +68,7 @@ def _streaming() -> Any:
 _XXH3 = _native()
 _STREAM = _streaming()
 _SMALL = 1 << 16  # below this the ctypes call costs more than the GIL it frees
-PIECE = 256 << 10  # hashed, then copied while it is still in cache (fits L2 on current cores)
+PIECE = 256 << 10  # copied, then hashed while it is still in cache (fits L2 on current cores)
 
 
 def xxh3_64(data: memoryview | bytes) -> int:
@@ -76,8 +82,8 @@ def xxh3_64(data: memoryview | bytes) -> int:
 
 def xxh3_64_scatter(payload: memoryview, pieces: Sequence[tuple[memoryview, int]]) -> int:
     """xxh3-64 of all of `payload`, copying payload[at : at + len(dst)] into each (dst, at)
-    of `pieces` in the same pass over memory (a piece is copied while the hash has it in
-    cache). Bytes no piece takes are hashed all the same. The GIL is released throughout."""
+    of `pieces` in the same pass over memory (the hash reads what the copy left in cache).
+    Bytes no piece takes are hashed all the same. The GIL is released throughout."""
     source = memoryview(payload).cast("B")
     targets = sorted(((at, memoryview(dst).cast("B")) for dst, at in pieces), key=lambda p: p[0])
     for at, dst in targets:
@@ -99,13 +105,13 @@ def xxh3_64_scatter(payload: memoryview, pieces: Sequence[tuple[memoryview, int]
         first = 0  # the first piece not yet wholly copied (pieces are in payload order)
         for start in range(0, len(source), PIECE):
             end = min(start + PIECE, len(source))
-            update(state, src_base + start, end - start)
             for begin, stop, address in addressed[first:]:
                 if begin >= end:
                     break
                 lo, hi = max(begin, start), min(stop, end)
                 if lo < hi:
                     ctypes.memmove(address + lo - begin, src_base + lo, hi - lo)
+            update(state, src_base + start, end - start)
             while first < len(addressed) and addressed[first][1] <= end:
                 first += 1
         return int(digest(state))
@@ -115,7 +121,7 @@ def xxh3_64_scatter(payload: memoryview, pieces: Sequence[tuple[memoryview, int]
 
 def xxh3_64_copy(dst: memoryview, src: memoryview) -> int:
     """Copy `src` into `dst` (same length) and return xxh3-64 of `src`, in one pass over
-    memory: each piece is hashed, then copied from cache (xxh3_64_scatter, one piece)."""
+    memory: each piece is copied, then hashed from cache (xxh3_64_scatter, one piece)."""
     source, target = memoryview(src).cast("B"), memoryview(dst).cast("B")
     if len(source) != len(target):
         raise ValueError(f"copy of {len(source)} bytes into {len(target)}")
