@@ -65,6 +65,47 @@ def test_the_window_is_bounded_in_chunks_whatever_their_size():
     assert clean_depth(load_config(dram), 32 << 20, 16) == 4  # a quarter of a small tier
 
 
+def test_where_the_cleaner_is_behind_a_put_writes_no_other_chunk_down(disk_dir, faulty, store_factory):
+    """The cleaner's write held: no victim left is on disk. A put then writes no other
+    chunk down on its caller's thread (no DEMOTE): its own chunks go straight to disk, and
+    DRAM keeps what it holds until the cleaner has written it."""
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    config["io"]["timeout_s"] = 60  # the held write outlives no deadline on a busy machine
+    store = store_factory(config, engine=faulty)
+    sent = threading.Event()
+    held = faulty.add(Fault("late", reads=False, writes=True, match=lambda _request: sent.set() or True))
+    keys, payloads = make_keys(DRAM_SLOTS + 4), make_payloads(DRAM_SLOTS + 4)
+    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])
+    assert sent.wait(10)  # the cleaner's first write is held: it has fallen behind
+    faulty.clear()  # other writes go through
+    assert store.put_many(keys[DRAM_SLOTS:], payloads[DRAM_SLOTS:]) == [True] * 4
+    assert _counted(store, "dram.demoted") == 0 and _counted(store, "put.straight_to_disk") == 4
+    assert store.probe.keys("dram") == set(keys[:DRAM_SLOTS])
+    assert set(keys[DRAM_SLOTS:]) <= store.probe.keys("disk")
+    held.land()
+    ok, outs = read_back(store, keys)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
+
+
+def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir, faulty, store_factory):
+    """A dead disk: nowhere to write a victim, so it is dropped (as with no disk tier), not
+    kept for a write that cannot happen, which froze DRAM with what it held when the disk
+    died and failed every put after."""
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT), engine=faulty)
+    faulty.add(Fault("error", reads=True, writes=True))
+    keys, payloads = make_keys(3 * DRAM_SLOTS), make_payloads(3 * DRAM_SLOTS)
+    for key, payload in zip(keys[:DRAM_SLOTS + 4], payloads[:DRAM_SLOTS + 4], strict=True):
+        store.put_many([key], [payload])  # the cleaner's and these puts' writes fail
+    wait_for(lambda: _counted(store, "disk.trips") >= 1, 10, "the device out of service")
+    fresh, fresh_payloads = keys[-DRAM_SLOTS:], payloads[-DRAM_SLOTS:]
+    stored = [store.put_many([k], [p])[0] for k, p in zip(fresh, fresh_payloads, strict=True)]
+    assert stored == [True] * DRAM_SLOTS
+    assert store.probe.keys("dram") == set(fresh)
+    ok, outs = read_back(store, fresh)
+    assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, fresh_payloads, strict=True))
+    faulty.clear()
+
+
 def test_with_no_cleaner_a_put_writes_its_victim_down_itself(disk_dir, store_factory):
     store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT, dram_clean_ahead=0))
     keys, payloads = make_keys(DRAM_SLOTS + 2), make_payloads(DRAM_SLOTS + 2)

@@ -323,7 +323,7 @@ class SimStore:
             return Fate.EVICT
         held = key in self.tiers[below] or key in self.from_peers
         policy = self.policy if below in self.disks else _ADMIT_ALL
-        return policy.victim_fate(key, held, promotion=mode == "get")
+        return policy.victim_fate(key, held, passes_over=mode == "get")
 
 
 class Replayer:

@@ -387,8 +387,10 @@ class StoreConfig(Schema):
     dram_clean_ahead: Annotated[int, size(0)] | None = Field(
         None, description="how much of the DRAM tier's coldest end a background cleaner keeps written "
                           "down to disk, so that a put takes a clean slot and never writes another "
-                          "chunk down on its caller's thread (it does where the cleaner falls behind: "
-                          "`dram.demoted`; the cleaner's writes are `dram.cleaned`); 0: no cleaner. "
+                          "chunk down on its caller's thread (where the cleaner falls behind, a put's "
+                          "chunks go straight to disk instead: `put.straight_to_disk`; the cleaner's "
+                          "writes are `dram.cleaned`); 0: no cleaner, a put writes its victim down "
+                          "itself (`dram.demoted`). "
                           "At most 1,024 chunks, whatever is set: each pass walks it under the DRAM "
                           "tier's lock",
         json_schema_extra={"doc_default": "`put_inflight`, at most a quarter of the DRAM tier and "

@@ -9,14 +9,18 @@ to be reused (its window) clean: free slots count first, then the eviction polic
 order. `depth` is what puts may fill at once (`put_inflight`, `clean_depth`), up to
 MOST_CHUNKS, so puts under the bound find clean victims while the cleaner keeps up with the
 disk (a burst of more than MOST_CHUNKS small chunks may outrun the window). Where it falls
-behind (the disk slower than the saves), a put writes its victim down itself as before
-(DEMOTE, `dram.demoted`); `dram.cleaned` counts what the cleaner wrote. Invariants:
+behind (the disk slower than the saves), a put still writes no other chunk down: it takes
+the coldest slot whose chunk is on disk, and with none its chunks go straight to disk
+(`put.straight_to_disk`): the caller waits for its own bytes only, and the put bound
+(`put_inflight`, past it `put.rejected`) caps what waits at once. `dram.cleaned` counts
+what the cleaner wrote; with no cleaner (`dram_clean_ahead: 0`) a put writes its victim
+down itself (DEMOTE, `dram.demoted`). Invariants:
 - a chunk it writes stays in DRAM, published and readable, pinned only while its write
   is in flight (a pinned chunk is passed over by eviction, as any reader's; the write's
   own pin holds the slot past a missed deadline: io/base.py);
 - it writes only what a victim's fate would write (Flusher.dirty: not on disk, admitted,
-  so the write budget and admission apply as to any eviction), and never changes which
-  chunk is evicted: eviction order is the policy's, cleaner or not;
+  so the write budget and admission apply as to any eviction); while it keeps up, the
+  chunk evicted is the policy's pick, cleaner or not (the pick is already on disk);
 - it wakes on each DRAM publish (a listener that only sets an event) and sleeps while the
   window is clean; a pass whose writes all failed waits `retry_s` before the next.
 """

@@ -3,11 +3,13 @@ no DRAM slot (written straight from a staging buffer).
 
 A DRAM victim that is not on disk yet (and that the disk admits) is written down
 before its slot is reused: ahead of time by the DRAM cleaner (datapath/cleaner.py,
-`write_down`), or, where the cleaner has fallen behind, by the put: the reservation that
-chose it carries it (DEMOTE), the flusher writes a batch of such victims at once, and
-only then does the new chunk take the slot. So a chunk never leaves DRAM unwritten, and
-the victim stays readable in DRAM until its disk copy is published. A get's promotion never waits
-for that: it only takes slots whose chunk is already on disk (`clean_fate`).
+`write_down`), or, with no cleaner (`dram_clean_ahead: 0`), by the put: the reservation
+that chose it carries it (DEMOTE), the flusher writes a batch of such victims at once, and
+only then does the new chunk take the slot. So a chunk never leaves DRAM unwritten while a
+disk device serves, and the victim stays readable in DRAM until its disk copy is
+published. A put beside a cleaner, and a get's promotion, never wait for that: they only
+take slots whose chunk is already on disk (`clean_fate`). With no device in service there
+is nowhere to write a victim: it is dropped, and DRAM goes on taking new chunks.
 
 Write-through copies go through a bounded queue served by one thread
 (tiers/write_through.py); with the queue full the copy is skipped (counted) and the chunk is
@@ -72,7 +74,7 @@ class Flusher:
 
     def put_fate(self, key: bytes) -> Fate:
         """A victim for a new chunk: dropped if on disk (or not admitted), else written down first."""
-        return self.policy.victim_fate(key, self._on_disk(key), promotion=False)
+        return self.policy.victim_fate(key, self._settled(key), passes_over=False)
 
     def count_refused(self, keys: Sequence[bytes]) -> None:
         """These chunks (with no DRAM slot) were refused the disk: counted, and those the budget
@@ -83,16 +85,20 @@ class Flusher:
             self.stats.add("disk.budget_refused", over)
 
     def clean_fate(self, key: bytes) -> Fate:
-        """A victim for a promotion: only a chunk already on disk (or not admitted) goes."""
-        return self.policy.victim_fate(key, self._on_disk(key), promotion=True)
+        """A victim that is not written on the way (a promotion's, a put's beside the
+        cleaner): only a chunk already on disk (or not admitted) goes."""
+        return self.policy.victim_fate(key, self._settled(key), passes_over=True)
 
     def dirty(self, key: bytes) -> bool:
         """A DRAM chunk that would have to be written down before its slot is reused: not on
-        disk (here or a peer's) and admitted."""
-        return not self._on_disk(key) and self.policy.admits(key)
+        disk (here or a peer's), admitted, and a device to write it to."""
+        return not self._settled(key) and self.policy.admits(key)
 
-    def _on_disk(self, key: bytes) -> bool:
-        return key in self.disk.table or (self.held_elsewhere is not None and self.held_elsewhere(key))
+    def _settled(self, key: bytes) -> bool:
+        """Nothing to write for this chunk: it is on disk (here or a peer's), or no device
+        serves to take it (a dead disk must not freeze DRAM with unwritable chunks)."""
+        return (key in self.disk.table or (self.held_elsewhere is not None and self.held_elsewhere(key))
+                or not self.disk.availability.any_in_service())
 
     def take_over(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Write the victims of DEMOTE reservations to disk in one batch, then hand each

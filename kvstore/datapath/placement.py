@@ -4,8 +4,10 @@ Every path that puts a record into DRAM (a put, a disk read promoted, a peer rea
 promoted) asks here, never the slot table directly. Invariants:
 - a reservation whose victim is not on disk yet (DEMOTE) is usable only once
   `take_over` has written that victim down; one whose write failed is released;
-- `reserve(may_demote=False)` (a get's promotion, a peer read) never returns such a
-  reservation: it passes over chunks not on disk instead of waiting for a write;
+- only a put with no DRAM cleaner gets such a reservation: a put beside the cleaner, a
+  get's promotion and a peer read pass over chunks not on disk instead of waiting for a
+  write (the cleaner writes them; where it has fallen behind, a put's chunk finds no slot
+  and goes straight to disk: the caller writes no other chunk);
 - every chunk that leaves DRAM here is counted and told to the prefetch ledger.
 """
 
@@ -24,18 +26,20 @@ if TYPE_CHECKING:
 
 class DramPlacement:
     def __init__(self, dram: DramTier, flusher: Flusher | None, stats: Stats,
-                 ledger: PrefetchLedger) -> None:
+                 ledger: PrefetchLedger, cleaned_ahead: bool) -> None:
         self.dram = dram
         self.flusher = flusher  # None: no disk tier, every victim is simply dropped
         self.stats = stats
         self.ledger = ledger
+        self.cleaned_ahead = cleaned_ahead  # a DRAM cleaner writes victims down, not puts
 
     def reserve(self, may_demote: bool = True) -> Reservation | None:
-        """A DRAM slot for a new record, or None when every slot is pinned (or, without
-        `may_demote`, holds a chunk not on disk yet)."""
+        """A DRAM slot for a new record, or None when every slot is pinned or holds a chunk
+        not on disk yet (which only a put with no cleaner, `may_demote`, writes down)."""
         fate = None
         if self.flusher is not None:
-            fate = self.flusher.put_fate if may_demote else self.flusher.clean_fate
+            demotes = may_demote and not self.cleaned_ahead
+            fate = self.flusher.put_fate if demotes else self.flusher.clean_fate
         reservation = self.dram.table.reserve(fate=fate)
         if reservation is not None and reservation.evicted is not None:
             self._left(reservation.evicted)

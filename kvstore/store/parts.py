@@ -116,7 +116,8 @@ class StoreParts:
                 self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth, io.timeout_s,
                                            start=background)
         if self.dram is not None:
-            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger)
+            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger,
+                                           cleaned_ahead=self.cleaner is not None)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
                             chunk_bytes)
         if self.disk is not None:

@@ -1,11 +1,12 @@
 """Writes into the store: each new chunk placed in DRAM or sent straight to disk, and deletes.
 
-A chunk goes into a DRAM slot when placement gives one (its victim written down first,
-in one batch with the others'); once DRAM refuses one chunk of a chain (every slot
-pinned) the rest of the chain goes straight to disk through staging buffers, if the
-disk admits it. Keys already stored are kept, never rewritten (content addressing).
-Invariants: a chunk is published only once its whole record is written; every DRAM
-reservation taken is published or released, whatever fails.
+A chunk goes into a DRAM slot when placement gives one (beside the DRAM cleaner, only a
+slot whose chunk is on disk already; with no cleaner, its victim written down first, in
+one batch with the others'); once DRAM refuses one chunk of a chain (every slot pinned,
+or the cleaner behind) the rest of the chain goes straight to disk through staging
+buffers, if the disk admits it (`put.straight_to_disk`). Keys already stored are kept,
+never rewritten (content addressing). Invariants: a chunk is published only once its whole
+record is written; every DRAM reservation taken is published or released, whatever fails.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Writes:
                         stored[i] = True
                 parts.stats.add("dram.bytes_written", len(to_dram) * parts.chunk_bytes)
         if to_disk and parts.flusher is not None:
+            parts.stats.add("put.straight_to_disk", len(to_disk))
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
             refused = set(to_disk) - set(admitted)
             parts.flusher.count_refused([keys[i] for i in to_disk if i in refused])

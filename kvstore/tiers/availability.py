@@ -30,6 +30,12 @@ class DeviceAvailability:
         # Per device: slots reserved for a write when it left service (zeroed on revalidation).
         self._in_flight_at_loss: list[set[int]] = [set() for _ in disk.devices.plans]
 
+    def any_in_service(self) -> bool:
+        """Whether a write has a device to go to. Read without the table's lock: a DRAM
+        victim's fate asks under the DRAM table's, and a device leaving just after only
+        fails that write, as any fault does."""
+        return any(health.in_service for health in self.health)
+
     def epoch_of(self, slot: int) -> int:
         """The epoch of the slot's device; see `still_serving`."""
         with self.disk.table.lock:

@@ -306,10 +306,11 @@ class TierPolicy:
     def depth_cost(self, depth: int) -> float:
         return 1.0 + (depth + 0.5) * self.chunk_tokens / self.crossover_tokens
 
-    def victim_fate(self, key: bytes, below_has_it: bool, promotion: bool) -> Fate:
+    def victim_fate(self, key: bytes, below_has_it: bool, passes_over: bool) -> Fate:
         """A DRAM victim's fate (asked under the DRAM table's lock): dropped when the tier
-        below holds it or does not admit it; else written down first (DEMOTE), except for a
-        get's promotion, which never waits on a write and passes it over (SKIP)."""
+        below holds it (or cannot take it) or does not admit it; else written down first
+        (DEMOTE), except where the caller never waits on a write (`passes_over`: a get's
+        promotion, a put beside the DRAM cleaner), which passes it over (SKIP)."""
         if below_has_it or not self.admits(key):
             return Fate.EVICT
-        return Fate.SKIP if promotion else Fate.DEMOTE
+        return Fate.SKIP if passes_over else Fate.DEMOTE
