@@ -7,7 +7,9 @@ floor: a copy). The DRAM slab is in huge pages where this user can reserve them 
 Each mode opens its own store (a DRAM tier of `--dram-chunks` slots, a disk tier in the
 work directory), fills DRAM (untimed), then makes `--saves` saves of `--wave` chunks, each
 followed by `--gap-s` of nothing (the engine computing before its next save). The caller's
-time and CPU per put are what an engine's save waits for and spends.
+time and CPU per put are what an engine's save waits for and spends. `demoted`: victims
+puts wrote down themselves (no cleaner); `cleaned`: chunks the cleaner wrote; `straight`:
+put chunks that found no clean DRAM slot (the cleaner behind) and went to disk directly.
 
   python -m bench.lab save_path [--chunk-mib 32] [--dram-chunks 16] [--wave 4] [--saves 12]
                                 [--gap-s 0.25]
@@ -71,6 +73,7 @@ def _run(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {"mode": mode, "put_p50_ms": statistics.median(walls) * 1e3, "put_max_ms": max(walls) * 1e3,
             "put_gib_s": gib / statistics.median(walls), "caller_cpu_s_per_gib": sum(cpus) / gib / len(cpus),
             "demoted": counters.get("dram.demoted", 0), "cleaned": counters.get("dram.cleaned", 0),
+            "straight_to_disk": counters.get("put.straight_to_disk", 0),
             "disk_gib_written": counters.get("disk.bytes_written", 0) / 2**30,
             "huge_pages": why_not or "reserved"}
 
@@ -97,10 +100,10 @@ def experiment(args: argparse.Namespace, workdir: Path) -> Result:
              f"{args.dram_chunks} DRAM slots; best of {args.rounds} rounds per mode; huge pages: "
              f"{runs[0]['huge_pages']}",
              f"{'mode':<18} {'put p50 ms':>10} {'max ms':>8} {'GiB/s':>6} {'caller CPU s/GiB':>16} "
-             f"{'x floor':>7} {'demoted':>7} {'cleaned':>7} {'disk GiB':>8}"]
+             f"{'x floor':>7} {'demoted':>7} {'cleaned':>7} {'straight':>8} {'disk GiB':>8}"]
     for mode in MODES:
         r = best[mode]
         lines.append(f"{mode:<18} {r['put_p50_ms']:>10.1f} {r['put_max_ms']:>8.1f} {r['put_gib_s']:>6.2f} "
                      f"{r['caller_cpu_s_per_gib']:>16.3f} {r['put_p50_ms'] / floor:>7.2f} {r['demoted']:>7} "
-                     f"{r['cleaned']:>7} {r['disk_gib_written']:>8.2f}")
+                     f"{r['cleaned']:>7} {r['straight_to_disk']:>8} {r['disk_gib_written']:>8.2f}")
     return Result("\n".join(lines), {"args": vars(args), "runs": runs, "best": best})
