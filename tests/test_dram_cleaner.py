@@ -18,6 +18,7 @@ from support.stores import CHUNK_BYTES, direct_io_dir, disk_config, make_keys, m
 
 from kvstore.config.store import load_config
 from kvstore.datapath.cleaner import MOST_CHUNKS, clean_depth
+from kvstore.devices.health import IN_SERVICE
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 from kvstore.store.tiered import TieredStore
@@ -90,8 +91,12 @@ def test_where_the_cleaner_is_behind_a_put_writes_no_other_chunk_down(disk_dir, 
 def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir, faulty, store_factory):
     """A dead disk: nowhere to write a victim, so it is dropped (as with no disk tier), not
     kept for a write that cannot happen, which froze DRAM with what it held when the disk
-    died and failed every put after."""
-    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT), engine=faulty)
+    died and failed every put after. Once the device is back, the cleaner writes what DRAM
+    gathered meanwhile, though no publish wakes it (puts find no clean slot, so they go
+    straight to disk and publish nothing in DRAM)."""
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    config["io"]["breaker_cooldown_s"] = 0.5
+    store = store_factory(config, engine=faulty)
     faulty.add(Fault("error", reads=True, writes=True))
     keys, payloads = make_keys(3 * DRAM_SLOTS), make_payloads(3 * DRAM_SLOTS)
     for key, payload in zip(keys[:DRAM_SLOTS + 4], payloads[:DRAM_SLOTS + 4], strict=True):
@@ -103,7 +108,28 @@ def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir,
     assert store.probe.keys("dram") == set(fresh)
     ok, outs = read_back(store, fresh)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, fresh_payloads, strict=True))
+    assert _counted(store, "dram.dropped_no_device") >= DRAM_SLOTS
     faulty.clear()
+    wait_for(lambda: store.probe.devices()[0].state == IN_SERVICE, 20, "the device back in service")
+    cleaned, more = _counted(store, "dram.cleaned"), make_keys(4, seed=7)
+    assert store.put_many(more, make_payloads(4, seed=7)) == [True] * 4  # straight to disk: no publish
+    wait_for(lambda: _counted(store, "dram.cleaned") >= cleaned + 4, 10, "DRAM's coldest written down")
+
+
+def test_a_failed_cleaner_pass_is_tried_again_with_no_publish_to_wake_it(disk_dir, faulty, store_factory):
+    """Writes fail for a while, then work (a fault short of tripping the device): the
+    cleaner tries again after its pause, whether or not anything is put meanwhile."""
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    config["io"].update(timeout_s=0.5, breaker_threshold=1 << 20)  # its pause: one deadline
+    store = store_factory(config, engine=faulty)
+    faulty.add(Fault("error", reads=False, writes=True))
+    keys, payloads = make_keys(DRAM_SLOTS), make_payloads(DRAM_SLOTS)
+    _fill(store, keys, payloads)
+    failed = faulty.injected
+    wait_for(lambda: faulty.injected > failed, 10, "the cleaner trying again")
+    faulty.clear()
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 4, 10, "the cleaner's next pass")
+    assert _counted(store, "disk.trips") == 0
 
 
 def test_with_no_cleaner_a_put_writes_its_victim_down_itself(disk_dir, store_factory):

@@ -72,3 +72,30 @@ def test_runs_of_blocks_copy_as_slices_in_either_direction():
     for key, tensor in caches.items():
         assert torch.equal(tensor[[2, 3, 0]], before[key][[9, 8, 6]])
         assert torch.equal(tensor[[1, 4, 5, 6, 7, 8, 9]], before[key][[1, 4, 5, 6, 7, 8, 9]])
+
+
+@pytest.mark.parametrize(("block_elements", "smallest"),
+                         [(2048, 64 << 10), (4096, 128 << 10), (8192, 256 << 10)])
+def test_a_checked_load_copies_no_piece_smaller_than_the_smallest_copy_it_names(monkeypatch, block_elements,
+                                                                                smallest):
+    """What the worker's streaming advice is sized by (worker_role.py): a disk hit's copies
+    are cut at the hash's piece boundaries as well as at blocks, so a 192 KiB block gives
+    64 KiB copies, not 192 KiB ones."""
+    import ctypes
+
+    import xxhash
+
+    caches = {f"layers.{i}": torch.zeros(NUM_BLOCKS, 3, 16, block_elements, dtype=torch.float16)
+              for i in range(3)}
+    layout = PagedKVLayout(caches, NUM_BLOCKS, blocks_per_chunk=2)
+    assert layout.checks_copies and layout.smallest_copy == smallest
+    chunk = torch.randint(0, 256, (layout.chunk_bytes,), dtype=torch.uint8)
+    sizes: list[int] = []
+    memmove = ctypes.memmove
+    monkeypatch.setattr(ctypes, "memmove", lambda dst, src, n: sizes.append(n) or memmove(dst, src, n))
+    check = xxhash.xxh3_64_intdigest(chunk.numpy())
+    assert layout.scatter([(memoryview(chunk.numpy()), [7, 4])], checks=[check])
+    assert min(sizes) == smallest  # blocks apart: each block's range is its own copy
+    window = memoryview(mmap.mmap(-1, layout.chunk_bytes))
+    layout.gather([7, 4], window)
+    assert bytes(window) == chunk.numpy().tobytes()

@@ -75,11 +75,14 @@ def test_a_checksum_fused_with_a_copy_equals_the_hash_and_the_copy_apart():
 
     from kvstore.format.checksum import PIECE, xxh3_64_copy
 
-    for size in (100, 1 << 16, 3 * PIECE + 17):
-        source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-        target = np.zeros(size, np.uint8)
-        assert xxh3_64_copy(memoryview(target), memoryview(source)) == xxhash.xxh3_64_intdigest(source)
-        assert np.array_equal(target, source)
+    # Lengths: under the fused path's least, at it, between it and a piece (no multiple of
+    # 64), whole pieces (a chunk's usual length) and a tail; sources at odd addresses too.
+    for size in (100, 1 << 16, 100_003, 4 * PIECE, 3 * PIECE + 17):
+        for offset in (0, 13):
+            source = np.random.default_rng(size).integers(0, 256, size + offset, dtype=np.uint8)[offset:]
+            target = np.zeros(size, np.uint8)
+            assert xxh3_64_copy(memoryview(target), memoryview(source)) == xxhash.xxh3_64_intdigest(source)
+            assert np.array_equal(target, source)
     with pytest.raises(ValueError, match="copy of 4 bytes into 3"):
         xxh3_64_copy(memoryview(bytearray(3)), memoryview(bytearray(4)))
 

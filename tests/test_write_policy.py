@@ -48,7 +48,9 @@ def test_admission_keeps_one_off_chunks_off_the_disk(disk_dir, store_factory):
     store.put_many(popular, popular_payloads)
     read_back(store, popular)  # seen twice: stored once, read once
     one_off, one_off_payloads = make_keys(8, seed=2), make_payloads(8, seed=2)
-    store.put_many(one_off, one_off_payloads)  # through the 4 DRAM slots
+    # Through the 4 DRAM slots: the one-off chunks, which the disk does not admit, are the
+    # victims a put may take at once; the popular ones stay until the cleaner or close writes them.
+    store.put_many(one_off, one_off_payloads)
     assert store.stats.snapshot()["disk.admission_refused"] >= 4
     store.close()  # what DRAM holds and the disk admits goes down
     reopened = store_factory(config)

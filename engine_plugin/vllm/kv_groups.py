@@ -135,7 +135,7 @@ class GroupedKVLayout:
 
     @property
     def smallest_copy(self) -> int:
-        """The fewest bytes one copy of a load moves: the smallest group's layer block."""
+        """The fewest bytes one copy of a load moves: the least of the groups' (layout.py)."""
         return min(layout.smallest_copy for layout in self.groups.values())
 
     @property

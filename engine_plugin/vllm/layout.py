@@ -18,6 +18,7 @@ busy-poll, made the same copy several times slower.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -131,10 +132,13 @@ class PagedKVLayout:
 
     @property
     def smallest_copy(self) -> int:
-        """The fewest bytes one copy of a load moves: one layer's block, or where the copier
-        hashes as it copies (a disk hit), the hash's piece if that is less."""
-        block = min(self.block_bytes)
-        return min(block, PIECE) if self.checks_copies else block
+        """The fewest bytes one copy of a load moves: one layer's block; where the copier
+        hashes as it copies (a disk hit), copies are also cut at the hash's PIECE boundaries,
+        and every range starts at a sum of blocks, so none is less than the greatest common
+        divisor of PIECE and the blocks."""
+        if self.checks_copies:
+            return math.gcd(PIECE, *self.block_bytes)
+        return min(self.block_bytes)
 
     @property
     def checks_copies(self) -> bool:

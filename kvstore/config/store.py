@@ -375,8 +375,9 @@ class StoreConfig(Schema):
     write_behind_chunks: Annotated[int, integer(1, 1 << 20)] = Field(
         64, description="bound on chunks queued for the background disk writer (`write_through` "
                         "copies); past it a copy is skipped (`writethrough.dropped`) and the chunk "
-                        "is written when evicted instead. (A DRAM victim not on disk yet is always "
-                        "written down before its slot is reused: see `dram_clean_ahead`.)")
+                        "is written when evicted instead. (A DRAM victim not on disk yet is written "
+                        "down before its slot is reused while a disk device serves: see "
+                        "`dram_clean_ahead`.)")
     promote_on_hit: Bool = Field(
         True, description="a disk hit is read into a DRAM slot, so the next hit is a DRAM hit (and an "
                           "engine that maps the DRAM tier loads it from that slot: one copy)")

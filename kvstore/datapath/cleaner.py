@@ -21,8 +21,9 @@ down itself (DEMOTE, `dram.demoted`). Invariants:
 - it writes only what a victim's fate would write (Flusher.dirty: not on disk, admitted,
   so the write budget and admission apply as to any eviction); while it keeps up, the
   chunk evicted is the policy's pick, cleaner or not (the pick is already on disk);
-- it wakes on each DRAM publish (a listener that only sets an event) and sleeps while the
-  window is clean; a pass whose writes all failed waits `retry_s` before the next.
+- it wakes on each DRAM publish (a listener that only sets an event) and when a
+  reservation finds no slot it may take (`wake`), and sleeps while the window is clean; a
+  pass whose writes all failed waits `retry_s`, then tries again.
 """
 from __future__ import annotations
 
@@ -97,6 +98,11 @@ class DramCleaner:
             self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    def wake(self) -> None:
+        """A reservation found no slot it could take without a write: clean now (with no
+        publish after it, nothing else would wake the cleaner)."""
+        self._wake.set()
+
     def _on_event(self, published: bool, _entry: Entry) -> None:
         if published:
             self._wake.set()
@@ -107,9 +113,8 @@ class DramCleaner:
             self._wake.clear()
             try:
                 while not self._stop.is_set() and (progress := self._clean()) is not None:
-                    if not progress:  # the disk took nothing: not again at once
+                    if not progress:  # the disk took nothing: again after a pause, not at once
                         self._stop.wait(self.retry_s)
-                        break
             except Exception:  # a failed pass costs a clean slot, never the thread
                 log.exception("DRAM cleaner pass failed")
                 self._stop.wait(self.retry_s)

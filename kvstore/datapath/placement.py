@@ -4,20 +4,26 @@ Every path that puts a record into DRAM (a put, a disk read promoted, a peer rea
 promoted) asks here, never the slot table directly. Invariants:
 - a reservation whose victim is not on disk yet (DEMOTE) is usable only once
   `take_over` has written that victim down; one whose write failed is released;
-- only a put with no DRAM cleaner gets such a reservation: a put beside the cleaner, a
-  get's promotion and a peer read pass over chunks not on disk instead of waiting for a
-  write (the cleaner writes them; where it has fallen behind, a put's chunk finds no slot
-  and goes straight to disk: the caller writes no other chunk);
+- a put beside the DRAM cleaner, a get's promotion and a peer read never get such a
+  reservation: they pass over chunks not on disk instead of waiting for a write. A put
+  looks only among the next 2 x the cleaner's window to go (a bounded walk under the DRAM
+  lock, and never past the cold end for a hot chunk); where the cleaner has fallen behind
+  it finds none and its chunk goes straight to disk: the caller writes no other chunk. A
+  put with no cleaner and a prefetch (in the background) may write victims down;
+- a reservation that finds no slot beside the cleaner wakes it: what it writes makes
+  slots takeable, and nothing else would wake it when no publish follows;
 - every chunk that leaves DRAM here is counted and told to the prefetch ledger.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.datapath.cleaner import DramCleaner
 from kvstore.datapath.prefetch_ledger import PrefetchLedger
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.slots import Reservation
+from kvstore.tiers.slots import Fate, Reservation
 from kvstore.tiers.stats import Stats
 
 if TYPE_CHECKING:
@@ -26,21 +32,33 @@ if TYPE_CHECKING:
 
 class DramPlacement:
     def __init__(self, dram: DramTier, flusher: Flusher | None, stats: Stats,
-                 ledger: PrefetchLedger, cleaned_ahead: bool) -> None:
+                 ledger: PrefetchLedger, cleaner: DramCleaner | None) -> None:
         self.dram = dram
         self.flusher = flusher  # None: no disk tier, every victim is simply dropped
         self.stats = stats
         self.ledger = ledger
-        self.cleaned_ahead = cleaned_ahead  # a DRAM cleaner writes victims down, not puts
+        self.cleaner = cleaner  # None: puts write their victims down themselves
 
-    def reserve(self, may_demote: bool = True) -> Reservation | None:
-        """A DRAM slot for a new record, or None when every slot is pinned or holds a chunk
-        not on disk yet (which only a put with no cleaner, `may_demote`, writes down)."""
+    def reserve_for_put(self) -> Reservation | None:
+        """A DRAM slot for a put's chunk, or None: every slot is pinned or, beside the
+        cleaner, none of the next to go is on disk yet (the chunk then goes to disk)."""
+        if self.flusher is None or self.cleaner is None:
+            return self.reserve(may_demote=True)
+        return self._reserve(self.flusher.clean_fate, 2 * self.cleaner.depth)
+
+    def reserve(self, may_demote: bool) -> Reservation | None:
+        """A DRAM slot for a record read from disk or a peer, or None when every slot is
+        pinned or holds a chunk not on disk yet (which a prefetch, `may_demote`, writes
+        down; a get never waits for that)."""
         fate = None
         if self.flusher is not None:
-            demotes = may_demote and not self.cleaned_ahead
-            fate = self.flusher.put_fate if demotes else self.flusher.clean_fate
-        reservation = self.dram.table.reserve(fate=fate)
+            fate = self.flusher.put_fate if may_demote else self.flusher.clean_fate
+        return self._reserve(fate, None)
+
+    def _reserve(self, fate: Callable[[bytes], Fate] | None, most: int | None) -> Reservation | None:
+        reservation = self.dram.table.reserve(fate=fate, most=most)
+        if reservation is None and self.cleaner is not None:
+            self.cleaner.wake()
         if reservation is not None and reservation.evicted is not None:
             self._left(reservation.evicted)
         return reservation

@@ -116,8 +116,7 @@ class StoreParts:
                 self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth, io.timeout_s,
                                            start=background)
         if self.dram is not None:
-            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger,
-                                           cleaned_ahead=self.cleaner is not None)
+            self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger, self.cleaner)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
                             chunk_bytes)
         if self.disk is not None:
@@ -142,10 +141,15 @@ class StoreParts:
     def _left_dram(self, published: bool, entry: Entry) -> None:
         """The DRAM table's event (after the fact): a chunk that leaves DRAM is told to the
         policy, with whether its disk copy (or a peer's) is there; one the disk refused is
-        counted here, once, however many times a victim scan asked about it."""
+        counted here, once, however many times a victim scan asked about it. One dropped for
+        want of a device in service is counted apart and not told: admission did not refuse
+        it, and what it learns of refused chunks' returns must not count an outage's."""
         if not published:
             key = entry.key
             on_disk = (self.disk is not None and key in self.disk.table) or key in self.peer_copies
+            if not on_disk and self.disk is not None and not self.disk.availability.any_in_service():
+                self.stats.add("dram.dropped_no_device")
+                return
             reason = self.policy.left_dram(key, on_disk)
             if reason is not None:
                 self.stats.add("disk.admission_refused")

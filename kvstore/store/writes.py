@@ -47,7 +47,8 @@ class Writes:
                         stored[i] = True
                 parts.stats.add("dram.bytes_written", len(to_dram) * parts.chunk_bytes)
         if to_disk and parts.flusher is not None:
-            parts.stats.add("put.straight_to_disk", len(to_disk))
+            if parts.placement is not None:  # a DRAM tier, but no slot it could take
+                parts.stats.add("put.straight_to_disk", len(to_disk))
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
             refused = set(to_disk) - set(admitted)
             parts.flusher.count_refused([keys[i] for i in to_disk if i in refused])
@@ -70,7 +71,7 @@ class Writes:
         for i, key in enumerate(keys):
             if (dram and key in dram.table) or (disk and key in disk.table):
                 stored[i] = True
-            elif to_disk or placement is None or (reservation := placement.reserve()) is None:
+            elif to_disk or placement is None or (reservation := placement.reserve_for_put()) is None:
                 to_disk.append(i)  # once DRAM refuses one (all pinned), it refuses the rest
             else:
                 stack.enter_context(reservation)  # released if anything below fails

@@ -29,12 +29,14 @@ class DeviceAvailability:
                        for plan in disk.devices.plans]
         # Per device: slots reserved for a write when it left service (zeroed on revalidation).
         self._in_flight_at_loss: list[set[int]] = [set() for _ in disk.devices.plans]
+        self._serving = bool(self.health)  # any device in service; set where health changes
 
     def any_in_service(self) -> bool:
-        """Whether a write has a device to go to. Read without the table's lock: a DRAM
-        victim's fate asks under the DRAM table's, and a device leaving just after only
-        fails that write, as any fault does."""
-        return any(health.in_service for health in self.health)
+        """Whether a write has a device to go to. A flag read without the table's lock: each
+        DRAM victim a reservation looks at asks it, under the DRAM table's lock; a device
+        leaving just after only fails that write, as any fault does, and one coming back
+        just after costs one victim its disk copy (a miss later, never wrong KV)."""
+        return self._serving
 
     def epoch_of(self, slot: int) -> int:
         """The epoch of the slot's device; see `still_serving`."""
@@ -73,6 +75,7 @@ class DeviceAvailability:
         with table.lock:
             health = self.health[group]
             health.take_out(state, reason)
+            self._serving = any(h.in_service for h in self.health)
             lost, in_flight = table.service.take_out(group)
             self._in_flight_at_loss[group].update(in_flight)
         self.disk.stats.add("disk.lost_chunks", lost)
@@ -112,6 +115,7 @@ class DeviceAvailability:
             table.service.bring_back(group, found)
             self._in_flight_at_loss[group].clear()
             health.put_back()
+            self._serving = True
         disk.stats.add("disk.revalidated_chunks", len(found))
         log.warning("disk tier: %s back in service; %d records verified", health.label, len(found))
         return True

@@ -32,7 +32,7 @@ class Eviction(Protocol):
     def add(self, key: bytes, parent: bytes | None) -> None: ...
     def remove(self, key: bytes) -> None: ...
     def touch_chain(self, keys: Iterable[bytes]) -> None: ...
-    def victim(self, skip: Callable[[bytes], bool] = ...) -> bytes | None: ...
+    def victim(self, skip: Callable[[bytes], bool] = ..., most: int | None = None) -> bytes | None: ...
     def load(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None: ...
 
 
@@ -103,10 +103,12 @@ class PrefixLRU:
             if key in self._order:
                 self._order.move_to_end(key)
 
-    def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:
-        """The least recently used leaf not skipped (e.g. pinned), or None."""
+    def victim(self, skip: Callable[[bytes], bool] = lambda _key: False,
+               most: int | None = None) -> bytes | None:
+        """The least recently used leaf not skipped (e.g. pinned), or None; with `most`, among
+        the `most` least recently used keys only (a walk under the table's lock)."""
         fallback = None
-        for key in self._order:
+        for key in itertools.islice(self._order, most):
             if key in self._children:  # not a leaf: only a fallback
                 if fallback is None and not skip(key):
                     fallback = key
@@ -202,10 +204,12 @@ class CostAware:
             floor = max(floor, self.clock + self._unit[key])
             self._set(key, floor, climb=i == 0 or self._parent[chain[i]] != chain[i - 1])
 
-    def victim(self, skip: Callable[[bytes], bool] = lambda _key: False) -> bytes | None:
-        """The least valuable leaf not skipped (e.g. pinned), or None; the clock rises to it."""
+    def victim(self, skip: Callable[[bytes], bool] = lambda _key: False,
+               most: int | None = None) -> bytes | None:
+        """The least valuable leaf not skipped (e.g. pinned), or None; the clock rises to it.
+        With `most`, among the `most` least valuable keys only."""
         fallback = None
-        for value, _, key in self._order:
+        for value, _, key in itertools.islice(self._order, most):
             if key in self._children:  # not a leaf: only a fallback
                 if fallback is None and not skip(key):
                     fallback = (value, key)

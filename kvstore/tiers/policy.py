@@ -1,7 +1,8 @@
 """Where chunks go and when they move between tiers: the store's policy, in one place.
 
 The store (store/tiered.py) moves bytes; the trace replay (bench/sim/replay.py) moves none; both
-ask this object the same questions, so a replay's hit ratios are the store's:
+ask this object the same questions, so a replay's hit ratios are the store's while its DRAM
+cleaner keeps up with the disk (a replay has no disk speed; datapath/cleaner.py):
 - a new chunk goes to the top tier (DRAM) if it has a slot, else straight down;
 - a victim of the top tier is demoted to the tier below unless that tier holds it
   already or does not admit it (then it is simply evicted: `admission_refused`);
@@ -306,11 +307,12 @@ class TierPolicy:
     def depth_cost(self, depth: int) -> float:
         return 1.0 + (depth + 0.5) * self.chunk_tokens / self.crossover_tokens
 
-    def victim_fate(self, key: bytes, below_has_it: bool, passes_over: bool) -> Fate:
-        """A DRAM victim's fate (asked under the DRAM table's lock): dropped when the tier
-        below holds it (or cannot take it) or does not admit it; else written down first
-        (DEMOTE), except where the caller never waits on a write (`passes_over`: a get's
-        promotion, a put beside the DRAM cleaner), which passes it over (SKIP)."""
-        if below_has_it or not self.admits(key):
+    def victim_fate(self, key: bytes, settled: bool, passes_over: bool) -> Fate:
+        """A DRAM victim's fate (asked under the DRAM table's lock): dropped when nothing is
+        to be written for it (`settled`: the tier below holds it, or has no device to take
+        it) or the disk does not admit it; else written down first (DEMOTE), except where the
+        caller never waits on a write (`passes_over`: a get's promotion, a put beside the
+        DRAM cleaner), which passes it over (SKIP)."""
+        if settled or not self.admits(key):
             return Fate.EVICT
         return Fate.SKIP if passes_over else Fate.DEMOTE

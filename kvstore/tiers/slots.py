@@ -376,11 +376,12 @@ class SlotTable:
         with self.lock:
             return self.groups.next_in_service()
 
-    def reserve(self, preferred_group: int = 0,
-                fate: Callable[[bytes], Fate] | None = None) -> Reservation | None:
+    def reserve(self, preferred_group: int = 0, fate: Callable[[bytes], Fate] | None = None,
+                most: int | None = None) -> Reservation | None:
         """A slot to write into, pinned by the returned Reservation; with the table
         full, the leaf the eviction policy picks that `fate` lets go (default: any) makes
-        room. None when no victim may go (all pinned, or skipped).
+        room, looked for among the `most` next to go (default: all). None when no victim
+        may go (all pinned, or skipped).
 
         `fate(key)` runs under this table's lock: EVICT drops the victim now; DEMOTE
         hands its slot over with the victim still in it (Reservation.take_over).
@@ -399,7 +400,7 @@ class SlotTable:
                     fates[key] = Fate.EVICT if fate is None else fate(key)
                 return fates[key] is Fate.SKIP
 
-            victim = self.eviction.victim(skip=skip)
+            victim = self.eviction.victim(skip=skip, most=most)
             if victim is None:
                 return None
             slot = self.index[victim]
