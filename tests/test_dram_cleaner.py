@@ -88,6 +88,21 @@ def test_where_the_cleaner_is_behind_a_put_writes_no_other_chunk_down(disk_dir, 
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 
 
+def test_a_put_passes_over_unwritten_chunks_only_near_the_cold_end(disk_dir, store_factory):
+    """The cleaner behind, the only chunks on disk are hot ones (read again since it wrote
+    them; a read publishes nothing, so it has not woken since): a put looks for a takeable
+    slot only among the next 2 x the window to go, so it goes to disk rather than evict a hot
+    chunk (and the walk under the DRAM lock stays short)."""
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT))
+    keys, payloads = make_keys(DRAM_SLOTS + 1), make_payloads(DRAM_SLOTS + 1)
+    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 4, 10, "the 4 coldest chunks written down")
+    assert all(read_back(store, keys[:4])[0])  # now the hottest: the window's 4 are not written
+    assert store.put_many(keys[-1:], payloads[-1:]) == [True]
+    assert _counted(store, "put.straight_to_disk") == 1 and _counted(store, "dram.demoted") == 0
+    assert set(keys[:4]) <= store.probe.keys("dram")  # the hot ones, on disk too, stayed
+
+
 def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir, faulty, store_factory):
     """A dead disk: nowhere to write a victim, so it is dropped (as with no disk tier), not
     kept for a write that cannot happen, which froze DRAM with what it held when the disk
