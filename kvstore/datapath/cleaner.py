@@ -59,8 +59,7 @@ def clean_depth(config: StoreConfig, chunk_bytes: int, dram_slots: int) -> int:
 
 
 class DramCleaner:
-    def __init__(self, dram: DramTier, flusher: Flusher, stats: Stats, depth: int, retry_s: float,
-                 start: bool = True) -> None:
+    def __init__(self, dram: DramTier, flusher: Flusher, stats: Stats, depth: int, retry_s: float) -> None:
         self.dram = dram
         self.flusher = flusher
         self.stats = stats
@@ -70,8 +69,7 @@ class DramCleaner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-dram-cleaner", daemon=True)
         dram.table.subscribe(self._on_event)
-        if start:
-            self._thread.start()
+        self._thread.start()
 
     def _clean(self) -> bool | None:
         """One pass: write down up to a batch of the window's dirty chunks. None: the window

@@ -86,8 +86,9 @@ class TieredStore:
         engine: IoEngine | None = None,
         background: bool = True,
     ) -> None:
-        """`background` False starts no threads (tests, benches): demotions are written
-        by `flush()`, and devices checked and the cluster index sent by `step()`."""
+        """`background` False starts no threads (tests, benches): no DRAM cleaner (a put
+        writes its victims down itself), write-through copies are written by `flush()`,
+        and devices checked and the cluster index sent by `step()`."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ShapeError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         self.encoder = RecordEncoder(namespace, dtype, shape)
