@@ -88,30 +88,32 @@ def test_where_the_cleaner_is_behind_a_put_writes_no_other_chunk_down(disk_dir, 
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, payloads, strict=True))
 
 
-def test_a_put_passes_over_unwritten_chunks_only_near_the_cold_end(disk_dir, store_factory):
-    """The cleaner behind, the only chunks on disk are hot ones (read again since it wrote
-    them; a read publishes nothing, so it has not woken since): a put looks for a takeable
-    slot only among the next 2 x the window to go, so it goes to disk rather than evict a hot
-    chunk (and the walk under the DRAM lock stays short)."""
-    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT))
+def test_a_put_passes_over_unwritten_chunks_only_near_the_cold_end(disk_dir, faulty, store_factory):
+    """The cleaner behind (its next write held), the only chunks on disk are hot ones (read
+    again since it wrote them): a put looks for a takeable slot only among the next 2 x the
+    window to go, so it goes to disk rather than evict a hot chunk (and the walk under the
+    DRAM lock stays short)."""
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    config["io"]["timeout_s"] = 60  # the held write outlives no deadline on a busy machine
+    store = store_factory(config, engine=faulty)
     keys, payloads = make_keys(DRAM_SLOTS + 1), make_payloads(DRAM_SLOTS + 1)
     _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])
     wait_for(lambda: _counted(store, "dram.cleaned") >= 4, 10, "the 4 coldest chunks written down")
+    held = faulty.add(Fault("late", reads=False, writes=True,  # the cleaner's next write, whenever
+                            match=lambda _request: threading.current_thread().name == "kvstore-dram-cleaner"))
     assert all(read_back(store, keys[:4])[0])  # now the hottest: the window's 4 are not written
     assert store.put_many(keys[-1:], payloads[-1:]) == [True]
     assert _counted(store, "put.straight_to_disk") == 1 and _counted(store, "dram.demoted") == 0
     assert set(keys[:4]) <= store.probe.keys("dram")  # the hot ones, on disk too, stayed
+    faulty.clear()
+    held.land()
 
 
 def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir, faulty, store_factory):
     """A dead disk: nowhere to write a victim, so it is dropped (as with no disk tier), not
     kept for a write that cannot happen, which froze DRAM with what it held when the disk
-    died and failed every put after. Once the device is back, the cleaner writes what DRAM
-    gathered meanwhile, though no publish wakes it (puts find no clean slot, so they go
-    straight to disk and publish nothing in DRAM)."""
-    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
-    config["io"]["breaker_cooldown_s"] = 0.5
-    store = store_factory(config, engine=faulty)
+    died and failed every put after."""
+    store = store_factory(disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT), engine=faulty)
     faulty.add(Fault("error", reads=True, writes=True))
     keys, payloads = make_keys(3 * DRAM_SLOTS), make_payloads(3 * DRAM_SLOTS)
     for key, payload in zip(keys[:DRAM_SLOTS + 4], payloads[:DRAM_SLOTS + 4], strict=True):
@@ -125,9 +127,31 @@ def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir,
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, fresh_payloads, strict=True))
     assert _counted(store, "dram.dropped_no_device") >= DRAM_SLOTS
     faulty.clear()
+
+
+def test_a_device_back_in_service_gets_what_dram_took_meanwhile_written_down(disk_dir, faulty, store_factory):
+    """Puts while the disk was out dropped their victims unwritten, so DRAM comes back
+    holding only chunks not on disk, and nothing else wakes the cleaner: no pass of it
+    failed (reads tripped the device), and a put that finds no takeable slot goes to disk
+    and publishes nothing in DRAM. Such a put wakes it."""
+    config = disk_config(disk_dir, 64 * SLOT, dram=DRAM_SLOTS * SLOT)
+    config["io"].update(timeout_s=60, breaker_cooldown_s=0.5)
+    store = store_factory(config, engine=faulty)
+    keys, payloads = make_keys(2 * DRAM_SLOTS + 4), make_payloads(2 * DRAM_SLOTS + 4)
+    _fill(store, keys[:DRAM_SLOTS], payloads[:DRAM_SLOTS])
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 4, 10, "the 4 coldest chunks written down")
+    _fill(store, keys[DRAM_SLOTS:DRAM_SLOTS + 4], payloads[DRAM_SLOTS:DRAM_SLOTS + 4])  # the 4 written go
+    assert not set(keys[:4]) & store.probe.keys("dram")
+    faulty.add(Fault("error", reads=True, writes=False))
+    for key in keys[:4]:
+        assert read_back(store, [key])[0] == [False]  # a fault each: the breaker trips
+    wait_for(lambda: store.probe.devices()[0].state != IN_SERVICE, 10, "the device out of service")
+    _fill(store, keys[DRAM_SLOTS + 4:], payloads[DRAM_SLOTS + 4:])  # DRAM: these, none on disk
+    faulty.clear()
     wait_for(lambda: store.probe.devices()[0].state == IN_SERVICE, 20, "the device back in service")
-    cleaned, more = _counted(store, "dram.cleaned"), make_keys(4, seed=7)
-    assert store.put_many(more, make_payloads(4, seed=7)) == [True] * 4  # straight to disk: no publish
+    cleaned, more = _counted(store, "dram.cleaned"), make_keys(1, seed=7)
+    assert store.put_many(more, make_payloads(1, seed=7)) == [True]
+    assert _counted(store, "put.straight_to_disk") >= 1
     wait_for(lambda: _counted(store, "dram.cleaned") >= cleaned + 4, 10, "DRAM's coldest written down")
 
 

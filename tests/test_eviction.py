@@ -188,3 +188,25 @@ def test_switching_to_cost_keeps_parents_above_children_and_recency():
     scanned = []
     assert eviction.victim(skip=lambda key: scanned.append(key) or False) == first
     assert scanned == [first]  # no head or middle chunk walked past
+
+
+@pytest.mark.parametrize("make", [PrefixLRU, lambda: CostAware(lambda key, parent: 1.0)], ids=["lru", "cost"])
+def test_a_bounded_walk_takes_a_leaf_within_it_and_never_a_chains_inner_key_for_want_of_one(make):
+    """`most` (a put's walk beside the DRAM cleaner): the first leaf among the next `most`
+    to go; where there is none, nothing, not the middle of a chain while a leaf lies past
+    the walk (the unbounded walk falls back to an inner key only when none is a leaf)."""
+    eviction = make()
+    add_chain(eviction, chain("a", 3))  # oldest: a0 <- a1 <- a2 (a2 the leaf, next to go after a1)
+    add_chain(eviction, chain("b", 1))
+    order = list(eviction)
+    inner = [key for key in order if not eviction.is_leaf(key)]
+    leaves = [key for key in order if eviction.is_leaf(key)]
+    first_leaf = order.index(leaves[0])
+    assert eviction.victim(most=first_leaf + 1) == leaves[0]
+    pinned = {leaves[0]}
+    skip = pinned.__contains__
+    assert eviction.victim(skip, most=len(inner)) is None  # the pinned leaf and an inner key looked at
+    assert eviction.victim(skip) == leaves[1]  # unbounded: the next leaf
+    every_leaf = set(leaves).__contains__
+    assert eviction.victim(every_leaf) == inner[0]  # no leaf at all: the oldest inner key
+    assert eviction.victim(every_leaf, most=len(inner)) is None  # unless the walk stopped early

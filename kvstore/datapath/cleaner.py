@@ -10,11 +10,12 @@ order. `depth` is what puts may fill at once (`put_inflight`, `clean_depth`), up
 MOST_CHUNKS, so puts under the bound find clean victims while the cleaner keeps up with the
 disk (a burst of more than MOST_CHUNKS small chunks may outrun the window). Where it falls
 behind (the disk slower than the saves), a put still writes no other chunk down: it takes
-the coldest slot whose chunk is on disk, and with none its chunks go straight to disk
+the coldest slot whose chunk is on disk among the next 2 x `depth` to go (placement.py),
+and with none its chunks go straight to disk
 (`put.straight_to_disk`): the caller waits for its own bytes only, and the put bound
 (`put_inflight`, past it `put.rejected`) caps what waits at once. `dram.cleaned` counts
-what the cleaner wrote; with no cleaner (`dram_clean_ahead: 0`) a put writes its victim
-down itself (DEMOTE, `dram.demoted`). Invariants:
+what the cleaner wrote; with no cleaner (`dram_clean_ahead: 0`, or a store without
+background threads) a put writes its victim down itself (DEMOTE, `dram.demoted`). Invariants:
 - a chunk it writes stays in DRAM, published and readable, pinned only while its write
   is in flight (a pinned chunk is passed over by eviction, as any reader's; the write's
   own pin holds the slot past a missed deadline: io/base.py);
@@ -23,7 +24,8 @@ down itself (DEMOTE, `dram.demoted`). Invariants:
   chunk evicted is the policy's pick, cleaner or not (the pick is already on disk);
 - it wakes on each DRAM publish (a listener that only sets an event) and when a
   reservation finds no slot it may take (`wake`), and sleeps while the window is clean; a
-  pass whose writes all failed waits `retry_s`, then tries again.
+  pass whose writes all failed waits `retry_s` (no longer than a tripped device's
+  cooldown: StoreParts), wakes or not, then tries again.
 """
 from __future__ import annotations
 

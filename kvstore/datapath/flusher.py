@@ -3,13 +3,14 @@ no DRAM slot (written straight from a staging buffer).
 
 A DRAM victim that is not on disk yet (and that the disk admits) is written down
 before its slot is reused: ahead of time by the DRAM cleaner (datapath/cleaner.py,
-`write_down`), or, with no cleaner (`dram_clean_ahead: 0`), by the put: the reservation
-that chose it carries it (DEMOTE), the flusher writes a batch of such victims at once, and
-only then does the new chunk take the slot. So a chunk never leaves DRAM unwritten while a
-disk device serves, and the victim stays readable in DRAM until its disk copy is
-published. A put beside a cleaner, and a get's promotion, never wait for that: they only
-take slots whose chunk is already on disk (`clean_fate`). With no device in service there
-is nowhere to write a victim: it is dropped, and DRAM goes on taking new chunks.
+`write_down`), or, with no cleaner (`dram_clean_ahead: 0`, or a store without background
+threads), by the put: the reservation that chose it carries it (DEMOTE), the flusher
+writes a batch of such victims at once, and only then does the new chunk take the slot.
+So a chunk never leaves DRAM unwritten while a disk device serves, and the victim stays
+readable in DRAM until its disk copy is published. A put beside a cleaner, and a get's
+promotion, never wait for that: they only take slots whose chunk is already on disk
+(`clean_fate`). With no device in service there is nowhere to write a victim: it is
+dropped, and DRAM goes on taking new chunks.
 
 Write-through copies go through a bounded queue served by one thread
 (tiers/write_through.py); with the queue full the copy is skipped (counted) and the chunk is

@@ -5,11 +5,12 @@ promoted) asks here, never the slot table directly. Invariants:
 - a reservation whose victim is not on disk yet (DEMOTE) is usable only once
   `take_over` has written that victim down; one whose write failed is released;
 - a put beside the DRAM cleaner, a get's promotion and a peer read never get such a
-  reservation: they pass over chunks not on disk instead of waiting for a write. A put
-  looks only among the next 2 x the cleaner's window to go (a bounded walk under the DRAM
+  reservation: they pass over chunks not on disk instead of waiting for a write, beside
+  the cleaner only among the next 2 x its window to go (a bounded walk under the DRAM
   lock, and never past the cold end for a hot chunk); where the cleaner has fallen behind
-  it finds none and its chunk goes straight to disk: the caller writes no other chunk. A
-  put with no cleaner and a prefetch (in the background) may write victims down;
+  a put finds none and its chunk goes straight to disk (the caller writes no other
+  chunk), a promotion is not made. A put with no cleaner and a prefetch (in the
+  background) may write victims down;
 - a reservation that finds no slot beside the cleaner wakes it: what it writes makes
   slots takeable, and nothing else would wake it when no publish follows;
 - every chunk that leaves DRAM here is counted and told to the prefetch ledger.
@@ -44,16 +45,23 @@ class DramPlacement:
         cleaner, none of the next to go is on disk yet (the chunk then goes to disk)."""
         if self.flusher is None or self.cleaner is None:
             return self.reserve(may_demote=True)
-        return self._reserve(self.flusher.clean_fate, 2 * self.cleaner.depth)
+        return self._reserve(self.flusher.clean_fate, self._near_cold_end())
 
     def reserve(self, may_demote: bool) -> Reservation | None:
         """A DRAM slot for a record read from disk or a peer, or None when every slot is
         pinned or holds a chunk not on disk yet (which a prefetch, `may_demote`, writes
         down; a get never waits for that)."""
-        fate = None
-        if self.flusher is not None:
-            fate = self.flusher.put_fate if may_demote else self.flusher.clean_fate
-        return self._reserve(fate, None)
+        if self.flusher is None:
+            return self._reserve(None, None)
+        if may_demote:
+            return self._reserve(self.flusher.put_fate, None)
+        return self._reserve(self.flusher.clean_fate, self._near_cold_end())
+
+    def _near_cold_end(self) -> int | None:
+        """How far a reservation that passes over unwritten chunks looks: beside the cleaner,
+        past twice its window every chunk is unwritten by design (a short walk under the DRAM
+        lock); with none, as far as it takes."""
+        return None if self.cleaner is None else 2 * self.cleaner.depth
 
     def _reserve(self, fate: Callable[[bytes], Fate] | None, most: int | None) -> Reservation | None:
         reservation = self.dram.table.reserve(fate=fate, most=most)

@@ -113,7 +113,9 @@ class StoreParts:
         if self.dram is not None and self.flusher is not None:
             depth = clean_depth(config, chunk_bytes, self.dram.table.capacity)
             if depth > 0 and background:  # with no background threads, a put writes its victims
-                self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth, io.timeout_s)
+                # A failed pass pauses no longer than a tripped device takes to come back.
+                self.cleaner = DramCleaner(self.dram, self.flusher, self.stats, depth,
+                                           min(io.timeout_s, io.breaker_cooldown_s))
         if self.dram is not None:
             self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger, self.cleaner)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,

@@ -72,7 +72,7 @@ class Writes:
             if (dram and key in dram.table) or (disk and key in disk.table):
                 stored[i] = True
             elif to_disk or placement is None or (reservation := placement.reserve_for_put()) is None:
-                to_disk.append(i)  # once DRAM refuses one (all pinned), it refuses the rest
+                to_disk.append(i)  # once DRAM refuses one (pinned, cleaner behind), the rest too
             else:
                 stack.enter_context(reservation)  # released if anything below fails
                 to_dram.append((i, reservation))

@@ -106,7 +106,8 @@ class PrefixLRU:
     def victim(self, skip: Callable[[bytes], bool] = lambda _key: False,
                most: int | None = None) -> bytes | None:
         """The least recently used leaf not skipped (e.g. pinned), or None; with `most`, among
-        the `most` least recently used keys only (a walk under the table's lock)."""
+        the `most` least recently used keys only (a walk under the table's lock), and no
+        chain's inner key taken for want of a leaf among them."""
         fallback = None
         for key in itertools.islice(self._order, most):
             if key in self._children:  # not a leaf: only a fallback
@@ -115,8 +116,9 @@ class PrefixLRU:
                 continue
             if not skip(key):
                 return key
-        # Every unpinned key has children (they are pinned): evict the oldest anyway.
-        return fallback
+        # Every unpinned key looked at has children (they are pinned): evict the oldest
+        # anyway, unless the walk stopped at `most` (a leaf may lie past it).
+        return fallback if most is None or len(self._order) <= most else None
 
 
 class CostAware:
@@ -217,8 +219,8 @@ class CostAware:
             if not skip(key):
                 self.clock = max(self.clock, value)
                 return key
-        if fallback is None:
-            return None
+        if fallback is None or (most is not None and len(self._order) > most):
+            return None  # no leaf; past a stopped walk one may lie
         self.clock = max(self.clock, fallback[0])
         return fallback[1]
 
