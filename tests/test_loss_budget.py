@@ -180,8 +180,11 @@ def test_the_service_labels_puts_it_has_no_request_end_for(tmp_path, disk_dir):
     """Through a real service, puts alone (chains under parents, as SGLang's backend saves):
     the chunks that leave DRAM and come back are counted in the buckets of an end inferred
     (the answer not known), none in the bucket of chunks no end labels."""
+    # No DRAM cleaner: each put writes its victim, so chunks leave DRAM in LRU order however
+    # far a cleaner would fall behind these back-to-back puts (a put beside one passes over
+    # chunks not yet written, and they would stay).
     config = {**service_config(tmp_path, dram="1MiB", disk_dir=disk_dir, disk="16MiB", io={"timeout_s": 5.0}),
-              "disk_admission": "learned"}
+              "disk_admission": "learned", "dram_clean_ahead": 0}
     chains = [keys(f"chain{i}-", 8) for i in range(6)]  # DRAM holds 16: later chains push earlier out
     worker = StoreClient(load_config(config), 64 * 1024)
     try:
