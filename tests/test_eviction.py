@@ -1,6 +1,8 @@
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.sim.replay import Replayer
 from bench.support.trace import block_keys, read_trace
@@ -210,3 +212,61 @@ def test_a_bounded_walk_takes_a_leaf_within_it_and_never_a_chains_inner_key_for_
     every_leaf = set(leaves).__contains__
     assert eviction.victim(every_leaf) == inner[0]  # no leaf at all: the oldest inner key
     assert eviction.victim(every_leaf, most=len(inner)) is None  # unless the walk stopped early
+
+
+@st.composite
+def _forest(draw: st.DrawFn) -> tuple[list[tuple[bytes, bytes | None]], list[list[bytes]], set[bytes]]:
+    """Keys added with a parent among the earlier ones (or none), chains (root first)
+    touched after, and keys pinned."""
+    count = draw(st.integers(1, 14))
+    keys = [bytes([i]) for i in range(count)]
+    parents = [None] + [draw(st.none() | st.sampled_from(keys[:i])) for i in range(1, count)]
+    pairs = list(zip(keys, parents, strict=True))
+
+    def path(key: bytes) -> list[bytes]:
+        up = dict(pairs)
+        chain_ = [key]
+        while (parent := up[chain_[-1]]) is not None:
+            chain_.append(parent)
+        return chain_[::-1]
+
+    touches = [path(key) for key in draw(st.lists(st.sampled_from(keys), max_size=6))]
+    return pairs, touches, draw(st.sets(st.sampled_from(keys)))
+
+
+@pytest.mark.parametrize("make", [PrefixLRU, lambda: CostAware(lambda key, parent: 1.0 + key[0] % 3)],
+                         ids=["lru", "cost"])
+@given(forest=_forest())
+def test_going_is_the_order_victims_are_taken_in_one_by_one(make, forest):
+    """What the DRAM cleaner writes ahead of (`going`) is what eviction would take next, in
+    that order, pins respected: a chain extended later leaves its old inner keys early in
+    the order, and they go only after their children."""
+    pairs, touches, pinned = forest
+    orders = make(), make()
+    for eviction in orders:
+        for key, parent in pairs:
+            eviction.add(key, parent)
+        for keys in touches:
+            eviction.touch_chain(keys)
+    going = list(orders[0].going(pinned.__contains__))
+    taken = []
+    while (victim := orders[1].victim(pinned.__contains__)) is not None and orders[1].is_leaf(victim):
+        taken.append(victim)
+        orders[1].remove(victim)
+    assert going == taken
+
+
+def test_the_cleaner_writes_ahead_of_the_next_victims_not_a_chains_old_inner_keys():
+    """A chain extended later (a next turn whose prompt was not touched) keeps its head and
+    middle early in the LRU order; they go after every other chunk, so the cleaner's window
+    of the next 3 to go holds the 3 oldest leaves, as reserve() then takes them."""
+    table = SlotTable([8])
+    keys = [b"a0", b"a1", b"x1", b"x2", b"x3", b"x4", b"x5", b"a2"]
+    parents = {b"a1": b"a0", b"a2": b"a1"}
+    for key in keys:
+        table.reserve().publish(key, parents.get(key), 1)
+    picked = table.pin_coldest(3, lambda key: True, most=8)
+    assert [entry.key for entry in picked] == [b"x1", b"x2", b"x3"]
+    for entry in picked:
+        table.unpin(entry.slot)
+    assert [table.reserve().evicted for _ in range(3)] == [b"x1", b"x2", b"x3"]

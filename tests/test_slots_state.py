@@ -78,12 +78,21 @@ class SlotTableMachine(RuleBasedStateMachine):
 
     @rule(depth=st.integers(0, 8), wanted=st.frozensets(st.sampled_from(KEYS)), most=st.integers(1, 4))
     def pin_coldest(self, depth: int, wanted: frozenset[bytes], most: int) -> None:
-        """The DRAM cleaner's pick: wanted, unpinned records among the next `depth` to go."""
+        """The DRAM cleaner's pick: wanted records among the next `depth` to go, the
+        victims the table would take one by one (the oldest unpinned leaf each time) among
+        the next 2 x `depth` in its order."""
         table = self.table
         free = sum(len(f) for g, f in enumerate(table.groups.free) if g not in table.groups.disabled)
         looked = list(table.eviction)[: 2 * depth]
-        unpinned = [key for key in looked if table.slots[table.index[key]].pins == 0]
-        window = unpinned[: max(0, depth - free)]
+        window: list[bytes] = []
+        while len(window) < depth - free:
+            going = next((key for key in looked if key not in window
+                          and table.slots[table.index[key]].pins == 0
+                          and all(table.slots[slot].parent != key or child in window
+                                  for child, slot in table.index.items())), None)
+            if going is None:
+                break
+            window.append(going)
         picked = table.pin_coldest(depth, wanted.__contains__, most)
         assert [entry.key for entry in picked] == [key for key in window if key in wanted][:most]
         for entry in picked:

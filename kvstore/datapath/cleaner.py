@@ -3,16 +3,17 @@ before they are evicted, so that a put's victim (the least recently used chunk, 
 without the cleaner) is already on disk and is dropped, and the put writes no other chunk
 to disk on its caller's thread.
 
-CacheLib's and foyer's flushers work the same way: writes to the device are the
-cleaner's, and an insert takes a clean region. The cleaner keeps the next `depth` slots
-to be reused (its window) clean: free slots count first, then the eviction policy's
-order. `depth` is what puts may fill at once (`put_inflight`, `clean_depth`), up to
-MOST_CHUNKS, so puts under the bound find clean victims while the cleaner keeps up with the
-disk (a burst of more than MOST_CHUNKS small chunks may outrun the window). Where it falls
-behind (the disk slower than the saves), a put still writes no other chunk down: it takes
-the coldest slot whose chunk is on disk among the next 2 x `depth` to go (placement.py),
-and with none its chunks go straight to disk
-(`put.straight_to_disk`): the caller waits for its own bytes only, and the put bound
+CacheLib's and foyer's flushers work the same way: writes to the device are the cleaner's,
+and an insert takes a clean region. The cleaner keeps the next `depth` slots to be reused
+(its window) clean: free slots count first, then the chunks in the order the eviction
+policy would take them as victims (a chain's leaf before its head, however old the head:
+SlotTable.pin_coldest over Eviction.going). `depth` is what puts may fill at once
+(`put_inflight`, `clean_depth`), up to MOST_CHUNKS, so puts under the bound find clean
+victims while the cleaner keeps up with the disk (a burst of more than MOST_CHUNKS small
+chunks may outrun the window). Where it falls behind (the disk slower than the saves), a
+put still writes no other chunk down: it takes the coldest slot whose chunk is on disk
+among the next 2 x `depth` to go (placement.py), and with none its chunks go straight to
+disk (`put.straight_to_disk`): the caller waits for its own bytes only, and the put bound
 (`put_inflight`, past it `put.rejected`) caps what waits at once. `dram.cleaned` counts
 what the cleaner wrote; with no cleaner (`dram_clean_ahead: 0`, or a store without
 background threads) a put writes its victim down itself (DEMOTE, `dram.demoted`). Invariants:

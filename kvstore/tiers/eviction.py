@@ -4,8 +4,9 @@ A chunk's KV is useless without the KV of every chunk before it, so evicting a
 head while its tail stays wastes the tail's space: both policies evict the tail of a
 prefix chain before its head (a victim is a leaf: no tracked key names it as parent).
 Both offer the same calls (Eviction): add, remove, touch_chain, victim, is_leaf, load
-(take over another order's keys when the policy is switched), and iteration in eviction
-order. SlotTable (slots.py) calls them under its lock.
+(take over another order's keys when the policy is switched), iteration in the order kept
+and `going`, the order victims would go in (what the DRAM cleaner writes ahead of). SlotTable
+(slots.py) calls them under its lock.
 
 PrefixLRU invariants:
 - `_order` holds every tracked key, least recently used first.
@@ -33,6 +34,7 @@ class Eviction(Protocol):
     def remove(self, key: bytes) -> None: ...
     def touch_chain(self, keys: Iterable[bytes]) -> None: ...
     def victim(self, skip: Callable[[bytes], bool] = ..., most: int | None = None) -> bytes | None: ...
+    def going(self, skip: Callable[[bytes], bool] = ..., most: int | None = None) -> Iterator[bytes]: ...
     def load(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None: ...
 
 
@@ -50,6 +52,32 @@ def _unlink(children: dict[bytes, int], parent: bytes | None) -> None:
             children[parent] = count
         else:
             del children[parent]
+
+
+def _going(order: Iterable[bytes], parents: Mapping[bytes, bytes | None], children: Mapping[bytes, int],
+           skip: Callable[[bytes], bool]) -> Iterator[bytes]:
+    """Keys of `order` (least worth keeping first) in the order victims would be taken one
+    by one, nothing else changing: a leaf as the walk meets it, and an inner key the walk
+    has passed as soon as its last child has gone (it is then the oldest leaf). A skipped
+    key (pinned) never goes, nor do its ancestors. `skip` is asked only of keys that would
+    otherwise go next."""
+    gone: dict[bytes, int] = {}  # children each key has lost so far
+    passed: set[bytes] = set()  # inner keys the walk went by, waiting for their children
+    wait = passed.add  # bound once: a walk may pass hundreds of inner keys
+    for key in order:
+        if key in children and (not gone or children[key] > gone.get(key, 0)):
+            wait(key)
+            continue
+        node: bytes | None = key
+        while node is not None and not skip(node):
+            yield node
+            node = parents[node]
+            if node is None:
+                break
+            gone[node] = gone.get(node, 0) + 1
+            if node not in passed or gone[node] < children[node]:
+                break
+            passed.discard(node)
 
 
 def _depths(parents: Mapping[bytes, bytes | None]) -> dict[bytes, int]:
@@ -107,7 +135,8 @@ class PrefixLRU:
                most: int | None = None) -> bytes | None:
         """The least recently used leaf not skipped (e.g. pinned), or None; with `most`, among
         the `most` least recently used keys only (a walk under the table's lock), and no
-        chain's inner key taken for want of a leaf among them."""
+        chain's inner key taken for want of a leaf among them. The first of `going`, found
+        without its bookkeeping: every reservation asks, under the table's lock."""
         fallback = None
         for key in itertools.islice(self._order, most):
             if key in self._children:  # not a leaf: only a fallback
@@ -120,6 +149,12 @@ class PrefixLRU:
         # anyway, unless the walk stopped at `most` (a leaf may lie past it).
         return fallback if most is None or len(self._order) <= most else None
 
+
+    def going(self, skip: Callable[[bytes], bool] = lambda _key: False,
+              most: int | None = None) -> Iterator[bytes]:
+        """Keys in the order `victim` would take them one by one (least recently used leaf
+        first), among the `most` least recently used; none skipped."""
+        return _going(itertools.islice(self._order, most), self._order, self._children, skip)
 
 class CostAware:
     """GreedyDual over recompute cost, prefix-aware.
@@ -209,7 +244,8 @@ class CostAware:
     def victim(self, skip: Callable[[bytes], bool] = lambda _key: False,
                most: int | None = None) -> bytes | None:
         """The least valuable leaf not skipped (e.g. pinned), or None; the clock rises to it.
-        With `most`, among the `most` least valuable keys only."""
+        With `most`, among the `most` least valuable keys only. The first of `going`, found
+        without its bookkeeping, as PrefixLRU's."""
         fallback = None
         for value, _, key in itertools.islice(self._order, most):
             if key in self._children:  # not a leaf: only a fallback
@@ -223,6 +259,12 @@ class CostAware:
             return None  # no leaf; past a stopped walk one may lie
         self.clock = max(self.clock, fallback[0])
         return fallback[1]
+
+    def going(self, skip: Callable[[bytes], bool] = lambda _key: False,
+              most: int | None = None) -> Iterator[bytes]:
+        """Keys in the order `victim` would take them one by one (least valuable leaf
+        first), among the `most` least valuable; none skipped."""
+        return _going(itertools.islice(self, most), self._parent, self._children, skip)
 
     def _set(self, key: bytes, value: float, climb: bool = True) -> None:
         """Raise `key` to this value (a value never falls) and, with `climb`, its tracked

@@ -347,23 +347,22 @@ class SlotTable:
 
     def pin_coldest(self, depth: int, wanted: Callable[[bytes], bool], most: int) -> list[Entry]:
         """Pin and return up to `most` records that `wanted` picks (asked under the lock)
-        among the next `depth` to go: free slots count first, then the unpinned records in
-        the eviction policy's order (a pinned one cannot go, so it does not count). At most
-        2 x `depth` records are looked at, so a tail of pinned ones never makes the walk
-        the whole table's under the lock."""
+        among the next `depth` to go: free slots count first, then records in the order the
+        eviction policy would take them as victims (leaves first; a pinned one cannot go,
+        nor can its chain's head, so they do not count). At most 2 x `depth` records are
+        looked at, so a tail of pinned ones never makes the walk the whole table's under
+        the lock."""
         with self.lock:
             left = depth - sum(len(self.groups.free[g]) for g in range(len(self.groups.free))
                                if g not in self.groups.disabled)
             picked: list[Entry] = []
-            for looked, key in enumerate(self.eviction):
-                if left <= 0 or len(picked) >= most or looked >= 2 * depth:
+            for key in self.eviction.going(lambda key: self.slots[self.index[key]].pins > 0, 2 * depth):
+                if left <= 0 or len(picked) >= most:
                     break
-                slot = self.index[key]
-                info = self.slots[slot]
-                if info.pins:
-                    continue
                 left -= 1
                 if wanted(key):
+                    slot = self.index[key]
+                    info = self.slots[slot]
                     picked.append(Entry(key, slot, info.parent, info.seq))
             for entry in picked:  # only once `wanted` can no longer raise
                 self.slots[entry.slot].pins += 1
