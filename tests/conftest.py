@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from support.interrupt import tear_down_on_sigterm
 from support.redis_servers import running
 from support.stores import CHUNK_BYTES, direct_io_dir
 
@@ -26,6 +27,12 @@ settings.load_profile("kvstore")
 
 
 ENGINE_MARKS = ("slow", "vllm", "sglang")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run stopped by SIGTERM (`timeout`, a cancelled job) still stops the servers its
+    tests started (support/interrupt.py); in every xdist worker too, each loading this."""
+    tear_down_on_sigterm()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

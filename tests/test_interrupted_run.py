@@ -1,0 +1,76 @@
+"""A test run stopped by SIGTERM (as `timeout` stops one) leaves no server behind: the
+fixture that started it in a session of its own still stops it (support/interrupt.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.support.processes import ROOT
+
+CONFTEST = """
+from support.interrupt import tear_down_on_sigterm
+
+
+def pytest_configure(config):
+    tear_down_on_sigterm()
+"""
+
+TEST = """
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.support.processes import start_group, stop_group
+
+
+@pytest.fixture
+def server(tmp_path):
+    process = start_group(["sleep", "600"], tmp_path / "server.log", {{}})
+    yield process
+    stop_group(process, timeout_s=5)
+
+
+def test_runs_until_stopped(server):
+    Path({pid_file!r}).write_text(str(server.pid))
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_run_stopped_by_sigterm_stops_the_servers_its_fixtures_started(tmp_path):
+    pid_file = tmp_path / "server.pid"
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_server.py").write_text(TEST.format(pid_file=str(pid_file)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                            "--rootdir", str(tmp_path), "-o", "timeout=120", str(tmp_path / "test_server.py")],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate(timeout=10)[0]
+            time.sleep(0.1)
+        server = int(pid_file.read_text())
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=60)[0]
+        assert not _alive(server), f"the server outlived the run:\n{output}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        if server and _alive(server):
+            os.killpg(server, signal.SIGKILL)
