@@ -142,6 +142,9 @@ def test_a_device_back_in_service_gets_what_dram_took_meanwhile_written_down(dis
     wait_for(lambda: _counted(store, "dram.cleaned") >= 4, 10, "the 4 coldest chunks written down")
     _fill(store, keys[DRAM_SLOTS:DRAM_SLOTS + 4], payloads[DRAM_SLOTS:DRAM_SLOTS + 4])  # the 4 written go
     assert not set(keys[:4]) & store.probe.keys("dram")
+    # The next 4 written before the trip: a write in flight at it would fail, and the failed
+    # pass's retry (after 0.5 s) could then wake the cleaner once the device is back.
+    wait_for(lambda: _counted(store, "dram.cleaned") >= 8, 10, "the next 4 coldest written down")
     faulty.add(Fault("error", reads=True, writes=False))
     for key in keys[:4]:
         assert read_back(store, [key])[0] == [False]  # a fault each: the breaker trips
