@@ -55,9 +55,10 @@ def test_a_run_stopped_by_sigterm_stops_the_servers_its_fixtures_started(tmp_pat
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_server.py").write_text(TEST.format(pid_file=str(pid_file)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                            "--rootdir", str(tmp_path), "-o", "timeout=120", str(tmp_path / "test_server.py")],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+               "--rootdir", str(tmp_path), "-o", "timeout=120", str(tmp_path / "test_server.py")]
+    run = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
     server = 0
     try:
         deadline = time.monotonic() + 60
