@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from engine_plugin.vllm.core.groups import KVGeometry
+from engine_plugin.vllm.core.leases import Released
 from engine_plugin.vllm.core.options import check_chunk_size, parse_options
 from engine_plugin.vllm.core.plan import SKIP
 from engine_plugin.vllm.core.prefetch import Residency
@@ -265,9 +266,34 @@ def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, computed, sync_d
     assert load.leased[0][: resident - computed // CHUNK] == tuple(range(computed // CHUNK * 4096,
                                                                            resident * 4096, 4096))
     scheduler.step_done([])
-    assert scheduler.take_releases() == ([] if expect_async else [5])
+    assert scheduler.take_releases() == Released(read=[] if expect_async else [5], unread=[])
     scheduler.step_done(["r"])  # the async load ended
-    assert scheduler.take_releases() == ([5] if expect_async else [])
+    assert scheduler.take_releases() == Released(read=[5] if expect_async else [], unread=[])
+
+
+def test_a_lease_given_back_with_no_load_planned_from_it_is_unread():
+    """A request asked again while it waits for blocks (each step, under memory pressure),
+    or given blocks with nothing to load, gives its lease back unread: the service counts no
+    get for it, so a waiting request is not a hit at every step; a load's lease is read."""
+    leases = iter(range(1, 10))
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        offsets = tuple(i * 4096 for i in range(8))
+        return Residency(8, 8, lease=next(leases), offsets=tuple(offsets for _ in ranks))
+
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup, SchedulerSettings(load_async=True))
+    for _ in range(3):  # waiting: asked again at each step
+        assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    assert scheduler.take_releases() == Released(read=[], unread=[1, 2])
+    scheduler.on_alloc("r", list(range(16)), 0)  # blocks, and the engine loads nothing
+    assert scheduler.take_releases() == Released(read=[], unread=[3])
+    assert scheduler.num_new_matched_tokens("s", PROMPT, 0) == 8 * CHUNK
+    scheduler.on_alloc("s", list(range(16)), 8 * CHUNK)
+    assert scheduler.take_plan().loads
+    scheduler.on_finished("s")  # finished while its async load runs: read once that ends
+    scheduler.step_done(["s"])
+    assert scheduler.take_releases() == Released(read=[4], unread=[])
+
 
 
 def test_nothing_is_leased_where_the_engines_own_cache_covers_the_hit():

@@ -421,7 +421,8 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
 
     def lookup(ranks: list[list[bytes]], prefetch: bool, lease: bool = False) -> Residency:
         assert core is not None
-        found = lookup_client.lookup(ranks, prefetch, lease, core.take_releases())
+        released = core.take_releases()
+        found = lookup_client.lookup(ranks, prefetch, lease, released.read, unread=released.unread)
         return Residency(found.stored, found.resident, found.pending, found.lease, found.offsets)
 
     core = SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: NAMESPACES, lookup,

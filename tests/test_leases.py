@@ -386,20 +386,32 @@ def test_a_lookup_leases_the_dram_run_for_every_rank_and_the_workers_copy_it_wit
         worker.close()
 
 
-def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_gets(config):
+def _counted(client: StoreClient, before: dict, *names: str) -> list[int]:
+    counters = client.info()["counters"]
+    return [counters.get(name, 0) - before.get(name, 0) for name in names]
+
+
+def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_gets_once_read(config):
     """The chunks before `lease_from` the engine's own cache holds: they are neither pinned
-    nor counted as served; the rest of the DRAM run is, as a get's hits."""
+    nor counted as served; the rest of the DRAM run is leased, and counted as a get's hits
+    when the lease comes back read (its workers loaded it). One that comes back unread (its
+    request was asked again, or loaded nothing) counts no get: `lease.unread`."""
     worker = StoreClient(load_config(config), CHUNK)
     scheduler = StoreClient(load_config(config))
+    names = ("get.chunks", "get.hits", "dram.leased", "lease.unread")
     try:
         assert _put(worker, _keys(1, 4)) == [True] * 4
         before = worker.info()["counters"]
         found = scheduler.lookup([_keys(1, 4)], lease_from=3)
         assert found.offsets[0][:3] == (-1, -1, -1) and found.offsets[0][3] >= 0
         assert worker.memory.tier_holds(found.offsets[0][3], _keys(4, 1)[0])
-        after = worker.info()["counters"]
-        for name in ("get.chunks", "get.hits", "dram.leased"):
-            assert after.get(name, 0) - before.get(name, 0) == 1
+        assert _counted(worker, before, *names) == [0, 0, 1, 0]  # leased: not read yet
+        again = scheduler.lookup([_keys(1, 4)], lease_from=2, unread=[found.lease])  # asked again
+        assert _counted(worker, before, *names) == [0, 0, 3, 1]
+        scheduler.lookup([], release=[again.lease])  # its load copied it
+        assert _counted(worker, before, *names) == [2, 2, 3, 1]
+        scheduler.lookup([], release=[again.lease])  # a lease goes back once
+        assert _counted(worker, before, *names) == [2, 2, 3, 1]
         assert scheduler.lookup([_keys(1, 4)], lease_from=4).lease == 0  # nothing past the run
     finally:
         scheduler.close()

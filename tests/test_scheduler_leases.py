@@ -31,6 +31,8 @@ class SchedulerLeases(RuleBasedStateMachine):
         self.resident = resident  # leading chunks in DRAM, what a lookup leases
         self.given: list[int] = []  # every lease a lookup gave
         self.released: list[int] = []  # every lease the core gave back
+        self.unread: set[int] = set()  # of those, the ones given back unread (no gets)
+        self.planned: set[int] = set()  # leases a planned load copies from
         self.last_lease = 0  # the lease the latest lookup gave (0: none)
         self.lease_of: dict[str, int] = {}  # each request's latest decision's lease
         self.waiting: dict[str, int] = {}  # asked, not allocated: request -> its answer
@@ -65,7 +67,9 @@ class SchedulerLeases(RuleBasedStateMachine):
 
     def collect(self) -> None:
         """Take the leases the core gave back (as its next request to the service would)."""
-        self.released += self.core.take_releases()
+        released = self.core.take_releases()
+        self.released += released.read + released.unread
+        self.unread.update(released.unread)
 
     # -- rules ------------------------------------------------------------------------
 
@@ -107,6 +111,7 @@ class SchedulerLeases(RuleBasedStateMachine):
                 lease = self.lease_of[load.req_id]
                 assert lease and lease not in self.released, f"{load.req_id}'s load reads a released lease"
                 self.reading[load.req_id] = lease
+                self.planned.add(lease)
                 if not load.load_async:
                     self.sync_reading.add(load.req_id)
 
@@ -147,6 +152,7 @@ class SchedulerLeases(RuleBasedStateMachine):
         assert set(self.released) <= set(self.given)
         early = set(self.reading.values()) & set(self.released)
         assert not early, f"released while a load copies from it: {early}"
+        assert not self.unread & self.planned, "a lease a load copied from was given back as unread"
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):

@@ -148,8 +148,9 @@ class SchedulerRole:
         if client is None:
             return Residency(0, 0)
         try:
-            found = client.lookup(keys, prefetch, lease_from, self.core.take_releases(),
-                                  self.core.take_counters())
+            released = self.core.take_releases()
+            found = client.lookup(keys, prefetch, lease_from, released.read, self.core.take_counters(),
+                                  unread=released.unread)
         except Exception as exc:  # the cache must never take the scheduler down
             log.warning("kvstore lookup failed (%s); treating as a miss", exc)
             self.link.fail()
@@ -211,17 +212,17 @@ class SchedulerRole:
         leases done with go to the service in one request (an empty lookup), where no lookup
         carried them; so do namespaces it has not been told of yet (described, for `kvstore
         purge`; told again after a failure)."""
-        counters, releases = self.core.take_counters(), self.core.take_releases()
+        counters, released = self.core.take_counters(), self.core.take_releases()
         new = self._namespaces.unannounced(MAX_ANNOUNCED)  # the rest at the next report
-        client = self.link.get() if counters or releases or new else None
+        client = self.link.get() if counters or released.read or released.unread or new else None
         if client is None:
             return
         try:
             if new:
                 client.announce([(ns.digest(), ns.description()) for ns in new])
                 self._namespaces.announced(new)
-            if counters or releases:
-                client.lookup([], release=releases, counters=counters)
+            if counters or released.read or released.unread:
+                client.lookup([], release=released.read, unread=released.unread, counters=counters)
         except Exception as exc:  # a lost connection released its leases too
             log.debug("kvstore: scheduler counters or namespaces not reported (%s)", exc)
 

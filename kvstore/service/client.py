@@ -83,9 +83,10 @@ class StoreClient:
 
     def lookup(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False, lease_from: int | None = None,
                release: Sequence[int] = (), counters: Mapping[str, float] | None = None,
-               await_s: float = 0.0) -> Found:
+               await_s: float = 0.0, unread: Sequence[int] = ()) -> Found:
         """`residency_ranks`, with what a scheduler's lookup carries: `release` (leases it is
-        done with) and `counters` (added as by `count`) go first, and with `lease_from` the
+        done with, read by its workers), `unread` (done with, no worker read them: their
+        chunks are no gets) and `counters` (added as by `count`) go first, and with `lease_from` the
         leading chunks every rank has in DRAM, from that one on (those before it the engine
         holds), come back pinned for its workers (`Found.lease`, 0 for none;
         `Found.offsets[rank][i]`: chunk i's payload in the tier, -1 where not pinned).
@@ -95,7 +96,7 @@ class StoreClient:
         lists = [list(k) for k in ranks]
         step = _per_rank(lists)
         extras: dict[str, Any] = {"lease_from": lease_from, "release": list(release),
-                                  "counters": dict(counters or {})}
+                                  "unread": list(unread), "counters": dict(counters or {})}
         stored = resident = number = 0
         pending = False
         offsets: tuple[tuple[int, ...], ...] = ()

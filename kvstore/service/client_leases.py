@@ -68,7 +68,8 @@ class LeaseDesk:
         if not count:
             store.stats.add("lease.over_budget")
             return [0, []]
-        lease = store.lease([key for keys in ranks for key in keys[first : first + count]], from_disk=False)
+        lease = store.lease([key for keys in ranks for key in keys[first : first + count]], from_disk=False,
+                            as_get=False)  # counted when the release says a worker read it
         number = held.add(lease, lookup=True)
         return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
 
@@ -87,9 +88,11 @@ class LeaseDesk:
         return [held.add(lease, lookup=False), lease.offsets, lease.checks]
 
     def release(self, store: TieredStore | None, held: HeldLeases, number: int,
-                good: Collection[bytes] = (), bad: Collection[bytes] = ()) -> None:
+                good: Collection[bytes] = (), bad: Collection[bytes] = (), read: bool = False) -> None:
         """Give a lease back; of its unverified chunks, `good` passed the client's check and
-        `bad` failed it (any other, as when the client left, goes back unpublished)."""
+        `bad` failed it (any other, as when the client left, goes back unpublished). A
+        lookup's lease counts its chunks as gets where `read` (its workers copied them);
+        one a client left holding is not known to be read, and counts none."""
         found = held.pop(number)
         if found is None:
             return
@@ -98,7 +101,7 @@ class LeaseDesk:
             with self._lock:
                 self._leased[held.uid] -= len(lease.offsets)
         if store is not None:
-            store.release(lease, good, bad)
+            store.release(lease, good, bad, read)
 
     def release_all(self, store: TieredStore | None, held: HeldLeases) -> None:
         """Every lease of a client that left."""

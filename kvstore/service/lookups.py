@@ -51,6 +51,8 @@ class Lookups:
         store = self._shared.store
         self._counters.add(store, request.counters)
         for number in request.release:
+            self._leases.release(store, client.held, number, read=True)
+        for number in request.unread:
             self._leases.release(store, client.held, number)
         self._next_turns.arrived(request.ranks)
         found: list[Any] = [0, 0, False]

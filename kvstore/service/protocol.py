@@ -12,17 +12,18 @@ Requests (a tagged union) and what a Reply's value holds:
                            -> {"slots": n, "window_bytes": n, "pages": kind} (+ the window's fd)
                               or None; where the client may map the DRAM tier, also
                               "tier_bytes", "tier_pages" (+ the tier's fd, sealed read-only)
-  Residency(ranks, prefetch, await_s, lease_from, release, counters)
+  Residency(ranks, prefetch, await_s, lease_from, release, counters, unread)
                            -> [leading chunks every rank has, of those in DRAM, promotion pending];
                               with await_s, a request is held up to that long for the rest: the
                               cluster index is watched for them (kvstore/cluster/node.py); with
                               `lease_from`, also [lease, [[offset] per rank]]: the chunks from
                               that one on of the leading run every rank has in DRAM (those before
                               it the engine holds itself) pinned for the client's engine workers
-                              to copy out of the tier, each a get (client_leases.py: a budget per user; lease
-                              0: none), until Unpin(lease), a later Residency's `release`, or
-                              the connection ends; `release` and `counters` (as Count) are
-                              taken first: one round trip per lookup
+                              to copy out of the tier (client_leases.py: a budget per user; lease
+                              0: none), until Unpin(lease), a later Residency's `release` (read:
+                              each chunk a get) or `unread` (no worker copied it), or the
+                              connection ends; `release`, `unread` and `counters` (as Count)
+                              are taken first: one round trip per lookup
   Finished(ranks, answer_tokens, turn, idle_s)
                            -> None; a request's chunks (per rank) ended: its next turn is expected;
                               how it ended (answer length, turn, idle time before it; none of it
@@ -77,11 +78,12 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 13  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+PROTOCOL_VERSION = 14  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
 # it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find; 10: a
 # Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client;
 # 12: a Residency leases from a chunk on (lease_from); 13: the DRAM tier is `dram` (its config
-# key, lookups, info, events: a client of 12 would be refused as another config, not a version)
+# key, lookups, info, events: a client of 12 would be refused as another config, not a version);
+# 14: a Residency gives leases back unread (no get counted for them)
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
@@ -126,6 +128,7 @@ class Residency(msgspec.Struct, tag="residency", forbid_unknown_fields=True):
     lease_from: Whole | None = None  # pin the DRAM run from this chunk on (for the client's workers)
     release: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)] = []  # leases given back first
     counters: Annotated[dict[Name, Amount], msgspec.Meta(max_length=256)] = {}  # added first, as Count
+    unread: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)] = []  # given back, not read: no gets
 
 
 class Finished(msgspec.Struct, tag="finished", forbid_unknown_fields=True):

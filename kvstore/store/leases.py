@@ -19,6 +19,10 @@ DRAM and from the disk's index and counted, as a record that does not verify alw
 any other goes back unpublished (its record stays on disk, to be read and verified
 again): a reader that failed half-way, or left, publishes nothing it did not check. Only
 the service's own user's engines may lease so (the service acts on their word).
+
+A lease taken before anyone knows whether it will be read (a scheduler's lookup leases
+what its workers may load) counts its chunks as gets only when its release says a reader
+read it (`gets_due`); one given back unread counts them as `lease.unread`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from kvstore.datapath.reader import Unchecked
 from kvstore.format.record import MissReason
 from kvstore.store.parts import StoreParts
-from kvstore.store.reads import Reads
+from kvstore.store.reads import Reads, count_gets
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Lease:
     checks: list[int | None] = field(default_factory=list)
     unchecked: dict[int, Unchecked] = field(default_factory=dict)
     released: bool = field(default=False, compare=False)
+    gets_due: int = 0  # chunks served and not counted as gets yet: counted if released read
 
     @property
     def pinned(self) -> int:
@@ -53,14 +58,14 @@ class Lease:
 
 
 def pin(parts: StoreParts, reads: Reads, keys: list[bytes], from_disk: bool = True,
-        verify: bool = True) -> Lease:
+        verify: bool = True, as_get: bool = True) -> Lease:
     """Pin each of checked `keys` a get would serve from DRAM (key and length checked under
     the pin; its checksums were verified when it entered DRAM), through the store's read
     path (store/reads.py `Reads.pin`): with `from_disk` and promote_on_hit, the disk hits
     among the rest are read into DRAM slots first, verified there, and pinned as they are
     published: one DMA from the disk, one copy out."""
     unchecked: dict[int, Unchecked] = {}
-    held = reads.pin(keys, from_disk, None if verify else unchecked)
+    held = reads.pin(keys, from_disk, None if verify else unchecked, as_get)
     offsets = [-1] * len(keys)
     if parts.dram is not None:
         for i, slot in held.items():
@@ -68,18 +73,23 @@ def pin(parts: StoreParts, reads: Reads, keys: list[bytes], from_disk: bool = Tr
     checks: list[int | None] = [None] * len(keys)
     for i, entry in unchecked.items():
         checks[i] = entry.header.payload_checksum
-    return Lease([slot for i, slot in held.items() if i not in unchecked], offsets, keys, checks, unchecked)
+    return Lease([slot for i, slot in held.items() if i not in unchecked], offsets, keys, checks, unchecked,
+                 gets_due=0 if as_get else len(held))
 
 
 def release(parts: StoreParts, lease: Lease, good: Collection[bytes] = (),
-            bad: Collection[bytes] = ()) -> None:
+            bad: Collection[bytes] = (), read: bool = False) -> None:
     """Unpin a lease's slots (once: a second release does nothing). Of its unchecked ones,
     those in `good` (their reader verified them) are published, those in `bad` (their
     reader found another checksum) released and their disk records dropped and counted,
-    and any other released unpublished."""
+    and any other released unpublished. Its gets not counted yet are counted if `read`."""
     if lease.released:
         return
     lease.released = True
+    if read:
+        count_gets(parts, lease.gets_due)
+    else:
+        parts.stats.add("lease.unread", lease.gets_due)
     if parts.dram is not None:
         for slot in lease.slots:
             parts.dram.table.unpin(slot)

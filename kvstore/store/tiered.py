@@ -163,18 +163,21 @@ class TieredStore:
         dram = self.parts.dram
         return dram.share() if dram is not None else None
 
-    def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True) -> Lease:
+    def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True,
+              as_get: bool = True) -> Lease:
         """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
         promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
         for a reader that maps the DRAM tier and copies them out itself: they stay pinned
         until `release` (store/leases.py). Without `verify` the disk hits' payloads are left
-        for that reader to verify as it copies them (Lease.checks)."""
-        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk, verify)
+        for that reader to verify as it copies them (Lease.checks); without `as_get` its
+        chunks count as gets only once released `read`."""
+        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk, verify, as_get)
 
-    def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = ()) -> None:
+    def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = (),
+                read: bool = False) -> None:
         """Unpin a lease's slots (once: a second release does nothing); of its unverified
         ones those in `good` are published, those in `bad` dropped (store/leases.py)."""
-        leases.release(self.parts, lease, good, bad)
+        leases.release(self.parts, lease, good, bad, read)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get

@@ -12,6 +12,14 @@ still read it; a lease is never given back while one can.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Released(NamedTuple):
+    """Leases done with, as the next request to the service gives them back."""
+
+    read: list[int]  # a load was planned from each: its chunks count as gets
+    unread: list[int]  # no load was: no get
 
 
 class Leases:
@@ -28,6 +36,10 @@ class Leases:
     - A released lease is told to the service once, with its next request (`take`: a
       lookup carries them); a lookup that decides nothing (`release`) gives its lease
       back the same way.
+    - A lease released after a load was planned from it is `read`; one released with no
+      load planned (the request loads nothing, is asked again, held or forgotten first)
+      is `unread`: the service counts a leased chunk as a get only when read, so a
+      request asked again while it waits for blocks is not a hit each time.
     """
 
     def __init__(self) -> None:
@@ -35,7 +47,8 @@ class Leases:
         self._loading: set[str] = set()  # requests whose async load is under way
         self._orphans: dict[str, int] = {}  # forgotten requests' leases, until their async load ends
         self._after_step: list[int] = []  # leases of this step's sync loads: released after it
-        self._released: list[int] = []  # done with, told to the service on its next request
+        self._read: list[int] = []  # done with after a load, told to the service on its next request
+        self._unread: list[int] = []  # done with, no load planned from them
 
     def hold(self, req_id: str, lease: int) -> None:
         """The lookup that decided `req_id`'s load took `lease` (0: none)."""
@@ -62,14 +75,15 @@ class Leases:
     def step_done(self, loads_ended: Iterable[str]) -> None:
         """The workers reported a step: its sync loads' leases go, and those of the async
         loads that ended (finished or failed) in it."""
-        self._released += self._after_step
+        self._read += self._after_step
         self._after_step = []
         for req_id in loads_ended:
             lease = self._orphans.pop(req_id, 0)
             if req_id in self._loading:
                 self._loading.discard(req_id)
                 lease = self._held.pop(req_id, 0)
-            self.release(lease)
+            if lease:
+                self._read.append(lease)
 
     def forget(self, req_id: str) -> None:
         """`req_id` is forgotten: its lease goes now, or once its async load ends (`step_done`)."""
@@ -82,11 +96,13 @@ class Leases:
             self.release(lease)
 
     def release(self, lease: int) -> None:
-        """`lease` (0: none) is done with: told to the service on its next request."""
+        """`lease` (0: none) is done with, no load planned from it: told to the service on
+        its next request."""
         if lease:
-            self._released.append(lease)
+            self._unread.append(lease)
 
-    def take(self) -> list[int]:
+    def take(self) -> Released:
         """The leases to tell the service are done with (on the next request to it)."""
-        released, self._released = self._released, []
+        released = Released(self._read, self._unread)
+        self._read, self._unread = [], []
         return released

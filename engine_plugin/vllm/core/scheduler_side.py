@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from engine_plugin.vllm.core.chain_reports import ChainReports, Notify
 from engine_plugin.vllm.core.groups import KVGeometry
 from engine_plugin.vllm.core.handoff import Handoff, HandoffWaits
-from engine_plugin.vllm.core.leases import Leases
+from engine_plugin.vllm.core.leases import Leases, Released
 from engine_plugin.vllm.core.plan import StepPlan
 from engine_plugin.vllm.core.prefetch import Lookup, PrefetchPolicy, PrefetchTracker
 from engine_plugin.vllm.core.prompt_lookups import TOKENS_ONLY, Keying, PromptLookups
@@ -247,8 +247,9 @@ class SchedulerCore:
         """The workers reported a step (Leases.step_done)."""
         self.leases.step_done(loads_ended)
 
-    def take_releases(self) -> list[int]:
-        """The leases to tell the service are done with (on the next request to it)."""
+    def take_releases(self) -> Released:
+        """The leases to tell the service are done with (on the next request to it), read
+        (a load was planned from them) or not."""
         return self.leases.take()
 
     def on_finished(self, req_id: str) -> None:
