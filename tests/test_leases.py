@@ -50,7 +50,7 @@ def config(tmp_path):
 @contextlib.contextmanager
 def _mapped(store: TieredStore) -> Iterator[mmap.mmap]:
     """The DRAM tier as an engine maps it (TieredStore.share_dram): read-only."""
-    shared = store.share_dram()
+    shared = store.shared_dram.share()
     assert shared is not None
     fd, nbytes, _pages = shared
     try:
@@ -104,14 +104,14 @@ def test_a_pinned_slot_is_never_evicted_or_reused_until_released():
     with TieredStore({"tiers": {"dram": {"capacity": 4 * record_bytes(CHUNK)}}}, CHUNK) as store:
         first = _keys(1, 4)
         assert store.put_many(first, [k[:1] * CHUNK for k in first]) == [True] * 4
-        lease = store.lease(first[:2])
+        lease = store.shared_dram.lease(first[:2])
         for wave in (_keys(10, 4), _keys(20, 4)):  # every unpinned slot is taken, twice over
             store.put_many(wave, [k[:1] * CHUNK for k in wave])
         assert store.lookup(first[:2]).tiers == ("dram", "dram")
         with _mapped(store) as tier:
             assert [tier[o : o + CHUNK] for o in lease.offsets] == [k[:1] * CHUNK for k in first[:2]]
-        store.release(lease)
-        store.release(lease)  # a second release does nothing
+        store.shared_dram.release(lease)
+        store.shared_dram.release(lease)  # a second release does nothing
         wave = _keys(30, 4)
         assert store.put_many(wave, [k[:1] * CHUNK for k in wave]) == [True] * 4
         assert store.lookup(first[:1]).count == 0
@@ -197,7 +197,7 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
     corrupt_record(disk_dir, keys[1][0])
     store = store_factory(_disk_config(disk_dir))
     assert store.lookup(keys).tiers == ("disk",) * 4
-    lease = store.lease([*keys[:3], b"\xee" * 16])
+    lease = store.shared_dram.lease([*keys[:3], b"\xee" * 16])
     assert lease.offsets[1] == lease.offsets[3] == -1  # did not verify; absent
     with _mapped(store) as tier:
         assert [tier[o : o + CHUNK] for o in (lease.offsets[0], lease.offsets[2])] == [
@@ -212,7 +212,7 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
         assert [tier[o : o + CHUNK] for o in (lease.offsets[0], lease.offsets[2])] == [
             keys[0][:1] * CHUNK, keys[2][:1] * CHUNK]
     assert store.lookup([keys[0]]).tiers == ("dram",)
-    store.release(lease)
+    store.shared_dram.release(lease)
     assert store.lookup([keys[1]]).count == 0  # the record that did not verify left the index
 
 
@@ -311,7 +311,7 @@ def test_the_load_path_benchmark_measures_every_path_it_reports(disk_dir):
 
 def test_a_shared_dram_tier_in_small_pages_over_a_disk_tier_is_reported(disk_dir, store_factory, caplog):
     store = store_factory(_disk_config(disk_dir))
-    shared = store.share_dram()
+    shared = store.shared_dram.share()
     assert shared is not None
     os.close(shared[0])
     small_pages = shared[2] == "4k"  # the host decides: both are checked
@@ -328,17 +328,17 @@ def test_a_hung_disk_read_under_a_pin_is_a_miss_within_the_deadline(disk_dir, fa
     store = store_factory(config, engine=faulty)
     faulty.add(Fault("hang", remaining=1, match=lambda request: request.nbytes > 4096))
     started = time.monotonic()
-    lease = store.lease(keys)
+    lease = store.shared_dram.lease(keys)
     assert time.monotonic() - started < 5
     assert sorted(offset >= 0 for offset in lease.offsets) == [False, True]
     counters = store.stats.snapshot()
     assert counters["disk.miss.timeout"] == 1
-    store.release(lease)
-    again = store.lease(keys)  # the record stays on disk; the device answers now
+    store.shared_dram.release(lease)
+    again = store.shared_dram.lease(keys)  # the record stays on disk; the device answers now
     assert all(offset >= 0 for offset in again.offsets)
     with _mapped(store) as tier:
         assert [tier[o : o + CHUNK] for o in again.offsets] == [k[:1] * CHUNK for k in keys]
-    store.release(again)
+    store.shared_dram.release(again)
 
 
 def test_a_client_not_given_the_tier_cannot_pin(config):

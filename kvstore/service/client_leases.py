@@ -68,8 +68,9 @@ class LeaseDesk:
         if not count:
             store.stats.add("lease.over_budget")
             return [0, []]
-        lease = store.lease([key for keys in ranks for key in keys[first : first + count]], from_disk=False,
-                            as_get=False)  # counted when the release says a worker read it
+        chunks = [key for rank in ranks for key in rank[first : first + count]]
+        # Gets counted when the release says a worker read it.
+        lease = store.shared_dram.lease(chunks, from_disk=False, as_get=False)
         number = held.add(lease, lookup=True)
         return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
 
@@ -84,7 +85,7 @@ class LeaseDesk:
         if held_now + len(keys) > slots:
             raise KVStoreError(f"pinning {len(keys)} chunks on top of the {held_now} this client holds "
                                f"is more than its window's {slots}: unpin first")
-        lease = store.lease(keys, verify=verify or held.uid != os.geteuid())
+        lease = store.shared_dram.lease(keys, verify=verify or held.uid != os.geteuid())
         return [held.add(lease, lookup=False), lease.offsets, lease.checks]
 
     def release(self, store: TieredStore | None, held: HeldLeases, number: int,
@@ -101,7 +102,7 @@ class LeaseDesk:
             with self._lock:
                 self._leased[held.uid] -= len(lease.offsets)
         if store is not None:
-            store.release(lease, good, bad, read)
+            store.shared_dram.release(lease, good, bad, read)
 
     def release_all(self, store: TieredStore | None, held: HeldLeases) -> None:
         """Every lease of a client that left."""

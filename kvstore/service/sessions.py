@@ -82,7 +82,7 @@ class Sessions:
         client.window, client.slots = window, slots
         client.region = store.regions.add(window.address, window.nbytes, window)
         reply = {"slots": slots, "window_bytes": window.nbytes, "pages": window.pages}
-        tier = store.share_dram() if shared.may_map_dram(client.uid) else None
+        tier = store.shared_dram.share() if shared.may_map_dram(client.uid) else None
         if tier is None:
             return reply, (fd,)
         tier_fd, tier_bytes, tier_pages = tier

@@ -27,11 +27,12 @@ read it (`gets_due`); one given back unread counts them as `lease.unread`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.datapath.reader import Unchecked
 from kvstore.format.record import MissReason
+from kvstore.store.edge import check_keys
 from kvstore.store.parts import StoreParts
 from kvstore.store.reads import Reads, count_gets
 
@@ -57,52 +58,72 @@ class Lease:
         return len(self.slots) + len(self.unchecked)
 
 
-def pin(parts: StoreParts, reads: Reads, keys: list[bytes], from_disk: bool = True,
-        verify: bool = True, as_get: bool = True) -> Lease:
-    """Pin each of checked `keys` a get would serve from DRAM (key and length checked under
-    the pin; its checksums were verified when it entered DRAM), through the store's read
-    path (store/reads.py `Reads.pin`): with `from_disk` and promote_on_hit, the disk hits
-    among the rest are read into DRAM slots first, verified there, and pinned as they are
-    published: one DMA from the disk, one copy out."""
-    unchecked: dict[int, Unchecked] = {}
-    held = reads.pin(keys, from_disk, None if verify else unchecked, as_get)
-    offsets = [-1] * len(keys)
-    if parts.dram is not None:
-        for i, slot in held.items():
-            offsets[i] = parts.dram.payload_offset(slot)
-    checks: list[int | None] = [None] * len(keys)
-    for i, entry in unchecked.items():
-        checks[i] = entry.header.payload_checksum
-    return Lease([slot for i, slot in held.items() if i not in unchecked], offsets, keys, checks, unchecked,
-                 gets_due=0 if as_get else len(held))
+class SharedDram:
+    """The store's face to engines that map its DRAM tier and copy chunks out of it
+    themselves (the service hands it to its clients): the tier's descriptor, and leases on
+    its slots. Reached as `TieredStore.shared_dram`."""
 
+    def __init__(self, parts: StoreParts, reads: Reads) -> None:
+        self._parts = parts
+        self._reads = reads
 
-def release(parts: StoreParts, lease: Lease, good: Collection[bytes] = (),
-            bad: Collection[bytes] = (), read: bool = False) -> None:
-    """Unpin a lease's slots (once: a second release does nothing). Of its unchecked ones,
-    those in `good` (their reader verified them) are published, those in `bad` (their
-    reader found another checksum) released and their disk records dropped and counted,
-    and any other released unpublished. Its gets not counted yet are counted if `read`."""
-    if lease.released:
-        return
-    lease.released = True
-    if read:
-        count_gets(parts, lease.gets_due)
-    else:
-        parts.stats.add("lease.unread", lease.gets_due)
-    if parts.dram is not None:
-        for slot in lease.slots:
-            parts.dram.table.unpin(slot)
-    for i, entry in lease.unchecked.items():
-        key, header = lease.keys[i], entry.header
-        if key in good and key not in bad:
-            parent = None if header.parent == bytes(16) else header.parent
-            entry.reservation.publish(key, parent, header.seq)
-            continue
-        entry.reservation.release()
-        if key in bad:
-            parts.stats.miss("disk", MissReason.BAD_CHECKSUM, f"slot {entry.disk_slot}, found by its reader")
-            if parts.disk is not None:
-                with parts.disk.table.pinned([key]) as pins:
-                    pins.drop(key, entry.disk_slot)  # unless the key has moved to another slot
+    def share(self) -> tuple[int, int, str] | None:
+        """(a new read-only descriptor of the DRAM tier, for a client that copies leased
+        chunks out of it: the caller closes it; its bytes; its page kind), or None when the
+        tier is not shared."""
+        dram = self._parts.dram
+        return dram.share() if dram is not None else None
 
+    def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True,
+              as_get: bool = True) -> Lease:
+        """Pin each of `keys` a get would serve from DRAM (key and length checked under
+        the pin; its checksums were verified when it entered DRAM), through the store's read
+        path (store/reads.py `Reads.pin`), until `release`: with `from_disk` and
+        promote_on_hit, the disk hits among the rest are read into DRAM slots first,
+        verified there, and pinned as they are published: one DMA from the disk, one copy
+        out (without `from_disk`, only what DRAM holds now: no I/O). Without `verify` the
+        disk hits' payloads are left for the reader to verify as it copies them
+        (Lease.checks); without `as_get` its chunks count as gets only once released `read`."""
+        keys = check_keys(keys)
+        unchecked: dict[int, Unchecked] = {}
+        held = self._reads.pin(keys, from_disk, None if verify else unchecked, as_get)
+        offsets = [-1] * len(keys)
+        if self._parts.dram is not None:
+            for i, slot in held.items():
+                offsets[i] = self._parts.dram.payload_offset(slot)
+        checks: list[int | None] = [None] * len(keys)
+        for i, entry in unchecked.items():
+            checks[i] = entry.header.payload_checksum
+        verified = [slot for i, slot in held.items() if i not in unchecked]
+        return Lease(verified, offsets, keys, checks, unchecked, gets_due=0 if as_get else len(held))
+
+    def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = (),
+                read: bool = False) -> None:
+        """Unpin a lease's slots (once: a second release does nothing). Of its unchecked ones,
+        those in `good` (their reader verified them) are published, those in `bad` (their
+        reader found another checksum) released and their disk records dropped and counted,
+        and any other released unpublished. Its gets not counted yet are counted if `read`."""
+        if lease.released:
+            return
+        lease.released = True
+        parts = self._parts
+        if read:
+            count_gets(parts, lease.gets_due)
+        else:
+            parts.stats.add("lease.unread", lease.gets_due)
+        if parts.dram is not None:
+            for slot in lease.slots:
+                parts.dram.table.unpin(slot)
+        for i, entry in lease.unchecked.items():
+            key, header = lease.keys[i], entry.header
+            if key in good and key not in bad:
+                parent = None if header.parent == bytes(16) else header.parent
+                entry.reservation.publish(key, parent, header.seq)
+                continue
+            entry.reservation.release()
+            if key in bad:
+                parts.stats.miss("disk", MissReason.BAD_CHECKSUM,
+                                 f"slot {entry.disk_slot}, found by its reader")
+                if parts.disk is not None:
+                    with parts.disk.table.pinned([key]) as pins:
+                        pins.drop(key, entry.disk_slot)  # unless the key has moved to another slot

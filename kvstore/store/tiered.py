@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,9 @@ from kvstore.format.record import RecordEncoder
 from kvstore.io import IoEngine
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.regions import Region
-from kvstore.store import leases
 from kvstore.store.admin import StoreAdmin
 from kvstore.store.edge import check_keys, chunk_views
-from kvstore.store.leases import Lease
+from kvstore.store.leases import SharedDram
 from kvstore.store.parts import StoreParts
 from kvstore.store.probe import StoreProbe
 from kvstore.store.put_bound import PutBound
@@ -62,14 +61,15 @@ class Lookup:
 
 class TieredStore:
     """The store as a request reaches it (an engine's, through the service; a test's or a
-    bench's in-process): find chunks, read, lease and prefetch them, store and delete
-    them; and the store's life (`step`, `flush`, `close`). It holds its parts (`parts`:
-    tiers, reader, flusher, placement, cluster node...) rather than is them, and only
-    kvstore/store/ reads `parts` (a house rule). Two faces beside it serve other callers:
-    `probe` says where chunks are without moving them (tests, tools: store/probe.py), and
-    `admin` is what the service's owner does to the store (purge, a reload's policy,
-    learned admission's state: store/admin.py). `stats` and `regions` are the parts'
-    counters and the memory reads may land in, for the service.
+    bench's in-process): find chunks, read and prefetch them, store and delete them; and
+    the store's life (`step`, `flush`, `close`). It holds its parts (`parts`: tiers,
+    reader, flusher, placement, cluster node...) rather than is them, and only
+    kvstore/store/ reads `parts` (a house rule). Three faces beside it serve other callers:
+    `shared_dram` is the DRAM tier as engines that map it see it (its descriptor, leases on
+    its slots: store/leases.py), `probe` says where chunks are without moving them (tests,
+    tools: store/probe.py), and `admin` is what the service's owner does to the store
+    (purge, a reload's policy, learned admission's state: store/admin.py). `stats` and
+    `regions` are the parts' counters and the memory reads may land in, for the service.
     Invariants: input is checked before anything is reserved (edge.py); every get and put
     touches its chain before and after, so a request never evicts its own prefix; a put
     past `put_inflight` bytes under way is refused, not queued; a read buffer is freed
@@ -100,6 +100,7 @@ class TieredStore:
         self.admin = StoreAdmin(self.parts, self.delete)
         self._seq = itertools.count(self.parts.recovery.max_seq + 1)
         self._reads = Reads(self.parts)
+        self.shared_dram = SharedDram(self.parts, self._reads)
         self._writes = Writes(self.parts, self.encoder)
         self._put_bound = PutBound(self.parts.config.put_inflight, chunk_bytes, self.stats)
 
@@ -155,29 +156,6 @@ class TieredStore:
         keys = check_keys(keys)
         views = chunk_views(outs, len(keys), self.chunk_bytes, writable=True, regions=self.regions)
         return self._reads.get(keys, views)
-
-    def share_dram(self) -> tuple[int, int, str] | None:
-        """(a new read-only descriptor of the DRAM tier, for a client that copies leased
-        chunks out of it: the caller closes it; its bytes; its page kind), or None when the
-        tier is not shared."""
-        dram = self.parts.dram
-        return dram.share() if dram is not None else None
-
-    def lease(self, keys: Sequence[bytes], from_disk: bool = True, verify: bool = True,
-              as_get: bool = True) -> Lease:
-        """Pin the chunks of `keys` a get would serve from DRAM (with `from_disk` and
-        promote_on_hit, disk hits promoted first; without, only what DRAM holds now: no I/O)
-        for a reader that maps the DRAM tier and copies them out itself: they stay pinned
-        until `release` (store/leases.py). Without `verify` the disk hits' payloads are left
-        for that reader to verify as it copies them (Lease.checks); without `as_get` its
-        chunks count as gets only once released `read`."""
-        return leases.pin(self.parts, self._reads, check_keys(keys), from_disk, verify, as_get)
-
-    def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = (),
-                read: bool = False) -> None:
-        """Unpin a lease's slots (once: a second release does nothing); of its unverified
-        ones those in `good` are published, those in `bad` dropped (store/leases.py)."""
-        leases.release(self.parts, lease, good, bad, read)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the leading run of `keys` that is on disk into DRAM, ahead of the get
