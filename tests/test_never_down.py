@@ -280,7 +280,8 @@ WIRE = st.recursive(WIRE_SCALARS, lambda inner: st.lists(inner, max_size=6)
 FIELD_VALUES = (WIRE | st.binary(max_size=20) | st.lists(st.binary(min_size=15, max_size=17), max_size=4)
                 | st.lists(st.lists(st.binary(min_size=16, max_size=16), max_size=3), max_size=3))
 FIELDS = ["version", "config", "chunk_bytes", "namespace", "dtype", "shape", "ranks", "prefetch", "in_s",
-          "await_s", "counters", "keys", "slots", "parent", "leases", "since", "extra"]
+          "await_s", "lease_from", "release", "unread", "counters", "keys", "slots", "parent", "leases",
+          "since", "extra"]
 FRAMES = st.one_of(
     st.binary(max_size=64),
     st.builds(lambda tag, fields: msgspec.msgpack.encode({"type": tag, **fields}), st.sampled_from(TAGS),
