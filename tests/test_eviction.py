@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import pytest
@@ -215,9 +216,11 @@ def test_a_bounded_walk_takes_a_leaf_within_it_and_never_a_chains_inner_key_for_
 
 
 @st.composite
-def _forest(draw: st.DrawFn) -> tuple[list[tuple[bytes, bytes | None]], list[list[bytes]], set[bytes]]:
+def _forest(draw: st.DrawFn) -> tuple[list[tuple[bytes, bytes | None]], list[list[bytes]], set[bytes],
+                                      set[bytes], int | None]:
     """Keys added with a parent among the earlier ones (or none), chains (root first)
-    touched after, and keys pinned."""
+    touched after, keys removed after that (a parent may then be absent from the tier),
+    keys pinned, and a bound on the walk."""
     count = draw(st.integers(1, 14))
     keys = [bytes([i]) for i in range(count)]
     parents = [None] + [draw(st.none() | st.sampled_from(keys[:i])) for i in range(1, count)]
@@ -231,7 +234,8 @@ def _forest(draw: st.DrawFn) -> tuple[list[tuple[bytes, bytes | None]], list[lis
         return chain_[::-1]
 
     touches = [path(key) for key in draw(st.lists(st.sampled_from(keys), max_size=6))]
-    return pairs, touches, draw(st.sets(st.sampled_from(keys)))
+    removed = draw(st.sets(st.sampled_from(keys), max_size=4))
+    return pairs, touches, removed, draw(st.sets(st.sampled_from(keys))), draw(st.none() | st.integers(0, 16))
 
 
 @pytest.mark.parametrize("make", [PrefixLRU, lambda: CostAware(lambda key, parent: 1.0 + key[0] % 3)],
@@ -241,16 +245,20 @@ def test_going_is_the_order_victims_are_taken_in_one_by_one(make, forest):
     """What the DRAM cleaner writes ahead of (`going`) is what eviction would take next, in
     that order, pins respected: a chain extended later leaves its old inner keys early in
     the order, and they go only after their children."""
-    pairs, touches, pinned = forest
+    pairs, touches, removed, pinned, most = forest
     orders = make(), make()
     for eviction in orders:
         for key, parent in pairs:
             eviction.add(key, parent)
         for keys in touches:
             eviction.touch_chain(keys)
-    going = list(orders[0].going(pinned.__contains__))
+        for key in removed:
+            eviction.remove(key)
+    looked = set(itertools.islice(orders[1], most))  # a bounded walk: the victims among these
+    going = list(orders[0].going(pinned.__contains__, most))
     taken = []
-    while (victim := orders[1].victim(pinned.__contains__)) is not None and orders[1].is_leaf(victim):
+    while ((victim := orders[1].victim(lambda key: key in pinned or key not in looked)) is not None
+           and orders[1].is_leaf(victim)):
         taken.append(victim)
         orders[1].remove(victim)
     assert going == taken

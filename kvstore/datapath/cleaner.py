@@ -42,9 +42,11 @@ from kvstore.tiers.stats import Stats
 log = logging.getLogger(__name__)
 
 
-# The most chunks the window holds, whatever their size: each pass walks the window under
-# the DRAM table's lock, about 0.25 us a chunk here (0.25 ms at 1,024, 1 ms at 4,096, with
-# 256 KiB chunks under the 1 GiB default), and every get and put waits for that lock.
+# The most chunks the window holds, whatever their size: each pass walks the window (and
+# at most as many more, passed over) under the DRAM table's lock, 0.2-0.4 us a chunk of it
+# here (0.2-0.4 ms at 1,024, the more for chains of several chunks; 1 ms and more at
+# 4,096, with 256 KiB chunks under the 1 GiB default), and every get and put waits for
+# that lock.
 MOST_CHUNKS = 1024
 
 

@@ -149,12 +149,13 @@ class PrefixLRU:
         # anyway, unless the walk stopped at `most` (a leaf may lie past it).
         return fallback if most is None or len(self._order) <= most else None
 
-
     def going(self, skip: Callable[[bytes], bool] = lambda _key: False,
               most: int | None = None) -> Iterator[bytes]:
         """Keys in the order `victim` would take them one by one (least recently used leaf
-        first), among the `most` least recently used; none skipped."""
+        first), among the `most` least recently used, passing over those `skip` names;
+        not `victim`'s last resort, an inner key taken where no leaf may go."""
         return _going(itertools.islice(self._order, most), self._order, self._children, skip)
+
 
 class CostAware:
     """GreedyDual over recompute cost, prefix-aware.
@@ -263,7 +264,8 @@ class CostAware:
     def going(self, skip: Callable[[bytes], bool] = lambda _key: False,
               most: int | None = None) -> Iterator[bytes]:
         """Keys in the order `victim` would take them one by one (least valuable leaf
-        first), among the `most` least valuable; none skipped."""
+        first), among the `most` least valuable, passing over those `skip` names; not
+        `victim`'s last resort, an inner key taken where no leaf may go."""
         return _going(itertools.islice(self, most), self._parent, self._children, skip)
 
     def _set(self, key: bytes, value: float, climb: bool = True) -> None:

@@ -349,7 +349,7 @@ class SlotTable:
         """Pin and return up to `most` records that `wanted` picks (asked under the lock)
         among the next `depth` to go: free slots count first, then records in the order the
         eviction policy would take them as victims (leaves first; a pinned one cannot go,
-        nor can its chain's head, so they do not count). At most 2 x `depth` records are
+        nor can its ancestors, so they do not count). At most 2 x `depth` records are
         looked at, so a tail of pinned ones never makes the walk the whole table's under
         the lock."""
         with self.lock:
