@@ -41,6 +41,25 @@ def test_runs_until_stopped(server):
     time.sleep(600)
 """
 
+HANGING = """
+import time
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def stuck():
+    yield
+    Path({pid_file!r}).write_text("tearing down")
+    time.sleep(600)
+
+
+def test_runs_until_stopped(stuck):
+    Path({pid_file!r}).write_text("running")
+    time.sleep(600)
+"""
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -50,22 +69,31 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_run_stopped_by_sigterm_stops_the_servers_its_fixtures_started(tmp_path):
-    pid_file = tmp_path / "server.pid"
+def _run(tmp_path: Path, test: str) -> subprocess.Popen[str]:
+    """pytest on `test` (its text), with the project's handler, in a process of its own."""
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_server.py").write_text(TEST.format(pid_file=str(pid_file)))
+    (tmp_path / "test_it.py").write_text(test)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-               "--rootdir", str(tmp_path), "-o", "timeout=120", str(tmp_path / "test_server.py")]
-    run = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+               "--rootdir", str(tmp_path), "-o", "timeout=120", str(tmp_path / "test_it.py")]
+    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _wait_for(run: subprocess.Popen[str], path: Path, text: str = "") -> str:
+    deadline = time.monotonic() + 60
+    while not path.exists() or not path.read_text() or (text and path.read_text() != text):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate(timeout=10)[0]
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_a_run_stopped_by_sigterm_stops_the_servers_its_fixtures_started(tmp_path):
+    pid_file = tmp_path / "server.pid"
+    run = _run(tmp_path, TEST.format(pid_file=str(pid_file)))
     server = 0
     try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() or not pid_file.read_text():
-            assert run.poll() is None and time.monotonic() < deadline, run.communicate(timeout=10)[0]
-            time.sleep(0.1)
-        server = int(pid_file.read_text())
+        server = int(_wait_for(run, pid_file))
         run.send_signal(signal.SIGTERM)
         output = run.communicate(timeout=60)[0]
         assert not _alive(server), f"the server outlived the run:\n{output}"
@@ -75,3 +103,19 @@ def test_a_run_stopped_by_sigterm_stops_the_servers_its_fixtures_started(tmp_pat
             run.wait()
         if server and _alive(server):
             os.killpg(server, signal.SIGKILL)
+
+
+def test_a_second_sigterm_ends_a_run_whose_teardown_hangs(tmp_path):
+    """The interrupt never makes a stopped run hang: a second SIGTERM ends it at once."""
+    state = tmp_path / "state"
+    run = _run(tmp_path, HANGING.format(pid_file=str(state)))
+    try:
+        _wait_for(run, state, "running")
+        run.send_signal(signal.SIGTERM)
+        _wait_for(run, state, "tearing down")
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
