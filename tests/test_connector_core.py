@@ -271,10 +271,11 @@ def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, computed, sync_d
     assert scheduler.take_releases() == Released(read=[5] if expect_async else [], unread=[])
 
 
-def test_a_lease_given_back_with_no_load_planned_from_it_is_unread():
+def test_a_lease_given_back_with_no_load_carried_out_from_it_is_unread():
     """A request asked again while it waits for blocks (each step, under memory pressure),
-    or given blocks with nothing to load, gives its lease back unread: the service counts no
-    get for it, so a waiting request is not a hit at every step; a load's lease is read."""
+    given blocks with nothing to load, or whose load failed, gives its lease back unread:
+    the service counts no get for it, so a waiting request is not a hit at every step; a
+    load's lease is read."""
     leases = iter(range(1, 10))
 
     def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
@@ -293,7 +294,11 @@ def test_a_lease_given_back_with_no_load_planned_from_it_is_unread():
     scheduler.on_finished("s")  # finished while its async load runs: read once that ends
     scheduler.step_done(["s"])
     assert scheduler.take_releases() == Released(read=[4], unread=[])
-
+    assert scheduler.num_new_matched_tokens("t", PROMPT, 0) == 8 * CHUNK
+    scheduler.on_alloc("t", list(range(16)), 8 * CHUNK)
+    assert scheduler.take_plan().loads
+    scheduler.step_done([], failed=["t"])  # vLLM reports it failed (by request)
+    assert scheduler.take_releases() == Released(read=[], unread=[5])
 
 
 def test_nothing_is_leased_where_the_engines_own_cache_covers_the_hit():

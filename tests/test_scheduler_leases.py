@@ -32,6 +32,7 @@ class SchedulerLeases(RuleBasedStateMachine):
         self.given: list[int] = []  # every lease a lookup gave
         self.released: list[int] = []  # every lease the core gave back
         self.unread: set[int] = set()  # of those, the ones given back unread (no gets)
+        self.read: set[int] = set()  # ... and read (their chunks counted as gets)
         self.planned: set[int] = set()  # leases a planned load copies from
         self.last_lease = 0  # the lease the latest lookup gave (0: none)
         self.lease_of: dict[str, int] = {}  # each request's latest decision's lease
@@ -70,6 +71,7 @@ class SchedulerLeases(RuleBasedStateMachine):
         released = self.core.take_releases()
         self.released += released.read + released.unread
         self.unread.update(released.unread)
+        self.read.update(released.read)
 
     # -- rules ------------------------------------------------------------------------
 
@@ -153,6 +155,7 @@ class SchedulerLeases(RuleBasedStateMachine):
         early = set(self.reading.values()) & set(self.released)
         assert not early, f"released while a load copies from it: {early}"
         assert not self.unread & self.planned, "a lease a load copied from was given back as unread"
+        assert self.read <= self.planned, "a lease no load copied from was given back as read"
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):

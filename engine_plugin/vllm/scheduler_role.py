@@ -126,12 +126,13 @@ class SchedulerRole:
     def workers_reported(self, done_saves: list[int], failed_requests: Collection[str],
                          failed_blocks: Collection[int], finished_loads: Collection[str] = ()) -> None:
         """update_connector_output: saves done leave the in-flight set; the loads that ended
-        give their leases back (SchedulerCore.step_done); failed loads, as vLLM aggregated
-        them over the workers, are counted: by request with several KV cache groups
-        (`load.failed_requests`; one out of LOAD_TRIES is a miss until it finishes), else by
-        block (`load.failed_blocks`, vLLM keeps the prefix before the first)."""
+        give their leases back, read or, where they failed, unread (SchedulerCore.step_done);
+        failed loads, as vLLM aggregated them over the workers, are counted: by request with
+        several KV cache groups (`load.failed_requests`; one out of LOAD_TRIES is a miss
+        until it finishes), else by block (`load.failed_blocks`, vLLM keeps the prefix
+        before the first)."""
         self.core.saves_done(done_saves)
-        self.core.step_done([*finished_loads, *failed_requests])
+        self.core.step_done(finished_loads, failed_requests)
         if not (failed_requests or failed_blocks):
             self.report_counters()
             return

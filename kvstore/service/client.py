@@ -84,15 +84,15 @@ class StoreClient:
     def lookup(self, ranks: Sequence[Sequence[bytes]], prefetch: bool = False, lease_from: int | None = None,
                release: Sequence[int] = (), counters: Mapping[str, float] | None = None,
                await_s: float = 0.0, unread: Sequence[int] = ()) -> Found:
-        """`residency_ranks`, with what a scheduler's lookup carries: `release` (leases it is
-        done with, read by its workers), `unread` (done with, no worker read them: their
-        chunks are no gets) and `counters` (added as by `count`) go first, and with `lease_from` the
-        leading chunks every rank has in DRAM, from that one on (those before it the engine
-        holds), come back pinned for its workers (`Found.lease`, 0 for none;
-        `Found.offsets[rank][i]`: chunk i's payload in the tier, -1 where not pinned).
-        A prompt with more keys than one frame carries (protocol.MAX_KEYS, every rank's
-        together) is asked about a piece of chunks at a time, the next only while all of one
-        is stored; only the first piece carries the rest and is leased."""
+        """`residency_ranks`, with what a scheduler's lookup carries: `release` (leases it is done
+        with, their loads carried out: each chunk a get), `unread` (done with, no load carried out
+        from them: no gets) and `counters` (added as by `count`) go first, and with `lease_from` the
+        leading chunks every rank has in DRAM, from that one on (those before it the engine holds),
+        come back pinned for its workers (`Found.lease`, 0 for none; `Found.offsets[rank][i]`: chunk
+        i's payload in the tier, -1 where not pinned). A prompt with more keys than one frame
+        carries (protocol.MAX_KEYS, every rank's together) is asked about a piece of chunks at a
+        time, the next only while all of one is stored; only the first piece carries the rest and is
+        leased."""
         lists = [list(k) for k in ranks]
         step = _per_rank(lists)
         extras: dict[str, Any] = {"lease_from": lease_from, "release": list(release),

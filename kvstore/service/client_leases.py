@@ -92,7 +92,7 @@ class LeaseDesk:
                 good: Collection[bytes] = (), bad: Collection[bytes] = (), read: bool = False) -> None:
         """Give a lease back; of its unverified chunks, `good` passed the client's check and
         `bad` failed it (any other, as when the client left, goes back unpublished). A
-        lookup's lease counts its chunks as gets where `read` (its workers copied them);
+        lookup's lease counts its chunks as gets where `read` (its load was carried out);
         one a client left holding is not known to be read, and counts none."""
         found = held.pop(number)
         if found is None:

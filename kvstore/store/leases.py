@@ -107,9 +107,9 @@ class SharedDram:
             return
         lease.released = True
         parts = self._parts
-        if read:
+        if lease.gets_due and read:
             count_gets(parts, lease.gets_due)
-        else:
+        elif lease.gets_due:
             parts.stats.add("lease.unread", lease.gets_due)
         if parts.dram is not None:
             for slot in lease.slots:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 class Released(NamedTuple):
     """Leases done with, as the next request to the service gives them back."""
 
-    read: list[int]  # a load was planned from each: its chunks count as gets
+    read: list[int]  # each one's load was carried out: its chunks count as gets
     unread: list[int]  # no load was: no get
 
 
@@ -36,19 +36,24 @@ class Leases:
     - A released lease is told to the service once, with its next request (`take`: a
       lookup carries them); a lookup that decides nothing (`release`) gives its lease
       back the same way.
-    - A lease released after a load was planned from it is `read`; one released with no
-      load planned (the request loads nothing, is asked again, held or forgotten first)
-      is `unread`: the service counts a leased chunk as a get only when read, so a
-      request asked again while it waits for blocks is not a hit each time.
+    - A lease released once its load was carried out (planned, then ended: not given up
+      after a fault, not reported failed) is `read`; any other is `unread` (the request
+      loaded nothing, was asked again, held, forgotten first, or its load was given up or
+      failed). The service counts a leased chunk as a get only when read, so a request
+      asked again while it waits for blocks is not a hit at every step. A model with one
+      KV cache group has a failed load reported by block, not by request: that load's
+      lease still counts as read.
     """
 
     def __init__(self) -> None:
         self._held: dict[str, int] = {}  # each request's lease, by request
         self._loading: set[str] = set()  # requests whose async load is under way
-        self._orphans: dict[str, int] = {}  # forgotten requests' leases, until their async load ends
-        self._after_step: list[int] = []  # leases of this step's sync loads: released after it
-        self._read: list[int] = []  # done with after a load, told to the service on its next request
-        self._unread: list[int] = []  # done with, no load planned from them
+        # Forgotten requests' leases until their async load ends, and whether that load was
+        # given up (a fault) before it ran.
+        self._orphans: dict[str, tuple[int, bool]] = {}
+        self._after_step: list[tuple[str, int]] = []  # this step's sync loads' leases: released after it
+        self._read: list[int] = []  # done with after its load, told to the service on its next request
+        self._unread: list[int] = []  # done with, no load carried out from them
 
     def hold(self, req_id: str, lease: int) -> None:
         """The lookup that decided `req_id`'s load took `lease` (0: none)."""
@@ -70,34 +75,37 @@ class Leases:
         for req_id in req_ids:
             lease = self._held.pop(req_id, 0)
             if lease:
-                self._after_step.append(lease)
+                self._after_step.append((req_id, lease))
 
-    def step_done(self, loads_ended: Iterable[str]) -> None:
+    def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = ()) -> None:
         """The workers reported a step: its sync loads' leases go, and those of the async
-        loads that ended (finished or failed) in it."""
-        self._read += self._after_step
+        loads that ended in it; read, but for the loads reported `failed` (by request)."""
+        failed = set(failed)
+        for req_id, lease in self._after_step:
+            (self._unread if req_id in failed else self._read).append(lease)
         self._after_step = []
-        for req_id in loads_ended:
-            lease = self._orphans.pop(req_id, 0)
+        for req_id in [*loads_ended, *failed]:
+            lease, given_up = self._orphans.pop(req_id, (0, False))
             if req_id in self._loading:
                 self._loading.discard(req_id)
                 lease = self._held.pop(req_id, 0)
             if lease:
-                self._read.append(lease)
+                (self._unread if given_up or req_id in failed else self._read).append(lease)
 
-    def forget(self, req_id: str) -> None:
-        """`req_id` is forgotten: its lease goes now, or once its async load ends (`step_done`)."""
+    def forget(self, req_id: str, given_up: bool = False) -> None:
+        """`req_id` is forgotten: its lease goes now, or once its async load ends (`step_done`);
+        `given_up`: after a fault, its load (if any) was given up and copies nothing."""
         lease = self._held.pop(req_id, 0)
         if req_id in self._loading:
             self._loading.discard(req_id)
             if lease:
-                self._orphans[req_id] = lease
+                self._orphans[req_id] = (lease, given_up)
         else:
             self.release(lease)
 
     def release(self, lease: int) -> None:
-        """`lease` (0: none) is done with, no load planned from it: told to the service on
-        its next request."""
+        """`lease` (0: none) is done with, no load carried out from it: told to the service
+        on its next request."""
         if lease:
             self._unread.append(lease)
 

@@ -243,9 +243,10 @@ class SchedulerCore:
         request = self._requests.get(req_id)
         return request.load_async if request is not None else self.settings.load_async
 
-    def step_done(self, loads_ended: Iterable[str]) -> None:
-        """The workers reported a step (Leases.step_done)."""
-        self.leases.step_done(loads_ended)
+    def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = ()) -> None:
+        """The workers reported a step: loads that ended, and those that failed (by request;
+        Leases.step_done)."""
+        self.leases.step_done(loads_ended, failed)
 
     def take_releases(self) -> Released:
         """The leases to tell the service are done with (on the next request to it), read
@@ -264,15 +265,15 @@ class SchedulerCore:
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
         forgotten (the service is not told it ended: what it kept may be what faulted)."""
         self.planner.give_up(req_id, blocks, self.loads_async(req_id))
-        self._forget(req_id)
+        self._forget(req_id, given_up=True)
 
-    def _forget(self, req_id: str) -> RequestState | None:
+    def _forget(self, req_id: str, given_up: bool = False) -> RequestState | None:
         """Forget a request in every part; its lease goes now, or once its async load ends
-        (Leases.forget)."""
+        (Leases.forget; `given_up`: a fault gave that load up)."""
         self.lookups.forget(req_id)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        self.leases.forget(req_id)
+        self.leases.forget(req_id, given_up)
         return self._requests.pop(req_id, None)
