@@ -77,14 +77,6 @@ class Flusher:
         """A victim for a new chunk: dropped if on disk (or not admitted), else written down first."""
         return self.policy.victim_fate(key, self._settled(key), passes_over=False)
 
-    def count_refused(self, keys: Sequence[bytes]) -> None:
-        """These chunks (with no DRAM slot) were refused the disk: counted, and those the budget
-        refused apart. A DRAM victim's refusal is counted when it leaves DRAM (StoreParts)."""
-        self.stats.add("disk.admission_refused", len(keys))
-        over = sum(self.policy.refusal(key) == "budget" for key in keys)
-        if over:
-            self.stats.add("disk.budget_refused", over)
-
     def clean_fate(self, key: bytes) -> Fate:
         """A victim that is not written on the way (a promotion's, a put's beside the
         cleaner): only a chunk already on disk (or not admitted) goes."""

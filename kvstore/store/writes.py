@@ -50,8 +50,7 @@ class Writes:
             if parts.placement is not None:  # a DRAM tier, but no slot it could take
                 parts.stats.add("put.straight_to_disk", len(to_disk))
             admitted = [i for i in to_disk if parts.policy.admits(keys[i])]
-            refused = set(to_disk) - set(admitted)
-            parts.flusher.count_refused([keys[i] for i in to_disk if i in refused])
+            self._count_refused([keys[i] for i in sorted(set(to_disk) - set(admitted))])
             done = parts.flusher.put_direct(
                 [(keys[i], parents[i], views[i]) for i in admitted],
                 lambda image, key, parent, view: self.encoder.write(image, key, parent, seq, view, namespace))
@@ -60,6 +59,15 @@ class Writes:
         elif to_disk:
             parts.stats.add("put.dropped", len(to_disk))
         return stored
+
+    def _count_refused(self, keys: list[bytes]) -> None:
+        """These chunks (with no DRAM slot) were refused the disk: counted, and those the budget
+        refused apart. A DRAM victim's refusal is counted when it leaves DRAM (StoreParts)."""
+        stats, policy = self.parts.stats, self.parts.policy
+        stats.add("disk.admission_refused", len(keys))
+        over = sum(policy.refusal(key) == "budget" for key in keys)
+        if over:
+            stats.add("disk.budget_refused", over)
 
     def _place(self, keys: list[bytes], stored: list[bool],
                stack: ExitStack) -> tuple[list[tuple[int, Reservation]], list[int]]:
