@@ -75,7 +75,8 @@ def _run(tmp_path: Path, test: str) -> subprocess.Popen[str]:
     (tmp_path / "test_it.py").write_text(test)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-               "--rootdir", str(tmp_path), "-o", "timeout=120", str(tmp_path / "test_it.py")]
+               "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), "-o", "timeout=120",
+               str(tmp_path / "test_it.py")]
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 

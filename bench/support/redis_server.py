@@ -124,26 +124,50 @@ class RedisClusterServers:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.processes)
 
     def start(self) -> None:
-        try:
-            for port in _cluster_ports(2 * self.masters):
-                self._launch(port)
-            deadline = time.monotonic() + 30  # a loaded 2-core host starts six nodes slowly
-            while not all(RedisServer.answers(port) for port in self.processes):
-                for port, process in list(self.processes.items()):
-                    if process.poll() is not None:  # its port (or bus port) was taken since: another
-                        del self.processes[port]
-                        self._launch(_cluster_ports(1)[0])  # never a running node's: it is bound
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server nodes did not start (see {self.workdir})")
-                time.sleep(0.05)
-            subprocess.run(["redis-cli", "--cluster", "create",
-                            *(f"127.0.0.1:{port}" for port in self.processes),
-                            "--cluster-replicas", "1", "--cluster-yes"],
-                           check=True, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            self.wait_until(lambda: all(self.serving(port) for port in self.processes), 30, "the cluster")
-        except BaseException:
-            self.stop()
-            raise
+        """Start the nodes and join them. The join is tried on fresh nodes once more where
+        `redis-cli --cluster create` has not finished in a minute (seen once, in a CI run
+        on a loaded 2-core host); a second failure says what the nodes logged."""
+        for tries_left in (1, 0):
+            try:
+                self._start_nodes()
+                subprocess.run(["redis-cli", "--cluster", "create",
+                                *(f"127.0.0.1:{port}" for port in self.processes),
+                                "--cluster-replicas", "1", "--cluster-yes"],
+                               check=True, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                self.wait_until(lambda: all(self.serving(port) for port in self.processes), 30, "the cluster")
+                return
+            except subprocess.TimeoutExpired:
+                logs = self._log_tails()
+                self.stop()
+                self.processes.clear()
+                if not tries_left:
+                    raise RuntimeError(f"redis-cli --cluster create did not finish twice; the nodes "
+                                       f"logged:\n{logs}") from None
+            except BaseException:
+                self.stop()
+                raise
+
+    def _start_nodes(self) -> None:
+        for port in _cluster_ports(2 * self.masters):
+            self._launch(port)
+        deadline = time.monotonic() + 30  # a loaded 2-core host starts six nodes slowly
+        while not all(RedisServer.answers(port) for port in self.processes):
+            for port, process in list(self.processes.items()):
+                if process.poll() is not None:  # its port (or bus port) was taken since: another
+                    del self.processes[port]
+                    self._launch(_cluster_ports(1)[0])  # never a running node's: it is bound
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server nodes did not start (see {self.workdir})")
+            time.sleep(0.05)
+
+    def _log_tails(self, lines: int = 8) -> str:
+        """The last lines each node logged."""
+        tails = []
+        for port in self.processes:
+            path = self.workdir / f"redis-{port}.log"
+            text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+            tails.append(f"{port}: " + "\n  ".join(text))
+        return "\n".join(tails)
 
     def _launch(self, port: int) -> None:
         self.processes[port] = subprocess.Popen(
