@@ -69,7 +69,7 @@ class LeaseDesk:
             store.stats.add("lease.over_budget")
             return [0, []]
         chunks = [key for rank in ranks for key in rank[first : first + count]]
-        # Gets counted when the release says a worker read it.
+        # Gets counted when the release says its load was carried out.
         lease = store.shared_dram.lease(chunks, from_disk=False, as_get=False)
         number = held.add(lease, lookup=True)
         return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]

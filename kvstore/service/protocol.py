@@ -20,9 +20,9 @@ Requests (a tagged union) and what a Reply's value holds:
                               that one on of the leading run every rank has in DRAM (those before
                               it the engine holds itself) pinned for the client's engine workers
                               to copy out of the tier (client_leases.py: a budget per user; lease
-                              0: none), until Unpin(lease), a later Residency's `release` (read:
-                              each chunk a get) or `unread` (no worker copied it), or the
-                              connection ends; `release`, `unread` and `counters` (as Count)
+                              0: none), until Unpin(lease), a later Residency's `release` (its
+                              load carried out: each chunk a get) or `unread` (none: no gets),
+                              or the connection ends; `release`, `unread` and `counters` (as Count)
                               are taken first: one round trip per lookup
   Finished(ranks, answer_tokens, turn, idle_s)
                            -> None; a request's chunks (per rank) ended: its next turn is expected;

@@ -21,8 +21,8 @@ again): a reader that failed half-way, or left, publishes nothing it did not che
 the service's own user's engines may lease so (the service acts on their word).
 
 A lease taken before anyone knows whether it will be read (a scheduler's lookup leases
-what its workers may load) counts its chunks as gets only when its release says a reader
-read it (`gets_due`); one given back unread counts them as `lease.unread`.
+what its workers may load) counts its chunks as gets only when its release says its load
+was carried out (`gets_due`); one given back unread counts them as `lease.unread`.
 """
 
 from __future__ import annotations

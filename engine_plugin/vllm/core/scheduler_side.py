@@ -250,7 +250,7 @@ class SchedulerCore:
 
     def take_releases(self) -> Released:
         """The leases to tell the service are done with (on the next request to it), read
-        (a load was planned from them) or not."""
+        (their loads carried out) or not."""
         return self.leases.take()
 
     def on_finished(self, req_id: str) -> None:
