@@ -32,7 +32,10 @@ redis = pytest.importorskip("redis", reason="the redis client is not installed (
 from redis.crc import key_slot  # noqa: E402 - the redis client's own slot function
 
 CHUNKS = 12  # per host
-DEADLINE_S = 0.5  # a shard of this loaded 2-core machine may answer past 0.2 s: a miss, yet not the test's
+# A shard of this loaded 2-core machine may answer past 0.2 s, and with engine servers in
+# the other test worker the slot map's first read has taken past 0.5 s: a miss (then lookups
+# are local for the backoff), yet not the test's.
+DEADLINE_S = 1.0
 
 
 @pytest.mark.parametrize(("url", "error"), [
@@ -119,6 +122,14 @@ def test_a_host_starts_with_the_cluster_unreachable_and_looks_up_locally_in_time
         a.close()
 
 
+def until_at_peers(store: TieredStore, keys: list[bytes], expected: set[bytes]) -> int:
+    """Wait until `store` finds `expected` of `keys` at its peers (a first read of the slot
+    map past the deadline puts its index in backoff for a while: the state a test starts
+    from, not what it tests); the index errors it counted by then."""
+    wait_for(lambda: store.probe.at_peers(keys) == expected, 30, "the chunks at the peers")
+    return store.stats.snapshot().get("peer.index_errors", 0)
+
+
 def cluster_hosts(root: str, url: str, names: list[str], **cluster) -> list[TieredStore]:
     stores = []
     try:
@@ -145,6 +156,7 @@ def test_hosts_share_chunks_through_a_redis_cluster_whose_keys_spread_over_the_s
         keys, payloads = make_keys(CHUNKS, seed=20), make_payloads(CHUNKS, seed=20, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
         assert a.step()
+        until_at_peers(b, keys, set(keys))
         assert b.lookup(keys).tiers == ("peer",) * CHUNKS
         assert reads_back(b, keys, payloads)
         names = IndexKeys("kvstore:", cluster=True)
@@ -161,7 +173,7 @@ def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_di
         keys, payloads = make_keys(CHUNKS, seed=21), make_payloads(CHUNKS, seed=21, chunk_bytes=CHUNK)
         assert a.put_many(keys, payloads) == [True] * CHUNKS
         assert a.step()
-        assert b.probe.at_peers(keys) == set(keys)
+        errors = until_at_peers(b, keys, set(keys))
         moved = IndexKeys("kvstore:", cluster=True).chunk(keys[0])
         source = redis_cluster.primary_of(moved)
         target = next(port for port in redis_cluster.primaries(source) if port != source)
@@ -177,7 +189,7 @@ def test_a_slot_moved_between_masters_is_followed_by_asking_and_on_moved(disk_di
         assert a.put_many(more, more_payloads) == [True] * 4  # evicting 4 of the first
         assert a.step()  # writes follow the new map too
         assert reads_back(b, more, more_payloads)
-        assert "peer.index_errors" not in b.stats.snapshot()
+        assert b.stats.snapshot().get("peer.index_errors", 0) == errors
     finally:
         a.close()
         b.close()
@@ -303,7 +315,7 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
         alive = {k for k in keys if redis_cluster.primary_of(index.chunk(k)) != hung}
         assert 0 < len(alive) < CHUNKS
         asked = keys + make_keys(60 - CHUNKS, seed=27)  # 60 keys, as a long prompt's lookup
-        assert b.probe.at_peers(asked) == set(keys)
+        errors = until_at_peers(b, asked, set(keys))
         redis_cluster.pause(hung)
         try:
             took = []
@@ -315,7 +327,7 @@ def test_a_hung_master_costs_only_its_keys_within_the_deadline(disk_dir, redis_c
                 assert answer is not None and answer.keys() == alive
             stats = b.stats.snapshot()
             assert stats["peer.index_shard_misses"] >= 3 * (CHUNKS - len(alive))
-            assert "peer.index_errors" not in stats  # the index as a whole was never given up
+            assert stats.get("peer.index_errors", 0) == errors  # the index as a whole was never given up
             print("hung master: 60-key lookups took " + ", ".join(f"{t * 1000:.0f}" for t in took) + " ms")
         finally:
             redis_cluster.resume(hung)
