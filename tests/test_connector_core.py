@@ -299,6 +299,35 @@ def test_a_lease_given_back_with_no_load_carried_out_from_it_is_unread():
     assert scheduler.take_plan().loads
     scheduler.step_done([], failed=["t"])  # vLLM reports it failed (by request)
     assert scheduler.take_releases() == Released(read=[], unread=[5])
+    assert scheduler.num_new_matched_tokens("u", PROMPT, 0) == 8 * CHUNK
+    scheduler.on_alloc("u", list(range(16, 32)), 8 * CHUNK)
+    assert scheduler.take_plan().loads
+    scheduler.step_done(["u"], failed_blocks=[20])  # one KV cache group: vLLM reports by block
+    assert scheduler.take_releases() == Released(read=[], unread=[6])
+
+
+@pytest.mark.parametrize("sync_dram_loads", [False, True])
+@pytest.mark.parametrize("shipped", [False, True])
+def test_a_fault_gives_a_load_up_only_before_the_workers_have_it(shipped, sync_dram_loads):
+    """A request abandoned after a fault: a load still in the step's plan is given up (its
+    lease goes back unread); one the workers already have still copies from the lease,
+    which goes back read once that load ends, never earlier."""
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        offsets = tuple(i * 4096 for i in range(8))
+        return Residency(8, 8, lease=7, offsets=tuple(offsets for _ in ranks))
+
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup,
+                              SchedulerSettings(load_async=True, sync_dram_loads=sync_dram_loads))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    scheduler.on_alloc("r", list(range(16)), 8 * CHUNK)
+    plan = scheduler.take_plan() if shipped else None
+    scheduler.abandon("r")
+    (load,) = (plan or scheduler.take_plan()).loads
+    assert bool(load.keys) is shipped  # given up: no keys, the workers report its blocks failed
+    if shipped:
+        assert scheduler.take_releases() == Released(read=[], unread=[])  # the workers may be copying
+    scheduler.step_done(["r"] if load.load_async else [])
+    assert scheduler.take_releases() == Released(read=[7] if shipped else [], unread=[] if shipped else [7])
 
 
 def test_nothing_is_leased_where_the_engines_own_cache_covers_the_hit():

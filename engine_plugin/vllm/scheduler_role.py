@@ -132,7 +132,7 @@ class SchedulerRole:
         until it finishes), else by block (`load.failed_blocks`, vLLM keeps the prefix
         before the first)."""
         self.core.saves_done(done_saves)
-        self.core.step_done(finished_loads, failed_requests)
+        self.core.step_done(finished_loads, failed_requests, failed_blocks)
         if not (failed_requests or failed_blocks):
             self.report_counters()
             return

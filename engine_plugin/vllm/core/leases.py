@@ -40,9 +40,9 @@ class Leases:
       after a fault, not reported failed) is `read`; any other is `unread` (the request
       loaded nothing, was asked again, held, forgotten first, or its load was given up or
       failed). The service counts a leased chunk as a get only when read, so a request
-      asked again while it waits for blocks is not a hit at every step. A model with one
-      KV cache group has a failed load reported by block, not by request: that load's
-      lease still counts as read.
+      asked again while it waits for blocks is not a hit at every step. (A model with one
+      KV cache group has a failed load reported by block: SchedulerCore names the request
+      that holds the block.)
     """
 
     def __init__(self) -> None:

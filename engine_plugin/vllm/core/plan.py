@@ -63,15 +63,18 @@ class StepPlan:
     saves: list[Transfer] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
 
-    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = (), load_async: bool = True) -> None:
+    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = (), load_async: bool = True) -> bool:
         """Never half-load `req_id` after a fault: its loads become given-up ones (no keys:
         every block reported failed and, if async, the load finished, so the engine
         recomputes them), or, with none planned, `blocks` (per KV cache group) do, async as
         the engine was told (`load_async`); its stages are dropped; its saves stay (their
-        keys and blocks were whole when planned)."""
+        keys and blocks were whole when planned). True if a load that would have copied
+        was in this plan (one already shipped still copies)."""
+        copied = any(t.keys for t in self.loads if t.req_id == req_id)
         mine = [(t.blocks, t.group, t.load_async) for t in self.loads if t.req_id == req_id]
         given_up = mine or [((tuple(ids),), group, load_async) for group, ids in enumerate(blocks) if ids]
         self.loads = [t for t in self.loads if t.req_id != req_id]
         self.loads += [Transfer(req_id, (), (), ids, group=group, load_async=was_async)
                        for ids, group, was_async in given_up]
         self.stages = [s for s in self.stages if s.req_id != req_id]
+        return copied

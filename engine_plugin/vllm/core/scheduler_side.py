@@ -243,9 +243,15 @@ class SchedulerCore:
         request = self._requests.get(req_id)
         return request.load_async if request is not None else self.settings.load_async
 
-    def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = ()) -> None:
-        """The workers reported a step: loads that ended, and those that failed (by request;
-        Leases.step_done)."""
+    def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = (),
+                  failed_blocks: Iterable[int] = ()) -> None:
+        """The workers reported a step: loads that ended, and those that failed, by request
+        or (a model with one KV cache group) by block: a request holding a failed block
+        failed (Leases.step_done)."""
+        failed, bad = set(failed), set(failed_blocks)
+        if bad:
+            failed.update(req_id for req_id, request in self._requests.items()
+                          if any(bad.intersection(ids) for ids in request.block_ids))
         self.leases.step_done(loads_ended, failed)
 
     def take_releases(self) -> Released:
@@ -263,13 +269,14 @@ class SchedulerCore:
     def abandon(self, req_id: str, blocks: Sequence[Sequence[int]] = ()) -> None:
         """A fault while serving `req_id`: its load in this step's plan is given up whole, or
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
-        forgotten (the service is not told it ended: what it kept may be what faulted)."""
-        self.planner.give_up(req_id, blocks, self.loads_async(req_id))
-        self._forget(req_id, given_up=True)
+        forgotten (the service is not told it ended: what it kept may be what faulted). A
+        load the workers already have still copies: its lease is released read once it ends."""
+        given_up = self.planner.give_up(req_id, blocks, self.loads_async(req_id))
+        self._forget(req_id, given_up)
 
     def _forget(self, req_id: str, given_up: bool = False) -> RequestState | None:
         """Forget a request in every part; its lease goes now, or once its async load ends
-        (Leases.forget; `given_up`: a fault gave that load up)."""
+        (Leases.forget; `given_up`: a fault gave up its load before the workers had it)."""
         self.lookups.forget(req_id)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)

@@ -94,9 +94,9 @@ class StepPlanner:
                                                          self._in_flight.started(keys)))
         request.saved_chunks = done
 
-    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = (), load_async: bool = True) -> None:
+    def give_up(self, req_id: str, blocks: Sequence[Sequence[int]] = (), load_async: bool = True) -> bool:
         """A fault while serving `req_id`: StepPlan.give_up."""
-        self._plan.give_up(req_id, blocks, load_async)
+        return self._plan.give_up(req_id, blocks, load_async)
 
     def take(self) -> StepPlan:
         """This step's plan; the next step's starts empty."""
