@@ -1,9 +1,10 @@
 """A stateful property test of the scheduler side's DRAM leases (engine_plugin/vllm/core/leases.py),
 driven through SchedulerCore's hooks in the orders vLLM calls them: requests arrive and are
 asked, asked again, allocated (with the hit or nothing to load), faulted, preempted and
-finished, between steps whose plans the workers carry out and report. Every lease a lookup
-gave is released exactly once, never while a planned load may still copy from it, and every
-one is released once the requests are gone and their loads reported."""
+finished, between steps whose plans the workers carry out and report (loads failed by
+request or by block). Every lease a lookup gave is released exactly once, never while a
+planned load may still copy from it, read exactly when a load copied from it and did not
+fail, and every one is released once the requests are gone and their loads reported."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from kvstore.format.keys import KVNamespace, Shard, TensorParallel
 CHUNK, BLOCK = 256, 128
 CHUNKS = 8
 PROMPT = list(range(CHUNKS * CHUNK + 5))  # a load may cover all 8 full chunks
-BLOCKS = list(range(1, 2 * CHUNKS + 1))  # two blocks per chunk
 NAMESPACES = tuple(KVNamespace("m", "float16", "cpu", CHUNK, Shard(TensorParallel(rank, 2)))
                    for rank in (0, 1))
+def blocks_of(req_id: str) -> list[int]:
+    """A request's blocks (two per chunk); no two requests share one, as in vLLM."""
+    first = int(req_id[1:]) * 2 * CHUNKS
+    return list(range(first, first + 2 * CHUNKS))
+
+
 COMPUTED = st.sampled_from([0, CHUNK, 3 * CHUNK + BLOCK, CHUNKS * CHUNK])  # the engine's own hit
 
 
@@ -34,6 +40,7 @@ class SchedulerLeases(RuleBasedStateMachine):
         self.unread: set[int] = set()  # of those, the ones given back unread (no gets)
         self.read: set[int] = set()  # ... and read (their chunks counted as gets)
         self.planned: set[int] = set()  # leases a planned load copies from
+        self.failed: set[int] = set()  # of those, the ones whose load the workers reported failed
         self.last_lease = 0  # the lease the latest lookup gave (0: none)
         self.lease_of: dict[str, int] = {}  # each request's latest decision's lease
         self.waiting: dict[str, int] = {}  # asked, not allocated: request -> its answer
@@ -96,7 +103,7 @@ class SchedulerLeases(RuleBasedStateMachine):
                 self.ask(req_id, data.draw(COMPUTED))
             elif what != "wait":
                 answer = self.waiting.pop(req_id)
-                self.core.on_alloc(req_id, BLOCKS, 0 if what == "load nothing" else answer)
+                self.core.on_alloc(req_id, blocks_of(req_id), 0 if what == "load nothing" else answer)
                 self.running.add(req_id)
                 if what == "fault":
                     self.core.abandon(req_id)
@@ -117,11 +124,18 @@ class SchedulerLeases(RuleBasedStateMachine):
                 if not load.load_async:
                     self.sync_reading.add(load.req_id)
 
-    @rule(data=st.data())
-    def report(self, data: st.DataObject) -> None:
-        """The workers report a step: the async loads that ended in it (finished or failed)."""
+    @rule(data=st.data(), by_block=st.booleans())
+    def report(self, data: st.DataObject, by_block: bool) -> None:
+        """The workers report a step: the async loads that ended in it, and which loads
+        failed, by request or (one KV cache group) by block."""
         ended = data.draw(st.sets(st.sampled_from(sorted(self.loading)))) if self.loading else set()
-        self.core.step_done(sorted(ended))
+        over = sorted((ended | self.sync_reading) & set(self.reading) - self.gone)
+        failed = data.draw(st.sets(st.sampled_from(over))) if over else set()
+        self.failed.update(self.reading[req_id] for req_id in failed)
+        if by_block:  # one of each failed load's blocks
+            self.core.step_done(sorted(ended), failed_blocks=[blocks_of(req_id)[3] for req_id in failed])
+        else:
+            self.core.step_done(sorted(ended), sorted(failed))
         self.loading -= ended
         for req_id in ended | self.sync_reading:
             self.reading.pop(req_id, None)
@@ -154,8 +168,9 @@ class SchedulerLeases(RuleBasedStateMachine):
         assert set(self.released) <= set(self.given)
         early = set(self.reading.values()) & set(self.released)
         assert not early, f"released while a load copies from it: {early}"
-        assert not self.unread & self.planned, "a lease a load copied from was given back as unread"
-        assert self.read <= self.planned, "a lease no load copied from was given back as read"
+        copied = self.planned - self.failed  # leases a load copied from, and did not fail
+        assert not self.unread & copied, "a lease a load copied from was given back as unread"
+        assert self.read <= copied, "a lease no load copied from (or whose load failed) was read"
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):
