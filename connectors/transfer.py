@@ -9,7 +9,8 @@ vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by
   (DRAM copy or O_DIRECT read, checksummed). `fetch_waves` runs a list of keys in equal
   waves of at most half the window (`wave_plan`: the last one's last quarter a wave of
   its own), the next wave's fetch running on a thread of its own while the caller copies
-  the current one, and releases each wave's lease after its copy.
+  the current one; each wave's lease goes back with the next Pin sent after its copy (the
+  last ones in one Unpin).
 - store: window slots handed to the service as one chain, head first: the first chunk's
   parent is the one given (the chunk before it in the engine's sequence), each next
   chunk's parent the one before it (`chain_parent`: a sequence stored in several waves
@@ -95,6 +96,21 @@ def chain_parent(keys: Sequence[bytes], start: int, parent: bytes | None) -> byt
     return keys[start - 1] if start else parent
 
 
+def _handed_back(waves: Sequence[Fetched]) -> tuple[list[int], list[bytes], list[bytes]]:
+    """The leases of `waves` that are still held, and what their copies verified; each
+    lease is taken once (the wave's `lease` is then None), so it is given back once."""
+    leases: list[int] = []
+    good: list[bytes] = []
+    bad: list[bytes] = []
+    for wave in waves:
+        if wave.lease is not None:
+            leases.append(wave.lease)
+            good += wave.good
+            bad += wave.bad
+            wave.lease = None
+    return leases, good, bad
+
+
 class Transfers:
     """Fetches and stores over one `ServiceLink`. Invariants: one request at a time on the
     link's connection (the caller holds it; `fetch_waves` sends its fetches and releases
@@ -106,16 +122,19 @@ class Transfers:
         self._fetcher = pool(f"kvstore-{name}-fetch")  # the next wave's fetch
 
     def fetch(self, client: StoreClient, keys: Sequence[bytes], first_slot: int = 0,
-              checks_copies: bool = False) -> Fetched:
+              checks_copies: bool = False, done: Sequence[Fetched] = ()) -> Fetched:
         """One wave: pin what the mapped tier can hold (disk hits promoted there first; with
         `checks_copies`, the copy verifies them, not the service), the rest into window slots
-        from `first_slot`. All misses once the link dropped `client`."""
+        from `first_slot`. All misses once the link dropped `client`. The leases of `done`
+        (waves copied) are given back by the same Pin, before it pins (`release`)."""
         fetched = Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
+        leases, good, bad = _handed_back(done)
         if self.link.peek() is not client:
             return fetched
         try:
             if client.memory.tier is not None:
-                fetched.lease, fetched.offsets, fetched.checks = client.pin(keys, verify=not checks_copies)
+                fetched.lease, fetched.offsets, fetched.checks = client.pin(
+                    keys, not checks_copies, leases, good, bad)
             rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
             if rest and client.memory.window is not None:
                 found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
@@ -126,13 +145,14 @@ class Transfers:
             return Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
         return fetched
 
-    def release(self, client: StoreClient, fetched: Fetched) -> None:
-        """Unpin the wave's lease, once (its sources are no longer to be read)."""
-        lease, fetched.lease = fetched.lease, None
-        if lease is None or self.link.peek() is not client:
+    def release(self, client: StoreClient, waves: Sequence[Fetched]) -> None:
+        """Unpin the waves' leases, each once, in one round trip (their sources are no
+        longer to be read)."""
+        leases, good, bad = _handed_back(waves)
+        if not leases or self.link.peek() is not client:
             return  # no pins, or a dropped connection released them
         try:
-            client.unpin([lease], fetched.good, fetched.bad)
+            client.unpin(leases, good, bad)
         except KVStoreError as exc:
             self.failed("release", exc)
 
@@ -140,39 +160,41 @@ class Transfers:
                     checks_copies: bool = False) -> None:
         """Fetch `keys` in waves of at most half the window (`wave_plan`) and `copy` each, the
         next wave's fetch running while this one is copied (into the other half of the window).
-        Each wave is released after its copy, on the fetch thread; on return no fetch is
-        writing the window and no pin is held, also when `copy` raised. `checks_copies`: the
-        copy verifies the disk hits the service leaves unverified (Fetched.checks)."""
+        A wave's lease goes back with the first fetch sent after its copy (that fetch's Pin
+        gives it back before pinning, so the pins held never pass the window); the last
+        waves' in one Unpin, on the fetch thread. On return no fetch is writing the window
+        and no pin is held, also when `copy` raised: W waves are W Pins and one Unpin.
+        `checks_copies`: the copy verifies the disk hits the service leaves unverified
+        (Fetched.checks)."""
         half = max(1, client.memory.slots // 2)
         ahead = client.memory.slots >= 2  # a window of one slot cannot fetch ahead
         waves = wave_plan(len(keys), half)
         if not waves:
             return
 
-        def fetch(k: int) -> Fetched:
+        def fetch(k: int, done: list[Fetched]) -> Fetched:
             return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0,
-                              checks_copies)
+                              checks_copies, done)
 
-        releases: list[Future[None]] = []
-        next_fetch = self._fetcher.submit(fetch, 0)
-        taken: Future[Fetched] | None = None  # the last fetch whose wave the loop releases
+        copied: list[Fetched] = []  # waves copied whose leases the next fetch gives back
+        next_fetch = self._fetcher.submit(fetch, 0, [])
+        taken: Future[Fetched] | None = None  # the last fetch whose wave the loop copies
         try:
             for k, wave in enumerate(waves):
                 fetched, taken = next_fetch.result(), next_fetch
-                if ahead and k + 1 < len(waves):
-                    next_fetch = self._fetcher.submit(fetch, k + 1)
+                if k + 1 < len(waves) and ahead:
+                    next_fetch, copied = self._fetcher.submit(fetch, k + 1, copied), []
                 try:
                     copy(wave, fetched)
                 finally:
-                    releases.append(self._fetcher.submit(self.release, client, fetched))
-                if not ahead and k + 1 < len(waves):
-                    next_fetch = self._fetcher.submit(fetch, k + 1)
+                    copied.append(fetched)
+                if k + 1 < len(waves) and not ahead:
+                    next_fetch, copied = self._fetcher.submit(fetch, k + 1, copied), []
         finally:
             last = next_fetch.result()  # bounded by the service deadline
             if next_fetch is not taken:
-                releases.append(self._fetcher.submit(self.release, client, last))
-            for release in releases:
-                release.result()
+                copied.append(last)
+            self._fetcher.submit(self.release, client, copied).result()
 
     def store_waves(self, client: StoreClient, keys: Sequence[bytes], gather: Gather,
                     parent: bytes | None, namespace: bytes | None = None) -> list[bool]:

@@ -278,10 +278,14 @@ WIRE_SCALARS = (st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 
 WIRE = st.recursive(WIRE_SCALARS, lambda inner: st.lists(inner, max_size=6)
                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=24)
 FIELD_VALUES = (WIRE | st.binary(max_size=20) | st.lists(st.binary(min_size=15, max_size=17), max_size=4)
-                | st.lists(st.lists(st.binary(min_size=16, max_size=16), max_size=3), max_size=3))
+                | st.lists(st.lists(st.binary(min_size=16, max_size=16), max_size=3), max_size=3)
+                | st.fixed_dictionaries({"type": st.just("unpin"), "leases": st.lists(st.integers(-1, 9),
+                                                                                        max_size=3)},
+                                        optional={"good": st.lists(st.binary(min_size=16, max_size=16),
+                                                                   max_size=2)}))
 FIELDS = ["version", "config", "chunk_bytes", "namespace", "dtype", "shape", "ranks", "prefetch", "in_s",
           "await_s", "lease_from", "release", "unread", "counters", "keys", "slots", "parent", "leases",
-          "since", "extra"]
+          "unpin", "since", "extra"]
 FRAMES = st.one_of(
     st.binary(max_size=64),
     st.builds(lambda tag, fields: msgspec.msgpack.encode({"type": tag, **fields}), st.sampled_from(TAGS),

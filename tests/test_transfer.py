@@ -47,6 +47,8 @@ def _pages(memory: np.ndarray) -> list[list[tuple[int, int]]]:
 
 
 def test_a_load_longer_than_the_window_fills_every_page_from_dram_and_from_disk(tmp_path, disk_dir):
+    """Four waves through the mapped tier: four Pins (each giving back the waves copied
+    before it) and one Unpin, every byte in place, no pin left held."""
     store = service_config(tmp_path, dram="8MiB", disk_dir=disk_dir, disk="16MiB", staging="2MiB")
     client = StoreClient(load_config(store), CHUNK)
     try:
@@ -62,9 +64,15 @@ def test_a_load_longer_than_the_window_fills_every_page_from_dram_and_from_disk(
         try:
             if not from_disk:
                 assert all(writes.save(keys, _pages(written)))
-            loaded = np.zeros_like(written)
-            assert reads.load(keys, _pages(loaded)) == [True] * count
-            assert np.array_equal(loaded, written)
+            for _ in range(2):  # a second load finds no pin of the first held (they pass the window)
+                loaded = np.zeros_like(written)
+                before = counters(store)
+                assert reads.load(keys, _pages(loaded)) == [True] * count
+                assert np.array_equal(loaded, written)
+                after = counters(store)
+                sent = {kind: after.get(f"requests.{kind}", 0) - before.get(f"requests.{kind}", 0)
+                        for kind in ("pin", "unpin", "get")}
+                assert sent == {"pin": 4, "unpin": 1, "get": 0}  # each wave's unpin rides on a later pin
             assert counters(store).get("disk.hits", 0) == (count if from_disk else 0)
         finally:
             reads.close()

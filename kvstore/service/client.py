@@ -162,13 +162,16 @@ class StoreClient:
         every tier of this host (the service's owner only)."""
         return dict(self._conn.request(P.Purge(list(namespaces), dry_run), max(self.timeout_s, 600.0)))
 
-    def pin(self, keys: Sequence[bytes], verify: bool = True) -> tuple[int, list[int], list[int | None]]:
+    def pin(self, keys: Sequence[bytes], verify: bool = True, release: Sequence[int] = (),
+            good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> tuple[int, list[int], list[int | None]]:
         """(lease, offsets, checks): chunk keys[i]'s payload is at offsets[i] of the DRAM tier
         (-1: not in DRAM), pinned until `unpin(lease)` or this connection ends. Without
         `verify` a disk hit's payload may come unverified: checks[i] is the xxh3-64 it must
         have (None: verified), which the caller checks as it copies it, naming those that
-        failed in its `unpin`."""
-        lease, offsets, checks = self._conn.request(P.Pin(list(keys), verify))
+        failed in its `unpin`. `release`, `good`, `bad`: an `unpin` done first, in the same
+        round trip."""
+        done = P.Unpin(list(release), list(good), list(bad)) if release else None
+        lease, offsets, checks = self._conn.request(P.Pin(list(keys), verify, done))
         return int(lease), [int(o) for o in offsets], [None if c is None else int(c) for c in checks]
 
     def unpin(self, leases: Sequence[int], good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> None:

@@ -78,12 +78,12 @@ import msgspec
 from kvstore.format.errors import KVStoreError
 from kvstore.tiers.return_rates import MAX_IDLE_S, MAX_TOKENS
 
-PROTOCOL_VERSION = 14  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
+PROTOCOL_VERSION = 15  # 6: a Put names its namespace, Announce/Namespaces/Purge; 7: Finished says how
 # it ended; 8: Namespaces answers a page; 9: a Residency may await what it does not find; 10: a
 # Residency leases, releases and counts; 11: a Pin's disk hits may be verified by the client;
 # 12: a Residency leases from a chunk on (lease_from); 13: the DRAM tier is `dram` (its config
 # key, lookups, info, events: a client of 12 would be refused as another config, not a version);
-# 14: a Residency gives leases back unread (no get counted for them)
+# 14: a Residency gives leases back unread (no get counted for them); 15: a Pin carries an Unpin
 MAX_FRAME = 4 << 20
 MAX_KEYS = 1 << 17  # keys in one frame's key lists together (2.3 MiB of msgpack)
 MAX_RANKS = 1024  # key lists in one frame (tensor-parallel ranks x KV cache groups)
@@ -178,15 +178,16 @@ class Purge(msgspec.Struct, tag="purge", forbid_unknown_fields=True):
     dry_run: bool = True
 
 
-class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
-    keys: Keys
-    verify: bool = True  # False: the client verifies disk hits as it copies them (checks)
-
-
 class Unpin(msgspec.Struct, tag="unpin", forbid_unknown_fields=True):
     leases: Annotated[list[Whole], msgspec.Meta(max_length=MAX_KEYS)]
     good: Keys = []  # unverified chunks of these leases the client verified as it copied them
     bad: Keys = []  # and those whose payload it found another checksum for
+
+
+class Pin(msgspec.Struct, tag="pin", forbid_unknown_fields=True):
+    keys: Keys
+    verify: bool = True  # False: the client verifies disk hits as it copies them (checks)
+    unpin: Unpin | None = None  # done first: the waves the client has copied (no round trip of its own)
 
 
 class Info(msgspec.Struct, tag="info", forbid_unknown_fields=True):

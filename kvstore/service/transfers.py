@@ -1,5 +1,6 @@
 """Chunks moving between a client and the store: Get and Put through the client's window,
-Pin and Unpin for a client that copies chunks out of the mapped DRAM tier itself.
+Pin and Unpin for a client that copies chunks out of the mapped DRAM tier itself (a Pin
+may carry the Unpin of the waves copied before it, done first).
 
 What a request names is checked against the client's session before the store sees any
 of it: the store must be made and the connection must have a window (a hello with a
@@ -51,6 +52,8 @@ class Transfers:
         if not client.maps_tier:
             raise KVStoreError("this connection was not given the DRAM tier (service.share_dram): "
                                "load through the window")
+        if request.unpin is not None:  # before the pin: those pins no longer count against the window
+            self.unpin(client, request.unpin)
         return self._leases.pin(store, client.held, request.keys, request.verify, client.slots)
 
     def unpin(self, client: Client, request: P.Unpin) -> None:
