@@ -261,11 +261,14 @@ def test_a_hit_leased_whole_in_dram_loads_in_its_step(resident, computed, sync_d
     assert asked == [computed // CHUNK]  # no lease for the chunks the engine holds
     assert scheduler.loads_async("r") is expect_async
     scheduler.on_alloc("r", list(range(16)), 8 * CHUNK - computed)
-    (load,) = scheduler.take_plan().loads
+    plan = scheduler.take_plan()
+    (load,) = plan.loads
     assert load.load_async is expect_async
     assert load.leased[0][: resident - computed // CHUNK] == tuple(range(computed // CHUNK * 4096,
                                                                            resident * 4096, 4096))
-    scheduler.step_done([])
+    scheduler.step_done([], steps=[] if expect_async else [plan.step])  # one rank of two carried it out
+    assert scheduler.take_releases() == Released(read=[], unread=[])
+    scheduler.step_done([], steps=[] if expect_async else [plan.step])  # and the other
     assert scheduler.take_releases() == Released(read=[] if expect_async else [5], unread=[])
     scheduler.step_done(["r"])  # the async load ended
     assert scheduler.take_releases() == Released(read=[5] if expect_async else [], unread=[])
@@ -282,7 +285,8 @@ def test_a_lease_given_back_with_no_load_carried_out_from_it_is_unread():
         offsets = tuple(i * 4096 for i in range(8))
         return Residency(8, 8, lease=next(leases), offsets=tuple(offsets for _ in ranks))
 
-    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup, SchedulerSettings(load_async=True))
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup,
+                              SchedulerSettings(load_async=True, sync_dram_loads=False))
     for _ in range(3):  # waiting: asked again at each step
         assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
     assert scheduler.take_releases() == Released(read=[], unread=[1, 2])
@@ -312,22 +316,68 @@ def test_a_fault_gives_a_load_up_only_before_the_workers_have_it(shipped, sync_d
     """A request abandoned after a fault: a load still in the step's plan is given up (its
     lease goes back unread); one the workers already have still copies from the lease,
     which goes back read once that load ends, never earlier."""
-    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
-        offsets = tuple(i * 4096 for i in range(8))
-        return Residency(8, 8, lease=7, offsets=tuple(offsets for _ in ranks))
-
-    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup,
-                              SchedulerSettings(load_async=True, sync_dram_loads=sync_dram_loads))
+    scheduler = _leasing_core(sync_dram_loads)
     assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
     scheduler.on_alloc("r", list(range(16)), 8 * CHUNK)
     plan = scheduler.take_plan() if shipped else None
     scheduler.abandon("r")
-    (load,) = (plan or scheduler.take_plan()).loads
+    plan = plan or scheduler.take_plan()
+    (load,) = plan.loads
     assert bool(load.keys) is shipped  # given up: no keys, the workers report its blocks failed
-    if shipped:
-        assert scheduler.take_releases() == Released(read=[], unread=[])  # the workers may be copying
-    scheduler.step_done(["r"] if load.load_async else [])
+    assert scheduler.take_releases() == Released(read=[], unread=[])  # the workers may be copying
+    scheduler.step_done(["r"] if load.load_async else [], steps=[] if load.load_async else [plan.step] * 2)
     assert scheduler.take_releases() == Released(read=[7] if shipped else [], unread=[] if shipped else [7])
+
+
+def _leasing_core(sync_dram_loads: bool = False) -> SchedulerCore:
+    """A scheduler over two ranks whose every lookup finds 8 chunks in DRAM and leases
+    them (lease numbers 7, 8, ...)."""
+    leases = iter(range(7, 100))
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        offsets = tuple(i * 4096 if i >= (lease_from or 0) else -1 for i in range(8))
+        return Residency(8, 8, lease=next(leases), offsets=tuple(offsets for _ in ranks))
+
+    return SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup,
+                         SchedulerSettings(load_async=True, sync_dram_loads=sync_dram_loads))
+
+
+def test_a_sync_loads_lease_goes_once_every_worker_reported_its_plan():
+    """Under vLLM's async scheduling the next step is planned before a step is reported:
+    a sync load's lease goes when both ranks report the plan that shipped it, not with
+    the report of the step before."""
+    scheduler = _leasing_core(sync_dram_loads=True)
+    scheduler.num_new_matched_tokens("a", PROMPT, 0)
+    scheduler.on_alloc("a", list(range(16)), 8 * CHUNK)
+    first = scheduler.take_plan()  # step N
+    scheduler.num_new_matched_tokens("b", PROMPT, 0)
+    scheduler.on_alloc("b", list(range(100, 116)), 8 * CHUNK)
+    second = scheduler.take_plan()  # step N + 1, planned before N is reported
+    assert not first.loads[0].load_async and second.step == first.step + 1
+    scheduler.step_done([], steps=[first.step, first.step])  # N's report (both ranks)
+    assert scheduler.take_releases() == Released(read=[7], unread=[])
+    scheduler.step_done([], steps=[second.step])  # one rank of N + 1
+    assert scheduler.take_releases() == Released(read=[], unread=[])
+    scheduler.step_done([], steps=[second.step])
+    assert scheduler.take_releases() == Released(read=[8], unread=[])
+
+
+def test_a_failed_block_fails_only_the_load_that_writes_it_and_releases_nothing_early():
+    """vLLM passes a rank's failed blocks on at once but an async load's end only once
+    every rank has finished: a failed block marks the load that writes it (not a request
+    that shares the block from the engine's own cache), whose lease goes at its end; a
+    request forgotten before the report still has its failed load counted unread."""
+    scheduler = _leasing_core()
+    scheduler.num_new_matched_tokens("a", PROMPT, 0)
+    scheduler.on_alloc("a", list(range(16)), 8 * CHUNK)
+    scheduler.num_new_matched_tokens("b", PROMPT, CHUNK)  # b shares a's first chunk (blocks 0, 1)
+    scheduler.on_alloc("b", [0, 1, *range(100, 114)], 7 * CHUNK)
+    scheduler.take_plan()
+    scheduler.step_done([], failed_blocks=[1])  # rank 0: a's block 1 failed; rank 1 still copies
+    assert scheduler.take_releases() == Released(read=[], unread=[])
+    scheduler.on_finished("a")  # aborted meanwhile
+    scheduler.step_done(["a", "b"])  # every rank finished both
+    assert scheduler.take_releases() == Released(read=[8], unread=[7])
 
 
 def test_nothing_is_leased_where_the_engines_own_cache_covers_the_hit():

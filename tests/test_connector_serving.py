@@ -448,7 +448,7 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
             filler.put([bytes([200, first + i]) * 8 for i in range(2)], [0, 1])
         before = counters(raw)
         for loader in loaders:
-            loader.start_loads(plan.loads)
+            loader.start_loads(plan.loads, plan.step)
             assert loader.take_failed_blocks() == set()
         after = counters(raw)
         for kind in ("requests.pin", "requests.get"):
@@ -457,7 +457,7 @@ def test_a_load_leased_at_the_match_survives_dram_pressure_and_takes_no_worker_r
         for name, tensor in caches(fill=True).items():
             assert torch.equal(target_caches[name][8:16], tensor[:8])
 
-        core.step_done([])
+        core.step_done([], steps=[step for loader in loaders for step in loader.take_loaded_steps()])
         assert core.num_new_matched_tokens("third", list(range(1000, 1300)), 0) == 0  # carries the release
         for first in range(8, 24, 2):
             for i in range(2):

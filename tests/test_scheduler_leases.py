@@ -48,7 +48,8 @@ class SchedulerLeases(RuleBasedStateMachine):
         self.loading: set[str] = set()  # its async load (given up or not) is not reported yet
         self.gone: set[str] = set()  # finished or abandoned
         self.reading: dict[str, int] = {}  # loads the workers may copy: request -> its lease
-        self.sync_reading: set[str] = set()  # of those, the sync ones (over at the next report)
+        self.sync_step: dict[str, int] = {}  # of those, the sync ones: the plan that shipped each
+        self.unreported: dict[int, set[int]] = {0: set(), 1: set()}  # plans each rank has not reported
         self.next_id = 0
         self.core = SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: NAMESPACES, self.lookup,
                                   SchedulerSettings(load_async=load_async, sync_dram_loads=sync_dram_loads))
@@ -110,6 +111,9 @@ class SchedulerLeases(RuleBasedStateMachine):
                     self.forget(req_id)
         plan = self.core.take_plan()
         self.collect()
+        if any(not load.load_async for load in plan.loads):  # each rank reports it once it ran them
+            for steps in self.unreported.values():
+                steps.add(plan.step)
         for load in plan.loads:
             if load.load_async:  # reported ended, given up or not
                 self.running.discard(load.req_id)
@@ -122,24 +126,37 @@ class SchedulerLeases(RuleBasedStateMachine):
                 self.reading[load.req_id] = lease
                 self.planned.add(lease)
                 if not load.load_async:
-                    self.sync_reading.add(load.req_id)
+                    self.sync_step[load.req_id] = plan.step
 
     @rule(data=st.data(), by_block=st.booleans())
     def report(self, data: st.DataObject, by_block: bool) -> None:
-        """The workers report a step: the async loads that ended in it, and which loads
-        failed, by request or (one KV cache group) by block."""
+        """The workers report a step (vLLM's aggregate of both ranks): the async loads that
+        ended on every rank, the plans whose sync loads each rank ran (a report may come
+        after the next plan shipped), and failed loads: by request (an async load, as it
+        ends) or by a block it writes (any load still copying, its request gone or not)."""
         ended = data.draw(st.sets(st.sampled_from(sorted(self.loading)))) if self.loading else set()
-        over = sorted((ended | self.sync_reading) & set(self.reading) - self.gone)
-        failed = data.draw(st.sets(st.sampled_from(over))) if over else set()
-        self.failed.update(self.reading[req_id] for req_id in failed)
-        if by_block:  # one of each failed load's blocks
-            self.core.step_done(sorted(ended), failed_blocks=[blocks_of(req_id)[3] for req_id in failed])
+        steps = {rank: data.draw(st.sets(st.sampled_from(sorted(left)))) if left else set()
+                 for rank, left in self.unreported.items()}
+        for rank, reported in steps.items():
+            self.unreported[rank] -= reported
+        ran = [step for reported in steps.values() for step in reported]
+        if by_block:
+            copying = sorted(req_id for req_id in self.reading if req_id not in self.sync_step
+                             or any(self.sync_step[req_id] in reported for reported in steps.values()))
+            failed = data.draw(st.sets(st.sampled_from(copying))) if copying else set()
+            blocks = [blocks_of(req_id)[-1] for req_id in failed]  # the last: written by any load
+            self.core.step_done(sorted(ended), failed_blocks=blocks, steps=ran)
         else:
-            self.core.step_done(sorted(ended), sorted(failed))
+            failed = data.draw(st.sets(st.sampled_from(sorted(ended)))) if ended else set()
+            self.core.step_done(sorted(ended), sorted(failed), steps=ran)
+        self.failed.update(self.reading[req_id] for req_id in failed if req_id in self.reading)
         self.loading -= ended
-        for req_id in ended | self.sync_reading:
+        for req_id in ended:
             self.reading.pop(req_id, None)
-        self.sync_reading.clear()
+        for req_id, step in list(self.sync_step.items()):
+            if all(step not in left for left in self.unreported.values()):  # every rank ran it
+                self.reading.pop(req_id, None)
+                del self.sync_step[req_id]
 
     @precondition(lambda self: self.running - set(self.reading))
     @rule(data=st.data(), computed=COMPUTED)
@@ -177,9 +194,9 @@ class SchedulerLeases(RuleBasedStateMachine):
             return
         for req_id in sorted({*self.waiting, *self.running, *self.loading} - self.gone):
             self.core.on_finished(req_id)
-        self.core.take_plan()
-        self.core.step_done(sorted(self.loading))  # the loads under way end
-        self.core.step_done([])
+        plan = self.core.take_plan()
+        steps = [*self.unreported[0], *self.unreported[1], *([plan.step] * 2)]
+        self.core.step_done(sorted(self.loading), steps=steps)  # the loads under way end, the plans ran
         self.collect()
         assert sorted(self.released) == self.given, "a lease was never released"
 

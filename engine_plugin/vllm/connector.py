@@ -80,13 +80,16 @@ class TieredMetadata(KVConnectorMetadata):
 
 @dataclass
 class TieredWorkerMetadata(KVConnectorWorkerMetadata):
-    """Saves the workers finished this step (one entry per rank that finished one)."""
+    """Saves the workers finished this step, and the plans whose sync loads they carried
+    out (one entry per rank for each)."""
 
     done_saves: list[int] = field(default_factory=list)
+    loaded_steps: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredWorkerMetadata)
         self.done_saves.extend(other.done_saves)
+        self.loaded_steps.extend(other.loaded_steps)
         return self
 
 
@@ -160,10 +163,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """What the workers report: saves done, failed loads (SchedulerRole.workers_reported)."""
         meta = connector_output.kv_connector_worker_meta
-        saves = meta.done_saves if isinstance(meta, TieredWorkerMetadata) else []
-        self._side().guard("update_connector_output", None, self._side().workers_reported, saves,
+        if not isinstance(meta, TieredWorkerMetadata):
+            meta = TieredWorkerMetadata()
+        self._side().guard("update_connector_output", None, self._side().workers_reported, meta.done_saves,
                            connector_output.failed_recving, connector_output.invalid_block_ids,
-                           connector_output.finished_recving or (), fallback=None)
+                           connector_output.finished_recving or (), meta.loaded_steps, fallback=None)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -231,7 +235,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and plan.stages:
             self._worker.start_stages(plan.stages)
         if self._worker is not None and plan.loads:
-            self._worker.start_loads(plan.loads)
+            self._worker.start_loads(plan.loads, plan.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads fill whole chunks (all layers) before the request runs."""
@@ -250,8 +254,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        done = self._worker.take_done_saves() if self._worker is not None else []
-        return TieredWorkerMetadata(done) if done else None
+        if self._worker is None:
+            return None
+        meta = TieredWorkerMetadata(self._worker.take_done_saves(), self._worker.take_loaded_steps())
+        return meta if meta.done_saves or meta.loaded_steps else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

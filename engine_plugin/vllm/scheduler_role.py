@@ -124,7 +124,8 @@ class SchedulerRole:
         return handoff.params() if handoff is not None else None
 
     def workers_reported(self, done_saves: list[int], failed_requests: Collection[str],
-                         failed_blocks: Collection[int], finished_loads: Collection[str] = ()) -> None:
+                         failed_blocks: Collection[int], finished_loads: Collection[str] = (),
+                         loaded_steps: Collection[int] = ()) -> None:
         """update_connector_output: saves done leave the in-flight set; the loads that ended
         give their leases back, read or, where they failed, unread (SchedulerCore.step_done);
         failed loads, as vLLM aggregated them over the workers, are counted: by request with
@@ -132,7 +133,7 @@ class SchedulerRole:
         until it finishes), else by block (`load.failed_blocks`, vLLM keeps the prefix
         before the first)."""
         self.core.saves_done(done_saves)
-        self.core.step_done(finished_loads, failed_requests, failed_blocks)
+        self.core.step_done(finished_loads, failed_requests, failed_blocks, loaded_steps)
         if not (failed_requests or failed_blocks):
             self.report_counters()
             return

@@ -12,6 +12,7 @@ still read it; a lease is never given back while one can.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -22,36 +23,47 @@ class Released(NamedTuple):
     unread: list[int]  # no load was: no get
 
 
+@dataclass
+class _Load:
+    """A planned load that copies from a lease, until every worker is done with it."""
+
+    req_id: str
+    blocks: frozenset[int]  # the blocks it writes (a failed one fails the load)
+    sync: bool  # copied before the forward pass of the step that ships it, else while the request waits
+    step: int | None = None  # the plan that shipped it (None: not shipped yet)
+    reports: int = 0  # workers that reported that plan's sync loads carried out
+    failed: bool = False  # given up after a fault, or reported failed (by request or block)
+
+
 class Leases:
     """Every lease the scheduler's lookups took, until it is told to the service as done with.
 
     Invariants:
-    - A request holds at most one lease (`hold`: its latest lookup's). One it no longer
-      needs, because it loads nothing or it is looked up again, is released at once (`drop`).
-    - A lease is released only once no worker can still copy from it: an async load's
-      (`loading`) when the workers report that load ended, finished or failed
-      (`step_done`); a sync load's after the step whose forward pass its copy precedes
-      (`after_step`, then `step_done`); a forgotten request's (`forget`) at once, unless
-      its async load is under way, then when that load ends.
+    - A request holds at most one lease not yet planned from (`hold`: its latest lookup's).
+      One it no longer needs, because it loads nothing or it is looked up again, is
+      released at once (`drop`); one whose load is planned (`planned`) becomes that load's.
+    - A load's lease is released only once no worker can still copy from it, whatever
+      became of its request meanwhile (finished, aborted, preempted and asked again): an
+      async load's when the workers report that load ended, finished or failed (vLLM
+      reports it once every worker has); a sync load's once every worker (`ranks`) has
+      reported the plan that shipped it (`shipped`) carried out. Under vLLM's async
+      scheduling the next plan is taken before a step is reported, so a report names
+      the plans it covers (`step_done`), never "the last one".
     - A released lease is told to the service once, with its next request (`take`: a
       lookup carries them); a lookup that decides nothing (`release`) gives its lease
       back the same way.
-    - A lease released once its load was carried out (planned, then ended: not given up
-      after a fault, not reported failed) is `read`; any other is `unread` (the request
-      loaded nothing, was asked again, held, forgotten first, or its load was given up or
-      failed). The service counts a leased chunk as a get only when read, so a request
-      asked again while it waits for blocks is not a hit at every step. (A model with one
-      KV cache group has a failed load reported by block: SchedulerCore names the request
-      that holds the block.)
+    - A lease released once its load was carried out (shipped, then ended: not given up
+      after a fault, not reported failed by request or by one of the blocks it writes)
+      is `read`; any other is `unread` (the request loaded nothing, was asked again,
+      held, or forgotten first, or its load was given up or failed). The service counts
+      a leased chunk as a get only when read, so a request asked again while it waits
+      for blocks is not a hit at every step.
     """
 
-    def __init__(self) -> None:
-        self._held: dict[str, int] = {}  # each request's lease, by request
-        self._loading: set[str] = set()  # requests whose async load is under way
-        # Forgotten requests' leases until their async load ends, and whether that load was
-        # given up (a fault) before it ran.
-        self._orphans: dict[str, tuple[int, bool]] = {}
-        self._after_step: list[tuple[str, int]] = []  # this step's sync loads' leases: released after it
+    def __init__(self, ranks: int = 1) -> None:
+        self._ranks = ranks
+        self._held: dict[str, int] = {}  # each request's lease, no load planned from it yet
+        self._loads: dict[int, _Load] = {}  # each lease a planned load copies from
         self._read: list[int] = []  # done with after its load, told to the service on its next request
         self._unread: list[int] = []  # done with, no load carried out from them
 
@@ -61,47 +73,55 @@ class Leases:
             self._held[req_id] = lease
 
     def drop(self, req_id: str) -> None:
-        """`req_id`'s lease is not needed (it loads nothing, or it is asked again): released now."""
-        self._loading.discard(req_id)
+        """`req_id`'s held lease is not needed (it loads nothing, or it is asked again):
+        released now. A load planned from an earlier one keeps its own."""
         self.release(self._held.pop(req_id, 0))
 
-    def loading(self, req_id: str) -> None:
-        """An async load of `req_id` is planned: its lease stays until the workers report it ended."""
-        self._loading.add(req_id)
-
-    def after_step(self, req_ids: Iterable[str]) -> None:
-        """Sync loads of these requests are in this step's plan: their workers copy before the
-        forward pass, so their leases go once the step is reported."""
-        for req_id in req_ids:
-            lease = self._held.pop(req_id, 0)
-            if lease:
-                self._after_step.append((req_id, lease))
-
-    def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = ()) -> None:
-        """The workers reported a step: its sync loads' leases go, and those of the async
-        loads that ended in it; read, but for the loads reported `failed` (by request)."""
-        failed = set(failed)
-        for req_id, lease in self._after_step:
-            (self._unread if req_id in failed else self._read).append(lease)
-        self._after_step = []
-        for req_id in [*loads_ended, *failed]:
-            lease, given_up = self._orphans.pop(req_id, (0, False))
-            if req_id in self._loading:
-                self._loading.discard(req_id)
-                lease = self._held.pop(req_id, 0)
-            if lease:
-                (self._unread if given_up or req_id in failed else self._read).append(lease)
-
-    def forget(self, req_id: str, given_up: bool = False) -> None:
-        """`req_id` is forgotten: its lease goes now, or once its async load ends (`step_done`);
-        `given_up`: after a fault, its load (if any) was given up and copies nothing."""
+    def planned(self, req_id: str, blocks: Iterable[int], sync: bool) -> None:
+        """A load of `req_id` writing `blocks` is planned (`sync`: in its step): its held
+        lease is that load's, until the workers are done with it."""
         lease = self._held.pop(req_id, 0)
-        if req_id in self._loading:
-            self._loading.discard(req_id)
-            if lease:
-                self._orphans[req_id] = (lease, given_up)
-        else:
-            self.release(lease)
+        if lease:
+            self._loads[lease] = _Load(req_id, frozenset(blocks), sync)
+
+    def given_up(self, req_id: str) -> None:
+        """After a fault, `req_id`'s load not yet shipped was given up: it copies nothing
+        (its lease still goes back only once the workers report it, as any load's)."""
+        for load in self._loads.values():
+            if load.req_id == req_id and load.step is None:
+                load.failed = True
+
+    def shipped(self, step: int) -> None:
+        """Plan `step` ships to the workers with every load planned since the last one (a
+        sync one copies before its forward pass; a given-up one copies nothing)."""
+        for load in self._loads.values():
+            if load.step is None:
+                load.step = step
+
+    def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = (),
+                  failed_blocks: Iterable[int] = (), steps: Iterable[int] = ()) -> None:
+        """The workers reported: async loads that ended (finished or failed), loads that
+        failed by request or by a block they write, and the plans whose sync loads a worker
+        carried out (a step once per worker). A load whose every worker is done releases
+        its lease: read, but for a failed one."""
+        ended, failed, bad = set(loads_ended), set(failed), set(failed_blocks)
+        reports: dict[int, int] = {}
+        for step in steps:
+            reports[step] = reports.get(step, 0) + 1
+        for lease, load in list(self._loads.items()):
+            if load.step is None:
+                continue  # not shipped: no worker has it
+            load.failed = load.failed or load.req_id in failed or not bad.isdisjoint(load.blocks)
+            if load.sync:
+                load.reports += reports.get(load.step, 0)
+            if load.reports >= self._ranks if load.sync else load.req_id in ended | failed:
+                del self._loads[lease]
+                (self._unread if load.failed else self._read).append(lease)
+
+    def forget(self, req_id: str) -> None:
+        """`req_id` is forgotten: its held lease goes now; a planned load's stays until
+        the workers are done with it (`step_done`)."""
+        self.release(self._held.pop(req_id, 0))
 
     def release(self, lease: int) -> None:
         """`lease` (0: none) is done with, no load carried out from it: told to the service

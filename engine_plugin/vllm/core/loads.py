@@ -57,20 +57,28 @@ class LoadHandler:
         self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
         self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
+        self._loaded_steps: list[int] = []  # plans whose sync loads ran, not yet taken
         self._load_pool = pool("kvstore-load")  # async loads
 
-    def start_loads(self, loads: Sequence[Transfer]) -> None:
+    def start_loads(self, loads: Sequence[Transfer], step: int = 0) -> None:
         """An async load's request is reported finished once, after its last transfer (a
         hybrid model's groups load in transfers of their own), and with `fail_requests`
         failed in that same take if one of them failed (take_finished_loads); every other
-        failure is reported by its blocks (a sync load's request is never reported)."""
+        failure is reported by its blocks (a sync load's request is never reported). Plan
+        `step`'s sync loads run here, before the forward pass; once they have, the step
+        is reported (take_loaded_steps): the scheduler's leases for them may go."""
         with self._lock:
             self._loads_left.update(t.req_id for t in loads)
-        for transfer in loads:
-            if transfer.load_async:
-                self._load_pool.submit(self._load, transfer, True)
-            else:
-                self._load(transfer, False)
+        try:
+            for transfer in loads:
+                if transfer.load_async:
+                    self._load_pool.submit(self._load, transfer, True)
+                else:
+                    self._load(transfer, False)
+        finally:
+            if any(not t.load_async for t in loads):
+                with self._lock:
+                    self._loaded_steps.append(step)
 
     def _load(self, transfer: Transfer, report_finished: bool) -> None:
         every = [b for blocks in transfer.blocks for b in blocks if b != SKIP]
@@ -193,6 +201,12 @@ class LoadHandler:
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def take_loaded_steps(self) -> list[int]:
+        """The plans whose sync loads ran since the last take."""
+        with self._lock:
+            steps, self._loaded_steps = self._loaded_steps, []
+        return steps
 
     def close(self) -> None:
         self._load_pool.shutdown(wait=True)

@@ -59,6 +59,11 @@ class Stage:
 
 @dataclass
 class StepPlan:
+    """One step's transfers. `step` numbers the plans (from 1): a worker reports the plans
+    whose sync loads it carried out by number, as a report may come after the next plan
+    ships (vLLM's async scheduling)."""
+
+    step: int = 0
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)

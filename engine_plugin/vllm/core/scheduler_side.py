@@ -110,7 +110,7 @@ class SchedulerCore:
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
         self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
                          else None)
-        self.leases = Leases()
+        self.leases = Leases(self.ranks)
         self.planner = StepPlanner(geometry, self.ranks, settings.saves, self.saves)
         self.reports = ChainReports(notify, geometry.chunk_tokens, clock)
         self._requests: dict[str, RequestState] = {}
@@ -216,8 +216,9 @@ class SchedulerCore:
             request.found = dataclasses.replace(request.found, lease=0, offsets=())
             return
         request.allocated(block_ids, replace=True)
-        if self.planner.load(req_id, request, num_external) and request.load_async:
-            self.leases.loading(req_id)
+        written = self.planner.load(req_id, request, num_external)
+        if written:
+            self.leases.planned(req_id, written, sync=not request.load_async)
 
     def on_scheduled(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      replace: bool, computed_after_step: int) -> None:
@@ -231,10 +232,10 @@ class SchedulerCore:
         self.planner.save(req_id, request, computed_after_step)
 
     def take_plan(self) -> StepPlan:
-        """The plan for this step; the next step starts empty. A sync load's lease is
-        released after the step (its workers copy before the forward pass)."""
+        """The plan for this step; the next step starts empty. Its loads' leases go once
+        the workers are done with them (Leases.step_done)."""
         plan = self.planner.take()
-        self.leases.after_step({t.req_id for t in plan.loads if not t.load_async})
+        self.leases.shipped(plan.step)
         return plan
 
     def loads_async(self, req_id: str) -> bool:
@@ -244,15 +245,11 @@ class SchedulerCore:
         return request.load_async if request is not None else self.settings.load_async
 
     def step_done(self, loads_ended: Iterable[str], failed: Iterable[str] = (),
-                  failed_blocks: Iterable[int] = ()) -> None:
-        """The workers reported a step: loads that ended, and those that failed, by request
-        or (a model with one KV cache group) by block: a request holding a failed block
-        failed (Leases.step_done)."""
-        failed, bad = set(failed), set(failed_blocks)
-        if bad:
-            failed.update(req_id for req_id, request in self._requests.items()
-                          if any(bad.intersection(ids) for ids in request.block_ids))
-        self.leases.step_done(loads_ended, failed)
+                  failed_blocks: Iterable[int] = (), steps: Iterable[int] = ()) -> None:
+        """The workers reported: async loads that ended, loads that failed (by request, or
+        by block on a model with one KV cache group) and the plans whose sync loads each
+        worker carried out (Leases.step_done)."""
+        self.leases.step_done(loads_ended, failed, failed_blocks, steps)
 
     def take_releases(self) -> Released:
         """The leases to tell the service are done with (on the next request to it), read
@@ -271,16 +268,17 @@ class SchedulerCore:
         `blocks` allocated for a hit never planned are (StepPlan.give_up); then it is
         forgotten (the service is not told it ended: what it kept may be what faulted). A
         load the workers already have still copies: its lease is released read once it ends."""
-        given_up = self.planner.give_up(req_id, blocks, self.loads_async(req_id))
-        self._forget(req_id, given_up)
+        if self.planner.give_up(req_id, blocks, self.loads_async(req_id)):
+            self.leases.given_up(req_id)
+        self._forget(req_id)
 
-    def _forget(self, req_id: str, given_up: bool = False) -> RequestState | None:
-        """Forget a request in every part; its lease goes now, or once its async load ends
-        (Leases.forget; `given_up`: a fault gave up its load before the workers had it)."""
+    def _forget(self, req_id: str) -> RequestState | None:
+        """Forget a request in every part; its lease goes now, or its load's once the
+        workers are done with it (Leases.forget)."""
         self.lookups.forget(req_id)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        self.leases.forget(req_id, given_up)
+        self.leases.forget(req_id)
         return self._requests.pop(req_id, None)

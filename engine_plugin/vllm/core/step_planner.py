@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from engine_plugin.vllm.core.groups import KVGeometry, load_run, save_runs
-from engine_plugin.vllm.core.plan import Stage, StepPlan
+from engine_plugin.vllm.core.plan import SKIP, Stage, StepPlan
 from engine_plugin.vllm.core.request_state import RequestState
 from engine_plugin.vllm.core.save_tracker import SaveTracker
 
@@ -49,19 +49,19 @@ class StepPlanner:
         self.ranks = ranks
         self.saves = saves
         self._in_flight = in_flight
-        self._plan = StepPlan()
+        self._plan = StepPlan(1)
 
     def stage(self, req_id: str, keys: list[list[bytes]], stored: int) -> None:
         """Have the workers stage the `stored` leading chunks of `keys` (per stream)."""
         self._plan.stages.append(Stage(req_id, tuple(tuple(k[:stored]) for k in keys)))
 
-    def load(self, req_id: str, request: RequestState, num_external: int) -> bool:
+    def load(self, req_id: str, request: RequestState, num_external: int) -> set[int]:
         """Plan the load of the last `num_external` tokens of the request's hit into its
         blocks (the engine may have trimmed its own hit since the lookup; the hit's end
-        holds); whether any chunk is to be written."""
+        holds); the blocks it writes (none: nothing to load)."""
         geometry = self.geometry
         num_computed = request.load_end - num_external
-        planned = False
+        written: set[int] = set()
         for position, group in enumerate(geometry.groups):
             blocks_of = functools.partial(request.chunk_blocks, per_chunk=geometry.blocks_per_chunk,
                                           group=group.index)
@@ -69,9 +69,10 @@ class StepPlanner:
                            geometry.block_size)
             if run is not None:
                 streams = _streams(position, self.ranks)
-                self._plan.loads.append(request.transfer(req_id, run[0], run[1], streams, group.index))
-                planned = True
-        return planned
+                transfer = request.transfer(req_id, run[0], run[1], streams, group.index)
+                self._plan.loads.append(transfer)
+                written.update(b for blocks in transfer.blocks for b in blocks if b != SKIP)
+        return written
 
     def save(self, req_id: str, request: RequestState, computed_after_step: int) -> None:
         """Plan the saves of the chunks the request completes in this step."""
@@ -99,6 +100,6 @@ class StepPlanner:
         return self._plan.give_up(req_id, blocks, load_async)
 
     def take(self) -> StepPlan:
-        """This step's plan; the next step's starts empty."""
-        plan, self._plan = self._plan, StepPlan()
+        """This step's plan; the next step's starts empty, numbered one more."""
+        plan, self._plan = self._plan, StepPlan(self._plan.step + 1)
         return plan

@@ -46,8 +46,8 @@ class WorkerCore:
         # Engines do not always call shutdown before exiting; queued saves must still land.
         atexit.register(self.close)
 
-    def start_loads(self, loads: Sequence[Transfer]) -> None:
-        self.loads.start_loads(loads)
+    def start_loads(self, loads: Sequence[Transfer], step: int = 0) -> None:
+        self.loads.start_loads(loads, step)
 
     def start_stages(self, stages: Sequence[Stage]) -> Future[None] | None:
         """Stage each request's chunks ahead of their load (None without a device pool)."""
@@ -65,6 +65,9 @@ class WorkerCore:
 
     def take_done_saves(self) -> list[int]:
         return self.saves.take_done_saves()
+
+    def take_loaded_steps(self) -> list[int]:
+        return self.loads.take_loaded_steps()
 
     def close(self) -> None:
         """Drain queued saves (bounded wait), then release every connection."""
