@@ -8,6 +8,8 @@ import errno
 import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstore.format.record import BLOCK
 from kvstore.io import IoRequest, make_engine
@@ -172,6 +174,7 @@ def test_a_late_read_owns_its_buffer_until_it_lands(direct_file, faulty):
 
 
 def test_a_staging_buffer_a_late_read_holds_is_not_handed_out_until_it_lands(direct_file, faulty):
+    """The pool grows while a late read holds its buffer, and shrinks back once it lands."""
     pool = StagingPool(BLOCK, 1)
     try:
         first = pool.acquire()
@@ -179,9 +182,32 @@ def test_a_staging_buffer_a_late_read_holds_is_not_handed_out_until_it_lands(dir
         late = _late_read(faulty, direct_file, first)
         other = pool.acquire()
         assert address_of(other.views[0]) != where  # the pool grew instead
+        assert pool.mapped_bytes == 2 * BLOCK
         other.close()
+        assert pool.mapped_bytes == 2 * BLOCK  # free, and the only one free: kept
         late.land()
         assert late.wait_landed(10)
-        assert {address_of(pool.acquire().views[0]) for _ in range(2)} == {where, address_of(other.views[0])}
+        assert pool.mapped_bytes == BLOCK  # two free past a pool of one: the grown one unmapped
+        assert address_of(pool.acquire().views[0]) == where
+    finally:
+        pool.close()
+
+
+@given(count=st.integers(1, 4), moves=st.lists(st.integers(-1, 7), max_size=40))
+def test_a_staging_pool_maps_at_most_its_count_past_the_buffers_lent(count, moves):
+    """Whatever the order buffers are taken and given back in: at most `count` buffers
+    are mapped beyond those lent, and all but the base map go once every one is back."""
+    pool = StagingPool(BLOCK, count)
+    lent: list[IoBuffer] = []
+    try:
+        for move in moves:
+            if move < 0 or not lent:
+                lent.append(pool.acquire())
+            else:
+                lent.pop(move % len(lent)).close()
+            assert pool.mapped_bytes <= (len(lent) + count) * BLOCK
+        for buffer in lent:
+            buffer.close()
+        assert pool.mapped_bytes == count * BLOCK
     finally:
         pool.close()
