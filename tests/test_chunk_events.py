@@ -11,7 +11,7 @@ from kvstore.config.store import load_config
 from kvstore.format.record import record_bytes
 from kvstore.service.chunk_events import ChunkEvents
 from kvstore.service.client import StoreClient
-from kvstore.tiers.slots import SlotTable
+from kvstore.tiers.slots import Change, SlotTable
 
 CHUNK = 64 * 1024
 
@@ -45,7 +45,7 @@ def test_the_service_reports_each_tier_a_chunk_enters_and_leaves(tmp_path, disk_
 
 def test_a_reader_that_falls_behind_is_told_how_much_it_lost():
     events, table = ChunkEvents(capacity=2), SlotTable([8])
-    table.subscribe(lambda stored, entry: events.record(stored, entry.key, "dram"))
+    table.subscribe(lambda change, entry: events.record(change is Change.STORED, entry.key, "dram"))
     for i in range(5):
         with table.reserve() as reservation:
             reservation.publish(bytes([i]) * 16, None, i)

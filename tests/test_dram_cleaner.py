@@ -125,7 +125,10 @@ def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir,
     assert store.probe.keys("dram") == set(fresh)
     ok, outs = read_back(store, fresh)
     assert all(ok) and all(np.array_equal(o, p) for o, p in zip(outs, fresh_payloads, strict=True))
-    assert _counted(store, "dram.dropped_no_device") >= DRAM_SLOTS
+    dropped = _counted(store, "dram.dropped_no_device")
+    assert dropped >= DRAM_SLOTS
+    assert store.delete(fresh[:2]) == 2
+    assert _counted(store, "dram.dropped_no_device") == dropped  # a delete is no drop
     faulty.clear()
 
 
@@ -189,6 +192,7 @@ def test_the_cleaner_writes_only_what_the_disk_admits(disk_dir, store_factory):
     keys, payloads = make_keys(DRAM_SLOTS), make_payloads(DRAM_SLOTS)
     store.put_many([keys[0], keys[2]], [payloads[0], payloads[2]])
     store.delete([keys[0], keys[2]])  # seen once already: the next put is their second
+    assert _counted(store, "disk.admission_refused") == 0  # deleted, not evicted: nothing refused
     _fill(store, keys, payloads)  # DRAM full; of the 4 coldest, keys 0 and 2 are admitted
     wait_for(lambda: _counted(store, "dram.cleaned") >= 2, 10, "the two admitted chunks written")
     on_disk = store.probe.keys("disk")

@@ -31,6 +31,7 @@ from kvstore.tiers.admission import THRESHOLD, TinyLFU, Tuning
 from kvstore.tiers.chain_history import ChainHistory
 from kvstore.tiers.policy import ChainMemory, TierPolicy
 from kvstore.tiers.return_rates import BUCKETS, EVERYONE, RequestEnd, ReturnRates
+from kvstore.tiers.slots import Change
 from kvstore.tiers.write_budget import DAY_S, WriteBudget
 
 BLOCK = 4  # tokens per block; with 1 byte per token a chunk is 4 bytes
@@ -440,7 +441,7 @@ def test_the_replay_counts_refusals_once_per_chunk_that_leaves(tmp_path):
     replayer = Replayer([("dram", 20 * BLOCK), ("disk", 1 << 20)], 1, BLOCK, policy=policy)
     dropped = []
     replayer.tiers[0].table.subscribe(
-        lambda published, entry: dropped.append(entry.key) if not published and entry.key not in
+        lambda change, entry: dropped.append(entry.key) if change is Change.EVICTED and entry.key not in
         replayer.tiers[1] else None)
     (requests,) = read_passes(trace, BLOCK)
     result = replayer.run(requests)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from kvstore.tiers.slots import Entry, SlotTable
+from kvstore.tiers.slots import Change, Entry, SlotTable
 
 KEYS = [bytes([i]) * 16 for i in range(64)]
 
@@ -21,7 +21,7 @@ def _publish(table: SlotTable, key: bytes) -> None:
 def test_a_listener_runs_outside_the_tables_lock():
     table, reached = SlotTable([4]), []
 
-    def listener(published: bool, entry: Entry) -> None:
+    def listener(change: Change, entry: Entry) -> None:
         other = threading.Thread(target=lambda: reached.append(len(table.entries())))
         other.start()  # another thread takes the table's lock: it would wait if we held it
         other.join(10)
@@ -38,7 +38,7 @@ def test_events_reach_every_listener_in_the_tables_order_under_contention():
     table = SlotTable([16])
     logs: list[list[tuple[bool, bytes]]] = [[], []]
     for log in logs:
-        table.subscribe(lambda published, entry, log=log: log.append((published, entry.key)))
+        table.subscribe(lambda change, entry, log=log: log.append((change is Change.STORED, entry.key)))
 
     def churn(keys: list[bytes]) -> None:
         for _ in range(200):
@@ -64,27 +64,27 @@ def test_events_reach_every_listener_in_the_tables_order_under_contention():
 def test_a_listener_may_call_the_table_and_its_events_follow_in_order():
     table, log = SlotTable([4]), []
 
-    def evict_on_publish(published: bool, entry: Entry) -> None:
-        log.append((published, entry.key))
-        if published and entry.key == KEYS[0]:
+    def evict_on_publish(change: Change, entry: Entry) -> None:
+        log.append((change, entry.key))
+        if change is Change.STORED and entry.key == KEYS[0]:
             table.unpublish(KEYS[0])  # an event made while delivering: queued behind this one
 
     table.subscribe(evict_on_publish)
-    table.subscribe(lambda published, entry: log.append(("second", published, entry.key)))
+    table.subscribe(lambda change, entry: log.append(("second", change, entry.key)))
     _publish(table, KEYS[0])
-    assert log == [(True, KEYS[0]), ("second", True, KEYS[0]),
-                   (False, KEYS[0]), ("second", False, KEYS[0])]
+    assert log == [(Change.STORED, KEYS[0]), ("second", Change.STORED, KEYS[0]),
+                   (Change.REMOVED, KEYS[0]), ("second", Change.REMOVED, KEYS[0])]
     assert KEYS[0] not in table
 
 
 def test_first_subscribes_ahead_and_unsubscribed_listeners_hear_nothing_more():
     table, log = SlotTable([4]), []
 
-    def later(published: bool, entry: Entry) -> None:
+    def later(change: Change, entry: Entry) -> None:
         log.append("later")
 
     table.subscribe(later)
-    table.subscribe(lambda published, entry: log.append("first"), first=True)
+    table.subscribe(lambda change, entry: log.append("first"), first=True)
     _publish(table, KEYS[0])
     assert log == ["first", "later"]
     table.unsubscribe(later)

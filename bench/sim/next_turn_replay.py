@@ -25,7 +25,7 @@ from typing import Any
 from bench.sim.replay import Replayer
 from bench.support.trace import TraceRequest
 from kvstore.tiers.next_turn import NextTurnPredictor
-from kvstore.tiers.slots import Entry
+from kvstore.tiers.slots import Change, Entry
 
 MODES = ("off", "warm", "predict", "oracle")
 
@@ -100,8 +100,8 @@ class NextTurnReads:
         self.found_chunks = self.resident_chunks = self.read_ahead_bytes = self.wasted_bytes = 0
         self._ahead.clear()
 
-    def _left_dram(self, published: bool, entry: Entry) -> None:
-        if not published and entry.key in self._ahead:
+    def _left_dram(self, change: Change, entry: Entry) -> None:
+        if change is not Change.STORED and entry.key in self._ahead:
             self._ahead.discard(entry.key)
             self.wasted_bytes += self.replayer.chunk_bytes
 

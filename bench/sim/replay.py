@@ -50,7 +50,7 @@ from kvstore.tiers.admission import Unlearned
 from kvstore.tiers.chain_history import ChainHistory
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.return_rates import RequestEnd
-from kvstore.tiers.slots import Entry, Fate, Reservation, SlotTable
+from kvstore.tiers.slots import Change, Entry, Fate, Reservation, SlotTable
 
 MEMORY_TIERS = ("gpu", "hbm", "dram")  # tier names that are not disk: nothing refused
 OLD_NAMES = {"host": "dram"}  # --tier names read as another: `host` was the DRAM tier's
@@ -120,9 +120,9 @@ class DiskWrites:
         self.times: list[float] = []  # when each disk write was made
         self.now = 0.0  # the trace's time, kept by the replay
 
-    def changed(self, published: bool, entry: Entry) -> None:
+    def changed(self, change: Change, entry: Entry) -> None:
         """Disk tier listener: a written chunk is unread until a hit reads it."""
-        if published:
+        if change is Change.STORED:
             self.unread.add(entry.key)
             self.times.append(self.now)
         else:
@@ -222,11 +222,11 @@ class SimStore:
         """Whether any of this host's tiers holds the chunk."""
         return any(key in tier for tier in self.tiers)
 
-    def _leaving(self, level: int) -> Callable[[bool, Entry], None]:
-        """The listener of the tier above disk tier `level`: what leaves it is told to the
-        policy, and a refusal counted, as the store's DRAM table does (StoreParts)."""
-        def left(published: bool, entry: Entry) -> None:
-            if not published:
+    def _leaving(self, level: int) -> Callable[[Change, Entry], None]:
+        """The listener of the tier above disk tier `level`: what is evicted from it is told
+        to the policy, and a refusal counted, as the store's DRAM table does (StoreParts)."""
+        def left(change: Change, entry: Entry) -> None:
+            if change is Change.EVICTED:
                 held = entry.key in self.tiers[level] or entry.key in self.from_peers
                 reason = self.policy.left_dram(entry.key, on_disk=held)
                 self.admission_refused += reason is not None
@@ -244,9 +244,9 @@ class SimStore:
         self.tiers[0].table.touch_chain(keys)
         return [key for key in keys if key not in before and key in self.tiers[0]]
 
-    def _left_top(self, published: bool, entry: Entry) -> None:
+    def _left_top(self, change: Change, entry: Entry) -> None:
         """Top tier listener: a chunk read from a peer leaves DRAM."""
-        if not published:
+        if change is not Change.STORED:
             self.from_peers.discard(entry.key)
 
     def promote(self, found: list[int], keys: list[bytes], parents: list[bytes | None], mode: str) -> None:

@@ -43,7 +43,7 @@ from kvstore.format.record import record_bytes
 from kvstore.format.secrets import masked_url
 from kvstore.io.base import IoEngine
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.slots import Entry
+from kvstore.tiers.slots import Change, Entry
 
 log = logging.getLogger(__name__)
 RECENT_S = 1.0  # how long an index answer is reused
@@ -212,10 +212,10 @@ class ClusterNode:
                 if not ok[i]:
                     self._recent.pop(keys[i], None)  # ask the index again next time
 
-    def _left_dram(self, published: bool, entry: Entry) -> None:
+    def _left_dram(self, change: Change, entry: Entry) -> None:
         """DRAM table listener, after the fact: a chunk read from a peer again since it
         left DRAM is in the table once more and keeps its mark."""
-        if not published and self.dram is not None and entry.key not in self.dram.table:
+        if change is not Change.STORED and self.dram is not None and entry.key not in self.dram.table:
             self._from_peers.discard(entry.key)
 
     # -- housekeeping ----------------------------------------------------------------

@@ -34,7 +34,7 @@ from kvstore.cluster.lease import HostIdInUse, HostLease
 from kvstore.config.store import ClusterConfig
 from kvstore.format.secrets import masked_url
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.slots import Entry
+from kvstore.tiers.slots import Change, Entry
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -82,13 +82,13 @@ class IndexPublisher:
             log.warning("cluster index %s: host_id %s's lease not claimed at start (%s); claimed when "
                         "the index answers", masked_url(self.config.index_url), self.host_id, exc)
 
-    def _changed(self, published: bool, entry: Entry) -> None:
+    def _changed(self, change: Change, entry: Entry) -> None:
         """Slot-table listener (in the table's order): queue the change, never wait."""
         if len(self._queue) >= QUEUE_LIMIT:
             self._dirty = True
             self._queue.clear()
         else:
-            self._queue.append((published, entry.key, entry.slot, entry.seq))
+            self._queue.append((change is Change.STORED, entry.key, entry.slot, entry.seq))
         self._wake.set()
 
     def _loop(self) -> None:

@@ -36,7 +36,7 @@ import threading
 from kvstore.config.store import StoreConfig
 from kvstore.datapath.flusher import Flusher
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.slots import Entry
+from kvstore.tiers.slots import Change, Entry
 from kvstore.tiers.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,8 @@ class DramCleaner:
         publish after it, nothing else would wake the cleaner)."""
         self._wake.set()
 
-    def _on_event(self, published: bool, _entry: Entry) -> None:
-        if published:
+    def _on_event(self, change: Change, _entry: Entry) -> None:
+        if change is Change.STORED:
             self._wake.set()
 
     def _run(self) -> None:

@@ -36,7 +36,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.policy import TierPolicy
 from kvstore.tiers.recover import RecoveryReport, recover
-from kvstore.tiers.slots import Entry
+from kvstore.tiers.slots import Change, Entry
 from kvstore.tiers.stats import Stats
 
 if TYPE_CHECKING:
@@ -139,13 +139,14 @@ class StoreParts:
             self.cluster = ClusterNode(config, disk=self.disk, landings=landings, engine=self.engine,
                                        peer_copies=self.peer_copies, background=background)
 
-    def _left_dram(self, published: bool, entry: Entry) -> None:
-        """The DRAM table's event (after the fact): a chunk that leaves DRAM is told to the
+    def _left_dram(self, change: Change, entry: Entry) -> None:
+        """The DRAM table's event (after the fact): a chunk evicted from DRAM is told to the
         policy, with whether its disk copy (or a peer's) is there; one the disk refused is
         counted here, once, however many times a victim scan asked about it. One dropped for
         want of a device in service is counted apart and not told: admission did not refuse
-        it, and what it learns of refused chunks' returns must not count an outage's."""
-        if not published:
+        it, and what it learns of refused chunks' returns must not count an outage's. A
+        chunk removed (deleted, dropped as bad, replaced) was not refused either: not told."""
+        if change is Change.EVICTED:
             key = entry.key
             on_disk = (self.disk is not None and key in self.disk.table) or key in self.peer_copies
             if not on_disk and self.disk is not None and not self.disk.availability.any_in_service():

@@ -41,6 +41,7 @@ from kvstore.store.put_bound import PutBound
 from kvstore.store.reads import Reads
 from kvstore.store.writes import Writes
 from kvstore.tiers.return_rates import RequestEnd
+from kvstore.tiers.slots import Change
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +134,10 @@ class TieredStore:
         It runs outside the tiers' locks, in each tier's order (tiers/slots.py `subscribe`)."""
         dram, disk = self.parts.dram, self.parts.disk
         if dram is not None:
-            dram.table.subscribe(lambda stored, entry: listener(stored, entry.key, "dram"))
+            dram.table.subscribe(lambda change, entry: listener(change is Change.STORED, entry.key, "dram"))
         if disk is not None:
-            disk.table.subscribe(lambda stored, entry: listener(stored, entry.key, disk.kind_of(entry.slot)))
+            disk.table.subscribe(lambda change, entry: listener(change is Change.STORED, entry.key,
+                                                                disk.kind_of(entry.slot)))
 
     # -- reads ---------------------------------------------------------------------
 

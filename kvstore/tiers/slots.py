@@ -84,7 +84,7 @@ class Reservation:
             if self.table.slots[self.slot].pins > 1 or self.table.index.get(self.victim) != self.slot:
                 self.release()
                 return False
-            self.table._unpublish(self.victim)
+            self.table._unpublish(self.victim, Change.EVICTED)
             self.evicted, self.victim = self.victim, None
             return True
 
@@ -149,7 +149,7 @@ class Pins:
         with self.table.lock:
             for key, slot in self._dropped:
                 if self.table.index.get(key) == slot:
-                    self.table._unpublish(key)
+                    self.table._unpublish(key, Change.REMOVED)
             for _, slot in self.hits:
                 if slot not in self._kept:
                     self.table._unpin(slot)
@@ -197,7 +197,16 @@ class SlotGroups:
         return None
 
 
-Listener = Callable[[bool, Entry], None]
+class Change(enum.Enum):
+    """What happened to a record, as a table tells its listeners: a cache that learns from
+    what leaves (disk admission) tells an eviction from a removal."""
+
+    STORED = "stored"  # published: visible from now on
+    EVICTED = "evicted"  # made room for another record (reserve, or its write down handed the slot over)
+    REMOVED = "removed"  # deleted, dropped as bad, replaced by a newer copy, or its device taken out
+
+
+Listener = Callable[[Change, Entry], None]
 
 
 class TableLock:
@@ -218,7 +227,7 @@ class TableLock:
         self._depth = 0  # holds by the owning thread
         self._made = False  # this outermost hold queued events
         self._listeners: tuple[Listener, ...] = ()
-        self._events: deque[tuple[bool, Entry]] = deque()
+        self._events: deque[tuple[Change, Entry]] = deque()
         self._delivery = threading.Lock()
         self._delivering: int | None = None  # the thread delivering now
 
@@ -235,10 +244,10 @@ class TableLock:
         if made and self._delivering != threading.get_ident():  # else: that loop delivers it
             self._deliver()
 
-    def tell(self, published: bool, key: bytes, slot: int, info: SlotInfo) -> None:
+    def tell(self, change: Change, key: bytes, slot: int, info: SlotInfo) -> None:
         """Queue an event (the lock held); delivered as the outermost hold ends."""
         if self._listeners:
-            self._events.append((published, Entry(key, slot, info.parent, info.seq)))
+            self._events.append((change, Entry(key, slot, info.parent, info.seq)))
             self._made = True
 
     def subscribe(self, listener: Listener, first: bool = False) -> None:
@@ -259,9 +268,9 @@ class TableLock:
             self._delivering = threading.get_ident()
             try:
                 while self._events:
-                    published, entry = self._events.popleft()
+                    change, entry = self._events.popleft()
                     for listener in self._listeners:
-                        listener(published, entry)
+                        listener(change, entry)
             finally:
                 self._delivering = None
 
@@ -406,7 +415,7 @@ class SlotTable:
             if fates[victim] is Fate.DEMOTE:
                 self.slots[slot].pins += 1
                 return Reservation(self, slot, None, victim=victim)
-            self._unpublish(victim)  # unpinned, so this appends it to its free list
+            self._unpublish(victim, Change.EVICTED)  # unpinned, so this appends it to its free list
             self.groups.free[self.groups.of(slot)[0]].pop()
             self.slots[slot].pins = 1
             return Reservation(self, slot, victim)
@@ -414,28 +423,28 @@ class SlotTable:
     def unpublish(self, key: bytes) -> int | None:
         """Hide `key`; its slot is freed now or when its last pin goes."""
         with self.lock:
-            return self._unpublish(key)
+            return self._unpublish(key, Change.REMOVED)
 
     # -- internals (lock held) -----------------------------------------------------------
 
     def _publish(self, slot: int, key: bytes, parent: bytes | None, seq: int) -> None:
         if key in self.index:
-            self._unpublish(key)
+            self._unpublish(key, Change.REMOVED)
         info = self.slots[slot]
         info.key, info.parent, info.seq = key, parent, seq
         info.published = info.ever_written = True
         self.index[key] = slot
         self.eviction.add(key, parent)
-        self.lock.tell(True, key, slot, info)
+        self.lock.tell(Change.STORED, key, slot, info)
 
-    def _unpublish(self, key: bytes) -> int | None:
+    def _unpublish(self, key: bytes, change: Change) -> int | None:
         slot = self.index.pop(key, None)
         if slot is None:
             return None
         self.eviction.remove(key)
         info = self.slots[slot]
         info.published = False
-        self.lock.tell(False, key, slot, info)
+        self.lock.tell(change, key, slot, info)
         if info.pins == 0:
             self._free(slot)
         return slot
@@ -507,7 +516,7 @@ class GroupService:
             for slot in table.groups.span(group):
                 info = table.slots[slot]
                 if info.published and info.key is not None:
-                    table._unpublish(info.key)
+                    table._unpublish(info.key, Change.REMOVED)
                     lost += 1
                 elif info.pins:
                     in_flight.append(slot)
