@@ -19,8 +19,9 @@ vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by
   same waves a fetch takes, each wave gathered into one half of the window while the
   wave before it is put from the other (PageIO's saves); vLLM's saves gather within
   their engine step and put behind it (saves.py), by the same wave and parent rules.
-- failure: a `KVStoreError` is logged, the connection dropped (which releases every pin
-  it holds) and the chunks it carried miss; a miss is never an exception to the engine.
+- failure: a `KVStoreError` (or, in a fetch, any fault) is logged, the connection dropped
+  (which releases every pin it holds) and the chunks it carried miss; a miss is never an
+  exception to the engine.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class Transfers:
                 found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
                 for j, ok in zip(rest, found, strict=True):
                     fetched.in_window[j] = ok
-        except KVStoreError as exc:
+        except Exception as exc:  # whether its Unpin was done or not, dropping the connection undoes it all
             self.failed("fetch", exc)
             return Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
         return fetched
@@ -191,10 +192,12 @@ class Transfers:
                 if k + 1 < len(waves) and not ahead:
                     next_fetch, copied = self._fetcher.submit(fetch, k + 1, copied), []
         finally:
-            last = next_fetch.result()  # bounded by the service deadline
-            if next_fetch is not taken:
-                copied.append(last)
-            self._fetcher.submit(self.release, client, copied).result()
+            try:
+                last = next_fetch.result()  # bounded by the service deadline
+                if next_fetch is not taken:
+                    copied.append(last)
+            finally:  # also when that fetch raised: the waves copied go back
+                self._fetcher.submit(self.release, client, copied).result()
 
     def store_waves(self, client: StoreClient, keys: Sequence[bytes], gather: Gather,
                     parent: bytes | None, namespace: bytes | None = None) -> list[bool]:
@@ -241,10 +244,12 @@ class Transfers:
             self.failed("store", exc)
             return [False] * len(keys)
 
-    def failed(self, what: str, exc: KVStoreError) -> None:
+    def failed(self, what: str, exc: Exception) -> None:
         """The one failure path: log, and drop the connection (which releases every pin it
-        holds); the link reconnects, rate-limited, on a later `get`."""
-        log.warning("kvstore %s failed (%s); its chunks miss", what, exc)
+        holds); the link reconnects, rate-limited, on a later `get`. A fault other than the
+        service's errors (a reply that cannot be taken apart, a bug) is logged with its trace."""
+        log.warning("kvstore %s failed (%s); its chunks miss", what, exc,
+                    exc_info=not isinstance(exc, KVStoreError))
         self.link.fail()
 
     def close(self) -> None:

@@ -362,6 +362,24 @@ def test_a_sync_loads_lease_goes_once_every_worker_reported_its_plan():
     assert scheduler.take_releases() == Released(read=[8], unread=[])
 
 
+def test_a_failed_block_is_the_load_of_the_plan_it_ran_in():
+    """Under async scheduling a request preempted after its sync load shipped frees its
+    blocks before that plan is reported; a failed block in that report is its load's, not
+    the next plan's load that took the block over."""
+    scheduler = _leasing_core(sync_dram_loads=True)
+    scheduler.num_new_matched_tokens("a", PROMPT, 0)
+    scheduler.on_alloc("a", list(range(16)), 8 * CHUNK)
+    first = scheduler.take_plan()
+    scheduler.num_new_matched_tokens("a", PROMPT, 0)  # preempted: asked again (lease 8, held)
+    scheduler.num_new_matched_tokens("b", PROMPT, 0)
+    scheduler.on_alloc("b", [10, *range(100, 115)], 8 * CHUNK)  # b takes a's block 10
+    second = scheduler.take_plan()
+    scheduler.step_done([], failed_blocks=[10], steps=[first.step] * 2)
+    assert scheduler.take_releases() == Released(read=[], unread=[7])
+    scheduler.step_done([], steps=[second.step] * 2)
+    assert scheduler.take_releases() == Released(read=[9], unread=[])
+
+
 def test_a_failed_block_fails_only_the_load_that_writes_it_and_releases_nothing_early():
     """vLLM passes a rank's failed blocks on at once but an async load's end only once
     every rank has finished: a failed block marks the load that writes it (not a request

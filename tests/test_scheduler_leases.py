@@ -47,8 +47,10 @@ class SchedulerLeases(RuleBasedStateMachine):
         self.running: set[str] = set()  # allocated, its load (if any) over
         self.loading: set[str] = set()  # its async load (given up or not) is not reported yet
         self.gone: set[str] = set()  # finished or abandoned
-        self.reading: dict[str, int] = {}  # loads the workers may copy: request -> its lease
-        self.sync_step: dict[str, int] = {}  # of those, the sync ones: the plan that shipped each
+        # Leases loads the workers may still copy from: lease -> (request, the plan that
+        # shipped it if a sync load, else None). A request preempted while its sync load's
+        # plan is unreported may have a second load by then (vLLM's async scheduling).
+        self.reading: dict[int, tuple[str, int | None]] = {}
         self.unreported: dict[int, set[int]] = {0: set(), 1: set()}  # plans each rank has not reported
         self.next_id = 0
         self.core = SchedulerCore(KVGeometry(CHUNK, BLOCK), lambda salt: NAMESPACES, self.lookup,
@@ -123,10 +125,8 @@ class SchedulerLeases(RuleBasedStateMachine):
             if any(offset >= 0 for rank in load.leased for offset in rank):
                 lease = self.lease_of[load.req_id]
                 assert lease and lease not in self.released, f"{load.req_id}'s load reads a released lease"
-                self.reading[load.req_id] = lease
+                self.reading[lease] = (load.req_id, None if load.load_async else plan.step)
                 self.planned.add(lease)
-                if not load.load_async:
-                    self.sync_step[load.req_id] = plan.step
 
     @rule(data=st.data(), by_block=st.booleans())
     def report(self, data: st.DataObject, by_block: bool) -> None:
@@ -140,29 +140,32 @@ class SchedulerLeases(RuleBasedStateMachine):
         for rank, reported in steps.items():
             self.unreported[rank] -= reported
         ran = [step for reported in steps.values() for step in reported]
-        if by_block:
-            copying = sorted(req_id for req_id in self.reading if req_id not in self.sync_step
-                             or any(self.sync_step[req_id] in reported for reported in steps.values()))
-            failed = data.draw(st.sets(st.sampled_from(copying))) if copying else set()
+        if by_block:  # a block of a load that copies in this report: async, or of a plan reported
+            copying = sorted(lease for lease, (_, step) in self.reading.items()
+                             if step is None or any(step in reported for reported in steps.values()))
+            chosen = data.draw(st.sets(st.sampled_from(copying))) if copying else set()
+            failed = {self.reading[lease][0] for lease in chosen}
             blocks = [blocks_of(req_id)[-1] for req_id in failed]  # the last: written by any load
             self.core.step_done(sorted(ended), failed_blocks=blocks, steps=ran)
+            self.failed.update(lease for lease in copying if self.reading[lease][0] in failed)
         else:
             failed = data.draw(st.sets(st.sampled_from(sorted(ended)))) if ended else set()
             self.core.step_done(sorted(ended), sorted(failed), steps=ran)
-        self.failed.update(self.reading[req_id] for req_id in failed if req_id in self.reading)
+            self.failed.update(lease for lease, (req_id, step) in self.reading.items()
+                               if req_id in failed and step is None)
         self.loading -= ended
-        for req_id in ended:
-            self.reading.pop(req_id, None)
-        for req_id, step in list(self.sync_step.items()):
-            if all(step not in left for left in self.unreported.values()):  # every rank ran it
-                self.reading.pop(req_id, None)
-                del self.sync_step[req_id]
+        for lease, (req_id, step) in list(self.reading.items()):
+            done = (req_id in ended if step is None
+                    else all(step not in left for left in self.unreported.values()))  # every rank ran it
+            if done:
+                del self.reading[lease]
 
-    @precondition(lambda self: self.running - set(self.reading))
+    @precondition(lambda self: self.running)
     @rule(data=st.data(), computed=COMPUTED)
     def preempt(self, data: st.DataObject, computed: int) -> None:
-        """A running request loses its blocks and is asked again (vLLM's preemption)."""
-        req_id = data.draw(st.sampled_from(sorted(self.running - set(self.reading))))
+        """A running request loses its blocks and is asked again (vLLM's preemption), its
+        sync load's plan perhaps not reported yet (async scheduling)."""
+        req_id = data.draw(st.sampled_from(sorted(self.running)))
         self.running.discard(req_id)
         self.ask(req_id, computed)
 
@@ -183,7 +186,7 @@ class SchedulerLeases(RuleBasedStateMachine):
         self.collect()
         assert len(set(self.released)) == len(self.released), f"released twice: {self.released}"
         assert set(self.released) <= set(self.given)
-        early = set(self.reading.values()) & set(self.released)
+        early = set(self.reading) & set(self.released)
         assert not early, f"released while a load copies from it: {early}"
         copied = self.planned - self.failed  # leases a load copied from, and did not fail
         assert not self.unread & copied, "a lease a load copied from was given back as unread"

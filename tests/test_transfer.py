@@ -10,6 +10,7 @@ import os
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from support.cluster import wait_for
 from support.records import disk_records
 from support.services import counters, service_config, stop_service
 
@@ -103,3 +104,37 @@ def test_a_save_longer_than_the_window_is_one_chain_in_the_fetches_waves(tmp_pat
         stop_service(store)  # DRAM's chunks go down to disk, each with its parent
     parents = {header.key: header.parent for header in disk_records(os.path.join(disk_dir, "disk"))}
     assert [parents[key] for key in keys] == [b"p" * 16, *keys[:-1]]
+
+
+def test_a_fetch_that_fails_past_the_clients_errors_leaves_no_pin_held(tmp_path, monkeypatch):
+    """A wave's pins go back with a later Pin: where that Pin fails with a fault other than
+    the service's errors (whether its Unpin was sent or not), the load misses from there,
+    no exception reaches the engine, and the connection is dropped with every pin it held,
+    so a load after it pins the whole window again."""
+    store = service_config(tmp_path, dram="8MiB")
+    reads, writes = service_pages(store, "config", CHUNK, b"t" * 16)
+    try:
+        client = reads.link.get()
+        assert client is not None
+        count = 3 * (client.memory.slots // 2)  # three whole waves
+        keys = [i.to_bytes(16, "big") for i in range(1, count + 1)]
+        written = np.random.default_rng(5).integers(0, 256, count * CHUNK, dtype=np.uint8)
+        assert all(writes.save(keys, _pages(written)))
+        pin, pins = client.pin, []
+
+        def faulty_pin(*args, **kwargs):
+            pins.append(args)
+            if len(pins) == 3:
+                raise ValueError("a reply of the wrong shape")
+            return pin(*args, **kwargs)
+
+        monkeypatch.setattr(client, "pin", faulty_pin)
+        half = client.memory.slots // 2
+        assert reads.load(keys, _pages(np.zeros_like(written))) == [True] * 2 * half + [False] * half
+        loaded = np.zeros_like(written)
+        wait_for(lambda: reads.load(keys, _pages(loaded)) == [True] * count, 10, "a load on a new connection")
+        assert np.array_equal(loaded, written)
+    finally:
+        reads.close()
+        writes.close()
+        stop_service(store)

@@ -132,8 +132,9 @@ class SchedulerRole:
         several KV cache groups (`load.failed_requests`; one out of LOAD_TRIES is a miss
         until it finishes), else by block (`load.failed_blocks`, vLLM keeps the prefix
         before the first)."""
-        self.core.saves_done(done_saves)
+        # Leases first: a report lost to a fault after it would hold their DRAM for good.
         self.core.step_done(finished_loads, failed_requests, failed_blocks, loaded_steps)
+        self.core.saves_done(done_saves)
         if not (failed_requests or failed_blocks):
             self.report_counters()
             return

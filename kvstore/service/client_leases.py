@@ -3,7 +3,8 @@ tier itself (Pin), and the runs its lookups lease for its engine's workers (Resi
 with `lease_from`).
 
 Invariants: a lease is held by one client under a number only that client can give back
-(Unpin, or a later lookup's release); whatever way a client leaves, every lease it holds
+(Unpin, or a later lookup's release), and no other connection of the service's life was
+given; whatever way a client leaves, every lease it holds
 goes back (`release_all`). A client's own pins together cover at most its window's slots.
 Its lookups' leases count against its user's budget, `service.scheduler_leases` for all
 that user's connections together, taken before the pin so that no two lookups overrun it,
@@ -24,15 +25,18 @@ from kvstore.store.tiered import TieredStore
 
 
 class HeldLeases:
-    """One client's leases by number, and which of them its lookups took."""
+    """One client's leases by number, and which of them its lookups took. Numbers are
+    unique over every connection of the service's life: a client that reconnects and still
+    gives back a number of its old connection's names no lease of its new one."""
+
+    _numbers = itertools.count(1)  # every client's (next() on it is atomic)
 
     def __init__(self, uid: int) -> None:
         self.uid = uid
         self._leases: dict[int, tuple[Lease, bool]] = {}  # number -> (lease, a lookup's)
-        self._numbers = itertools.count(1)
 
     def add(self, lease: Lease, lookup: bool) -> int:
-        number = next(self._numbers)
+        number = next(HeldLeases._numbers)
         self._leases[number] = (lease, lookup)
         return number
 

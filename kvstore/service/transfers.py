@@ -1,6 +1,7 @@
 """Chunks moving between a client and the store: Get and Put through the client's window,
 Pin and Unpin for a client that copies chunks out of the mapped DRAM tier itself (a Pin
-may carry the Unpin of the waves copied before it, done first).
+may carry the Unpin of the waves copied before it, done first: done even where the pin
+then fails its checks, as the client drops its connection on any error anyway).
 
 What a request names is checked against the client's session before the store sees any
 of it: the store must be made and the connection must have a window (a hello with a

@@ -111,9 +111,12 @@ class Leases:
         for lease, load in list(self._loads.items()):
             if load.step is None:
                 continue  # not shipped: no worker has it
-            load.failed = load.failed or load.req_id in failed or not bad.isdisjoint(load.blocks)
-            if load.sync:
-                load.reports += reports.get(load.step, 0)
+            ran = reports.get(load.step, 0) if load.sync else 0
+            # A sync load's failed blocks come in the report of the plan it ran in: a block
+            # failed in another plan's load is not its own (freed by a preemption since).
+            mine = not bad.isdisjoint(load.blocks) and (ran > 0 or not load.sync)
+            load.failed = load.failed or load.req_id in failed or mine
+            load.reports += ran
             if load.reports >= self._ranks if load.sync else load.req_id in ended | failed:
                 del self._loads[lease]
                 (self._unread if load.failed else self._read).append(lease)
