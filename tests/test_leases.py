@@ -354,6 +354,28 @@ def test_a_client_not_given_the_tier_cannot_pin(config):
         client.close()
 
 
+def test_a_lease_number_of_an_old_connection_names_nothing_on_a_new_one(config):
+    """A client that reconnects may still give back its old connection's lease numbers
+    (a scheduler's released leases ride on its next lookup): they name no lease of the
+    new connection, whose pins stay held."""
+    old = StoreClient(load_config(config), CHUNK)
+    try:
+        assert _put(old, _keys(1, 2)) == [True, True]
+        stale, _, _ = old.pin(_keys(1, 1))
+    finally:
+        old.close()
+    new = StoreClient(load_config(config), CHUNK)
+    try:
+        lease, offsets, _ = new.pin(_keys(1, 2))
+        assert lease != stale and all(offset >= 0 for offset in offsets)
+        new.unpin([stale])  # the old number: unknown here
+        for first in (10, 10 + SLOTS // 2):  # DRAM turns over, the 2 oldest first to go...
+            assert _put(new, _keys(first, SLOTS // 2)) == [True] * (SLOTS // 2)
+        assert new.residency(_keys(1, 2))[1] == 2  # ...but the 2 pinned stay
+    finally:
+        new.close()
+
+
 # -- the lease taken at the lookup (a scheduler's), used by its workers ---------------------
 
 
