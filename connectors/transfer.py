@@ -19,7 +19,7 @@ vLLM's worker (loads.py, saves.py, stages.py) and the engines that name pages by
   same waves a fetch takes, each wave gathered into one half of the window while the
   wave before it is put from the other (PageIO's saves); vLLM's saves gather within
   their engine step and put behind it (saves.py), by the same wave and parent rules.
-- failure: a `KVStoreError` (or, in a fetch, any fault) is logged, the connection dropped
+- failure: a `KVStoreError` (or any other fault) is logged, the connection dropped
   (which releases every pin it holds) and the chunks it carried miss; a miss is never an
   exception to the engine.
 """
@@ -127,23 +127,21 @@ class Transfers:
         """One wave: pin what the mapped tier can hold (disk hits promoted there first; with
         `checks_copies`, the copy verifies them, not the service), the rest into window slots
         from `first_slot`. All misses once the link dropped `client`. The leases of `done`
-        (waves copied) are given back by the same Pin, before it pins (`release`)."""
+        (waves copied) are given back by the same Pin, before it pins (`release`). Raises
+        what its requests raised: the caller drops the connection (`failed`), but only once
+        no copy reads the tier under the pins it holds (`fetch_waves`)."""
         fetched = Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
         leases, good, bad = _handed_back(done)
         if self.link.peek() is not client:
             return fetched
-        try:
-            if client.memory.tier is not None:
-                fetched.lease, fetched.offsets, fetched.checks = client.pin(
-                    keys, not checks_copies, leases, good, bad)
-            rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
-            if rest and client.memory.window is not None:
-                found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
-                for j, ok in zip(rest, found, strict=True):
-                    fetched.in_window[j] = ok
-        except Exception as exc:  # whether its Unpin was done or not, dropping the connection undoes it all
-            self.failed("fetch", exc)
-            return Fetched(first_slot, [-1] * len(keys), [False] * len(keys))
+        if client.memory.tier is not None:
+            fetched.lease, fetched.offsets, fetched.checks = client.pin(
+                keys, not checks_copies, leases, good, bad)
+        rest = [j for j, offset in enumerate(fetched.offsets) if offset < 0]
+        if rest and client.memory.window is not None:
+            found = client.get([keys[j] for j in rest], [first_slot + j for j in rest])
+            for j, ok in zip(rest, found, strict=True):
+                fetched.in_window[j] = ok
         return fetched
 
     def release(self, client: StoreClient, waves: Sequence[Fetched]) -> None:
@@ -154,7 +152,7 @@ class Transfers:
             return  # no pins, or a dropped connection released them
         try:
             client.unpin(leases, good, bad)
-        except KVStoreError as exc:
+        except Exception as exc:  # a fault past the service's errors too: the drop releases them
             self.failed("release", exc)
 
     def fetch_waves(self, client: StoreClient, keys: Sequence[bytes], copy: Copy,
@@ -164,18 +162,29 @@ class Transfers:
         A wave's lease goes back with the first fetch sent after its copy (that fetch's Pin
         gives it back before pinning, so the pins held never pass the window); the last
         waves' in one Unpin, on the fetch thread. On return no fetch is writing the window
-        and no pin is held, also when `copy` raised: W waves are W Pins and one Unpin.
-        `checks_copies`: the copy verifies the disk hits the service leaves unverified
-        (Fetched.checks)."""
+        and no pin is held, also when `copy` raised: W waves are W Pins and one Unpin. A
+        fetch that fails (any fault) ends the requests: the waves after it miss, and the
+        connection, with every pin it holds, is dropped only after the last copy, as a copy
+        out of the tier reads under the pins of its wave (dropped under it, another client's
+        put could reuse the slot mid-copy). `checks_copies`: the copy verifies the disk hits
+        the service leaves unverified (Fetched.checks)."""
         half = max(1, client.memory.slots // 2)
         ahead = client.memory.slots >= 2  # a window of one slot cannot fetch ahead
         waves = wave_plan(len(keys), half)
         if not waves:
             return
 
+        fault: list[Exception] = []  # the first fetch's: no request goes out after it
+
         def fetch(k: int, done: list[Fetched]) -> Fetched:
-            return self.fetch(client, [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0,
-                              checks_copies, done)
+            wave, first = [keys[i] for i in waves[k]], half * (k % 2) if ahead else 0
+            if not fault:
+                try:
+                    return self.fetch(client, wave, first, checks_copies, done)
+                except Exception as exc:  # its Unpin done or not: the drop below undoes it all
+                    fault.append(exc)
+            _handed_back(done)  # released with the connection
+            return Fetched(first, [-1] * len(wave), [False] * len(wave))
 
         copied: list[Fetched] = []  # waves copied whose leases the next fetch gives back
         next_fetch = self._fetcher.submit(fetch, 0, [])
@@ -197,7 +206,15 @@ class Transfers:
                 if next_fetch is not taken:
                     copied.append(last)
             finally:  # also when that fetch raised: the waves copied go back
-                self._fetcher.submit(self.release, client, copied).result()
+                self._fetcher.submit(self._settle, client, copied, fault).result()
+
+    def _settle(self, client: StoreClient, copied: list[Fetched], fault: list[Exception]) -> None:
+        """After the last copy: the waves' leases go back, or after a fetch's fault the
+        connection is dropped, and every pin it held with it."""
+        if not fault:
+            self.release(client, copied)
+        elif self.link.peek() is client:
+            self.failed("fetch", fault[0])
 
     def store_waves(self, client: StoreClient, keys: Sequence[bytes], gather: Gather,
                     parent: bytes | None, namespace: bytes | None = None) -> list[bool]:
@@ -240,7 +257,7 @@ class Transfers:
             return [False] * len(keys)
         try:
             return client.put(keys, slots, parent, namespace)
-        except KVStoreError as exc:
+        except Exception as exc:  # a fault past the service's errors too: the chunks miss
             self.failed("store", exc)
             return [False] * len(keys)
 

@@ -6,6 +6,7 @@ and saves of more pages than the window are one chain."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 from hypothesis import given
@@ -17,6 +18,8 @@ from support.services import counters, service_config, stop_service
 from connectors.page_io import service_pages
 from connectors.transfer import TAIL_SPLIT, wave_plan
 from kvstore.config.store import load_config
+from kvstore.format.errors import KVStoreError
+from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient
 
 CHUNK = 64 << 10
@@ -135,6 +138,57 @@ def test_a_fetch_that_fails_past_the_clients_errors_leaves_no_pin_held(tmp_path,
         wait_for(lambda: reads.load(keys, _pages(loaded)) == [True] * count, 10, "a load on a new connection")
         assert np.array_equal(loaded, written)
     finally:
+        reads.close()
+        writes.close()
+        stop_service(store)
+
+
+def test_a_failed_fetch_drops_the_connection_only_after_the_copy_under_its_pins(tmp_path, monkeypatch):
+    """The next wave's fetch fails while this wave is copied out of the tier: the
+    connection, and the pins this copy reads under, stay until the copy ends, so another
+    client's puts cannot reuse those slots mid-copy (dropped at once, they could: the copy
+    would take another chunk's bytes for these keys)."""
+    store = service_config(tmp_path, dram=24 * record_bytes(CHUNK))
+    reads, writes = service_pages(store, "config", CHUNK, b"t" * 16)
+    filler = StoreClient(load_config(store), CHUNK)
+    try:
+        client = reads.link.get()
+        assert client is not None
+        half = client.memory.slots // 2
+        keys = [i.to_bytes(16, "big") for i in range(1, 2 * half + 1)]
+        written = np.random.default_rng(6).integers(0, 256, 2 * half * CHUNK, dtype=np.uint8)
+        assert all(writes.save(keys, _pages(written)))
+        pin, failed = client.pin, threading.Event()
+
+        def pin_then_fail(*args, **kwargs):
+            if failed.is_set() or args[0][0] != keys[0]:
+                failed.set()
+                raise KVStoreError("the service's deadline passed")
+            return pin(*args, **kwargs)
+
+        copied: dict[int, bytes] = {}
+
+        def copy(wave, fetched):
+            if wave.start == 0:
+                assert failed.wait(10)  # the next wave's fetch failed meanwhile
+                for first in range(0, 24, 4):  # another client turns DRAM over
+                    for i in range(4):
+                        filler.memory.slot(i)[:] = bytes([200 + i]) * CHUNK
+                    filler.put([bytes([250, first + i]) * 8 for i in range(4)], range(4))
+            for j, i in enumerate(wave):
+                source = fetched.source(client.memory, j)
+                if source is not None:
+                    copied[i] = bytes(source)
+
+        monkeypatch.setattr(client, "pin", pin_then_fail)
+        reads.transfers.fetch_waves(client, keys, copy)
+        assert sorted(copied) == list(range(half))  # the first wave only: the rest missed
+        for i, data in copied.items():  # a page is its chunk's second half, then its first
+            page = written[i * CHUNK : (i + 1) * CHUNK].tobytes()
+            assert data == page[CHUNK // 2 :] + page[: CHUNK // 2], i
+        assert reads.link.peek() is None  # dropped, once the copy was over
+    finally:
+        filler.close()
         reads.close()
         writes.close()
         stop_service(store)

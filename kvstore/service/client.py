@@ -139,13 +139,14 @@ class StoreClient:
         self._conn.request(P.Count(dict(counters)))
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        return list(self._conn.request(P.Get(list(keys), list(slots))))
+        return _per_key(self._conn.request(P.Get(list(keys), list(slots))), len(keys), "get")
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int],
             parent: bytes | None = None, namespace: bytes | None = None) -> list[bool]:
         """Store chunk keys[i] from window slot slots[i]; their headers name `namespace`
         (the digest of the namespace the keys were made in; None: this client's hello's)."""
-        return list(self._conn.request(P.Put(list(keys), list(slots), parent, namespace)))
+        reply = self._conn.request(P.Put(list(keys), list(slots), parent, namespace))
+        return _per_key(reply, len(keys), "put")
 
     def announce(self, namespaces: Sequence[tuple[bytes, Mapping[str, str | int]]]) -> None:
         """Tell the service which namespaces this client stores under, described (their
@@ -172,6 +173,8 @@ class StoreClient:
         round trip."""
         done = P.Unpin(list(release), list(good), list(bad)) if release else None
         lease, offsets, checks = self._conn.request(P.Pin(list(keys), verify, done))
+        if len(offsets) != len(keys) or len(checks) > len(keys):
+            raise P.ProtocolError(f"a pin of {len(keys)} keys answered {len(offsets)} offsets")
         return int(lease), [int(o) for o in offsets], [None if c is None else int(c) for c in checks]
 
     def unpin(self, leases: Sequence[int], good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> None:
@@ -220,6 +223,14 @@ class Found:
     pending: bool
     lease: int = 0
     offsets: tuple[tuple[int, ...], ...] = ()
+
+
+def _per_key(reply: Any, count: int, what: str) -> list[bool]:
+    """A reply of one bool per key, checked: a service that answers otherwise is a
+    protocol error (KVStoreError), never a list that pairs answers with the wrong keys."""
+    if not isinstance(reply, list) or len(reply) != count or not all(isinstance(ok, bool) for ok in reply):
+        raise P.ProtocolError(f"a {what} of {count} keys was not answered with {count} bools")
+    return reply
 
 
 def _leased(extra: Sequence[Any], first: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
