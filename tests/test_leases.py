@@ -21,6 +21,7 @@ import xxhash
 from support.records import corrupt_record
 from support.services import service_config, stop_service
 
+from bench.support.processes import paused
 from engine_plugin.vllm.core.plan import Transfer
 from engine_plugin.vllm.core.worker_side import WorkerCore
 from engine_plugin.vllm.layout import PagedKVLayout
@@ -29,6 +30,7 @@ from kvstore.format.errors import KVStoreError
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
 from kvstore.service.client import StoreClient
+from kvstore.service.client_connection import ServiceUnavailable
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramTier
 
@@ -374,6 +376,33 @@ def test_a_lease_number_of_an_old_connection_names_nothing_on_a_new_one(config):
         assert new.residency(_keys(1, 2))[1] == 2  # ...but the 2 pinned stay
     finally:
         new.close()
+
+
+def test_a_request_that_timed_out_leaves_the_pins_held_until_its_owner_closes(config):
+    """A hung service (SIGSTOP) times a client's request out: no request goes out on that
+    connection any more, but it stays open, so the pins a copy out of the tier may still
+    be reading under hold until the client's owner closes it (closed at the timeout, a
+    put could reuse those slots under the copy)."""
+    client = StoreClient(load_config(config), CHUNK, timeout_s=0.5)
+    filler = StoreClient(load_config(config), CHUNK)
+    try:
+        assert _put(client, _keys(1, 2)) == [True, True]
+        _, offsets, _ = client.pin(_keys(1, 2))
+        assert all(offset >= 0 for offset in offsets)
+        with paused(int(filler.info()["service_pid"])), pytest.raises(ServiceUnavailable, match="no answer"):
+            client.info()
+        with pytest.raises(ServiceUnavailable):
+            client.pin(_keys(1, 1))  # no request after a timed-out one
+        for first in (10, 10 + SLOTS // 2):  # DRAM turns over, the 2 oldest first to go...
+            assert _put(filler, _keys(first, SLOTS // 2)) == [True] * (SLOTS // 2)
+        assert filler.residency(_keys(1, 2))[1] == 2  # ...but the 2 pinned stay
+        client.close()
+        for first in (20, 20 + SLOTS // 2):
+            assert _put(filler, _keys(first, SLOTS // 2)) == [True] * (SLOTS // 2)
+        assert filler.residency(_keys(1, 2))[1] == 0  # closed: released
+    finally:
+        client.close()
+        filler.close()
 
 
 # -- the lease taken at the lookup (a scheduler's), used by its workers ---------------------

@@ -5,8 +5,10 @@ from hypothesis import strategies as st
 from kvstore.format.record import (
     HEADER_BLOCK,
     HEADER_LEN,
+    KEY_OFFSET,
     HeaderState,
     MissReason,
+    RecordEncoder,
     RecordHeader,
     TensorSpec,
     check_record,
@@ -117,3 +119,25 @@ def test_a_record_checked_on_its_way_to_the_caller_still_misses_on_a_bad_checksu
     assert out == payload
     payload[5000] ^= 1
     assert check_record(block, memoryview(payload), b"k" * 16, memoryview(out))[1] is MissReason.BAD_CHECKSUM
+
+
+def test_a_record_written_over_another_unnames_it_before_any_byte_of_its_payload(monkeypatch):
+    """A slot's old key stays until the new header: a reader that checks the key before and
+    after copying a payload out (one whose pin went with another connection) would take a
+    payload rewritten under its copy for the old key's. The key goes first."""
+    from kvstore.format import record
+
+    image = memoryview(bytearray(HEADER_BLOCK + 4096))
+    encoder = RecordEncoder()
+    encoder.write(image, b"o" * 16, None, 1, memoryview(b"\x01" * 4096))
+    named_during_copy = []
+    copy = record.xxh3_64_copy
+
+    def watched(dst, src):
+        named_during_copy.append(bytes(image[KEY_OFFSET : KEY_OFFSET + 16]))
+        return copy(dst, src)
+
+    monkeypatch.setattr(record, "xxh3_64_copy", watched)
+    encoder.write(image, b"n" * 16, None, 2, memoryview(b"\x02" * 4096))
+    assert named_during_copy == [bytes(16)]  # neither the old key nor the new one yet
+    assert bytes(image[KEY_OFFSET : KEY_OFFSET + 16]) == b"n" * 16

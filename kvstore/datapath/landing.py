@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvstore.datapath.placement import DramPlacement
 from kvstore.datapath.prefetch_ledger import PrefetchLedger
-from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record
+from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record, invalidate_header
 from kvstore.io.base import IoBuffer
 from kvstore.io.regions import DirectRegions, Region
 from kvstore.io.staging import StagingPool
@@ -96,6 +96,7 @@ class Landings:
                 # written down: a pin taken before would keep `take_over` from owning it.
                 assert self.placement is not None
                 slot = self.placement.dram.slot_memory(landing.reservation.slot)
+                invalidate_header(slot.views[0])  # before the read lands, in whatever order it writes
                 landing.memory, landing.payload = [slot], self._payload(slot)
                 stack.callback(landing.close)
         return planned

@@ -148,8 +148,10 @@ class RecordEncoder:
 
     def write(self, image: memoryview, key: bytes, parent: bytes | None, seq: int,
               payload: memoryview, namespace: bytes | None = None) -> RecordHeader:
-        """The whole record written into `image` (a slot or a staging buffer): the payload
-        copied and hashed in one pass over memory (xxh3_64_copy), then its header."""
+        """The whole record written into `image` (a slot or a staging buffer): the header it
+        held zeroed first (`invalidate_header`), the payload copied and hashed in one pass
+        over memory (xxh3_64_copy), then its header."""
+        invalidate_header(image)
         checksum = xxh3_64_copy(image[HEADER_BLOCK : HEADER_BLOCK + len(payload)], payload)
         header = self.header(key, parent, seq, payload, namespace, checksum)
         pack_header(header, image)
@@ -177,7 +179,12 @@ def pack_header(header: RecordHeader, block: memoryview) -> None:
 
 
 def invalidate_header(block: memoryview) -> None:
-    """Zero a header block: the slot then reads back as EMPTY."""
+    """Zero a header block: the slot then reads back as EMPTY. Done before anything of a
+    new record is written into a DRAM slot: a reader that copies a payload out of the
+    shared tier whose pin may have gone with another connection (a scheduler's lease)
+    checks the key before and after its copy, and the old key would stay until the new
+    header, so a payload rewritten under the copy would pass both checks (x86 keeps
+    stores in order)."""
     block[:HEADER_BLOCK] = bytes(HEADER_BLOCK)
 
 

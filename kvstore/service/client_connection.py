@@ -151,27 +151,30 @@ class Connection:
     late answer from being read as the next request's holds for every request in one
     place. Invariants: a request either returns its reply's value, raises KVStoreError
     for an error reply (the service refused this request; the connection stays), or
-    raises ServiceUnavailable; a request that timed out or lost the frame stream closes
-    the connection first, and every request after that is ServiceUnavailable at once.
+    raises ServiceUnavailable; after a request that timed out or lost the frame stream,
+    every request is ServiceUnavailable at once (a late answer is never read as another's).
+    A lost stream closes the connection then; a request that only timed out leaves it open
+    until its owner closes it: the service still holds the pins it took for this client,
+    and a copy out of the tier may still be reading under them.
     `timeout_s` is a request's deadline unless the request names its own.
     """
 
     def __init__(self, channel: P.Channel, timeout_s: float) -> None:
         self._channel: P.Channel | None = channel
+        self._ended = ""  # why no request goes out any more (a timed-out one)
         self.timeout_s = timeout_s
 
     def request(self, message: msgspec.Struct, timeout_s: float | None = None) -> Any:
         name = type(message).__name__
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self._channel is None:
-            raise ServiceUnavailable("connection to the kvstore service was dropped")
+        if self._channel is None or self._ended:
+            raise ServiceUnavailable(self._ended or "connection to the kvstore service was dropped")
         try:
             self._channel.send(message)
             reply = self._channel.recv(P.REPLY, timeout_s)
         except TimeoutError:
-            self.close()
-            raise ServiceUnavailable(f"kvstore service gave no answer to '{name}' in "
-                                     f"{timeout_s:g} s") from None
+            self._ended = f"kvstore service gave no answer to '{name}' in {timeout_s:g} s"
+            raise ServiceUnavailable(self._ended) from None
         except (OSError, EOFError, P.ProtocolError) as exc:
             self.close()
             raise ServiceUnavailable(f"kvstore service connection lost during '{name}': {exc}") from exc
