@@ -68,8 +68,9 @@ class ServiceLink:
                 self._reconnect = None
                 try:
                     self._adopt(pending.result())
-                except (KVStoreError, OSError) as exc:
-                    log.warning("kvstore service unavailable (%s); loads miss and saves drop", exc)
+                except Exception as exc:  # any fault of a reconnect (launcher, hello): wait, try again
+                    log.warning("kvstore service unavailable (%s); loads miss and saves drop", exc,
+                                exc_info=not isinstance(exc, (KVStoreError, OSError)))
                     self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
             return self._client
 

@@ -282,6 +282,30 @@ def test_a_reconnect_to_a_hung_service_holds_the_caller_no_longer_than_a_request
     assert 0.5 <= elapsed < 2.0, elapsed
 
 
+def test_a_reconnect_that_fails_any_way_is_a_miss_and_waits_its_turn(service, monkeypatch):
+    """A reconnect may fail past the service's errors (a launcher's output that is not a
+    pid, a hello's reply that cannot be taken apart): the caller gets a miss, not the
+    fault, and the next try waits RECONNECT_INTERVAL_S, as after a refused one."""
+    made: list[int] = []
+
+    def make() -> StoreClient:
+        made.append(1)
+        if len(made) > 1:
+            raise ValueError("invalid literal for int() with base 10: ''")
+        return StoreClient(load_config(service), 512 << 10, timeout_s=0.5)
+
+    link = ServiceLink(make)
+    link.start()
+    try:
+        monkeypatch.setattr(link_module, "RECONNECT_INTERVAL_S", 0.0)
+        link.fail()  # a reconnect is due at once
+        monkeypatch.setattr(link_module, "RECONNECT_INTERVAL_S", 60.0)
+        assert link.get() is None and link.get() is None
+        assert len(made) == 2  # one reconnect: the second get waits its turn
+    finally:
+        link.close()
+
+
 @pytest.mark.parametrize("fail_requests", [False, True], ids=["by-block", "by-request"])
 def test_a_load_given_up_by_the_scheduler_fails_every_block_and_finishes(service, fail_requests):
     """After a fault the scheduler gives a planned load up (StepPlan.give_up): the workers
