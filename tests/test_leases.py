@@ -218,6 +218,30 @@ def test_a_disk_hit_is_read_into_a_dram_slot_verified_there_and_leased(disk_dir,
     assert store.lookup([keys[1]]).count == 0  # the record that did not verify left the index
 
 
+def test_a_lease_whose_disk_read_fails_any_way_leaves_no_pin(disk_dir, store_factory, monkeypatch):
+    """A lease pins its DRAM hits, then reads the rest from disk: should that read raise
+    (an io_uring that cannot be set up on a new thread), the DRAM hits pinned so far go
+    back with the error, so their slots can be evicted again."""
+    keys = _keys(1, 4)
+    first = store_factory(_disk_config(disk_dir))
+    assert first.put_many(keys, [k[:1] * CHUNK for k in keys]) == [True] * 4
+    first.close()  # every chunk on disk
+    store = store_factory(_disk_config(disk_dir))
+    assert store.get_many(keys[:1], [np.zeros(CHUNK, np.uint8)]) == [True]  # keys[0] promoted to DRAM
+    assert store.lookup(keys[:1]).tiers == ("dram",)
+
+    def fails(*args, **kwargs):
+        raise OSError(12, "io_uring_setup: Cannot allocate memory")
+
+    monkeypatch.setattr(store.parts.reader, "read", fails)
+    with pytest.raises(OSError):
+        store.shared_dram.lease(keys[:2])  # keys[0] from DRAM, keys[1] from disk
+    monkeypatch.undo()
+    others = _keys(10, 2 * SLOTS)  # DRAM turns over: keys[0] may go
+    store.put_many(others, [k[:1] * CHUNK for k in others])
+    assert "dram" not in store.lookup(keys[:1]).tiers
+
+
 @pytest.mark.parametrize("dram", ["free", "all pinned"])
 def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(disk_dir, tmp_path, dram):
     config = {**_disk_config(disk_dir), **service_config(tmp_path)}

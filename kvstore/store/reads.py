@@ -47,11 +47,19 @@ class Reads:
         `unchecked`, their payloads left for the reader to verify as it copies: recorded
         there, unpublished); peers are not asked (the caller gets the rest through `get`,
         which counts them: here only what is served; without `as_get` not yet, see
-        store/leases.py)."""
+        store/leases.py). Should the read raise, what it pinned so far goes back first."""
         held: dict[int, int] = {}
-        if self.parts.dram is None:
+        dram = self.parts.dram
+        if dram is None:
             return held
-        self._read(keys, None, held, from_disk, unchecked)
+        try:
+            self._read(keys, None, held, from_disk, unchecked)
+        except BaseException:
+            for slot in held.values():
+                dram.table.unpin(slot)
+            for entry in (unchecked or {}).values():
+                entry.reservation.release()
+            raise
         self.parts.stats.add("dram.leased", len(held))
         if as_get:  # a pin is the get of what it serves
             count_gets(self.parts, len(held))
