@@ -26,7 +26,7 @@ from support.services import service_client, small_service_config, stop_service
 
 from bench.support.processes import paused
 from bench.support.sglang_host_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
-from kvstore.format.errors import ConfigError
+from kvstore.format.errors import ConfigError, KVStoreError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra")
 
@@ -559,6 +559,46 @@ def test_mla_ranks_share_extra_pools_but_each_keeps_its_own_mamba_state(store):
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_a_reconnect_after_clear_that_fails_is_misses_for_a_while_not_for_good(store, monkeypatch):
+    """clear() reconnects in the new generation's namespace on the next call, not on
+    SGLang's thread that cleared; a reconnect that fails (a service that cannot start) is
+    misses until a later one connects, never the storage tier off until a restart."""
+    from engine_plugin.sglang import hicache
+
+    pools = hybrid_pools()
+    backend_ = attach(backend(store, pools["kv"]), pools)
+    try:
+        written = pools["kv"].alloc(PAGES * PAGE_SIZE)
+        assert backend_.batch_set_v1(KEYS, written) == [True] * PAGES
+        connect, tries = hicache.service_pages, []
+
+        def fails_once(*args, **kwargs):
+            tries.append(1)
+            if len(tries) == 1:
+                raise KVStoreError("kvstore service failed to start: (a fault)")
+            return connect(*args, **kwargs)
+
+        monkeypatch.setattr(hicache, "service_pages", fails_once)
+        backend_.clear()
+        assert tries == []  # nothing connected on the clearing thread
+        assert backend_.batch_exists(KEYS) == 0  # the reconnect failed: a miss
+        assert backend_.batch_get_v1(KEYS, pools["kv"].alloc(PAGES * PAGE_SIZE)) == [False] * PAGES
+        assert tries == [1]  # not again before REOPEN_S
+        monkeypatch.setattr(hicache, "REOPEN_S", 0.0)
+        backend_.close()  # closed for good: no reconnect after it
+        assert backend_.batch_exists(KEYS) == 0 and tries == [1]
+    finally:
+        backend_.close()
+    again = attach(backend(store, pools["kv"]), pools)
+    try:
+        again.clear()
+        monkeypatch.setattr(hicache, "REOPEN_S", 0.0)
+        assert again.batch_set_v1(KEYS, written) == [True] * PAGES  # reconnected, new generation
+        assert again.batch_exists(KEYS) == PAGES
+    finally:
+        again.close()
 
 
 def test_clear_starts_a_new_generation_whose_lookups_miss_what_was_stored_before(store, tmp_path):

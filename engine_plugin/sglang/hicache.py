@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -62,6 +63,8 @@ from kvstore.format.keys import Weights, key_digest
 
 log = logging.getLogger("kvstore.sglang")
 
+
+REOPEN_S = 5.0  # the least time between tries to connect again after one failed
 
 def model_path(storage_config: HiCacheStorageConfig) -> str:
     """Where the served weights are: SGLang hands the backend its served model name
@@ -138,6 +141,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.writes: PageIO | None = None
         self._identity = ""
         self._opened: tuple[int, str] | None = None  # the chunk size and layout opened with
+        self._opening = threading.Lock()  # one (re)connect at a time: SGLang calls from several threads
+        self._reopen_at: float | None = None  # when to connect again (None: connected, or closed)
         self._metrics = TransferMetrics(bool(storage_config.enable_storage_metrics))
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -156,8 +161,9 @@ class KVStoreHiCache(HiCacheStorage):
 
     def _open(self, chunk_bytes: int, layout: str) -> None:
         """(Re)connect for pages of `chunk_bytes`; the connection's namespace (what its
-        records' headers name) is this backend's identity, announced described."""
-        self.close()
+        records' headers name) is this backend's identity, announced described. Raises
+        what connecting raised (at start-up, a bad config is an error)."""
+        self._drop()
         mla = "mla" if self.storage_config.is_mla_model else "mha"
         self._identity = f"sglang|{self.model}|{self._weights_id()}|{mla}|{layout}|{chunk_bytes}"
         self._opened = (chunk_bytes, layout)
@@ -166,6 +172,22 @@ class KVStoreHiCache(HiCacheStorage):
             "generation": self.weights.generation, "kv_layout": f"{mla}|{layout}", "chunk_bytes": chunk_bytes}
         self.reads, self.writes = service_pages(self.store, "config", chunk_bytes,
                                                 key_digest(self._identity.encode()), description)
+        self._reopen_at = None
+
+    def _io(self, load: bool) -> PageIO | None:
+        """The reads' or writes' connection pair, made again where it could not be (after
+        clear(), on this caller's thread, at most every REOPEN_S): a failed reconnect is
+        misses for a while, never the backend's end."""
+        if self._reopen_at is not None and time.monotonic() >= self._reopen_at and self._opened is not None:
+            with self._opening:
+                if self._reopen_at is not None and time.monotonic() >= self._reopen_at:
+                    try:
+                        self._open(*self._opened)
+                    except Exception as exc:
+                        self._reopen_at = time.monotonic() + REOPEN_S
+                        log.warning("kvstore: connecting for %s's pages failed (%s); misses until "
+                                    "it connects (tried again in %.0f s)", self.model, exc, REOPEN_S)
+        return self.reads if load else self.writes
 
     def key(self, key: str) -> bytes:
         return key_digest(f"{self._identity}|{self.suffix}|{key}".encode())
@@ -186,7 +208,7 @@ class KVStoreHiCache(HiCacheStorage):
     def _v1(self, keys: list[str], host_indices: torch.Tensor, load: bool,
             extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Pages by address; a save is one chain under the last of SGLang's `prefix_keys`."""
-        io = self.reads if load else self.writes
+        io = self._io(load)
         if io is None or not keys:
             return [False] * len(keys)
         if not load and not self.writer:
@@ -218,10 +240,11 @@ class KVStoreHiCache(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """The length of the leading run of keys the store holds."""
-        if self.reads is None:
+        reads = self._io(load=True)
+        if reads is None:
             return 0
         try:
-            return self.reads.present([self.key(k) for k in keys])
+            return reads.present([self.key(k) for k in keys])
         except Exception:
             log.exception("kvstore lookup failed; counted as a miss")
             return 0
@@ -236,7 +259,8 @@ class KVStoreHiCache(HiCacheStorage):
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """The usable prefix: the KV run, shrunk by each extra pool's hit policy."""
-        return self.pools.exists(self.reads, keys, self.batch_exists(keys), pool_transfers or [])
+        run = self.batch_exists(keys)  # first: it reconnects where due
+        return self.pools.exists(self.reads, keys, run, pool_transfers or [])
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
@@ -248,7 +272,7 @@ class KVStoreHiCache(HiCacheStorage):
 
     def _v2(self, transfers: list[PoolTransfer], load: bool,
             extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        io = self.reads if load else self.writes
+        io = self._io(load)
         return {t.name: self._v1(list(t.keys or []), t.host_indices, load, extra_info)
                 if str(t.name) == PoolName.KV.value
                 else self.pools.move(io, t, load) for t in transfers}
@@ -263,9 +287,11 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys or (flat := host_tensors(keys, tensors)) is None:
             return [False] * len(keys)
         pages: list[Segments] = [[(t.data_ptr(), t.numel() * t.element_size())] for t in flat]
-        if self.reads is None:  # no host pool registered: the first page's size is the chunk's
-            self._open(pages[0][0][1], "flat")
-        io = self.reads if load else self.writes
+        if self._opened is None:  # no host pool registered: the first page's size is the chunk's
+            with self._opening:
+                if self._opened is None:
+                    self._opened, self._reopen_at = (pages[0][0][1], "flat"), 0.0
+        io = self._io(load)
         if io is None or any(page[0][1] != io.chunk_bytes for page in pages):
             return [False] * len(keys)
         if not load and not self.writer:
@@ -310,12 +336,19 @@ class KVStoreHiCache(HiCacheStorage):
         Nothing is deleted: the tiers are shared with other engines (`kvstore purge`)."""
         self.weights = Weights(self.weights.fingerprint, secrets.token_hex(8))
         self.pools.rekey(self._pools_prefix())
-        if self._opened is not None:
-            self._open(*self._opened)
+        with self._opening:  # reconnected in the new generation's namespace by the next call
+            self._drop()
+            self._reopen_at = 0.0 if self._opened is not None else None
         log.info("kvstore: clear() started generation %s of %s's pages (nothing deleted)",
                  self.weights.generation, self.model)
 
     def close(self) -> None:
+        with self._opening:
+            self._reopen_at = None  # for good
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close the connection pair (the old generation's, or for good)."""
         for io in (self.reads, self.writes):
             if io is not None:
                 io.close()

@@ -219,7 +219,7 @@ class HybridPools:
         page and per wave of present ones."""
         host = self.pools.get(str(name))
         present = [False] * len(keys)
-        if host is None or io is None or not keys:
+        if host is None or io is None or not keys or host.page_bytes <= 0:  # no pages: nothing held
             return present
         n = host.parts(io.chunk_bytes)
         chunk_keys = host.chunk_keys(keys, io.chunk_bytes)
