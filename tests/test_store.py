@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from support import faults
+from support.cluster import wait_for
 from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, read_back
 
 from kvstore.format.errors import ConfigError, DeviceError, ShapeError
@@ -66,6 +67,38 @@ def test_delete_survives_restart(disk_dir, store_factory):
     store.close()
     reopened = store_factory(config)
     assert [reopened.contains(k) for k in keys] == [True, False, True]
+
+
+def test_a_delete_under_a_gets_promotion_is_not_undone_by_it(disk_dir, store_factory, monkeypatch):
+    """A get reads a chunk from disk to promote it into DRAM; a delete of it runs while the
+    read is verified and before it is published: the chunk is not published in DRAM, and
+    after both it is in no tier, nor after a restart (it came back into DRAM, and from
+    there onto disk at the close)."""
+    from kvstore.datapath.landing import Landings
+
+    config = disk_config(disk_dir, 64 * record_bytes(CHUNK_BYTES), dram=2 * record_bytes(CHUNK_BYTES))
+    store = store_factory(config, background=False)
+    keys, payloads = make_keys(4), make_payloads(4)
+    assert store.put_many(keys, payloads) == [True] * 4
+    key = next(k for k in keys if store.lookup([k]).tiers == ("disk",))
+    deletes: list[threading.Thread] = []
+    publish = Landings.publish
+
+    def delete_meanwhile(self, landing, promoted, keep_pin=False):
+        if promoted == key and not deletes:
+            deletes.append(threading.Thread(target=store.delete, args=([key],)))
+            deletes[0].start()
+            wait_for(lambda: store.parts.in_flight.being_deleted(key), 10, "the delete under way")
+        return publish(self, landing, promoted, keep_pin)
+
+    monkeypatch.setattr(Landings, "publish", delete_meanwhile)
+    ok, outs = read_back(store, [key])
+    deletes[0].join(30)
+    assert not deletes[0].is_alive()
+    assert ok == [True] and np.array_equal(outs[0], payloads[keys.index(key)])  # read before the delete
+    assert store.lookup([key]).count == 0
+    store.close()
+    assert store_factory(config, background=False).lookup([key]).count == 0
 
 
 def test_capacity_is_never_exceeded_under_concurrent_writers(disk_dir, engine, store_factory):

@@ -162,7 +162,7 @@ class Flusher:
         deleted while its copy was written is taken off the disk again before it is no
         longer listed, which a delete waits for (copies_in_flight.py)."""
         assert self.dram is not None
-        with self.in_flight.writing([entry.key for entry in entries]):
+        with self.in_flight.copying([entry.key for entry in entries]):
             live = [entry for entry in entries if entry.key in self.dram.table]  # else deleted already
             records = [Record(e.key, e.parent, e.seq, self.dram.slot_memory(e.slot)) for e in live]
             written = dict(zip((e.key for e in live), self.write(records), strict=True))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+from kvstore.datapath.copies_in_flight import CopiesInFlight
 from kvstore.datapath.placement import DramPlacement
 from kvstore.datapath.prefetch_ledger import PrefetchLedger
 from kvstore.format.record import HEADER_BLOCK, MissReason, RecordHeader, check_record, invalidate_header
@@ -57,8 +58,10 @@ class Landing:
 
 class Landings:
     def __init__(self, placement: DramPlacement | None, staging: StagingPool, headers: StagingPool,
-                 regions: DirectRegions, ledger: PrefetchLedger, chunk_bytes: int) -> None:
+                 regions: DirectRegions, ledger: PrefetchLedger, chunk_bytes: int,
+                 in_flight: CopiesInFlight) -> None:
         self.placement = placement  # None: no DRAM tier, nothing is promoted
+        self.in_flight = in_flight  # a chunk being deleted is not promoted (copies_in_flight.py)
         self.ledger = ledger  # told what each read served or promoted
         self.staging = staging
         self.headers = headers
@@ -144,10 +147,17 @@ class Landings:
         landing.header = header
         return None
 
-    @staticmethod
-    def publish(landing: Landing, key: bytes, keep_pin: bool = False) -> None:
+    def publish(self, landing: Landing, key: bytes, keep_pin: bool = False) -> bool:
         """A verified record promoted into DRAM becomes servable there (and, with
-        `keep_pin`, stays pinned for the caller: Reservation.publish)."""
-        if landing.reservation is not None and landing.header is not None:
+        `keep_pin`, stays pinned for the caller: Reservation.publish); one being deleted
+        is not (its slot goes back: False)."""
+        reservation = landing.reservation
+        if reservation is None or landing.header is None:
+            return False
+        with reservation.table.lock:
+            if self.in_flight.being_deleted(key):
+                reservation.release()
+                return False
             parent = None if landing.header.parent == bytes(16) else landing.header.parent
-            landing.reservation.publish(key, parent, landing.header.seq, keep_pin)
+            reservation.publish(key, parent, landing.header.seq, keep_pin)
+        return True

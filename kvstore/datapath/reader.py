@@ -90,7 +90,8 @@ class DiskReader:
             results = self.disk.read([slot for _, slot in reads], [r.memory for r, _ in reads],
                                      self.timeout_s, verify)
             for (landing, slot), result in zip(reads, results, strict=True):
-                self._settle(landing, slot, result, keys[landing.index], pins, ok, held, unchecked)
+                self._settle(landing, slot, result, keys[landing.index], pins, ok, held, unchecked,
+                             copied=outs is not None)
         served = [landing for landing, _ in reads if landing.header is not None]
         if prefetch:
             self.ledger.promoted(keys[r.index] for r in served)
@@ -99,7 +100,11 @@ class DiskReader:
         self.stats.add("disk.bytes_read", self.disk.slot_bytes * sum(r > 0 for r in results))
 
     def _settle(self, landing: Landing, slot: int, result: int, key: bytes, pins: Pins,
-                ok: list[bool], held: dict[int, int] | None, unchecked: dict[int, Unchecked] | None) -> None:
+                ok: list[bool], held: dict[int, int] | None, unchecked: dict[int, Unchecked] | None,
+                copied: bool) -> None:
+        """Settle one read: a miss counted, or served (`copied` to the caller as it was
+        verified; for a lease or a prefetch, only once published in DRAM: not a chunk
+        deleted meanwhile)."""
         if result == TIMED_OUT:  # its memory goes back once the read lands (io/base.py)
             self.stats.miss("disk", MissReason.TIMEOUT, self.disk.describe(slot))
         elif landing.header is None:
@@ -109,7 +114,7 @@ class DiskReader:
             unchecked[landing.index] = Unchecked(landing.reservation.hand_over(), landing.header, slot)
             held[landing.index] = landing.reservation.slot
         else:
-            ok[landing.index] = True
-            self.landings.publish(landing, key, keep_pin=held is not None)
-            if held is not None and landing.reservation is not None:
+            published = self.landings.publish(landing, key, keep_pin=held is not None)
+            ok[landing.index] = published or copied
+            if held is not None and published and landing.reservation is not None:
                 held[landing.index] = landing.reservation.slot

@@ -97,12 +97,21 @@ class SharedDram:
         verified = [slot for i, slot in held.items() if i not in unchecked]
         return Lease(verified, offsets, keys, checks, unchecked, gets_due=0 if as_get else len(held))
 
+    def _still_stored(self, key: bytes, disk_slot: int) -> bool:
+        """Whether a chunk a lease read from disk slot `disk_slot` is still stored there
+        and not being deleted."""
+        disk = self._parts.disk
+        return (not self._parts.in_flight.being_deleted(key) and disk is not None
+                and disk.table.find(key) == disk_slot)
+
     def release(self, lease: Lease, good: Collection[bytes] = (), bad: Collection[bytes] = (),
                 read: bool = False) -> None:
         """Unpin a lease's slots (once: a second release does nothing). Of its unchecked ones,
-        those in `good` (their reader verified them) are published, those in `bad` (their
-        reader found another checksum) released and their disk records dropped and counted,
-        and any other released unpublished. Its gets not counted yet are counted if `read`."""
+        those in `good` (their reader verified them) are published, unless deleted since
+        (no longer on disk where they were read, or being deleted: copies_in_flight.py);
+        those in `bad` (their reader found another checksum) released and their disk
+        records dropped and counted; any other released unpublished. Its gets not counted
+        yet are counted if `read`."""
         if lease.released:
             return
         lease.released = True
@@ -117,9 +126,11 @@ class SharedDram:
         for i, entry in lease.unchecked.items():
             key, header = lease.keys[i], entry.header
             if key in good and key not in bad:
-                parent = None if header.parent == bytes(16) else header.parent
-                entry.reservation.publish(key, parent, header.seq)
-                continue
+                with entry.reservation.table.lock:  # as a delete marks and takes out (Writes.delete)
+                    if self._still_stored(key, entry.disk_slot):
+                        parent = None if header.parent == bytes(16) else header.parent
+                        entry.reservation.publish(key, parent, header.seq)
+                        continue
             entry.reservation.release()
             if key in bad:
                 parts.stats.miss("disk", MissReason.BAD_CHECKSUM,

@@ -119,7 +119,7 @@ class StoreParts:
         if self.dram is not None:
             self.placement = DramPlacement(self.dram, self.flusher, self.stats, self.ledger, self.cleaner)
         landings = Landings(self.placement, self.staging, self.headers, self.regions, self.ledger,
-                            chunk_bytes)
+                            chunk_bytes, self.in_flight)
         if self.disk is not None:
             slab = self.dram.slab if self.dram is not None else None
             if isinstance(slab, SharedMemory) and slab.pages == "4k":

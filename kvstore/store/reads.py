@@ -75,13 +75,15 @@ class Reads:
         if parts.dram is not None:
             with parts.dram.table.pinned(keys) as pins:
                 self._from_dram(keys, views, pins, ok, held)
-        if parts.reader is not None and from_disk and (views is not None or promote):
-            assert parts.disk is not None
-            missing = [i for i, served in enumerate(ok) if not served]
-            with parts.disk.table.pinned(keys, missing) as pins:
-                parts.reader.read(keys, pins, views, promote, ok, held=held, unchecked=unchecked)
-        if parts.cluster is not None and views is not None:
-            parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
+        missing = [keys[i] for i, served in enumerate(ok) if not served]
+        # Copies into DRAM are listed from before they find their chunks: a delete waits for them.
+        with parts.in_flight.copying(missing if promote and parts.dram is not None else []):
+            if parts.reader is not None and from_disk and (views is not None or promote):
+                assert parts.disk is not None
+                with parts.disk.table.pinned(keys, [i for i, served in enumerate(ok) if not served]) as pins:
+                    parts.reader.read(keys, pins, views, promote, ok, held=held, unchecked=unchecked)
+            if parts.cluster is not None and views is not None:
+                parts.cluster.read(keys, [i for i, served in enumerate(ok) if not served], views, promote, ok)
         parts.touch(keys)  # again: promoted chunks join their chain tail-older-than-head
         parts.policy.seen([key for key, served in zip(keys, ok, strict=True) if served], read=True)
         return ok

@@ -97,13 +97,32 @@ class Writes:
         """Remove chunks from every tier (on disk too, so a restart does not revive them).
         A disk record whose header cannot be zeroed stays (and is still served): what is
         indexed is what a restart would find. Returns the chunks removed (from any tier:
-        a chunk with a copy in DRAM and one on disk counts once)."""
+        a chunk with a copy in DRAM and one on disk counts once). A copy under way is not
+        left to bring a chunk back (copies_in_flight.py): while its delete runs a chunk is
+        not published in DRAM, and the delete waits for copies before and after it takes
+        the chunk off the disk (a write down takes off the disk again what was deleted
+        meanwhile; a promotion that found it on disk before is not published)."""
         parts, removed = self.parts, 0
         for key in keys:
-            in_dram = parts.dram is not None and parts.dram.table.unpublish(key) is not None
-            writing_s = parts.flusher.longest_write_down_s if parts.flusher is not None else 0.0
-            if not parts.in_flight.settle(key, writing_s):  # a copy being written down goes first
-                parts.stats.add("delete.copy_still_in_flight")  # its writer takes it off when it lands
-            on_disk = parts.disk is not None and parts.disk.remove(key) is True
+            if parts.dram is not None:
+                with parts.dram.table.lock:
+                    parts.in_flight.deleting(key)
+                    in_dram = parts.dram.table.unpublish(key) is not None
+            else:
+                parts.in_flight.deleting(key)
+                in_dram = False
+            try:
+                self._settle(key)  # a copy on its way down, or up, goes first
+                on_disk = parts.disk is not None and parts.disk.remove(key) is True
+                self._settle(key)  # a promotion that found it on disk before ends unpublished
+            finally:
+                parts.in_flight.deleted(key)
             removed += in_dram or on_disk
         return removed
+
+    def _settle(self, key: bytes) -> None:
+        """Wait for the copies of `key` under way (each bounded by its I/O deadlines)."""
+        parts = self.parts
+        writing_s = parts.flusher.longest_write_down_s if parts.flusher is not None else 0.0
+        if not parts.in_flight.settle(key, writing_s):
+            parts.stats.add("delete.copy_still_in_flight")  # its writer takes it off when it lands
