@@ -119,6 +119,9 @@ def test_with_no_disk_device_in_service_dram_goes_on_taking_new_chunks(disk_dir,
     for key, payload in zip(keys[:DRAM_SLOTS + 4], payloads[:DRAM_SLOTS + 4], strict=True):
         store.put_many([key], [payload])  # the cleaner's and these puts' writes fail
     wait_for(lambda: _counted(store, "disk.trips") >= 1, 10, "the device out of service")
+    # A cleaner pass under way at the trip pins its chunks until its writes have failed: a
+    # put meanwhile would pass over them and evict a chunk put just before instead.
+    wait_for(lambda: store.probe.pinned() == 0, 10, "the cleaner's last pass over")
     fresh, fresh_payloads = keys[-DRAM_SLOTS:], payloads[-DRAM_SLOTS:]
     stored = [store.put_many([k], [p])[0] for k, p in zip(fresh, fresh_payloads, strict=True)]
     assert stored == [True] * DRAM_SLOTS
