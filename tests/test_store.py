@@ -9,6 +9,7 @@ from support.stores import CHUNK_BYTES, disk_config, make_keys, make_payloads, r
 
 from kvstore.format.errors import ConfigError, DeviceError, ShapeError
 from kvstore.format.record import record_bytes
+from kvstore.io.faulty import Fault
 from kvstore.store.tiered import TieredStore
 
 SLOT = record_bytes(CHUNK_BYTES)
@@ -67,6 +68,28 @@ def test_delete_survives_restart(disk_dir, store_factory):
     store.close()
     reopened = store_factory(config)
     assert [reopened.contains(k) for k in keys] == [True, False, True]
+
+
+def test_a_disk_write_that_timed_out_and_lands_later_never_lands_on_another_record(
+        disk_dir, faulty, store_factory):
+    """A put's payload write times out (a slow device) and lands only after the next put
+    reserved a slot: its slot is held until it lands, so the next put takes another and
+    reads back whole, where it took the same slot (the free list's last) and the late
+    payload overwrote it (a counted miss, its chunk lost)."""
+    config = disk_config(disk_dir, 64 * SLOT)
+    config["io"].update(timeout_s=0.3, breaker_threshold=1 << 20)
+    store = store_factory(config, engine=faulty)
+    keys, payloads = make_keys(2), make_payloads(2)
+    late = faulty.add(Fault("late", reads=False, writes=True, remaining=1,
+                            match=lambda request: request.write and request.nbytes == CHUNK_BYTES))
+    assert store.put_many(keys[:1], payloads[:1]) == [False]  # its payload write timed out
+    assert store.put_many(keys[1:], payloads[1:]) == [True]
+    late.land()
+    assert late.wait_landed(5)
+    ok, outs = read_back(store, keys[1:])
+    assert ok == [True] and np.array_equal(outs[0], payloads[1])
+    assert store.put_many(keys[:1], payloads[:1]) == [True]  # the held slot is free again: reused
+    assert read_back(store, keys)[0] == [True, True]
 
 
 def test_a_delete_under_a_gets_promotion_is_not_undone_by_it(disk_dir, store_factory, monkeypatch):

@@ -15,7 +15,8 @@ device serves (availability.py), rebuilding the index at start (recover.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,35 +87,57 @@ class DiskTier:
         return results
 
     def write(self, writes: Sequence[DiskWrite], timeout_s: float) -> list[bool]:
-        """Write records into reserved slots in the crash-safe order; True per success."""
+        """Write records into reserved slots in the crash-safe order; True per success. A
+        write that timed out may still land: its slot is held until it has (`_held`)."""
         ok = [True] * len(writes)
         phases: list[list[tuple[int, IoRequest]]] = [[], [], []]
-        for i, write in enumerate(writes):
-            fd, offset = self.locate(write.slot)
-            if self.table.mark_written(write.slot):
-                phases[0].append((i, IoRequest(fd, offset, [self._zero_header], write=True)))
-            image = write.image.views[0]
-            payload = image[HEADER_BLOCK : HEADER_BLOCK + round_up(write.payload_len)]
-            phases[1].append((i, IoRequest(fd, offset + HEADER_BLOCK, [write.image], True, [payload])))
-            phases[2].append((i, IoRequest(fd, offset, [write.image], True, [image[:HEADER_BLOCK]])))
-        for phase in phases:
-            pending = [(i, req) for i, req in phase if ok[i]]
-            results = self.engine.run([req for _, req in pending], timeout_s)
-            self.availability.account([writes[i].slot for i, _ in pending], results,
-                                      [r.nbytes for _, r in pending])
-            for (i, req), result in zip(pending, results, strict=True):
-                if result != req.nbytes:
-                    ok[i] = False
+        with ExitStack() as holds:
+            for i, write in enumerate(writes):
+                fd, offset = self.locate(write.slot)
+                held = holds.enter_context(self._held(write.slot))
+                if self.table.mark_written(write.slot):
+                    phases[0].append((i, IoRequest(fd, offset, [self._zero_header, held], write=True)))
+                image = write.image.views[0]
+                payload = image[HEADER_BLOCK : HEADER_BLOCK + round_up(write.payload_len)]
+                phases[1].append((i, IoRequest(fd, offset + HEADER_BLOCK, [write.image, held], True,
+                                               [payload])))
+                phases[2].append((i, IoRequest(fd, offset, [write.image, held], True,
+                                               [image[:HEADER_BLOCK]])))
+            for phase in phases:
+                pending = [(i, req) for i, req in phase if ok[i]]
+                results = self.engine.run([req for _, req in pending], timeout_s)
+                self.availability.account([writes[i].slot for i, _ in pending], results,
+                                          [r.nbytes for _, r in pending])
+                for (i, req), result in zip(pending, results, strict=True):
+                    if result != req.nbytes:
+                        ok[i] = False
         return ok
 
     def checkpoint(self) -> None:
         """A clean shutdown's index of each device in service (recover.checkpoint)."""
         checkpoint(self, self.availability.health)
 
-    def zero_headers(self, slots: Sequence[int], timeout_s: float) -> list[bool]:
-        """Zero slots' headers so a restart does not bring their records back."""
-        requests = [IoRequest(*self.locate(slot), [self._zero_header], write=True) for slot in slots]
-        return [result == HEADER_BLOCK for result in self.engine.run(requests, timeout_s)]
+    def zero_headers(self, slots: Sequence[int], timeout_s: float, pinned: bool = False) -> list[bool]:
+        """Zero slots' headers so a restart does not bring their records back. Slots the
+        caller holds `pinned` stay held until their zeroing lands, as a write's do (`_held`:
+        one that timed out may land later); others are out of service or not serving yet."""
+        with ExitStack() as holds:
+            requests = [IoRequest(*self.locate(slot), [self._zero_header, *(
+                [holds.enter_context(self._held(slot))] if pinned else [])], write=True) for slot in slots]
+            return [result == HEADER_BLOCK for result in self.engine.run(requests, timeout_s)]
+
+    @contextmanager
+    def _held(self, slot: int) -> Iterator[IoBuffer]:
+        """A hold on a disk slot the caller holds pinned (reserved, or published), lent to
+        each request that writes it: the slot is not freed (nor reserved again) until this
+        body ends and every one of those requests has landed, so a write that timed out and
+        lands later never lands on another record (memory is protected so too: io/base.py)."""
+        self.table.pin(slot)
+        hold = IoBuffer([], lambda _: self.table.unpin(slot))
+        try:
+            yield hold
+        finally:
+            hold.close()
 
     def remove(self, key: bytes) -> bool | None:
         """Take a record off the disk: its header zeroed, so a restart does not bring it back,
@@ -122,7 +145,7 @@ class DiskTier:
         stays, still served (what is indexed is what a restart would find; counted and logged)."""
         with self.table.pinned([key]) as pins:
             for _, slot in pins.hits:
-                if self.zero_headers([slot], self.timeout_s)[0]:
+                if self.zero_headers([slot], self.timeout_s, pinned=True)[0]:
                     pins.drop(key, slot)
                     return True
                 self.stats.add("disk.delete_failed")
