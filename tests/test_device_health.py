@@ -85,6 +85,34 @@ def test_breaker_trips_on_one_device_and_revalidation_brings_it_back(disk_dir, f
     assert store.stats.snapshot()["disk.revalidated_chunks"] == 4  # the faults removed 0 of a's
 
 
+@pytest.mark.parametrize("how", ["delete", "purge"])
+def test_a_delete_while_a_device_is_out_is_not_undone_by_its_return(disk_dir, faulty, store_factory, how):
+    """A delete, or a purge of the chunks' namespace, while a device is out of service
+    cannot reach its records: when it comes back they are zeroed, not served again (its
+    revalidation read them back, and a restart would have too)."""
+    store, keys, _ = _two_devices(disk_dir, faulty, store_factory)
+    on_a = [k for k in keys if _device_of(store, k) == 0]
+    faulty.add(Fault("error", match=faults.on_device(store, 0)))
+    read_back(store, on_a)  # a fault each: the breaker trips
+    assert store.probe.devices()[0].state == TRIPPED
+    if how == "delete":
+        store.delete(on_a[:2])
+        gone = on_a[:2]
+    else:
+        assert store.admin.purge([bytes(16)], dry_run=False)["removed"] == 4  # device b's; a's on its return
+        gone = keys
+    faulty.clear()
+    store.step()
+    assert store.probe.devices()[0].state == IN_SERVICE
+    assert [store.lookup([k]).count for k in gone] == [0] * len(gone)
+    assert store.stats.snapshot()["disk.deleted_while_out"] == len(gone) - (4 if how == "purge" else 0)
+    kept = [k for k in keys if k not in gone]
+    assert read_back(store, kept)[0] == [True] * len(kept)
+    store.close()
+    again = store_factory(_config(disk_dir), engine=faulty, background=False)
+    assert [again.lookup([k]).count for k in gone] == [0] * len(gone)
+
+
 def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory, timeout_s=0.5)
     faulty.add(Fault("hang", match=faults.on_device(store, 0)))

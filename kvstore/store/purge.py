@@ -8,7 +8,9 @@ the records whose namespace was asked for (TieredStore.delete: the DRAM slot fre
 disk header zeroed, so a restart does not bring them back). A dry run counts and removes
 nothing. Invariants: a record another namespace names is never touched; a record published
 while the scan runs is not seen (what an engine still stores under that namespace stays);
-a disk header that cannot be read is left and counted (`unread`). The same scan tells the
+a disk header that cannot be read is left and counted (`unread`); a device out of service
+cannot be scanned, so it is told the namespaces, and zeroes their records when it comes
+back (tiers/availability.py `forget`). The same scan tells the
 service which namespaces still hold records (`held`, through StoreProbe.namespaces), so
 that it never forgets the description of one it could still be asked to purge.
 """
@@ -39,6 +41,8 @@ def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: s
     if not dry_run and keys:
         report["removed"] = delete(keys)
         parts.stats.add("purge.chunks", report["removed"])
+    if not dry_run and parts.disk is not None:  # a device out of service zeroes them on its return
+        parts.disk.availability.forget(namespaces=sorted(namespaces))
     return report
 
 

@@ -4,7 +4,9 @@ Each device has a DeviceHealth. A device that faults repeatedly, or whose probe
 fails, is taken out of service: its chunks leave the index at once (misses, not
 deadlines), nothing new is placed there, and writes in flight to it are never
 published. It serves again only after revalidation: the same superblock, the
-headers of those in-flight writes zeroed, and every slot's header re-read.
+headers of those in-flight writes zeroed, and every slot's header re-read; a record
+deleted (or of a namespace purged) while it was out is not brought back but zeroed then
+(`forget`: a delete cannot reach a device out of service).
 State changes happen under the tier's table lock. The device watch (devices/watch.py)
 drives probes, taking out and revalidation from its thread.
 """
@@ -19,6 +21,7 @@ from kvstore.devices.health import TRIPPED, DeviceHealth, Probe, fault_reason, i
 from kvstore.tiers.recover import DiskParts, RecoveryReport, newest, scan_group
 
 log = logging.getLogger(__name__)
+FORGOTTEN_MOST = 1 << 20  # keys deleted while a device is out, kept for its return (16 MiB+)
 
 
 class DeviceAvailability:
@@ -30,6 +33,22 @@ class DeviceAvailability:
         # Per device: slots reserved for a write when it left service (zeroed on revalidation).
         self._in_flight_at_loss: list[set[int]] = [set() for _ in disk.devices.plans]
         self._serving = bool(self.health)  # any device in service; set where health changes
+        # Deleted while a device was out (keys, namespaces purged): its copies are zeroed
+        # when it comes back. Kept while any device is out, at most FORGOTTEN_MOST keys.
+        self._forgotten: tuple[set[bytes], set[bytes]] = (set(), set())
+
+    def forget(self, keys: Sequence[bytes] = (), namespaces: Sequence[bytes] = ()) -> None:
+        """These keys were deleted, or these namespaces purged: a device out of service now
+        may hold copies that its revalidation must not bring back."""
+        with self.disk.table.lock:
+            if all(h.in_service for h in self.health):
+                return
+            gone_keys, gone_namespaces = self._forgotten
+            room = FORGOTTEN_MOST - len(gone_keys)
+            if len(keys) > room:
+                self.disk.stats.add("disk.deletes_not_kept_while_out", len(keys) - room)
+            gone_keys.update(keys[:max(0, room)])
+            gone_namespaces.update(namespaces)
 
     def any_in_service(self) -> bool:
         """Whether a write has a device to go to. A flag read without the table's lock: each
@@ -101,7 +120,14 @@ class DeviceAvailability:
         if problem is None and suspects and not all(disk.zero_headers(suspects, disk.timeout_s)):
             problem = "could not zero the headers of writes in flight at the loss"
         report = RecoveryReport()
-        found, stale = newest(scan_group(disk, group, report) if problem is None and layout else [])
+        gone_keys, gone_namespaces = self._forgotten
+
+        def gone(key: bytes, namespace: bytes) -> bool:
+            return key in gone_keys or namespace in gone_namespaces
+
+        scanned, deleted = scan_group(disk, group, report, gone) if problem is None and layout else ([], [])
+        found, stale = newest(scanned)
+        stale += deleted
         if problem is None and report.io_errors:
             problem = f"{report.io_errors} header reads failed"
         if problem is None and stale and not all(disk.zero_headers([e.slot for e in stale],
@@ -116,6 +142,9 @@ class DeviceAvailability:
             self._in_flight_at_loss[group].clear()
             health.put_back()
             self._serving = True
+            if all(h.in_service for h in self.health):
+                self._forgotten = (set(), set())
+        disk.stats.add("disk.deleted_while_out", len(deleted))
         disk.stats.add("disk.revalidated_chunks", len(found))
         log.warning("disk tier: %s back in service; %d records verified", health.label, len(found))
         return True

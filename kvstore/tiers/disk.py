@@ -142,7 +142,9 @@ class DiskTier:
     def remove(self, key: bytes) -> bool | None:
         """Take a record off the disk: its header zeroed, so a restart does not bring it back,
         then out of the index. None: not here; False: its header could not be zeroed, so it
-        stays, still served (what is indexed is what a restart would find; counted and logged)."""
+        stays, still served (what is indexed is what a restart would find; counted and logged).
+        A device out of service now is told to zero its copy when it comes back."""
+        self.availability.forget([key])
         with self.table.pinned([key]) as pins:
             for _, slot in pins.hits:
                 if self.zero_headers([slot], self.timeout_s, pinned=True)[0]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -62,12 +62,15 @@ class RecoveryReport:
         return asdict(self)
 
 
-def scan_group(disk: DiskParts, group: int, report: RecoveryReport) -> list[Entry]:
-    """The valid records of one device, by scanning every slot's header."""
+def scan_group(disk: DiskParts, group: int, report: RecoveryReport,
+               deleted: Callable[[bytes, bytes], bool] | None = None) -> tuple[list[Entry], list[Entry]]:
+    """The valid records of one device, by scanning every slot's header: (those to
+    serve, those `deleted(key, namespace)` names, to be zeroed)."""
     layout = disk.devices.layouts[group]
     assert layout is not None
     base = disk.table.groups.start[group]
-    found = []
+    found: list[Entry] = []
+    gone: list[Entry] = []
     for scanned in scan_headers(disk.engine, layout.device.fd, layout.sb.data_offset,
                                 layout.sb.slot_bytes, layout.sb.num_slots, disk.timeout_s):
         if scanned.state is None:
@@ -76,8 +79,9 @@ def scan_group(disk: DiskParts, group: int, report: RecoveryReport) -> list[Entr
             report.torn += 1
         elif scanned.header is not None:
             header = scanned.header
-            found.append(Entry(header.key, base + scanned.slot, _parent(header.parent), header.seq))
-    return found
+            entry = Entry(header.key, base + scanned.slot, _parent(header.parent), header.seq)
+            (gone if deleted is not None and deleted(header.key, header.namespace) else found).append(entry)
+    return found, gone
 
 
 def newest(entries: Iterable[Entry]) -> tuple[list[Entry], list[Entry]]:
@@ -115,7 +119,7 @@ def recover(disk: DiskParts) -> RecoveryReport:
                         for e in checkpoint]
         else:
             report.scanned += 1
-            entries += scan_group(disk, group, report)
+            entries += scan_group(disk, group, report)[0]
     report.torn += report.io_errors
     winners, stale = newest(entries)
     if stale:
