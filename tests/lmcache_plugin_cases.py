@@ -35,7 +35,7 @@ from engine_plugin.lmcache.storage import (
     StoredChunk,
     parse_header,
 )
-from kvstore.format.errors import ConfigError
+from kvstore.format.errors import ConfigError, KVStoreError
 
 CHUNK_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
 POOL_GB = 0.01  # LMCache's CPU pool: about 600 chunks of 16 KiB
@@ -310,6 +310,32 @@ def test_remove_hides_a_chunk_and_clear_starts_a_generation_that_finds_nothing_b
                 "", plugin.scope.weights.generation}
         finally:
             client.close()
+    finally:
+        driver.close()
+
+
+def test_a_clear_that_cannot_connect_misses_and_drops_until_one_does(store, monkeypatch):
+    """clear() whose connections in the new generation cannot be made (a service that
+    cannot start): no exception for LMCache, and the old generation's connections are not
+    used (their records would name the old generation, whose purge would take them):
+    loads miss, saves drop, and the next clear() connects again."""
+    driver = PluginDriver(store)
+    try:
+        plugin, keys = driver.plugin, [driver.cache_key(i) for i in range(COUNT)]
+        assert driver.save(range(COUNT)) == [True] * COUNT
+        pages = plugin.scope.pages
+
+        def fails(*args, **kwargs):
+            raise KVStoreError("kvstore service failed to start: (a fault)")
+
+        monkeypatch.setattr(plugin.scope, "pages", fails)
+        assert plugin.clear() == 0
+        assert plugin.batched_contains(keys) == 0 and driver.load(range(COUNT))[0] == [None] * COUNT
+        assert driver.save(range(COUNT)) == [False] * COUNT
+        monkeypatch.setattr(plugin.scope, "pages", pages)
+        assert plugin.clear() == 0
+        assert driver.save(range(COUNT)) == [True] * COUNT
+        assert plugin.batched_contains(keys) == COUNT
     finally:
         driver.close()
 

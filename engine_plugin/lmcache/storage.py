@@ -420,10 +420,17 @@ class KVStoreBackend(StoragePluginInterface):
         return True
 
     def clear(self) -> int:
-        """A new generation (after a weight update; module docstring); 0 tokens removed here."""
+        """A new generation (after a weight update; module docstring); 0 tokens removed here.
+        Connections that cannot be made in it leave the old ones closed: their namespace is
+        the old generation's (a purge of it would take the new chunks), so loads miss and
+        saves drop until the next clear() connects."""
         old = (self.reads, self.writes)
         weights = self.scope.new_generation()
-        self._connect()
+        try:
+            self._connect()
+        except Exception:
+            log.exception("kvstore: LMCache clear() could not connect in generation %s; loads miss "
+                          "and saves drop until the next clear()", weights.generation)
         for io in old:
             io.close()
         log.info("kvstore: LMCache clear() started generation %s (nothing deleted)", weights.generation)
