@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from support import faults
 from support.records import corrupt_record
 from support.services import service_config, stop_service
 
@@ -230,10 +231,7 @@ def test_a_lease_whose_disk_read_fails_any_way_leaves_no_pin(disk_dir, store_fac
     assert store.get_many(keys[:1], [np.zeros(CHUNK, np.uint8)]) == [True]  # keys[0] promoted to DRAM
     assert store.lookup(keys[:1]).tiers == ("dram",)
 
-    def fails(*args, **kwargs):
-        raise OSError(12, "io_uring_setup: Cannot allocate memory")
-
-    monkeypatch.setattr(store.parts.reader, "read", fails)
+    faults.disk_reads_raise(store, monkeypatch, OSError(12, "io_uring_setup: Cannot allocate memory"))
     with pytest.raises(OSError):
         store.shared_dram.lease(keys[:2])  # keys[0] from DRAM, keys[1] from disk
     monkeypatch.undo()

@@ -111,7 +111,7 @@ def test_a_delete_under_a_gets_promotion_is_not_undone_by_it(disk_dir, store_fac
         if promoted == key and not deletes:
             deletes.append(threading.Thread(target=store.delete, args=([key],)))
             deletes[0].start()
-            wait_for(lambda: store.parts.in_flight.being_deleted(key), 10, "the delete under way")
+            wait_for(lambda: faults.being_deleted(store, key), 10, "the delete under way")
         return publish(self, landing, promoted, keep_pin)
 
     monkeypatch.setattr(Landings, "publish", delete_meanwhile)

@@ -10,6 +10,7 @@ holds the rest of tests/ to that).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvstore.cluster.index import PeerHit
 from kvstore.cluster.peer_devices import PeerDevice
@@ -117,3 +118,17 @@ def awaiting_fails(store: TieredStore, error: Exception | None) -> None:
         return read(keys, backoff)
 
     index.locate = locate  # type: ignore[method-assign]
+
+
+def disk_reads_raise(store: TieredStore, monkeypatch: Any, error: BaseException) -> None:
+    """Every disk read of this store raises `error` (an io_uring that cannot be set up on
+    a new thread), until the test's monkeypatch is undone."""
+    def fails(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(store.parts.reader, "read", fails)
+
+
+def being_deleted(store: TieredStore, key: bytes) -> bool:
+    """Whether a delete of `key` is under way in this store (copies_in_flight.py)."""
+    return store.parts.in_flight.being_deleted(key)
