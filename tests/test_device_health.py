@@ -113,6 +113,34 @@ def test_a_delete_while_a_device_is_out_is_not_undone_by_its_return(disk_dir, fa
     assert [again.lookup([k]).count for k in gone] == [0] * len(gone)
 
 
+def test_a_delete_during_a_returning_devices_scan_is_not_undone(disk_dir, faulty, store_factory, monkeypatch):
+    """A delete that comes while a returning device's headers are being re-read (it cannot
+    reach them yet, and the scan has passed its record): the revalidation scans again,
+    so the record is zeroed, not served."""
+    import kvstore.tiers.availability as availability
+
+    store, keys, _ = _two_devices(disk_dir, faulty, store_factory)
+    on_a = [k for k in keys if _device_of(store, k) == 0]
+    faulty.add(Fault("error", match=faults.on_device(store, 0)))
+    read_back(store, on_a)
+    assert store.probe.devices()[0].state == TRIPPED
+    faulty.clear()
+    scan, scans = availability.scan_group, []
+
+    def scan_then_delete(*args, **kwargs):
+        scans.append(1)
+        result = scan(*args, **kwargs)
+        if len(scans) == 1:
+            store.delete(on_a[:1])  # a client's, while what the scan found is not served yet
+        return result
+
+    monkeypatch.setattr(availability, "scan_group", scan_then_delete)
+    store.step()
+    assert store.probe.devices()[0].state == IN_SERVICE and len(scans) == 2
+    assert store.lookup(on_a[:1]).count == 0
+    assert read_back(store, on_a[1:])[0] == [True] * (len(on_a) - 1)
+
+
 def test_a_hung_device_costs_a_deadline_once_then_misses_at_once(disk_dir, faulty, store_factory):
     store, keys, payloads = _two_devices(disk_dir, faulty, store_factory, timeout_s=0.5)
     faulty.add(Fault("hang", match=faults.on_device(store, 0)))

@@ -240,6 +240,23 @@ def test_a_lease_whose_disk_read_fails_any_way_leaves_no_pin(disk_dir, store_fac
     assert "dram" not in store.lookup(keys[:1]).tiers
 
 
+def test_a_lease_that_fails_after_its_unverified_disk_hits_releases_each_once(disk_dir, store_factory,
+                                                                                monkeypatch):
+    """A lease whose disk hits are left for its reader to verify (in DRAM slots, unpublished)
+    fails after they landed: each slot is released once (twice, the second release raised
+    and hid the error, or freed a slot reserved by another meanwhile)."""
+    keys = _keys(1, 2)
+    first = store_factory(_disk_config(disk_dir))
+    assert first.put_many(keys, [k[:1] * CHUNK for k in keys]) == [True] * 2
+    first.close()  # on disk only
+    store = store_factory(_disk_config(disk_dir))
+    faults.reads_raise_after_the_disk(store, monkeypatch, OSError(5, "after the read"))
+    with pytest.raises(OSError):
+        store.shared_dram.lease(keys, verify=False)
+    monkeypatch.undo()
+    assert store.probe.pinned() == 0
+
+
 @pytest.mark.parametrize("dram", ["free", "all pinned"])
 def test_a_worker_loads_disk_hits_from_their_dram_slot_or_through_the_window(disk_dir, tmp_path, dram):
     config = {**_disk_config(disk_dir), **service_config(tmp_path)}

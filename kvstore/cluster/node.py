@@ -77,7 +77,7 @@ class ClusterNode:
             self.devices.close()
             raise
         self.reader = PeerReader(self.devices, engine, landings, timeout_s=config.io.timeout_s,
-                                 promoted=peer_copies.add)
+                                 peer_copies=peer_copies)
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
         self._awaited: dict[bytes, float] = {}  # chunk key -> until when (monotonic)

@@ -12,7 +12,7 @@ waits on a disk write). The whole record lands in a DRAM slot or a staging buffe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 
 from kvstore.cluster.index import PeerHit
@@ -25,14 +25,14 @@ from kvstore.tiers.stats import Stats
 
 class PeerReader:
     def __init__(self, devices: PeerDevices, engine: IoEngine, landings: Landings, *, timeout_s: float,
-                 promoted: Callable[[bytes], None]) -> None:
+                 peer_copies: set[bytes]) -> None:
         self.devices = devices
         self.engine = engine
         self.landings = landings
         self.stats: Stats = landings.stats
         self.ledger = landings.ledger
         self.timeout_s = timeout_s
-        self._promoted = promoted  # told each key published into DRAM from a peer
+        self._peer_copies = peer_copies  # the store's: DRAM chunks whose disk copy is a peer's
 
     def read(self, keys: Sequence[bytes], hits: Sequence[tuple[int, PeerHit]],
              outs: Sequence[memoryview] | None, promote: bool, ok: list[bool]) -> None:
@@ -72,8 +72,8 @@ class PeerReader:
                                        for landing, device, offset, _ in reads], self.timeout_s, verify)
             for (landing, device, _, _), result in zip(reads, results, strict=True):
                 self.devices.account(device, result, landing.nbytes)
-                self._settle(landing, device, result, keys[landing.index], ok)
-        served = [keys[r[0].index] for r in reads if r[0].header is not None]
+                self._settle(landing, device, result, keys[landing.index], ok, copied=outs is not None)
+        served = [keys[r[0].index] for r in reads if r[0].header is not None and ok[r[0].index]]
         if outs is None:
             self.ledger.promoted(served)
         else:
@@ -82,11 +82,13 @@ class PeerReader:
                                               if res > 0))
 
     def _settle(self, landing: Landing, device: PeerDevice, result: int, key: bytes,
-                ok: list[bool]) -> None:
+                ok: list[bool], copied: bool) -> None:
         if result == TIMED_OUT:  # its memory goes back once the read lands (io/base.py)
             self.stats.miss("peer", MissReason.TIMEOUT, device.health.label)
         elif landing.header is not None:  # else the slot and buffer go back on the way out
             ok[landing.index] = True
             if landing.reservation is not None:
-                self._promoted(key)  # first: once published, it may be picked as a victim
-            self.landings.publish(landing, key)
+                self._peer_copies.add(key)  # first: once published, it may be picked as a victim
+                if not self.landings.publish(landing, key):  # being deleted: never in DRAM
+                    self._peer_copies.discard(key)
+                    ok[landing.index] = copied  # a get has its copy; a prefetch promoted nothing

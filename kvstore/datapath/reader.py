@@ -92,7 +92,7 @@ class DiskReader:
             for (landing, slot), result in zip(reads, results, strict=True):
                 self._settle(landing, slot, result, keys[landing.index], pins, ok, held, unchecked,
                              copied=outs is not None)
-        served = [landing for landing, _ in reads if landing.header is not None]
+        served = [landing for landing, _ in reads if landing.header is not None and ok[landing.index]]
         if prefetch:
             self.ledger.promoted(keys[r.index] for r in served)
         else:

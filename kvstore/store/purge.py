@@ -32,6 +32,8 @@ def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: s
     found in each tier (bytes: their payloads, every tier's copy counted) and, unless
     `dry_run`, how many chunks `delete` (the store's) removed."""
     unread = [0]
+    if not dry_run and parts.disk is not None:  # a device out of service zeroes them on its return
+        parts.disk.availability.forget(namespaces=sorted(namespaces))
     in_dram = [key for key, named in _dram_records(parts) if named in namespaces]
     on_disk = [key for key, named in _disk_records(parts, unread) if named in namespaces]
     keys = list(dict.fromkeys(in_dram + on_disk))
@@ -41,7 +43,7 @@ def purge(parts: StoreParts, delete: Callable[[list[bytes]], int], namespaces: s
     if not dry_run and keys:
         report["removed"] = delete(keys)
         parts.stats.add("purge.chunks", report["removed"])
-    if not dry_run and parts.disk is not None:  # a device out of service zeroes them on its return
+    if not dry_run and parts.disk is not None:  # again: a device may have left during the scan
         parts.disk.availability.forget(namespaces=sorted(namespaces))
     return report
 

@@ -55,8 +55,9 @@ class Reads:
         try:
             self._read(keys, None, held, from_disk, unchecked)
         except BaseException:
-            for slot in held.values():
-                dram.table.unpin(slot)
+            for i, slot in held.items():
+                if unchecked is None or i not in unchecked:  # an unchecked one's pin is its reservation's
+                    dram.table.unpin(slot)
             for entry in (unchecked or {}).values():
                 entry.reservation.release()
             raise
@@ -134,13 +135,14 @@ class Reads:
             wanted.append(i)
         ok = [False] * len(keys)
         wave = max(1, parts.config.prefetch_inflight // parts.slot_bytes)  # the cap on bytes in flight
-        if reader is not None:
-            assert disk is not None
-            with disk.table.pinned(keys, wanted) as pins:
-                reader.read(keys, pins, None, promote=True, ok=ok, wave_chunks=wave)
-        if cluster is not None:  # what no local tier holds, from peers
-            cluster.read(keys, [i for i, key in enumerate(keys) if parts.local_tier(key) is None],
-                         None, True, ok)
+        with parts.in_flight.copying([key for key in keys if key not in dram.table]):  # as `_read`
+            if reader is not None:
+                assert disk is not None
+                with disk.table.pinned(keys, wanted) as pins:
+                    reader.read(keys, pins, None, promote=True, ok=ok, wave_chunks=wave)
+            if cluster is not None:  # what no local tier holds, from peers
+                cluster.read(keys, [i for i, key in enumerate(keys) if parts.local_tier(key) is None],
+                             None, True, ok)
         parts.stats.add("prefetch.chunks", sum(ok))
         parts.stats.add("prefetch.bytes", sum(ok) * parts.chunk_bytes)
         return sum(ok)

@@ -123,6 +123,7 @@ class Writes:
     def _settle(self, key: bytes) -> None:
         """Wait for the copies of `key` under way (each bounded by its I/O deadlines)."""
         parts = self.parts
-        writing_s = parts.flusher.longest_write_down_s if parts.flusher is not None else 0.0
+        writing_s = (parts.flusher.longest_write_down_s if parts.flusher is not None
+                     else 2 * parts.config.io.timeout_s)  # a peer's promotion: its read's deadline
         if not parts.in_flight.settle(key, writing_s):
             parts.stats.add("delete.copy_still_in_flight")  # its writer takes it off when it lands

@@ -19,9 +19,11 @@ from collections.abc import Sequence
 
 from kvstore.devices.health import TRIPPED, DeviceHealth, Probe, fault_reason, is_fault
 from kvstore.tiers.recover import DiskParts, RecoveryReport, newest, scan_group
+from kvstore.tiers.slots import Entry
 
 log = logging.getLogger(__name__)
 FORGOTTEN_MOST = 1 << 20  # keys deleted while a device is out, kept for its return (16 MiB+)
+SCANS_MOST = 3  # a revalidation's scans while deletes keep coming, before it tries later
 
 
 class DeviceAvailability:
@@ -36,6 +38,7 @@ class DeviceAvailability:
         # Deleted while a device was out (keys, namespaces purged): its copies are zeroed
         # when it comes back. Kept while any device is out, at most FORGOTTEN_MOST keys.
         self._forgotten: tuple[set[bytes], set[bytes]] = (set(), set())
+        self._forgets = 0  # deletes told so far (a revalidation scans again if one came during its scan)
 
     def forget(self, keys: Sequence[bytes] = (), namespaces: Sequence[bytes] = ()) -> None:
         """These keys were deleted, or these namespaces purged: a device out of service now
@@ -49,6 +52,7 @@ class DeviceAvailability:
                 self.disk.stats.add("disk.deletes_not_kept_while_out", len(keys) - room)
             gone_keys.update(keys[:max(0, room)])
             gone_namespaces.update(namespaces)
+            self._forgets += 1
 
     def any_in_service(self) -> bool:
         """Whether a write has a device to go to. A flag read without the table's lock: each
@@ -119,32 +123,46 @@ class DeviceAvailability:
             problem = layout.still_ours()
         if problem is None and suspects and not all(disk.zero_headers(suspects, disk.timeout_s)):
             problem = "could not zero the headers of writes in flight at the loss"
-        report = RecoveryReport()
-        gone_keys, gone_namespaces = self._forgotten
-
-        def gone(key: bytes, namespace: bytes) -> bool:
-            return key in gone_keys or namespace in gone_namespaces
-
-        scanned, deleted = scan_group(disk, group, report, gone) if problem is None and layout else ([], [])
-        found, stale = newest(scanned)
-        stale += deleted
-        if problem is None and report.io_errors:
-            problem = f"{report.io_errors} header reads failed"
-        if problem is None and stale and not all(disk.zero_headers([e.slot for e in stale],
-                                                                   disk.timeout_s)):
-            problem = "could not zero the headers of older copies of keys"
-        with table.lock:
-            if problem is not None:
-                health.reason, health.since = f"revalidation failed: {problem}", time.monotonic()
-                log.warning("disk tier: %s stays out of service: %s", health.label, problem)
-                return False
-            table.service.bring_back(group, found)
-            self._in_flight_at_loss[group].clear()
-            health.put_back()
-            self._serving = True
-            if all(h.in_service for h in self.health):
-                self._forgotten = (set(), set())
-        disk.stats.add("disk.deleted_while_out", len(deleted))
+        zeroed = 0  # records deleted while it was out
+        for scans in range(1, SCANS_MOST + 1):  # again if deletes came during a scan (it missed them)
+            seen = self._forgets
+            found, deleted, problem = self._scan(group, problem)
+            zeroed += deleted
+            with table.lock:
+                if problem is None and self._forgets != seen:
+                    if scans < SCANS_MOST:
+                        continue
+                    problem = "deletes kept coming during its scans"
+                if problem is not None:
+                    health.reason, health.since = f"revalidation failed: {problem}", time.monotonic()
+                    log.warning("disk tier: %s stays out of service: %s", health.label, problem)
+                    return False
+                table.service.bring_back(group, found)  # from here on a delete reaches its records
+                self._in_flight_at_loss[group].clear()
+                health.put_back()
+                self._serving = True
+                if all(h.in_service for h in self.health):
+                    self._forgotten = (set(), set())
+            break
+        disk.stats.add("disk.deleted_while_out", zeroed)
         disk.stats.add("disk.revalidated_chunks", len(found))
         log.warning("disk tier: %s back in service; %d records verified", health.label, len(found))
         return True
+
+    def _scan(self, group: int, problem: str | None) -> tuple[list[Entry], int, str | None]:
+        """Re-read every header of a returning device: (the records to serve, how many were
+        deleted while it was out, what failed). Older copies of a key and deleted records
+        get their headers zeroed."""
+        disk = self.disk
+        if problem is not None or disk.devices.layouts[group] is None:
+            return [], 0, problem
+        report = RecoveryReport()
+        gone_keys, gone_namespaces = self._forgotten
+        scanned, deleted = scan_group(disk, group, report,
+                                      lambda key, namespace: key in gone_keys or namespace in gone_namespaces)
+        found, stale = newest(scanned)
+        if report.io_errors:
+            return found, len(deleted), f"{report.io_errors} header reads failed"
+        if stale + deleted and not all(disk.zero_headers([e.slot for e in stale + deleted], disk.timeout_s)):
+            return found, len(deleted), "could not zero the headers of older or deleted copies of keys"
+        return found, len(deleted), None

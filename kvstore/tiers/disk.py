@@ -146,6 +146,8 @@ class DiskTier:
         A device out of service now is told to zero its copy when it comes back."""
         self.availability.forget([key])
         with self.table.pinned([key]) as pins:
+            if not pins.hits:
+                self.availability.forget([key])  # again: its device may have left meanwhile
             for _, slot in pins.hits:
                 if self.zero_headers([slot], self.timeout_s, pinned=True)[0]:
                     pins.drop(key, slot)

@@ -132,3 +132,12 @@ def disk_reads_raise(store: TieredStore, monkeypatch: Any, error: BaseException)
 def being_deleted(store: TieredStore, key: bytes) -> bool:
     """Whether a delete of `key` is under way in this store (copies_in_flight.py)."""
     return store.parts.in_flight.being_deleted(key)
+
+
+def reads_raise_after_the_disk(store: TieredStore, monkeypatch: Any, error: BaseException) -> None:
+    """The read path raises once its disk reads have landed (in the policy's bookkeeping of
+    what was read), until the test's monkeypatch is undone."""
+    def fails(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(store.parts.policy, "seen", fails)
