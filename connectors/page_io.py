@@ -193,5 +193,9 @@ def service_pages(source: Any, field: str, chunk_bytes: int, namespace: bytes,
                 raise
         return client
 
-    return PageIO(functools.partial(make_client, True), chunk_bytes), \
-        PageIO(functools.partial(make_client, False), chunk_bytes)  # a save never reads the tier
+    reads = PageIO(functools.partial(make_client, True), chunk_bytes)
+    try:
+        return reads, PageIO(functools.partial(make_client, False), chunk_bytes)  # writes: no tier mapped
+    except BaseException:  # the pair or nothing: a caller that tries again leaks no connection
+        reads.close()
+        raise
