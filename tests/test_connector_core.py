@@ -362,6 +362,26 @@ def test_a_sync_loads_lease_goes_once_every_worker_reported_its_plan():
     assert scheduler.take_releases() == Released(read=[8], unread=[])
 
 
+def test_under_the_external_launcher_one_workers_report_is_all_there_is():
+    """vLLM's external launcher (torchrun): each process schedules for its own worker, so
+    one report ends a save or a sync load, where waiting for every rank's held the lease
+    and the save for good."""
+    leases = iter(range(7, 100))
+
+    def lookup(ranks: list[list[bytes]], prefetch: bool, lease_from: int | None = None) -> Residency:
+        offsets = tuple(i * 4096 for i in range(8))
+        return Residency(8, 8, lease=next(leases), offsets=tuple(offsets for _ in ranks))
+
+    scheduler = SchedulerCore(GEOMETRY, lambda salt: NAMESPACES, lookup,
+                              SchedulerSettings(load_async=True, reporting_workers=1))
+    assert scheduler.num_new_matched_tokens("r", PROMPT, 0) == 8 * CHUNK
+    scheduler.on_alloc("r", list(range(16)), 8 * CHUNK)
+    plan = scheduler.take_plan()
+    assert not plan.loads[0].load_async
+    scheduler.step_done([], steps=[plan.step])  # this process's worker: the only one
+    assert scheduler.take_releases() == Released(read=[7], unread=[])
+
+
 def test_a_failed_block_is_the_load_of_the_plan_it_ran_in():
     """Under async scheduling a request preempted after its sync load shipped frees its
     blocks before that plan is reported; a failed block in that report is its load's, not

@@ -121,10 +121,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if scheduler:
             events = vllm_config.kv_events_config
             model = vllm_config.model_config
+            # Under vLLM's external launcher each process schedules for its own worker alone.
+            alone = vllm_config.parallel_config.distributed_executor_backend == "external_launcher"
             self._role_side = SchedulerRole(self.options, self.block_size, self._namespaces, self._rules,
                                             self._store_role.saves,
                                             events is not None and events.enable_kv_cache_events,
-                                            HintLimits(model.max_model_len, model.get_vocab_size()))
+                                            HintLimits(model.max_model_len, model.get_vocab_size()),
+                                            reporting_workers=1 if alone else 0)
             self._scheduler = self._role_side.core
         log.info("kvstore connector (%s, %s): chunk %d tokens, KV cache groups: %s (%s), socket %s",
                  role.name, self._store_role.name, store.chunk_tokens, describe_groups(kv_cache_config),

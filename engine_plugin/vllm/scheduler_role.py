@@ -45,7 +45,7 @@ class SchedulerRole:
 
     def __init__(self, options: ConnectorOptions, block_size: int,
                  namespaces: EngineNamespaces, rules: GroupRules | None,
-                 saves: bool, kv_events: bool, limits: HintLimits) -> None:
+                 saves: bool, kv_events: bool, limits: HintLimits, reporting_workers: int = 0) -> None:
         store = options.store
         self._namespaces, self._rules = namespaces, rules
         self.limits = limits
@@ -61,7 +61,7 @@ class SchedulerRole:
                                      prefetch=options.prefetch,
                                      stage_on_arrival=options.device_staging > 0,
                                      wait_for_saves_s=options.wait_for_saves_s, saves=kept,
-                                     handoff_wait_s=options.pd_wait_s)
+                                     handoff_wait_s=options.pd_wait_s, reporting_workers=reporting_workers)
         self.core = SchedulerCore(KVGeometry(store.chunk_tokens, block_size, rules), namespaces, self._lookup,
                                   settings, notify=self._notify)
         self.router_events = RouterEvents(store.chunk_tokens, block_size, self.link) if kv_events else None

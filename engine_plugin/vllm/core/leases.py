@@ -45,7 +45,7 @@ class Leases:
     - A load's lease is released only once no worker can still copy from it, whatever
       became of its request meanwhile (finished, aborted, preempted and asked again): an
       async load's when the workers report that load ended, finished or failed (vLLM
-      reports it once every worker has); a sync load's once every worker (`ranks`) has
+      reports it once every worker has); a sync load's once every worker (`workers`) has
       reported the plan that shipped it (`shipped`) carried out. Under vLLM's async
       scheduling the next plan is taken before a step is reported, so a report names
       the plans it covers (`step_done`), never "the last one".
@@ -60,8 +60,8 @@ class Leases:
       for blocks is not a hit at every step.
     """
 
-    def __init__(self, ranks: int = 1) -> None:
-        self._ranks = ranks
+    def __init__(self, workers: int = 1) -> None:
+        self._workers = workers  # whose reports this scheduler hears (SchedulerSettings.reporting_workers)
         self._held: dict[str, int] = {}  # each request's lease, no load planned from it yet
         self._loads: dict[int, _Load] = {}  # each lease a planned load copies from
         self._read: list[int] = []  # done with after its load, told to the service on its next request
@@ -117,7 +117,7 @@ class Leases:
             mine = not bad.isdisjoint(load.blocks) and (ran > 0 or not load.sync)
             load.failed = load.failed or load.req_id in failed or mine
             load.reports += ran
-            if load.reports >= self._ranks if load.sync else load.req_id in ended | failed:
+            if load.reports >= self._workers if load.sync else load.req_id in ended | failed:
                 del self._loads[lease]
                 (self._unread if load.failed else self._read).append(lease)
 

@@ -76,6 +76,10 @@ class SchedulerSettings:
     # (prompt chunks only), "none" (plan no saves: a kv_consumer's default).
     saves: Saves = "answers"
     handoff_wait_s: float = 5.0  # longest hold for chunks a prefill instance named
+    # Workers whose reports this scheduler hears: 0, one per tensor-parallel rank (vLLM
+    # aggregates them); 1 under vLLM's external launcher, where each process schedules
+    # for its own worker alone.
+    reporting_workers: int = 0
 
 
 class SchedulerCore:
@@ -106,11 +110,12 @@ class SchedulerCore:
         self.lookups = PromptLookups(geometry, namespaces, lookup)
         self.ranks = self.lookups.ranks
         self.counters: Counter[str] = Counter()
-        self.saves = SaveTracker(self.ranks, settings.wait_for_saves_s, self.counters, clock)
+        reporting = settings.reporting_workers or self.ranks  # a save or sync load is done once all report it
+        self.saves = SaveTracker(reporting, settings.wait_for_saves_s, self.counters, clock)
         self.handoffs = HandoffWaits(settings.handoff_wait_s, self.counters, clock, notify)
         self.prefetch = (PrefetchTracker(settings.prefetch, clock) if settings.prefetch is not None
                          else None)
-        self.leases = Leases(self.ranks)
+        self.leases = Leases(reporting)
         self.planner = StepPlanner(geometry, self.ranks, settings.saves, self.saves)
         self.reports = ChainReports(notify, geometry.chunk_tokens, clock)
         self._requests: dict[str, RequestState] = {}
