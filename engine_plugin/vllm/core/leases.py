@@ -73,8 +73,9 @@ class Leases:
             self._held[req_id] = lease
 
     def drop(self, req_id: str) -> None:
-        """`req_id`'s held lease is not needed (it loads nothing, or it is asked again):
-        released now. A load planned from an earlier one keeps its own."""
+        """`req_id`'s held lease is not needed (it loads nothing, is asked again, or is
+        forgotten): released now. A load planned from an earlier one keeps its own until
+        the workers are done with it (`step_done`)."""
         self.release(self._held.pop(req_id, 0))
 
     def planned(self, req_id: str, blocks: Iterable[int], sync: bool) -> None:
@@ -120,11 +121,6 @@ class Leases:
             if load.reports >= self._workers if load.sync else load.req_id in ended | failed:
                 del self._loads[lease]
                 (self._unread if load.failed else self._read).append(lease)
-
-    def forget(self, req_id: str) -> None:
-        """`req_id` is forgotten: its held lease goes now; a planned load's stays until
-        the workers are done with it (`step_done`)."""
-        self.release(self._held.pop(req_id, 0))
 
     def release(self, lease: int) -> None:
         """`lease` (0: none) is done with, no load carried out from it: told to the service

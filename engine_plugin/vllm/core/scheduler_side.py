@@ -279,11 +279,11 @@ class SchedulerCore:
 
     def _forget(self, req_id: str) -> RequestState | None:
         """Forget a request in every part; its lease goes now, or its load's once the
-        workers are done with it (Leases.forget)."""
+        workers are done with it (Leases.drop)."""
         self.lookups.forget(req_id)
         self.saves.forget(req_id)
         self.handoffs.forget(req_id)
         if self.prefetch is not None:
             self.prefetch.forget(req_id)
-        self.leases.forget(req_id)
+        self.leases.drop(req_id)
         return self._requests.pop(req_id, None)
