@@ -7,9 +7,10 @@ wait on the service and copy memory; bound to the engine's core they queued behi
 engines' busy-waiting threads, and a save's reply reached its writer 1.5-2.3 s after the
 service sent it: the last chunks a prefill named reached its service after the decode had
 stopped waiting for them (docs/pd.md). The save writer, the load, stage and fetch pools,
-a secondary tier's job and lookup threads (engine_plugin/vllm/core/tier_jobs.py, tier_lookups.py) and
-the reconnecting thread (a service it spawns inherits its CPUs) start through here;
-the copies that must happen within a step stay on the engine's thread.
+a secondary tier's job and lookup threads (engine_plugin/vllm/core/tier_jobs.py,
+tier_lookups.py), LMCache's backends' task threads (engine_plugin/lmcache/) and the
+reconnecting thread (a service it spawns inherits its CPUs) start through here; the
+copies that must happen within a step stay on the engine's thread.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from support.cluster import (
     wait_for,
 )
 from support.services import counters, stop_service
+from support.stalls import stall_meter
 from support.stores import attached, make_keys, make_payloads, read_back, reads_back
 
 from bench.support.loopdev import LoopDevices
@@ -126,27 +127,28 @@ def test_a_stopped_host_is_ignored_once_its_lease_expires(hosts):
     assert ok == [True] * SLOTS and data == [p.tobytes() for p in payloads]
 
 
-def test_with_the_index_paused_or_down_both_serve_their_own_within_the_deadline(hosts, redis_server):
+def test_with_the_index_paused_or_down_both_serve_their_own_in_time(hosts, redis_server, tmp_path):
+    """Each lookup within the index deadline, less any time the machine stalled (a CI run
+    shares 2 cores with engine servers): the client's own time, not a redis timeout."""
     a, b = client(hosts["a"]), client(hosts["b"])
     own_a, own_b, unknown = make_keys(2, seed=4), make_keys(2, seed=5), make_keys(2, seed=6)
     assert put(a, own_a, make_payloads(2, seed=4, chunk_bytes=CHUNK)) == [True, True]
     assert put(b, own_b, make_payloads(2, seed=5, chunk_bytes=CHUNK)) == [True, True]
     wait_for(lambda: found(b, own_a) == 2, what="B finding A's chunks")
-    for outage in (redis_server.pause, redis_server.stop):
-        outage()
-        for store, own in ((a, own_a), (b, own_b)):
-            for _ in range(3):  # the first pays the deadline; the next skip the index
-                started = time.monotonic()
-                assert found(store, own + unknown) == 2
-                assert time.monotonic() - started < DEADLINE_S + 0.3
-            assert get(store, own)[0] == [True, True]
-        time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
-        started = time.monotonic()
-        assert found(b, own_a) == 0  # A's chunks: no index, no answer; a miss in time
-        assert time.monotonic() - started < DEADLINE_S + 0.3
-        if outage == redis_server.pause:
-            redis_server.resume()
-            time.sleep(0.5)
+    with stall_meter(tmp_path) as meter:
+        for outage in (redis_server.pause, redis_server.stop):
+            outage()
+            for store, own in ((a, own_a), (b, own_b)):
+                for _ in range(3):  # the first pays the deadline; the next skip the index
+                    count, seconds, stalled = meter.timed(lambda: found(store, own + unknown))  # noqa: B023
+                    assert count == 2 and seconds - stalled < DEADLINE_S + 0.3
+                assert get(store, own)[0] == [True, True]
+            time.sleep(1.1)  # past B's memory of earlier answers (kvstore.cluster.node.RECENT_S)
+            count, seconds, stalled = meter.timed(lambda: found(b, own_a))
+            assert count == 0 and seconds - stalled < DEADLINE_S + 0.3  # no index, no answer; a miss in time
+            if outage == redis_server.pause:
+                redis_server.resume()
+                time.sleep(0.5)
     assert counters(hosts["b"])["peer.index_errors"] >= 2
     # An empty index comes back: each host publishes what its device holds again.
     redis_server.restart()
@@ -225,7 +227,7 @@ def test_peer_chunks_promote_into_dram_but_never_onto_this_hosts_disk(disk_dir, 
     assert fsck(os.path.join(disk_dir, "b"))["valid"] == 2  # B's own two chunks, none of A's
 
 
-def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_server):
+def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_server, tmp_path):
     engine = FaultyEngine(make_engine("threads", 8))
     a, b = _store_pair(disk_dir, redis_server.url, engine=engine, config={"io_timeout_s": 0.5})
     try:
@@ -234,14 +236,15 @@ def test_a_dead_peer_device_costs_one_deadline_then_misses(disk_dir, redis_serve
         a.step()
         (device,) = faults.peer_devices(b)
         engine.add(Fault("hang", match=lambda request: request.fd == device.fd))
-        started = time.monotonic()
-        assert read_back(b, keys)[0] == [False] * SLOTS
-        assert 0.4 < time.monotonic() - started < 1.5  # one deadline (io.timeout_s 0.5)
+        with stall_meter(tmp_path) as meter:
+            (ok, _), seconds, stalled = meter.timed(lambda: read_back(b, keys))
+        assert ok == [False] * SLOTS
+        assert seconds > 0.4 and seconds - stalled < 1.5  # one deadline (io.timeout_s 0.5)
         assert device.health.state == "tripped"
         assert b.lookup(keys).count == 0  # its chunks no longer count as present
-        started = time.monotonic()
+        injected = engine.injected
         assert read_back(b, keys)[0] == [False] * SLOTS
-        assert time.monotonic() - started < 0.1  # no I/O at all
+        assert engine.injected == injected  # no I/O at all: nothing reached the hanging device
         engine.clear()
         time.sleep(0.35)  # io.breaker_cooldown_s
         faults.look_for_peer_devices(b)  # what the monitor thread does

@@ -37,12 +37,12 @@ def _held_by_exited_child(path: str) -> int:
 def test_a_lock_whose_holder_exited_is_taken_once_its_files_are_let_go(tmp_path):
     path = str(tmp_path / "data")
     shared = _held_by_exited_child(path)
-    release = threading.Timer(0.5, os.close, [shared])
-    release.start()
     fd = _open(path)
-    started = time.monotonic()
+    release = threading.Timer(0.5, os.close, [shared])
+    started = time.monotonic()  # before the timer starts: the wait is measured from no later
+    release.start()
     lock_exclusive(fd, path, wait_s=20)
-    assert time.monotonic() - started >= 0.4  # it waited for the release, and no longer
+    assert time.monotonic() - started >= 0.5  # it waited for the release
     release.join()
     os.close(fd)
 

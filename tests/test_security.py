@@ -30,6 +30,7 @@ from support import services
 from support.stores import CHUNK_BYTES, make_keys, make_payloads
 from support.users import User, cannot_make_users, readable_packages, shared_directory
 
+from bench.support.processes import free_port
 from kvstore.config.store import load_config
 from kvstore.devices.layout import SB_COPIES
 from kvstore.format.errors import BadKeyError, ConfigError, DeviceError, KVStoreError, ShapeError
@@ -587,9 +588,7 @@ def test_9_a_dram_tier_too_large_names_the_field():
 
 
 def test_9_metrics_listen_on_loopback_only(service_config):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # one the kernel never hands out by itself before the service binds it
     service_config["service"]["metrics_port"] = port
     _service_pid(service_config)
     listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]

@@ -54,6 +54,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from connectors.page_io import Segments, service_pages
 from connectors.weights import weights_identity
+from connectors.worker_threads import pool
 from engine_plugin.lmcache.key_scope import KeyScope
 from engine_plugin.lmcache.storage import HEADER, BadHeader, chunk_header, described, read_header
 from kvstore.format.errors import ConfigError
@@ -163,8 +164,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             config.config, "adapter_params.config", self.chunk_bytes,
             key_digest(f"lmcache-mp|{self.chunk_bytes}".encode()))
         self._notifiers = {name: create_event_notifier() for name in ("store", "lookup", "load")}
-        self._storer = ThreadPoolExecutor(1, "kvstore-l2-store")
-        self._reader = ThreadPoolExecutor(1, "kvstore-l2-load")
+        self._storer = pool("kvstore-l2-store")  # unbound, as every thread that waits on the service
+        self._reader = pool("kvstore-l2-load")
         self._lock = threading.Lock()
         self._next_id: L2TaskId = 0
         self._done: dict[str, dict[L2TaskId, Any]] = {"store": {}, "lookup": {}, "load": {}}
@@ -219,9 +220,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             result: Bitmap | None = self._done["load"].pop(task_id, None)
         return result
 
-    def _submit(self, pool: ThreadPoolExecutor, kind: str, work: Callable[[], Result],
+    def _submit(self, workers: ThreadPoolExecutor, kind: str, work: Callable[[], Result],
                 failed: Result) -> L2TaskId:
-        """Run `work` on `pool`; its result (or `failed`, if it raised) is kept under the
+        """Run `work` on `workers`; its result (or `failed`, if it raised) is kept under the
         task id, then the kind's event fd is signalled."""
         with self._lock:
             task_id = self._next_id
@@ -237,7 +238,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self._done[kind][task_id] = result
             self._notifiers[kind].notify()
 
-        pool.submit(run)
+        workers.submit(run)
         return task_id
 
     def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:

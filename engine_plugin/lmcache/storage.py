@@ -41,7 +41,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from connectors.page_io import PageIO, Segments
 from connectors.weights import weights_identity
+from connectors.worker_threads import pool
 from engine_plugin.lmcache.key_scope import KeyScope
 from kvstore.format.errors import ConfigError
 from kvstore.io.aligned import AlignedBuffer
@@ -314,7 +315,7 @@ class KVStoreBackend(StoragePluginInterface):
         self._expected = expected_full(config, metadata, self.chunk_bytes - HEADER)
         self._connect()
         self._pinned: set[bytes] = set()
-        self._getter = ThreadPoolExecutor(1, "kvstore-lmcache-get")
+        self._getter = pool("kvstore-lmcache-get")  # unbound, as every thread that waits on the service
 
     def _connect(self) -> None:
         """Connections in this generation's namespace, and loads through them."""
