@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{verb} {count} chunks ({format_size(report['bytes'])}: {report['dram_chunks']} in DRAM, "
           f"{report['disk_chunks']} on disk) of {len(chosen)} namespaces"
           + (f"; {report['unread']} disk headers could not be read" if report["unread"] else ""))
+    if report.get("pending") and not args.dry_run:
+        print(f"{report['pending']} namespaces stay pending (no engine has opened the store since the "
+              "service started, or a disk device is out of service): purged when it is back, "
+              "across restarts")
     return 0
 
 

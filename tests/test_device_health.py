@@ -5,6 +5,7 @@ other request is real O_DIRECT I/O.
 """
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -16,8 +17,10 @@ from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
 
 from kvstore.devices.health import IN_SERVICE, TRIPPED, DeviceHealth
 from kvstore.devices.watch import DeviceWatch
+from kvstore.format.malformed import MalformedCounts
 from kvstore.format.record import record_bytes
 from kvstore.io.faulty import Fault
+from kvstore.service.purge_file import PendingPurges
 
 SLOT = record_bytes(CHUNK_BYTES)
 
@@ -111,6 +114,30 @@ def test_a_delete_while_a_device_is_out_is_not_undone_by_its_return(disk_dir, fa
     store.close()
     again = store_factory(_config(disk_dir), engine=faulty, background=False)
     assert [again.lookup([k]).count for k in gone] == [0] * len(gone)
+
+
+def test_a_purge_a_device_out_has_not_seen_is_run_again_after_a_restart(disk_dir, faulty, store_factory,
+                                                                       tmp_path):
+    """A purge while a device is out of service, then a restart before it comes back: the
+    device is scanned at the next start (out at the close, it has no checkpoint) and would
+    serve the purged records again. The service keeps the pending purge in its file
+    (service/purge_file.py) and runs it on the store it opens, before any client has it."""
+    socket = str(tmp_path / "kvstore.sock")
+    malformed = MalformedCounts(logging.getLogger("test"))
+    store, keys, _ = _two_devices(disk_dir, faulty, store_factory)
+    on_a = [k for k in keys if _device_of(store, k) == 0]
+    faulty.add(Fault("error", match=faults.on_device(store, 0)))
+    read_back(store, on_a)
+    assert store.probe.devices()[0].state == TRIPPED
+    report = PendingPurges(socket, malformed).purge(store, [bytes(16)], dry_run=False)
+    assert report["removed"] == len(keys) - len(on_a) and report["pending"] == 1
+    store.close()
+    faulty.clear()
+    again = store_factory(_config(disk_dir), engine=faulty, background=False)
+    assert again.lookup(on_a).count == len(on_a)  # what a restart alone serves again
+    PendingPurges(socket, malformed).opened(again)
+    assert [again.lookup([k]).count for k in keys] == [0] * len(keys)
+    assert not os.path.exists(socket + ".purges")  # nothing pending: every device serves
 
 
 def test_a_delete_during_a_returning_devices_scan_is_not_undone(disk_dir, faulty, store_factory, monkeypatch):

@@ -58,16 +58,16 @@ def digests(count: int, start: int = 0) -> list[tuple[bytes, dict]]:
 def announce(book: NamespaceBook, uid: int, namespaces: list[tuple[bytes, dict]]) -> None:
     """As the service does for a client of `uid`: announcements of at most MAX_ANNOUNCED."""
     for first in range(0, len(namespaces), P.MAX_ANNOUNCED):
-        book.handle(uid, None, P.Announce(namespaces[first : first + P.MAX_ANNOUNCED]))
+        book.handle(uid, P.Announce(namespaces[first : first + P.MAX_ANNOUNCED]))
 
 
 def walk(book: NamespaceBook, limit: int = P.MAX_PAGE) -> list[list[dict]]:
     """Every page of the book, `limit` at most each, as the owner asks for them (each after
     the last one's last digest, until an empty one)."""
-    pages = [book.handle(OWNER, None, P.Namespaces(None, limit))]
+    pages = [book.handle(OWNER, P.Namespaces(None, limit))]
     while pages[-1]:
         after = bytes.fromhex(pages[-1][-1]["namespace"])
-        pages.append(book.handle(OWNER, None, P.Namespaces(after, limit)))
+        pages.append(book.handle(OWNER, P.Namespaces(after, limit)))
     return pages[:-1]
 
 

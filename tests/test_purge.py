@@ -8,22 +8,25 @@ refused: tests/test_security.py.)"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.services import service_config
+from support.services import service_config, serving
 from support.stores import CHUNK_BYTES, make_payloads
 
 from kvstore.config.store import load_config
 from kvstore.format.errors import KVStoreError
 from kvstore.format.keys import KVNamespace, Weights, chunk_keys
+from kvstore.format.malformed import MalformedCounts
 from kvstore.format.record import record_bytes
 from kvstore.service.client import StoreClient, stop_service
 from kvstore.service.namespaces import NamespaceBook
+from kvstore.service.purge_file import PendingPurges
 
 SLOT = record_bytes(CHUNK_BYTES)
 OLD = KVNamespace("llama", "float16", "cpu", 16, weights=Weights("xxh3:aa"))
@@ -116,6 +119,75 @@ def test_the_service_lists_announced_namespaces_and_purges_by_model_and_generati
         stop_service(config)
     book = NamespaceBook(raw["service"]["socket"] + ".namespaces")  # kept across a restart
     assert {entry["namespace"] for entry in listed(book)} == {ns.digest().hex() for ns in (OLD, NEW, OTHER)}
+
+
+def test_a_purge_before_any_engine_connects_is_run_when_the_store_opens(disk_dir, tmp_path):
+    """The store opens at the first engine's hello (it sets the chunk size): a purge before
+    that, after a restart, found nothing and its records were served again. It now waits,
+    in the service's private directory, and runs before the first engine is answered."""
+    raw = {**tiers(disk_dir), **service_config(tmp_path, io={"timeout_s": 5}, socket="run/kvstore.sock")}
+    config_file = tmp_path / "kvstore.json"
+    config_file.write_text(json.dumps(raw))
+    config = load_config(raw)
+    pending = raw["service"]["socket"] + ".purges"
+    stored = {}
+    client = StoreClient(config, CHUNK_BYTES)
+    try:
+        for number, namespace in enumerate((OLD, OTHER)):
+            keys = chunk_keys(range(number * 100, number * 100 + 48), namespace)
+            for slot, payload in enumerate(make_payloads(3, seed=number)):
+                client.memory.slot(slot)[:] = payload.tobytes()
+            assert client.put(keys, [0, 1, 2], namespace=namespace.digest()) == [True] * 3
+            stored[namespace] = keys
+    finally:
+        client.close()
+        stop_service(config)
+    command = [sys.executable, "-m", "kvstore.cli", "purge", "--config", str(config_file),
+               "--namespace", OLD.digest().hex()]
+    with serving(config_file, tmp_path / "serve.log"):  # restarted as a daemon: no engine yet
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "removed 0 chunks" in done.stdout, done.stdout + done.stderr
+        assert "1 namespaces stay pending" in done.stdout and os.path.exists(pending)
+        client = StoreClient(config, CHUNK_BYTES)  # the first engine: the store opens
+        try:
+            assert client.residency(stored[OLD])[0] == 0 and client.residency(stored[OTHER])[0] == 3
+        finally:
+            client.close()
+            stop_service(config)
+    assert not os.path.exists(pending)
+
+
+HEX = st.text(alphabet="0123456789abcdef", max_size=40)
+
+
+@settings(max_examples=150)
+@given(st.one_of(st.binary(max_size=200), st.lists(st.one_of(HEX, st.integers(), st.none()), max_size=5)
+                 .map(lambda rows: json.dumps(rows).encode())))
+def test_a_pending_purges_file_whatever_it_holds_never_stops_the_service(tmp_path_factory, raw):
+    """The file is the service's own, in its private directory; one it cannot read (damaged,
+    another version's, a digest of the wrong size) is set aside and counted, never raised."""
+    folder = tmp_path_factory.mktemp("purges")
+    socket = str(folder / "kvstore.sock")
+    (folder / "kvstore.sock.purges").write_bytes(raw)
+    os.chmod(folder / "kvstore.sock.purges", 0o600)
+    counters: dict = {}
+    purges = PendingPurges(socket, MalformedCounts(logging.getLogger("test"), counters))
+    report = purges.purge(None, [bytes(16)], dry_run=True)  # how many would wait
+    if counters.get("malformed.state_file"):
+        assert os.path.exists(socket + ".purges.bad") and report["pending"] == 1
+    else:  # nothing, or digests of 16 bytes
+        assert not raw or all(len(row) == 32 for row in json.loads(raw))
+
+
+def test_a_pending_purges_file_that_is_a_link_is_not_followed(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text(json.dumps([OTHER.digest().hex()]))
+    os.symlink(target, tmp_path / "kvstore.sock.purges")
+    counters: dict = {}
+    socket = str(tmp_path / "kvstore.sock")
+    purges = PendingPurges(socket, MalformedCounts(logging.getLogger("test"), counters))
+    assert counters["malformed.state_file"] == 1 and purges.purge(None, [], dry_run=True)["pending"] == 0
+    assert target.read_text() == json.dumps([OTHER.digest().hex()])  # the link moved aside, not its target
 
 
 def test_a_described_namespace_shows_no_salt():

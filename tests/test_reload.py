@@ -17,7 +17,6 @@ import os
 import platform
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.services import service_config, stop_service, wait_for_log
+from support.services import service_config, serving, stop_service, wait_for_log
 from support.stores import CHUNK_BYTES, make_keys, make_payloads
 
 from kvstore.config.store import load_config
@@ -41,21 +40,6 @@ def _raw(tmp_path: Path, disk_dir: str, **changes) -> dict:
     return {**service_config(tmp_path, dram=4 * slot, disk_dir=disk_dir, disk=32 * slot, io={"timeout_s": 5},
                              socket="run/kv.sock", spawn=False),
             **changes}
-
-
-@contextmanager
-def serving(config_file: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`kvstore serve --config FILE` until the block ends (stopped by its owner, or killed)."""
-    with open(log, "w") as out:
-        command = [sys.executable, "-m", "kvstore.cli", "serve", "--config", str(config_file)]
-        service = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for_log(log, "listening")
-        yield service
-    finally:
-        if service.poll() is None:
-            service.kill()
-            service.wait()
 
 
 def _put(client: StoreClient, keys, payloads) -> None:

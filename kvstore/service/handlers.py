@@ -53,7 +53,8 @@ class Requests:
         malformed = MalformedCounts(log)  # frames, reloads, counter names: the service's own
         events = ChunkEvents()  # what engines tell routers
         self.shared = SharedStore(config, socket_path, events, malformed)
-        self._namespaces = NamespaceBook(socket_path + ".namespaces", malformed, self.shared.namespaces)
+        self._namespaces = NamespaceBook(socket_path + ".namespaces", malformed, self.shared.namespaces,
+                                         self.shared.purge)
         self.counters = ServiceCounters(self.shared, self._namespaces, malformed, counted)
         leases = LeaseDesk(config.service.scheduler_leases)  # every client's DRAM leases
         self._sessions = Sessions(self.shared, leases)
@@ -84,7 +85,7 @@ class Requests:
     def _namespace_request(self, client: Client, request: P.Announce | P.Namespaces | P.Purge) -> Any:
         """The book answers with the uid at the other end (SO_PEERCRED): listing and purging
         are the service's owner's."""
-        return self._namespaces.handle(P.peer_credentials(client.channel.sock)[1], self.shared.store, request)
+        return self._namespaces.handle(P.peer_credentials(client.channel.sock)[1], request)
 
     def forget(self, client: Client) -> None:
         """A client left (or died): its session ends (Sessions.forget)."""

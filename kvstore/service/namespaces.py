@@ -53,7 +53,6 @@ from kvstore.config.runtime import read_private_json, set_aside, write_private_j
 from kvstore.format.errors import KVStoreError
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.service import protocol as P
-from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -159,15 +158,21 @@ class Shelf:
         return rows
 
 
+# (namespaces, dry run) -> what was, or would be, removed: the service's purge (shared_store.py)
+Purge = Callable[[Sequence[bytes], bool], dict[str, int]]
+
+
 class NamespaceBook:
     """Announced namespaces by digest: `announce`, `page`, `storing` (around a put),
     `tend` (room made and the file written: the book's thread, `start`), `close`, and
     `handle`, which answers the protocol's requests about them. `held` says which
-    namespaces the store's records name (None: not known, and nothing is dropped)."""
+    namespaces the store's records name (None: not known, and nothing is dropped);
+    `purge` removes their records."""
 
     def __init__(self, path: str | None, malformed: MalformedCounts | None = None,
-                 held: Callable[[], set[bytes] | None] = set) -> None:
+                 held: Callable[[], set[bytes] | None] = set, purge: Purge | None = None) -> None:
         self._held = held
+        self._purge = purge
         self._lock = threading.Lock()
         self._file = BookFile(path)
         self._shelf = self._file.load(os.geteuid(), malformed or MalformedCounts(log))
@@ -179,8 +184,7 @@ class NamespaceBook:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvstore-namespaces")
 
-    def handle(self, uid: int, store: TieredStore | None,
-               request: P.Announce | P.Namespaces | P.Purge) -> Any:
+    def handle(self, uid: int, request: P.Announce | P.Namespaces | P.Purge) -> Any:
         """Announcements from any client (`uid`); listing and purging for the service's owner
         only: a purge deletes other users' records, and `allowed_uids` clients may not."""
         if isinstance(request, P.Announce):
@@ -192,11 +196,11 @@ class NamespaceBook:
                                f"{owner}); uid {uid} may only use the store")
         if isinstance(request, P.Namespaces):
             return self.page(request.after, request.limit)
-        if store is None:
-            return {"chunks": 0, "bytes": 0, "dram_chunks": 0, "disk_chunks": 0, "unread": 0, "removed": 0}
+        if self._purge is None:
+            raise KVStoreError("this namespace book purges nothing")
         log.warning("purge%s of %d namespaces by uid %d", " (dry run)" if request.dry_run else "",
                     len(request.namespaces), uid)
-        return store.admin.purge(request.namespaces, dry_run=request.dry_run)
+        return self._purge(request.namespaces, request.dry_run)
 
     def announce(self, uid: int, namespaces: Sequence[tuple[bytes, Mapping[str, str | int]]]) -> None:
         """Keep what is new of these (all checked first: KVStoreError, and nothing kept, if

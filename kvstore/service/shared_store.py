@@ -4,8 +4,10 @@ a chunk size, changed by a reload, closed last.
 The store is made by the first such hello from the service's own user (an allowed user's
 engine cannot fix the store's chunk size nor have a fresh tier formatted for it); later
 hellos must give the same chunk size (another is a clear error naming the socket). Once
-made, its chunk events are logged for engines to read (chunk_events.py) and its `learned`
-admission starts from, and is kept in, the service's file (learned_file.py).
+made, its chunk events are logged for engines to read (chunk_events.py), its `learned`
+admission starts from, and is kept in, the service's file (learned_file.py), and the purges
+left pending (none open yet, or a device out of service) are run on it before any client
+has it (purge_file.py).
 
 Invariants: `lock` is held while the store is made, switched by a reload or closed, and
 while a client's window is taken off its regions, so no store is made from a config being
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from kvstore.config.store import StoreConfig
@@ -30,6 +33,7 @@ from kvstore.io.regions import Region
 from kvstore.service import learned_file
 from kvstore.service import protocol as P
 from kvstore.service.chunk_events import ChunkEvents
+from kvstore.service.purge_file import PendingPurges
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ class SharedStore:
         self._events = events
         self._malformed = malformed
         self._learned = learned_file.Keeper(socket_path, config.service.learned_save_s)
+        self._purges = PendingPurges(socket_path, malformed)
 
     def join(self, uid: int, chunk_bytes: int, hello: P.Hello) -> TieredStore:
         """The store for a hello with chunks of `chunk_bytes` from a client of `uid`: made
@@ -57,8 +62,10 @@ class SharedStore:
                 raise KVStoreError("the store is made by the first engine of the service's own user "
                                    "(its chunk size sets the tiers' format); none has connected yet")
             if self.store is None:
-                self.store = TieredStore(self.config, chunk_bytes, namespace=hello.namespace,
-                                         dtype=hello.dtype, shape=hello.shape)
+                store = TieredStore(self.config, chunk_bytes, namespace=hello.namespace,
+                                    dtype=hello.dtype, shape=hello.shape)
+                self._purges.opened(store)  # before any client has it
+                self.store = store
                 self._learned.start(self.store)
                 self._events.watch(self.store)
             elif self.store.chunk_bytes != chunk_bytes:
@@ -79,9 +86,22 @@ class SharedStore:
                 self.store.regions.remove(region)
 
     def namespaces(self) -> set[bytes] | None:
-        """The namespaces the store's records name (none before there is a store)."""
+        """The namespaces the store's records name (None, not known, before the store opens:
+        its disk tier may hold records of any)."""
         store = self.store
-        return store.probe.namespaces() if store is not None else set()
+        return store.probe.namespaces() if store is not None else None
+
+    def purge(self, namespaces: Sequence[bytes], dry_run: bool) -> dict[str, int]:
+        """Remove the records of `namespaces` (purge_file.py: with no store open yet, they
+        wait for it). The lock is taken only while there is none, so a purge that finds no
+        store cannot miss one being made."""
+        store = self.store
+        if store is None:
+            with self.lock:
+                store = self.store
+                if store is None:
+                    return self._purges.purge(None, namespaces, dry_run)
+        return self._purges.purge(store, namespaces, dry_run)
 
     def reload(self, live: dict[str, Any], config: StoreConfig) -> bool:
         """A reload: its policy keys (`live`) applied to the store, then `config` the one the
@@ -103,9 +123,11 @@ class SharedStore:
         return True
 
     def close(self) -> None:
-        """The learned rates written once more, then the store closed (drained, checkpointed)."""
+        """The learned rates and pending purges written once more, then the store closed
+        (drained, checkpointed)."""
         with self.lock:
             self._learned.close()
+            self._purges.closing(self.store)
             if self.store is not None:
                 self.store.close()
                 self.store = None

@@ -37,6 +37,12 @@ class StoreAdmin:
         this host (store/purge.py); a dry run only counts them."""
         return purge(self._parts, self._delete, set(check_keys(list(namespaces))), dry_run)
 
+    def purges_pending(self) -> list[bytes]:
+        """The namespaces a purge could not reach everywhere: a disk device out of service
+        holds records of theirs, zeroed when it comes back (tiers/availability.py)."""
+        disk = self._parts.disk
+        return disk.availability.pending_namespaces() if disk is not None else []
+
     def reload_policy(self, live: Mapping[str, Any]) -> None:
         """Apply the live keys a config reload changed (config.store.LIVE_KEYS): admission,
         eviction and the write budget change; every chunk a tier holds stays."""

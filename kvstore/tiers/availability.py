@@ -54,6 +54,12 @@ class DeviceAvailability:
             gone_namespaces.update(namespaces)
             self._forgets += 1
 
+    def pending_namespaces(self) -> list[bytes]:
+        """The namespaces purged while a device was out of service, whose records there its
+        return must still zero (kept across restarts by the service: service/purge_file.py)."""
+        with self.disk.table.lock:
+            return sorted(self._forgotten[1])
+
     def any_in_service(self) -> bool:
         """Whether a write has a device to go to. A flag read without the table's lock: each
         DRAM victim a reservation looks at asks it, under the DRAM table's lock; a device

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,3 +101,18 @@ def wait_for_log(path: Path, text: str, after: int = 0, timeout_s: float = 30) -
             return log[after:]
         time.sleep(0.05)
     raise AssertionError(f"{text!r} not in the log: {path.read_text(errors='replace')[after:]}")
+
+
+@contextmanager
+def serving(config_file: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvstore serve --config FILE` until the block ends (stopped by its owner, or killed)."""
+    with open(log, "w") as out:
+        command = [sys.executable, "-m", "kvstore.cli", "serve", "--config", str(config_file)]
+        service = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_log(log, "listening")
+        yield service
+    finally:
+        if service.poll() is None:
+            service.kill()
+            service.wait()
