@@ -26,9 +26,10 @@ from bench.support.vllm_offload import OffloadRig, kvstore_tier, offload_key, of
 from connectors.link import ServiceLink
 from engine_plugin.vllm.core.chain_reports import ChainReports
 from engine_plugin.vllm.core.tier_lookups import TierLookups, Verdict
-from engine_plugin.vllm.tier import ASK_DEADLINES, KVStoreTier, RequestChains
+from engine_plugin.vllm.tier import ASK_DEADLINES, KVStoreTier, RequestChains, tier_weights
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
+from kvstore.format.keys import Weights
 from kvstore.service.client import StoreClient
 from kvstore.tiers.return_rates import RequestEnd
 
@@ -76,7 +77,7 @@ def verdicts(rig: OffloadRig, names) -> list[str]:
 def test_vllms_factory_loads_the_tier_which_stores_finds_and_loads_through_vllms_manager(rig):
     assert isinstance(rig.tier, KVStoreTier)
     stored(rig, range(COUNT))
-    rig.reset()  # the CPU tier empties: what loads now comes from kvstore
+    rig.empty_cpu_tier()  # what loads now comes from kvstore
     context = rig.context("first-sight", keys_of([0]))
     assert rig.tier.lookup(offload_key(0), context) is LookupResult.RETRY  # never waits on the service
     rig.manager.on_request_finished(context)
@@ -121,7 +122,7 @@ def test_a_full_tier_stays_within_its_capacity_and_never_serves_other_bytes(tmp_
         names = list(range(120))  # about twice what DRAM and disk hold together
         for start in range(0, len(names), 12):
             stored(rig, names[start : start + 12])
-        rig.reset()
+        rig.empty_cpu_tier()
         found = [verdicts(rig, [n])[0] for n in names]
         assert "other" not in found and found[-1] == "equal", found
         assert 0 < found.count("equal") < len(names), found  # the oldest were dropped
@@ -148,6 +149,41 @@ def test_two_engines_share_one_store_and_other_weights_share_nothing(store, rig)
         other_weights.close()
 
 
+def test_after_vllms_reset_the_engine_loads_nothing_it_stored_before_and_others_still_do(store, rig):
+    """vLLM resets its caches at a weight update (and at sleep and wake-up) and leaves its
+    secondary tiers alone; weights updated in place keep their files' fingerprint. So the
+    tier keys by a new generation from then on: what this engine stored before is never
+    loaded by it again (recomputed with the new weights), and nothing is deleted."""
+    stored(rig, range(COUNT))
+    rig.empty_cpu_tier()
+    assert verdicts(rig, range(COUNT)) == ["equal"] * COUNT
+    rig.reset()
+    assert verdicts(rig, range(COUNT)) == ["miss"] * COUNT
+    stored(rig, ["after"])  # stored and loaded under the new generation
+    rig.empty_cpu_tier()
+    assert verdicts(rig, ["after"]) == ["equal"]
+    other = rig_of(store)  # another engine on the old weights
+    try:
+        assert verdicts(other, range(COUNT)) == ["equal"] * COUNT
+        assert verdicts(other, ["after"]) == ["miss"]
+    finally:
+        other.close()
+
+
+def test_a_hugging_face_id_needs_its_revision_and_a_local_checkpoint_is_fingerprinted(tmp_path):
+    """vLLM's offloading config names the model, not the revision vLLM loaded: where vLLM's
+    own config is not current, a Hugging Face id without model_revision is refused rather
+    than keyed by whatever snapshot `main` names."""
+    with pytest.raises(ConfigError, match="model_revision"):
+        tier_weights("org/not-a-local-path", None)
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    (checkpoint / "config.json").write_text("{}")
+    assert tier_weights(str(checkpoint), None).fingerprint.startswith("sha256:")
+    assert tier_weights("org/not-a-local-path", "r1") == Weights("rev:r1")
+
+
 def test_each_kv_cache_group_is_keyed_and_stored_in_a_namespace_of_its_own(store):
     """A hybrid model's groups: each chunk under its group's namespace (its records' headers
     name it), each namespace announced; a group not offloaded here is no key."""
@@ -157,7 +193,7 @@ def test_each_kv_cache_group_is_keyed_and_stored_in_a_namespace_of_its_own(store
         assert rig.store(keys, [payload(key.hex(), ROW) for key in keys]) == len(keys)
         namespaces = {group: ns.digest() for group, ns in rig.tier.keys.namespaces.items()}
         assert len(set(namespaces.values())) == 2 and rig.tier.keys.of(offload_key(0, 2)) is None
-        rig.reset()
+        rig.empty_cpu_tier()
         assert rig.load(keys) == [payload(key.hex(), ROW) for key in keys]
     finally:
         rig.close()
@@ -180,7 +216,7 @@ def test_a_groups_lookups_are_a_run_of_their_own(store):
         first, second = [offload_key(n, 0) for n in range(3)], [offload_key(n, 1) for n in range(3)]
         kept = [first[0], first[2], *second]  # group 0's chunk 1 never stored
         assert rig.store(kept, [payload(key.hex(), ROW) for key in kept]) == len(kept)
-        rig.reset()
+        rig.empty_cpu_tier()
         context = rig.context("two-groups", first + second)
         found = [rig.manager.lookup(key, context) for key in first + second]
         given_up = time.monotonic() + 30
@@ -202,7 +238,7 @@ def test_a_stopped_service_costs_misses_within_the_deadline(store):
     rig = rig_of(store)
     try:
         stored(rig, range(COUNT))
-        rig.reset()
+        rig.empty_cpu_tier()
         client = service_client(store)
         try:
             pid = int(client.info()["service_pid"])
@@ -343,7 +379,7 @@ def test_hostile_keys_never_raise_and_never_load_what_they_do_not_name(store, ri
     it is a SHA-256 block hash of the group offloaded, and loads its own bytes."""
     names = list(range(COUNT))
     stored(rig, names)
-    rig.reset()
+    rig.empty_cpu_tier()
     named = set(keys_of(names))
     seen = {"examples": 0}
 
@@ -362,7 +398,7 @@ def test_hostile_keys_never_raise_and_never_load_what_they_do_not_name(store, ri
         if key in named:
             return
         assert rig.store([key], [payload(key.hex(), ROW)], f"hostile-store-{n}") == 1
-        rig.reset()
+        rig.empty_cpu_tier()
         well_formed = len(key) == 36 and key[-4:] == bytes(4)  # group 0, the one offloaded
         assert rig.load([key], f"hostile-load-{n}") == [payload(key.hex(), ROW) if well_formed else None]
         if well_formed:

@@ -122,7 +122,7 @@ class Bench:
     def found(self, rig: OffloadRig, requests: Requests) -> list[list[bytes | None]]:
         """Each request's chunks loaded (their rows' digests; None: a miss), the requests
         arriving `at_once` a step; only the steps until they settle are timed (`self.spent`)."""
-        rig.reset()
+        rig.empty_cpu_tier()
         loaded, self.spent = [], 0.0
         for start in range(0, len(requests), self.at_once):
             wave = [[offload_key(n) for n in names] for names in requests[start : start + self.at_once]]

@@ -204,9 +204,14 @@ class OffloadRig:
             self.finish([context])
 
     def reset(self) -> None:
-        """vLLM's reset_cache (a sleep, a weight update): the CPU tier empties, secondary
-        tiers keep what they hold, so later loads come from them."""
+        """vLLM's reset_cache (a sleep, a weight update): the CPU tier empties, and each
+        secondary tier drains (kvstore's then keys by a new generation: engine_plugin/vllm/tier.py)."""
         self.manager.reset_cache()
+
+    def empty_cpu_tier(self) -> None:
+        """The CPU tier forgets every chunk (as vLLM's reset empties it) while the secondary
+        tiers keep theirs and their keys: what loads next comes from them. Between requests."""
+        self.manager.primary_tier.reset_cache()
 
     def close(self) -> None:
         del self.rows

@@ -19,7 +19,8 @@ Keys: vLLM's offload key (the block hash of a chunk's last block, which chains t
 prompt's tokens from its start with each block's images, LoRA adapter and cache salt,
 and the KV cache group) is hashed with the group's kvstore namespace (model, a
 fingerprint of the weights or `model_revision`, KV dtype, the row's layout, the group)
-into kvstore's 16-byte key (key_digest). Only SHA-256 block hashes are taken (vLLM's
+into kvstore's 16-byte key (key_digest); the weights' generation is new after each of
+vLLM's cache resets (a weight update may keep the files: `drain_jobs`). Only SHA-256 block hashes are taken (vLLM's
 `prefix_caching_hash_algo` sha256 or sha256_cbor, its default): a key of any other shape
 is a miss, counted as `malformed.offload_key`, and never reaches the service.
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future
@@ -109,12 +112,32 @@ def row_layout(config: OffloadingConfig, row_bytes: int) -> str:
     return "|".join(parts)
 
 
+def tier_weights(model: str, model_revision: str | None) -> Weights:
+    """The weights' identity (connectors/weights.py). vLLM's offloading config names the
+    model, not the Hugging Face revision vLLM loaded of it: vLLM's own config, where it is
+    current here, says it; else a Hugging Face id needs `model_revision` (the snapshot
+    `main` names may not be the weights vLLM runs, and two revisions must not share KV)."""
+    if model_revision:
+        return Weights(weights_identity(model, model_revision))
+    from vllm.config import get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    loaded = current.model_config if current is not None else None
+    if loaded is not None and loaded.model == model:
+        return Weights(weights_identity(loaded.model_weights or model, None, loaded.revision))
+    if not os.path.exists(model):
+        raise ConfigError("model_revision", None, f"{model} is not a local checkpoint and vLLM's "
+                                                  "revision of it is not known here: name its weights "
+                                                  "with model_revision")
+    return Weights(weights_identity(model, None))
+
+
 def group_namespaces(config: OffloadingConfig, options: ConnectorOptions,
                      row_bytes: int) -> dict[int, KVNamespace]:
     """Each offloaded KV cache group's namespace, by vLLM's group id (a model of one group:
     no group in its namespace)."""
     model = options.model_id or config.model.name
-    weights = Weights(weights_identity(config.model.name, options.model_revision))
+    weights = tier_weights(config.model.name, options.model_revision)
     base = KVNamespace(model, config.model.dtype, row_layout(config, row_bytes),
                        config.cache.blocks_per_chunk * config.groups[0].tokens_per_block, weights=weights)
     if len(config.groups) == 1:
@@ -131,6 +154,16 @@ class TierKeys:
         self.namespaces = dict(namespaces)
         self._digests = {group: namespace.digest() for group, namespace in namespaces.items()}
         self._seen: OrderedDict[bytes, OffloadKey] = OrderedDict()
+
+    def new_generation(self) -> Weights:
+        """Every group's namespace under the same weights' fingerprint and a fresh random
+        generation (engine_plugin/vllm/namespaces.py): no key made before is made again."""
+        some = next(iter(self.namespaces.values()))
+        weights = Weights(some.weights.fingerprint, secrets.token_hex(8))
+        self.namespaces = {group: dataclasses.replace(namespace, weights=weights)
+                           for group, namespace in self.namespaces.items()}
+        self._digests = {group: namespace.digest() for group, namespace in self.namespaces.items()}
+        return weights
 
     def of(self, key: object) -> bytes | None:
         """kvstore's key, or None for anything but a SHA-256 block hash of a group offloaded here."""
@@ -409,7 +442,18 @@ class KVStoreTier(SecondaryTierManager):
         return results
 
     def drain_jobs(self) -> None:
+        """vLLM drains its tiers when it resets its caches: at sleep, wake-up and a weight
+        update (`reset_prefix_cache(reset_connector=True)`), leaving secondary tiers' data
+        alone. Weights updated in place keep their checkpoint's fingerprint, so once the
+        jobs have ended this tier's namespaces start a new generation, as the connector's
+        `reset_cache` does: nothing stored before is loaded by this engine again (a reset
+        without new weights costs those hits). Nothing is deleted: other engines may run
+        the old weights (`kvstore purge` removes a generation)."""
         self.jobs.drain()
+        weights = self.keys.new_generation()
+        self.lookups.forget_all()
+        log.info("kvstore tier: new generation %s of %s's namespaces (weights %s)", weights.generation,
+                 next(iter(self.keys.namespaces.values())).model, weights.fingerprint)
 
     def shutdown(self) -> None:
         """Jobs end (within the service's deadlines), then the threads and connections go."""

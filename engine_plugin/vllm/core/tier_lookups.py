@@ -148,6 +148,11 @@ class TierLookups:
         for run in request.runs if request is not None else ():
             self.tracker.forget(run.name)
 
+    def forget_all(self) -> None:
+        """Every request's lookups (their keys are not the tier's any more: a new generation)."""
+        for req_id in list(self._requests):
+            self.forget(req_id)
+
     def pending(self) -> bool:
         """Whether an answer is on its way, or a run is held by its promotion."""
         return any(run.answer is not None and (not run.answer.done() or self._held(run))
