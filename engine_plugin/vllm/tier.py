@@ -20,9 +20,10 @@ prompt's tokens from its start with each block's images, LoRA adapter and cache 
 and the KV cache group) is hashed with the group's kvstore namespace (model, a
 fingerprint of the weights or `model_revision`, KV dtype, the row's layout, the group)
 into kvstore's 16-byte key (key_digest); the weights' generation is new after each of
-vLLM's cache resets (a weight update may keep the files: `drain_jobs`). Only SHA-256 block hashes are taken (vLLM's
-`prefix_caching_hash_algo` sha256 or sha256_cbor, its default): a key of any other shape
-is a miss, counted as `malformed.offload_key`, and never reaches the service.
+vLLM's cache resets (a weight update may keep the files: `drain_jobs`). Only SHA-256
+block hashes are taken (vLLM's `prefix_caching_hash_algo` sha256 or sha256_cbor, its
+default): a key of any other shape is a miss, counted as `malformed.offload_key`, and
+never reaches the service.
 
 Everything kvstore promises holds here: a record that does not verify is a miss (the
 load reports the chunk failed and vLLM recomputes it), the tiers are bounded, a restart
