@@ -29,6 +29,7 @@ from support.stalls import stall_meter
 from support.stores import attached, make_keys, make_payloads, read_back, reads_back
 
 from bench.support.loopdev import LoopDevices
+from kvstore.cluster import publisher as publisher_module
 from kvstore.devices.layout import SB_COPIES
 from kvstore.format.errors import ConfigError
 from kvstore.format.record import BLOCK, record_bytes
@@ -314,6 +315,47 @@ def test_a_peer_device_that_is_this_hosts_own_is_refused(disk_dir):
     config["cluster"]["peers"][0]["disk"][0]["path"] = os.path.join(disk_dir, "a")
     with pytest.raises(ConfigError, match=r"cluster\.peers\[0\]\.disk\[0\]\.path.*this host's own"):
         TieredStore(config, CHUNK, background=False)
+
+
+def test_a_publish_longer_than_the_lease_renews_it_as_it_goes(disk_dir, redis_server, monkeypatch):
+    """A reconcile of many chunks (here: a pipeline per chunk, each taking half the lease)
+    runs past the lease: renewed only before it, the lease ran out midway, the next renewal
+    found it gone and reconciled everything again, for ever, and peers lost the host's
+    chunks each time. It is renewed between batches now."""
+    monkeypatch.setattr(publisher_module, "_BATCH", 1)
+    a = TieredStore(host_config("a", [], disk_dir, redis_server.url), CHUNK, background=False)
+    try:
+        a.put_many(make_keys(SLOTS, seed=12), make_payloads(SLOTS, seed=12, chunk_bytes=CHUNK))
+        publisher = faults.publisher(a)
+        faults.index_writes_slow(a, LEASE_S / 2)
+        assert publisher.step()  # the start's reconcile: SLOTS batches, 2 x the lease
+        assert a.stats.snapshot()["peer.reconciles"] == 1
+        faults.renewal_due(a)
+        assert publisher.step()
+        assert a.stats.snapshot()["peer.reconciles"] == 1  # the lease lived: no reconcile again
+    finally:
+        a.close()
+
+
+def test_a_write_the_index_refuses_is_counted_and_not_retried(disk_dir, redis_server):
+    """A key of another type where a chunk's entry goes (another user of the same Redis,
+    or a hostile one): that write is refused. It was taken for a failed shard, sent again
+    at every step, and each step then waited the index backoff: publishing slowed for good."""
+    a = TieredStore(host_config("a", [], disk_dir, redis_server.url), CHUNK, background=False)
+    try:
+        publisher = faults.publisher(a)
+        assert publisher.step()
+        keys = make_keys(2, seed=13)
+        with redis.Redis.from_url(redis_server.url) as r:
+            r.set(publisher.keys.chunk(keys[0]), b"not a hash")
+        a.put_many(keys, make_payloads(2, seed=13, chunk_bytes=CHUNK))
+        assert publisher.step()
+        assert a.stats.snapshot()["peer.publish_refused"] == 1
+        assert a.stats.snapshot().get("peer.publish_errors", 0) == 0
+        a.put_many(make_keys(1, seed=14), make_payloads(1, seed=14, chunk_bytes=CHUNK))
+        assert publisher.step() and a.stats.snapshot()["peer.publish_refused"] == 1  # not sent again
+    finally:
+        a.close()
 
 
 def test_an_index_that_lost_its_data_is_filled_again_at_the_next_renewal(disk_dir, redis_server):

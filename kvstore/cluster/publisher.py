@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 
-from kvstore.cluster.connection import FAILURES, Command, IndexConnection
+from kvstore.cluster.connection import FAILURES, MALFORMED, Command, IndexConnection
 from kvstore.cluster.index import DEVICE_ID_BYTES, IndexKeys, Location
 from kvstore.cluster.lease import HostIdInUse, HostLease
 from kvstore.config.store import ClusterConfig
@@ -49,7 +49,9 @@ class IndexPublisher:
         self.stats = stats
         self.host_id = config.host_id
         self.generation = int.from_bytes(os.urandom(8), "little")
-        self._index = IndexConnection(config.index_url, config.lease_s / 3, tls=config.index_tls)
+        # A shard that failed is skipped for a deadline: one that hangs does not cost every batch one.
+        self._index = IndexConnection(config.index_url, config.lease_s / 3, config.lease_s / 3,
+                                      tls=config.index_tls)
         self.keys = IndexKeys(config.key_prefix, self._index.cluster)
         self.lease = HostLease(config, self._index, self.keys, self.generation, stats)
         self._claim_at_start()
@@ -60,6 +62,7 @@ class IndexPublisher:
         self._stop = threading.Event()
         self._renewed = 0.0
         self._failing = False
+        self._refused_seen = False  # a refused write was logged as a warning (later ones at debug)
         self._error: BaseException | None = None  # this step's first failure, for the log
         self._retry: list[Command] = []  # writes a shard failed: sent again at the next step
         self._reconcile_after = 0.0  # a reconcile that could not read this host's set waits
@@ -136,14 +139,29 @@ class IndexPublisher:
     def _send(self, commands: list[Command]) -> bool:
         """Send `commands` (in batches, each shard its part); False if any failed. Those
         are sent again at the next step (a shard down costs only its own writes, again),
-        or, past QUEUE_LIMIT of them, a reconcile follows."""
+        or, past QUEUE_LIMIT of them, a reconcile follows; a command Redis refused (a key
+        of the wrong type: another user of the same Redis, or a hostile one) is that
+        entry's loss, counted (`peer.publish_refused`), never sent again. The lease is
+        renewed between batches when due: a long send (a reconcile of 10^5 chunks, a
+        shard that hangs each batch to its deadline) never outlasts it."""
         ok = True
+        refused: list[BaseException] = []
         for start in range(0, len(commands), 2 * _BATCH):
+            if start and time.monotonic() - self._renewed >= self.config.lease_s / 3:
+                ok = self._renew() and ok
             batch = commands[start : start + 2 * _BATCH]
             for command, answer in zip(batch, self._index.run(batch), strict=True):
-                if isinstance(answer, BaseException):
+                if isinstance(answer, MALFORMED):
+                    refused.append(answer)
+                elif isinstance(answer, BaseException):
                     self._error, ok = self._error or answer, False
                     self._retry.append(command)
+        if refused:
+            self.stats.add("peer.publish_refused", len(refused))
+            log.log(logging.DEBUG if self._refused_seen else logging.WARNING,
+                    "cluster index: %d writes refused (%s); their chunks are not published",
+                    len(refused), refused[0])
+            self._refused_seen = True
         if len(self._retry) > QUEUE_LIMIT:
             self._dirty, self._retry = True, []
         return ok

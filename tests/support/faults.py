@@ -9,6 +9,7 @@ holds the rest of tests/ to that).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,20 @@ def eviction_keys(store: TieredStore) -> set[bytes]:
     """The keys the disk tier's eviction order holds (it must hold exactly what the tier does)."""
     assert store.parts.disk is not None
     return set(store.parts.disk.table.eviction)
+
+
+def index_writes_slow(store: TieredStore, seconds: float) -> None:
+    """Each batch of chunk entries this host's publisher sends to the index takes `seconds`
+    longer (a loaded Redis, a shard that answers at its deadline); the lease's own SET does not."""
+    index = publisher(store)._index
+    run = index.run
+
+    def slow(commands):
+        if any(name != "set" for name, _ in commands):
+            time.sleep(seconds)
+        return run(commands)
+
+    index.run = slow  # type: ignore[method-assign]
 
 
 def renewal_due(store: TieredStore) -> None:
