@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import faults
 from support.cluster import CHUNK, host_config
+from support.stalls import stall_meter
 from support.stores import make_keys, make_payloads, read_back
 
 from bench.support.redis_server import RedisServer, redis_server_unavailable
+from kvstore.cluster.connection import IndexConnection
 from kvstore.cluster.index import IndexKeys, IndexReader, LeaseHolder, Location
 from kvstore.cluster.lease import HostIdInUse
 from kvstore.config.store import load_config
@@ -341,3 +344,41 @@ def test_any_index_entry_or_lease_is_a_counted_miss_never_an_exception(redis_ser
     if wrong_type or not valid:
         assert counters["peer.index_malformed"] >= 1
     assert counters.get("peer.index_errors", 0) == 0
+
+
+def test_a_host_name_slow_to_resolve_holds_no_index_request_past_its_deadline(redis_server, tmp_path,
+                                                                               monkeypatch):
+    """A single instance reconnects on the caller's request and resolves its host's name
+    first, which no socket timeout bounds (a DNS server that does not answer holds it for
+    the resolver's own timeout, 5 s by default). The request is sent from a worker thread
+    now, as a cluster shard's is: the caller has its answer, a failure, at the deadline."""
+    index = IndexConnection(redis_server.url.replace("127.0.0.1", "localhost"), timeout_s=0.2)
+    resolve = socket.getaddrinfo
+
+    def slow(host, *args, **kwargs):
+        if host == "localhost":
+            time.sleep(3.0)
+        return resolve(host, *args, **kwargs)
+
+    try:
+        assert index.run([("set", (b"kvstore-test-key", b"1"))]) == [True]
+        index.client.connection_pool.disconnect()  # the next request reconnects
+        monkeypatch.setattr(socket, "getaddrinfo", slow)
+        def failed() -> None:
+            with pytest.raises(redis.TimeoutError):
+                index.run([("get", (b"kvstore-test-key",))])
+
+        with stall_meter(tmp_path) as meter:
+            _, seconds, stalled = meter.timed(failed)
+        assert seconds - stalled < 1.5, seconds
+        monkeypatch.undo()
+        deadline = time.monotonic() + 10
+        while True:  # once the stuck reconnect ends, requests are answered again
+            try:
+                assert index.run([("get", (b"kvstore-test-key",))]) == [b"1"]
+                break
+            except redis.TimeoutError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        index.close()

@@ -10,10 +10,13 @@ CA (else the system's), with its client certificate where the index asks for one
 Neither client retries (redis-py's would, which multiplies a deadline): a failure is the
 caller's to count.
 
-On a cluster every shard's part of a batch is its own pipeline, sent from a worker
-thread of its own and waited for until one deadline: a shard that does not answer (its master
-died, or hangs, and no replica has taken over yet) costs only its own commands, within
-that deadline, however long redis-py's pipeline then spends retrying them one by one.
+A single instance's batch is one pipeline sent from a worker thread and waited for
+until the deadline, as a shard's is (below): a reconnect resolves the host's name, which
+no socket timeout bounds. On a cluster every shard's part of a batch is its own pipeline,
+sent from a worker thread of its own and waited for until one deadline: a shard that
+does not answer (its master died, or hangs, and no replica has taken over yet) costs
+only its own commands, within that deadline, however long redis-py's pipeline then
+spends retrying them one by one.
 Such a shard is skipped for `backoff_s` (and while a part sent to it is still overdue);
 the others are not. The cluster client (its first slot map) is built in the background:
 a caller waits for it at most its deadline, so nodes that accept and never answer
@@ -42,6 +45,7 @@ FAILURES = (redis.RedisError, RedisClusterException, OSError)  # what a dead or 
 NODE_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)  # a shard's node, not a command, failed
 MALFORMED = redis.ResponseError  # a command refused (a key of the wrong type): that entry, not the index
 Command = tuple[str, tuple[Any, ...]]  # a pipeline method's name and its arguments; args[0] names the key(s)
+INSTANCE = "instance"  # the one "shard" of a single instance
 
 
 def _credentials(url: str) -> dict[str, Any]:
@@ -170,20 +174,19 @@ class IndexConnection:
             self._built.set()
 
     def run(self, commands: Sequence[Command]) -> list[Any]:
-        """The commands' results; a command Redis refused (MALFORMED) gives its exception as
-        its result. One instance: one pipeline; a failure of the connection raises. A
-        cluster: one pipeline per shard, all within `timeout_s`; a shard that fails, is late
-        or is backing off gives its commands' exceptions as their results."""
-        if not self.cluster:
-            pipe = self.client.pipeline(transaction=False)
-            for name, args in commands:
-                _queue(pipe, name, args)
-            return list(pipe.execute(raise_on_error=False))  # a refused command: its own result
+        """The commands' results, within `timeout_s`; a command Redis refused (MALFORMED)
+        gives its exception as its result. One instance: one pipeline, whose failure (or
+        lateness) raises. A cluster: one pipeline per shard; a shard that fails, is late or
+        is backing off gives its commands' exceptions as their results. Either way each
+        pipeline is sent from a worker thread: what no socket timeout bounds (resolving the
+        host's name at a reconnect) holds that thread, never the caller."""
         client = self.client
         started = time.monotonic()
         results: list[Any] = [None] * len(commands)
         shards: dict[str, list[int]] = {}
-        for i, (_, args) in enumerate(commands):
+        if not self.cluster:
+            shards[INSTANCE] = list(range(len(commands)))
+        for i, (_, args) in enumerate(commands if self.cluster else ()):
             key = args[0] if isinstance(args[0], bytes | str) else args[0][0]
             try:
                 shards.setdefault(client.get_node_from_key(key).name, []).append(i)
@@ -205,6 +208,10 @@ class IndexConnection:
             answers = self._collect(part)
             for i, answer in zip(part.indices, answers, strict=True):
                 results[i] = answer
+        if not self.cluster:  # the instance failed, not one command
+            failed = [a for a in results if isinstance(a, BaseException) and not isinstance(a, MALFORMED)]
+            if failed:
+                raise failed[0]
         return results
 
     def _refused(self, node: str, now: float) -> BaseException | None:
@@ -230,16 +237,19 @@ class IndexConnection:
                 self._overdue[part.node] -= 1
 
     def _collect(self, part: _Part) -> list[Any]:
-        """The part's answers, or a timeout for each if it is late (it then holds its shard)."""
+        """The part's answers, or a timeout for each if it is late (it then holds its shard).
+        A cluster's shard that failed is skipped for `backoff_s`; a single instance is the
+        caller's to skip (cluster/node.py's lookups skip the index, its awaiting does not)."""
         with self._lock:
+            backoff = time.monotonic() + self.backoff_s if self.cluster else 0.0
             if not part.done.is_set():
                 part.overdue = True
                 self._overdue[part.node] = self._overdue.get(part.node, 0) + 1
-                self._skip_until[part.node] = time.monotonic() + self.backoff_s
+                self._skip_until[part.node] = backoff
                 late = redis.TimeoutError(f"shard {part.node} did not answer within {self.timeout_s:g} s")
                 return [late] * len(part.indices)
             if any(isinstance(answer, NODE_DOWN) for answer in part.answers):
-                self._skip_until[part.node] = time.monotonic() + self.backoff_s
+                self._skip_until[part.node] = backoff
             return part.answers
 
     def close(self) -> None:
