@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.records import corrupt_record, disk_records
 from support.services import counters, service_client, service_config, stop_service
+from support.stalls import stall_meter
 from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key
 
 from bench.support.processes import paused
@@ -26,7 +27,7 @@ from bench.support.vllm_offload import OffloadRig, kvstore_tier, offload_key, of
 from connectors.link import ServiceLink
 from engine_plugin.vllm.core.chain_reports import ChainReports
 from engine_plugin.vllm.core.tier_lookups import TierLookups, Verdict
-from engine_plugin.vllm.tier import ASK_DEADLINES, KVStoreTier, RequestChains, tier_weights
+from engine_plugin.vllm.tier import ASK_DEADLINES, CHORES_WAITING, KVStoreTier, RequestChains, tier_weights
 from kvstore.config.store import load_config
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import Weights
@@ -254,6 +255,30 @@ def test_a_stopped_service_costs_misses_within_the_deadline(store):
             assert not rig.tier.has_pending_work()
     finally:
         rig.close()
+
+
+def test_best_effort_requests_never_delay_a_lookup_nor_pile_up_behind_a_slow_service(store, tmp_path):
+    """Counters, request ends, touches and event polls go on a lane of their own, at most
+    CHORES_WAITING of them waiting: behind a slow service (each of its answers 0.05 s, here
+    in the call) the rest are dropped and counted, a lookup is answered in its own time, and
+    shutting down does not wait for the backlog."""
+    rig = rig_of(store)
+    stored(rig, range(COUNT))
+    rig.empty_cpu_tier()
+
+    def slow(client):
+        time.sleep(0.05)
+        return client.count({})
+
+    lane = rig.tier.chores
+    for _ in range(CHORES_WAITING + 100):
+        lane.submit(slow)
+    assert lane.take_dropped() >= 100
+    with stall_meter(tmp_path) as meter:  # each less any time the machine stalled
+        found, seconds, stalled = meter.timed(lambda: verdicts(rig, range(COUNT)))
+        assert found == ["equal"] * COUNT and seconds - stalled < CHORES_WAITING * 0.05  # not behind them
+        _, seconds, stalled = meter.timed(rig.close)
+        assert seconds - stalled < CHORES_WAITING * 0.05 / 2  # the waiting ones were dropped
 
 
 def test_touched_chunks_are_brought_into_dram(store):

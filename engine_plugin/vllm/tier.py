@@ -63,6 +63,7 @@ from connectors.page_io import Segments, service_pages
 from connectors.weights import weights_identity
 from engine_plugin.vllm.core.chain_reports import ChainReports
 from engine_plugin.vllm.core.options import ConnectorOptions, parse_options
+from engine_plugin.vllm.core.service_lane import ServiceLane
 from engine_plugin.vllm.core.tier_jobs import Chain, TierJobs
 from engine_plugin.vllm.core.tier_lookups import TierLookups, Verdict
 from kvstore.format.errors import ConfigError
@@ -84,6 +85,7 @@ TIER_KEYS = {"config", "model_id", "model_revision", "lookup_timeout_s", "prefet
              "prefetch_max_wait_s", "prefetch_timeout_s_per_1k_tokens"}
 LOADERS = 2  # load jobs side by side, each on a connection of its own (one's reads, the other's copy)
 ASK_DEADLINES = 3  # a lookup unanswered for this many lookup deadlines is a miss
+CHORES_WAITING = 64  # best effort requests that may wait for the service; past it one is dropped
 EVENTS_KEPT = 1 << 14  # chunks whose vLLM keys the tier remembers for its events
 MEDIA = {"kvstore-dram": (Medium.CPU, Locality.LOCAL), "kvstore-disk": (Medium.STORAGE, Locality.LOCAL),
          "kvstore-nvmeof": (Medium.STORAGE, Locality.REMOTE)}  # the array every host reads
@@ -248,15 +250,15 @@ class TierEvents:
     """The service's chunk events (kvstore/service/chunk_events.py) about chunks this tier
     stored or looked up, as vLLM's OffloadingEvents owned by this tier: a chunk entering or
     leaving kvstore's DRAM (Medium.CPU, local), its disk (STORAGE, local) or the NVMe-oF
-    array every host of a cluster reads (STORAGE, REMOTE). Asked once a step on the lookup
-    thread; a failure costs events, never the step."""
+    array every host of a cluster reads (STORAGE, REMOTE). Asked once a step on the tier's
+    best effort lane; a failure (or a full lane) costs events, never the step."""
 
-    def __init__(self, keys: TierKeys, lookups: TierLookups, ownership: str) -> None:
-        self.keys, self.lookups, self.ownership = keys, lookups, ownership
+    def __init__(self, keys: TierKeys, lane: ServiceLane, ownership: str) -> None:
+        self.keys, self.lane, self.ownership = keys, lane, ownership
         self.cursor = -1  # the first answer says where the log is: what came before is not news
         self._asked: Future[tuple[int, int, list[tuple[bool, bytes, str]]] | None] | None = None
         self._ready: list[OffloadingEvent] = []
-        self._translate(lookups.later(lambda client: client.events(-1)).result())  # at start-up, once
+        self._translate(lane.submit(lambda client: client.events(-1)).result())  # at start-up, once
 
     def ask(self) -> None:
         """Take the last answer if it is in, and ask for what came since."""
@@ -265,7 +267,7 @@ class TierEvents:
                 return
             self._translate(self._asked.result())
         cursor = self.cursor
-        self._asked = self.lookups.later(lambda client: client.events(cursor))
+        self._asked = self.lane.submit(lambda client: client.events(cursor))
 
     def _translate(self, answer: tuple[int, int, list[tuple[bool, bytes, str]]] | None) -> None:
         if answer is None:
@@ -318,13 +320,17 @@ class KVStoreTier(SecondaryTierManager):
         reads, writes = service_pages(parsed.store, "config", self.rows.row_bytes, *described[0],
                                       more=described[1:])
         self.jobs = TierJobs([reads, *(reads.another() for _ in range(LOADERS - 1))], writes)
-        link = ServiceLink(lambda: StoreClient(parsed.store, timeout_s=parsed.lookup_timeout_s))
-        link.start()
-        self.lookups = TierLookups(link, parsed.prefetch, ASK_DEADLINES * parsed.lookup_timeout_s)
+        links = [ServiceLink(lambda: StoreClient(parsed.store, timeout_s=parsed.lookup_timeout_s))
+                 for _ in range(2)]
+        for link in links:
+            link.start()
+        self.lookups = TierLookups(links[0], parsed.prefetch, ASK_DEADLINES * parsed.lookup_timeout_s)
+        # Counters, request ends, touches, event polls: never ahead of a lookup, never a backlog.
+        self.chores = ServiceLane(links[1], "kvstore-tier-chores", most=CHORES_WAITING)
         self.chains = RequestChains(ChainReports(self._notify, config.cache.blocks_per_chunk
                                                  * config.groups[0].tokens_per_block))
         enabled = events and offloading_spec.kv_events_config.enable_kv_cache_events
-        self.events = TierEvents(self.keys, self.lookups, tier_type) if enabled else None
+        self.events = TierEvents(self.keys, self.chores, tier_type) if enabled else None
         self.counters: Counter[str] = Counter()
         self._jobs: dict[int, _Job] = {}
         self._warned = False
@@ -349,7 +355,7 @@ class KVStoreTier(SecondaryTierManager):
             if (ours := self._ours(key)) is not None:
                 runs.setdefault(get_offload_group_idx(key), []).append(ours)
         for run in runs.values():
-            self.lookups.later(functools.partial(StoreClient.residency, keys=run, prefetch=True))
+            self.chores.submit(functools.partial(StoreClient.residency, keys=run, prefetch=True))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -363,9 +369,11 @@ class KVStoreTier(SecondaryTierManager):
         if self.events is not None:
             self.events.ask()
         self.counters.update(self.lookups.tracker.take_counters())
+        if dropped := self.chores.take_dropped():
+            self.counters["tier.requests_dropped"] += dropped
         if self.counters:
             counted, self.counters = dict(self.counters), Counter()
-            self.lookups.later(lambda client: client.count(counted))
+            self.chores.submit(lambda client: client.count(counted))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self.events.take() if self.events is not None else ()
@@ -386,7 +394,7 @@ class KVStoreTier(SecondaryTierManager):
 
     def _notify(self, kind: str, ranks: list[list[bytes]], in_s: float, /,
                 end: RequestEnd | None = None) -> None:
-        self.lookups.later(lambda client: client.finished(ranks, end))
+        self.chores.submit(lambda client: client.finished(ranks, end))
 
     # -- jobs ---------------------------------------------------------------------------
 
@@ -457,6 +465,8 @@ class KVStoreTier(SecondaryTierManager):
                  next(iter(self.keys.namespaces.values())).model, weights.fingerprint)
 
     def shutdown(self) -> None:
-        """Jobs end (within the service's deadlines), then the threads and connections go."""
+        """Jobs end (within the service's deadlines), then the threads and connections go
+        (best effort requests still waiting are dropped)."""
         self.jobs.close()
         self.lookups.close()
+        self.chores.close()

@@ -19,8 +19,9 @@ takes every stored chunk at once (the load reads disk itself).
 Invariants: a chunk that once missed for a request misses for it until it ends (a load
 that found a HIT gone must not be asked for again and again); a run whose answer has not
 come within `deadline_s` misses (a hung service holds no request longer); a request's
-state goes when it ends (`forget`). Every call to the service runs on the one lookup
-thread, over one connection (`later`), and a failure is a miss, never an exception.
+state goes when it ends (`forget`). Every lookup runs on the one lookup thread, over one
+connection (`later`, a ServiceLane of its own: best effort work goes on another), and a
+failure is a miss, never an exception.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from enum import Enum
 from typing import TypeVar
 
 from connectors.link import ServiceLink
-from connectors.worker_threads import pool
 from engine_plugin.vllm.core.prefetch import PrefetchPolicy, PrefetchTracker, Residency
-from kvstore.format.errors import KVStoreError
+from engine_plugin.vllm.core.service_lane import ServiceLane
 from kvstore.service.client import StoreClient
 
 log = logging.getLogger("kvstore.tier")
@@ -74,12 +74,11 @@ class _Request:
 class TierLookups:
     def __init__(self, link: ServiceLink, policy: PrefetchPolicy | None, deadline_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.link = link
         self.prefetch = policy is not None
         self.tracker = PrefetchTracker(policy or PrefetchPolicy(), clock)
         self.deadline_s = deadline_s
         self._clock = clock
-        self._thread = pool("kvstore-tier-lookup")
+        self._asks = ServiceLane(link, "kvstore-tier-lookup")  # lookups alone: no best effort work
         self._requests: dict[str, _Request] = {}
 
     def verdict(self, req_id: str, key: bytes, tokens: int, chain: int = 0) -> Verdict:
@@ -161,26 +160,7 @@ class TierLookups:
     def later(self, call: Callable[[StoreClient], T]) -> Future[T | None]:
         """`call(client)` on the lookup thread and connection; None where the service is
         unavailable or the call failed (logged, the connection dropped)."""
-
-        def run() -> T | None:
-            client = self.link.get()
-            if client is None:
-                return None
-            try:
-                return call(client)
-            except KVStoreError as exc:
-                log.warning("kvstore tier: a request to the service failed (%s); a miss", exc)
-                self.link.fail()
-            except Exception:  # whatever it was, the engine's scheduler must not see it
-                log.exception("kvstore tier: a request to the service failed; a miss")
-            return None
-
-        try:
-            return self._thread.submit(run)
-        except RuntimeError:  # closed
-            done: Future[T | None] = Future()
-            done.set_result(None)
-            return done
+        return self._asks.submit(call)
 
     def _ask(self, run: _Run, prefetch: bool) -> None:
         """Ask the service about the run (its deadline runs from now)."""
@@ -195,8 +175,7 @@ class TierLookups:
         self.later(lambda client: client.residency(keys, prefetch)).add_done_callback(answered)
 
     def close(self) -> None:
-        """Stop the lookup thread once what was asked of it is done (counters and request
-        ends reach the service; each call ends within its deadline, and after a failure the
-        rest find the service unavailable at once), then the link."""
-        self._thread.shutdown(wait=True)
-        self.link.close()
+        """Stop the lookup thread once what was asked of it is done (each call ends within
+        its deadline; after a failure the rest find the service unavailable at once), then
+        the link."""
+        self._asks.close()
