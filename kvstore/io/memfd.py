@@ -71,12 +71,17 @@ class SharedMemory:
 
     @classmethod
     def attach(cls, fd: int, nbytes: int, pages: str, writable: bool = True) -> Self:
-        """Map memory a peer passed (`nbytes` as it announced); the fd is closed."""
+        """Map memory a peer passed (`nbytes` as it announced); the fd is closed. A descriptor
+        that cannot be mapped so (a pipe, a directory, another size) is a KVStoreError: the
+        peer may be anything."""
         try:
             if os.fstat(fd).st_size < nbytes:
                 raise KVStoreError(f"the shared memory passed is smaller than the {nbytes} bytes "
                                    "announced")
-            return cls(fd, nbytes, pages, writable)
+            try:
+                return cls(fd, nbytes, pages, writable)
+            except (OSError, ValueError, OverflowError) as exc:
+                raise KVStoreError(f"the shared memory passed cannot be mapped: {exc}") from exc
         finally:
             os.close(fd)
 

@@ -13,7 +13,9 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvstore.config.store import StoreConfig, dump_config, with_service
 from kvstore.format.errors import KVStoreError
@@ -23,6 +25,14 @@ from kvstore.service.client_memory import ClientMemory
 from kvstore.tiers.return_rates import RequestEnd
 
 HELLO_TIMEOUT_S = 10.0
+
+# What each reply's value must be (protocol.py's list), checked by protocol.reply_as.
+_Offset = Annotated[int, msgspec.Meta(ge=-1)]  # a payload's offset in the DRAM tier; -1: not pinned
+_Natural = Annotated[int, msgspec.Meta(ge=0)]
+_FOUND = tuple[P.Whole, P.Whole, bool]
+_LEASE = tuple[P.Whole, list[list[_Offset]]]
+_PINNED = tuple[P.Whole, list[_Offset], list[_Natural | None]]  # a check: an xxh3-64, unsigned
+_EVENTS = tuple[_Natural, _Natural, list[tuple[bool, P.Key, P.Name]]]
 
 
 class StoreClient:
@@ -103,14 +113,15 @@ class StoreClient:
         for start in range(0, max(1, max((len(k) for k in lists), default=0)), step):
             piece = [k[start : start + step] for k in lists]
             reply = self._conn.request(P.Residency(piece, prefetch, min(await_s, P.MAX_AWAIT_S), **extras))
+            run, in_dram, promoting, lease, leased = _found(reply, piece, lease_from or 0)
             if start == 0:
-                number, offsets = _leased(reply[3:], lease_from or 0)
+                number, offsets = lease, leased
             extras = {}
             if resident == stored:  # a leading run: DRAM's continues only where all before was there
-                resident += int(reply[1])
-            stored += int(reply[0])
-            pending = pending or bool(reply[2])
-            if int(reply[0]) < min((len(k) for k in piece), default=0):
+                resident += in_dram
+            stored += run
+            pending = pending or promoting
+            if run < min((len(k) for k in piece), default=0):
                 break
         return Found(stored, resident, pending, number, offsets)
 
@@ -156,12 +167,17 @@ class StoreClient:
     def namespaces(self, after: bytes | None = None, limit: int = P.MAX_PAGE) -> list[dict[str, Any]]:
         """One page of the namespaces clients announced, in digest order after `after`
         (None: from the first); empty after the last. The service's owner only."""
-        return list(self._conn.request(P.Namespaces(after, limit)))
+        kind = Annotated[list[dict[str, Any]], msgspec.Meta(max_length=limit)]
+        page: list[dict[str, Any]] = P.reply_as(self._conn.request(P.Namespaces(after, limit)), kind,
+                                                "a namespaces page")
+        return page
 
     def purge(self, namespaces: Sequence[bytes], dry_run: bool = True) -> dict[str, int]:
         """Remove (or, with `dry_run`, count) the records of these namespace digests from
         every tier of this host (the service's owner only)."""
-        return dict(self._conn.request(P.Purge(list(namespaces), dry_run), max(self.timeout_s, 600.0)))
+        reply = self._conn.request(P.Purge(list(namespaces), dry_run), max(self.timeout_s, 600.0))
+        removed: dict[str, int] = P.reply_as(reply, dict[str, int], "a purge")
+        return removed
 
     def pin(self, keys: Sequence[bytes], verify: bool = True, release: Sequence[int] = (),
             good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> tuple[int, list[int], list[int | None]]:
@@ -172,10 +188,11 @@ class StoreClient:
         failed in its `unpin`. `release`, `good`, `bad`: an `unpin` done first, in the same
         round trip."""
         done = P.Unpin(list(release), list(good), list(bad)) if release else None
-        lease, offsets, checks = self._conn.request(P.Pin(list(keys), verify, done))
+        reply = self._conn.request(P.Pin(list(keys), verify, done))
+        lease, offsets, checks = P.reply_as(reply, _PINNED, "a pin")
         if len(offsets) != len(keys) or len(checks) > len(keys):
             raise P.ProtocolError(f"a pin of {len(keys)} keys answered {len(offsets)} offsets")
-        return int(lease), [int(o) for o in offsets], [None if c is None else int(c) for c in checks]
+        return lease, offsets, checks
 
     def unpin(self, leases: Sequence[int], good: Sequence[bytes] = (), bad: Sequence[bytes] = ()) -> None:
         """Give leases back; of their unverified chunks, `good` were verified as they were
@@ -183,13 +200,15 @@ class StoreClient:
         self._conn.request(P.Unpin(list(leases), list(good), list(bad)))
 
     def info(self) -> dict[str, Any]:
-        return dict(self._conn.request(P.Info()))
+        info: dict[str, Any] = P.reply_as(self._conn.request(P.Info()), dict[str, Any], "an info")
+        return info
 
     def events(self, since: int) -> tuple[int, int, list[tuple[bool, bytes, str]]]:
         """Chunks that entered or left a tier since cursor `since` (kvstore/service/chunk_events.py):
         (the next cursor, events lost, [(stored?, key, medium), ...])."""
-        cursor, lost, events = self._conn.request(P.Events(since))
-        return int(cursor), int(lost), [(bool(s), bytes(k), str(m)) for s, k, m in events]
+        events: tuple[int, int, list[tuple[bool, bytes, str]]] = P.reply_as(
+            self._conn.request(P.Events(since)), _EVENTS, "an events")
+        return events
 
     def shutdown(self, timeout_s: float = 300.0) -> None:
         """Ask the service to drain, checkpoint and exit; return once it has (its socket
@@ -233,12 +252,23 @@ def _per_key(reply: Any, count: int, what: str) -> list[bool]:
     return reply
 
 
-def _leased(extra: Sequence[Any], first: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """(lease, offsets per rank from chunk 0) of a Residency reply's lease part, whose offsets
-    start at chunk `first` ((0, ()) without one)."""
-    if len(extra) < 2:
-        return 0, ()
-    return int(extra[0]), tuple((-1,) * first + tuple(int(o) for o in rank) for rank in extra[1])
+def _found(reply: Any, piece: Sequence[Sequence[bytes]],
+           first: int) -> tuple[int, int, bool, int, tuple[tuple[int, ...], ...]]:
+    """A Residency reply, checked: (stored, resident, pending, lease, offsets per rank from
+    chunk 0, -1 before `first`, where its lease part starts; 0 and () without one). A run
+    longer than the shortest rank's keys, a DRAM run longer than it, or offsets for other
+    ranks or past the DRAM run are a protocol error, never a load of chunks not asked about."""
+    if not isinstance(reply, list) or len(reply) not in (3, 5):
+        raise P.ProtocolError("a lookup was not answered with [stored, resident, pending(, lease, offsets)]")
+    stored, resident, pending = P.reply_as(reply[:3], _FOUND, "a lookup")
+    lease, offsets = P.reply_as(reply[3:], _LEASE, "a lookup's lease") if len(reply) == 5 else (0, [])
+    keys = min((len(k) for k in piece), default=0)
+    if not resident <= stored <= keys:
+        raise P.ProtocolError(f"a lookup of {keys} chunks answered {stored} stored, {resident} in DRAM")
+    if offsets and (len(offsets) != len(piece) or any(len(rank) > resident - first for rank in offsets)):
+        raise P.ProtocolError(f"a lookup's lease of chunks {first} to {resident} of {len(piece)} ranks "
+                              f"answered {[len(rank) for rank in offsets]} offsets")
+    return stored, resident, pending, lease, tuple((-1,) * first + tuple(rank) for rank in offsets)
 
 
 def _per_rank(ranks: Sequence[Sequence[bytes]]) -> int:

@@ -12,12 +12,28 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvstore.format.errors import KVStoreError
 from kvstore.format.record import HEADER_BLOCK, KEY_OFFSET, read_payload_len
 from kvstore.io.memfd import SharedMemory
+from kvstore.service import protocol as P
 from kvstore.service.window import Window
+
+_Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 50)]
+
+
+class HelloReply(msgspec.Struct):
+    """A hello's reply to a data client (protocol.py): its window's slots, bytes and pages,
+    and the DRAM tier's where one is passed."""
+
+    slots: _Size
+    window_bytes: _Size
+    pages: P.Name
+    tier_bytes: _Size | None = None
+    tier_pages: P.Name = ""
 
 
 class ClientMemory:
@@ -43,19 +59,24 @@ class ClientMemory:
                    map_tier: bool) -> ClientMemory:
         """Map what a hello with `chunk_bytes` brought: `reply` and its descriptors
         (`take_fd`, in order: the window's, then the tier's where `tier_bytes` says it
-        came). A tier descriptor is closed unmapped unless `map_tier`."""
+        came). A tier descriptor is closed unmapped unless `map_tier`. The reply is checked
+        before a descriptor is taken: one it refuses stays with the connection, which closes
+        it, and slots past the window's end are refused, never views shorter than a chunk."""
+        shared: HelloReply = P.reply_as(reply, HelloReply, "a hello")
+        if shared.slots * chunk_bytes > shared.window_bytes:
+            raise P.ProtocolError(f"a hello answered {shared.slots} slots of {chunk_bytes} bytes in a "
+                                  f"{shared.window_bytes}-byte window")
         fd = take_fd()
-        if fd is None or not isinstance(reply, dict):
+        if fd is None:
             raise KVStoreError("the service sent no window")
-        memory = cls(chunk_bytes, Window.attach(fd, int(reply["window_bytes"]), str(reply["pages"])),
-                     int(reply["slots"]))
-        tier_fd = take_fd() if "tier_bytes" in reply else None
+        memory = cls(chunk_bytes, Window.attach(fd, shared.window_bytes, shared.pages), shared.slots)
+        tier_fd = take_fd() if shared.tier_bytes is not None else None
         if tier_fd is not None and not map_tier:
             os.close(tier_fd)
-        elif tier_fd is not None:
+        elif tier_fd is not None and shared.tier_bytes is not None:
             try:
-                memory.tier = SharedMemory.attach(tier_fd, int(reply["tier_bytes"]),
-                                                  str(reply["tier_pages"]), writable=False)
+                memory.tier = SharedMemory.attach(tier_fd, shared.tier_bytes, shared.tier_pages,
+                                                  writable=False)
             except BaseException:
                 memory.close()  # the window mapped above goes with the failed hello
                 raise

@@ -62,6 +62,8 @@ MAX_KEYS long (a longer prompt is asked about in several frames: client.py), num
 finite and in range, strings and maps short. A frame that breaks a bound, does not
 decode, or nests deeper than the decoder goes (RecursionError) is a ProtocolError: the
 end of that connection, counted by the service as `malformed.frame`, never of the service.
+A reply's value is checked by the client against what it asked (`reply_as`): one of
+another shape is a ProtocolError too.
 """
 
 from __future__ import annotations
@@ -215,6 +217,16 @@ class Reply(msgspec.Struct, forbid_unknown_fields=True):
 _encoder = msgspec.msgpack.Encoder()
 REQUEST = msgspec.msgpack.Decoder(Request)
 REPLY = msgspec.msgpack.Decoder(Reply)
+
+
+def reply_as(value: Any, kind: Any, what: str) -> Any:
+    """A Reply's value as `kind` (a type msgspec checks: bounds, lengths, no bool for an int,
+    no base64 text for bytes): a value that does not fit is a ProtocolError, never another
+    exception in the caller, whatever the peer sent."""
+    try:
+        return msgspec.convert(value, kind, builtin_types=(bytes,))
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{what} was answered with a malformed value: {exc}") from None
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
