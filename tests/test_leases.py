@@ -417,19 +417,26 @@ def test_a_lease_number_of_an_old_connection_names_nothing_on_a_new_one(config):
         new.close()
 
 
-def test_a_request_that_timed_out_leaves_the_pins_held_until_its_owner_closes(config):
-    """A hung service (SIGSTOP) times a client's request out: no request goes out on that
-    connection any more, but it stays open, so the pins a copy out of the tier may still
-    be reading under hold until the client's owner closes it (closed at the timeout, a
-    put could reuse those slots under the copy)."""
+@pytest.mark.parametrize("how", ["timed out", "not a frame"])
+def test_a_request_that_timed_out_leaves_the_pins_held_until_its_owner_closes(config, how):
+    """A hung service (SIGSTOP) times a client's request out, or a live one's answer is not
+    a frame of the protocol: no request goes out on that connection any more, but it stays
+    open, so the pins a copy out of the tier may still be reading under hold until the
+    client's owner closes it (closed then, a put could reuse those slots under the copy)."""
     client = StoreClient(load_config(config), CHUNK, timeout_s=0.5)
     filler = StoreClient(load_config(config), CHUNK)
     try:
         assert _put(client, _keys(1, 2)) == [True, True]
         _, offsets, _ = client.pin(_keys(1, 2))
         assert all(offset >= 0 for offset in offsets)
-        with paused(int(filler.info()["service_pid"])), pytest.raises(ServiceUnavailable, match="no answer"):
-            client.info()
+        if how == "timed out":
+            service = int(filler.info()["service_pid"])
+            with paused(service), pytest.raises(ServiceUnavailable, match="no answer"):
+                client.info()
+        else:
+            faults.next_reply_not_a_frame(client)
+            with pytest.raises(ServiceUnavailable, match="not of this protocol"):
+                client.info()
         with pytest.raises(ServiceUnavailable):
             client.pin(_keys(1, 1))  # no request after a timed-out one
         for first in (10, 10 + SLOTS // 2):  # DRAM turns over, the 2 oldest first to go...

@@ -153,9 +153,11 @@ class Connection:
     for an error reply (the service refused this request; the connection stays), or
     raises ServiceUnavailable; after a request that timed out or lost the frame stream,
     every request is ServiceUnavailable at once (a late answer is never read as another's).
-    A lost stream closes the connection then; a request that only timed out leaves it open
-    until its owner closes it: the service still holds the pins it took for this client,
-    and a copy out of the tier may still be reading under them.
+    A connection the service ended (EOF, a socket error) is closed then; one that only
+    timed out, or whose answer was not a frame of this protocol, stays open until its owner
+    closes it: the service still holds the pins it took for this client, and a copy out of
+    the tier may still be reading under them (closed, the pins would go, and another
+    client's put could reuse the slot mid-copy).
     `timeout_s` is a request's deadline unless the request names its own.
     """
 
@@ -175,7 +177,10 @@ class Connection:
         except TimeoutError:
             self._ended = f"kvstore service gave no answer to '{name}' in {timeout_s:g} s"
             raise ServiceUnavailable(self._ended) from None
-        except (OSError, EOFError, P.ProtocolError) as exc:
+        except P.ProtocolError as exc:  # a live service's frame lost: as a timeout, the owner closes
+            self._ended = f"kvstore service's answer to '{name}' is not of this protocol: {exc}"
+            raise ServiceUnavailable(self._ended) from exc
+        except (OSError, EOFError) as exc:
             self.close()
             raise ServiceUnavailable(f"kvstore service connection lost during '{name}': {exc}") from exc
         if not reply.ok:

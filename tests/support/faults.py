@@ -18,6 +18,8 @@ from kvstore.cluster.peer_devices import PeerDevice
 from kvstore.cluster.publisher import IndexPublisher
 from kvstore.devices.health import OFFLINE
 from kvstore.io.base import IoRequest
+from kvstore.service.client import StoreClient
+from kvstore.service.protocol import ProtocolError
 from kvstore.store.tiered import TieredStore
 
 
@@ -101,6 +103,20 @@ def index_writes_slow(store: TieredStore, seconds: float) -> None:
         return run(commands)
 
     index.run = slow  # type: ignore[method-assign]
+
+
+def next_reply_not_a_frame(client: StoreClient) -> None:
+    """The client's next reply is not a frame of the protocol (a live service's bug, bytes
+    lost on the socket): its channel raises ProtocolError, as it does for one."""
+    channel = client._conn._channel
+    assert channel is not None
+    recv = channel.recv
+
+    def garbled(*args, **kwargs):
+        channel.recv = recv  # once
+        raise ProtocolError("not a message of this protocol: a frame garbled on purpose")
+
+    channel.recv = garbled  # type: ignore[method-assign]
 
 
 def renewal_due(store: TieredStore) -> None:
