@@ -177,8 +177,11 @@ def test_an_image_without_an_identifier_is_not_cached_where_uuids_are_trusted():
 
 # -- which weights computed the KV -------------------------------------------------------
 
-def _vllm_config(model: str) -> SimpleNamespace:
-    return SimpleNamespace(model_config=SimpleNamespace(model=model, model_weights="", revision=None))
+def _vllm_config(model: str, quantization: str | None = None, dtype: str = "torch.bfloat16",
+                 cache_dtype: str = "auto") -> SimpleNamespace:
+    return SimpleNamespace(model_config=SimpleNamespace(model=model, model_weights="", revision=None,
+                                                        quantization=quantization, dtype=dtype),
+                           cache_config=SimpleNamespace(cache_dtype=cache_dtype))
 
 
 def test_the_weights_are_named_by_revision_or_by_their_files(tmp_path):
@@ -189,6 +192,22 @@ def test_the_weights_are_named_by_revision_or_by_their_files(tmp_path):
     assert found == fingerprint(str(tmp_path), FileDigests(None))
     with pytest.raises(ConfigError, match="model_revision"):
         model_weights(_vllm_config(str(tmp_path / "nowhere")), None)  # type: ignore[arg-type]
+
+
+def test_a_quantization_or_a_compute_dtype_the_cache_dtype_hides_names_other_weights(tmp_path):
+    """The same files run with `--quantization fp8`, or filling an fp8 KV cache from bf16
+    and from fp16 compute, make other KV: their namespaces differ. With neither (a cache
+    of the compute dtype, no quantization) the identity is the checkpoint's alone, as before."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    plain = model_weights(_vllm_config(str(tmp_path)), None)  # type: ignore[arg-type]
+    assert plain == fingerprint(str(tmp_path), FileDigests(None))
+    assert model_weights(_vllm_config(str(tmp_path), dtype="torch.float16"), None) == plain  # type: ignore[arg-type]
+    named = {model_weights(_vllm_config(str(tmp_path), quantization, dtype, cache), "v7")  # type: ignore[arg-type]
+             for quantization in (None, "fp8") for dtype in ("torch.bfloat16", "torch.float16")
+             for cache in ("auto", "fp8_e4m3")}
+    assert named == {"rev:v7", "rev:v7|quant:fp8", "rev:v7|compute:bfloat16", "rev:v7|compute:float16",
+                     "rev:v7|quant:fp8|compute:bfloat16", "rev:v7|quant:fp8|compute:float16"}
 
 
 def test_a_lora_adapter_is_named_by_its_files(tmp_path):

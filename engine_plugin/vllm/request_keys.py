@@ -151,9 +151,24 @@ def _embeds(request: Request, chunk_tokens: int) -> tuple[bytes, ...]:
 
 def model_weights(vllm_config: VllmConfig, revision: str | None) -> str:
     """The weights' identity (connectors/weights.py: weights_identity) of the checkpoint
-    vLLM loaded (a Hugging Face id: its local snapshot at vLLM's revision)."""
+    vLLM loaded (a Hugging Face id: its local snapshot at vLLM's revision), and what vLLM
+    does to them besides (`numerics`)."""
     model = vllm_config.model_config
-    return weights_identity(model.model_weights or model.model, revision, model.revision)
+    checkpoint = weights_identity(model.model_weights or model.model, revision, model.revision)
+    return checkpoint + numerics(vllm_config)
+
+
+def numerics(vllm_config: VllmConfig) -> str:
+    """What changes the weights the KV is computed with, beyond the checkpoint's files: a
+    quantization vLLM applies or reads (`--quantization fp8` on a bf16 checkpoint makes
+    other KV from the same files), and the compute dtype where the KV cache's dtype does
+    not name it already (an fp8 cache filled by bf16 or by fp16 compute). Empty for
+    neither: the keys made before this stay."""
+    model = vllm_config.model_config
+    parts = [f"|quant:{model.quantization}"] if model.quantization else []
+    if vllm_config.cache_config.cache_dtype != "auto":
+        parts.append(f"|compute:{str(model.dtype).removeprefix('torch.')}")
+    return "".join(parts)
 
 
 def lora_identity(lora: LoRARequest) -> str:

@@ -66,6 +66,7 @@ from engine_plugin.vllm.core.options import ConnectorOptions, parse_options
 from engine_plugin.vllm.core.service_lane import ServiceLane
 from engine_plugin.vllm.core.tier_jobs import Chain, TierJobs
 from engine_plugin.vllm.core.tier_lookups import TierLookups, Verdict
+from engine_plugin.vllm.request_keys import model_weights
 from kvstore.format.errors import ConfigError
 from kvstore.format.keys import KVNamespace, Shard, Weights, key_digest
 from kvstore.service.client import StoreClient
@@ -117,17 +118,17 @@ def row_layout(config: OffloadingConfig, row_bytes: int) -> str:
 
 def tier_weights(model: str, model_revision: str | None) -> Weights:
     """The weights' identity (connectors/weights.py). vLLM's offloading config names the
-    model, not the Hugging Face revision vLLM loaded of it: vLLM's own config, where it is
-    current here, says it; else a Hugging Face id needs `model_revision` (the snapshot
-    `main` names may not be the weights vLLM runs, and two revisions must not share KV)."""
-    if model_revision:
-        return Weights(weights_identity(model, model_revision))
+    model, not the Hugging Face revision vLLM loaded of it nor what vLLM does to its weights
+    (request_keys.py: numerics): vLLM's own config, where it is current here, says both;
+    else a Hugging Face id needs `model_revision` (the snapshot `main` names may not be the
+    weights vLLM runs, and two revisions must not share KV)."""
     from vllm.config import get_current_vllm_config_or_none
 
     current = get_current_vllm_config_or_none()
-    loaded = current.model_config if current is not None else None
-    if loaded is not None and loaded.model == model:
-        return Weights(weights_identity(loaded.model_weights or model, None, loaded.revision))
+    if current is not None and current.model_config is not None and current.model_config.model == model:
+        return Weights(model_weights(current, model_revision))  # its revision, quantization, dtype
+    if model_revision:
+        return Weights(weights_identity(model, model_revision))
     if not os.path.exists(model):
         raise ConfigError("model_revision", None, f"{model} is not a local checkpoint and vLLM's "
                                                   "revision of it is not known here: name its weights "
