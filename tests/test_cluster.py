@@ -337,6 +337,35 @@ def test_a_publish_longer_than_the_lease_renews_it_as_it_goes(disk_dir, redis_se
         a.close()
 
 
+def test_a_publishing_step_that_fails_past_the_index_leaves_the_thread_publishing(disk_dir, redis_server,
+                                                                                 monkeypatch):
+    """A fault no index error explains (a bug) in one step: the thread logs it and goes on,
+    reconciling; before, it ended for good, and the host's chunks left the index with its
+    lease."""
+    a = TieredStore(host_config("a", ["b"], disk_dir, redis_server.url), CHUNK)  # its threads run
+    b = TieredStore(host_config("b", ["a"], disk_dir, redis_server.url), CHUNK, background=False)
+    try:
+        publisher = faults.publisher(a)
+        wait_for(lambda: publisher.sent >= 1, timeout_s=10, what="A's first reconcile")
+        send = publisher._send_queued
+        failures = []
+
+        def once() -> bool:
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("a fault of a kind never seen")
+            return send()
+
+        monkeypatch.setattr(publisher, "_send_queued", once)
+        keys = make_keys(SLOTS, seed=15)
+        a.put_many(keys, make_payloads(SLOTS, seed=15, chunk_bytes=CHUNK))
+        wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=10, what="B finding A's chunks")
+        assert failures and [t.name for t in threading.enumerate()].count("kvstore-index") >= 1
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_write_the_index_refuses_is_counted_and_not_retried(disk_dir, redis_server):
     """A key of another type where a chunk's entry goes (another user of the same Redis,
     or a hostile one): that write is refused. It was taken for a failed shard, sent again

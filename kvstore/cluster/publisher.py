@@ -100,7 +100,13 @@ class IndexPublisher:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a fault past the index's (a bug): the thread, and the lease, live on
+                self._dirty = True
+                self.stats.add("peer.publish_errors")
+                log.exception("cluster index: a publishing step failed; reconciling at the next")
+                self._stop.wait(self.config.index_backoff_s)
 
     def step(self) -> bool:
         """Renew the lease, send what is queued (or reconcile) and, at a renewal, this
