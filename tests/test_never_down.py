@@ -8,6 +8,7 @@ test_vllm_server.py; config files on reload: test_reload.py.)"""
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import math
@@ -397,3 +398,30 @@ def test_a_reply_past_its_deadline_is_a_timeout_and_one_already_there_is_read():
     finally:
         channel.close()
         theirs.close()
+
+
+def test_descriptors_a_client_attaches_to_its_frames_are_not_kept(service, good):
+    """A client may pass descriptors with any frame (SCM_RIGHTS); the service takes none.
+    Kept until the connection closed, 4 a piece filled the service's table: it could no
+    longer accept a connection, open a window or a disk file."""
+    pid = int(good.info()["service_pid"])
+    opened = _footprint(pid)[0]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(service["service"]["socket"])
+    channel = P.Channel(sock)
+    read, write = os.pipe()
+    try:
+        body = msgspec.msgpack.encode(P.Info())
+        frame = struct.pack(">I", len(body)) + body
+        attached = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [read, write] * 2))]
+        for _ in range(100):
+            for piece in (frame[:1], frame[1:4], frame[4:]):  # a receive each: 4 descriptors with each
+                sock.sendmsg([piece], attached)
+            reply = channel.recv(P.REPLY, 10)
+            assert reply.ok
+        assert _footprint(pid)[0] <= opened + 1  # this connection's own socket
+    finally:
+        channel.close()
+        os.close(read)
+        os.close(write)

@@ -236,10 +236,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class Channel:
-    """One connection: frames out and in, file descriptors with them."""
+    """One connection: frames out and in, file descriptors with them. At most `keeps`
+    descriptors received are kept for `take_fd` (a client's: a hello's window and tier);
+    any other is closed as it arrives, so a peer that attaches descriptors to its frames
+    cannot fill this process's table (the service takes none: `keeps` 0)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, keeps: int = _MAX_FDS) -> None:
         self.sock = sock
+        self.keeps = keeps
         self.fds: list[int] = []  # descriptors received and not yet taken
 
     def send(self, message: msgspec.Struct, fds: tuple[int, ...] = ()) -> None:
@@ -287,7 +291,11 @@ class Channel:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     received = array.array("i")
                     received.frombytes(payload[: len(payload) - len(payload) % 4])
-                    self.fds.extend(received)
+                    for fd in received:
+                        if len(self.fds) < self.keeps:
+                            self.fds.append(fd)
+                        else:
+                            os.close(fd)
             if not chunk:
                 raise EOFError("connection closed")
             data += chunk

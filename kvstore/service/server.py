@@ -236,7 +236,7 @@ class StoreService:
     def _admit(self, conn: socket.socket) -> None:
         """Serve a new connection on a thread of its own if its user may take a slot
         (ClientSlots), else refuse it; it must say hello within service.hello_timeout_s."""
-        channel = P.Channel(conn)
+        channel = P.Channel(conn, keeps=0)  # a client passes the service no descriptor
         _, uid, gid = P.peer_credentials(conn)
         refused = self._slots.take(uid, gid)
         if refused is not None:
