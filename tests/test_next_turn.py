@@ -56,6 +56,36 @@ def test_pending_predictions_are_bounded():
     assert [keys[0][0] for keys in predictor.due(100.0)] == [2, 3, 4]  # the oldest went first
 
 
+def test_a_co_tenants_hints_hold_a_share_and_never_push_out_the_owners_predictions():
+    """The service's predictor is every client's: a co-tenant (any uid but the trusted one)
+    holds at most a quarter of the pending predictions, its own oldest going first; the
+    owner's stay due."""
+    predictor = NextTurnPredictor(max_pending=8, default_gap_s=10.0, lead_s=0.0, min_return_rate=0.0,
+                                  trusted=0)
+    for i in range(4):
+        predictor.finished([bytes([i]) * 16], float(i), owner=0)
+    for i in range(100):
+        predictor.expect([bytes([100 + i]) * 16], 50.0, owner=1000)
+    due = sorted(keys[0][0] for keys in predictor.due(100.0))
+    assert due == [0, 1, 2, 3, 198, 199]  # the owner's four, and the co-tenant's newest two
+
+
+def test_families_are_remembered_up_to_a_bound_the_least_recently_finished_forgotten():
+    """Each chain start is a family: a client that finishes chains of new starts without end
+    cannot grow the predictor; a forgotten family's return rate is everyone's again."""
+    predictor = NextTurnPredictor(max_families=2, min_return_rate=0.0)
+    steady, other = b"s" * 16, b"o" * 16
+    for turn in range(4):  # a family that never comes back
+        predictor.finished([steady, bytes([turn]) * 16], float(turn))
+    assert predictor.return_rate(steady) == 0.0
+    for turn in range(4):  # one that always does pulls everyone's up
+        predictor.finished([other, bytes([50 + turn]) * 16], 10.0 + turn)
+        predictor.arrived([bytes([50 + turn]) * 16, b"n" * 16], 11.0 + turn)
+    predictor.finished([b"x" * 16, b"y" * 16], 20.0)  # a third family: `steady` is forgotten
+    assert predictor.return_rate(steady) == 4 / 9  # everyone's: 4 of the 9 finished came back
+    assert predictor.return_rate(other) == 1.0
+
+
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
 

@@ -62,8 +62,8 @@ class Requests:
         transfers = Transfers(self.shared, leases, self._namespaces)
         self._answers: dict[type, Callable[[Client, Any], Any]] = {
             P.Residency: self._lookups.residency,
-            P.Finished: lambda client, request: self._lookups.finished(request),
-            P.Expect: lambda client, request: self._lookups.expect(request),
+            P.Finished: lambda client, request: self._lookups.finished(request, client.uid),
+            P.Expect: lambda client, request: self._lookups.expect(request, client.uid),
             P.Get: transfers.get, P.Put: transfers.put, P.Pin: transfers.pin, P.Unpin: transfers.unpin,
             P.Info: lambda client, request: self.counters.info(),
             P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters),

@@ -65,17 +65,17 @@ class Lookups:
         return found + self._leases.lease_run(store, client.held, request.ranks, request.lease_from,
                                               int(found[1]))
 
-    def finished(self, request: P.Finished) -> None:
-        """A request's chunks (per rank) ended: its next turn is expected; how it ended, where
-        the client tells it, is what `learned` admission learns from."""
-        self._next_turns.finished(request.ranks)
+    def finished(self, request: P.Finished, uid: int) -> None:
+        """A request's chunks (per rank) ended (a client of `uid` says): its next turn is
+        expected; how it ended, where the client tells it, is what `learned` admission learns from."""
+        self._next_turns.finished(request.ranks, uid)
         store = self._shared.store
         if store is not None and request.answer_tokens is not None:
             store.finished(request.ranks, RequestEnd(request.answer_tokens, request.turn, request.idle_s))
 
-    def expect(self, request: P.Expect) -> None:
-        """A hint: these chains are wanted in `in_s` seconds."""
-        self._next_turns.expect(request.ranks, request.in_s)
+    def expect(self, request: P.Expect, uid: int) -> None:
+        """A hint (from a client of `uid`): these chains are wanted in `in_s` seconds."""
+        self._next_turns.expect(request.ranks, request.in_s, uid)
 
     def _promote(self, keys: tuple[bytes, ...]) -> None:
         """A chain next-turn prediction wants in DRAM now."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ class NextTurns:
     def __init__(self, mode: str, lead_s: float, promote: Promote,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.mode = mode
-        self._predictor = NextTurnPredictor(lead_s=lead_s)
+        self._predictor = NextTurnPredictor(lead_s=lead_s, trusted=os.geteuid())  # co-tenants: a share
         self._promote = promote
         self._clock = clock
         self._lock = threading.Condition()
@@ -47,7 +48,8 @@ class NextTurns:
                     self._predictor.arrived(list(keys), self._clock())
                 self._lock.notify()
 
-    def finished(self, ranks: Sequence[Sequence[bytes]]) -> None:
+    def finished(self, ranks: Sequence[Sequence[bytes]], uid: int | None = None) -> None:
+        """A request of a client of `uid` ended (its predictions count against its share)."""
         if self.mode == "off":
             return
         if self.mode == "warm":
@@ -56,17 +58,17 @@ class NextTurns:
             return
         with self._lock:
             for keys in ranks:
-                self._predictor.finished(list(keys), self._clock())
+                self._predictor.finished(list(keys), self._clock(), uid)
             self._lock.notify()
 
-    def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float) -> None:
+    def expect(self, ranks: Sequence[Sequence[bytes]], in_s: float, uid: int | None = None) -> None:
         """A hint: these chains are wanted in `in_s` seconds (fetched lead_s before); a
         ValueError if `in_s` is not a finite number of seconds in [0, MAX_AHEAD_S]."""
         if not (math.isfinite(in_s) and 0 <= in_s <= MAX_AHEAD_S):
             raise ValueError(f"a hint's in_s must be between 0 and {MAX_AHEAD_S:g} s")
         with self._lock:
             for keys in ranks:
-                self._predictor.expect(list(keys), self._clock() + in_s)
+                self._predictor.expect(list(keys), self._clock() + in_s, uid)
             self._lock.notify()
 
     def _loop(self) -> None:
