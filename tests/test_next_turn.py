@@ -70,6 +70,17 @@ def test_a_co_tenants_hints_hold_a_share_and_never_push_out_the_owners_predictio
     assert due == [0, 1, 2, 3, 198, 199]  # the owner's four, and the co-tenant's newest two
 
 
+def test_a_co_tenants_chains_that_never_come_back_do_not_stop_predicting_the_owners_new_ones():
+    """A new family is predicted by everyone's return rate; only the trusted owner's chains
+    make it, so a co-tenant finishing chains that never return cannot pull it down."""
+    predictor = NextTurnPredictor(trusted=0, min_return_rate=0.75, default_gap_s=10.0, lead_s=0.0)
+    for i in range(50):
+        predictor.finished([bytes([i]) * 16, b"t" * 16], float(i), owner=1000)
+    predictor.finished([b"o" * 16, b"u" * 16], 60.0, owner=0)
+    assert predictor.return_rate(b"n" * 16) == 1.0  # nothing of the owner's seen: as before anything
+    assert b"u" * 16 in [keys[-1] for keys in predictor.due(100.0)]  # the owner's chain is predicted
+
+
 def test_families_are_remembered_up_to_a_bound_the_least_recently_finished_forgotten():
     """Each chain start is a family: a client that finishes chains of new starts without end
     cannot grow the predictor; a forgotten family's return rate is everyone's again."""

@@ -19,8 +19,10 @@ arrival fetches what it needs itself). Explicit hints go through the same queue:
 Shared by every client of a service, so bounded for each: a prediction or hint names its
 `owner` (a uid), and an owner other than `trusted` holds at most a SHARE-th of
 `max_pending` (its own oldest goes first), so a co-tenant's hints cannot push out the
-owner's predictions; at most `max_families` families are remembered (the least recently
-finished is forgotten), each with at most `history` gaps. Every operation is O(its keys).
+owner's predictions, nor, as only the trusted owner's chains make everyone's return rate
+and gaps, change how a new family of the owner's is predicted; at most `max_families`
+families are remembered (the least recently finished is forgotten), each with at most
+`history` gaps. Every operation is O(its keys).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class NextTurnPredictor:
         self._families: OrderedDict[bytes, _Family] = OrderedDict()  # least recently finished first
         self._total = [0, 0]  # finished chains seen, of those continued later (every family)
         self._all_gaps: deque[float] = deque(maxlen=4 * history)
-        self._finished_at: dict[bytes, tuple[float, bytes]] = {}  # tail -> (finish, family), not back yet
+        # tail -> (finish, family, owner), not back yet
+        self._finished_at: dict[bytes, tuple[float, bytes, int | None]] = {}
         self._queue: list[_Pending] = []  # by due time; entries no longer live are skipped
         self._live: dict[bytes, int] = {}  # tail -> the order of its one live prediction, oldest first
         self._owners: dict[int | None, dict[bytes, None]] = {}  # owner -> its live tails, oldest first
@@ -92,9 +95,10 @@ class NextTurnPredictor:
             if finished is None:
                 continue
             self._drop(key)
-            self._total[1] += 1
             gap = max(0.0, now - finished[0])
-            self._all_gaps.append(gap)
+            if self._counts_for_everyone(finished[2]):
+                self._total[1] += 1
+                self._all_gaps.append(gap)
             family = self._families.get(finished[1])
             if family is not None:
                 family.returns += 1
@@ -108,7 +112,7 @@ class NextTurnPredictor:
             return
         name = keys[0]
         self._finished_at.pop(keys[-1], None)
-        self._finished_at[keys[-1]] = (now, name)
+        self._finished_at[keys[-1]] = (now, name, owner)
         while len(self._finished_at) > self.max_pending:  # forget the oldest finish
             del self._finished_at[next(iter(self._finished_at))]
         if self.return_rate(name) >= self.min_return_rate:
@@ -118,7 +122,14 @@ class NextTurnPredictor:
         self._families[name] = family  # the most recently finished
         while len(self._families) > self.max_families:
             del self._families[next(iter(self._families))]
-        self._total[0] += 1
+        if self._counts_for_everyone(owner):
+            self._total[0] += 1
+
+    def _counts_for_everyone(self, owner: int | None) -> bool:
+        """Whether a chain of `owner` feeds everyone's rate and gaps (what a new family is
+        predicted by): the trusted owner's only, so a co-tenant's chains that never come
+        back, or come back late, cannot stop or delay the predictions of the owner's."""
+        return self.trusted is None or owner == self.trusted
 
     def return_rate(self, family: bytes) -> float:
         """How often this family's finished chains were continued; everyone's while it has
