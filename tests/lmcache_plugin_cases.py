@@ -370,3 +370,19 @@ def test_the_benchmark_measures_the_plugin_against_lmcaches_disk_backend(disk_di
     assert all(r.verified and r.gib_s > 0 for r in rounds)
     if shutil.which("fio"):  # the disk's ceiling, measured in the same sitting
         assert "depth 16 " in capsys.readouterr().out
+
+
+def test_a_stored_chunk_fits_with_fewer_tokens_only():
+    """A prompt's shorter last chunk has fewer tokens; a chunk of fewer layers or heads is
+    another engine's (an MLA model saved by one rank of another pipeline split shares the
+    key), and is refused: LMCache would read the missing layers from the memory after it."""
+    from lmcache.v1.memory_management import MemoryFormat
+
+    def chunk(layers: int, tokens: int) -> StoredChunk:
+        return StoredChunk(torch.Size([1, layers, tokens, 576]), torch.bfloat16, MemoryFormat.KV_MLA_FMT,
+                           layers * tokens * 576 * 2)
+
+    full = chunk(32, 256)
+    assert chunk(32, 100).within(full) and chunk(32, 256).within(full)
+    assert not chunk(16, 256).within(full) and not chunk(16, 100).within(full)
+    assert not chunk(32, 300).within(full)

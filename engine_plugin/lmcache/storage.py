@@ -104,12 +104,14 @@ class StoredChunk:
 
     def within(self, full: StoredChunk) -> bool:
         """A chunk of `full`'s kind: its dtype and format, its shape in every dimension but
-        at most one (the tokens of a prompt's shorter last chunk), and that one smaller."""
+        the format's token dimension, and at most as many tokens (a prompt's shorter last
+        chunk). Fewer layers or heads are another engine's chunk (MLA saved by one rank of
+        a pipeline split otherwise), whose layers would be read from what follows it."""
         if (self.dtype, self.fmt, len(self.shape)) != (full.dtype, full.fmt, len(full.shape)):
             return False
-        differ = [(mine, theirs) for mine, theirs in zip(self.shape, full.shape, strict=True)
-                  if mine != theirs]
-        return len(differ) <= 1 and all(mine < theirs for mine, theirs in differ)
+        tokens = self.fmt.token_dim()
+        return all(mine == theirs if dim != tokens else mine <= theirs
+                   for dim, (mine, theirs) in enumerate(zip(self.shape, full.shape, strict=True)))
 
 
 def read_header(row: np.ndarray) -> dict[str, Any]:
