@@ -601,6 +601,23 @@ def test_a_reconnect_after_clear_that_fails_is_misses_for_a_while_not_for_good(s
         again.close()
 
 
+def test_a_cache_flush_starts_a_new_generation_as_a_weight_update_needs(store, tmp_path):
+    """Every SGLang weight update flushes its caches, emptying the host pool, and never
+    calls the storage backend's clear(): the backend clears itself at the flush, or it
+    would serve KV computed with the old weights."""
+    pools = hybrid_pools()
+    flushed = attach(backend(store, pools["kv"]), pools)
+    try:
+        store_hybrid(flushed, file_backend(tmp_path, pools), pools)
+        assert flushed.batch_exists(KEYS) == PAGES
+        before = flushed.weights.generation
+        pools["kv"].clear()  # what SGLang's flush_cache does to it (UnifiedRadixCache.reset)
+        assert flushed.weights.generation and flushed.weights.generation != before
+        assert flushed.batch_exists(KEYS) == 0
+    finally:
+        flushed.close()
+
+
 def test_clear_starts_a_new_generation_whose_lookups_miss_what_was_stored_before(store, tmp_path):
     """SGLang's storage `clear()` (its answer to a weight update): this backend's lookups
     and loads miss every page it stored before, KV and extra pools alike, and what it stores

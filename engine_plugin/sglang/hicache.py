@@ -146,11 +146,21 @@ class KVStoreHiCache(HiCacheStorage):
         self._metrics = TransferMetrics(bool(storage_config.enable_storage_metrics))
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The host pool pages move in and out of: its page geometry fixes the chunk size."""
+        """The host pool pages move in and out of: its page geometry fixes the chunk size.
+        SGLang empties it at every cache flush, and every weight update flushes (the four
+        `update_weights_*`), but never tells its storage backend: so this backend clears
+        itself then (`clear`: a new generation), or it would serve KV of the old weights."""
         super().register_mem_pool_host(mem_pool_host)
         first_page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
         chunk_bytes = sum(size for _, size in self._pool_pages(first_page, 1)[0])
         self._open(chunk_bytes, f"{mem_pool_host.layout}|{mem_pool_host.dtype}")
+        emptied = mem_pool_host.clear
+
+        def flushed() -> None:
+            emptied()
+            self.clear()
+
+        mem_pool_host.clear = flushed
 
     def _pools_prefix(self) -> str:
         kind = "mla" if self.storage_config.is_mla_model else "mha"
@@ -331,9 +341,10 @@ class KVStoreHiCache(HiCacheStorage):
         return self._metrics.take()
 
     def clear(self) -> None:
-        """SGLang clears its storage tier (after a weight update, or asked to): a new
-        generation of this backend's keys, so nothing it stored before is found by it again.
-        Nothing is deleted: the tiers are shared with other engines (`kvstore purge`)."""
+        """SGLang clears its storage tier (asked to), or flushed its caches (after a weight
+        update: `register_mem_pool_host`): a new generation of this backend's keys, so
+        nothing it stored before is found by it again. Nothing is deleted: the tiers are
+        shared with other engines (`kvstore purge`)."""
         self.weights = Weights(self.weights.fingerprint, secrets.token_hex(8))
         self.pools.rekey(self._pools_prefix())
         with self._opening:  # reconnected in the new generation's namespace by the next call
