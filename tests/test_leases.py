@@ -515,6 +515,30 @@ def test_a_lookup_leases_from_the_chunk_the_engine_lacks_and_counts_those_as_get
         worker.close()
 
 
+def test_a_lookup_lease_that_fails_gives_its_share_of_the_budget_back(monkeypatch):
+    """The budget is taken before the pin (so two lookups cannot overrun it); a pin that
+    fails (any fault of the store's) gives it back: kept, each failure shrank the user's
+    budget for good, until its lookups leased nothing."""
+    from kvstore.service.client_leases import HeldLeases, LeaseDesk
+
+    with TieredStore({"tiers": {"dram": {"capacity": 4 * record_bytes(CHUNK)}}}, CHUNK) as store:
+        keys = _keys(1, 2)
+        assert store.put_many(keys, [k[:1] * CHUNK for k in keys]) == [True] * 2
+        desk, held = LeaseDesk(2 * CHUNK), HeldLeases(os.geteuid())
+        lease = store.shared_dram.lease
+
+        def failing(*args, **kwargs):
+            raise KVStoreError("a fault of the store's")
+
+        monkeypatch.setattr(store.shared_dram, "lease", failing)
+        for _ in range(3):
+            with pytest.raises(KVStoreError):
+                desk.lease_run(store, held, [keys], 0, 2)
+        monkeypatch.setattr(store.shared_dram, "lease", lease)
+        number, offsets = desk.lease_run(store, held, [keys], 0, 2)
+        assert number and [len(rank) for rank in offsets] == [2]  # the whole budget is there
+
+
 def test_a_users_lookup_leases_are_bounded_counted_and_go_with_its_connections(tmp_path):
     raw = service_config(tmp_path, dram=SLOTS * record_bytes(CHUNK), scheduler_leases=4 * CHUNK)
     worker = StoreClient(load_config(raw), CHUNK)

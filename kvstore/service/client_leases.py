@@ -73,8 +73,12 @@ class LeaseDesk:
             store.stats.add("lease.over_budget")
             return [0, []]
         chunks = [key for rank in ranks for key in rank[first : first + count]]
-        # Gets counted when the release says its load was carried out.
-        lease = store.shared_dram.lease(chunks, from_disk=False, as_get=False)
+        try:  # gets counted when the release says its load was carried out
+            lease = store.shared_dram.lease(chunks, from_disk=False, as_get=False)
+        except BaseException:  # no lease: its share of the budget goes back (else lost for good)
+            with self._lock:
+                self._leased[held.uid] -= count * len(ranks)
+            raise
         number = held.add(lease, lookup=True)
         return [number, [lease.offsets[r * count : (r + 1) * count] for r in range(len(ranks))]]
 
