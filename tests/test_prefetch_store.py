@@ -4,6 +4,8 @@ accounting, and a promotion whose reads fail (a miss later, never wrong data).""
 from __future__ import annotations
 
 import errno
+import threading
+import time
 
 import numpy as np
 from support.stores import CHUNK_BYTES, make_keys, make_payloads, read_back
@@ -81,3 +83,40 @@ def test_a_prefetch_whose_reads_fail_promotes_nothing_and_serves_nothing_wrong(d
         assert all(np.array_equal(o, p) for served, o, p in zip(ok, outs, payloads, strict=True) if served)
     finally:
         engine.release()
+
+
+def test_the_services_promotions_take_each_user_in_turn_and_bound_each_users_queue(disk_dir, store_factory,
+                                                                                    monkeypatch):
+    """The service promotes one run at a time: a co-tenant that queued many runs delays the
+    owner's next by one run at most (the users take turns), and past QUEUED_MOST waiting its
+    runs are not promoted (counted), so neither its backlog nor its memory grows without end."""
+    from kvstore.service import prefetches
+
+    store, keys, _ = _on_disk_only(disk_dir, store_factory, make_engine("threads", 4), 8)
+    monkeypatch.setattr(prefetches, "QUEUED_MOST", 3)
+    promoted, running, held = [], threading.Event(), threading.Event()
+    prefetch = store.prefetch
+
+    def recorded(run):
+        running.set()
+        held.wait(10)  # the first run holds the thread while the others queue
+        promoted.append(run)
+        return prefetch(run)
+
+    monkeypatch.setattr(store, "prefetch", recorded)
+    service = prefetches.Prefetches()
+    try:
+        service.residency(store, [keys[0:1]], prefetch=True, uid=1000)
+        assert running.wait(10)
+        for i in range(1, 5):  # the co-tenant's next four: three wait, one is dropped
+            service.residency(store, [keys[i : i + 1]], prefetch=True, uid=1000)
+        service.residency(store, [keys[6:7]], prefetch=True, uid=0)  # then the owner's
+        held.set()
+        deadline = time.monotonic() + 10
+        while len(promoted) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert promoted == [tuple(keys[0:1]), tuple(keys[6:7]), tuple(keys[1:2]), tuple(keys[2:3]),
+                            tuple(keys[3:4])]
+        assert store.stats.snapshot()["prefetch.dropped"] == 1
+    finally:
+        service.close()

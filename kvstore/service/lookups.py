@@ -57,7 +57,8 @@ class Lookups:
         self._next_turns.arrived(request.ranks)
         found: list[Any] = [0, 0, False]
         if store is not None and request.ranks:
-            found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s)
+            found = self._prefetches.residency(store, request.ranks, request.prefetch, request.await_s,
+                                               client.uid)
         if request.lease_from is None:
             return found
         if store is None or not self._shared.may_map_dram(client.uid):
