@@ -256,6 +256,25 @@ def test_new_client_counters_past_the_bound_are_dropped_and_info_stays_small(tmp
         stop_service(raw)
 
 
+def test_a_co_tenant_cannot_use_up_the_counter_names_before_the_owners_engines_name_theirs():
+    """A uid other than the service's own brings in at most a quarter of the names clients
+    may add; the owner's engines still find room for theirs."""
+    import logging
+
+    from kvstore.format.malformed import MalformedCounts
+    from kvstore.store.tiered import TieredStore
+
+    counters = ClientCounters(MalformedCounts(logging.getLogger("test")))
+    with TieredStore({"tiers": {"dram": {"capacity": 4 * record_bytes(CHUNK_BYTES)}}}, CHUNK_BYTES) as store:
+        names = [f"prefetch.{_letters(n)}" for n in range(ClientCounters.MAX_NAMES)]
+        counters.add(store, dict.fromkeys(names, 1.0), uid=os.geteuid() + 1)
+        theirs = [name for name in names if name in store.stats.snapshot()]
+        assert len(theirs) == ClientCounters.MAX_NAMES // ClientCounters.SHARE
+        owners = [f"load.{_letters(n)}" for n in range(100)]
+        counters.add(store, dict.fromkeys(owners, 1.0))
+        assert all(store.stats.snapshot()[name] == 1.0 for name in owners)
+
+
 def test_a_reply_over_the_frame_limit_is_an_error_and_the_connection_serves_on():
     """No request's reply can pass the frame limit any more (pages, bounded counters); should
     one, the client hears an error saying why on the same connection, counted, and the

@@ -36,24 +36,33 @@ class ClientCounters:
     """The counters clients add to (the scheduler's and the workers'): CLIENT_COUNTER names
     only, and at most MAX_NAMES distinct ones, so no client can grow the service's counters
     (Info, /metrics) without end; a new name past that is dropped and counted
-    (`malformed.counter`), the rest of its request added."""
+    (`malformed.counter`), the rest of its request added. A uid other than the service's
+    own brings in at most a SHARE-th of the names, so a co-tenant cannot use them all up
+    before the owner's engines name theirs."""
 
     MAX_NAMES = 1024
+    SHARE = 4
 
     def __init__(self, malformed: MalformedCounts) -> None:
         self._names: set[str] = set()
+        self._brought: Counter[int] = Counter()  # names each uid brought in first
         self._lock = threading.Lock()
         self._malformed = malformed
 
-    def add(self, store: TieredStore | None, counters: dict[str, float]) -> None:
+    def add(self, store: TieredStore | None, counters: dict[str, float], uid: int | None = None) -> None:
+        """Add a client's counters (`uid`: its user; None: the service's own)."""
         for name in counters:
             if not CLIENT_COUNTER.fullmatch(name):
                 raise KVStoreError(f"counter {name[:80]!r}: a client may add only "
                                    f"{CLIENT_COUNTER.pattern} counters")
+        uid = os.geteuid() if uid is None else uid
         with self._lock:
             new = [name for name in counters if name not in self._names]
             room = max(0, self.MAX_NAMES - len(self._names))
+            if uid != os.geteuid():
+                room = min(room, max(0, self.MAX_NAMES // self.SHARE - self._brought[uid]))
             self._names.update(new[:room])
+            self._brought[uid] += min(room, len(new))
             kept = {name: amount for name, amount in counters.items() if name in self._names}
         if len(kept) < len(counters):
             self._malformed.count(Malformed("counter", f"{len(counters) - len(kept)} new counter names past "

@@ -66,7 +66,8 @@ class Requests:
             P.Expect: lambda client, request: self._lookups.expect(request, client.uid),
             P.Get: transfers.get, P.Put: transfers.put, P.Pin: transfers.pin, P.Unpin: transfers.unpin,
             P.Info: lambda client, request: self.counters.info(),
-            P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters),
+            P.Count: lambda client, request: self.counters.clients.add(self.shared.store, request.counters,
+                                                                        client.uid),
             P.Events: lambda client, request: events.since(request.since),
             P.Announce: self._namespace_request, P.Namespaces: self._namespace_request,
             P.Purge: self._namespace_request}

@@ -49,7 +49,7 @@ class Lookups:
         protects it, and they copy with no request of their own), where the client may map
         the tier."""
         store = self._shared.store
-        self._counters.add(store, request.counters)
+        self._counters.add(store, request.counters, client.uid)
         for number in request.release:
             self._leases.release(store, client.held, number, read=True)
         for number in request.unread:
