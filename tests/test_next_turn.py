@@ -28,7 +28,7 @@ def test_a_learned_gap_brings_the_chain_back_lead_s_before_the_next_turn():
     predictor.finished(chain(9, 0), now)
     assert predictor.due(now + 27) == []
     assert predictor.next_due() == pytest.approx(now + 28)
-    assert predictor.due(now + 28) == [tuple(chain(9, 0))]
+    assert predictor.due(now + 28) == [(tuple(chain(9, 0)), None)]
     assert predictor.due(now + 29) == []  # fetched once
 
 
@@ -53,7 +53,7 @@ def test_pending_predictions_are_bounded():
     predictor = NextTurnPredictor(max_pending=3, default_gap_s=10.0, lead_s=0.0, min_return_rate=0.0)
     for i in range(5):
         predictor.finished([bytes([i]) * 16], float(i))
-    assert [keys[0][0] for keys in predictor.due(100.0)] == [2, 3, 4]  # the oldest went first
+    assert [keys[0][0] for keys, _ in predictor.due(100.0)] == [2, 3, 4]  # the oldest went first
 
 
 def test_a_co_tenants_hints_hold_a_share_and_never_push_out_the_owners_predictions():
@@ -66,8 +66,8 @@ def test_a_co_tenants_hints_hold_a_share_and_never_push_out_the_owners_predictio
         predictor.finished([bytes([i]) * 16], float(i), owner=0)
     for i in range(100):
         predictor.expect([bytes([100 + i]) * 16], 50.0, owner=1000)
-    due = sorted(keys[0][0] for keys in predictor.due(100.0))
-    assert due == [0, 1, 2, 3, 198, 199]  # the owner's four, and the co-tenant's newest two
+    due = sorted((keys[0][0], owner) for keys, owner in predictor.due(100.0))
+    assert due == [(0, 0), (1, 0), (2, 0), (3, 0), (198, 1000), (199, 1000)]  # each in its owner's turn
 
 
 def test_a_co_tenants_chains_that_never_come_back_do_not_stop_predicting_the_owners_new_ones():
@@ -78,7 +78,7 @@ def test_a_co_tenants_chains_that_never_come_back_do_not_stop_predicting_the_own
         predictor.finished([bytes([i]) * 16, b"t" * 16], float(i), owner=1000)
     predictor.finished([b"o" * 16, b"u" * 16], 60.0, owner=0)
     assert predictor.return_rate(b"n" * 16) == 1.0  # nothing of the owner's seen: as before anything
-    assert b"u" * 16 in [keys[-1] for keys in predictor.due(100.0)]  # the owner's chain is predicted
+    assert (b"u" * 16, 0) in [(keys[-1], owner) for keys, owner in predictor.due(100.0)]  # predicted
 
 
 def test_families_are_remembered_up_to_a_bound_the_least_recently_finished_forgotten():

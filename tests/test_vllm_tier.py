@@ -160,6 +160,14 @@ def test_after_vllms_reset_the_engine_loads_nothing_it_stored_before_and_others_
     assert verdicts(rig, range(COUNT)) == ["equal"] * COUNT
     rig.reset()
     assert verdicts(rig, range(COUNT)) == ["miss"] * COUNT
+    watcher = service_client(store)
+    try:  # announced, so `kvstore purge --list` can name it
+        deadline = time.monotonic() + 10
+        while len({entry["description"].get("generation") for entry in watcher.namespaces()}) < 2:
+            assert time.monotonic() < deadline, "the new generation was not announced"
+            time.sleep(0.05)
+    finally:
+        watcher.close()
     stored(rig, ["after"])  # stored and loaded under the new generation
     rig.empty_cpu_tier()
     assert verdicts(rig, ["after"]) == ["equal"]

@@ -52,7 +52,7 @@ class NextTurnReads:
     def before(self, request: TraceRequest) -> None:
         """Due chains are read ahead; what the request finds is counted as it arrives."""
         replayer, now = self.replayer, request.arrival_s
-        for chain in self.predictor.due(now):
+        for chain, _ in self.predictor.due(now):
             moved = replayer.store.read_ahead(list(chain))
             self._ahead.update(moved)
             self.read_ahead_bytes += len(moved) * replayer.chunk_bytes

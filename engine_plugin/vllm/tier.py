@@ -462,6 +462,8 @@ class KVStoreTier(SecondaryTierManager):
         self.jobs.drain()
         weights = self.keys.new_generation()
         self.lookups.forget_all()
+        described = [(ns.digest(), ns.description()) for ns in self.keys.namespaces.values()]
+        self.chores.submit(lambda client: client.announce(described))  # so `kvstore purge` lists them
         log.info("kvstore tier: new generation %s of %s's namespaces (weights %s)", weights.generation,
                  next(iter(self.keys.namespaces.values())).model, weights.fingerprint)
 

@@ -49,9 +49,8 @@ class IndexPublisher:
         self.stats = stats
         self.host_id = config.host_id
         self.generation = int.from_bytes(os.urandom(8), "little")
-        # A shard that failed is skipped for a deadline: one that hangs does not cost every batch one.
-        self._index = IndexConnection(config.index_url, config.lease_s / 3, config.lease_s / 3,
-                                      tls=config.index_tls)
+        # No backoff: the lease's renewal goes through it too, and must be tried at every step.
+        self._index = IndexConnection(config.index_url, config.lease_s / 3, tls=config.index_tls)
         self.keys = IndexKeys(config.key_prefix, self._index.cluster)
         self.lease = HostLease(config, self._index, self.keys, self.generation, stats)
         self._claim_at_start()

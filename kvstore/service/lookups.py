@@ -78,11 +78,12 @@ class Lookups:
         """A hint (from a client of `uid`): these chains are wanted in `in_s` seconds."""
         self._next_turns.expect(request.ranks, request.in_s, uid)
 
-    def _promote(self, keys: tuple[bytes, ...]) -> None:
-        """A chain next-turn prediction wants in DRAM now."""
+    def _promote(self, keys: tuple[bytes, ...], uid: int | None) -> None:
+        """A chain next-turn prediction wants in DRAM now (for a client of `uid`, whose
+        turn its promotion waits in)."""
         store = self._shared.store
         if store is not None:
-            self._prefetches.promote(store, keys)
+            self._prefetches.promote(store, keys, uid)
 
     def close(self) -> None:
         """Predictions stopped, then the queued promotions dropped and the running one finished."""

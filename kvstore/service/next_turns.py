@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from kvstore.tiers.next_turn import NextTurnPredictor
 
 log = logging.getLogger(__name__)
-Promote = Callable[[tuple[bytes, ...]], None]
+Promote = Callable[[tuple[bytes, ...], int | None], None]  # a chain, in the turn of its user
 MAX_AHEAD_S = 86400.0  # a hint further ahead is refused (protocol.MAX_EXPECT_S)
 MAX_SLEEP_S = 3600.0  # the timer wakes at least this often (a longer wait cannot overflow)
 
@@ -54,7 +54,7 @@ class NextTurns:
             return
         if self.mode == "warm":
             for keys in ranks:
-                self._promote(tuple(keys))
+                self._promote(tuple(keys), uid)
             return
         with self._lock:
             for keys in ranks:
@@ -83,8 +83,8 @@ class NextTurns:
                         self._lock.wait(MAX_SLEEP_S if wake is None else
                                         min(MAX_SLEEP_S, max(0.0, wake - self._clock())))
                         continue
-                for keys in due:
-                    self._promote(keys)
+                for keys, owner in due:
+                    self._promote(keys, owner)
             except Exception:  # one bad round must not stop predictions for every engine
                 log.exception("next-turn promotion failed; going on")
                 time.sleep(0.1)

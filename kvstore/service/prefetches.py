@@ -3,7 +3,7 @@ to have in DRAM before a request runs, done one at a time, the users who asked i
 
 One at a time: each promotion's wave bounds the bytes in flight, and a get for the same
 chunks never waits on it (it reads them itself). In turn: each user's runs wait in a queue
-of its own (a next-turn prediction's as the service's own user's), at most QUEUED_MOST of
+of its own (a next-turn prediction's in the queue of the user it predicts for), at most QUEUED_MOST of
 them (past that a run is not promoted, counted as `prefetch.dropped`), and the one thread
 takes a run from each user in turn, so a co-tenant asking for many runs delays the owner's
 next promotion by one run at most, never by its whole backlog. A residency answer is one
@@ -51,10 +51,11 @@ class Prefetches:
             pending = any(run in self._queued for run in runs)
         return [min(f.count for f in found), min(f.resident for f in found), pending]
 
-    def promote(self, store: TieredStore, keys: tuple[bytes, ...]) -> None:
-        """A chain a next-turn prediction wants in DRAM now (the service's own user's turn)."""
+    def promote(self, store: TieredStore, keys: tuple[bytes, ...], uid: int | None = None) -> None:
+        """A chain a next-turn prediction wants in DRAM now, in the turn of `uid`, the user
+        whose request or hint predicted it (None: the service's own)."""
         with self._lock:
-            self._queue(store, keys, os.geteuid())
+            self._queue(store, keys, os.geteuid() if uid is None else uid)
 
     def _queue(self, store: TieredStore, run: tuple[bytes, ...], uid: int) -> None:
         """Queue a promotion of `run` for `uid` unless the same run is queued (a request

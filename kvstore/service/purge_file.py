@@ -54,9 +54,9 @@ class PendingPurges:
         KVStoreError if more than MAX_PENDING would wait for the store."""
         if store is not None:
             report = store.admin.purge(namespaces, dry_run)
-            pending = store.admin.purges_pending()
-            if not dry_run:
-                with self._lock:
+            with self._lock:  # read and written together: two purges at once write the later state
+                pending = store.admin.purges_pending()
+                if not dry_run:
                     self._write(pending)
             return {**report, "pending": len(pending)}
         report = {"chunks": 0, "bytes": 0, "dram_chunks": 0, "disk_chunks": 0, "unread": 0, "removed": 0}
@@ -74,11 +74,11 @@ class PendingPurges:
         """Purge what waits on the store just made (before any client has it), then keep
         what a device out of service has still to see."""
         with self._lock:
-            waiting, self._waiting = self._waiting, set()
-            if waiting:
-                removed = store.admin.purge(sorted(waiting), dry_run=False)["removed"]
+            if self._waiting:
+                removed = store.admin.purge(sorted(self._waiting), dry_run=False)["removed"]  # raises: kept
                 log.warning("purged %d namespaces left pending at the last stop (%d chunks removed)",
-                            len(waiting), removed)
+                            len(self._waiting), removed)
+            self._waiting = set()
             self._write(store.admin.purges_pending())
 
     def closing(self, store: TieredStore | None) -> None:

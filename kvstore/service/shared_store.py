@@ -64,7 +64,11 @@ class SharedStore:
             if self.store is None:
                 store = TieredStore(self.config, chunk_bytes, namespace=hello.namespace,
                                     dtype=hello.dtype, shape=hello.shape)
-                self._purges.opened(store)  # before any client has it
+                try:
+                    self._purges.opened(store)  # before any client has it
+                except BaseException:  # the hello fails; the purges stay pending, the next one tries
+                    store.close()
+                    raise
                 self.store = store
                 self._learned.start(self.store)
                 self._events.watch(self.store)

@@ -51,6 +51,7 @@ class _Pending:
     order: int
     keys: tuple[bytes, ...] = field(compare=False)
     tail: bytes = field(compare=False)
+    owner: int | None = field(compare=False, default=None)
 
 
 SHARE = 4  # an owner other than the trusted one holds at most 1/SHARE of the pending predictions
@@ -155,14 +156,15 @@ class NextTurnPredictor:
         cuts = statistics.quantiles(sample, n=20, method="inclusive")
         return cuts[max(0, min(len(cuts) - 1, round(self.quantile * 20) - 1))]
 
-    def due(self, now: float) -> list[tuple[bytes, ...]]:
-        """Chains to bring into DRAM now, each once."""
+    def due(self, now: float) -> list[tuple[tuple[bytes, ...], int | None]]:
+        """Chains to bring into DRAM now, each once, with the owner whose finish or hint
+        predicted it (its promotion waits in that owner's turn)."""
         chains = []
         while self._queue and self._queue[0].due <= now:
             pending = heapq.heappop(self._queue)
             if self._live.get(pending.tail) == pending.order:
                 self._drop(pending.tail)
-                chains.append(pending.keys)
+                chains.append((pending.keys, pending.owner))
         return chains
 
     def next_due(self) -> float | None:
@@ -178,7 +180,7 @@ class NextTurnPredictor:
         self._live[tail] = order
         self._owner_of[tail] = owner
         self._owners.setdefault(owner, {})[tail] = None
-        heapq.heappush(self._queue, _Pending(due, order, tuple(keys), tail))
+        heapq.heappush(self._queue, _Pending(due, order, tuple(keys), tail, owner))
         mine = self._owners[owner]
         if owner != self.trusted and len(mine) > max(1, self.max_pending // SHARE):
             self._drop(next(iter(mine)))  # a co-tenant's oldest, never another's
