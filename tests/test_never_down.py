@@ -187,7 +187,7 @@ def test_the_services_own_counters_are_scraped_before_any_store():
 
 def test_a_hint_in_inf_or_nan_seconds_reaches_no_timer():
     promoted: list[tuple[bytes, ...]] = []
-    turns = NextTurns("predict", 0.0, promoted.append)
+    turns = NextTurns("predict", 0.0, lambda keys, uid: promoted.append(keys))
     try:
         for in_s in (math.inf, math.nan, -1.0, MAX_EXPECT_S * 2):
             with pytest.raises(ValueError, match="in_s"):
@@ -205,7 +205,7 @@ def test_a_hint_in_inf_or_nan_seconds_reaches_no_timer():
 def test_a_failing_promotion_does_not_end_predictions():
     promoted: list[tuple[bytes, ...]] = []
 
-    def promote(keys: tuple[bytes, ...]) -> None:
+    def promote(keys: tuple[bytes, ...], uid: int | None) -> None:
         if keys == (b"x" * 16,):
             raise OSError("a promotion that fails")
         promoted.append(keys)

@@ -403,7 +403,10 @@ class StoreConfig(Schema):
         "predict", description="what the service does when a request ends (kvstore/tiers/next_turn.py): "
                                "`predict` learns when conversations come back and promotes a finished "
                                "request's chunks from disk into DRAM `next_turn_lead_s` before; `warm` "
-                               "promotes them at once; `off` leaves them to LRU")
+                               "promotes them at once; `off` leaves them to LRU. At most 4,096 predictions "
+                               "and hints wait, a uid other than the service's own at most a quarter of "
+                               "them (its own oldest go first), and at most 16,384 prefix families are "
+                               "remembered")
     next_turn_lead_s: Annotated[float, seconds(zero=True)] = Field(
         1.0, description="how long before a predicted return its chunks are brought into DRAM")
     write_policy: Annotated[str, choice("write_back", "write_through")] = Field(
