@@ -242,6 +242,34 @@ def test_a_groups_lookups_are_a_run_of_their_own(store):
         rig.close()
 
 
+def test_a_sliding_window_groups_chunks_asked_from_the_end_each_find_their_own_answer(store):
+    """vLLM scans a sliding-window group from the prompt's end back (a window of hits
+    nearest the end): a follow-up's new chunks, not stored yet, come first. Each chunk asked
+    is found or not for itself; asked as one run in that order, the first absent chunk
+    turned every stored one before it into a miss."""
+    rig = OffloadRig(offloading_spec([kvstore_tier(store)], ROW, ROWS))
+    try:
+        keys = [offload_key(n, 0) for n in range(5)]
+        kept = keys[:3]  # the earlier turn's chunks; the follow-up's last two never stored
+        assert rig.store(kept, [payload(key.hex(), ROW) for key in kept]) == len(kept)
+        rig.empty_cpu_tier()
+        context = rig.context("from-the-end", keys)
+        backwards = keys[::-1]
+        found = [rig.manager.lookup(key, context) for key in backwards]
+        given_up = time.monotonic() + 30
+        while LookupResult.RETRY in found and time.monotonic() < given_up:
+            rig.step()
+            time.sleep(0.01)
+            found = [rig.manager.lookup(key, context) for key in backwards]
+        loaded = {LookupResult.HIT, LookupResult.HIT_PENDING}
+        assert found[:2] == [LookupResult.MISS, LookupResult.MISS], found
+        assert all(result in loaded for result in found[2:]), found
+        rig.manager.on_request_finished(context)
+        rig.settle()
+    finally:
+        rig.close()
+
+
 def test_a_stopped_service_costs_misses_within_the_deadline(store):
     store["io"]["timeout_s"] = 1.0  # each request to the service: 2 s at most
     rig = rig_of(store)

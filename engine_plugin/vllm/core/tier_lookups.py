@@ -4,9 +4,11 @@ the service gives on a thread of this module's own.
 An engine that runs its own tiers (vLLM's tiering layer, engine_plugin/vllm/tier.py) asks
 a secondary tier about one chunk at a time, on its scheduler thread, and takes "ask again
 later" (WAIT) for an answer. So a lookup never waits for the service: the chunks of one
-chain (vLLM: a KV cache group) a request asks about in one step are one run, in the order
-asked, and when the step ends
-(`flush`) each run is one `residency` request on the lookup thread, with `prefetch` when
+chain (vLLM: a KV cache group) a request asks about in one step, in ascending order, are
+one run (a full-attention group's prefix scan); a chunk asked before the one asked last
+(a sliding-window group is scanned from the prompt's end back, where a follow-up's new
+chunks are not stored yet) starts a run of its own, so each is found or not for itself.
+When the step ends (`flush`) each run is one `residency` request on the lookup thread, with `prefetch` when
 the policy has one (the service starts promoting the run's disk part to DRAM). Until its
 answer is in, its chunks WAIT. The answer is a snapshot: the leading part of the run the
 store holds (the first absent chunk ends it: the chunks after it miss), how much of that
@@ -67,7 +69,7 @@ class _Run:
 class _Request:
     runs: list[_Run] = field(default_factory=list)
     where: dict[bytes, tuple[_Run, int]] = field(default_factory=dict)
-    open: dict[int, _Run] = field(default_factory=dict)  # this step's, by chain, not yet asked
+    open: dict[int, _Run] = field(default_factory=dict)  # this step's last run, by chain, not yet asked
     missed: set[bytes] = field(default_factory=set)
 
 
@@ -90,7 +92,7 @@ class TierLookups:
         known = request.where.get(key)
         if known is None:
             run = request.open.get(chain)
-            if run is None:
+            if run is None or (run.keys and tokens <= run.tokens):  # asked backwards: its own run
                 run = request.open[chain] = _Run(f"{req_id}#{len(request.runs)}")
                 request.runs.append(run)
             request.where[key] = (run, len(run.keys))
@@ -128,9 +130,8 @@ class TierLookups:
         """The step ended: this step's runs are asked, and runs still held by their
         promotion are asked again."""
         for request in self._requests.values():
-            opened = set(map(id, request.open.values()))
             for run in request.runs:
-                if id(run) in opened:
+                if run.answer is None:  # opened this step
                     self._ask(run, self.prefetch)
                 elif self._held(run):
                     self._ask(run, False)
