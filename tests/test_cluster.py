@@ -29,6 +29,7 @@ from support.stalls import stall_meter
 from support.stores import attached, make_keys, make_payloads, read_back, reads_back
 
 from bench.support.loopdev import LoopDevices
+from kvstore.cluster import node as node_module
 from kvstore.cluster import publisher as publisher_module
 from kvstore.devices.layout import SB_COPIES
 from kvstore.format.errors import ConfigError
@@ -203,6 +204,29 @@ def test_a_failing_round_of_awaiting_ends_neither_the_awaiting_nor_a_lookup(disk
         a.put_many(keys, payloads)
         a.step()
         wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=5, what="B finding A's chunks")
+        assert reads_back(b, keys, payloads)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_co_tenant_awaits_at_most_its_share_and_never_cuts_the_owners_awaits_short(
+        disk_dir, redis_server, monkeypatch):
+    """Awaited chunks are bounded for the host; a user other than the service's own holds at
+    most a quarter of the bound, so a co-tenant awaiting chunks no one will publish cannot
+    leave the owner's prefill/decode handoff unwatched."""
+    monkeypatch.setattr(node_module, "AWAITED_LIMIT", 8)
+    a, b = _store_pair(disk_dir, redis_server.url)
+    try:
+        co_tenant = os.geteuid() + 1000
+        assert b.lookup(make_keys(8, seed=11), await_s=10.0, uid=co_tenant).count == 0
+        assert b.stats.snapshot()["peer.await_dropped"] == 6  # its quarter: 2 of 8 awaited
+        keys, payloads = make_keys(SLOTS, seed=12), make_payloads(SLOTS, seed=12, chunk_bytes=CHUNK)
+        assert b.lookup(keys, await_s=10.0).count == 0
+        assert b.stats.snapshot()["peer.await_dropped"] == 6  # the owner's all awaited
+        a.put_many(keys, payloads)
+        a.step()
+        wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=5, what="B finding the owner's chunks")
         assert reads_back(b, keys, payloads)
     finally:
         a.close()

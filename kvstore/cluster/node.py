@@ -21,15 +21,18 @@ read failed or came late, as it does on a starved CPU), their answers would not 
 until the hold ran out; so a thread of its own looks for awaited chunks every
 RECENT_MISS_S, past the backoff, until found or their time is up, and what it finds is
 remembered like a lookup's answer: the held request's next lookup finds it. It never
-runs on a lookup's path.
+runs on a lookup's path. A user other than the service's own holds at most a quarter of
+the chunks awaited at once (AWAITED_SHARE), so a co-tenant's awaits cannot cut the
+owner's engines' handoffs short.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +53,7 @@ RECENT_S = 1.0  # how long an index answer is reused
 RECENT_MISS_S = 0.02  # how long an answer that a key is nowhere is reused
 RECENT_LIMIT = 1 << 16  # answers kept
 AWAITED_LIMIT = 1 << 16  # chunks awaited at once; past it an await is cut short (peer.await_dropped)
+AWAITED_SHARE = 4  # a user other than the service's own awaits at most 1/AWAITED_SHARE of them
 
 
 class ClusterNode:
@@ -80,7 +84,8 @@ class ClusterNode:
                                  peer_copies=peer_copies)
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[float, list[PeerHit] | None]] = OrderedDict()
-        self._awaited: dict[bytes, float] = {}  # chunk key -> until when (monotonic)
+        self._awaited: dict[bytes, tuple[float, int]] = {}  # chunk key -> (until when (monotonic), uid)
+        self._awaiting: Counter[int] = Counter()  # chunks awaited, by the uid that asked first
         self._await_wake = threading.Event()
         self._closed = threading.Event()
         self._awaiter = threading.Thread(target=self._look_for_awaited, name="kvstore-awaited", daemon=True)
@@ -127,10 +132,10 @@ class ClusterNode:
         return found
 
     def lookup(self, keys: Sequence[bytes], local_tier: Callable[[bytes], str | None],
-               await_s: float = 0.0) -> list[str]:
+               await_s: float = 0.0, uid: int | None = None) -> list[str]:
         """The tiers of the leading run of `keys` (the part of a prompt the local tiers
         did not hold): local where they hold a chunk, else 'peer'. With `await_s`, the
-        rest is awaited that long (`await_chunks`)."""
+        rest is awaited that long for `uid` (`await_chunks`)."""
         located = self.readable(keys)
         tiers = []
         for key in keys:
@@ -139,19 +144,27 @@ class ClusterNode:
                 break
             tiers.append(tier)
         if await_s > 0 and len(tiers) < len(keys):
-            self.await_chunks(keys[len(tiers) :], await_s)
+            self.await_chunks(keys[len(tiers) :], await_s, uid)
         return tiers
 
-    def await_chunks(self, keys: Sequence[bytes], within_s: float) -> None:
-        """A request is held until `keys` are readable here, for at most `within_s`: look
-        for them off the lookups' path meanwhile (the module's docstring)."""
+    def await_chunks(self, keys: Sequence[bytes], within_s: float, uid: int | None = None) -> None:
+        """A request of `uid` (None: the service's own user) is held until `keys` are
+        readable here, for at most `within_s`: look for them off the lookups' path meanwhile
+        (the module's docstring). Past the limit, or past its user's share, the rest of an
+        await is cut short (counted)."""
         until, dropped = time.monotonic() + within_s, 0
+        owner = os.geteuid() if uid is None else uid
+        share = AWAITED_LIMIT if owner == os.geteuid() else AWAITED_LIMIT // AWAITED_SHARE
         with self._lock:
             if self._closed.is_set():
                 return
             for key in keys:
-                if key in self._awaited or len(self._awaited) < AWAITED_LIMIT:
-                    self._awaited[key] = max(self._awaited.get(key, until), until)
+                known = self._awaited.get(key)
+                if known is not None:
+                    self._awaited[key] = (max(known[0], until), known[1])
+                elif len(self._awaited) < AWAITED_LIMIT and self._awaiting[owner] < share:
+                    self._awaited[key] = (until, owner)
+                    self._awaiting[owner] += 1
                 else:
                     dropped += 1
             if self._awaiter.ident is None:  # started at the first await, once
@@ -179,11 +192,19 @@ class ClusterNode:
 
     def _still_awaited(self, now: float) -> list[bytes]:
         """Awaited chunks neither found (a recent hit) nor past their time (lock held)."""
-        for key, until in list(self._awaited.items()):
+        for key, (until, _) in list(self._awaited.items()):
             recent = self._recent.get(key)
             if until <= now or (recent is not None and recent[1] and now - recent[0] <= RECENT_S):
-                del self._awaited[key]
+                self._unawait(key)
         return list(self._awaited)
+
+    def _unawait(self, key: bytes) -> None:
+        """`key` is no longer awaited (lock held); its user's count goes down with it."""
+        entry = self._awaited.pop(key, None)
+        if entry is not None:
+            self._awaiting[entry[1]] -= 1
+            if not self._awaiting[entry[1]]:
+                del self._awaiting[entry[1]]
 
     def _look_for(self, wanted: list[bytes]) -> None:
         """One index read of `wanted` past the backoff; what is found is remembered."""
@@ -193,7 +214,7 @@ class ClusterNode:
             for key, hits in (answer or {}).items():
                 self._recent[key] = (now, hits)
                 self._recent.move_to_end(key)
-                self._awaited.pop(key, None)
+                self._unawait(key)
             while len(self._recent) > RECENT_LIMIT:
                 self._recent.popitem(last=False)
 

@@ -41,9 +41,9 @@ class Prefetches:
         """[leading chunks every rank has, of those in DRAM on every rank, a promotion of
         some rank's run queued or running]; with `prefetch`, each rank's run is queued first
         (in the queue of `uid`, the asking client's user); with `await_s`, what each rank
-        lacks is awaited at the peers (TieredStore.lookup)."""
+        lacks is awaited at the peers for `uid` (TieredStore.lookup)."""
         with self._lock:
-            found = [store.lookup(list(keys), await_s) for keys in ranks]
+            found = [store.lookup(list(keys), await_s, uid) for keys in ranks]
             runs = [tuple(keys[: f.count]) for keys, f in zip(ranks, found, strict=True)]
             if prefetch:
                 for run in runs:

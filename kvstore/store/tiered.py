@@ -107,11 +107,11 @@ class TieredStore:
 
     # -- queries -------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], await_s: float = 0.0) -> Lookup:
+    def lookup(self, keys: Sequence[bytes], await_s: float = 0.0, uid: int | None = None) -> Lookup:
         """Leading chunks present, and where. A chunk moving down is published below
         before it leaves DRAM, so a lookup racing it still finds it. With a cluster, what
         the local tiers lack is looked for at the peers (one index read), and awaited there
-        for `await_s` (a request held for it: cluster/node.py)."""
+        for `await_s` on behalf of `uid` (a request held for it: cluster/node.py)."""
         keys = check_keys(keys)
         dram, cluster = self.parts.dram, self.parts.cluster
         in_dram = dram.table.index if dram is not None else {}
@@ -122,7 +122,7 @@ class TieredStore:
                 break
             tiers.append(tier)
         if cluster is not None and len(tiers) < len(keys):
-            tiers += cluster.lookup(keys[len(tiers) :], self.parts.local_tier, await_s)
+            tiers += cluster.lookup(keys[len(tiers) :], self.parts.local_tier, await_s, uid)
         return Lookup(len(tiers), tuple(tiers))
 
     def contains(self, key: bytes) -> bool:
