@@ -19,7 +19,7 @@ from engine_plugin.vllm.cuda_host import register_for_dma
 from engine_plugin.vllm.kv_groups import GroupedKVLayout
 from engine_plugin.vllm.layout import PagedKVLayout
 from engine_plugin.vllm.namespaces import EngineNamespaces
-from kvstore.io.streaming import streaming_threshold, streaming_tunable
+from kvstore.io.streaming import streaming_thresholds, streaming_tunable
 from kvstore.service.client import StoreClient
 
 if TYPE_CHECKING:
@@ -59,9 +59,9 @@ def make_worker(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConf
     log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
              layout.chunk_bytes)
     on_cpu = layout.device.type == "cpu"
-    tunable = streaming_tunable(layout.smallest_copy, streaming_threshold()) if on_cpu else None
-    if tunable is not None:  # the threshold is the process's from its start: only vLLM's user can set it
-        log.info("kvstore worker rank %d: a load copies pieces of %d bytes, under this "
-                 "process's streaming-store threshold: start vLLM with GLIBC_TUNABLES=%s for faster loads "
+    tunable = streaming_tunable(layout.smallest_copy, streaming_thresholds()) if on_cpu else None
+    if tunable is not None:  # the thresholds are the process's from its start: only vLLM's user can set them
+        log.info("kvstore worker rank %d: a load copies pieces of %d bytes that do not stream under "
+                 "this process's glibc thresholds: start vLLM with GLIBC_TUNABLES=%s for faster loads "
                  "(docs/vllm.md)", rank, layout.smallest_copy, tunable)
     return worker

@@ -1,15 +1,20 @@
-"""glibc's streaming-store threshold: what a process has, and what to start one with.
+"""glibc's streaming-store thresholds: what a process has, and what to start one with.
 
 glibc's memcpy streams a copy past the cache (non-temporal stores: no read of the
 destination first) only from a size it derives from the cache's (`x86_non_temporal_threshold`),
 often far above the pieces kvstore copies: one layer's KV block in a load, a 256 KiB hash
 piece in a put (format/checksum.py). Those copies then read every destination line before
-writing it (measured in docs/benchmarks.md: a put's copy and hash, a vLLM CPU load). The
-threshold is read once, when a process starts, from GLIBC_TUNABLES: `with_streaming` is the
+writing it (measured in docs/benchmarks.md: a put's copy and hash, a vLLM CPU load). And a
+copy of more than `x86_rep_movsb_threshold` (2 KiB or so) takes `rep movsb` first, up to a
+stop that is the streaming threshold on Intel but the L2 cache's size on AMD (glibc 2.33
+on): there a 256 or 512 KiB copy never reaches the streaming loop, whatever that threshold
+(measured: 512 KiB blocks at 53 ms per 512 MiB with the streaming threshold alone, 41 with
+`rep movsb` kept below them too, against 34 for one plain copy). So both are asked for: the
+streaming threshold under the pieces (half a piece: whether a copy of exactly the threshold
+streams differs between glibc's copy loops) and `rep movsb` above any L2 (REP_MOVSB_ABOVE).
+They are read once, when a process starts, from GLIBC_TUNABLES: `with_streaming` is the
 environment to start a process in (the service kvstore spawns), `streaming_tunable` the
-entry to tell the user of a process already running (a vLLM worker). Whether a copy of
-exactly the threshold streams differs between glibc's copy loops, so the entry asked for
-is half a piece.
+entries to tell the user of a process already running (a vLLM worker).
 """
 
 from __future__ import annotations
@@ -19,42 +24,58 @@ import os
 import re
 import subprocess
 from collections.abc import Mapping
+from typing import NamedTuple
 
 TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-GLIBC_LEAST = 0x4040  # the least threshold glibc takes
+REP_MOVSB = "glibc.cpu.x86_rep_movsb_threshold"
+GLIBC_LEAST = 0x4040  # the least streaming threshold glibc takes
+REP_MOVSB_ABOVE = 1 << 25  # above any core's L2: no copy of a piece takes `rep movsb`
 
 
-def streaming_tunable(piece_bytes: int, threshold: int | None) -> str | None:
-    """The GLIBC_TUNABLES entry under which copies of `piece_bytes` stream, or None: they do
-    under `threshold` already, or it is not known."""
-    if threshold is None or threshold < piece_bytes:
+class Thresholds(NamedTuple):
+    """A process's glibc copy thresholds, in bytes."""
+
+    non_temporal: int
+    rep_movsb: int
+
+
+def streaming_tunable(piece_bytes: int, thresholds: Thresholds | None) -> str | None:
+    """The GLIBC_TUNABLES entries under which copies of `piece_bytes` and more stream, or
+    None: they do under `thresholds` already, or those are not known."""
+    if thresholds is None:
         return None
-    return f"{TUNABLE}={max(GLIBC_LEAST, piece_bytes // 2):#x}"
+    entries = []
+    if thresholds.non_temporal >= piece_bytes:
+        entries.append(f"{TUNABLE}={max(GLIBC_LEAST, piece_bytes // 2):#x}")
+    if thresholds.rep_movsb < REP_MOVSB_ABOVE:
+        entries.append(f"{REP_MOVSB}={REP_MOVSB_ABOVE:#x}")
+    return ":".join(entries) or None
 
 
 def with_streaming(environ: Mapping[str, str], piece_bytes: int) -> dict[str, str]:
     """`environ` for a process to start whose copies of `piece_bytes` should stream: its
-    GLIBC_TUNABLES with the entry, which takes the place of an inherited threshold that
-    would not stream them (the engine's, chosen for its own copies); every other entry is
-    kept, and nothing changes where the threshold they give streams them already."""
+    GLIBC_TUNABLES with the entries, which take the place of inherited ones that would not
+    stream them (the engine's, chosen for its own copies); every other entry is kept, and
+    nothing changes where the thresholds they give stream them already."""
     env = dict(environ)
     tunables = env.get("GLIBC_TUNABLES", "")
-    entry = streaming_tunable(piece_bytes, loader_threshold(tunables))
-    if entry is not None:
-        kept = [item for item in tunables.split(":") if item and not item.startswith(TUNABLE + "=")]
-        env["GLIBC_TUNABLES"] = ":".join([entry, *kept])
+    entries = streaming_tunable(piece_bytes, loader_thresholds(tunables))
+    if entries is not None:
+        replaced = tuple(entry.split("=", 1)[0] + "=" for entry in entries.split(":"))
+        kept = [item for item in tunables.split(":") if item and not item.startswith(replaced)]
+        env["GLIBC_TUNABLES"] = ":".join([entries, *kept])
     return env
 
 
-def streaming_threshold() -> int | None:
-    """The threshold of this process (started with the GLIBC_TUNABLES it has now)."""
-    return loader_threshold(os.environ.get("GLIBC_TUNABLES", ""))
+def streaming_thresholds() -> Thresholds | None:
+    """The thresholds of this process (started with the GLIBC_TUNABLES it has now)."""
+    return loader_thresholds(os.environ.get("GLIBC_TUNABLES", ""))
 
 
 @functools.cache
-def loader_threshold(tunables: str) -> int | None:
-    """The threshold a process started with GLIBC_TUNABLES=`tunables` has, as this process's
-    dynamic loader reports it (glibc >= 2.33 on x86-64: `ld.so --list-tunables`), or None
+def loader_thresholds(tunables: str) -> Thresholds | None:
+    """The thresholds a process started with GLIBC_TUNABLES=`tunables` has, as this process's
+    dynamic loader reports them (glibc >= 2.33 on x86-64: `ld.so --list-tunables`), or None
     where it cannot be asked (another libc or loader, a loader replaced on disk since this
     process started). Remembered per `tunables` for the process's life: it is advice."""
     loader = _loader()
@@ -68,8 +89,10 @@ def loader_threshold(tunables: str) -> int | None:
                                 check=False, env=env).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    found = re.search(r"glibc\.cpu\.x86_non_temporal_threshold: (0x[0-9a-f]+)", listed)
-    return int(found.group(1), 16) if found else None
+    found = [re.search(rf"{re.escape(name)}: (0x[0-9a-f]+)", listed) for name in (TUNABLE, REP_MOVSB)]
+    if found[0] is None or found[1] is None:
+        return None
+    return Thresholds(int(found[0].group(1), 16), int(found[1].group(1), 16))
 
 
 def _loader() -> str | None:

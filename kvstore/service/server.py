@@ -45,7 +45,7 @@ from kvstore.format.checksum import PIECE
 from kvstore.format.errors import ConfigError, DeviceError, KVStoreError
 from kvstore.format.malformed import Malformed, MalformedCounts
 from kvstore.format.secrets import masked
-from kvstore.io.streaming import streaming_threshold, streaming_tunable
+from kvstore.io.streaming import streaming_thresholds, streaming_tunable
 from kvstore.service import protocol as P
 from kvstore.service.client_slots import ClientSlots
 from kvstore.service.handlers import Requests
@@ -165,11 +165,11 @@ class StoreService:
 
     def _start(self, config: StoreConfig) -> None:
         _unpin_from_parent()
-        tunable = streaming_tunable(PIECE, streaming_threshold())
+        tunable = streaming_tunable(PIECE, streaming_thresholds())
         if tunable is not None:  # started by hand: a spawned service has it (client_connection.py)
-            log.info("a put copies into its DRAM slot %d bytes at a time, under this process's streaming-"
-                     "store threshold: start `kvstore serve` with GLIBC_TUNABLES=%s for less CPU per put "
-                     "(docs/architecture.md)", PIECE, tunable)
+            log.info("a put copies into its DRAM slot %d bytes at a time, which do not stream under "
+                     "this process's glibc thresholds: start `kvstore serve` with GLIBC_TUNABLES=%s for "
+                     "less CPU per put (docs/architecture.md)", PIECE, tunable)
         self._slots = ClientSlots(config.service, os.geteuid(), log)
         self.requests = Requests(config, self.socket_path, (self._slots.counts,))
         self._stopping = threading.Event()
