@@ -11,7 +11,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from bench.support.processes import paused_group, process_cpu, start_group, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,3 +69,27 @@ def test_save_path_prints_each_mode_against_the_floor(tmp_path):
     assert list(best) == ["free DRAM (floor)", "cleaner", "no cleaner"]
     assert best["no cleaner"]["demoted"] > 0 and best["no cleaner"]["cleaned"] == 0
     assert "x floor" in done.stdout
+
+
+def _cpu_grows(pid: int, by_s: float, within_s: float = 20.0) -> bool:
+    start, deadline = process_cpu(pid), time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if process_cpu(pid) - start >= by_s:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_paused_server_group_takes_no_cpu_from_the_one_timed_and_goes_on_after(tmp_path):
+    """The TTFT bench stops the server not timed (an idle vLLM server's worker spins on a
+    core); its CPU is read from the process's CPU clock, which goes on at once after."""
+    spinner = start_group([sys.executable, "-c", "while True: pass"], tmp_path / "spin.log", dict(os.environ))
+    try:
+        assert _cpu_grows(spinner.pid, 0.05)
+        with paused_group(spinner.pid):
+            stopped = process_cpu(spinner.pid)
+            time.sleep(0.5)
+            assert process_cpu(spinner.pid) - stopped < 0.01
+        assert _cpu_grows(spinner.pid, 0.05)
+    finally:
+        stop_group(spinner, timeout_s=5)

@@ -9,18 +9,21 @@ chunk, bench/support/tiny_model.py), as a user starts it. For each of --prompts 
   recompute  the prompt's first request on the server with kvstore (vLLM's prefix cache
              off): computed whole, its prefix chunks saved to the DRAM tier
   kvstore    the same prompt again on that server, once its saves are done: loaded
+             (vLLM's prefix cache is off there: every request of it again is a load)
   floor      on a server without kvstore and with vLLM's prefix cache, the prompt sent
-             twice: the second's TTFT
-Both servers run at once and take turns, prompt by prompt, so drift on a shared machine
-touches both alike (a timed request goes IDLE_S after the other server's last). Each is the
-time to the first streamed token; the table shows the medians, and
-(kvstore - floor) / plain copy. With --streaming-stores both servers start with the
+             once, then again: a prefix-cache hit
+Both servers run at once and take turns, --repeats timed requests of each prompt each, so
+drift on a shared machine touches both alike; the one whose turn it is not is stopped
+(SIGSTOP: an idle vLLM server's workers spin on their queues, a core taken from the one
+timed). Each is the time to the first streamed token; the table shows the medians, and
+the median of (kvstore - the floor timed just before it) / plain copy: one request's TTFT
+here varies by more than the copy takes. With --streaming-stores both servers start with the
 GLIBC_TUNABLES the connector's worker logs it would want (engine_plugin/vllm/worker_role.py):
 its loads' copies then stream past the cache, as the plain copy of the whole prefix does.
 With --huge-pages the service's DRAM tier is in reserved huge pages (its start-up warning
 asks for them where there are none).
 
-  python -m bench.lab dram_hit [--prefix-tokens 4096] [--suffix-tokens 16] [--prompts 3]
+  python -m bench.lab dram_hit [--prefix-tokens 4096] [--suffix-tokens 16] [--prompts 3] [--repeats 5]
                                [--streaming-stores] [--huge-pages]
 """
 
@@ -41,12 +44,12 @@ from bench.support.tiny_model import build_llama3_8b_geometry, prompt_token_ids
 from bench.support.vm import huge_pages
 from kvstore.config.store import load_config
 from kvstore.format.units import parse_size
+from kvstore.io.streaming import REP_MOVSB, REP_MOVSB_ABOVE, TUNABLE
 from kvstore.service.client import service_info, stop_service
 
 CHUNK = 256
 KV_BYTES_PER_TOKEN = 128 << 10  # the model's float16 KV: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes
-STREAMING = "glibc.cpu.x86_non_temporal_threshold=0x20000"  # what the worker logs for this model
-IDLE_S = 0.5  # before a timed request: the other server's threads have gone idle
+STREAMING = f"{TUNABLE}=0x20000:{REP_MOVSB}={REP_MOVSB_ABOVE:#x}"  # what the worker logs for this model
 
 
 def plain_copy_s(nbytes: int, rounds: int = 5) -> float:
@@ -96,22 +99,26 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                               kv_cache_gib=args.kv_cache_gib, env=env) as server, \
                  OpenAIServer(model, base, workdir / "server-floor.log", kv_cache_gib=args.kv_cache_gib,
                               env=env) as floor:
-                for i, prompt in enumerate(prompts):  # the two servers take turns, prompt by prompt
-                    found["recompute"].append(_ttft(server, prompt)[0])
-                    _saves_done(store, (i + 1) * (args.prefix_tokens // CHUNK))
-                    _ttft(floor, prompt)
-                    time.sleep(IDLE_S)
-                    found["floor"].append(_ttft(floor, prompt)[0])
-                    time.sleep(IDLE_S)
-                    seconds, hit = _ttft(server, prompt)
-                    found["kvstore"].append(seconds)
-                    cached.append(hit)
+                for i, prompt in enumerate(prompts):  # the two take turns, the other one stopped
+                    with floor.paused():
+                        found["recompute"].append(_ttft(server, prompt)[0])
+                        _saves_done(store, (i + 1) * (args.prefix_tokens // CHUNK))
+                    with server.paused():
+                        _ttft(floor, prompt)  # into its prefix cache
+                    for _ in range(args.repeats):  # each request again a hit of each kind
+                        with server.paused():
+                            found["floor"].append(_ttft(floor, prompt)[0])
+                        with floor.paused():
+                            seconds, hit = _ttft(server, prompt)
+                        found["kvstore"].append(seconds)
+                        cached.append(hit)
             counters = (service_info(load_config(store)) or {}).get("counters", {})
         finally:
             stop_service(load_config(store))
     copy = plain_copy_s(args.prefix_tokens * KV_BYTES_PER_TOKEN)
     medians = {name: statistics.median(values) for name, values in found.items()}
-    extra = (medians["kvstore"] - medians["floor"]) / copy
+    pairs = [hit - floor for hit, floor in zip(found["kvstore"], found["floor"], strict=True)]
+    extra = statistics.median(pairs) / copy
     loads = {k: v for k, v in counters.items() if k.startswith(("load.", "dram.", "get.", "requests."))}
     return {"prefix_tokens": args.prefix_tokens, "glibc_tunables": env.get("GLIBC_TUNABLES"),
             "tier_huge_pages": why_not or "reserved",
@@ -124,6 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--suffix-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed requests of each prompt on each server, the two alternated")
     parser.add_argument("--kv-cache-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--dram-capacity", default="4GiB", help="kvstore's DRAM tier")
     parser.add_argument("--huge-pages", action="store_true",
@@ -142,13 +151,15 @@ def experiment(args: argparse.Namespace, workdir: Path) -> Result:
     m, copy = found["median_s"], found["plain_copy_s"]
     table = "\n".join([
         f"prefix {found['prefix_tokens']} tokens ({found['prefix_tokens'] * KV_BYTES_PER_TOKEN >> 20} MiB "
-        f"of KV), medians of {len(found['runs']['floor'])} prompts:",
+        f"of KV), medians of {len(found['runs']['recompute'])} prompts' {len(found['runs']['floor'])} "
+        "timed requests of each kind:",
         "| TTFT | s |", "| --- | ---: |",
         f"| floor (vLLM's own prefix-cache hit) | {m['floor']:.3f} |",
         f"| kvstore DRAM hit | {m['kvstore']:.3f} |",
         f"| recompute | {m['recompute']:.3f} |",
         f"| plain copy of the prefix's KV | {copy:.3f} |",
-        f"kvstore's extra over the floor: {found['extra_over_floor_in_copies']:.2f} plain copies "
-        f"(goal: at most 1); cached tokens {found['kvstore_cached_tokens']}"])
+        f"kvstore's extra over the floor (the median of each hit less the floor timed just before it): "
+        f"{found['extra_over_floor_in_copies']:.2f} plain copies (goal: at most 1); "
+        f"cached tokens {sorted(set(found['kvstore_cached_tokens']))}"])
     ok = all(c >= found["prefix_tokens"] for c in found["kvstore_cached_tokens"])
     return Result(table, found, ok=ok)

@@ -19,6 +19,7 @@ judged as vLLM's tests judge them (bench/support/answers.py).
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.metadata
 import io
 import json
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.answers import TOP_LOGPROBS
-from bench.support.processes import free_port, start_group, stop_group, wait_healthy
+from bench.support.processes import free_port, paused_group, start_group, stop_group, wait_healthy
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 def server_command(model: str) -> list[str]:
@@ -127,6 +128,11 @@ class OpenAIServer:
         if self.process is not None:
             stop_group(self.process, timeout_s)
         self.process = None
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """The whole server stopped for the duration (its idle workers spin on a core)."""
+        assert self.process is not None, "not started"
+        return paused_group(self.process.pid)
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
