@@ -192,6 +192,14 @@ def _store_pair(root: str, url: str, **b_options) -> tuple[TieredStore, TieredSt
     return a, b
 
 
+def _found_once_written(a: TieredStore, b: TieredStore, keys: list[bytes], payloads: list) -> None:
+    """A writes `keys` down to its disk; B, which awaits them, finds and reads them back."""
+    a.put_many(keys, payloads)
+    a.step()
+    wait_for(lambda: b.lookup(keys).count == len(keys), timeout_s=5, what="B finding A's chunks")
+    assert reads_back(b, keys, payloads)
+
+
 def test_a_failing_round_of_awaiting_ends_neither_the_awaiting_nor_a_lookup(disk_dir, redis_server):
     a, b = _store_pair(disk_dir, redis_server.url)
     try:
@@ -201,10 +209,7 @@ def test_a_failing_round_of_awaiting_ends_neither_the_awaiting_nor_a_lookup(disk
         time.sleep(0.2)  # several rounds
         faults.awaiting_fails(b, None)
         assert [t.name for t in threading.enumerate()].count("kvstore-awaited") >= 1
-        a.put_many(keys, payloads)
-        a.step()
-        wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=5, what="B finding A's chunks")
-        assert reads_back(b, keys, payloads)
+        _found_once_written(a, b, keys, payloads)
     finally:
         a.close()
         b.close()
@@ -224,10 +229,7 @@ def test_a_co_tenant_awaits_at_most_its_share_and_never_cuts_the_owners_awaits_s
         keys, payloads = make_keys(SLOTS, seed=12), make_payloads(SLOTS, seed=12, chunk_bytes=CHUNK)
         assert b.lookup(keys, await_s=10.0).count == 0
         assert b.stats.snapshot()["peer.await_dropped"] == 6  # the owner's all awaited
-        a.put_many(keys, payloads)
-        a.step()
-        wait_for(lambda: b.lookup(keys).count == SLOTS, timeout_s=5, what="B finding the owner's chunks")
-        assert reads_back(b, keys, payloads)
+        _found_once_written(a, b, keys, payloads)
     finally:
         a.close()
         b.close()
