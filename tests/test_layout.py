@@ -99,3 +99,28 @@ def test_a_checked_load_copies_no_piece_smaller_than_the_smallest_copy_it_names(
     window = memoryview(mmap.mmap(-1, layout.chunk_bytes))
     layout.gather([7, 4], window)
     assert bytes(window) == chunk.numpy().tobytes()
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_scatter_puts_every_block_of_every_layer_where_gather_found_it(checked):
+    """Runs up, runs down, single blocks and skipped positions, in layers of different
+    block sizes: each copy's source offset is computed, not looked up, so every layer's
+    base and every position within a run must come out right."""
+    import xxhash
+
+    torch.manual_seed(1)
+    caches = {"a": torch.randn(NUM_BLOCKS, 2, 16, 64).half(), "b": torch.randn(NUM_BLOCKS, 1, 16, 32).half(),
+              "c": torch.randn(NUM_BLOCKS, 4, 16, 16).half()}
+    layout = PagedKVLayout(caches, NUM_BLOCKS, blocks_per_chunk=6)
+    window = memoryview(mmap.mmap(-1, layout.chunk_bytes))
+    source = [0, 1, 2, 3, 4, 5]
+    layout.gather(source, window)
+    check = xxhash.xxh3_64_intdigest(bytes(window)) if checked else None
+    before = {key: tensor.clone() for key, tensor in caches.items()}
+    target = [9, 8, SKIP, 6, 7, 1]  # down, skipped, up, alone
+    assert layout.scatter([(window, target)], checks=[check]) == [True]
+    for key, tensor in caches.items():
+        for position, block in enumerate(target):
+            if block != SKIP:
+                assert torch.equal(tensor[block], before[key][source[position]]), (key, position)
+        assert torch.equal(tensor[[0, 2, 3, 4, 5]], before[key][[0, 2, 3, 4, 5]])

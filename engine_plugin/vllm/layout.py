@@ -72,15 +72,6 @@ def block_runs(blocks: Sequence[int], descending: bool = False) -> list[tuple[sl
     return [(slice(start, start + count), _ids(first, count, step)) for start, first, count, step in runs]
 
 
-def _byte_ranges(layer: np.ndarray, ids: slice, part: np.ndarray) -> list[tuple[memoryview, memoryview]]:
-    """(destination, source) byte ranges that copy `part` into `layer[ids]` of a C-contiguous
-    layer: one for a run counting up, one per block for a run counting down."""
-    if ids.step == -1:
-        return [(layer[block].data.cast("B"), part[n].data.cast("B"))
-                for n, block in enumerate(range(ids.start, -1 if ids.stop is None else ids.stop, -1))]
-    return [(layer[ids].data.cast("B"), part.data.cast("B"))]
-
-
 def _ids(first: int, count: int, step: int) -> slice:
     if step == 1:
         return slice(first, first + count)
@@ -115,7 +106,11 @@ class PagedKVLayout:
         # sharing the tensors' memory on the CPU, torch views elsewhere.
         byte_views = [layer.view(torch.uint8) for layer in self.layers]
         self._on_host = self.device.type == "cpu"
-        self._targets: list[Any] = [v.numpy() for v in byte_views] if self._on_host else byte_views
+        host: list[np.ndarray] = [v.numpy() for v in byte_views] if self._on_host else []
+        self._targets: list[Any] = host if self._on_host else byte_views
+        # Where the copier writes the layers directly, each one's bytes as one flat view:
+        # a block's range is then a slice of it, with no array made per block.
+        self._flat: list[memoryview] = [a.reshape(-1).data for a in host] if self.checks_copies else []
 
     def describe(self) -> str:
         """Shapes and dtypes, for records' headers and error messages."""
@@ -164,26 +159,41 @@ class PagedKVLayout:
             check = checks[i] if i < len(checks) else None
             if check is not None and not direct:
                 raise ShapeError("this layout cannot check a chunk as it copies it (checks_copies)")
-            ranges: list[tuple[memoryview, memoryview]] = []
             runs = block_runs(blocks, descending=self._on_host)
-            for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
-                for positions, ids in runs:
-                    if direct:
-                        ranges.extend(_byte_ranges(layer, ids, part[positions]))
-                    else:
+            if not direct:
+                for layer, part in zip(self._targets, self._parts(source, len(blocks)), strict=True):
+                    for positions, ids in runs:
                         layer[ids] = part[positions]
+                continue
+            view, ranges = source.data, self._ranges(runs)
             if check is None:
-                pairs += ranges
+                pairs += [(dst, view[at : at + len(dst)]) for dst, at in ranges]
             else:
-                base = source.ctypes.data
-                at = [(dst, np.frombuffer(piece, np.uint8).ctypes.data - base) for dst, piece in ranges]
-                checked.append((source.data.cast("B"), at))
+                checked.append((view, ranges))
                 expected.append(check)
         if pairs:
             copy_many(pairs)
         verdicts = iter([found == want for found, want in zip(copy_checked(checked), expected, strict=True)])
         return [True if (checks[i] if i < len(checks) else None) is None else next(verdicts)
                 for i in range(len(chunks))]
+
+    def _ranges(self, runs: Sequence[tuple[slice, slice]]) -> list[tuple[memoryview, int]]:
+        """(destination bytes, the offset in the chunk of what goes there) of each copy of a
+        chunk into the flat layers: one per layer for a run counting up, one per layer and
+        block for a run counting down."""
+        ranges: list[tuple[memoryview, int]] = []
+        base = 0
+        for layer, size in zip(self._flat, self.block_bytes, strict=True):
+            for positions, ids in runs:
+                at = base + positions.start * size
+                if ids.step == -1:
+                    down = range(ids.start, -1 if ids.stop is None else ids.stop, -1)
+                    ranges += [(layer[block * size : (block + 1) * size], at + n * size)
+                               for n, block in enumerate(down)]
+                else:
+                    ranges.append((layer[ids.start * size : ids.stop * size], at))
+            base += self.blocks_per_chunk * size
+        return ranges
 
     def _bytes(self, buffer: memoryview | torch.Tensor) -> Any:
         """A chunk buffer as a flat uint8 array of the kind the layers are (numpy or torch)."""
