@@ -189,6 +189,15 @@ def test_a_restarted_server_and_service_hit_from_disk(restarted, dram_load, refe
     assert by_source.get("external_unspecified", 0) == 0, by_source
 
 
+def test_the_stopped_server_logged_what_its_loads_cost(server, dram_load, restarted):
+    """The first server's worker logs its counters when vLLM shuts it down (`restarted`
+    stopped it): its DRAM hits were copied from the slots the scheduler leased, and the
+    copies' own time is there (what bench.lab dram_hit sets against a plain copy)."""
+    logged = server.worker_counters()
+    assert logged is not None, server.log_tail()
+    assert logged["load.leased_chunks"] >= 7 and logged["load.leased_copy_ms"] > 0, logged
+
+
 def test_a_hung_service_costs_a_request_its_lookup_deadline(restarted, reference, store_config):
     """The service stops answering (SIGSTOP): the request is recomputed, and the lookup
     costs it LOOKUP_TIMEOUT_S, not the I/O deadline (2 x io.timeout_s = 60 s)."""

@@ -17,9 +17,12 @@ drift on a shared machine touches both alike; the one whose turn it is not is st
 (SIGSTOP: an idle vLLM server's workers spin on their queues, a core taken from the one
 timed). Each is the time to the first streamed token; the table shows the medians, and
 the median of (kvstore - the floor timed just before it) / plain copy: one request's TTFT
-here varies by more than the copy takes. With --streaming-stores both servers start with the
-GLIBC_TUNABLES the connector's worker logs it would want (engine_plugin/vllm/worker_role.py):
-its loads' copies then stream past the cache, as the plain copy of the whole prefix does.
+here varies by more than the copy takes. Beside it, the mean time the engine's worker spent
+copying a load into its KV blocks, by its own timer (its counters, logged at shutdown): the
+part of the extra that is the copy, against the plain copy. With --streaming-stores both
+servers start with the GLIBC_TUNABLES the connector's worker logs it would want
+(engine_plugin/vllm/worker_role.py): its loads' copies then stream past the cache, as the
+plain copy of the whole prefix does.
 With --huge-pages the service's DRAM tier is in reserved huge pages (its start-up warning
 asks for them where there are none).
 
@@ -115,15 +118,19 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             counters = (service_info(load_config(store)) or {}).get("counters", {})
         finally:
             stop_service(load_config(store))
+    worker = server.worker_counters() or {}
+    loads = worker.get("load.leased_chunks", 0) / (args.prefix_tokens // CHUNK)
     copy = plain_copy_s(args.prefix_tokens * KV_BYTES_PER_TOKEN)
     medians = {name: statistics.median(values) for name, values in found.items()}
     pairs = [hit - floor for hit, floor in zip(found["kvstore"], found["floor"], strict=True)]
     extra = statistics.median(pairs) / copy
-    loads = {k: v for k, v in counters.items() if k.startswith(("load.", "dram.", "get.", "requests."))}
+    service = {k: v for k, v in counters.items() if k.startswith(("load.", "dram.", "get.", "requests."))}
     return {"prefix_tokens": args.prefix_tokens, "glibc_tunables": env.get("GLIBC_TUNABLES"),
             "tier_huge_pages": why_not or "reserved",
             "runs": found, "median_s": medians, "plain_copy_s": copy,
-            "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": loads}
+            "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": service,
+            "worker_counters": worker,
+            "copy_in_engine_s": worker["load.leased_copy_ms"] / 1e3 / loads if loads else None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def experiment(args: argparse.Namespace, workdir: Path) -> Result:
     found = measure(args, workdir)
     m, copy = found["median_s"], found["plain_copy_s"]
+    inside = found["copy_in_engine_s"]
+    engine_copy = "not logged" if inside is None else f"{inside:.3f} ({inside / copy:.2f} plain copies)"
     table = "\n".join([
         f"prefix {found['prefix_tokens']} tokens ({found['prefix_tokens'] * KV_BYTES_PER_TOKEN >> 20} MiB "
         f"of KV), medians of {len(found['runs']['recompute'])} prompts' {len(found['runs']['floor'])} "
@@ -158,6 +167,7 @@ def experiment(args: argparse.Namespace, workdir: Path) -> Result:
         f"| kvstore DRAM hit | {m['kvstore']:.3f} |",
         f"| recompute | {m['recompute']:.3f} |",
         f"| plain copy of the prefix's KV | {copy:.3f} |",
+        f"| kvstore's copy of the prefix into the KV blocks (its worker's timer, mean) | {engine_copy} |",
         f"kvstore's extra over the floor (the median of each hit less the floor timed just before it): "
         f"{found['extra_over_floor_in_copies']:.2f} plain copies (goal: at most 1); "
         f"cached tokens {sorted(set(found['kvstore_cached_tokens']))}"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -136,7 +137,9 @@ class LoadHandler:
         direct = [i for i in pending if held(i)]
         if not direct:
             return [], pending
+        began = time.perf_counter()
         self.layout.scatter([(client.memory.tier_payload(leased[i]), blocks[i]) for i in direct], group)
+        self.stats.add("load.leased_copy_ms", (time.perf_counter() - began) * 1e3)  # what a hit's copy costs
         failed = [b for i in direct if not held(i) for b in blocks[i] if b != SKIP]
         self.stats.add("load.leased_chunks", len(direct))
         chosen = set(direct)
