@@ -18,8 +18,8 @@ drift on a shared machine touches both alike; the one whose turn it is not is st
 timed). Each is the time to the first streamed token; the table shows the medians, and
 the median of (kvstore - the floor timed just before it) / plain copy: one request's TTFT
 here varies by more than the copy takes. Beside it, the mean time the engine's worker spent
-copying a load into its KV blocks, by its own timer (its counters, logged at shutdown): the
-part of the extra that is the copy, against the plain copy. With --streaming-stores both
+copying a load into its KV blocks, by its own timer (counters it reports to the service):
+the part of the extra that is the copy, against the plain copy. With --streaming-stores both
 servers start with the GLIBC_TUNABLES the connector's worker logs it would want
 (engine_plugin/vllm/worker_role.py): its loads' copies then stream past the cache, as the
 plain copy of the whole prefix does.
@@ -118,8 +118,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             counters = (service_info(load_config(store)) or {}).get("counters", {})
         finally:
             stop_service(load_config(store))
-    worker = server.worker_counters() or {}
-    loads = worker.get("load.leased_chunks", 0) / (args.prefix_tokens // CHUNK)
+    loads = counters.get("load.leased_chunks", 0) / (args.prefix_tokens // CHUNK)
     copy = plain_copy_s(args.prefix_tokens * KV_BYTES_PER_TOKEN)
     medians = {name: statistics.median(values) for name, values in found.items()}
     pairs = [hit - floor for hit, floor in zip(found["kvstore"], found["floor"], strict=True)]
@@ -129,8 +128,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "tier_huge_pages": why_not or "reserved",
             "runs": found, "median_s": medians, "plain_copy_s": copy,
             "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": service,
-            "worker_counters": worker,
-            "copy_in_engine_s": worker["load.leased_copy_ms"] / 1e3 / loads if loads else None}
+            "copy_in_engine_s": counters["load.leased_copy_us"] / 1e6 / loads if loads else None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,6 @@ judged as vLLM's tests judge them (bench/support/answers.py).
 
 from __future__ import annotations
 
-import ast
 import base64
 import contextlib
 import importlib.metadata
@@ -134,13 +133,6 @@ class OpenAIServer:
         """The whole server stopped for the duration (its idle workers spin on a core)."""
         assert self.process is not None, "not started"
         return paused_group(self.process.pid)
-
-    def worker_counters(self, rank: int = 0) -> dict[str, float] | None:
-        """The kvstore connector's counters on worker `rank`, as the worker logs them when
-        it shuts down (after stop()), or None: no connector, or no clean shutdown."""
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        found = re.findall(rf"kvstore worker {rank}: (\{{[^\n]*\}})", text)
-        return ast.literal_eval(found[-1]) if found else None
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

@@ -31,6 +31,7 @@ Turn it on with
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -80,16 +81,18 @@ class TieredMetadata(KVConnectorMetadata):
 
 @dataclass
 class TieredWorkerMetadata(KVConnectorWorkerMetadata):
-    """Saves the workers finished this step, and the plans whose sync loads they carried
-    out (one entry per rank for each)."""
+    """Saves the workers finished this step, the plans whose sync loads they carried out
+    (one entry per rank for each), and their counters for the service (summed)."""
 
     done_saves: list[int] = field(default_factory=list)
     loaded_steps: list[int] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredWorkerMetadata)
         self.done_saves.extend(other.done_saves)
         self.loaded_steps.extend(other.loaded_steps)
+        self.counters = dict(Counter(self.counters) + Counter(other.counters))
         return self
 
 
@@ -170,7 +173,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             meta = TieredWorkerMetadata()
         self._side().guard("update_connector_output", None, self._side().workers_reported, meta.done_saves,
                            connector_output.failed_recving, connector_output.invalid_block_ids,
-                           connector_output.finished_recving or (), meta.loaded_steps, fallback=None)
+                           connector_output.finished_recving or (), meta.loaded_steps, meta.counters,
+                           fallback=None)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -259,8 +263,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
-        meta = TieredWorkerMetadata(self._worker.take_done_saves(), self._worker.take_loaded_steps())
-        return meta if meta.done_saves or meta.loaded_steps else None
+        meta = TieredWorkerMetadata(self._worker.take_done_saves(), self._worker.take_loaded_steps(),
+                                    self._worker.take_counters())
+        return meta if meta.done_saves or meta.loaded_steps or meta.counters else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from connectors.link import ServiceLink
@@ -125,9 +125,11 @@ class SchedulerRole:
 
     def workers_reported(self, done_saves: list[int], failed_requests: Collection[str],
                          failed_blocks: Collection[int], finished_loads: Collection[str] = (),
-                         loaded_steps: Collection[int] = ()) -> None:
+                         loaded_steps: Collection[int] = (),
+                         counters: Mapping[str, int] | None = None) -> None:
         """update_connector_output: saves done leave the in-flight set; the loads that ended
-        give their leases back, read or, where they failed, unread (SchedulerCore.step_done);
+        give their leases back, read or, where they failed, unread (SchedulerCore.step_done),
+        with the workers' counters (what their leased copies took);
         failed loads, as vLLM aggregated them over the workers, are counted: by request with
         several KV cache groups (`load.failed_requests`; one out of LOAD_TRIES is a miss
         until it finishes), else by block (`load.failed_blocks`, vLLM keeps the prefix
@@ -135,6 +137,7 @@ class SchedulerRole:
         # Leases first: a report lost to a fault after it would hold their DRAM for good.
         self.core.step_done(finished_loads, failed_requests, failed_blocks, loaded_steps)
         self.core.saves_done(done_saves)
+        self.core.counters.update(counters or {})
         if not (failed_requests or failed_blocks):
             self.report_counters()
             return

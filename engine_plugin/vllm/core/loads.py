@@ -59,6 +59,7 @@ class LoadHandler:
         self._failing: set[str] = set()  # requests still loading, of which one transfer failed
         self._failed_blocks: set[int] = set()
         self._loaded_steps: list[int] = []  # plans whose sync loads ran, not yet taken
+        self._unreported: Counter[str] = Counter()  # for the service, by way of the scheduler
         self._load_pool = pool("kvstore-load")  # async loads
 
     def start_loads(self, loads: Sequence[Transfer], step: int = 0) -> None:
@@ -139,9 +140,13 @@ class LoadHandler:
             return [], pending
         began = time.perf_counter()
         self.layout.scatter([(client.memory.tier_payload(leased[i]), blocks[i]) for i in direct], group)
-        self.stats.add("load.leased_copy_ms", (time.perf_counter() - began) * 1e3)  # what a hit's copy costs
+        spent_us = round((time.perf_counter() - began) * 1e6)
+        copied = {"load.leased_chunks": len(direct), "load.leased_copy_us": spent_us}
         failed = [b for i in direct if not held(i) for b in blocks[i] if b != SKIP]
-        self.stats.add("load.leased_chunks", len(direct))
+        for name, amount in copied.items():
+            self.stats.add(name, amount)
+        with self._lock:
+            self._unreported.update(copied)
         chosen = set(direct)
         return failed, [i for i in pending if i not in chosen]
 
@@ -210,6 +215,14 @@ class LoadHandler:
         with self._lock:
             steps, self._loaded_steps = self._loaded_steps, []
         return steps
+
+    def take_counters(self) -> dict[str, int]:
+        """What the leased copies since the last take moved and took (chunks, microseconds):
+        they ride to the scheduler with the step's report, and from it to the service with
+        the leases it gives back (no request of their own)."""
+        with self._lock:
+            counters, self._unreported = dict(self._unreported), Counter()
+        return counters
 
     def close(self) -> None:
         self._load_pool.shutdown(wait=True)

@@ -69,6 +69,9 @@ class WorkerCore:
     def take_loaded_steps(self) -> list[int]:
         return self.loads.take_loaded_steps()
 
+    def take_counters(self) -> dict[str, int]:
+        return self.loads.take_counters()
+
     def close(self) -> None:
         """Drain queued saves (bounded wait), then release every connection."""
         if not self.saves.close():
