@@ -8,10 +8,12 @@ writing it (measured in docs/benchmarks.md: a put's copy and hash, a vLLM CPU lo
 copy of more than `x86_rep_movsb_threshold` (2 KiB or so) takes `rep movsb` first, up to a
 stop that is the streaming threshold on Intel but the L2 cache's size on AMD (glibc 2.33
 on): there a 256 or 512 KiB copy never reaches the streaming loop, whatever that threshold
-(measured: 512 KiB blocks at 53 ms per 512 MiB with the streaming threshold alone, 41 with
-`rep movsb` kept below them too, against 34 for one plain copy). So both are asked for: the
-streaming threshold under the pieces (half a piece: whether a copy of exactly the threshold
-streams differs between glibc's copy loops) and `rep movsb` above any L2 (REP_MOVSB_ABOVE).
+(measured on one core of an AMD EPYC, docs/benchmarks.md: a load of 512 KiB blocks at
+10.2-11.0 GiB/s with the streaming threshold alone, 11.2-12.1 with `rep movsb` kept below
+them too, 10.9-12.0 with neither: there the threshold alone is worse than nothing). So
+both are asked for: the streaming threshold under the pieces (half a piece: whether a copy
+of exactly the threshold streams differs between glibc's copy loops) and `rep movsb` above
+any L2 (REP_MOVSB_ABOVE).
 They are read once, when a process starts, from GLIBC_TUNABLES: `with_streaming` is the
 environment to start a process in (the service kvstore spawns), `streaming_tunable` the
 entries to tell the user of a process already running (a vLLM worker).
