@@ -13,7 +13,8 @@ service's disk reads and the scatter overlap.
 A chunk that did not verify, went missing or timed out is reported by its block ids,
 and the engine recomputes those tokens; with `fail_requests` (a model with several KV
 cache groups, whose block ids are unique only within a group), an async load's request
-is reported failed instead, with its finish, and the engine recomputes it whole.
+is reported failed instead, with its finish, and the engine recomputes it whole (what is
+reported, and when: load_reports.py).
 An async load (Transfer.load_async, as the scheduler decided per request) runs on a
 thread while the request waits outside the batch; the others before the forward pass.
 Chunks already staged on the device (stages.py) are copied from the pool instead of
@@ -23,9 +24,7 @@ asked for.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from connectors.link import ServiceLink
@@ -33,6 +32,7 @@ from connectors.transfer import Fetched, Transfers
 from connectors.worker_threads import pool
 from engine_plugin.vllm.core.device_staging import DeviceStagingPool
 from engine_plugin.vllm.core.kv_layout import KVLayout
+from engine_plugin.vllm.core.load_reports import LoadReports
 from engine_plugin.vllm.core.plan import SKIP, Transfer
 from kvstore.format.errors import KVStoreError
 from kvstore.service.client import StoreClient
@@ -43,34 +43,21 @@ log = logging.getLogger("vllm.kvstore.worker")
 
 class LoadHandler:
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[[], StoreClient], stats: Stats,
-                 staging: DeviceStagingPool | None, fail_requests: bool = False) -> None:
+                 reports: LoadReports, staging: DeviceStagingPool | None) -> None:
         self.layout = layout
         self.rank = rank
         self.stats = stats
+        self.reports = reports
         self.staging = staging
-        self.fail_requests = fail_requests
         self.link = ServiceLink(make_client)
         self.link.start()
         self.transfers = Transfers(self.link, "load")
-        self._lock = threading.Lock()
-        self._finished_loads: set[str] = set()  # async loads done, not yet taken
-        self._failed_loads: set[str] = set()  # of those, the ones of which a transfer failed
-        self._loads_left: Counter[str] = Counter()  # a request's loads still running (one per group)
-        self._failing: set[str] = set()  # requests still loading, of which one transfer failed
-        self._failed_blocks: set[int] = set()
-        self._loaded_steps: list[int] = []  # plans whose sync loads ran, not yet taken
-        self._unreported: Counter[str] = Counter()  # for the service, by way of the scheduler
         self._load_pool = pool("kvstore-load")  # async loads
 
     def start_loads(self, loads: Sequence[Transfer], step: int = 0) -> None:
-        """An async load's request is reported finished once, after its last transfer (a
-        hybrid model's groups load in transfers of their own), and with `fail_requests`
-        failed in that same take if one of them failed (take_finished_loads); every other
-        failure is reported by its blocks (a sync load's request is never reported). Plan
-        `step`'s sync loads run here, before the forward pass; once they have, the step
-        is reported (take_loaded_steps): the scheduler's leases for them may go."""
-        with self._lock:
-            self._loads_left.update(t.req_id for t in loads)
+        """Async loads go to the load pool, the rest run here, before the forward pass; once
+        they have, plan `step` is reported loaded (LoadReports says what is reported when)."""
+        self.reports.started([t.req_id for t in loads])
         try:
             for transfer in loads:
                 if transfer.load_async:
@@ -79,8 +66,7 @@ class LoadHandler:
                     self._load(transfer, False)
         finally:
             if any(not t.load_async for t in loads):
-                with self._lock:
-                    self._loaded_steps.append(step)
+                self.reports.step_loaded(step)
 
     def _load(self, transfer: Transfer, report_finished: bool) -> None:
         every = [b for blocks in transfer.blocks for b in blocks if b != SKIP]
@@ -91,22 +77,7 @@ class LoadHandler:
             log.exception("kvstore load for %s failed; its tokens will be recomputed",
                           transfer.req_id)
             failed = every
-        req_id, per_request = transfer.req_id, self.fail_requests and report_finished
-        with self._lock:
-            if failed:
-                self.stats.add("load.failed_blocks", len(failed))
-                if not per_request:
-                    self._failed_blocks.update(failed)
-            if per_request and (failed or not transfer.keys):  # a given-up load fails, blocks or none
-                self._failing.add(req_id)
-            self._loads_left[req_id] -= 1
-            if self._loads_left[req_id] <= 0:
-                del self._loads_left[req_id]
-                if report_finished:
-                    self._finished_loads.add(req_id)
-                    if req_id in self._failing:
-                        self._failed_loads.add(req_id)
-                self._failing.discard(req_id)
+        self.reports.ended(transfer.req_id, failed, report_finished, given_up=not transfer.keys)
 
     def _load_chunks(self, transfer: Transfer) -> list[int]:
         """Load one transfer (from the device pool where staged, else through the service);
@@ -141,12 +112,8 @@ class LoadHandler:
         began = time.perf_counter()
         self.layout.scatter([(client.memory.tier_payload(leased[i]), blocks[i]) for i in direct], group)
         spent_us = round((time.perf_counter() - began) * 1e6)
-        copied = {"load.leased_chunks": len(direct), "load.leased_copy_us": spent_us}
         failed = [b for i in direct if not held(i) for b in blocks[i] if b != SKIP]
-        for name, amount in copied.items():
-            self.stats.add(name, amount)
-        with self._lock:
-            self._unreported.update(copied)
+        self.reports.copied({"load.leased_chunks": len(direct), "load.leased_copy_us": spent_us})
         chosen = set(direct)
         return failed, [i for i in pending if i not in chosen]
 
@@ -195,34 +162,6 @@ class LoadHandler:
             self.staging.release(slot)
         self.stats.add("staging.hits")
         return True
-
-    def take_finished_loads(self) -> tuple[set[str], set[str]]:
-        """(requests whose async loads are all done, those of them of which a load failed:
-        with `fail_requests` only) since the last take, taken together: a failure is never
-        reported after its finish."""
-        with self._lock:
-            done, self._finished_loads = self._finished_loads, set()
-            failed, self._failed_loads = self._failed_loads, set()
-        return done, failed
-
-    def take_failed_blocks(self) -> set[int]:
-        with self._lock:
-            failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
-
-    def take_loaded_steps(self) -> list[int]:
-        """The plans whose sync loads ran since the last take."""
-        with self._lock:
-            steps, self._loaded_steps = self._loaded_steps, []
-        return steps
-
-    def take_counters(self) -> dict[str, int]:
-        """What the leased copies since the last take moved and took (chunks, microseconds):
-        they ride to the scheduler with the step's report, and from it to the service with
-        the leases it gives back (no request of their own)."""
-        with self._lock:
-            counters, self._unreported = dict(self._unreported), Counter()
-        return counters
 
     def close(self) -> None:
         self._load_pool.shutdown(wait=True)

@@ -2,8 +2,9 @@
 
 Each concern has its own handler, its own connection to the service and its own
 threads: loads.py (window -> KV blocks), saves.py (KV blocks -> window, written
-behind), stages.py (chunks fetched into the device pool ahead of their load). They
-share one set of counters, logged when the worker closes.
+behind), stages.py (chunks fetched into the device pool ahead of their load); what the
+loads have to tell the engine and the scheduler waits in load_reports.py. They share one
+set of counters, logged when the worker closes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from functools import partial
 
 from engine_plugin.vllm.core.device_staging import DeviceStagingPool
 from engine_plugin.vllm.core.kv_layout import KVLayout
+from engine_plugin.vllm.core.load_reports import LoadReports
 from engine_plugin.vllm.core.loads import LoadHandler
 from engine_plugin.vllm.core.plan import Stage, Transfer
 from engine_plugin.vllm.core.saves import SaveHandler
@@ -29,7 +31,7 @@ log = logging.getLogger("vllm.kvstore.worker")
 class WorkerCore:
     """Loads, saves and stages of one worker, each over a client of its own from
     `make_client(map_tier=...)`: only the loading client maps the service's DRAM tier.
-    `fail_requests`: a failed load is reported by its request, not its blocks (LoadHandler)."""
+    `fail_requests`: a failed load is reported by its request, not its blocks (LoadReports)."""
 
     def __init__(self, layout: KVLayout, rank: int, make_client: Callable[..., StoreClient],
                  staging: DeviceStagingPool | None = None,
@@ -37,8 +39,9 @@ class WorkerCore:
         self.rank = rank
         self.stats = Stats()
         self.staging = staging
-        self.loads = LoadHandler(layout, rank, partial(make_client, map_tier=True), self.stats, staging,
-                                 fail_requests)
+        self.reports = LoadReports(self.stats, fail_requests)
+        self.loads = LoadHandler(layout, rank, partial(make_client, map_tier=True), self.stats, self.reports,
+                                 staging)
         self.saves = SaveHandler(layout, rank, partial(make_client, map_tier=False), self.stats,
                                  save_window_wait_s)
         self.stages = (StageHandler(rank, partial(make_client, map_tier=False), self.stats, staging)
@@ -58,19 +61,19 @@ class WorkerCore:
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """(requests whose async loads are done, those of them that failed: `fail_requests`)."""
-        return self.loads.take_finished_loads()
+        return self.reports.take_finished_loads()
 
     def take_failed_blocks(self) -> set[int]:
-        return self.loads.take_failed_blocks()
+        return self.reports.take_failed_blocks()
 
     def take_done_saves(self) -> list[int]:
         return self.saves.take_done_saves()
 
     def take_loaded_steps(self) -> list[int]:
-        return self.loads.take_loaded_steps()
+        return self.reports.take_loaded_steps()
 
     def take_counters(self) -> dict[str, int]:
-        return self.loads.take_counters()
+        return self.reports.take_counters()
 
     def close(self) -> None:
         """Drain queued saves (bounded wait), then release every connection."""
