@@ -128,7 +128,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "tier_huge_pages": why_not or "reserved",
             "runs": found, "median_s": medians, "plain_copy_s": copy,
             "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": service,
-            "copy_in_engine_s": counters["load.leased_copy_us"] / 1e6 / loads if loads else None}
+            "copy_in_engine_s": counters.get("load.leased_copy_us", 0) / 1e6 / loads if loads else None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +155,7 @@ def experiment(args: argparse.Namespace, workdir: Path) -> Result:
     found = measure(args, workdir)
     m, copy = found["median_s"], found["plain_copy_s"]
     inside = found["copy_in_engine_s"]
-    engine_copy = "not logged" if inside is None else f"{inside:.3f} ({inside / copy:.2f} plain copies)"
+    engine_copy = "not reported" if inside is None else f"{inside:.3f} ({inside / copy:.2f} plain copies)"
     table = "\n".join([
         f"prefix {found['prefix_tokens']} tokens ({found['prefix_tokens'] * KV_BYTES_PER_TOKEN >> 20} MiB "
         f"of KV), medians of {len(found['runs']['recompute'])} prompts' {len(found['runs']['floor'])} "
