@@ -250,3 +250,38 @@ def test_dump_then_load_gives_the_same_config(data):
     assert load_config(dumped) == config
     assert load_config(json.dumps(dumped)) == config  # what a spawned service is handed
     assert dump_config(load_config(dumped)) == dumped
+
+
+_CPU_ITEMS = st.integers(-5, 5000) | st.booleans() | st.text(max_size=3)
+_CPU_TEXT = st.from_regex(r"[0-9]{1,12}(-[0-9]{1,12})?(,[0-9]{1,5})*", fullmatch=True)
+
+
+@given(st.one_of(st.text(max_size=40), _CPU_TEXT, st.lists(_CPU_ITEMS, max_size=8), st.integers(),
+                 st.floats(allow_nan=True), st.none(),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)))
+def test_a_cpu_list_takes_linux_lists_and_refuses_anything_else_with_a_config_error(value):
+    """`load_copy_cpus` as an operator may write it (`3`, `2-3,6`, [1, 2]); any other value
+    is a ConfigError naming the key, never another exception."""
+    from engine_plugin.vllm.core.options import parse_options
+
+    extra = {"config": {"tiers": {"dram": {"capacity": "1GiB"}}}, "load_copy_cpus": value}
+    try:
+        cpus = parse_options(extra).load_copy_cpus
+    except ConfigError as exc:
+        assert "load_copy_cpus" in str(exc)
+        return
+    assert cpus == tuple(sorted(set(cpus))) and all(0 <= cpu < 4096 for cpu in cpus)
+
+
+def test_a_cpu_list_reads_as_taskset_writes_it():
+    from engine_plugin.vllm.core.options import parse_options
+
+    def cpus(value):
+        return parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}}, "load_copy_cpus": value}
+                             ).load_copy_cpus
+
+    assert cpus("3") == (3,) and cpus("6,2-3") == (2, 3, 6) and cpus([1, 1, 0]) == (0, 1)
+    assert parse_options({"config": {"tiers": {"dram": {"capacity": "1GiB"}}}}).load_copy_cpus == ()
+    for bad in ("", "1-", "a", "3-1x", "3-1", [True], [4096], "1,,2", "1-99999", "0-99999999999", "99999"):
+        with pytest.raises(ConfigError, match="load_copy_cpus"):
+            cpus(bad)

@@ -70,3 +70,43 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
         os._exit(0 if np.array_equal(outs[0], sources[0]) and helpers else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
+def test_a_caller_bound_to_one_cpu_shares_its_copies_only_onto_the_cpus_it_was_given(monkeypatch) -> None:
+    """An engine worker bound to CPU 0 copies alone, unless its operator named CPUs it may
+    also use (share_with): then helper threads on those take pieces of the copy."""
+    import kvstore.io.copier as copier
+
+    seen: list[tuple[int, frozenset[int]]] = []  # (thread, its CPUs) of each piece copied
+    plain = copier.copy_bytes
+    monkeypatch.setattr(copier, "copy_bytes", lambda dst, src: (
+        seen.append((threading.get_ident(), frozenset(os.sched_getaffinity(0)))), plain(dst, src)))
+
+    def bound_copy() -> int:
+        """A 64 MiB copy from a thread bound to CPU 0, as vLLM binds its CPU worker."""
+        caller: list[int] = []
+
+        def run() -> None:
+            os.sched_setaffinity(0, {0})
+            caller.append(threading.get_ident())
+            outs, sources = _pairs([64 << 20], 5)
+            copy_many([(memoryview(outs[0]), memoryview(sources[0]))])
+            assert np.array_equal(outs[0], sources[0])
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(60)
+        return caller[0]
+
+    try:
+        copier.share_with(())
+        alone = bound_copy()
+        assert seen and all(thread == alone for thread, _ in seen)
+        seen.clear()
+        copier.share_with({1})
+        caller = bound_copy()
+        helpers = {cpus for thread, cpus in seen if thread != caller}
+        assert helpers and all(cpus == {0, 1} for cpus in helpers), seen
+    finally:
+        copier.share_with(())  # the next test's copies as they were

@@ -24,10 +24,11 @@ servers start with the GLIBC_TUNABLES the connector's worker logs it would want
 (engine_plugin/vllm/worker_role.py): its loads' copies then stream past the cache, as the
 plain copy of the whole prefix does.
 With --huge-pages the service's DRAM tier is in reserved huge pages (its start-up warning
-asks for them where there are none).
+asks for them where there are none). With --copy-cpus the worker may also copy a load on
+those CPUs (the connector's `load_copy_cpus`), beside the one vLLM binds it to.
 
   python -m bench.lab dram_hit [--prefix-tokens 4096] [--suffix-tokens 16] [--prompts 3] [--repeats 5]
-                               [--streaming-stores] [--huge-pages]
+                               [--streaming-stores] [--huge-pages] [--copy-cpus LIST]
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with pages as why_not:  # held until the service (which holds the pages) has stopped
         try:
             with OpenAIServer(model, [*base, "--no-enable-prefix-caching"], workdir / "server-kvstore.log",
-                              connector={"config": store, "load_async": not args.sync_load},
+                              connector={"config": store, "load_async": not args.sync_load,
+                                         **({"load_copy_cpus": args.copy_cpus} if args.copy_cpus else {})},
                               kv_cache_gib=args.kv_cache_gib, env=env) as server, \
                  OpenAIServer(model, base, workdir / "server-floor.log", kv_cache_gib=args.kv_cache_gib,
                               env=env) as floor:
@@ -125,6 +127,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     extra = statistics.median(pairs) / copy
     service = {k: v for k, v in counters.items() if k.startswith(("load.", "dram.", "get.", "requests."))}
     return {"prefix_tokens": args.prefix_tokens, "glibc_tunables": env.get("GLIBC_TUNABLES"),
+            "load_copy_cpus": args.copy_cpus,
             "tier_huge_pages": why_not or "reserved",
             "runs": found, "median_s": medians, "plain_copy_s": copy,
             "kvstore_cached_tokens": cached, "extra_over_floor_in_copies": extra, "service_counters": service,
@@ -146,6 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streaming-stores", action="store_true",
                         help=f"start both servers with GLIBC_TUNABLES={STREAMING}: copies of a layer's "
                              "block and more stream past the cache")
+    parser.add_argument("--copy-cpus", default="",
+                        help="the connector's load_copy_cpus: CPUs the worker may also copy a load on "
+                             "(e.g. 1: the one vLLM keeps for its front end on a 2-core machine)")
     parser.add_argument("--sync-load", action="store_true",
                         help="the connector's load_async false: the load runs before the forward pass "
                              "of the step that computes the rest, not while the request waits")

@@ -6,6 +6,7 @@ saves and stages (core/worker_side.py). The scheduler half is scheduler_role.py.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from engine_plugin.vllm.cuda_host import register_for_dma
 from engine_plugin.vllm.kv_groups import GroupedKVLayout
 from engine_plugin.vllm.layout import PagedKVLayout
 from engine_plugin.vllm.namespaces import EngineNamespaces
+from kvstore.io.copier import share_with
 from kvstore.io.streaming import streaming_thresholds, streaming_tunable
 from kvstore.service.client import StoreClient
 
@@ -59,6 +61,10 @@ def make_worker(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConf
     log.info("kvstore worker rank %d: layout %s, %d bytes per chunk", rank, layout.describe(),
              layout.chunk_bytes)
     on_cpu = layout.device.type == "cpu"
+    if on_cpu and options.load_copy_cpus:  # the operator's: CPUs no engine thread needs
+        share_with(options.load_copy_cpus)
+        log.info("kvstore worker rank %d: a load's copies run on CPUs %s besides this worker's %s", rank,
+                 ",".join(map(str, options.load_copy_cpus)), sorted(os.sched_getaffinity(0)))
     tunable = streaming_tunable(layout.smallest_copy, streaming_thresholds()) if on_cpu else None
     if tunable is not None:  # the thresholds are the process's from its start: only vLLM's user can set them
         log.info("kvstore worker rank %d: a load copies pieces of %d bytes that do not stream under "

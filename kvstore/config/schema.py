@@ -117,6 +117,34 @@ def choice(*allowed: str) -> Kind:
     return Kind(", ".join(f"`{name}`" for name in allowed), check, lambda value: f"`{value}`")
 
 
+_CPUS = 4096  # Linux's CPU numbers on the machines kvstore knows stay below this
+
+
+def cpu_list() -> Kind:
+    """CPU numbers, as Linux writes a CPU list (`3`, `2-3,6`: taskset -c, cpuset) or as a list
+    of integers; sorted, each once."""
+
+    def check(value: Any) -> tuple[int, ...]:
+        if isinstance(value, str):
+            items: list[Any] = []
+            for part in value.split(","):
+                first, dash, last = part.strip().partition("-")
+                if not (first.isdigit() and (not dash or (last.isdigit() and int(last) >= int(first)))):
+                    raise ValueError(f"not a CPU list: {value[:80]!r} (e.g. 3 or 2-3,6)")
+                if int(last or first) >= _CPUS:
+                    raise ValueError(f"CPU numbers must be integers from 0 to {_CPUS - 1}")
+                items += range(int(first), int(last or first) + 1)
+        elif isinstance(value, list | tuple):
+            items = list(value)
+        else:
+            raise ValueError("must be a CPU list (e.g. \"2-3,6\") or a list of CPU numbers")
+        if any(isinstance(cpu, bool) or not isinstance(cpu, int) or not 0 <= cpu < _CPUS for cpu in items):
+            raise ValueError(f"CPU numbers must be integers from 0 to {_CPUS - 1}")
+        return tuple(sorted(set(items)))
+
+    return Kind("CPU list (`3`, `2-3,6`)", check, lambda cpus: ",".join(map(str, cpus)) or "none")
+
+
 def _boolean(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError("must be true or false")

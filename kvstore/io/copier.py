@@ -12,11 +12,12 @@ Whether those copies stream past the cache is glibc's choice, made by size (io/s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,6 +32,7 @@ _MAX_THREADS = 4        # the bus is saturated well before this on the machines 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _pool_lock = threading.Lock()
+_shared_cpus: frozenset[int] = frozenset()  # CPUs helpers may run on beyond their creator's (share_with)
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
@@ -50,8 +52,8 @@ def copy_many(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
     for dst, src in pairs:
         if len(dst) != len(src):
             raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
-    helpers = _helpers()
-    if helpers == 0 or sum(len(src) for _, src in pairs) < _PARALLEL:
+    helpers, pool = _helpers()
+    if pool is None or sum(len(src) for _, src in pairs) < _PARALLEL:
         for dst, src in pairs:
             copy_bytes(dst, src)
         return
@@ -66,7 +68,7 @@ def copy_many(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
                 size = 0
             pieces[-1].append(part)
             size += len(part[1])
-    _Share(deque(functools.partial(_copy_all, piece) for piece in pieces)).run(helpers)
+    _Share(deque(functools.partial(_copy_all, piece) for piece in pieces)).run(pool, helpers)
 
 
 def copy_checked(chunks: Sequence[tuple[memoryview, Sequence[tuple[memoryview, int]]]]) -> list[int]:
@@ -94,10 +96,12 @@ class _Share:
         self.lock = threading.Lock()
         self.done = threading.Event()
 
-    def run(self, helpers: int) -> None:
-        assert _pool is not None
+    def run(self, pool: ThreadPoolExecutor, helpers: int) -> None:
         for _ in range(min(helpers, len(self.work) - 1)):
-            _pool.submit(self.drain)
+            try:
+                pool.submit(self.drain)
+            except RuntimeError:  # shut down by share_with meanwhile: the caller copies the rest
+                break
         self.drain()
         self.done.wait()
 
@@ -116,15 +120,40 @@ class _Share:
                         self.done.set()
 
 
-def _helpers() -> int:
-    """Helper threads beside the caller: one fewer than the cores we may run on, at most
-    _MAX_THREADS in all. The pool starts on first use, and anew in a forked child (whose
-    copy of the pool has no threads: its queue would only grow)."""
+def share_with(cpus: Collection[int]) -> None:
+    """Let this process's large copies also run on `cpus`, beyond the cores the calling
+    thread may use: an engine binds its worker to its own cores (one, on a small machine),
+    and its operator may know of CPUs no engine thread needs while a load is copied (those
+    vLLM keeps for its front end). The helpers start anew, on their creator's cores and
+    these; a CPU this process's cpuset refuses is left out by the kernel. Empty: back to the
+    caller's cores only."""
+    global _pool, _shared_cpus
+    with _pool_lock:
+        _shared_cpus = frozenset(cpus)
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool = None
+
+
+def _helpers() -> tuple[int, ThreadPoolExecutor | None]:
+    """Helper threads beside the caller (one fewer than the cores it may run on, with
+    share_with's, at most _MAX_THREADS in all) and their pool, None where there are none.
+    The pool starts on first use, and anew in a forked child (whose copy of the pool has no
+    threads: its queue would only grow)."""
     global _pool, _pool_pid
-    count = min(len(os.sched_getaffinity(0)), _MAX_THREADS) - 1
-    if count > 0 and (_pool is None or _pool_pid != os.getpid()):
-        with _pool_lock:
-            if _pool is None or _pool_pid != os.getpid():
-                _pool = ThreadPoolExecutor(count, thread_name_prefix="kvstore-copy")
-                _pool_pid = os.getpid()
-    return count
+    cores = os.sched_getaffinity(0) | _shared_cpus
+    count = min(len(cores), _MAX_THREADS) - 1
+    if count <= 0:
+        return 0, None
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            spread = functools.partial(_run_on, cores) if _shared_cpus else None
+            _pool = ThreadPoolExecutor(count, thread_name_prefix="kvstore-copy", initializer=spread)
+            _pool_pid = os.getpid()
+        return count, _pool
+
+
+def _run_on(cores: Collection[int]) -> None:
+    """A helper's CPUs: its creator's and the shared ones, as far as the cpuset allows."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cores)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from engine_plugin.vllm.core.prefetch import PrefetchPolicy
-from kvstore.config.schema import Bool, Refused, Schema, Text, integer, seconds, size, validate
+from kvstore.config.schema import Bool, Refused, Schema, Text, cpu_list, integer, seconds, size, validate
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
 
@@ -65,6 +65,12 @@ class ConnectorOptions(Schema):
         0, description="bytes of a device-memory pool (HBM; CPU memory on the CPU engine) per worker "
                        "into which arriving requests' chunks are staged; loads copy them device to "
                        "device (engine_plugin/vllm/core/device_staging.py); 0: off")
+    load_copy_cpus: Annotated[tuple[int, ...], cpu_list()] = Field(
+        (), description="CPUs a CPU engine's worker may also copy a load on, beside the cores vLLM binds "
+                        "it to (one on a small machine): name only CPUs no engine thread busy-polls, "
+                        "such as those vLLM keeps for its front end (`VLLM_CPU_NUM_OF_RESERVED_CPU`); "
+                        "see [A CPU engine's loads](#a-cpu-engines-loads-streaming-copies-and-huge-pages); "
+                        "none: the worker's own cores only")
     lookup_timeout_s: Annotated[float, seconds()] = Field(
         1.0, description="deadline of one scheduler lookup (it runs on the scheduler's thread): a slow "
                          "or hung service costs a request at most this, then a miss")
