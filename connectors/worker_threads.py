@@ -10,7 +10,8 @@ stopped waiting for them (docs/pd.md). The save writer, the load, stage and fetc
 a secondary tier's job and lookup threads (engine_plugin/vllm/core/tier_jobs.py,
 tier_lookups.py), LMCache's backends' task threads (engine_plugin/lmcache/) and the
 reconnecting thread (a service it spawns inherits its CPUs) start through here; the
-copies that must happen within a step stay on the engine's thread.
+copies that must happen within a step stay on the engine's thread, and on the CPUs its
+operator named for them (the vLLM connector's `load_copy_cpus`: kvstore/io/copier.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ a copy: it must keep pace with a plain threaded copy of the same bytes. numpy's 
 releases the GIL, so plain threads run the pieces in parallel. The calling thread
 takes pieces too and waits only for pieces a helper has started, never for a helper
 that has not been scheduled yet (on a busy machine one may not run for a whole time
-slice): a stall costs at most one piece.
+slice): a stall costs at most one piece. Helpers run where their creator may: a caller an
+engine bound to one core (vLLM's CPU worker) copies alone, unless the operator named CPUs
+its copies may also use (share_with).
 Whether those copies stream past the cache is glibc's choice, made by size (io/streaming.py).
 """
 
