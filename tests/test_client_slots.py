@@ -28,7 +28,7 @@ from support.stores import CHUNK_BYTES, make_keys, make_payloads
 from support.users import User, cannot_make_users, shared_directory
 
 from bench.support.processes import free_port
-from kvstore.config.store import ServiceConfig, load_config
+from kvstore.config.store import ServiceConfig, StoreConfig, load_config
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.service import protocol as P
 from kvstore.service.client import StoreClient, stop_service
@@ -129,7 +129,19 @@ def owner(shared_tmp: Path) -> Iterator[Callable[..., StoreClient]]:
     for client in clients:
         client.close()
     for raw in started:
-        stop_service(load_config(raw))
+        wait_for(lambda raw=raw: _stopped(load_config(raw)), 30, "the service to take its stop")
+
+
+def _stopped(config: StoreConfig) -> bool:
+    """Stop the service, or False while it is full: the clients just closed hold their slots
+    until the service's threads see each hang-up, and a case's other users may hold the rest."""
+    try:
+        stop_service(config)
+    except KVStoreError as exc:
+        if "service.max_clients" not in str(exc):
+            raise
+        return False
+    return True
 
 
 def _counted(client: StoreClient, reason: str) -> int:
