@@ -11,9 +11,9 @@ round trip; a fresh process after a service restart loads from disk, and the one
 flipped on disk is a miss; memory of another size is a miss; planted records (bad
 headers, for the backends that decode one) miss and touch nothing but their own
 destination; a full engine pool misses within `io.timeout_s` + 5 s; a frozen (SIGSTOPped)
-service makes every call a miss within the client's deadline (both timed less any stall of
-the machine itself, support/stalls.py); and records hypothesis
-makes up never raise, crash or leak.
+service makes every call a miss within the client's deadline (both time the backend's own
+calls, less any stall of the machine itself: BackendCalls, support/stalls.py); and records
+hypothesis makes up never raise, crash or leak.
 
 Every case runs the backend in a Python process of its own (`run_case`): a SIGSEGV, an
 abort or a hang fails that case with the child's output, and the child must exit 0.
@@ -42,12 +42,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import pytest
 from support.records import corrupt_record
 from support.services import counters, service_client, small_service_config, stop_service
-from support.stalls import stall_meter
+from support.stalls import StallMeter, stall_meter
 
 from bench.support.processes import paused
 
@@ -59,12 +59,45 @@ TIMEOUT_S = 2.0  # the service's io.timeout_s; the client's request deadline is 
 FULL_POOL_S = TIMEOUT_S + 5.0  # a load into a full pool returns within this
 # Each call on a frozen service returns within this: one client deadline (4 s) and the 5 s
 # this suite allows a loaded 2-core machine everywhere. Both timed cases subtract the time
-# the machine stalled (support/stalls.py): a CI run once measured 9.1 s here, 6.1 s another.
+# the machine stalled (support/stalls.py): a CI run once measured 9.1 s here, 6.1 s another
+# (both before the driver's own work around a call was left out of its time: BackendCalls).
 FROZEN_CALL_S = 2 * TIMEOUT_S + 5.0
 FUZZ_EXAMPLES = 40
 FUZZ_FIRST = 1000  # the first chunk index the fuzz case plants at (one per example)
 SETTLE_AT = 900  # the chunk index a case plants at before it counts descriptors and threads
 CHILD_TIMEOUT_S = 300
+T = TypeVar("T")
+
+
+class BackendCalls:
+    """The calls a driver makes into its engine's backend, timed while a case measures
+    them: a deadline judges the backend's calls, not the driver's own work around them
+    (filling and checking guard memory, reading a pool back), which is no part of the
+    backend and can take seconds on a loaded machine (a CI run measured 15 s around a
+    frozen-service load whose backend call ends at its 4 s deadline)."""
+
+    def __init__(self) -> None:
+        self._meter: StallMeter | None = None
+        self._seen: list[tuple[float, float]] = []  # (seconds, stalled) of each timed call
+
+    def __call__(self, call: Callable[[], T]) -> T:
+        """call() (the backend's), timed while a measure is under way."""
+        if self._meter is None:
+            return call()
+        result, seconds, stalled = self._meter.timed(call)
+        self._seen.append((seconds, stalled))
+        return result
+
+    def measure(self, meter: StallMeter, call: Callable[[], T]) -> tuple[T, dict[str, float]]:
+        """call()'s result and its times: in all, of the backend calls it made, and the
+        stalls of the machine during those (the meter's)."""
+        self._meter, self._seen = meter, []
+        try:
+            result, seconds, _ = meter.timed(call)
+        finally:
+            self._meter = None
+        return result, {"seconds": seconds, "calls": len(self._seen),
+                        "backend": sum(s for s, _ in self._seen), "stalled": sum(st for _, st in self._seen)}
 
 
 class Driver(Protocol):
@@ -75,6 +108,7 @@ class Driver(Protocol):
     allocates: bool  # it allocates the engine's memory for what it loads (LMCache's plugin)
     payload_at: int  # where a record's bytes the engine sees begin (after its header)
     store: dict[str, Any]  # the config it was opened with
+    calls: BackendCalls  # wraps each call it makes into the backend (load, exists, save)
 
     def __init__(self, store: dict[str, Any]) -> None: ...
 
@@ -181,8 +215,8 @@ def _planted(driver: Driver, out: Path) -> dict[str, Any]:
 def _full_pool(driver: Driver, out: Path) -> dict[str, Any]:
     allocations = driver.allocations()
     with stall_meter(out.parent) as meter:
-        (loaded, intact), seconds, stalled = meter.timed(lambda: driver.load(range(COUNT), room=ROOM))
-    return {"seconds": seconds, "stalled": stalled, "intact": intact,
+        (loaded, intact), times = driver.calls.measure(meter, lambda: driver.load(range(COUNT), room=ROOM))
+    return {**times, "intact": intact,
             "loaded": _verdicts(loaded, [driver.expected(i) for i in range(COUNT)]),
             "allocations": [allocations, driver.allocations()]}
 
@@ -205,8 +239,8 @@ def _frozen(driver: Driver, out: Path) -> dict[str, Any]:
     seen = {}
     with stall_meter(out.parent) as meter, paused(pid):
         for name, call in calls.items():
-            answer, seconds, stalled = meter.timed(call)
-            seen[name] = {"seconds": seconds, "stalled": stalled, "answer": answer}
+            answer, times = driver.calls.measure(meter, call)
+            seen[name] = {**times, "answer": answer}
     return seen
 
 
@@ -347,7 +381,8 @@ class Contract:
     def test_a_full_engine_pool_misses_within_the_deadline(self, stored):
         store, _, where = stored
         answer = run_case(self.driver, "full_pool", store, where)
-        assert answer["seconds"] - answer["stalled"] <= FULL_POOL_S and answer["intact"], answer
+        assert answer["calls"] >= 1 and answer["intact"], answer
+        assert answer["backend"] - answer["stalled"] <= FULL_POOL_S, answer
         loaded = answer["loaded"]
         if driver_of(self.driver).allocates:  # room for ROOM chunks: the rest are misses
             assert loaded == ["equal"] * ROOM + ["miss"] * (COUNT - ROOM), answer
@@ -358,7 +393,8 @@ class Contract:
     def test_a_frozen_service_is_a_miss_within_the_deadline(self, stored):
         store, _, where = stored
         answer = run_case(self.driver, "frozen", store, where)
-        within = {name: call["seconds"] - call["stalled"] <= FROZEN_CALL_S for name, call in answer.items()}
+        within = {name: call["calls"] >= 1 and call["backend"] - call["stalled"] <= FROZEN_CALL_S
+                  for name, call in answer.items()}
         assert within == {"load": True, "exists": True, "save": True}, answer
         assert answer["load"]["answer"] == [None] * COUNT and answer["exists"]["answer"] == 0, answer
         assert answer["save"]["answer"] == [False] * COUNT, answer

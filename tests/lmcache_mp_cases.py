@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters", reason="needs lmcache (docs/lmcache.md)")
 import torch
-from backend_contract import COUNT, Contract
+from backend_contract import COUNT, BackendCalls, Contract
 from lmcache.v1.check import check_mode_test_l2_adapter as lmcache_check
 from lmcache_plugin_cases import bad_headers, fuzzed_headers, header_of, header_record
 from support.services import small_service
@@ -71,6 +71,7 @@ class L2Driver:
 
     def __init__(self, store: dict[str, Any], revision: str | None = "test") -> None:
         self.store = store
+        self.calls = BackendCalls()
         self.adapter, self.l1 = make_adapter(store, revision=revision)
         self.scope = KeyScope(weights_identity("test/model", "test"))  # the adapter's, as it names it
 
@@ -96,11 +97,13 @@ class L2Driver:
         objects = self._objects(range(len(indices)))
         for i, obj in zip(indices, objects, strict=True):
             obj.tensor.copy_(torch.frombuffer(bytearray(self.expected(i)), dtype=torch.float32))
-        _, ok = lmcache_check._run_store_phase(self.adapter, [self.object_key(i) for i in indices], objects)
+        keys = [self.object_key(i) for i in indices]
+        _, ok = self.calls(lambda: lmcache_check._run_store_phase(self.adapter, keys, objects))
         return [bool(ok)] * len(indices)
 
     def exists(self, indices: Sequence[int]) -> int:
-        _, bitmap = lmcache_check._run_lookup_phase(self.adapter, [self.object_key(i) for i in indices])
+        keys = [self.object_key(i) for i in indices]
+        _, bitmap = self.calls(lambda: lmcache_check._run_lookup_phase(self.adapter, keys))
         found = bits(bitmap, len(indices))
         return found.index(False) if False in found else len(found)
 
@@ -113,7 +116,7 @@ class L2Driver:
         raw = self.l1.view(torch.uint8)
         raw.fill_(0x5A)
         keys = [self.object_key(i) for i in indices]
-        _, bitmap = lmcache_check._run_load_phase(self.adapter, keys, objects)
+        _, bitmap = self.calls(lambda: lmcache_check._run_load_phase(self.adapter, keys, objects))
         found = [obj.tensor.numpy().tobytes() if ok else None
                  for obj, ok in zip(objects, bits(bitmap, len(indices)), strict=True)]
         guard = torch.ones(raw.numel(), dtype=torch.bool)

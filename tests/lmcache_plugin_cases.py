@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lmcache.v1.storage_backend", reason="needs lmcache (docs/lmcache.md)")
 import torch
-from backend_contract import COUNT, Contract
+from backend_contract import COUNT, BackendCalls, Contract
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.services import service_client, small_service
@@ -156,6 +156,7 @@ class PluginDriver:
 
     def __init__(self, store: dict[str, Any], layers: int = LAYERS, head_dim: int = HEAD_DIM) -> None:
         self.store = store
+        self.calls = BackendCalls()
         self.layers, self.head_dim = layers, head_dim
         self.backends, self._stop = lmcache_backends(store, layers, head_dim)
         self.plugin = self.backends["kvstore"]
@@ -192,15 +193,17 @@ class PluginDriver:
                                                                          dtype=torch.uint8))
         done: list = []
         try:
-            self.plugin.batched_submit_put_task([self.cache_key(i) for i in indices], objs,
-                                                on_complete_callback=done.append)
+            keys = [self.cache_key(i) for i in indices]
+            self.calls(lambda: self.plugin.batched_submit_put_task(keys, objs,
+                                                                   on_complete_callback=done.append))
         finally:
             for obj in objs:
                 obj.ref_count_down()
         return [self.cache_key(i) in done for i in indices]
 
     def exists(self, indices: Sequence[int]) -> int:
-        return int(self.plugin.batched_contains([self.cache_key(i) for i in indices]))
+        keys = [self.cache_key(i) for i in indices]
+        return int(self.calls(lambda: self.plugin.batched_contains(keys)))
 
     def load(self, indices: Sequence[int], room: int | None = None) -> tuple[list[bytes | None], bool]:
         fillers = []  # every byte of the pool, in full chunks
@@ -215,7 +218,8 @@ class PluginDriver:
         for j, obj in enumerate(kept):
             obj.tensor.view(-1).view(torch.uint8).fill_(j % 251)
         try:
-            objs = self.plugin.batched_get_blocking([self.cache_key(i) for i in indices])
+            keys = [self.cache_key(i) for i in indices]
+            objs = self.calls(lambda: self.plugin.batched_get_blocking(keys))
             found = [None if o is None else o.tensor.view(-1).view(torch.uint8).numpy().tobytes()
                      for o in objs]
             for obj in objs:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from backend_contract import Contract
+from backend_contract import BackendCalls, Contract
 from hypothesis import strategies as st
 from support.records import corrupt_record
 from support.services import service_client, small_service_config, stop_service
@@ -143,6 +143,7 @@ class HiCacheDriver:
 
     def __init__(self, store: dict[str, Any]) -> None:
         self.store = store
+        self.calls = BackendCalls()
         self.pool = pool_of("page_first", 6 * PAGES)
         fill(self.pool, 7)
         self.hicache = backend(store, self.pool)
@@ -162,12 +163,14 @@ class HiCacheDriver:
                 flat = self.pool.get_dummy_flat_data_page()
                 flat.view(torch.uint8).copy_(torch.frombuffer(bytearray(self.expected(i)), dtype=torch.uint8))
                 self.pool.set_from_flat_data_page(int(source[j * PAGE_SIZE]), flat)
-            return list(self.hicache.batch_set_v1([f"page-hash-{i}" for i in indices], source))
+            keys = [f"page-hash-{i}" for i in indices]
+            return list(self.calls(lambda: self.hicache.batch_set_v1(keys, source)))
         finally:
             self.pool.free(source)
 
     def exists(self, indices: Sequence[int]) -> int:
-        return int(self.hicache.batch_exists([f"page-hash-{i}" for i in indices]))
+        keys = [f"page-hash-{i}" for i in indices]
+        return int(self.calls(lambda: self.hicache.batch_exists(keys)))
 
     def _pages(self) -> list[bytes]:
         return pages_of(self.pool, torch.arange(self.pool.size), self.pool.size // PAGE_SIZE)
@@ -178,7 +181,8 @@ class HiCacheDriver:
         rest = self.pool.alloc(self.pool.available_size()) if room is not None else None
         before = self._pages()
         try:
-            done = self.hicache.batch_get_v1([f"page-hash-{i}" for i in indices], into)
+            keys = [f"page-hash-{i}" for i in indices]
+            done = self.calls(lambda: self.hicache.batch_get_v1(keys, into))
             after = self._pages()
         finally:
             self.pool.free(into)

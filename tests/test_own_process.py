@@ -32,9 +32,10 @@ def run_cases(python: Path | str, cases: str, tmp_path: Path, markexpr: str) -> 
     directories: under this test's they would make socket paths too long."""
     report = tmp_path / "report.xml"
     # `-o addopts=`: the outer run's worker flags are not this one's (its virtualenv may
-    # lack the plugin that reads them).
+    # lack the plugin that reads them). `--disable-warnings`: the engines' dependencies'
+    # deprecation warnings would fill the tail of the output a failure shows.
     command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               f"--junitxml={report}", f"tests/{cases}"]
+               "--disable-warnings", f"--junitxml={report}", f"tests/{cases}"]
     if markexpr:
         command[3:3] = ["-m", markexpr]
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
