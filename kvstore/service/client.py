@@ -9,7 +9,9 @@ a deadline: a service that does not answer in time costs a miss, never a hang.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,12 +20,13 @@ from typing import Annotated, Any
 import msgspec
 
 from kvstore.config.store import StoreConfig, dump_config, with_service
-from kvstore.format.errors import KVStoreError
+from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.service import protocol as P
-from kvstore.service.client_connection import Connection, ServiceUnavailable, connect
+from kvstore.service.client_connection import Connection, ServiceUnavailable, connect, listening_pid
 from kvstore.service.client_memory import ClientMemory
 from kvstore.tiers.return_rates import RequestEnd
 
+log = logging.getLogger("kvstore.client")
 HELLO_TIMEOUT_S = 10.0
 
 # What each reply's value must be (protocol.py's list), checked by protocol.reply_as.
@@ -215,12 +218,7 @@ class StoreClient:
         is gone), so a successor can take the tiers at once."""
         self._conn.request(P.Shutdown())
         self.close()
-        deadline = time.monotonic() + timeout_s
-        while os.path.exists(self.config.service.socket):
-            if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"kvstore service at {self.config.service.socket} did not "
-                                         f"exit within {timeout_s:.0f} s")
-            time.sleep(0.02)
+        _wait_gone(self.config.service.socket, timeout_s)
 
     def close(self) -> None:
         self.disconnect()
@@ -293,10 +291,35 @@ def service_info(config: StoreConfig) -> dict[str, Any] | None:
         client.close()
 
 
-def stop_service(config: StoreConfig) -> bool:
-    """Ask the service at config.service.socket to drain and exit; False if none runs."""
+def stop_service(config: StoreConfig, timeout_s: float = 300.0) -> bool:
+    """Ask the service at config.service.socket to drain and exit, and wait until it has;
+    False if none runs there. One of this user's that takes no client now (every slot
+    held, `service.max_clients`, or no answer to the hello) is sent SIGTERM, which ends
+    it as cleanly (server.py): its owner can always stop it. Another user's service that
+    refuses this one: the refusal is raised."""
     try:
-        attach(config).shutdown()
-    except ServiceUnavailable:
-        return False
+        client = attach(config)
+    except ConfigError:
+        raise
+    except KVStoreError as exc:
+        pid = listening_pid(config)
+        if pid is None:
+            if isinstance(exc, ServiceUnavailable):
+                return False
+            raise
+        log.warning("kvstore service (pid %d) takes no client (%s): sending it SIGTERM", pid, exc)
+        os.kill(pid, signal.SIGTERM)
+        _wait_gone(config.service.socket, timeout_s)
+        return True
+    client.shutdown(timeout_s)
     return True
+
+
+def _wait_gone(socket_path: str, timeout_s: float) -> None:
+    """Return once the service's socket is gone (it unlinks it last, on its way out)."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(socket_path):
+        if time.monotonic() > deadline:
+            raise ServiceUnavailable(f"kvstore service at {socket_path} did not exit "
+                                     f"within {timeout_s:.0f} s")
+        time.sleep(0.02)
