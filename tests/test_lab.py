@@ -93,3 +93,15 @@ def test_a_paused_server_group_takes_no_cpu_from_the_one_timed_and_goes_on_after
         assert _cpu_grows(spinner.pid, 0.05)
     finally:
         stop_group(spinner, timeout_s=5)
+
+
+def test_the_piece_hash_bench_compares_two_updates_that_agree(tmp_path):
+    """bench/lab/piece_hash.py (the figures in docs/benchmarks.md): both of the C library's
+    updates give the same digest (else its comparison would be void), each a speed."""
+    out = tmp_path / "hash.json"
+    done = _lab("piece_hash", "--mib", "4", "--rounds", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    found = json.loads(out.read_text())
+    assert found["same_digest"] is True, found
+    assert min(found["XXH3_64bits_update"], found["XXH3_64bits_update_dispatch"], found["copy"]) > 0
+    assert "dispatched update" in done.stdout

@@ -35,6 +35,8 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("lmcache_bench", "loading LMCache chunks: kvstore's plugin against LMCache's LocalDiskBackend "
                       "(.venv-lmcache)"),
     ("load_path", "load-path throughput: the DRAM tier into an engine's paged KV, through the service"),
+    ("piece_hash", "the checked copy's piecewise hash: the C library's plain update against its "
+                   "SIMD-dispatching one, and a copy"),
     ("pd", "prefill/decode disaggregation through kvstore behind vLLM's router, against one server"),
     ("save_path", "what a save costs its caller once DRAM is full: with the DRAM cleaner, without, and "
                   "into free slots"),

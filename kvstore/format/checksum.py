@@ -16,8 +16,8 @@ goes first: its loads fill the cache even where its stores stream past it (io/st
 so the hash reads from cache (hash first, then copy, measured slower here: the hash's reads
 from memory and the copy's writes then never overlap). The piecewise hash is the library's
 SIMD-dispatching update where the build has one (AVX-512 where the CPU has it): its plain
-update is the baseline SSE2 code, measured here at 26 GiB/s from cache against the
-dispatched one's 47.
+update is the baseline SSE2 code, 24 GiB/s from cache against the dispatched one's 42-43
+on an AVX-512 core (bench/lab/piece_hash.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
