@@ -393,6 +393,19 @@ def test_learned_admission_writes_what_comes_back_against_the_bound(tmp_path, ca
     assert bound["all_disk_hit_ratio"] > 0
 
 
+def test_the_answer_rule_refuses_what_long_answers_held(tmp_path, capsys):
+    """`--admission answer-rule` (bench/sim/replay.py's one-feature rule, for docs/replay.md):
+    on this trace an answer's length says whether its conversation comes back, so refusing
+    every chunk whose latest request answered at length writes what the oracle writes and
+    loses nothing; with its threshold past every answer it refuses nothing, as `all`."""
+    trace = returning_trace(tmp_path / "t.jsonl")
+    rule = replay(capsys, trace, "--admission", "answer-rule")
+    assert rule["admission_refused"] > 0 and rule["bound"]["hit_ratio_lost"] == 0, rule["bound"]
+    assert rule["disk_bytes_written"] == rule["bound"]["oracle_disk_bytes_written"] > 0
+    none = replay(capsys, trace, "--admission", "answer-rule", "--answer-tokens", "601")
+    assert none["admission_refused"] == 0 and none["bound"]["of_all_written"] == 1
+
+
 def test_without_reported_ends_learned_admission_knows_less_and_loses_no_more(tmp_path, capsys):
     """On this trace only how a request ended (its answer's length) says whether it comes
     back. With no end reported (`--request-ends inferred`, as from SGLang's and LMCache's

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.admission_path import ThresholdPath
-from bench.sim.replay import MEMORY_TIERS, Clairvoyant, Replayer, parse_tier
+from bench.sim.replay import MEMORY_TIERS, AnswerRule, Clairvoyant, Replayer, parse_tier
 from bench.support.trace import MOONCAKE_BLOCK_TOKENS, read_passes, read_trace
 from kvstore.format.errors import ConfigError
 from kvstore.format.units import format_size, parse_write_budget
@@ -21,6 +21,7 @@ from kvstore.tiers.loss_budget import LOSS
 from kvstore.tiers.policy import DEFAULT_ADMISSION, EVICTIONS, TierPolicy
 
 SWEEP_FACTORS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
+TRACE_RULES = ("oracle", "answer-rule")  # admissions that read the trace (bench/sim/replay.py), not kvstore's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,10 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS)
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-promote", action="store_true", help="lower-tier hits stay put")
-    parser.add_argument("--admission", choices=(*ADMISSIONS, "oracle"),
+    parser.add_argument("--admission", choices=(*ADMISSIONS, *TRACE_RULES),
                         help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`; "
                              f"{DEFAULT_ADMISSION}, or learned with --write-budget), or `oracle`: only "
-                             "chunks a later request will read (the bound)")
+                             "chunks a later request will read (the bound), or `answer-rule`: none of a "
+                             "request whose answer ran to --answer-tokens (one feature, in hindsight)")
+    parser.add_argument("--answer-tokens", type=int, default=128,
+                        help="with --admission answer-rule: the answer length (tokens) from which a "
+                             "request's chunks are refused")
     parser.add_argument("--admission-loss", type=float, default=LOSS,
                         help="with --admission learned: the share of hits it may give up, which its "
                              "threshold is tuned to (config `disk_admission_loss`; 0: the threshold is "
@@ -99,8 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     tiers = [parse_tier(t) for t in args.tier]
     args.admission = args.admission or ("learned" if args.write_budget else DEFAULT_ADMISSION)
-    if args.admission == "oracle" and (args.ttft or args.hosts is not None):
-        raise ConfigError("--admission", "oracle", "the bound is replayed alone: not with --ttft or --hosts")
+    if args.admission in TRACE_RULES and (args.ttft or args.hosts is not None):
+        raise ConfigError("--admission", args.admission, "a rule that reads the trace is replayed alone: "
+                                                          "not with --ttft or --hosts")
     if args.passes != 1 and (args.ttft or args.hosts is not None):
         raise ConfigError("--passes", args.passes, "passes are replayed alone: not with --ttft or --hosts")
     if args.hosts is not None:
@@ -175,6 +181,8 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
         policy.set_budget(per_day, replayer.chunk_bytes)
     if admission == "oracle":
         policy.use_admission(Clairvoyant(requests, args.block_tokens, lambda: replayer.requests - 1))
+    elif admission == "answer-rule":
+        policy.use_admission(AnswerRule(requests, args.answer_tokens, lambda: replayer.requests - 1))
     for run in runs[:-1]:
         replayer.run(run)
     if len(runs) > 1:
@@ -188,7 +196,7 @@ def _policy(args: argparse.Namespace, admission: str) -> TierPolicy:
     except ValueError as exc:
         raise ConfigError("--admission-loss", args.admission_loss, str(exc)) from None
     return TierPolicy(promote_on_hit=not args.no_promote,
-                      admission="all" if admission == "oracle" else admission,
+                      admission="all" if admission in TRACE_RULES else admission,
                       tuning=tuning, eviction=args.eviction, chunk_tokens=args.block_tokens)
 
 

@@ -24,7 +24,8 @@ its turn and idle time from kvstore/tiers/chain_history.py, as the connector wor
 out); ends are delivered before the first arrival after them. What leaves the tier above a
 disk tier is told to the policy as the store's DRAM table tells it (`left_dram`).
 `Clairvoyant` is the bound on any admission: it reads the trace ahead and admits a chunk
-only if a later request will read it.
+only if a later request will read it. `AnswerRule` refuses the chunks of requests whose
+answer ran long (a threshold chosen in hindsight): what one feature could save.
 
 A host of a cluster (bench/sim/cluster_replay.py, `--hosts`) also reads the bottom tiers of
 its peers (`peers`), as kvstore/cluster/ does: after its own tiers, a chunk a peer holds
@@ -102,6 +103,33 @@ class Clairvoyant(Unlearned):
     def admit(self, key: bytes) -> bool:
         uses = self._uses.get(key, ())
         return bisect.bisect_right(uses, self._position()) < len(uses)
+
+
+class AnswerRule(Unlearned):
+    """One feature's rule, its threshold picked knowing the trace (what a causal admission
+    could hope for from the answer's length alone): a chunk is refused where the latest
+    request so far that held it in its prompt answered in `tokens` tokens or more. That
+    length is known once the request ends (the connector reports it: `learned`'s feature),
+    mostly before its chunks leave DRAM."""
+
+    name = "answer-rule"
+
+    def __init__(self, requests: Sequence[TraceRequest], tokens: int, position: Callable[[], int]) -> None:
+        """`position()`: the index in `requests` of the request being served."""
+        self._holders: dict[bytes, list[int]] = {}  # key -> requests whose prompt holds it, in order
+        for index, request in enumerate(requests):
+            for key in request.keys:
+                self._holders.setdefault(key, []).append(index)
+        self._long = [request.output_tokens >= tokens for request in requests]
+        self._position = position
+
+    def see(self, keys: Sequence[bytes], family: bytes) -> None:
+        pass
+
+    def admit(self, key: bytes) -> bool:
+        holders = self._holders.get(key, ())
+        latest = bisect.bisect_right(holders, self._position()) - 1
+        return latest < 0 or not self._long[holders[latest]]
 
 
 def _usable(request: TraceRequest, block_tokens: int) -> int:
