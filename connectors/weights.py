@@ -203,6 +203,22 @@ def weights_identity(model: str, model_revision: str | None, hub_revision: str |
     return found
 
 
+def numerics(**settings: str | None) -> str:
+    """What changes the KV an engine computes from a checkpoint's files, as a suffix of the
+    weights' identity: each of the engine's `settings` that is set, `|name:value` in the
+    order given. The engines name a quantization they apply or read (`quant`: `--quantization
+    fp8` on a bf16 checkpoint makes other KV from the same files), the compute dtype where
+    the KV cache's dtype does not name it already (`compute`: an fp8 cache filled by bf16 or
+    by fp16 compute), and overrides of the model's config (`overrides`, a rope scaling: by
+    `digest`). None set: empty, so the keys made before these were named stay."""
+    return "".join(f"|{name}:{value}" for name, value in settings.items() if value)
+
+
+def digest(text: str) -> str:
+    """A short SHA-256 of a setting too long for a key's identity (a config override)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def model_fingerprint(model: str, revision: str | None = None) -> str:
     """The fingerprint of a model given as an engine names it: a local checkpoint (a
     directory or file), else a Hugging Face id the engine downloaded (its local snapshot at

@@ -11,7 +11,11 @@ at its own directory through the environment) for the rest of the process."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,12 +30,15 @@ from support.services import service_client, small_service_config, stop_service
 
 from bench.support.processes import paused
 from bench.support.sglang_host_pools import PAGE_SIZE, mha_host_pool, mla_host_pool, storage_config
+from bench.support.tiny_model import build_tiny_llama
+from connectors.weights import FileDigests, fingerprint
 from kvstore.format.errors import ConfigError, KVStoreError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra")
 
 
 PAGES = 6
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -244,6 +251,49 @@ def test_the_older_calls_fill_the_pages_they_are_given_or_miss(store):
         assert hicache.batch_get(KEYS[:2], [flat]) == [None, None]  # fewer pages than keys
     finally:
         hicache.close()
+
+
+# In a process of its own (SGLang's server arguments are process-wide): for each set of
+# flags (a JSON list), SGLang's own ServerArgs for the checkpoint, published as a server's
+# scheduler publishes them (a later publish replaces the last), and the weights' identity
+# the backend keys its pages by, a line each.
+SERVED = """
+import json, sys
+from bench.support.sglang_cpu import install
+install()
+from sglang.srt.runtime_context import publish
+from sglang.srt.server_args import ServerArgs
+from bench.support.sglang_host_pools import storage_config
+from engine_plugin.sglang.hicache import served_weights
+for flags in json.loads(sys.argv[2]):
+    publish(ServerArgs(model_path=sys.argv[1], device="cpu", **flags), role="scheduler")
+    print("identity", served_weights(storage_config({}, model="served-name"), None), flush=True)
+"""
+
+
+def test_what_sglang_does_to_the_weights_names_other_weights(tmp_path):
+    """One checkpoint served with `--quantization fp8`, with an fp8 KV cache filled by bf16
+    or by fp16 compute, in the other fp8 format (both are `uint8` pages in the host pool),
+    with `--json-model-override-args` or another `--mamba-ssm-dtype` makes other KV from the
+    same files: each is named apart (before, all were the checkpoint's fingerprint alone, so
+    one server loaded another's KV). A compute dtype the KV cache has anyway names nothing
+    new, and the checkpoint is the server's model path, not the served name it hands over."""
+    checkpoint = build_tiny_llama(tmp_path / "ckpt")
+    rope = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    flags = [{}, {"dtype": "float16"}, {"quantization": "fp8"}, {**fp8, "dtype": "bfloat16"},
+             {**fp8, "dtype": "float16"}, {"kv_cache_dtype": "fp8_e5m2", "dtype": "bfloat16"},
+             {"json_model_override_args": json.dumps(rope)}, {"mamba_ssm_dtype": "float32"}]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", SERVED, str(checkpoint), json.dumps(flags)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    named = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("identity ")]
+    plain = fingerprint(str(checkpoint), FileDigests(None))
+    assert len(named) == len(flags) and named[0] == named[1] == plain, named
+    assert named[2] == plain + "|quant:fp8" and named[3] == plain + "|compute:bfloat16|kv:fp8_e4m3", named
+    assert len(set(named[2:]) | {plain}) == len(flags) - 1, named
 
 
 def test_tensor_parallel_ranks_are_keyed_apart(store):

@@ -178,9 +178,10 @@ def test_an_image_without_an_identifier_is_not_cached_where_uuids_are_trusted():
 # -- which weights computed the KV -------------------------------------------------------
 
 def _vllm_config(model: str, quantization: str | None = None, dtype: str = "torch.bfloat16",
-                 cache_dtype: str = "auto") -> SimpleNamespace:
+                 cache_dtype: str = "auto", hf_overrides: object = None) -> SimpleNamespace:
     return SimpleNamespace(model_config=SimpleNamespace(model=model, model_weights="", revision=None,
-                                                        quantization=quantization, dtype=dtype),
+                                                        quantization=quantization, dtype=dtype,
+                                                        hf_overrides=hf_overrides or {}),
                            cache_config=SimpleNamespace(cache_dtype=cache_dtype))
 
 
@@ -208,6 +209,19 @@ def test_a_quantization_or_a_compute_dtype_the_cache_dtype_hides_names_other_wei
              for cache in ("auto", "fp8_e4m3")}
     assert named == {"rev:v7", "rev:v7|quant:fp8", "rev:v7|compute:bfloat16", "rev:v7|compute:float16",
                      "rev:v7|quant:fp8|compute:bfloat16", "rev:v7|quant:fp8|compute:float16"}
+
+
+def test_config_overrides_name_other_weights(tmp_path):
+    """`--hf-overrides` (a rope scaling, say) makes other KV from the same files: a mapping
+    is named by its content, a function by its name; none leaves the identity as it was."""
+    def longer(config: object) -> object:
+        return config
+
+    overrides = [None, {"rope_scaling": {"factor": 2.0}}, {"rope_scaling": {"factor": 4.0}}, longer]
+    named = [model_weights(_vllm_config(str(tmp_path), hf_overrides=o), "v7") for o in overrides]  # type: ignore[arg-type]
+    assert named[0] == "rev:v7" and len(set(named)) == 4, named
+    again = model_weights(_vllm_config(str(tmp_path), hf_overrides={"rope_scaling": {"factor": 2.0}}), "v7")  # type: ignore[arg-type]
+    assert again == named[1]
 
 
 def test_a_lora_adapter_is_named_by_its_files(tmp_path):

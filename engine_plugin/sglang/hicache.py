@@ -15,8 +15,10 @@ same bytes: the pool's flat page (`get_data_page`), all K then all V.
 
 Keys: SGLang's page hash plus what the page's bytes depend on, hashed into kvstore's
 16-byte key: the model, its weights (`model_revision` in the extra config, else a
-fingerprint of the checkpoint at SGLang's model path: connectors/weights.py) and their
-generation, the host pool's layout and dtype, and the shard. SGLang's page hash itself
+fingerprint of the checkpoint at SGLang's model path: connectors/weights.py), what SGLang
+does to them (`served_weights`: its quantization, KV cache format and compute dtype,
+config overrides, mamba state dtype) and their generation, the host pool's layout and
+dtype, and the shard. SGLang's page hash itself
 chains the page's token ids from the prompt's start, seeded with the request's extra key
 (its LoRA id) and cache salt, and an image's tokens are stand-ins derived from the
 image's content: so a key covers images, LoRA and salt as SGLang's own cache does (input
@@ -55,7 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from connectors.page_io import PageIO, Segments, service_pages
-from connectors.weights import weights_identity
+from connectors.weights import digest, numerics, weights_identity
 from engine_plugin.sglang.pools import HybridPools, flat_ints, shard_suffix
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
@@ -66,17 +68,33 @@ log = logging.getLogger("kvstore.sglang")
 
 REOPEN_S = 5.0  # the least time between tries to connect again after one failed
 
-def model_path(storage_config: HiCacheStorageConfig) -> str:
-    """Where the served weights are: SGLang hands the backend its served model name
-    (`--served-model-name`, often not a path), so the server's own `model_path` is read
-    where this process has one (a server's scheduler), else the name is taken as the path."""
+def served_weights(storage_config: HiCacheStorageConfig, model_revision: str | None) -> str:
+    """The weights' identity (connectors/weights.py) of what SGLang serves. SGLang hands
+    the backend its served model name (`--served-model-name`, often not a path), so the
+    server's own arguments are read where this process has them (a server's scheduler):
+    its `model_path` at its `--revision` (a Hugging Face id: the local snapshot at that
+    revision), and what it does to those files besides (`numerics`): `--quantization` or
+    `--modelopt-quant`; with `--kv-cache-dtype` other than `auto`, it and `--dtype` (fp8
+    pages of either format are `uint8` in the host pool, and are filled from the compute
+    dtype); `--json-model-override-args`; `--mamba-ssm-dtype`. Without them (a test, a
+    tool) the name it was given is taken as the path."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        path = getattr(get_server_args(), "model_path", None)
-    except Exception:  # no server in this process (a test, a tool): the name it was given
-        path = None
-    return str(path or storage_config.model_name or "")
+        args = get_server_args()
+    except Exception:  # no server in this process
+        return weights_identity(str(storage_config.model_name or ""), model_revision)
+    modelopt = getattr(args, "modelopt_quant", None)
+    cache = str(getattr(args, "kv_cache_dtype", "auto") or "auto")
+    overrides = str(getattr(args, "json_model_override_args", "") or "").strip()
+    checkpoint = weights_identity(str(args.model_path or storage_config.model_name or ""), model_revision,
+                                  getattr(args, "revision", None))
+    return checkpoint + numerics(
+        quant=getattr(args, "quantization", None) or (f"modelopt:{modelopt}" if modelopt else None),
+        compute=None if cache == "auto" else str(getattr(args, "dtype", "auto")),
+        kv=None if cache == "auto" else cache,
+        overrides=digest(overrides) if overrides not in ("", "{}") else None,
+        mamba=getattr(args, "mamba_ssm_dtype", None))
 
 
 def store_config(extra: dict[str, Any] | None) -> StoreConfig:
@@ -135,7 +153,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.model = str(extra.get("model_id") or storage_config.model_name or "")
         self.suffix = shard_suffix(storage_config, storage_config.is_mla_model)
         self.writer = storage_config.is_storage_writer
-        self.weights = Weights(weights_identity(model_path(storage_config), extra.get("model_revision")))
+        self.weights = Weights(served_weights(storage_config, extra.get("model_revision")))
         self.pools = HybridPools(storage_config, self._pools_prefix())
         self.reads: PageIO | None = None
         self.writes: PageIO | None = None

@@ -32,6 +32,7 @@ adapter, or an adapter rewritten in place, must not meet the KV of the old one).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import weakref
 from collections.abc import Mapping
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors.weights import WeightsUnknown, fingerprint, weights_identity
+from connectors.weights import WeightsUnknown, digest, fingerprint, weights_identity
+from connectors.weights import numerics as weights_numerics
 from kvstore.format.keys import KeyExtras, Placeholder, key_digest
 
 if TYPE_CHECKING:
@@ -159,16 +161,19 @@ def model_weights(vllm_config: VllmConfig, revision: str | None) -> str:
 
 
 def numerics(vllm_config: VllmConfig) -> str:
-    """What changes the weights the KV is computed with, beyond the checkpoint's files: a
-    quantization vLLM applies or reads (`--quantization fp8` on a bf16 checkpoint makes
-    other KV from the same files), and the compute dtype where the KV cache's dtype does
-    not name it already (an fp8 cache filled by bf16 or by fp16 compute). Empty for
-    neither: the keys made before this stay."""
+    """What vLLM does to the checkpoint's weights besides (connectors/weights.py: numerics):
+    its quantization, its compute dtype where the KV cache's dtype is not it, and its
+    `--hf-overrides` (a mapping by its JSON, a function by its name)."""
     model = vllm_config.model_config
-    parts = [f"|quant:{model.quantization}"] if model.quantization else []
-    if vllm_config.cache_config.cache_dtype != "auto":
-        parts.append(f"|compute:{str(model.dtype).removeprefix('torch.')}")
-    return "".join(parts)
+    own_dtype = vllm_config.cache_config.cache_dtype == "auto"
+    compute = None if own_dtype else str(model.dtype).removeprefix("torch.")
+    overrides = model.hf_overrides
+    if callable(overrides):
+        named = f"{overrides.__module__}.{overrides.__qualname__}"
+    else:
+        named = json.dumps(overrides, sort_keys=True, default=str) if overrides else ""
+    return weights_numerics(quant=model.quantization, compute=compute,
+                            overrides=digest(named) if named else None)
 
 
 def lora_identity(lora: LoRARequest) -> str:
