@@ -394,16 +394,33 @@ def test_learned_admission_writes_what_comes_back_against_the_bound(tmp_path, ca
 
 
 def test_the_answer_rule_refuses_what_long_answers_held(tmp_path, capsys):
-    """`--admission answer-rule` (bench/sim/replay.py's one-feature rule, for docs/replay.md):
-    on this trace an answer's length says whether its conversation comes back, so refusing
-    every chunk whose latest request answered at length writes what the oracle writes and
-    loses nothing; with its threshold past every answer it refuses nothing, as `all`."""
+    """`--admission answer-rule` (bench/sim/replay.py's rules, for docs/replay.md): on this
+    trace an answer's length says whether its conversation comes back, so refusing every
+    chunk whose latest request answered at length writes what the oracle writes and loses
+    nothing; with its threshold past every answer it refuses nothing, as `all`."""
     trace = returning_trace(tmp_path / "t.jsonl")
     rule = replay(capsys, trace, "--admission", "answer-rule")
     assert rule["admission_refused"] > 0 and rule["bound"]["hit_ratio_lost"] == 0, rule["bound"]
     assert rule["disk_bytes_written"] == rule["bound"]["oracle_disk_bytes_written"] > 0
     none = replay(capsys, trace, "--admission", "answer-rule", "--answer-tokens", "601")
     assert none["admission_refused"] == 0 and none["bound"]["of_all_written"] == 1
+
+
+def test_the_answer_rule_can_keep_what_earlier_requests_held(tmp_path, capsys):
+    """Requests on 20 shared system prompts (4 blocks each: more than DRAM holds), each with
+    a question of its own, all answered at length: by the answer alone every chunk leaving
+    DRAM is refused, the prompts' disk hits with them; `--answer-first-only` keeps what an
+    earlier request held (the prompts: all but their first departures) and refuses the rest
+    (no question comes back)."""
+    rows = [{"timestamp": i * 1000, "input_length": 6 * BLOCK + 1, "output_length": 600,
+             "hash_ids": [*(100 * (i % 20) + j for j in range(4)), 10_000 + 2 * i, 10_001 + 2 * i]}
+            for i in range(400)]
+    trace = tmp_path / "shared.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    plain = replay(capsys, str(trace), "--admission", "answer-rule")["bound"]
+    first = replay(capsys, str(trace), "--admission", "answer-rule", "--answer-first-only")["bound"]
+    assert 0 < plain["all_disk_hit_ratio"] == pytest.approx(plain["hit_ratio_lost"]), plain
+    assert first["hit_ratio_lost"] < plain["hit_ratio_lost"] / 2 and first["of_all_written"] < 0.5, first
 
 
 def test_without_reported_ends_learned_admission_knows_less_and_loses_no_more(tmp_path, capsys):

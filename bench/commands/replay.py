@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=128,
                         help="with --admission answer-rule: the answer length (tokens) from which a "
                              "request's chunks are refused")
+    parser.add_argument("--answer-first-only", action="store_true",
+                        help="with --admission answer-rule: refuse only chunks no earlier request held")
     parser.add_argument("--admission-loss", type=float, default=LOSS,
                         help="with --admission learned: the share of hits it may give up, which its "
                              "threshold is tuned to (config `disk_admission_loss`; 0: the threshold is "
@@ -182,7 +184,8 @@ def _replay(args: argparse.Namespace, tiers: list[tuple[str, int]], admission: s
     if admission == "oracle":
         policy.use_admission(Clairvoyant(requests, args.block_tokens, lambda: replayer.requests - 1))
     elif admission == "answer-rule":
-        policy.use_admission(AnswerRule(requests, args.answer_tokens, lambda: replayer.requests - 1))
+        policy.use_admission(AnswerRule(requests, args.answer_tokens, lambda: replayer.requests - 1,
+                                        args.answer_first_only))
     for run in runs[:-1]:
         replayer.run(run)
     if len(runs) > 1:

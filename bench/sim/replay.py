@@ -25,7 +25,7 @@ out); ends are delivered before the first arrival after them. What leaves the ti
 disk tier is told to the policy as the store's DRAM table tells it (`left_dram`).
 `Clairvoyant` is the bound on any admission: it reads the trace ahead and admits a chunk
 only if a later request will read it. `AnswerRule` refuses the chunks of requests whose
-answer ran long (a threshold chosen in hindsight): what one feature could save.
+answer ran long (thresholds chosen in hindsight): what one or two features could save.
 
 A host of a cluster (bench/sim/cluster_replay.py, `--hosts`) also reads the bottom tiers of
 its peers (`peers`), as kvstore/cluster/ does: after its own tiers, a chunk a peer holds
@@ -106,15 +106,17 @@ class Clairvoyant(Unlearned):
 
 
 class AnswerRule(Unlearned):
-    """One feature's rule, its threshold picked knowing the trace (what a causal admission
-    could hope for from the answer's length alone): a chunk is refused where the latest
-    request so far that held it in its prompt answered in `tokens` tokens or more. That
-    length is known once the request ends (the connector reports it: `learned`'s feature),
-    mostly before its chunks leave DRAM."""
+    """Rules on two features, their thresholds picked knowing the trace (what a causal
+    admission could hope for from them alone): a chunk is refused where the latest request
+    so far that held it in its prompt answered in `tokens` tokens or more, and, with
+    `first_only`, no request before that one held it (a chunk shared with an earlier request
+    is kept). The answer's length is known once the request ends (the connector reports it:
+    `learned`'s feature), mostly before its chunks leave DRAM."""
 
     name = "answer-rule"
 
-    def __init__(self, requests: Sequence[TraceRequest], tokens: int, position: Callable[[], int]) -> None:
+    def __init__(self, requests: Sequence[TraceRequest], tokens: int, position: Callable[[], int],
+                 first_only: bool = False) -> None:
         """`position()`: the index in `requests` of the request being served."""
         self._holders: dict[bytes, list[int]] = {}  # key -> requests whose prompt holds it, in order
         for index, request in enumerate(requests):
@@ -122,14 +124,17 @@ class AnswerRule(Unlearned):
                 self._holders.setdefault(key, []).append(index)
         self._long = [request.output_tokens >= tokens for request in requests]
         self._position = position
+        self._first_only = first_only
 
     def see(self, keys: Sequence[bytes], family: bytes) -> None:
         pass
 
     def admit(self, key: bytes) -> bool:
         holders = self._holders.get(key, ())
-        latest = bisect.bisect_right(holders, self._position()) - 1
-        return latest < 0 or not self._long[holders[latest]]
+        latest = bisect.bisect_right(holders, self._position()) - 1  # its index among the holders
+        if latest < 0 or (self._first_only and latest > 0):
+            return True
+        return not self._long[holders[latest]]
 
 
 def _usable(request: TraceRequest, block_tokens: int) -> int:
