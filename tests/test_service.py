@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 import typing
 
@@ -17,6 +19,7 @@ from kvstore.format.errors import KVStoreError
 from kvstore.io.streaming import loader_thresholds, streaming_tunable
 from kvstore.service import protocol as P
 from kvstore.service.client import ServiceUnavailable, StoreClient
+from kvstore.service.client import stop_service as stop_service_now
 
 CHUNK = 64 * 1024
 
@@ -156,6 +159,78 @@ def test_a_service_whose_backlog_is_full_is_unavailable_not_an_os_error(tmp_path
         for peer in queued:
             peer.close()
         listener.close()
+
+
+def _fill_backlog(path: str) -> list[socket.socket]:
+    """Connections queued at a listener that accepts none, until its backlog is full."""
+    queued = []
+    while True:
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.setblocking(False)
+        queued.append(peer)
+        try:
+            peer.connect(path)
+        except BlockingIOError:
+            return queued
+
+
+def test_the_owner_stops_a_hung_service_whose_backlog_is_full(config):
+    """A hung service (SIGSTOP) whose listen backlog engines have filled answers no
+    connection at all: `kvstore stop` finds it by the lock it holds, sends SIGTERM and,
+    as a stopped process cannot act on it, says so with its pid within the wait it was
+    given; resumed, the service ends as on a stop. (Before, the stop said no service ran.)"""
+    client = StoreClient(load_config(config), CHUNK)
+    pid = client.info()["service_pid"]
+    client.close()
+    queued: list[socket.socket] = []
+    try:
+        with paused(pid):
+            queued = _fill_backlog(config["service"]["socket"])
+            with pytest.raises(ServiceUnavailable, match=f"pid {pid}.*kill -KILL {pid}"):
+                stop_service_now(load_config(config), timeout_s=1.0)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}") and not os.path.exists(config["service"]["socket"])
+    finally:
+        for peer in queued:
+            peer.close()
+
+
+def test_a_socket_or_lock_planted_at_the_path_is_never_signalled(config, tmp_path):
+    """Another process of the owner's listening at a service's socket path (a link planted
+    there, to an agent's socket say), and a link to a running service's lock beside it:
+    the stop is refused as the hello was, and neither process is signalled."""
+    service = StoreClient(load_config(config), CHUNK)
+    other = subprocess.Popen([sys.executable, "-c", PLAIN_LISTENER, str(tmp_path / "agent.sock")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "listening\n"
+        planted = service_config(tmp_path / "planted", dram="4MiB", socket="run/kvstore.sock", spawn=False)
+        path = planted["service"]["socket"]
+        os.makedirs(os.path.dirname(path), mode=0o700)
+        os.symlink(tmp_path / "agent.sock", path)
+        os.symlink(config["service"]["socket"] + ".lock", path + ".lock")
+        with pytest.raises(KVStoreError):
+            stop_service_now(load_config(planted), timeout_s=5.0)
+        assert other.poll() is None
+        assert service.info()["service_pid"]  # the service answers still
+    finally:
+        other.kill()
+        other.wait()
+        service.close()
+
+
+# A listener that takes every connection and hangs it up at once (no kvstore service).
+PLAIN_LISTENER = """
+import socket, sys
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(8)
+print("listening", flush=True)
+while True:
+    listener.accept()[0].close()
+"""
 
 
 def test_metrics_are_scraped_from_the_store(config):

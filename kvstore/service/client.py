@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,8 +21,9 @@ import msgspec
 from kvstore.config.store import StoreConfig, dump_config, with_service
 from kvstore.format.errors import ConfigError, KVStoreError
 from kvstore.service import protocol as P
-from kvstore.service.client_connection import Connection, ServiceUnavailable, connect, listening_pid
+from kvstore.service.client_connection import Connection, ServiceUnavailable, connect, listening
 from kvstore.service.client_memory import ClientMemory
+from kvstore.service.service_process import ServiceProcess
 from kvstore.tiers.return_rates import RequestEnd
 
 log = logging.getLogger("kvstore.client")
@@ -293,23 +293,24 @@ def service_info(config: StoreConfig) -> dict[str, Any] | None:
 
 def stop_service(config: StoreConfig, timeout_s: float = 300.0) -> bool:
     """Ask the service at config.service.socket to drain and exit, and wait until it has;
-    False if none runs there. One of this user's that takes no client now (every slot
-    held, `service.max_clients`, or no answer to the hello) is sent SIGTERM, which ends
-    it as cleanly (server.py): its owner can always stop it. Another user's service that
-    refuses this one: the refusal is raised."""
+    False if none runs there. Its owner can always stop it: where the service takes no
+    client for the request (its hello refused, every slot held, or unanswered: hung), the
+    service's own process, found by the lock it holds (service_process.py), is sent SIGTERM,
+    which ends it as cleanly. Anything else that listens there is never signalled: its
+    refusal is raised."""
     try:
         client = attach(config)
     except ConfigError:
         raise
     except KVStoreError as exc:
-        pid = listening_pid(config)
-        if pid is None:
-            if isinstance(exc, ServiceUnavailable):
+        process = ServiceProcess.find(config.service.socket)
+        if process is None:
+            if isinstance(exc, ServiceUnavailable) and not listening(config):
                 return False
             raise
-        log.warning("kvstore service (pid %d) takes no client (%s): sending it SIGTERM", pid, exc)
-        os.kill(pid, signal.SIGTERM)
-        _wait_gone(config.service.socket, timeout_s)
+        with process:
+            log.warning("kvstore service (pid %d) takes no client (%s): sending it SIGTERM", process.pid, exc)
+            process.terminate(timeout_s)
         return True
     client.shutdown(timeout_s)
     return True
