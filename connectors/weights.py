@@ -210,12 +210,23 @@ def numerics(**settings: str | None) -> str:
     fp8` on a bf16 checkpoint makes other KV from the same files), the compute dtype where
     the KV cache's dtype does not name it already (`compute`: an fp8 cache filled by bf16 or
     by fp16 compute), and overrides of the model's config (`overrides`, a rope scaling: by
-    `digest`). None set: empty, so the keys made before these were named stay."""
+    `overrides_digest`). None set: empty, so the keys made before these were named stay."""
     return "".join(f"|{name}:{value}" for name, value in settings.items() if value)
 
 
-def digest(text: str) -> str:
-    """A short SHA-256 of a setting too long for a key's identity (a config override)."""
+def overrides_digest(overrides: object) -> str | None:
+    """A short SHA-256 naming overrides of a model's config (a mapping, or its JSON text),
+    the same however they were spelled (key order, spacing); None for none. Text that is
+    not JSON is named as it is."""
+    canonical = overrides
+    if isinstance(overrides, str):
+        try:
+            canonical = json.loads(overrides) if overrides.strip() else None
+        except ValueError:
+            return hashlib.sha256(overrides.encode()).hexdigest()[:32]
+    if not canonical:
+        return None
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

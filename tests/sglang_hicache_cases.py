@@ -283,7 +283,8 @@ def test_what_sglang_does_to_the_weights_names_other_weights(tmp_path):
     fp8 = {"kv_cache_dtype": "fp8_e4m3"}
     flags = [{}, {"dtype": "float16"}, {"quantization": "fp8"}, {**fp8, "dtype": "bfloat16"},
              {**fp8, "dtype": "float16"}, {"kv_cache_dtype": "fp8_e5m2", "dtype": "bfloat16"},
-             {"json_model_override_args": json.dumps(rope)}, {"mamba_ssm_dtype": "float32"}]
+             {"json_model_override_args": json.dumps(rope)}, {"mamba_ssm_dtype": "float32"},
+             {"json_model_override_args": json.dumps(rope, indent=2)}, {"json_model_override_args": "{ }"}]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", SERVED, str(checkpoint), json.dumps(flags)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -293,7 +294,8 @@ def test_what_sglang_does_to_the_weights_names_other_weights(tmp_path):
     plain = fingerprint(str(checkpoint), FileDigests(None))
     assert len(named) == len(flags) and named[0] == named[1] == plain, named
     assert named[2] == plain + "|quant:fp8" and named[3] == plain + "|compute:bfloat16|kv:fp8_e4m3", named
-    assert len(set(named[2:]) | {plain}) == len(flags) - 1, named
+    assert len(set(named[2:8]) | {plain}) == 7, named
+    assert named[8] == named[6] and named[9] == plain, named  # overrides as written: their content counts
 
 
 def test_tensor_parallel_ranks_are_keyed_apart(store):

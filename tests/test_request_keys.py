@@ -220,8 +220,9 @@ def test_config_overrides_name_other_weights(tmp_path):
     overrides = [None, {"rope_scaling": {"factor": 2.0}}, {"rope_scaling": {"factor": 4.0}}, longer]
     named = [model_weights(_vllm_config(str(tmp_path), hf_overrides=o), "v7") for o in overrides]  # type: ignore[arg-type]
     assert named[0] == "rev:v7" and len(set(named)) == 4, named
-    again = model_weights(_vllm_config(str(tmp_path), hf_overrides={"rope_scaling": {"factor": 2.0}}), "v7")  # type: ignore[arg-type]
-    assert again == named[1]
+    again = {"rope_scaling": {"factor": 2.0}, "max_position_embeddings": None}
+    assert model_weights(_vllm_config(str(tmp_path), hf_overrides=dict(reversed(again.items()))), "v7") == \
+        model_weights(_vllm_config(str(tmp_path), hf_overrides=again), "v7") != named[1]  # type: ignore[arg-type]
 
 
 def test_a_lora_adapter_is_named_by_its_files(tmp_path):

@@ -57,7 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from connectors.page_io import PageIO, Segments, service_pages
-from connectors.weights import digest, numerics, weights_identity
+from connectors.weights import numerics, overrides_digest, weights_identity
 from engine_plugin.sglang.pools import HybridPools, flat_ints, shard_suffix
 from kvstore.config.store import StoreConfig, load_config
 from kvstore.format.errors import ConfigError
@@ -73,28 +73,37 @@ def served_weights(storage_config: HiCacheStorageConfig, model_revision: str | N
     the backend its served model name (`--served-model-name`, often not a path), so the
     server's own arguments are read where this process has them (a server's scheduler):
     its `model_path` at its `--revision` (a Hugging Face id: the local snapshot at that
-    revision), and what it does to those files besides (`numerics`): `--quantization` or
-    `--modelopt-quant`; with `--kv-cache-dtype` other than `auto`, it and `--dtype` (fp8
-    pages of either format are `uint8` in the host pool, and are filled from the compute
-    dtype); `--json-model-override-args`; `--mamba-ssm-dtype`. Without them (a test, a
-    tool) the name it was given is taken as the path."""
+    revision), and what it does to those files besides (`numerics`, each as SGLang resolved
+    it): `--quantization`, `--modelopt-quant`; with a KV cache dtype other than `auto`, it
+    and `--dtype` (fp8 pages of either format are `uint8` in the host pool, and are filled
+    from the compute dtype); `--json-model-override-args`; `--mamba-ssm-dtype`. Without
+    them (a test, a tool) the name it was given is taken as the path."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
         args = get_server_args()
     except Exception:  # no server in this process
         return weights_identity(str(storage_config.model_name or ""), model_revision)
-    modelopt = getattr(args, "modelopt_quant", None)
-    cache = str(getattr(args, "kv_cache_dtype", "auto") or "auto")
-    overrides = str(getattr(args, "json_model_override_args", "") or "").strip()
+    cache = str(_resolved(args, "kv_cache_dtype") or "auto")
     checkpoint = weights_identity(str(args.model_path or storage_config.model_name or ""), model_revision,
-                                  getattr(args, "revision", None))
+                                  _resolved(args, "revision"))
     return checkpoint + numerics(
-        quant=getattr(args, "quantization", None) or (f"modelopt:{modelopt}" if modelopt else None),
-        compute=None if cache == "auto" else str(getattr(args, "dtype", "auto")),
+        quant=_resolved(args, "quantization"), modelopt=_resolved(args, "modelopt_quant"),
+        compute=None if cache == "auto" else str(_resolved(args, "dtype") or "auto"),
         kv=None if cache == "auto" else cache,
-        overrides=digest(overrides) if overrides not in ("", "{}") else None,
-        mamba=getattr(args, "mamba_ssm_dtype", None))
+        overrides=overrides_digest(_resolved(args, "json_model_override_args")),
+        mamba=_resolved(args, "mamba_ssm_dtype"))
+
+
+def _resolved(args: Any, name: str) -> Any:
+    """SGLang's own decision for a server argument where it made one (it turns an `auto` KV
+    cache into fp8 for some models), else the argument as given; None where it has none."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(args, name)
+    except Exception:  # an SGLang without resolutions, or no such argument
+        return getattr(args, name, None)
 
 
 def store_config(extra: dict[str, Any] | None) -> StoreConfig:

@@ -32,7 +32,6 @@ adapter, or an adapter rewritten in place, must not meet the KV of the old one).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import weakref
 from collections.abc import Mapping
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors.weights import WeightsUnknown, digest, fingerprint, weights_identity
+from connectors.weights import WeightsUnknown, fingerprint, overrides_digest, weights_identity
 from connectors.weights import numerics as weights_numerics
 from kvstore.format.keys import KeyExtras, Placeholder, key_digest
 
@@ -163,17 +162,13 @@ def model_weights(vllm_config: VllmConfig, revision: str | None) -> str:
 def numerics(vllm_config: VllmConfig) -> str:
     """What vLLM does to the checkpoint's weights besides (connectors/weights.py: numerics):
     its quantization, its compute dtype where the KV cache's dtype is not it, and its
-    `--hf-overrides` (a mapping by its JSON, a function by its name)."""
+    `--hf-overrides` (a mapping by its content, a function by its name)."""
     model = vllm_config.model_config
     own_dtype = vllm_config.cache_config.cache_dtype == "auto"
     compute = None if own_dtype else str(model.dtype).removeprefix("torch.")
     overrides = model.hf_overrides
-    if callable(overrides):
-        named = f"{overrides.__module__}.{overrides.__qualname__}"
-    else:
-        named = json.dumps(overrides, sort_keys=True, default=str) if overrides else ""
-    return weights_numerics(quant=model.quantization, compute=compute,
-                            overrides=digest(named) if named else None)
+    named = f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides) else overrides
+    return weights_numerics(quant=model.quantization, compute=compute, overrides=overrides_digest(named))
 
 
 def lora_identity(lora: LoRARequest) -> str:
