@@ -11,8 +11,6 @@ for docs/benchmarks.md. Pin it to one core for a steady figure:
 from __future__ import annotations
 
 import argparse
-import ctypes
-import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.lab import Result, Unavailable
-from kvstore.format.checksum import PIECE
+from kvstore.format.checksum import PIECE, stream_functions
 
 UPDATES = ("XXH3_64bits_update", "XXH3_64bits_update_dispatch")  # plain, dispatched
 
@@ -29,25 +27,6 @@ UPDATES = ("XXH3_64bits_update", "XXH3_64bits_update_dispatch")  # plain, dispat
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timings of each, the best kept")
     parser.add_argument("--mib", type=int, default=512, help="bytes hashed (or copied) a round")
-
-
-def _library() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The C library's state functions (create, reset, digest, free) and its two updates,
-    by name."""
-    try:
-        library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
-        updates = {name: getattr(library, name) for name in UPDATES}
-        state = {"create": library.XXH3_createState, "reset": library.XXH3_64bits_reset,
-                 "digest": library.XXH3_64bits_digest, "free": library.XXH3_freeState}
-    except (ImportError, OSError, AttributeError) as exc:
-        raise Unavailable(f"this xxhash build does not export both updates ({exc})") from None
-    for update in updates.values():
-        update.argtypes, update.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-    state["create"].restype = ctypes.c_void_p
-    state["digest"].restype = ctypes.c_uint64
-    for name in ("reset", "digest", "free"):
-        state[name].argtypes = [ctypes.c_void_p]
-    return state, updates
 
 
 def _best_gib_s(call: Callable[[], object], nbytes: int, rounds: int) -> float:
@@ -59,33 +38,42 @@ def _best_gib_s(call: Callable[[], object], nbytes: int, rounds: int) -> float:
     return nbytes / best / (1 << 30)
 
 
+def _hash_rate(name: str, piece: np.ndarray, repeats: int, rounds: int) -> tuple[float, int]:
+    """(GiB/s, digest) of hashing `piece` `repeats` times with the update named `name`."""
+    functions = stream_functions(name)
+    if functions is None:
+        raise Unavailable(f"this xxhash build does not export {name} (or its streaming state)")
+    create, reset, update, digest, free = functions
+    handle = create()
+    if not handle:
+        raise MemoryError("XXH3_createState")
+    try:
+        def hashed() -> int:
+            reset(handle)
+            for _ in range(repeats):
+                update(handle, piece.ctypes.data, PIECE)
+            return int(digest(handle))
+        return _best_gib_s(hashed, repeats * PIECE, rounds), hashed()
+    finally:
+        free(handle)
+
+
 def measure(rounds: int, mib: int) -> dict[str, Any]:
     """GiB/s of each update and of a copy, hashing (copying) one PIECE `mib` MiB's worth a
     round, and whether both updates gave the same digest (else the comparison is void)."""
-    state, updates = _library()
     piece = np.random.default_rng(0).integers(0, 256, PIECE, dtype=np.uint8)
     target = np.empty_like(piece)
     repeats = max(1, (mib << 20) // PIECE)
-    nbytes = repeats * PIECE
     found: dict[str, Any] = {}
     digests = set()
-    handle = state["create"]()
-    try:
-        for name, update in updates.items():
-            def hashed(update: Any = update) -> int:
-                state["reset"](handle)
-                for _ in range(repeats):
-                    update(handle, piece.ctypes.data, PIECE)
-                return int(state["digest"](handle))
-            found[name] = _best_gib_s(hashed, nbytes, rounds)
-            digests.add(hashed())
-    finally:
-        state["free"](handle)
+    for name in UPDATES:
+        found[name], digest = _hash_rate(name, piece, repeats, rounds)
+        digests.add(digest)
 
     def copied() -> None:
         for _ in range(repeats):
             np.copyto(target, piece)
-    found["copy"] = _best_gib_s(copied, nbytes, rounds)
+    found["copy"] = _best_gib_s(copied, repeats * PIECE, rounds)
     found["same_digest"] = len(digests) == 1
     return found
 
@@ -101,6 +89,8 @@ def _flags() -> str:
 
 
 def experiment(args: argparse.Namespace, workdir: Path) -> Result:
+    if args.rounds < 1 or args.mib < 1:
+        raise Unavailable("--rounds and --mib must be at least 1")
     found = measure(args.rounds, args.mib)
     plain, dispatched = (found[name] for name in UPDATES)
     table = (f"one {PIECE >> 10} KiB piece, hashed over and over (widest SIMD: {_flags()}):\n"

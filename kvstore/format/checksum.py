@@ -49,12 +49,15 @@ def _native() -> Any:
     return None
 
 
-def _streaming() -> Any:
-    """(createState, reset, update, digest, freeState) of the C library, or None."""
+def stream_functions(update_name: str | None = None) -> Any:
+    """(createState, reset, update, digest, freeState) of the C library, or None. The update
+    is `update_name`'s where given, else the SIMD-dispatching one where the build has it
+    (bench/lab/piece_hash.py compares the two)."""
     try:
         library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         create, reset = library.XXH3_createState, library.XXH3_64bits_reset
-        update = getattr(library, "XXH3_64bits_update_dispatch", None) or library.XXH3_64bits_update
+        update = (getattr(library, update_name) if update_name else
+                  getattr(library, "XXH3_64bits_update_dispatch", None) or library.XXH3_64bits_update)
         digest, free = library.XXH3_64bits_digest, library.XXH3_freeState
     except (ImportError, OSError, AttributeError) as exc:
         log.info("streaming xxh3 through ctypes unavailable (%s); hash and copy run apart", exc)
@@ -67,7 +70,7 @@ def _streaming() -> Any:
 
 
 _XXH3 = _native()
-_STREAM = _streaming()
+_STREAM = stream_functions()
 _SMALL = 1 << 16  # below this the ctypes call costs more than the GIL it frees
 PIECE = 256 << 10  # copied, then hashed while it is still in cache (fits L2 on current cores)
 
