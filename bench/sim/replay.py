@@ -91,10 +91,7 @@ class Clairvoyant(Unlearned):
     def __init__(self, requests: Sequence[TraceRequest], block_tokens: int,
                  position: Callable[[], int]) -> None:
         """`position()`: the index in `requests` of the request being served."""
-        self._uses: dict[bytes, list[int]] = {}  # key -> requests that may read it, in order
-        for index, request in enumerate(requests):
-            for key in request.keys[: _usable(request, block_tokens)]:
-                self._uses.setdefault(key, []).append(index)
+        self._uses = _holders(requests, lambda request: request.keys[: _usable(request, block_tokens)])
         self._position = position
 
     def see(self, keys: Sequence[bytes], family: bytes) -> None:
@@ -118,10 +115,7 @@ class AnswerRule(Unlearned):
     def __init__(self, requests: Sequence[TraceRequest], tokens: int, position: Callable[[], int],
                  first_only: bool = False) -> None:
         """`position()`: the index in `requests` of the request being served."""
-        self._holders: dict[bytes, list[int]] = {}  # key -> requests whose prompt holds it, in order
-        for index, request in enumerate(requests):
-            for key in request.keys:
-                self._holders.setdefault(key, []).append(index)
+        self._holders = _holders(requests, lambda request: request.keys)
         self._long = [request.output_tokens >= tokens for request in requests]
         self._position = position
         self._first_only = first_only
@@ -135,6 +129,16 @@ class AnswerRule(Unlearned):
         if latest < 0 or (self._first_only and latest > 0):
             return True
         return not self._long[holders[latest]]
+
+
+def _holders(requests: Sequence[TraceRequest],
+             keys_of: Callable[[TraceRequest], Sequence[bytes]]) -> dict[bytes, list[int]]:
+    """Each key -> the indices of the requests whose `keys_of` hold it, in order."""
+    holders: dict[bytes, list[int]] = {}
+    for index, request in enumerate(requests):
+        for key in keys_of(request):
+            holders.setdefault(key, []).append(index)
+    return holders
 
 
 def _usable(request: TraceRequest, block_tokens: int) -> int:
