@@ -6,7 +6,10 @@ server's load).
 
 The meter is a process of its own, not a thread: a thread of the process under test
 could not wake while that process held its GIL, and would excuse the very hang a
-deadline test is there to find."""
+deadline test is there to find. A machine short of memory stalls the process under test
+(its pages reclaimed and read back) long before the meter's few hot pages: so the time
+the kernel saw every task of the machine stalled on memory (PSI's `full`, where the
+kernel has it) counts as stalled too, whichever of the two is larger."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import TypeVar
 T = TypeVar("T")
 TICK_S = 0.02  # the meter's sleep
 GRACE_S = 0.05  # lateness per tick that is the ordinary cost of a busy machine, not a stall
+MEMORY_PRESSURE = Path("/proc/pressure/memory")
 
 # Sums each wake's lateness past the grace into the file's first 8 bytes; ends with its parent.
 _LOOP = f"""
@@ -44,6 +48,11 @@ class StallMeter:
         self._path.write_bytes(struct.pack("d", 0.0))
         self._process = subprocess.Popen([sys.executable, "-I", "-c", _LOOP, str(self._path)])
 
+    @property
+    def pid(self) -> int:
+        """The meter's process (stopped, it plays a starved machine: tests/test_stalls.py)."""
+        return self._process.pid
+
     def stalled(self) -> float:
         """Seconds of stall seen so far."""
         value: float = struct.unpack("d", self._path.read_bytes()[:8])[0]
@@ -52,17 +61,29 @@ class StallMeter:
     def timed(self, call: Callable[[], T]) -> tuple[T, float, float]:
         """(call's result, its seconds, the seconds of them the machine was stalled). It
         waits a few ticks after the call, so a stall that ends with the call is counted."""
-        before = self.stalled()
+        before, memory = self.stalled(), memory_stalled()
         started = time.monotonic()
         result = call()
         seconds = time.monotonic() - started
         time.sleep(3 * TICK_S)
-        return result, seconds, min(seconds, self.stalled() - before)
+        return result, seconds, min(seconds, max(self.stalled() - before, memory_stalled() - memory))
 
     def close(self) -> None:
         self._process.kill()
         self._process.wait()
         self._path.unlink(missing_ok=True)
+
+
+def memory_stalled() -> float:
+    """Seconds since boot that every non-idle task of the machine was stalled on memory
+    (/proc/pressure/memory's `full` total); 0 where the kernel keeps no such count."""
+    try:
+        for line in MEMORY_PRESSURE.read_text().splitlines():
+            if line.startswith("full "):
+                return int(line.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
 
 
 @contextlib.contextmanager
