@@ -134,33 +134,6 @@ def test_a_hung_service_costs_a_deadline_not_a_hang(config):
         client.close()
 
 
-def test_a_service_whose_backlog_is_full_is_unavailable_not_an_os_error(tmp_path):
-    """A hung service accepts no connection: once its listener's backlog is full a
-    connect() fails at once with EAGAIN, which must reach the engine as a miss."""
-    raw = service_config(tmp_path, dram="4MiB", socket="run/kvstore.sock", spawn=False)
-    path = raw["service"]["socket"]
-    os.makedirs(os.path.dirname(path), mode=0o700)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(0)
-    queued = []
-    try:
-        while True:  # fill the backlog: nothing is ever accepted
-            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            peer.setblocking(False)
-            queued.append(peer)
-            try:
-                peer.connect(path)
-            except BlockingIOError:
-                break
-        with pytest.raises(ServiceUnavailable, match="accepts no connection"):
-            StoreClient(load_config(raw), CHUNK)
-    finally:
-        for peer in queued:
-            peer.close()
-        listener.close()
-
-
 def _fill_backlog(path: str) -> list[socket.socket]:
     """Connections queued at a listener that accepts none, until its backlog is full."""
     queued = []
@@ -172,6 +145,25 @@ def _fill_backlog(path: str) -> list[socket.socket]:
             peer.connect(path)
         except BlockingIOError:
             return queued
+
+
+def test_a_service_whose_backlog_is_full_is_unavailable_not_an_os_error(tmp_path):
+    """A hung service accepts no connection: once its listener's backlog is full a
+    connect() fails at once with EAGAIN, which must reach the engine as a miss."""
+    raw = service_config(tmp_path, dram="4MiB", socket="run/kvstore.sock", spawn=False)
+    path = raw["service"]["socket"]
+    os.makedirs(os.path.dirname(path), mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    queued = _fill_backlog(path)  # nothing is ever accepted
+    try:
+        with pytest.raises(ServiceUnavailable, match="accepts no connection"):
+            StoreClient(load_config(raw), CHUNK)
+    finally:
+        for peer in queued:
+            peer.close()
+        listener.close()
 
 
 def test_the_owner_stops_a_hung_service_whose_backlog_is_full(config):

@@ -12,7 +12,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.weights import FileDigests, WeightsUnknown, checkpoint_files, default_digests, fingerprint
+from connectors.weights import (
+    FileDigests,
+    WeightsUnknown,
+    checkpoint_files,
+    default_digests,
+    fingerprint,
+    numerics,
+    overrides_digest,
+)
 
 
 def checkpoint(path, weights: bytes = b"w" * 1000, config: str = '{"layers": 2}') -> str:
@@ -167,3 +175,25 @@ def test_the_cost_measurement_runs_and_a_restart_reads_nothing(tmp_path):
     assert result["bytes"] >= 2 * (4 << 20)
     assert result["cold_files_read"] == result["again_files_read"] == 3 and result["cached_files_read"] == 0
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.digests.json").exists()
+
+
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(overrides=_JSON | st.text(max_size=64) | st.binary(max_size=16))
+def test_any_override_is_named_or_none_never_an_error(overrides):
+    """What an operator may write as config overrides (`--hf-overrides`,
+    `--json-model-override-args`): any value or text gives a short digest or, for none,
+    nothing; the same content spelled otherwise (its JSON re-spaced, keys reordered) gives
+    the same digest."""
+    named = overrides_digest(overrides)
+    assert named is None or (len(named) == 32 and set(named) <= set("0123456789abcdef"))
+    if isinstance(overrides, (dict, list)) and overrides:
+        assert named is not None
+        assert overrides_digest(json.dumps(overrides, indent=3, sort_keys=False)) == named
+    if not overrides:
+        assert named is None
+    assert numerics(quant=None, overrides=named) == (f"|overrides:{named}" if named else "")
