@@ -48,17 +48,7 @@ def open_channel(config: StoreConfig) -> P.Channel:
     if problem is not None and problem != "does not exist":
         raise ConfigError("service.socket", path, f"its directory {directory} {problem}: refusing "
                                                   "to talk to whatever listens there")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)  # the channel sets its own deadlines
-    try:
-        sock.connect(path)
-    except BlockingIOError:
-        sock.close()
-        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection (its backlog "
-                                 "is full: it hangs)") from None
-    except OSError:
-        sock.close()
-        raise
+    sock = _connected(path)
     _, uid, _ = P.peer_credentials(sock)
     if uid != os.geteuid() and uid not in config.service.allowed_uids:
         sock.close()
@@ -70,17 +60,31 @@ def open_channel(config: StoreConfig) -> P.Channel:
 def listening(config: StoreConfig) -> bool:
     """Whether anything listens at config.service.socket (a full backlog counts: it is
     there, hung); the connection made to ask closes unused."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)
     try:
-        sock.connect(config.service.socket)
-    except BlockingIOError:
+        _connected(config.service.socket).close()
+    except ServiceUnavailable:
         return True
     except OSError:  # no socket there, or no one listening at it
         return False
-    finally:
-        sock.close()
     return True
+
+
+def _connected(path: str) -> socket.socket:
+    """A socket connected to `path` without blocking (the caller's channel sets its own
+    deadlines): a Unix socket connects at once or fails at once; a full backlog (EAGAIN)
+    is a ServiceUnavailable, any other failure its OSError."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        sock.close()
+        raise ServiceUnavailable(f"kvstore service at {path} accepts no connection (its backlog "
+                                 "is full: it hangs)") from None
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def connect(config: StoreConfig) -> P.Channel:
