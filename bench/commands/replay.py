@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disk admission policy (kvstore/tiers/admission.py; config `disk_admission`; "
                              f"{DEFAULT_ADMISSION}, or learned with --write-budget), or `oracle`: only "
                              "chunks a later request will read (the bound), or `answer-rule`: none of a "
-                             "request whose answer ran to --answer-tokens (one feature, in hindsight)")
+                             "request whose answer ran to --answer-tokens (a threshold picked in hindsight)")
     parser.add_argument("--answer-tokens", type=int, default=128,
                         help="with --admission answer-rule: the answer length (tokens) from which a "
                              "request's chunks are refused")
